@@ -1,0 +1,263 @@
+"""Data for LoongSage: datasets, synthetic tasks, rewards, and the tiny tokenizer/model builder.
+
+Nothing here can be downloaded on an offline laptop, so the tiny recipes build their own pieces:
+
+* `build_tiny_tokenizer(dir)`: a byte-level BPE tokenizer in HF format (tokenizer.json +
+  tokenizer_config.json with a Qwen-style chat template that renders tools, tool calls and tool
+  results), trained deterministically on a synthetic corpus. A few hundred tokens; digits are always
+  single tokens so arithmetic is learnable.
+* `build_tiny_model(dir, ...)`: a randomly initialised Qwen3-architecture causal LM (HF config +
+  safetensors) on that tokenizer, cached and rebuilt when its settings change.
+* `arith_samples(n, seed)`: the synthetic arithmetic task of the default CPU recipe.
+* rewards: plain functions `reward(response_text, sample) -> float` named in recipes by dotted path.
+* `load_dataset(spec)`: jsonl / parquet files or `synthetic:<task>:<n>:<seed>`.
+
+Run `python data.py /tmp/tiny` to build the tiny model and print its size. Tested by tests/test_data.py.
+Left out: streaming datasets and on-the-fly packing; datasets here are lists of dicts held in memory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                  "<tool_response>", "</tool_response>", "<think>", "</think>"]
+PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
+
+# Qwen-style chat template (transformers renders it with trim_blocks, so a newline right after a tag
+# is written as {{ '\n' }}). Tools are listed in the system turn; assistant tool calls are rendered as
+# <tool_call>{json}</tool_call>; tool results go back as a user turn wrapped in <tool_response>.
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>. Tools:"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' %}<|im_start|>user\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if message.content %}{{ message.content }}{% endif %}"
+    "{% if message.tool_calls %}{% for tc in message.tool_calls %}"
+    "{% set fn = tc.function if tc.function is defined else tc %}"
+    "{% if message.content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ fn.name }}\", \"arguments\": "
+    "{% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}"
+    "}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen2-style pre-tokenizer split: digits one at a time, words with an optional leading space.
+_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+# ----------------------------------------------------------------------------------------------
+# synthetic tasks
+
+
+def arith_problem(rng: random.Random, max_operand: int = 99, ops: str = "+-") -> dict:
+    """One arithmetic question as a chat sample: {"messages": [...], "answer": "42"}."""
+    a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
+    if op == "-" and b > a:
+        a, b = b, a
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return {"messages": [{"role": "user", "content": f"{a}{op}{b}"}], "answer": str(answer)}
+
+
+def arith_samples(n: int, seed: int, max_operand: int = 99, ops: str = "+-") -> list[dict]:
+    rng = random.Random(seed)
+    return [arith_problem(rng, max_operand, ops) for _ in range(n)]
+
+
+def calc_samples(n: int, seed: int) -> list[dict]:
+    """Multi-step arithmetic questions meant to be solved with a calculator tool (tool-use recipes)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(2, 9)
+        out.append({"messages": [{"role": "user", "content": f"({a}+{b})*{c}"}], "answer": str((a + b) * c)})
+    return out
+
+
+def _corpus(seed: int = 0) -> list[str]:
+    """Deterministic text the tiny tokenizer is trained on: the tasks, chat turns and tool traffic."""
+    rng = random.Random(seed)
+    words = ("the a is of to and what answer question tool call result sum difference number compute "
+             "please use calculator python think step first then final error output input run test code "
+             "def return print file line fix bug patch value true false none you i we it this that").split()
+    lines = []
+    for _ in range(3000):
+        s = arith_problem(rng)
+        lines.append(f"{s['messages'][0]['content']}={s['answer']}")
+    for _ in range(1000):
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) + rng.choice([".", "?", "!", ":"]))
+    for _ in range(300):
+        expr = f"({rng.randint(10, 99)}+{rng.randint(10, 99)})*{rng.randint(2, 9)}"
+        lines.append(json.dumps({"name": "calculator", "arguments": {"expression": expr}}))
+        lines.append(json.dumps({"type": "function", "function": {"name": "calculator", "description":
+                                 "evaluate an arithmetic expression", "parameters": {"type": "object"}}}))
+    lines += ["system user assistant tool Tools:", "# Tools\nCall a tool with"]
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# the tiny tokenizer and model
+
+
+def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 384) -> None:
+    """Train a byte-level BPE tokenizer on `_corpus()` and save it in HF format with the chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
+                                 additional_special_tokens=SPECIAL_TOKENS[1:], clean_up_tokenization_spaces=False)
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(str(out_dir))
+
+
+TINY_DEFAULTS = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, intermediate_size=384, max_position_embeddings=512, vocab_multiple=64,
+                     tie_word_embeddings=False, seed=0, tokenizer_vocab=384)
+
+
+def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
+    """Build (or reuse) a random Qwen3 causal LM + tokenizer in HF format at `out_dir`.
+
+    The directory holds `loongsage_tiny.json` with the settings it was built from; a directory built
+    from other settings is rebuilt. Returns the path as a string.
+    """
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    s = {**TINY_DEFAULTS, **settings}
+    unknown = set(settings) - set(TINY_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown tiny-model setting(s) {sorted(unknown)}; valid: {sorted(TINY_DEFAULTS)}")
+    out = Path(out_dir)
+    stamp = out / "loongsage_tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == s and (out / "model.safetensors").exists():
+        return str(out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    build_tiny_tokenizer(out, s["tokenizer_vocab"])
+    tok = AutoTokenizer.from_pretrained(str(out))
+    m = s["vocab_multiple"]
+    config = Qwen3Config(
+        vocab_size=(len(tok) + m - 1) // m * m, hidden_size=s["hidden_size"],
+        intermediate_size=s["intermediate_size"], num_hidden_layers=s["num_hidden_layers"],
+        num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"],
+        head_dim=s["head_dim"], max_position_embeddings=s["max_position_embeddings"], rms_norm_eps=1e-6,
+        tie_word_embeddings=s["tie_word_embeddings"], bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids(EOS_TOKEN), pad_token_id=tok.pad_token_id,
+        architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(s["seed"])
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(str(out))  # safetensors
+    stamp.write_text(json.dumps(s))
+    return str(out)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LOONGSAGE_CACHE", Path.home() / ".cache" / "loongsage"))
+
+
+def settings_hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# datasets
+
+
+def load_dataset(spec: str) -> list[dict]:
+    """A list of samples from `path.jsonl`, `path.parquet`, or `synthetic:<arith|calc>:<n>:<seed>`.
+
+    Each sample is a dict; chat samples hold `messages` (or `prompt`, wrapped as one user turn) and
+    usually `answer`.
+    """
+    if spec.startswith("synthetic:"):
+        parts = spec.split(":")
+        if len(parts) != 4 or parts[1] not in ("arith", "calc"):
+            raise ValueError(f"synthetic dataset spec {spec!r} must look like 'synthetic:arith:<n>:<seed>' "
+                             "or 'synthetic:calc:<n>:<seed>'")
+        fn = arith_samples if parts[1] == "arith" else calc_samples
+        return fn(int(parts[2]), int(parts[3]))
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset {spec!r} does not exist; give a .jsonl/.parquet path or "
+                                "'synthetic:arith:<n>:<seed>'")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        rows = pq.read_table(path).to_pylist()
+    else:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for i, r in enumerate(rows):
+        if "messages" not in r:
+            if "prompt" not in r:
+                raise ValueError(f"{spec} row {i} has neither 'messages' nor 'prompt' (keys: {sorted(r)})")
+            r["messages"] = [{"role": "user", "content": r["prompt"]}]
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# rewards: reward(response_text, sample) -> float
+
+
+def _last_number(text: str) -> str | None:
+    nums = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
+    return nums[-1] if nums else None
+
+
+def exact_match(response: str, sample: dict) -> float:
+    """1.0 when the response, stripped, equals the answer exactly; else 0.0."""
+    return float(response.strip() == str(sample["answer"]).strip())
+
+
+def last_number_match(response: str, sample: dict) -> float:
+    """1.0 when the last number in the response equals the answer numerically."""
+    got = _last_number(response)
+    try:
+        return float(got is not None and float(got) == float(sample["answer"]))
+    except ValueError:
+        return 0.0
+
+
+def math_verify(response: str, sample: dict) -> float:
+    """Math answer equivalence with math-verify (LaTeX / boxed / plain numbers), 1.0 or 0.0."""
+    from math_verify import parse, verify
+    gold = parse(str(sample["answer"]))
+    pred = parse(response)
+    return float(bool(gold) and bool(pred) and verify(gold, pred))
+
+
+if __name__ == "__main__":
+    import sys
+    path = build_tiny_model(sys.argv[1] if len(sys.argv) > 1 else default_cache_dir() / "tiny-test")
+    from transformers import AutoConfig
+    print(path, AutoConfig.from_pretrained(path))
