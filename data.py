@@ -196,18 +196,20 @@ def load_tokenizer(path: str):
 
 
 def load_dataset(spec: str) -> list[dict]:
-    """A list of samples from `path.jsonl`, `path.parquet`, or `synthetic:<arith|calc>:<n>:<seed>`.
+    """A list of samples from `path.jsonl`, `path.parquet`, or `synthetic:<arith|calc>:<n>:<seed>[:<max_operand>]`.
 
     Each sample is a dict; chat samples hold `messages` (or `prompt`, wrapped as one user turn) and
     usually `answer`.
     """
     if spec.startswith("synthetic:"):
         parts = spec.split(":")
-        if len(parts) != 4 or parts[1] not in ("arith", "calc"):
-            raise ValueError(f"synthetic dataset spec {spec!r} must look like 'synthetic:arith:<n>:<seed>' "
+        if len(parts) not in (4, 5) or parts[1] not in ("arith", "calc") or not all(p.isdigit() for p in parts[2:]):
+            raise ValueError(f"synthetic dataset spec {spec!r} must look like 'synthetic:arith:<n>:<seed>[:<max_operand>]' "
                              "or 'synthetic:calc:<n>:<seed>'")
-        fn = arith_samples if parts[1] == "arith" else calc_samples
-        return fn(int(parts[2]), int(parts[3]))
+        n, seed = int(parts[2]), int(parts[3])
+        if parts[1] == "calc":
+            return calc_samples(n, seed)
+        return arith_samples(n, seed, max_operand=int(parts[4]) if len(parts) == 5 else 99)
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"dataset {spec!r} does not exist; give a .jsonl/.parquet path or "
@@ -223,6 +225,28 @@ def load_dataset(spec: str) -> list[dict]:
                 raise ValueError(f"{spec} row {i} has neither 'messages' nor 'prompt' (keys: {sorted(r)})")
             r["messages"] = [{"role": "user", "content": r["prompt"]}]
     return rows
+
+
+def prompt_ids(tok, sample: dict, tools: list | None = None) -> list[int]:
+    """The chat-template token ids of a sample's messages, ending with the assistant header."""
+    text = tok.apply_chat_template(sample["messages"], tools=tools, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def sft_trajectory(tok, sample: dict, rng: random.Random | None = None, label_noise: float = 0.0) -> dict:
+    """A supervised example in trajectory form: the answer followed by <|im_end|>, all of it in the loss.
+
+    With probability `label_noise` the answer is replaced by a near miss (the right number plus or
+    minus one). The tiny recipes warm-start on such labels on purpose: the policy then knows the
+    format and is right only part of the time, and RL with the exact reward has to find the rest.
+    """
+    answer = str(sample["answer"])
+    if label_noise and rng is not None and rng.random() < label_noise and answer.lstrip("-").isdigit():
+        answer = str(int(answer) + rng.choice((-1, 1)))
+    p = prompt_ids(tok, sample)
+    r = tok.encode(answer, add_special_tokens=False) + [tok.convert_tokens_to_ids(EOS_TOKEN)]
+    return {"prompt_ids": p, "response_ids": r, "loss_mask": [1] * len(r), "rollout_logprobs": [0.0] * len(r),
+            "weight_versions": [-1] * len(r), "reward": 0.0, "status": "ok", "group_id": 0, "sample_index": 0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,6 +278,23 @@ def math_verify(response: str, sample: dict) -> float:
     gold = parse(str(sample["answer"]))
     pred = parse(response)
     return float(bool(gold) and bool(pred) and verify(gold, pred))
+
+
+
+# ----------------------------------------------------------------------------------------------
+# extension points
+
+
+def import_object(dotted: str):
+    """`"recipes.calc.agent"` -> the object. Every extension point in a recipe is loaded through here."""
+    import importlib
+    module, _, name = dotted.rpartition(".")
+    if not module:
+        raise ValueError(f"{dotted!r} is not a dotted path like 'data.exact_match'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load {dotted!r}: {e}. Give 'module.function' importable from the repo root") from e
 
 
 if __name__ == "__main__":
