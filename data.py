@@ -263,6 +263,14 @@ def exact_match(response: str, sample: dict) -> float:
     return float(response.strip() == str(sample["answer"]).strip())
 
 
+def char_match(response: str, sample: dict) -> float:
+    """Partial credit: the fraction of the answer's characters the response has in the same place,
+    scaled down by extra characters. Dense where exact_match is sparse (e.g. an untrained model)."""
+    got, want = response.strip(), str(sample["answer"]).strip()
+    hits = sum(a == b for a, b in zip(got, want))
+    return hits / max(len(want), len(got), 1)
+
+
 def last_number_match(response: str, sample: dict) -> float:
     """1.0 when the last number in the response equals the answer numerically."""
     got = _last_number(response)

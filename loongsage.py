@@ -126,7 +126,7 @@ class Config:
     grad_clip: float = 1.0  # global grad-norm clip; 0 = off
 
     # --- algo (see algos.py and ALGORITHMS.md; validated by algos.validate) ---
-    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | gae | token_reward
+    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns | gae
     adv_norm: str = "group"  # grpo normaliser: group | group_mean | batch | none
     policy_loss: str = "ppo_clip"  # ppo_clip | gspo | cispo | reinforce | sft
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
@@ -134,7 +134,7 @@ class Config:
     clip_high: float = 0.2  # PPO ratio upper clip (1 + clip_high); > clip_low is "clip-higher"
     dual_clip_c: float = 0.0  # dual clip bound for negative advantages (e.g. 3.0); 0 = off
     kl_coef: float = 0.0  # KL-to-reference weight; 0 = no reference model kept
-    kl_type: str = "k3"  # k1 | k2 | k3 | k3_unbiased
+    kl_type: str = "k3"  # k1 | k2 | k3 | low_var_k3 | k3_unbiased
     kl_in_reward: bool = False  # fold KL into the reward (REINFORCE++) instead of the loss
     entropy_coef: float = 0.0  # entropy bonus weight
     gamma: float = 1.0  # discount for token-level returns / GAE
@@ -150,6 +150,11 @@ class Config:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill to the batch size
     overlong_buffer: int = 0  # DAPO overlong penalty window in tokens; 0 = off
     overlong_penalty: float = 1.0  # DAPO overlong penalty at max length
+    length_penalty: str = ""  # "" | linear | kimi
+    length_penalty_coef: float = 0.0  # weight of the length penalty
+    distill_type: str = "sampled_kl"  # teacher distillation divergence: sampled_kl | topk_kl | reverse_kl | forward_kl | jsd
+    distill_coef: float = 0.0  # weight of the distillation term; 0 = no teachers
+    jsd_beta: float = 0.5  # beta of the generalised JSD
 
     # --- weights ---
     transfer: str = "auto"  # TransferMesh transport: auto | shm | cuda_ipc | broadcast | disk
@@ -183,10 +188,14 @@ def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
             raise ValueError(f"unknown config key {key!r}{_closest(key, names)}")
     cfg = Config(**raw)
     cfg.recipe = recipe or ""
-    for f in dataclasses.fields(Config):  # YAML gives ints for floats (lr: 1) and the like
+    for f in dataclasses.fields(Config):
         v, d = getattr(cfg, f.name), f.default
-        if isinstance(d, float) and isinstance(v, int) and not isinstance(v, bool):
-            setattr(cfg, f.name, float(v))
+        if isinstance(d, float) and isinstance(v, (int, str)) and not isinstance(v, bool):
+            try:  # YAML reads 1e-3 (no dot) as a string, and 1 as an int
+                setattr(cfg, f.name, float(v))
+                continue
+            except ValueError:
+                pass
         elif d is not dataclasses.MISSING and type(d) in (int, float, bool, str) and not isinstance(v, type(d)):
             raise ValueError(f"config key {f.name!r} should be a {type(d).__name__}, got {v!r}")
     return finalize(cfg)

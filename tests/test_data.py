@@ -70,6 +70,7 @@ def test_sft_trajectory_and_label_noise(tiny_model_dir):
 def test_rewards():
     s = {"answer": "19"}
     assert data.exact_match(" 19\n", s) == 1.0 and data.exact_match("19.", s) == 0.0
+    assert data.char_match("19", s) == 1.0 and data.char_match("18", s) == 0.5 and data.char_match("190", s) == 2 / 3
     assert data.last_number_match("so it is 19", s) == 1.0 and data.last_number_match("20", s) == 0.0
     assert data.math_verify("The answer is $\\boxed{19}$", s) == 1.0
     assert data.math_verify("The answer is $\\boxed{18}$", s) == 0.0

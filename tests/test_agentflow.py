@@ -1,0 +1,623 @@
+"""AgentFlow tests: the router with the official openai/anthropic clients against the real CPU engine,
+token-in-token-out invariants, concurrency, bad input, agents (white-box, black-box, crashing), sandboxes.
+
+Every client round trip goes to a real CPU engine (rollout.serve) on the tiny random model. The only
+test double is `crafted_engine`: the random model never writes a well-formed tool call, so the tests of
+tool-call parsing (and of the calc agent's tool loop, which needs one) feed crafted engine outputs.
+"""
+import asyncio
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+import agentflow
+import data
+import loongsage
+import rollout
+
+SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=6)
+CALC_TOOL = {"type": "function", "function": {"name": "calculator", "description": "evaluate arithmetic",
+                                              "parameters": {"type": "object",
+                                                             "properties": {"expression": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    """Two real CPU engines (load balancing needs more than one)."""
+    started = [rollout.serve(tiny_model_dir, max_batch=64, max_len=512, seed=i) for i in range(2)]
+    yield [url for url, _ in started]
+    for _, handle in started:
+        handle.shutdown()
+
+
+def make_cfg(**kw) -> loongsage.Config:
+    base = dict(reward="data.exact_match", agent="", agent_command="", sandbox="local", max_turns=8,
+                agent_timeout=30.0, agent_retries=1, max_context_len=512, max_prompt_len=256)
+    return dataclasses.replace(loongsage.Config(), **{**base, **kw})
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 90))
+
+
+async def started_flow(engines, model, **cfg_kw) -> agentflow.AgentFlow:
+    flow = agentflow.AgentFlow(make_cfg(**cfg_kw), engines, model)
+    await flow.start_router()
+    return flow
+
+
+def record_engine_calls(pool: agentflow.EnginePool) -> list:
+    """Observe (engine url, input ids, engine answer) of every /generate call; the engine stays real."""
+    calls, real = [], pool.generate
+
+    async def recording(input_ids, sampling_params, rid, prefer=None):
+        url, out = await real(input_ids, sampling_params, rid, prefer)
+        calls.append((url, list(input_ids), out))
+        return url, out
+    pool.generate = recording
+    return calls
+
+
+def crafted_engine(pool: agentflow.EnginePool, chat: agentflow.ChatFormat, replies: list[str]) -> list:
+    """TEST DOUBLE (tool-call parsing only): answer /generate with the tokens of crafted replies, in order."""
+    seen = []
+
+    async def fake(input_ids, sampling_params, rid, prefer=None):
+        text = replies[min(len(seen), len(replies) - 1)]
+        ids = chat.encode(text) + [chat.eos_id]
+        seen.append(list(input_ids))
+        return "crafted", {"text": text, "output_ids": ids, "meta_info": {
+            "finish_reason": {"type": "stop"}, "weight_version": "3",
+            "output_token_logprobs": [[-0.5, t, None] for t in ids]}}
+    pool.generate = fake
+    return seen
+
+
+def session_client(flow, s) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=flow.router.base_url(s), api_key=s.api_key, max_retries=0)
+
+
+def open_session(flow, max_context_len=512, max_turns=8, sampling=SAMPLING):
+    return flow.router.open_session(sampling=sampling, max_context_len=max_context_len, max_turns=max_turns)
+
+
+# ----------------------------------------------------------------------------------------------
+# tool calls: parsing (pure) and rendering through the chat template
+
+
+def test_parse_tool_calls_valid_malformed_and_unknown():
+    ok = 'let me compute\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
+    content, calls = agentflow.parse_tool_calls(ok, {"calculator"})
+    assert content == "let me compute"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("calculator", {"expression": "1+2"})]
+    two = ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>'
+           '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2\\"}"}</tool_call>')
+    assert [c["function"]["arguments"]["expression"] for c in agentflow.parse_tool_calls(two)[1]] == ["1", "2"]
+    # Anything malformed comes back whole as plain content, never as a partial call or an exception.
+    for bad in ['<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',  # bad JSON
+                '<tool_call>{"arguments": {}}</tool_call>',                                   # no name
+                '<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>',            # args not an object
+                '<tool_call>{"name": "calculator", "arguments": {}}',                         # unclosed
+                '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>']:                 # unknown tool
+        assert agentflow.parse_tool_calls(bad, {"calculator"}) == (bad.strip(), [])
+
+
+def test_tool_history_renders_the_same_from_openai_and_anthropic(tiny_model_dir):
+    chat = agentflow.ChatFormat(tiny_model_dir)
+    oa = agentflow.openai_messages([
+        {"role": "system", "content": "be exact"}, {"role": "user", "content": "12+7"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "calculator", "arguments": '{"expression": "12+7"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "19"}])
+    an = agentflow.anthropic_messages("be exact", [
+        {"role": "user", "content": "12+7"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "calculator",
+                                           "input": {"expression": "12+7"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "19"}]}])
+    tools = agentflow.openai_tools([CALC_TOOL])
+    an_tools = agentflow.anthropic_tools([{"name": "calculator", "description": "evaluate arithmetic",
+                                           "input_schema": CALC_TOOL["function"]["parameters"]}])
+    text = chat.render(oa, tools, add_generation_prompt=True)
+    assert text == chat.render(an, an_tools, add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+7"}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\n19\n</tool_response><|im_end|>" in text
+    assert '"name": "calculator"' in text.split("<|im_end|>")[0]  # tools listed in the system turn
+
+
+def test_crafted_tool_calls_reach_official_clients_plain_and_streaming(engines, tiny_model_dir):
+    """Tool-call parsing end to end: crafted engine output -> router -> official SDK objects."""
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}\n</tool_call>'
+
+    async def body():
+        flow = await started_flow(engines, tiny_model_dir)
+        crafted_engine(flow.pool, flow.chat, ["ok " + call])
+        s = open_session(flow)
+        client = session_client(flow, s)
+        msgs = [{"role": "user", "content": "3*4"}]
+        r = await client.chat.completions.create(model="m", messages=msgs, tools=[CALC_TOOL])
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == "ok"
+        tc = r.choices[0].message.tool_calls[0]
+        assert (tc.function.name, json.loads(tc.function.arguments)) == ("calculator", {"expression": "3*4"})
+        stream = await client.chat.completions.create(model="m", messages=msgs, tools=[CALC_TOOL], stream=True)
+        args, names, finish = "", [], None
+        async for chunk in stream:
+            for d in chunk.choices:
+                for t in d.delta.tool_calls or []:
+                    names += [t.function.name] if t.function.name else []
+                    args += t.function.arguments or ""
+                finish = d.finish_reason or finish
+        assert names == ["calculator"] and json.loads(args) == {"expression": "3*4"} and finish == "tool_calls"
+
+        an = anthropic.AsyncAnthropic(base_url=f"{flow.router.url}/s/{s.id}", api_key=s.api_key, max_retries=0)
+        tool = {"name": "calculator", "input_schema": {"type": "object"}}
+        m = await an.messages.create(model="m", max_tokens=8, messages=msgs, tools=[tool])
+        assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["text", "tool_use"]
+        assert m.content[1].input == {"expression": "3*4"}
+        async with an.messages.stream(model="m", max_tokens=8, messages=msgs, tools=[tool]) as st:
+            final = await st.get_final_message()
+        assert final.stop_reason == "tool_use" and final.content[1].input == {"expression": "3*4"}
+        await flow.close()
+    run(body())
+
+
+# ----------------------------------------------------------------------------------------------
+# official clients against the real engine
+
+
+def test_openai_client_plain_streaming_tools_logprobs(engines, tiny_model_dir):
+    async def body():
+        flow = await started_flow(engines, tiny_model_dir)
+        calls = record_engine_calls(flow.pool)
+        s = open_session(flow)
+        client = session_client(flow, s)
+        assert [m.id async for m in client.models.list()] == [Path(tiny_model_dir).name]
+        msgs = [{"role": "user", "content": "12+7"}]
+        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=5, logprobs=True,
+                                                 temperature=0.7, top_p=0.9)
+        out = calls[-1][2]
+        assert r.usage.completion_tokens == len(out["output_ids"]) <= 5
+        assert r.usage.prompt_tokens == len(calls[-1][1])
+        assert [lp.logprob for lp in r.choices[0].logprobs.content] == [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+        assert r.choices[0].finish_reason in ("stop", "length")
+
+        # streaming: a fresh history (the prompt is repeated, not extended: a second segment)
+        stream = await client.chat.completions.create(model="m", messages=msgs, max_completion_tokens=5,
+                                                      stream=True, stream_options={"include_usage": True})
+        text, usage = "", None
+        async for chunk in stream:
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+            usage = chunk.usage or usage
+        assert text == s.last_text and usage.completion_tokens == len(calls[-1][2]["output_ids"])
+
+        # tools + a tool-call history, from the official client, rendered into the engine's input ids
+        hist = msgs + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                        "function": {"name": "calculator", "arguments": '{"expression": "12+7"}'}}]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "19"}]
+        r = await client.chat.completions.create(model="m", messages=hist, tools=[CALC_TOOL], tool_choice="auto",
+                                                 max_tokens=4, stop=["\n\n"])
+        sent = flow.chat.decode(calls[-1][1], skip_special_tokens=False)
+        assert "<tool_response>\n19\n</tool_response>" in sent and '"arguments": {"expression": "12+7"}' in sent
+        await flow.close()
+    run(body())
+
+
+def test_anthropic_client_plain_streaming_tools(engines, tiny_model_dir):
+    async def body():
+        flow = await started_flow(engines, tiny_model_dir)
+        calls = record_engine_calls(flow.pool)
+        s = open_session(flow)
+        client = anthropic.AsyncAnthropic(base_url=f"{flow.router.url}/s/{s.id}", api_key=s.api_key, max_retries=0)
+        m = await client.messages.create(model="m", max_tokens=5, system="be brief",
+                                         messages=[{"role": "user", "content": "12+7"}])
+        assert m.role == "assistant" and m.stop_reason in ("end_turn", "max_tokens")
+        assert m.usage.output_tokens == len(calls[-1][2]["output_ids"])
+        assert flow.chat.decode(calls[-1][1], skip_special_tokens=False).startswith("<|im_start|>system\nbe brief")
+
+        async with client.messages.stream(model="m", max_tokens=5, messages=[{"role": "user", "content": "3+4"}]) as st:
+            streamed = "".join([t async for t in st.text_stream])
+            final = await st.get_final_message()
+        assert streamed == s.last_text and final.usage.output_tokens == len(calls[-1][2]["output_ids"])
+
+        tools = [{"name": "calculator", "description": "evaluate arithmetic",
+                  "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}}}]
+        hist = [{"role": "user", "content": "12+7"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "calculator",
+                                                   "input": {"expression": "12+7"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "19"}]}]
+        m = await client.messages.create(model="m", max_tokens=4, messages=hist, tools=tools)
+        sent = flow.chat.decode(calls[-1][1], skip_special_tokens=False)
+        assert "<tool_response>\n19\n</tool_response>" in sent and m.type == "message"
+        await flow.close()
+    run(body())
+
+
+# ----------------------------------------------------------------------------------------------
+# token in, token out
+
+
+def _assert_tito(traj: agentflow.Trajectory, calls: list) -> None:
+    """Training ids == what the engine saw + sampled; mask 1 exactly on sampled ids with their logprobs."""
+    (_, in1, out1), (_, in2, out2) = calls[-2:]
+    ids1, ids2 = out1["output_ids"], out2["output_ids"]
+    assert in2[:len(in1) + len(ids1)] == in1 + ids1                       # turn 1 reused verbatim
+    assert traj.prompt_ids == in1
+    assert traj.prompt_ids + traj.response_ids == in2 + ids2               # nothing re-tokenized
+    glue = len(in2) - len(in1) - len(ids1)
+    assert traj.loss_mask == [1] * len(ids1) + [0] * glue + [1] * len(ids2)
+    lps = [x[0] for x in out1["meta_info"]["output_token_logprobs"]] + [0.0] * glue + \
+          [x[0] for x in out2["meta_info"]["output_token_logprobs"]]
+    assert traj.rollout_logprobs == lps
+    assert traj.weight_versions == [0] * len(ids1) + [-1] * glue + [0] * len(ids2)
+
+
+def test_tito_multi_turn_reuses_prefix_and_masks_template_tokens(engines, tiny_model_dir):
+    async def body():
+        flow = await started_flow(engines, tiny_model_dir)
+        calls = record_engine_calls(flow.pool)
+        s = open_session(flow)
+        client = session_client(flow, s)
+        msgs = [{"role": "user", "content": "12+7"}]
+        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=6)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "sure?"}]
+        await client.chat.completions.create(model="m", messages=msgs, max_tokens=6)
+        await flow.router.close_session(s)
+        traj = s.trajectory(1.0)
+        _assert_tito(traj, calls)
+        assert len(traj.segments) == 1 and calls[0][0] == calls[1][0]  # one segment; sticky engine
+        glue_text = flow.chat.decode(calls[1][1][len(calls[0][1]) + len(calls[0][2]["output_ids"]):],
+                                     skip_special_tokens=False)
+        assert glue_text.endswith("<|im_start|>user\nsure?<|im_end|>\n<|im_start|>assistant\n")
+        await flow.close()
+    run(body())
+
+
+def test_compacted_or_edited_history_starts_a_new_segment(engines, tiny_model_dir):
+    async def body():
+        flow = await started_flow(engines, tiny_model_dir)
+        calls = record_engine_calls(flow.pool)
+        s = open_session(flow)
+        client = anthropic.AsyncAnthropic(base_url=f"{flow.router.url}/s/{s.id}", api_key=s.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": "12+7"}]
+        m = await client.messages.create(model="m", max_tokens=5, messages=msgs)
+        reply = m.content[0].text
+        ext = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "sure?"}]
+        await client.messages.create(model="m", max_tokens=5, messages=ext)        # extends: same segment
+        edited = msgs + [{"role": "assistant", "content": reply + " (edited)"}, {"role": "user", "content": "x"}]
+        await client.messages.create(model="m", max_tokens=5, messages=edited)     # edited: new segment
+        compact = [{"role": "user", "content": "summary: 12+7 asked twice"}]
+        await client.messages.create(model="m", max_tokens=5, messages=compact)    # compacted: new segment
+        await flow.router.close_session(s)
+        traj = s.trajectory(0.0)
+        assert len(traj.segments) == 3
+        first = traj.segments[0]
+        assert first["prompt_ids"] + first["response_ids"] == calls[1][1] + calls[1][2]["output_ids"]
+        assert traj.segments[1]["prompt_ids"] == calls[2][1] and traj.prompt_ids == calls[3][1]
+        assert traj.response_ids == calls[3][2]["output_ids"] and set(traj.loss_mask) <= {1}
+        await flow.close()
+    run(body())
+
+
+def test_64_concurrent_sessions_have_no_cross_talk(engines, tiny_model_dir):
+    async def one(flow, calls, i):
+        s = open_session(flow)
+        client = session_client(flow, s)
+        msgs = [{"role": "user", "content": f"task {i}: {i}+{i}"}]
+        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=3)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": f"again {i}"}]
+        await client.chat.completions.create(model="m", messages=msgs, max_tokens=3)
+        await flow.router.close_session(s)
+        await client.close()
+        return s.trajectory(0.0)
+
+    async def body():
+        flow = await started_flow(engines, tiny_model_dir)
+        calls = record_engine_calls(flow.pool)
+        trajs = await asyncio.gather(*(one(flow, calls, i) for i in range(64)))
+        for i, t in enumerate(trajs):
+            assert len(t.segments) == 1 and f"task {i}: {i}+{i}" in t.prompt_text
+            glue = [tid for tid, m in zip(t.response_ids, t.loss_mask) if m == 0]
+            assert f"again {i}<" in flow.chat.decode(glue, skip_special_tokens=False)
+            # this session's ids are exactly one engine call's input + output: no other session's tokens
+            assert any(inp + out["output_ids"] == t.prompt_ids + t.response_ids for _, inp, out in calls)
+        assert len(calls) == 128 and len({u for u, _, _ in calls}) == 2  # both engines served
+        await flow.close()
+    run(body())
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input: 4xx with the API's error shape, and the router keeps serving
+
+
+def test_bad_requests_get_4xx_error_bodies_and_router_keeps_serving(engines, tiny_model_dir):
+    async def body():
+        flow = await started_flow(engines, tiny_model_dir)
+        s = open_session(flow, max_context_len=64)
+        base, hdr = flow.router.base_url(s), {"Authorization": f"Bearer {s.api_key}"}
+        ok_msg = [{"role": "user", "content": "1+1"}]
+        async with httpx.AsyncClient(timeout=30) as http:
+            async def post(path, payload=None, raw=None, headers=hdr, url=base):
+                return await http.post(url + path, content=raw if raw is not None else json.dumps(payload),
+                                       headers=headers)
+            cases = [
+                (post("/chat/completions", raw=b"{not json"), 400, None),
+                (post("/chat/completions", {"model": "m"}), 400, None),                               # no messages
+                (post("/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}), 400, None),
+                (post("/chat/completions", {"messages": [{"content": "x"}]}), 400, None),            # no role
+                (post("/chat/completions", {"messages": ok_msg, "tools": [{"type": "function"}]}), 400, None),
+                (post("/chat/completions", {"messages": ok_msg, "tools": [
+                    {"type": "function", "function": {"name": "bad name!", "parameters": {}}}]}), 400, None),
+                (post("/chat/completions", {"messages": ok_msg, "temperature": "hot"}), 400, None),
+                (post("/chat/completions", {"messages": [{"role": "user", "content": "9 " * 200}]}), 400,
+                 "context_length_exceeded"),
+                (post("/chat/completions", {"messages": ok_msg}, headers={"Authorization": "Bearer nope"}), 401, None),
+                (post("/chat/completions", {"messages": ok_msg}, url=f"{flow.router.url}/s/nosuchsession/v1"), 404, None),
+            ]
+            for coro, status, code in cases:
+                r = await coro
+                assert r.status_code == status, r.text
+                err = r.json()["error"]
+                assert err["message"] and err["type"]
+                assert code is None or err["code"] == code
+            for payload in ({"messages": ok_msg}, {"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]},
+                            {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]}):
+                r = await post("/messages", payload, headers={"x-api-key": s.api_key})
+                assert r.status_code == 400 and r.json()["type"] == "error"
+                assert r.json()["error"]["type"] == "invalid_request_error"
+            # the official client surfaces the same error as a typed exception
+            with pytest.raises(openai.BadRequestError) as e:
+                await session_client(flow, s).chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "9 " * 200}])
+            assert e.value.code == "context_length_exceeded"
+            # still serving
+            r = await post("/chat/completions", {"messages": ok_msg, "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+            await flow.router.close_session(s)
+            r = await post("/chat/completions", {"messages": ok_msg})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+        await flow.close()
+    run(body())
+
+
+# ----------------------------------------------------------------------------------------------
+# AgentFlow.generate: single-turn fast path, white-box and black-box agents
+
+
+async def async_exact_match(response: str, sample: dict) -> float:
+    await asyncio.sleep(0)
+    return float(response.strip() == sample["answer"])
+
+
+def test_single_turn_generate_groups_ids_and_rewards(engines, tiny_model_dir):
+    async def body():
+        flow = agentflow.AgentFlow(make_cfg(reward="test_agentflow.async_exact_match"), engines, tiny_model_dir)
+        samples = data.arith_samples(3, seed=0)
+        out = await flow.generate(samples, 4, SAMPLING, step=0)
+        out2 = await flow.generate(samples[:1], 2, dict(SAMPLING, temperature=0.0), step=1)
+        await flow.close()
+        return out, out2
+    samples = data.arith_samples(3, seed=0)
+    out, out2 = run(body())
+    assert [(t["group_id"], t["sample_index"]) for t in out] == [(g, i) for g in range(3) for i in range(4)]
+    assert [t["group_id"] for t in out2] == [3, 3]                          # unique across calls
+    assert out2[0]["response_ids"] == out2[1]["response_ids"]               # greedy is deterministic
+    for t in out + out2:
+        assert set(t) >= {f.name for f in dataclasses.fields(agentflow.Trajectory)}
+        assert t["status"] in ("ok", "truncated") and 1 <= len(t["response_ids"]) <= 6
+        n = len(t["response_ids"])
+        assert t["loss_mask"] == [1] * n and len(t["rollout_logprobs"]) == n and t["weight_versions"] == [0] * n
+        assert all(lp <= 0 for lp in t["rollout_logprobs"])
+        assert t["reward"] == float(t["response_text"].strip() == ([s["answer"] for s in samples] * 2)[t["group_id"]])
+
+
+async def two_turn_agent(client, sample):
+    msgs = list(sample["messages"])
+    r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "sure?"}]
+    r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+    return r.choices[0].message.content
+
+
+async def crashing_agent(client, sample):
+    await client.chat.completions.create(model="m", messages=sample["messages"], max_tokens=2)
+    if sample["answer"] != "never":
+        raise RuntimeError("agent bug")
+
+
+async def self_rewarding_agent(client, sample):
+    await client.chat.completions.create(model="m", messages=sample["messages"], max_tokens=2)
+    return {"reward": 0.25, "note": "scored by the agent"}
+
+
+async def context_hungry_agent(client, sample):
+    msgs = list(sample["messages"])
+    while True:  # grows the context until the router refuses with context_length_exceeded
+        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=8)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "more"}]
+
+
+async def sleepy_agent(client, sample):
+    await client.chat.completions.create(model="m", messages=sample["messages"], max_tokens=2)
+    await asyncio.sleep(60)
+
+
+def test_whitebox_agents_ok_crash_reward_budget_timeout(engines, tiny_model_dir):
+    samples = data.arith_samples(2, seed=3)
+
+    async def gen(agent, **kw):
+        flow = agentflow.AgentFlow(make_cfg(agent=f"test_agentflow.{agent}", **kw), engines, tiny_model_dir)
+        out = await flow.generate(samples, 2, SAMPLING, step=5)
+        await flow.close()
+        return out
+
+    async def body():
+        return await asyncio.gather(gen("two_turn_agent"), gen("crashing_agent"), gen("self_rewarding_agent"),
+                                    gen("context_hungry_agent", max_context_len=60),
+                                    gen("sleepy_agent", agent_timeout=2.0))
+    ok, crashed, rewarded, hungry, sleepy = run(body())
+    for t in ok:
+        assert t["status"] == "ok" and t["metadata"]["turns"] == 2 and len(t["segments"]) == 1
+        assert 0 in t["loss_mask"] and t["loss_mask"][0] == 1 and t["metadata"]["step"] == 5
+    for t in crashed:  # kept in its group, reward 0, nothing trainable, retried once
+        assert t["status"] == "failed" and t["reward"] == 0.0 and set(t["loss_mask"]) <= {0}
+        assert "agent bug" in t["metadata"]["error"] and t["metadata"]["attempts"] == 2
+    assert [t["reward"] for t in rewarded] == [0.25] * 4
+    for t in hungry:  # generated tokens kept, status truncated, still rewarded
+        assert t["status"] == "truncated" and 1 in t["loss_mask"]
+        assert len(t["prompt_ids"]) + len(t["response_ids"]) <= 60
+    for t in sleepy:
+        assert t["status"] == "truncated" and "timed out" in t["metadata"]["error"]
+    assert [(t["group_id"], t["sample_index"]) for t in crashed] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_blackbox_agent_program_trains_through_env_vars(engines, tiny_model_dir):
+    async def body():
+        cmd = "AGENT_MAX_TOKENS=3 python $LOONGSAGE_ROOT/recipes/blackbox_agent.py"
+        flow = agentflow.AgentFlow(make_cfg(agent_command=cmd), engines, tiny_model_dir)
+        calls = record_engine_calls(flow.pool)
+        out = await flow.generate(data.arith_samples(1, seed=4), 2, SAMPLING, step=0)
+        await flow.close()
+        return out, calls
+    out, calls = run(body())
+    assert len(out) == 2 and len(calls) == 4
+    for t in out:
+        assert t["status"] == "ok", t["metadata"].get("error")
+        assert t["metadata"]["turns"] == 2 and len(t["segments"]) == 1  # the program's 2 turns, one context
+        # the trajectory is exactly the program's last engine call: its input (turn 1 reused) + output
+        assert any(inp + o["output_ids"] == t["prompt_ids"] + t["response_ids"] for _, inp, o in calls)
+        assert 1 in t["loss_mask"]
+
+
+def test_abort_drops_running_groups(engines, tiny_model_dir):
+    async def body():
+        flow = agentflow.AgentFlow(make_cfg(max_context_len=512), engines, tiny_model_dir)
+        task = asyncio.ensure_future(flow.generate(data.arith_samples(2, seed=5), 2,
+                                                   dict(SAMPLING, max_new_tokens=400), step=0))
+        await asyncio.sleep(0.5)
+        t0 = time.perf_counter()
+        await flow.abort()
+        out = await task
+        await flow.close()
+        return out, time.perf_counter() - t0
+    out, waited = run(body())
+    assert out == [] and waited < 10
+
+
+def test_engine_pool_least_loaded_and_skips_dead_engines(engines):
+    dead = "http://127.0.0.1:9"  # nothing listens on the discard port: connection refused
+    pool = agentflow.EnginePool([dead] + engines, cooldown_s=30)
+    pool.inflight[engines[0]] = 3
+    assert pool.pick() in (dead, engines[1])
+    assert pool.pick(prefer=engines[0]) == engines[0]  # sticky wins over load
+
+    async def body():
+        url, out = await pool.generate([1, 2, 3], {"max_new_tokens": 2}, "rid-x", prefer=dead)
+        await pool.close()
+        return url, out
+    url, out = run(body())
+    assert url in engines and len(out["output_ids"]) <= 2
+    assert dead not in pool.healthy() and pool.pick() != dead
+
+
+# ----------------------------------------------------------------------------------------------
+# sandboxes and the code-test reward
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_local_sandbox_limits_and_cleanup():
+    async def body():
+        box = await agentflow.LocalSandbox(cpu_s=1, memory_mb=256, file_mb=1).create()
+        root = box.dir
+        wall = await box.execute("sleep 30 & echo $! > child.pid; sleep 30", timeout_s=1.0)
+        child = int(Path(root, "child.pid").read_text())
+        mem = await box.execute("python -c 'x = bytearray(512 * 2**20)'", timeout_s=20)
+        fsize = await box.execute("python -c \"open('big', 'wb').write(b'x' * 2 * 2**20)\"", timeout_s=20)
+        cpu = await box.execute("python -c 'while True: pass'", timeout_s=20)
+        echo = await box.execute("cat; echo \" $GREETING\"; pwd", stdin="hi", env={"GREETING": "there"})
+        await box.delete()
+        return root, wall, child, mem, fsize, cpu, echo
+    root, wall, child, mem, fsize, cpu, echo = run(body())
+    assert wall.timed_out and wall.wall_s < 5 and not _alive(child)      # the whole group was killed
+    assert mem.exit_code != 0 and "MemoryError" in mem.stderr
+    assert fsize.exit_code != 0
+    assert cpu.exit_code != 0 and not cpu.timed_out and cpu.wall_s < 15   # RLIMIT_CPU, not the wall clock
+    assert echo.stdout.split("\n")[:2] == ["hi there", root]
+    assert not os.path.exists(root)
+
+
+@pytest.mark.skipif(not agentflow.docker_available(), reason="no Docker engine answers `docker info` here")
+def test_docker_sandbox_runs_and_is_removed():
+    async def body():
+        box = await agentflow.DockerSandbox(image=os.environ.get("LOONGSAGE_SANDBOX_IMAGE", "python:3.11-slim")).create()
+        r = await box.execute("echo hi", timeout_s=30)
+        slow = await box.execute("sleep 30", timeout_s=1)
+        await box.delete()
+        return r, slow
+    r, slow = run(body())
+    assert r.stdout.strip() == "hi" and slow.timed_out
+
+
+def test_code_tests_reward_runs_tests_in_a_sandbox():
+    sample = {"tests": "assert add(2, 3) == 5\n", "timeout": 10}
+    good = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
+    bad = "```python\ndef add(a, b):\n    return a - b\n```"
+    hang = "```python\nwhile True: pass\n```"
+    assert run(agentflow.code_tests(good, sample)) == 1.0
+    assert run(agentflow.code_tests(bad, sample)) == 0.0
+    assert run(agentflow.code_tests(hang, {**sample, "timeout": 1})) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# the calc recipe
+
+
+def test_calculator_tool():
+    from recipes.calc import calculator
+    assert calculator("(12+7)*3") == "57" and calculator("7/2") == "3.5" and calculator("-(2**3)") == "-8"
+    assert calculator("__import__('os')").startswith("error") and calculator("1/0").startswith("error")
+    assert calculator("2**999").startswith("error")
+
+
+def test_calc_agent_tool_loop_masks_tool_results(engines, tiny_model_dir):
+    """The calc agent's loop with crafted model replies (a tool call, then an answer): the tool ran, its
+    result went back through the template, tool tokens are masked, reward from the final answer."""
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "(10+11)*2"}}\n</tool_call>'
+
+    async def body():
+        flow = agentflow.AgentFlow(make_cfg(agent="recipes.calc.agent", reward="recipes.calc.reward"),
+                                   engines, tiny_model_dir)
+        seen = crafted_engine(flow.pool, flow.chat, [call, "the answer is 42"])
+        out = await flow.generate([{"messages": [{"role": "user", "content": "(10+11)*2"}], "answer": "42"}], 1,
+                                  SAMPLING, step=0)
+        await flow.close()
+        return out, seen
+    (t,), seen = run(body())
+    assert t["status"] == "ok" and t["reward"] == 1.0 and t["metadata"]["turns"] == 2
+    assert "<tool_response>\n42\n</tool_response>" in data.load_tokenizer(tiny_model_dir).decode(seen[1])
+    assert seen[1][:len(seen[0])] == seen[0]                        # turn 2 extends turn 1's ids
+    masked = [tid for tid, m in zip(t["response_ids"], t["loss_mask"]) if m == 0]
+    assert "<tool_response>" in data.load_tokenizer(tiny_model_dir).decode(masked)
+    assert t["weight_versions"][0] == 3
+
+
+def test_calc_agent_runs_against_the_real_engine(engines, tiny_model_dir):
+    async def body():
+        flow = agentflow.AgentFlow(make_cfg(agent="recipes.calc.agent", reward="recipes.calc.reward", max_turns=3),
+                                   engines, tiny_model_dir)
+        out = await flow.generate(data.calc_samples(2, seed=0), 2, SAMPLING, step=0)
+        await flow.close()
+        return out
+    out = run(body())
+    assert len(out) == 4 and all(t["status"] in ("ok", "truncated") and t["reward"] in (0.0, 1.0) for t in out)

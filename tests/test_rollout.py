@@ -1,0 +1,389 @@
+"""Tests of rollout.py: the CPU engine over real HTTP (httpx), checked against transformers on the same weights.
+
+What they prove: greedy ids equal transformers' greedy generate; returned logprobs equal transformers' log-softmax
+at the chosen tokens (fp32, <= 1e-5); requests join and leave the running batch without changing each other's
+results; stop ids / max_new_tokens / abort / pause modes give the right finish_reason and partial output; weight
+updates (disk, in-process, shm and gloo broadcast through transfermesh) change the outputs to exactly the new
+model's and bump weight_version, with every token stamped by the weights that produced it; bad input answers 400
+and the server keeps serving; RolloutEngine serves the CPU engine and builds the SGLang command line.
+"""
+import asyncio
+import os
+import shutil
+import time
+import types
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import rollout
+
+MAX_LEN = 512  # the tiny model's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    url, handle = rollout.serve(tiny_model_dir, max_batch=8, max_len=MAX_LEN, seed=0)
+    yield url, handle
+    handle.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_a(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def other_dir(tiny_model_dir, tmp_path_factory):
+    """A second model with the same architecture and different weights (the tiny model, perturbed)."""
+    out = tmp_path_factory.mktemp("other_model")
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if os.path.exists(os.path.join(tiny_model_dir, f)):
+            shutil.copy(os.path.join(tiny_model_dir, f), out)
+    g = torch.Generator().manual_seed(1)
+    state = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v
+             for k, v in load_file(f"{tiny_model_dir}/model.safetensors").items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def hf_b(other_dir):
+    return AutoModelForCausalLM.from_pretrained(other_dir, dtype=torch.float32).eval()
+
+
+PROMPTS = [[5, 17, 33, 100, 7], [9, 8, 7], [200, 201, 202, 203, 204, 205, 206, 207], [1, 40, 41, 42]]
+
+
+def hf_greedy(model, prompt, n, ignore_eos=False):
+    with torch.no_grad():
+        kw = {"eos_token_id": None} if ignore_eos else {}
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, prompt, output_ids) -> torch.Tensor:
+    """(len(output_ids),) transformers' log-softmax at each output token, given everything before it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output_ids])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+    return lp.gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+
+
+def engine_logprobs(out) -> torch.Tensor:
+    lps = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == out["output_ids"]
+    return torch.tensor([lp for lp, _, _ in lps])
+
+
+def gen(url, input_ids, **sp):
+    return rollout.post(url, "/generate", {"input_ids": input_ids, "sampling_params": sp, "return_logprob": True})
+
+
+def wait_running(handle, rid, min_tokens=1, timeout=30.0):
+    """Poll the engine until request `rid` is in the running batch with >= min_tokens generated."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for r in handle.engine.state()["running"]:
+            if r["rid"] == rid and r["completion_tokens"] >= min_tokens:
+                return r["completion_tokens"]
+        time.sleep(0.002)
+    raise AssertionError(f"request {rid} never ran")
+
+
+def background(fn, *args, **kw):
+    import concurrent.futures
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    fut = pool.submit(fn, *args, **kw)
+    pool.shutdown(wait=False)
+    return fut
+
+
+def test_greedy_matches_transformers_generate_and_logprobs(server, hf_a):
+    url, _ = server
+    for prompt in PROMPTS:
+        out = gen(url, prompt, temperature=0, max_new_tokens=24)
+        ref = hf_greedy(hf_a, prompt, 24)  # both stop at the model's eos
+        assert out["output_ids"] == ref
+        assert (engine_logprobs(out) - hf_logprobs(hf_a, prompt, ref)).abs().max() <= 1e-5
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == len(ref)
+        assert meta["weight_version"] == "0" and meta["output_token_weight_versions"] == ["0"] * len(ref)
+        eos = hf_a.generation_config.eos_token_id
+        expected = {"type": "stop", "matched": eos} if ref[-1] == eos else {"type": "length", "length": 24}
+        assert meta["finish_reason"] == expected
+    # the first prompt stops at eos within 24 tokens, so both kinds of finish were exercised
+    assert gen(url, PROMPTS[0], temperature=0, max_new_tokens=24)["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_concurrent_requests_join_and_leave_the_batch(server, hf_a):
+    """A long request runs while shorter ones (greedy and sampled) join and leave; each greedy one equals its solo
+    result, every logprob equals transformers', and the short ones finish while the long one is still running."""
+    url, handle = server
+    specs = [(PROMPTS[i % 4], {"temperature": t, "max_new_tokens": n, "ignore_eos": True, "sampling_seed": i})
+             for i, (t, n) in enumerate([(0, 7), (1.0, 12), (0, 20), (0.7, 5), (0, 33), (1.3, 9)])]
+    solo = [gen(url, p, **sp) for p, sp in specs]
+    long_prompt = [3, 4, 5, 6]
+    handle.engine.stats["max_running"] = 0
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            long_task = asyncio.create_task(rollout.generate(
+                client, url, long_prompt, {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}, rid="long"))
+            await asyncio.to_thread(wait_running, handle, "long", 1)
+            outs = await asyncio.gather(*(rollout.generate(client, url, p, sp) for p, sp in specs))
+            long_done_early = long_task.done()
+            return outs, await long_task, long_done_early
+
+    outs, long_out, long_done_early = asyncio.run(run())
+    assert not long_done_early, "the short requests should leave the batch before the long one finishes"
+    assert handle.engine.stats["max_running"] >= 3
+    for (prompt, sp), out, ref in zip(specs, outs, solo):
+        assert len(out["output_ids"]) == sp["max_new_tokens"]
+        assert out["output_ids"] == ref["output_ids"]  # greedy: same ids; sampled: same seed -> same ids
+        assert (engine_logprobs(out) - hf_logprobs(hf_a, prompt, out["output_ids"])).abs().max() <= 1e-5
+    assert long_out["output_ids"] == hf_greedy(hf_a, long_prompt, 300, ignore_eos=True)
+    assert (engine_logprobs(long_out) - hf_logprobs(hf_a, long_prompt, long_out["output_ids"])).abs().max() <= 1e-5
+
+
+def test_sampling_seed_and_filters(server):
+    url, _ = server
+    a = gen(url, PROMPTS[1], temperature=1.0, max_new_tokens=30, ignore_eos=True, sampling_seed=123)
+    b = gen(url, PROMPTS[1], temperature=1.0, max_new_tokens=30, ignore_eos=True, sampling_seed=123)
+    c = gen(url, PROMPTS[1], temperature=1.0, max_new_tokens=30, ignore_eos=True, sampling_seed=124)
+    assert a["output_ids"] == b["output_ids"] != c["output_ids"]
+    # top_k=1 samples the argmax, whatever the temperature
+    greedy = gen(url, PROMPTS[2], temperature=0, max_new_tokens=15, ignore_eos=True)
+    top1 = gen(url, PROMPTS[2], temperature=2.0, top_k=1, max_new_tokens=15, ignore_eos=True)
+    assert top1["output_ids"] == greedy["output_ids"]
+    # logprobs are the policy's (temperature 1, unfiltered), not the sampling distribution's
+    assert engine_logprobs(top1).tolist() == engine_logprobs(greedy).tolist()
+
+
+def test_stop_token_ids_and_max_new_tokens(server):
+    url, _ = server
+    ref = gen(url, PROMPTS[2], temperature=0, max_new_tokens=20, ignore_eos=True)["output_ids"]
+    stop = next(t for i, t in enumerate(ref) if i >= 2 and t not in ref[:i])
+    k = ref.index(stop)
+    out = gen(url, PROMPTS[2], temperature=0, max_new_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    assert out["output_ids"] == ref[:k + 1]  # the matched stop token is kept in output_ids (it is trained on)
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    out = gen(url, PROMPTS[2], temperature=0, max_new_tokens=5, ignore_eos=True)
+    assert out["output_ids"] == ref[:5] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    # a prompt near the end of the context gets max_new_tokens clipped to what the slot holds
+    out = gen(url, [7] * (MAX_LEN - 3), temperature=0, max_new_tokens=50, ignore_eos=True)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+
+def test_batched_input_ids_returns_a_list(server, hf_a):
+    url, _ = server
+    outs = rollout.post(url, "/generate", {"input_ids": PROMPTS[:3], "rid": "batch",
+                                            "sampling_params": {"temperature": 0, "max_new_tokens": 10}})
+    assert isinstance(outs, list) and [o["meta_info"]["id"] for o in outs] == ["batch_0", "batch_1", "batch_2"]
+    for prompt, out in zip(PROMPTS, outs):
+        assert out["output_ids"] == hf_greedy(hf_a, prompt, 10)
+        assert "output_token_logprobs" not in out["meta_info"]  # return_logprob defaults to false, as in SGLang
+
+
+def test_abort_by_rid_returns_partial_output(server):
+    url, handle = server
+    long = {"temperature": 0, "max_new_tokens": 480, "ignore_eos": True}
+    # while running: the other requests keep going, the aborted one answers with what it has
+    futs = {rid: background(rollout.post, url, "/generate", {"input_ids": [3, 4, 5], "rid": rid, "return_logprob": True,
+                                                              "sampling_params": {**long, "max_new_tokens": n}})
+            for rid, n in (("victim", 480), ("bystander", 150))}
+    wait_running(handle, "victim", 1)
+    rollout.post(url, "/abort_request", {"rid": "victim"})
+    out = futs["victim"].result(timeout=60)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(out["output_ids"]) < 480 and len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+    assert futs["bystander"].result(timeout=60)["meta_info"]["finish_reason"]["type"] == "length"
+    # abort_all, including a request that is still waiting (engine paused)
+    rollout.post(url, "/pause_generation", {"mode": "in_place"})
+    fut = background(gen, url, [3, 4, 5], **long)
+    time.sleep(0.2)
+    rollout.post(url, "/abort_request", {"abort_all": True})
+    out = fut.result(timeout=60)
+    rollout.post(url, "/continue_generation", {})
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+
+
+def test_pause_in_place_keeps_kv_and_new_weights_stamp_new_tokens(server, hf_a, hf_b):
+    url, handle = server
+    fut = background(rollout.post, url, "/generate", {"input_ids": PROMPTS[0], "rid": "inplace", "return_logprob": True,
+                                                      "sampling_params": {"temperature": 0, "max_new_tokens": 200,
+                                                                          "ignore_eos": True}})
+    wait_running(handle, "inplace", 2)
+    rollout.post(url, "/pause_generation", {"mode": "in_place"})
+    n = wait_running(handle, "inplace", 1)
+    time.sleep(0.2)
+    assert wait_running(handle, "inplace", 1) == n  # frozen while paused, still holding its slot
+    handle.engine.load_weights(hf_b.state_dict().items(), version=5)  # the in-process path
+    rollout.post(url, "/continue_generation", {})
+    out = fut.result(timeout=60)
+    try:
+        versions = out["meta_info"]["output_token_weight_versions"]
+        assert versions == ["0"] * n + ["5"] * (200 - n) and out["meta_info"]["weight_version"] == "5"
+        old = out["output_ids"][:n]
+        assert old == hf_greedy(hf_a, PROMPTS[0], n, ignore_eos=True)
+        assert (engine_logprobs(out)[:n] - hf_logprobs(hf_a, PROMPTS[0], old)).abs().max() <= 1e-5
+    finally:
+        rollout.post(url, "/update_weights_from_disk", {"model_path": handle.engine.model_path, "weight_version": "0"})
+
+
+def test_pause_retract_recomputes_with_new_weights(server, hf_a, hf_b, other_dir, tiny_model_dir):
+    """Retracted requests give back their KV slot; on continue they are re-prefilled under the new weights, so
+    every token after the update is exactly the new model's greedy continuation, with its logprobs."""
+    url, handle = server
+    prompt = PROMPTS[3]
+    fut = background(rollout.post, url, "/generate", {"input_ids": prompt, "rid": "retract", "return_logprob": True,
+                                                      "sampling_params": {"temperature": 0, "max_new_tokens": 200,
+                                                                          "ignore_eos": True}})
+    wait_running(handle, "retract", 2)
+    rollout.post(url, "/pause_generation", {"mode": "retract"})
+    state = handle.engine.state()
+    assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 1 and state["paused"]
+    r = rollout.post(url, "/update_weights_from_disk", {"model_path": other_dir, "weight_version": "6"})
+    assert r["success"] and "6" in r["message"]
+    rollout.post(url, "/continue_generation", {})
+    out = fut.result(timeout=60)
+    try:
+        versions = out["meta_info"]["output_token_weight_versions"]
+        k = versions.count("0")
+        assert 2 <= k < 200 and versions == ["0"] * k + ["6"] * (200 - k)
+        ids, lps = out["output_ids"], engine_logprobs(out)
+        assert ids[:k] == hf_greedy(hf_a, prompt, k, ignore_eos=True)
+        assert (lps[:k] - hf_logprobs(hf_a, prompt, ids[:k])).abs().max() <= 1e-5
+        assert ids[k:] == hf_greedy(hf_b, prompt + ids[:k], 200 - k, ignore_eos=True)
+        assert (lps[k:] - hf_logprobs(hf_b, prompt + ids[:k], ids[k:])).abs().max() <= 1e-5
+    finally:
+        rollout.post(url, "/update_weights_from_disk", {"model_path": tiny_model_dir, "weight_version": "0"})
+
+
+def test_pause_abort_mode_and_requests_queued_while_paused(server, hf_a):
+    url, handle = server
+    fut = background(rollout.post, url, "/generate", {"input_ids": PROMPTS[1], "rid": "paused-abort",
+                                                      "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})
+    wait_running(handle, "paused-abort", 1)
+    rollout.post(url, "/pause_generation", {"mode": "abort"})
+    assert fut.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
+    queued = background(gen, url, PROMPTS[1], temperature=0, max_new_tokens=8)
+    time.sleep(0.2)
+    assert not queued.done() and handle.engine.state()["num_waiting_reqs"] == 1
+    rollout.post(url, "/continue_generation", {})
+    assert queued.result(timeout=60)["output_ids"] == hf_greedy(hf_a, PROMPTS[1], 8)
+
+
+def test_weight_updates_change_outputs_and_bump_version(server, hf_a, hf_b, other_dir, tiny_model_dir):
+    import transfermesh
+    url, _ = server
+
+    def check(model, version):
+        for prompt in PROMPTS[:2]:
+            out = gen(url, prompt, temperature=0, max_new_tokens=12, ignore_eos=True)
+            assert out["output_ids"] == hf_greedy(model, prompt, 12, ignore_eos=True)
+            assert (engine_logprobs(out) - hf_logprobs(model, prompt, out["output_ids"])).abs().max() <= 1e-5
+            assert out["meta_info"]["weight_version"] == version
+        assert rollout.get(url, "/get_weight_version")["weight_version"] == version
+
+    try:
+        assert hf_greedy(hf_a, PROMPTS[0], 12, ignore_eos=True) != hf_greedy(hf_b, PROMPTS[0], 12, ignore_eos=True)
+        rollout.post(url, "/update_weights_from_disk", {"model_path": other_dir, "weight_version": "3"})
+        check(hf_b, "3")
+        r = rollout.post(url, "/update_weight_version", {"new_version": "4", "abort_all_requests": False})
+        assert r["new_version"] == "4"
+        check(hf_b, "4")
+        transfermesh.push_weights(hf_a.state_dict().items(), [url], 7, transport="shm", bucket_mb=0.05)
+        check(hf_a, "7")
+        transfermesh.push_weights(hf_b.state_dict().items(), [url], 8, transport="broadcast", bucket_mb=0.05)
+        check(hf_b, "8")
+    finally:
+        rollout.post(url, "/update_weights_from_disk", {"model_path": tiny_model_dir, "weight_version": "0"})
+    check(hf_a, "0")
+
+
+@pytest.mark.parametrize("payload, needle", [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    ({"sampling_params": {"max_new_tokens": 4}}, "input_ids"),
+    ({"input_ids": []}, "non-empty"),
+    ({"input_ids": [[1, 2], []]}, "non-empty"),
+    ({"input_ids": [1, 2, 99999]}, "outside the vocabulary"),
+    ({"input_ids": [1, -1]}, "outside the vocabulary"),
+    ({"input_ids": [1, "a"]}, "integers"),
+    ({"input_ids": [1] * MAX_LEN}, "context"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_tokens": 4}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}}, "not implemented"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [100000]}}, "stop_token_ids"),
+])
+def test_bad_input_answers_400_and_server_keeps_serving(server, payload, needle):
+    url, _ = server
+    kw = {"content": payload, "headers": {"content-type": "application/json"}} if isinstance(payload, bytes) else {"json": payload}
+    r = httpx.post(f"{url}/generate", timeout=30, **kw)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and needle in err["message"], err
+    assert len(gen(url, [1, 2, 3], temperature=0, max_new_tokens=3, ignore_eos=True)["output_ids"]) == 3
+
+
+def test_client_helpers_raise_with_the_server_message(server):
+    url, _ = server
+    with pytest.raises(rollout.EngineError, match=r"HTTP 400: .*input_ids"):
+        rollout.post(url, "/generate", {"sampling_params": {}})
+    with pytest.raises(rollout.EngineError, match="init_weights_update_group"):
+        rollout.post(url, "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
+                                                               "group_name": "nope"})
+    assert rollout.get(url, "/get_model_info")["is_generation"] is True
+    assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200
+
+
+def _cfg(model_path, tmp_path, **over):
+    base = dict(model_path=model_path, engine="cpu", engine_max_batch=4, max_prompt_len=64, max_new_tokens=16,
+                max_context_len=128, seed=0, dtype="float32", device="cpu", sglang={}, gpus_per_engine=1,
+                output_dir=str(tmp_path))
+    return types.SimpleNamespace(**{**base, **over})
+
+
+def test_rollout_engine_serves_the_cpu_engine(tiny_model_dir, tmp_path):
+    eng = rollout.RolloutEngine(_cfg(tiny_model_dir, tmp_path), rank=1)
+    url = eng.url()
+    try:
+        info = rollout.get(url, "/get_server_info")
+        assert info["context_len"] == 128 and info["max_running_requests"] == 4 and info["random_seed"] == 1000
+        assert len(gen(url, [1, 2, 3], max_new_tokens=4, ignore_eos=True)["output_ids"]) == 4
+    finally:
+        eng.shutdown()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_sglang_command_passes_every_key_through(tmp_path):
+    cfg = _cfg("/models/qwen", tmp_path, engine="sglang", gpus_per_engine=2,
+               sglang={"mem_fraction_static": 0.7, "enable_metrics": True, "disable_radix_cache": False,
+                       "cuda_graph_bs": [1, 2, 4], "weight_version": "9"})
+    cmd = rollout.sglang_command(cfg, "127.0.0.1", 30001, seed=5)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    line = " ".join(cmd[3:])
+    for part in ("--model-path /models/qwen", "--host 127.0.0.1", "--port 30001", "--mem-fraction-static 0.7",
+                 "--enable-metrics", "--cuda-graph-bs 1 2 4", "--tp-size 2", "--random-seed 5", "--weight-version 9"):
+        assert part in line
+    assert "disable-radix-cache" not in line
+    cfg.sglang = {"weight_version": None}  # null drops one of LoongSage's default flags
+    assert "--weight-version" not in rollout.sglang_command(cfg, "127.0.0.1", 30001, seed=5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang needs CUDA")
+def test_rollout_engine_launches_sglang(tiny_model_dir, tmp_path):
+    pytest.importorskip("sglang")
+    eng = rollout.RolloutEngine(_cfg(tiny_model_dir, tmp_path, engine="sglang", gpus_per_engine=1,
+                                     sglang={"mem_fraction_static": 0.2}), rank=0)
+    try:
+        out = gen(eng.url(), [1, 2, 3], temperature=0, max_new_tokens=4, ignore_eos=True)
+        assert len(out["output_ids"]) == 4 and len(out["meta_info"]["output_token_logprobs"]) == 4
+        assert out["meta_info"]["weight_version"] == "0"
+    finally:
+        eng.shutdown()
