@@ -296,7 +296,7 @@ def prepare_model(cfg: Config, trainers) -> str:
         batch = [data.sft_trajectory(tok, s, rng, cfg.warmstart_label_noise)
                  for s in rng.sample(samples, cfg.warmstart_batch_size)]
         m = ray.get([t.sft_step.remote(batch) for t in trainers])[0]
-        bar.set_postfix(loss=f"{m['train/sft_loss']:.3f}")
+        bar.set_postfix(loss=f"{m['train/sft_loss']:.3f}", refresh=False)
     tmp = out.with_name(out.name + ".tmp")
     ray.get([t.save_hf.remote(str(tmp)) for t in trainers])
     tmp.rename(out)
