@@ -87,6 +87,7 @@ class Config:
     warmstart_batch_size: int = 64  # samples per SFT step
     warmstart_lr: float = 1e-3  # SFT learning rate (constant)
     warmstart_label_noise: float = 0.0  # fraction of SFT answers replaced by a near-miss (see data.sft_trajectory)
+    warmstart_example: str = "data.sft_trajectory"  # fn(tokenizer, sample, rng, label_noise) -> trajectory dict
 
     # --- data ---
     dataset: str = "synthetic:arith:4096:1"  # training prompts (data.load_dataset spec)
@@ -94,7 +95,9 @@ class Config:
     reward: str = "data.exact_match"  # reward(response_text, sample) -> float, dotted path
     agent: str = ""  # dotted path of an agent; "" = single-turn chat straight to the engine
     agent_command: str = ""  # black-box agent: a shell command run in a sandbox against the session URL
-    sandbox: str = "local"  # "local" | "docker"
+    sandbox: str = "local"  # "local" | "docker" | "auto" (docker where a Docker engine answers)
+    max_parallel_sandboxes: int = 32  # black-box agents / code-test rewards running at once
+    router_host: str = "127.0.0.1"  # where the AgentFlow router listens (0.0.0.0 for agents on other machines)
     max_turns: int = 8  # agent turns per trajectory
     agent_timeout: float = 120.0  # seconds per trajectory
     agent_retries: int = 1  # retries of a failed trajectory
@@ -239,7 +242,7 @@ def finalize(cfg: Config) -> Config:
          f"a multiple of micro_batch_size={cfg.micro_batch_size}; try micro_batch_size={math.gcd(per_rank, cfg.micro_batch_size)}")
     need(cfg.max_staleness >= 1, f"max_staleness={cfg.max_staleness} must be >= 1")
     need(not (cfg.train_only and not cfg.load_rollouts), "train_only needs load_rollouts=<dir written by dump_rollouts>")
-    for name in ("reward",) + (("agent",) if cfg.agent else ()):
+    for name in ("reward", "warmstart_example") + (("agent",) if cfg.agent else ()):
         data.import_object(getattr(cfg, name))  # fail now, not after the model is built
     algos.validate(cfg)
     return cfg
@@ -281,19 +284,20 @@ def prepare_model(cfg: Config, trainers) -> str:
     if cfg.warmstart_steps == 0:
         return base
     keys = ("tiny_model", "warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
-            "warmstart_label_noise", "seed")
+            "warmstart_label_noise", "warmstart_example", "seed")
     out = data.default_cache_dir() / f"tiny-sft-{data.settings_hash({k: getattr(cfg, k) for k in keys})}"
     if (out / "model.safetensors").exists():
         print(f"warm start: cached SFT model {out}")
         return str(out)
     tok = data.load_tokenizer(base)
+    example = data.import_object(cfg.warmstart_example)
     samples = data.load_dataset(cfg.warmstart_dataset)
     rng = random.Random(cfg.seed)
     ray.get([t.load_hf.remote(base, lr=cfg.warmstart_lr) for t in trainers])
     from tqdm import tqdm
     bar = tqdm(range(cfg.warmstart_steps), desc="warm start (SFT)", file=sys.stdout, mininterval=2)
     for step in bar:
-        batch = [data.sft_trajectory(tok, s, rng, cfg.warmstart_label_noise)
+        batch = [example(tok, s, rng, cfg.warmstart_label_noise)
                  for s in rng.sample(samples, cfg.warmstart_batch_size)]
         m = ray.get([t.sft_step.remote(batch) for t in trainers])[0]
         bar.set_postfix(loss=f"{m['train/sft_loss']:.3f}", refresh=False)
@@ -463,6 +467,37 @@ def batches(cfg: Config, samples: list[dict]):
             yield [samples[j] for j in order[i:i + cfg.prompts_per_step]]
 
 
+def refill_informative_groups(cfg: Config, flow, trajs: list[dict], prompts, sampling: dict, step: int,
+                              max_rounds: int = 4) -> tuple[list[dict], dict]:
+    """Dynamic sampling (DAPO): drop groups whose rewards are all equal (their advantages are all 0)
+    and sample more prompts until `prompts_per_step` informative groups are kept, at most `max_rounds`
+    extra rounds; then train on what was kept (possibly fewer groups, never more)."""
+    import algos
+    import ray
+
+    def groups(ts):
+        by: dict[int, list[dict]] = {}
+        for t in ts:
+            by.setdefault(t["group_id"], []).append(t)
+        return list(by.values())
+
+    kept, seen, rounds = [], 0, 0
+    pending = groups(trajs)
+    while True:
+        keep, stats = algos.filter_groups([[t["reward"] for t in g] for g in pending])
+        seen += stats["groups"]
+        kept += [g for g, k in zip(pending, keep.tolist()) if k]
+        more = algos.groups_to_request(len(kept), cfg.prompts_per_step, len(kept) / max(seen, 1))
+        if more == 0 or rounds == max_rounds:
+            break
+        rounds += 1
+        batch = [s for _ in range(math.ceil(more / cfg.prompts_per_step)) for s in next(prompts)][:more]
+        pending = groups(ray.get(flow.generate.remote(batch, cfg.samples_per_prompt, sampling, step)))
+    kept = kept[:cfg.prompts_per_step]
+    return [t for g in kept for t in g], {"rollout/groups_kept": len(kept), "rollout/groups_sampled": seen,
+                                          "rollout/refill_rounds": rounds}
+
+
 def evaluate(cfg: Config, flow, eval_samples: list[dict], step: int) -> dict:
     import ray
     sampling = dict(temperature=cfg.eval_temperature, top_p=1.0, top_k=-1, max_new_tokens=cfg.max_new_tokens)
@@ -533,6 +568,9 @@ def train(cfg: Config) -> list[dict]:
             trajs = ray.get(in_flight.popleft())
             if cfg.mode == "async" and step + 1 < cfg.num_steps:  # refill now: overlaps with training below
                 in_flight.append(flow.generate.remote(next(prompts), cfg.samples_per_prompt, sampling, step + 1))
+            if cfg.dynamic_sampling:
+                trajs, ds = refill_informative_groups(cfg, flow, trajs, prompts, sampling, step)
+                metrics.update(ds)
         metrics["timing/generate"] = time.perf_counter() - t0
         metrics.update(rollout_metrics(trajs))
         metrics["perf/rollout_tokens_per_s"] = metrics["rollout/generated_tokens"] / max(metrics["timing/generate"], 1e-9)

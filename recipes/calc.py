@@ -7,7 +7,9 @@ session of the router, so every token it causes lands in the trajectory (model t
 results masked out). The reward is 1.0 when the final answer's last number equals the sample's answer.
 
 Run with a recipe YAML that sets `agent: recipes.calc.agent`, `reward: recipes.calc.reward` and a
-`synthetic:calc:<n>:<seed>` dataset. Tested by tests/test_agentflow.py (calculator, agent loop).
+`synthetic:calc:<n>:<seed>` dataset. A random tiny model never writes a tool call, so warm-start it on
+`sft_trajectory` (the ideal episode in trajectory form, same tokens and masks the router records).
+Tested by tests/test_agentflow.py (calculator, agent loop, SFT transcript == router trajectory).
 Left out: parallel tool execution and tools other than arithmetic.
 """
 from __future__ import annotations
@@ -86,6 +88,51 @@ async def agent(client, sample: dict, max_turns: int = 8) -> str:
             messages.append({"role": "tool", "tool_call_id": tc.id, "content": _run_tool(tc.function.name,
                                                                                         tc.function.arguments)})
     return reply
+
+
+def sft_trajectory(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dict:
+    """A supervised transcript of the ideal episode, in trajectory form, to warm-start the tiny model:
+    call the calculator on the question, read the result, answer with it.
+
+    Token for token what the router records for the same episode (tests/test_agentflow.py checks it):
+    the prompt is the chat with the tool list; the model's turns (tool call, final answer, each ending
+    in <|im_end|>) have loss_mask 1; the template glue and the tool result have 0. With probability
+    `label_noise` the final answer is off by one, so RL has something left to fix.
+    """
+    expr = sample["messages"][-1]["content"]
+    answer = calculator(expr)
+    if label_noise and rng is not None and rng.random() < label_noise and answer.lstrip("-").isdigit():
+        answer = str(int(answer) + rng.choice((-1, 1)))
+    call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}
+
+    def render(messages, gen=False):
+        return tok.apply_chat_template(messages, tools=[CALCULATOR_TOOL], tokenize=False, add_generation_prompt=gen)
+
+    def enc(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    eos = data.EOS_TOKEN
+    history = list(sample["messages"])
+    prev = render(history, gen=True)
+    prompt_ids, response_ids, loss_mask = enc(prev), [], []
+    for reply in ({"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "assistant", "content": answer}):
+        history.append(reply)
+        full = render(history)
+        model_text = full[len(prev):full.rindex(eos) + len(eos)]  # what the model writes, its <|im_end|> included
+        ids = enc(model_text)
+        response_ids += ids
+        loss_mask += [1] * len(ids)
+        if "tool_calls" not in reply:
+            break
+        history.append({"role": "tool", "tool_call_id": "call_0", "content": calculator(expr)})
+        nxt = render(history, gen=True)
+        glue = enc(nxt[len(prev) + len(model_text):])  # turn end, the tool result, the next assistant header
+        response_ids += glue
+        loss_mask += [0] * len(glue)
+        prev = nxt
+    return {"prompt_ids": prompt_ids, "response_ids": response_ids, "loss_mask": loss_mask,
+            "rollout_logprobs": [0.0] * len(response_ids), "weight_versions": [-1] * len(response_ids),
+            "reward": 0.0, "status": "ok", "group_id": 0, "sample_index": 0}
 
 
 def reward(response: str, sample: dict) -> float:

@@ -96,7 +96,8 @@ def test_parse_tool_calls_valid_malformed_and_unknown():
     ok = 'let me compute\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
     content, calls = agentflow.parse_tool_calls(ok, {"calculator"})
     assert content == "let me compute"
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("calculator", {"expression": "1+2"})]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("calculator", {"expression": "1+2"})]
     two = ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>'
            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2\\"}"}</tool_call>')
     assert [c["function"]["arguments"]["expression"] for c in agentflow.parse_tool_calls(two)[1]] == ["1", "2"]
@@ -163,6 +164,13 @@ def test_crafted_tool_calls_reach_official_clients_plain_and_streaming(engines, 
         async with an.messages.stream(model="m", max_tokens=8, messages=msgs, tools=[tool]) as st:
             final = await st.get_final_message()
         assert final.stop_reason == "tool_use" and final.content[1].input == {"expression": "3*4"}
+
+        # a stop string ends the turn at the token that completes it; the kept ids are a prefix of the sampled ones
+        m = await an.messages.create(model="m", max_tokens=8, messages=msgs, tools=[tool],
+                                     stop_sequences=["<tool_call>"])
+        assert (m.stop_reason, m.stop_sequence, m.content[0].text) == ("stop_sequence", "<tool_call>", "ok")
+        seg = s.segments[-1]
+        assert flow.chat.decode(seg.response_ids, skip_special_tokens=False) == "ok <tool_call>"
         await flow.close()
     run(body())
 
@@ -184,7 +192,8 @@ def test_openai_client_plain_streaming_tools_logprobs(engines, tiny_model_dir):
         out = calls[-1][2]
         assert r.usage.completion_tokens == len(out["output_ids"]) <= 5
         assert r.usage.prompt_tokens == len(calls[-1][1])
-        assert [lp.logprob for lp in r.choices[0].logprobs.content] == [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+        engine_lps = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+        assert [lp.logprob for lp in r.choices[0].logprobs.content] == engine_lps
         assert r.choices[0].finish_reason in ("stop", "length")
 
         # streaming: a fresh history (the prompt is repeated, not extended: a second segment)
@@ -310,7 +319,8 @@ def test_64_concurrent_sessions_have_no_cross_talk(engines, tiny_model_dir):
         client = session_client(flow, s)
         msgs = [{"role": "user", "content": f"task {i}: {i}+{i}"}]
         r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=3)
-        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": f"again {i}"}]
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": f"again {i}"}]
         await client.chat.completions.create(model="m", messages=msgs, max_tokens=3)
         await flow.router.close_session(s)
         await client.close()
@@ -357,7 +367,8 @@ def test_bad_requests_get_4xx_error_bodies_and_router_keeps_serving(engines, tin
                 (post("/chat/completions", {"messages": [{"role": "user", "content": "9 " * 200}]}), 400,
                  "context_length_exceeded"),
                 (post("/chat/completions", {"messages": ok_msg}, headers={"Authorization": "Bearer nope"}), 401, None),
-                (post("/chat/completions", {"messages": ok_msg}, url=f"{flow.router.url}/s/nosuchsession/v1"), 404, None),
+                (post("/chat/completions", {"messages": ok_msg}, url=f"{flow.router.url}/s/nosuchsession/v1"),
+                 404, None),
             ]
             for coro, status, code in cases:
                 r = await coro
@@ -397,13 +408,15 @@ async def async_exact_match(response: str, sample: dict) -> float:
 def test_single_turn_generate_groups_ids_and_rewards(engines, tiny_model_dir):
     async def body():
         flow = agentflow.AgentFlow(make_cfg(reward="test_agentflow.async_exact_match"), engines, tiny_model_dir)
-        samples = data.arith_samples(3, seed=0)
+        calls = record_engine_calls(flow.pool)
         out = await flow.generate(samples, 4, SAMPLING, step=0)
         out2 = await flow.generate(samples[:1], 2, dict(SAMPLING, temperature=0.0), step=1)
         await flow.close()
-        return out, out2
+        return out, out2, calls
     samples = data.arith_samples(3, seed=0)
-    out, out2 = run(body())
+    answers = [s["answer"] for s in samples] + [samples[0]["answer"]]  # group 3 = the second call's sample
+    out, out2, calls = run(body())
+    chat = agentflow.ChatFormat(tiny_model_dir)
     assert [(t["group_id"], t["sample_index"]) for t in out] == [(g, i) for g in range(3) for i in range(4)]
     assert [t["group_id"] for t in out2] == [3, 3]                          # unique across calls
     assert out2[0]["response_ids"] == out2[1]["response_ids"]               # greedy is deterministic
@@ -413,7 +426,15 @@ def test_single_turn_generate_groups_ids_and_rewards(engines, tiny_model_dir):
         n = len(t["response_ids"])
         assert t["loss_mask"] == [1] * n and len(t["rollout_logprobs"]) == n and t["weight_versions"] == [0] * n
         assert all(lp <= 0 for lp in t["rollout_logprobs"])
-        assert t["reward"] == float(t["response_text"].strip() == ([s["answer"] for s in samples] * 2)[t["group_id"]])
+        # the prompt is the sample rendered with the template; the response is exactly one engine answer
+        msgs = (samples + samples[:1])[t["group_id"]]["messages"]
+        assert t["prompt_ids"] == chat.encode(chat.render(msgs, add_generation_prompt=True))
+        assert any(o["output_ids"] == t["response_ids"] and inp == t["prompt_ids"] and
+                   [x[0] for x in o["meta_info"]["output_token_logprobs"]] == t["rollout_logprobs"]
+                   for _, inp, o in calls)
+        assert (t["status"] == "truncated") == (n == 6 and t["response_ids"][-1] not in chat.stop_ids)
+        answer = answers[t["group_id"]]
+        assert t["reward"] == float(t["response_text"].strip() == answer)  # the async reward ran on the response
 
 
 async def two_turn_agent(client, sample):
@@ -459,7 +480,7 @@ def test_whitebox_agents_ok_crash_reward_budget_timeout(engines, tiny_model_dir)
     async def body():
         return await asyncio.gather(gen("two_turn_agent"), gen("crashing_agent"), gen("self_rewarding_agent"),
                                     gen("context_hungry_agent", max_context_len=60),
-                                    gen("sleepy_agent", agent_timeout=2.0))
+                                    gen("sleepy_agent", agent_timeout=6.0))
     ok, crashed, rewarded, hungry, sleepy = run(body())
     for t in ok:
         assert t["status"] == "ok" and t["metadata"]["turns"] == 2 and len(t["segments"]) == 1
@@ -498,8 +519,9 @@ def test_abort_drops_running_groups(engines, tiny_model_dir):
     async def body():
         flow = agentflow.AgentFlow(make_cfg(max_context_len=512), engines, tiny_model_dir)
         task = asyncio.ensure_future(flow.generate(data.arith_samples(2, seed=5), 2,
-                                                   dict(SAMPLING, max_new_tokens=400), step=0))
-        await asyncio.sleep(0.5)
+                                                   dict(SAMPLING, max_new_tokens=400, ignore_eos=True), step=0))
+        while len(flow.pool.running) < 4:  # all four requests are on their way to the engines
+            await asyncio.sleep(0.001)
         t0 = time.perf_counter()
         await flow.abort()
         out = await task
@@ -560,7 +582,8 @@ def test_local_sandbox_limits_and_cleanup():
 @pytest.mark.skipif(not agentflow.docker_available(), reason="no Docker engine answers `docker info` here")
 def test_docker_sandbox_runs_and_is_removed():
     async def body():
-        box = await agentflow.DockerSandbox(image=os.environ.get("LOONGSAGE_SANDBOX_IMAGE", "python:3.11-slim")).create()
+        image = os.environ.get("LOONGSAGE_SANDBOX_IMAGE", "python:3.11-slim")
+        box = await agentflow.DockerSandbox(image=image).create()
         r = await box.execute("echo hi", timeout_s=30)
         slow = await box.execute("sleep 30", timeout_s=1)
         await box.delete()
@@ -621,3 +644,34 @@ def test_calc_agent_runs_against_the_real_engine(engines, tiny_model_dir):
         return out
     out = run(body())
     assert len(out) == 4 and all(t["status"] in ("ok", "truncated") and t["reward"] in (0.0, 1.0) for t in out)
+
+
+def test_calc_sft_transcript_matches_what_the_router_records(engines, tiny_model_dir):
+    """Warm-start data and RL data agree token for token: replaying the SFT transcript's model turns
+    through the router (crafted engine replies) yields the same ids and the same mask."""
+    from recipes.calc import sft_trajectory
+    tok = data.load_tokenizer(tiny_model_dir)
+    sample = data.calc_samples(1, seed=11)[0]
+    sft = sft_trajectory(tok, sample)
+    spans, cur = [], []  # the model-written spans (mask 1), each ending in <|im_end|>
+    for tid, m in zip(sft["response_ids"], sft["loss_mask"]):
+        if m:
+            cur.append(tid)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    spans.append(cur)
+    replies = [tok.decode(span[:-1], skip_special_tokens=False) for span in spans]
+    assert replies[1] == sample["answer"] and "<tool_call>" in replies[0]
+
+    async def body():
+        flow = agentflow.AgentFlow(make_cfg(agent="recipes.calc.agent", reward="recipes.calc.reward"),
+                                   engines, tiny_model_dir)
+        crafted_engine(flow.pool, flow.chat, replies)
+        out = await flow.generate([sample], 1, SAMPLING, step=0)
+        await flow.close()
+        return out
+    (t,) = run(body())
+    assert t["reward"] == 1.0 and t["status"] == "ok"
+    assert (t["prompt_ids"], t["response_ids"], t["loss_mask"]) == \
+        (sft["prompt_ids"], sft["response_ids"], sft["loss_mask"])

@@ -8,10 +8,11 @@ What each test proves:
 * gradient algebra: one train_step on a fixed batch gives the same loss, grad norm and updated
   weights with DP=2 (two actors) and TP=2 as with one rank (so DP gradients are summed, not averaged);
 * learning: a few steps on a fixed batch move the loss and keep it finite;
-* save_hf loads in transformers and reproduces the trainer's logprobs; a checkpoint resumes bit-exactly.
+* save_hf loads in transformers and reproduces the trainer's logprobs; a checkpoint resumes bit-exactly;
+* use_rollout_logprobs: the train-inference gap is measured before the update (~0 for exact engine logprobs);
+* pure helpers: response alignment in `collate`, DP-invariant mini-batch plans, the lr schedule.
 """
 import math
-import os
 import random
 import socket
 from pathlib import Path
@@ -29,7 +30,7 @@ from loongsage import Config  # noqa: E402
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def ray_session():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
@@ -44,11 +45,13 @@ def _free_port() -> int:
 
 
 def make_cfg(**over) -> Config:
-    """Small batches; lr and adam_eps large enough that one step moves weights measurably and smoothly
-    (a large eps keeps Adam's first step proportional to the gradient, so DP/TP comparisons are strict)."""
+    """Small batches (8 samples in 2 mini-batches); lr and adam_eps large enough that one step moves
+    weights measurably and smoothly (a large eps keeps Adam's first step proportional to the gradient,
+    so the DP/TP comparisons are strict)."""
     base = dict(device="cpu", dtype="float32", seed=0, tensor_parallel=1, pipeline_parallel=1, trainer_workers=1,
                 prompts_per_step=4, samples_per_prompt=2, global_batch_size=4, micro_batch_size=2, num_steps=10,
-                lr=1e-2, min_lr=1e-2, adam_eps=1e-2, grad_clip=1.0, max_new_tokens=8)
+                lr=1e-2, min_lr=1e-2, adam_eps=1e-2, grad_clip=1.0, max_new_tokens=8,
+                kl_coef=0.05)  # a KL term: every test also runs the frozen reference model
     base.update(over)
     return Config(**base)
 
@@ -71,7 +74,8 @@ class Ranks:
 
 
 @pytest.fixture(scope="module")
-def tp1():
+def tp1(ray_session):
+    """One rank (TP=1, DP=1), reused by every test: each test starts with a fresh load_hf."""
     ranks = Ranks(make_cfg(), 1)
     yield ranks
     ranks.close()
@@ -128,7 +132,48 @@ def assert_same_weights(exported: list, expected: dict, exact: bool = True, atol
 
 
 # ----------------------------------------------------------------------------------------------
+# pure helpers: batching, mini-batch planning, lr schedule
+
+
+def test_collate_aligns_response_tokens():
+    batch = [dict(prompt_ids=[5, 6, 7], response_ids=[8, 9], loss_mask=[1, 0], rollout_logprobs=[-1.0, -2.0]),
+             dict(prompt_ids=[4], response_ids=[3, 2, 1], loss_mask=[1, 1, 1], rollout_logprobs=[-1.0] * 3)]
+    mb = trainer.collate(batch)
+    assert mb["tokens"].tolist() == [[5, 6, 7, 8, 9], [4, 3, 2, 1, 0]]
+    # the logits at position p-1+j predict response token j
+    assert mb["resp_pos"].tolist() == [[2, 3, 0], [0, 1, 2]]
+    assert mb["loss_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert mb["rollout_logp"].tolist() == [[-1.0, 0.0, 0.0], [-1.0, -1.0, -1.0]]  # 0 off the loss mask
+
+
+def test_minibatch_plan_keeps_groups_whole_and_ignores_dp_size():
+    batch = [dict(group_id=g) for g in (7, 7, 3, 3, 9, 9, 1, 1, 5, 5)]
+    whole = trainer.plan_minibatches(batch, 2, 0, 1, by_group=True)
+    assert whole == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    ranks = [trainer.plan_minibatches(batch, 2, r, 2, by_group=True) for r in range(2)]
+    assert ranks[0] == [[0, 1, 4, 5], [6, 7]] and ranks[1] == [[2, 3], [8, 9]]
+    for i in range(2):  # every mini-batch is the same set of samples however many DP ranks share it
+        assert sorted(ranks[0][i] + ranks[1][i]) == whole[i]
+
+
+def test_lr_schedule():
+    cfg = make_cfg(lr=1.0, min_lr=0.1, lr_warmup_steps=2, num_steps=3, prompts_per_step=4, samples_per_prompt=2,
+                   global_batch_size=4)  # 2 optimizer steps per RL step: 6 in all
+    lrs = [trainer.lr_at(cfg, i) for i in range(7)]
+    assert lrs[:2] == [0.5, 1.0] and lrs[2] == 1.0 and lrs[6] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(lrs[2:6], lrs[3:7]))  # cosine decay after warmup
+    assert trainer.lr_at(make_cfg(lr=0.3, min_lr=0.3), 5) == 0.3  # min_lr == lr: constant
+
+
+# ----------------------------------------------------------------------------------------------
 # conversion: parity with transformers and the HF round trip
+
+
+def test_bad_tensor_parallel_is_explained(tiny_model_dir):
+    hf = trainer.read_hf_config(tiny_model_dir)
+    msg = r"tensor_parallel=3 does not divide num_attention_heads=4; choose one of \[1, 2, 4\]"
+    with pytest.raises(ValueError, match=msg):
+        trainer.megatron_config(hf, make_cfg(tensor_parallel=3), cpu=True)
 
 
 def _tiny_family(kind: str, out: Path) -> str:
@@ -141,7 +186,8 @@ def _tiny_family(kind: str, out: Path) -> str:
         "llama_tied": (tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**common, tie_word_embeddings=True)),
         "qwen3_moe": (tf.Qwen3MoeForCausalLM, lambda: tf.Qwen3MoeConfig(
             **common, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
-        "mixtral": (tf.MixtralForCausalLM, lambda: tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)),
+        "mixtral": (tf.MixtralForCausalLM,
+                    lambda: tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)),
     }[kind]
     torch.manual_seed(0)
     model = cls(config()).float()
@@ -251,6 +297,7 @@ def test_steps_move_the_loss(tp1, tiny_model_dir):
     before = rewarded_logp()
     metrics = [tp1.call("train_step", batch, step)[0] for step in range(3)]
     assert all(math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0 for m in metrics)
+    assert 0 <= metrics[0]["train/kl"] < metrics[-1]["train/kl"]  # the reference stays put, the policy leaves it
     assert metrics[-1]["train/gap_abs"] != metrics[0]["train/gap_abs"]  # the policy moved away from the rollout
     assert rewarded_logp() > before + 0.05  # GRPO pushes up the rewarded samples
 
@@ -279,3 +326,19 @@ def test_checkpoint_resumes_bit_exactly(tp1, tiny_model_dir, tmp_path):
     [w_again] = tp1.call("export_hf_weights")
     assert m_again == m_first
     assert_same_weights(w_again, dict(w_first))
+
+
+def test_rollout_logprobs_as_behaviour_policy(ray_session, tiny_model_dir):
+    # use_rollout_logprobs skips the old-logprob forward; the gap then comes from the first mini-batch's
+    # forward, still before any update: with engine logprobs equal to the model's own, it is ~0
+    batch = make_batch()
+    for s, lp in zip(batch, hf_logprobs(tiny_model_dir, batch)):
+        s["rollout_logprobs"] = [float(x) * m for x, m in zip(lp, s["loss_mask"])]
+    one = Ranks(make_cfg(use_rollout_logprobs=True, is_correction="token"), 1)
+    try:
+        one.call("load_hf", tiny_model_dir)
+        [m] = one.call("train_step", batch, 0)
+    finally:
+        one.close()
+    assert m["train/gap_max"] < 1e-4 and m["train/gap_abs"] < 1e-5
+    assert math.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0

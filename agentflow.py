@@ -1,0 +1,1500 @@
+"""AgentFlow: every agent trains through a standard chat API.
+
+The controller asks `AgentFlow.generate(samples, n, sampling, step)` for n trajectories per sample.
+Each trajectory is produced one of three ways:
+
+* `cfg.agent == ""` and no `cfg.agent_command` (the fast path of the CPU recipes): render
+  `sample["messages"]` with the chat template and send the token ids straight to the least-loaded
+  rollout engine's `/generate` — no HTTP router hop.
+* `cfg.agent = "module.function"` (white-box): `async def agent(client, sample)` gets an official
+  `openai.AsyncOpenAI` bound to a per-trajectory session URL of the router and talks to it like to any
+  OpenAI endpoint. It returns its final text, or a dict that may carry its own `reward`; otherwise
+  the reward is computed from the session's last assistant text.
+* `cfg.agent_command = "<shell command>"` (black-box): any program, run in a sandbox
+  (`cfg.sandbox`) with OPENAI_BASE_URL / OPENAI_API_KEY / ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY
+  pointing at its session; the task (the sample's last user message) arrives on stdin and in
+  $LOONGSAGE_TASK (the whole sample as JSON in the file $LOONGSAGE_SAMPLE_FILE); what it prints is
+  its answer, and the reward is computed from that.
+
+Budgets per trajectory: `cfg.agent_timeout` seconds, `cfg.max_turns` model calls, `cfg.max_context_len`
+tokens (a request past it gets a 400 `context_length_exceeded`; what was generated is kept and the
+trajectory is "truncated"); a failed trajectory is retried up to `cfg.agent_retries` times and then
+kept as "failed" (reward 0, loss_mask all 0) so its group stays complete.
+
+The router is one HTTP server in front of all engines. Each trajectory gets a session base URL
+`http://host:port/s/<session>/v1` (the session id and the api key are unguessable tokens) serving
+OpenAI `POST /chat/completions`, Anthropic `POST /messages` and `GET /models`, plain and streaming,
+with tool calls. A session sticks to one engine (its KV prefix cache stays warm); new sessions go to
+the engine with the fewest requests in flight; engines that fail are skipped for a cool-down.
+
+Token in, token out (TITO): the chat is rendered with the template once. On the next turn the router
+checks that the new messages extend the previous ones, keeps the exact token ids the model produced,
+and appends only the tokens of the new messages (loss_mask 0). Generated text is never re-tokenized,
+so the trainer sees exactly the ids — and logprobs, and weight versions — the engine sampled. A
+history that does not extend (compacted or edited) starts a new segment; all segments are kept.
+
+Sandboxes (`LocalSandbox`, `DockerSandbox`) run black-box agents and code-test rewards with CPU-time,
+memory, file-size and wall-clock limits, and kill the whole process group at the end.
+
+Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
+`python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
+Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
+clients). Left out: constrained decoding (tool_choice "required"/named is not enforced, only parsed),
+images/audio content parts, the OpenAI Responses API, n > 1 per request (ask n sessions instead),
+token-level streaming from the engine (a streamed reply is sent once the turn is generated).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import re
+import resource
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from fastapi import Request  # module level: FastAPI resolves handler annotations here
+
+import data
+import rollout
+
+log = logging.getLogger("loongsage.agentflow")
+ROOT = Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------------------------------------------
+# the trajectory: what one sample becomes, and what the trainer reads
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]          # the rendered first prompt of the (last) segment, chat template applied
+    response_ids: list[int]        # every token after the prompt: model tokens and tool/template tokens interleaved
+    loss_mask: list[int]           # 1 on tokens the model generated, 0 on tokens the template or tools inserted
+    rollout_logprobs: list[float]  # engine logprob of each response token; 0.0 where loss_mask == 0
+    weight_versions: list[int]     # engine weight version that sampled each token; -1 where loss_mask == 0
+    segments: list[dict] = field(default_factory=list)  # one dict per context segment (same keys as above);
+    #                                the last one is the top-level fields; earlier ones exist when the agent
+    #                                compacted/edited its history, so a forker can train on them too
+    reward: float = 0.0            # scalar reward of the whole trajectory
+    status: str = "ok"             # "ok" | "failed" (agent/engine error) | "aborted" |
+    #                                "truncated" (hit a token/turn/time budget; still rewarded and trainable)
+    group_id: int = -1             # which prompt this sample answers; unique across generate() calls
+    sample_index: int = -1         # 0..n-1 within its group
+    timings: dict = field(default_factory=dict)   # seconds: total_s, generate_s, reward_s
+    metadata: dict = field(default_factory=dict)  # free-form: step, engine, finish_reason, turns, error, ...
+    prompt_text: str = ""          # decoded prompt, for logging only
+    response_text: str = ""        # the text the reward was computed from, for logging only
+
+
+# ----------------------------------------------------------------------------------------------
+# errors that reach an API client: each renders as an OpenAI- or Anthropic-style error body
+
+
+class ApiError(Exception):
+    """A request the router refuses; `status` is the HTTP code, `code` a machine-readable reason."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+_OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                       503: "server_error"}
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                          503: "overloaded_error"}
+
+
+def openai_error_body(e: ApiError) -> dict:
+    return {"error": {"message": e.message, "type": _OPENAI_ERROR_TYPES.get(e.status, "server_error"),
+                      "param": e.param, "code": e.code}}
+
+
+def anthropic_error_body(e: ApiError) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(e.status, "api_error"),
+                                       "message": e.message}}
+
+
+class EngineUnavailable(Exception):
+    """No healthy engine answered; the trajectory fails (and may be retried)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# engines: least-loaded choice, stickiness, health
+
+
+def _version(v) -> int:
+    """Engines report weight versions as strings (SGLang: "default" before the first update -> 0)."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _token_versions(meta: dict, n: int) -> list[int]:
+    """Per-token weight versions: the engine's own list when it has one (the CPU engine does; a weight
+    update in the middle of a request shows up there), else the version at the end of the request."""
+    per_token = meta.get("output_token_weight_versions")
+    if per_token is not None and len(per_token) == n:
+        return [_version(v) for v in per_token]
+    return [_version(meta.get("weight_version"))] * n
+
+
+def _http_status(e: Exception) -> int | None:
+    status = getattr(e, "status_code", None)
+    if status is None:  # rollout.EngineError carries the status in its message: "... answered HTTP 400: ..."
+        m = re.search(r"answered HTTP (\d{3})", str(e))
+        status = int(m.group(1)) if m else None
+    return status
+
+
+def nodelay_transport(http_module=httpx, **kw):
+    """An httpx transport with TCP_NODELAY. httpx writes a POST's headers and body separately; with
+    Nagle on, the body waits for the peer's delayed ACK of the headers: ~40 ms per request on loopback
+    (measured here: median client overhead 44 ms -> 6 ms). Every engine and router call pays it otherwise."""
+    import socket
+    return http_module.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], **kw)
+
+
+def openai_http_client():
+    """An http client for an official AsyncOpenAI client, with TCP_NODELAY. The SDK builds requests
+    with its own httpx flavour (httpx, or its fork httpx2 in newer releases), so the transport must come
+    from the same module as the SDK's client class."""
+    import importlib
+
+    import openai
+    base = next(c for c in openai.DefaultAsyncHttpxClient.__mro__ if c.__name__ == "AsyncClient")
+    mod = importlib.import_module(base.__module__.split(".")[0])
+    limits = mod.Limits(max_connections=100, max_keepalive_connections=20)
+    return openai.DefaultAsyncHttpxClient(transport=nodelay_transport(mod, limits=limits))
+
+
+class EnginePool:
+    """Routes /generate calls over several engines.
+
+    A request goes to the session's engine if it has one and it is healthy (so its prefix cache stays
+    warm), else to the healthy engine with the fewest requests in flight (ties rotate). A connection
+    error or 5xx marks the engine down for `cooldown_s` and the request moves to another engine;
+    nothing of the failed attempt was recorded, so the retry is invisible to the trajectory.
+    """
+
+    def __init__(self, urls: list[str], *, timeout_s: float = 600.0, cooldown_s: float = 5.0):
+        if not urls:
+            raise ValueError("EnginePool needs at least one engine URL (got an empty list); start the rollout "
+                             "engines first and pass their URLs")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.inflight = {u: 0 for u in self.urls}
+        self.down_until = {u: 0.0 for u in self.urls}
+        self.timeout_s, self.cooldown_s = timeout_s, cooldown_s
+        self._rotate = 0
+        self._http: httpx.AsyncClient | None = None
+        self.running: dict[str, str] = {}  # rid -> engine url of every request this pool has in flight
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        # Created lazily so it binds to the event loop that uses it (a Ray async actor's loop).
+        if self._http is None:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            self._http = httpx.AsyncClient(timeout=self.timeout_s, transport=nodelay_transport(limits=limits))
+        return self._http
+
+    def healthy(self) -> list[str]:
+        now = time.monotonic()
+        return [u for u in self.urls if self.down_until[u] <= now]
+
+    def pick(self, prefer: str | None = None) -> str:
+        up = self.healthy()
+        if not up:
+            raise EngineUnavailable(f"all {len(self.urls)} engines are marked down ({self.urls}); check their "
+                                    f"logs; they are retried {self.cooldown_s:.0f}s after a failure")
+        if prefer in up:
+            return prefer
+        self._rotate += 1
+        order = up[self._rotate % len(up):] + up[:self._rotate % len(up)]
+        return min(order, key=lambda u: self.inflight[u])
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
+                       prefer: str | None = None) -> tuple[str, dict]:
+        """POST /generate on one engine (rollout.generate); returns (engine url, the engine's answer)."""
+        last_error: Exception | None = None
+        for attempt in range(len(self.urls)):
+            url = self.pick(prefer if attempt == 0 else None)
+            self.inflight[url] += 1
+            self.running[rid] = url
+            try:
+                out = await rollout.generate(self.http, url, input_ids, sampling_params, rid=rid)
+                return url, (out[0] if isinstance(out, list) else out)
+            except rollout.EngineError as e:
+                status = _http_status(e)
+                if status is not None and status < 500:
+                    # The engine refused the input itself (bad ids, too long): the client's fault, not the engine's.
+                    raise ApiError(400, f"the rollout engine rejected the request: {e}",
+                                   code="engine_rejected") from None
+                last_error = e
+            except httpx.TransportError as e:
+                last_error = e
+            finally:
+                self.inflight[url] -= 1
+                self.running.pop(rid, None)
+            self.down_until[url] = time.monotonic() + self.cooldown_s
+            log.warning("engine %s failed (%r); marked down for %.0fs", url, last_error, self.cooldown_s)
+        raise EngineUnavailable(f"no engine could serve request {rid}: {last_error!r}")
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request (rid) or every request of this pool (rid=None) on its engine. By rid, not
+        abort_all: other clients of the same engines (an eval, a second AgentFlow) keep their requests."""
+        rids = [rid] if rid is not None else list(self.running)
+        await asyncio.gather(*(self.http.post(f"{self.running[r]}/abort_request", json={"rid": r})
+                               for r in rids if r in self.running), return_exceptions=True)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+# ----------------------------------------------------------------------------------------------
+# chat rendering and tool-call parsing
+
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str, list[dict]]:
+    """Split model text into (content, tool_calls) for `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+
+    Each tool call is `{"id", "type": "function", "function": {"name", "arguments": dict}}`. All or
+    nothing: if any block is malformed (bad JSON, no name, arguments not an object, unclosed tag, a
+    name not among `tool_names`), the whole text comes back as plain content with no tool calls — the
+    agent then sees what the model wrote instead of a half-parsed call, and the router never crashes.
+    """
+    blocks = list(_TOOL_CALL_RE.finditer(text))
+    if not blocks:
+        return text.strip(), []
+    calls = []
+    for m in blocks:
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            return text.strip(), []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text.strip(), []
+        args = obj.get("arguments", {})
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return text.strip(), []
+        if not isinstance(args, dict) or (tool_names is not None and obj["name"] not in tool_names):
+            return text.strip(), []
+        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                      "function": {"name": obj["name"], "arguments": args}})
+    rest = _TOOL_CALL_RE.sub("", text)
+    if "<tool_call>" in rest or "</tool_call>" in rest:  # an unclosed or stray tag: not a clean call
+        return text.strip(), []
+    return rest.strip(), calls
+
+
+class ChatFormat:
+    """The tokenizer + chat template, and the few token facts TITO needs."""
+
+    # Control tokens a (possibly untrained) model may emit mid-text; they are not content for an agent.
+    _CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+
+    def __init__(self, tokenizer_path: str):
+        self.tok = data.load_tokenizer(tokenizer_path)
+        self.eos_id = self.tok.convert_tokens_to_ids(data.EOS_TOKEN)
+        self.stop_ids = sorted({self.eos_id, self.tok.pad_token_id})
+        self.vocab_size = len(self.tok)
+        # What the template writes after an assistant message's content ("<|im_end|>\n" for Qwen). The
+        # model's own tokens end the content; these close the turn so the next messages can follow.
+        mark = "\x00MARK\x00"
+        probe = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}])
+        self.assistant_suffix = probe[probe.rindex(mark) + len(mark):]
+        self.eos_text = self.tok.convert_ids_to_tokens(self.eos_id)
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None,
+               add_generation_prompt: bool = False) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False) if text else []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def assistant_text(self, output_ids: list[int]) -> str:
+        """Model output as text for tool-call parsing: tool tags kept, chat control tokens dropped."""
+        text = self.decode(output_ids, skip_special_tokens=False)
+        for t in self._CONTROL:
+            text = text.replace(t, "")
+        return text
+
+    def close_turn_ids(self, output_ids: list[int]) -> list[int]:
+        """Template tokens that close an assistant turn after the model's own tokens (loss_mask 0).
+
+        The model normally ends with the eos token, which is the suffix's first token; then only the
+        rest ("\\n") is added. A turn cut by max_tokens gets the whole suffix. The model's ids stay as sampled.
+        """
+        suffix = self.assistant_suffix
+        if output_ids and output_ids[-1] == self.eos_id and suffix.startswith(self.eos_text):
+            suffix = suffix[len(self.eos_text):]
+        return self.encode(suffix)
+
+
+# ----------------------------------------------------------------------------------------------
+# request normalisation: OpenAI and Anthropic chat formats -> one internal message list
+
+
+def _text_of(content, where: str) -> str:
+    """A message content (str, None, or a list of text parts/blocks) as plain text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, p in enumerate(content):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                raise ApiError(400, f"{where}.content[{j}] has type {kind!r}; only text parts are supported",
+                               param=f"{where}.content")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise ApiError(400, f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
+                   param=f"{where}.content")
+
+
+def _tool_call(name, args, call_id: str | None, where: str) -> dict:
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, f"{where}: tool call needs a function name, got {name!r}", param=where)
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"{where}: tool call arguments are not valid JSON ({e}): {args[:200]!r}",
+                           param=where) from None
+    if not isinstance(args, dict):
+        raise ApiError(400, f"{where}: tool call arguments must be a JSON object, got {type(args).__name__}",
+                       param=where)
+    return {"id": call_id or "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": args}}
+
+
+def openai_messages(raw) -> list[dict]:
+    """OpenAI chat `messages` -> internal messages {role, content: str, tool_calls?} (400 on anything else)."""
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'messages' must be a non-empty list of chat messages", param="messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where} must be an object, got {type(m).__name__}", param=where)
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ApiError(400, f"{where}.role is {role!r}; expected one of system, developer, user, assistant, tool",
+                           param=f"{where}.role")
+        if role == "system" and i != 0:
+            # The chat template renders a system message only in first position; elsewhere it would vanish.
+            raise ApiError(400, f"{where}: a system message is only allowed as the first message", param=where)
+        msg = {"role": role, "content": _text_of(m.get("content"), where)}
+        if role == "assistant" and m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise ApiError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+            calls = []
+            for j, tc in enumerate(m["tool_calls"]):
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                if not isinstance(fn, dict):
+                    raise ApiError(400, f"{where}.tool_calls[{j}] needs a 'function' object",
+                                   param=f"{where}.tool_calls")
+                calls.append(_tool_call(fn.get("name"), fn.get("arguments", {}), tc.get("id"),
+                                        f"{where}.tool_calls[{j}]"))
+            msg["tool_calls"] = calls
+        if role == "tool":
+            msg["tool_call_id"] = m.get("tool_call_id", "")
+        out.append(msg)
+    return out
+
+
+def openai_tools(raw) -> list[dict] | None:
+    """Validate OpenAI `tools` ([{"type": "function", "function": {name, description?, parameters?}}])."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
+    tools = []
+    for i, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise ApiError(400, f"invalid tool schema at tools[{i}]: expected "
+                           "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}", param=f"tools[{i}]")
+        tools.append({"type": "function", "function": _tool_function(fn.get("name"), fn.get("description"),
+                                                                     fn.get("parameters"), f"tools[{i}]")})
+    return tools or None
+
+
+def _tool_function(name, description, parameters, where: str) -> dict:
+    if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
+        raise ApiError(400, f"invalid tool schema at {where}: name {name!r} must match [A-Za-z0-9_.-]{{1,64}}",
+                       param=where)
+    if parameters is not None and (not isinstance(parameters, dict) or
+                                   parameters.get("type", "object") != "object"):
+        raise ApiError(400, f"invalid tool schema at {where}: parameters must be a JSON-schema object "
+                       f"({{'type': 'object', ...}}), got {parameters!r:.200}", param=where)
+    fn = {"name": name}
+    if description is not None:
+        fn["description"] = str(description)
+    fn["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
+    return fn
+
+
+def anthropic_messages(system, raw) -> list[dict]:
+    """Anthropic `system` + `messages` (text / tool_use / tool_result blocks) -> internal messages."""
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
+    out = []
+    if system:
+        out.append({"role": "system", "content": _text_of(system, "system")})
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            role = m.get("role") if isinstance(m, dict) else None
+            raise ApiError(400, f"{where}.role is {role!r}; Anthropic messages take 'user' or 'assistant' "
+                           "(the system prompt goes in the top-level 'system' field)", param=f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ApiError(400, f"{where}.content must be a string or a list of content blocks", param=where)
+        texts, calls = [], []
+        for j, b in enumerate(content):
+            kind = b.get("type") if isinstance(b, dict) else None
+            bw = f"{where}.content[{j}]"
+            if kind == "text" and isinstance(b.get("text"), str):
+                texts.append(b["text"])
+            elif kind == "tool_use" and m["role"] == "assistant":
+                calls.append(_tool_call(b.get("name"), b.get("input", {}), b.get("id"), bw))
+            elif kind == "tool_result" and m["role"] == "user":
+                # Tool results become tool messages, rendered by the template as <tool_response> blocks.
+                out.append({"role": "tool", "content": _text_of(b.get("content"), bw),
+                            "tool_call_id": b.get("tool_use_id", "")})
+            else:
+                raise ApiError(400, f"{bw} has unsupported block type {kind!r} for role {m['role']!r} "
+                               "(supported: text, tool_use in assistant turns, tool_result in user turns)", param=bw)
+        if texts or calls or not any(isinstance(b, dict) and b.get("type") == "tool_result" for b in content):
+            msg = {"role": m["role"], "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
+
+
+def anthropic_tools(raw) -> list[dict] | None:
+    """Anthropic tools ([{name, description?, input_schema}]) -> the OpenAI tool format the template renders."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
+    tools = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict) or not isinstance(t.get("input_schema"), dict):
+            raise ApiError(400, f"invalid tool schema at tools[{i}]: expected {{'name', 'description', "
+                           "'input_schema': {'type': 'object', ...}}", param=f"tools[{i}]")
+        tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
+                                                                     t["input_schema"], f"tools[{i}]")})
+    return tools or None
+
+
+def _message_key(m: dict) -> tuple:
+    """What must match for a message to count as 'the same' when checking that a history extends."""
+    calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
+                  for c in m.get("tool_calls") or ())
+    return m["role"], (m.get("content") or "").strip(), calls
+
+
+# ----------------------------------------------------------------------------------------------
+# sessions: token-in-token-out trajectory building
+
+
+@dataclass
+class Segment:
+    """One contiguous context: a prompt and everything after it, token for token."""
+    messages: list[dict]         # the chat so far, including the assistant turns this segment produced
+    tools: list[dict] | None     # the tools the chat was rendered with (a change starts a new segment)
+    text: str                    # template rendering of `messages` (no generation prompt): the prefix check
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    pending_close: list[int] = field(default_factory=list)  # ids that close the last assistant turn
+
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def as_dict(self) -> dict:
+        return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "loss_mask": self.loss_mask,
+                "rollout_logprobs": self.rollout_logprobs, "weight_versions": self.weight_versions}
+
+
+@dataclass
+class TurnPlan:
+    """The input ids of the next engine call, not yet committed to the session."""
+    segment: Segment | None       # the segment it extends, or None for a new one
+    new_ids: list[int]            # ids appended to that segment (template + new messages, loss_mask 0)
+    input_ids: list[int]          # the whole context sent to the engine
+    messages: list[dict]
+    tools: list[dict] | None
+
+
+@dataclass
+class Turn:
+    """One generated assistant turn, parsed."""
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]           # weight version per output token
+    finish_reason: str            # "stop" | "length" | "abort"
+    content: str                  # text without tool-call blocks
+    tool_calls: list[dict]
+    prompt_tokens: int
+    engine: str
+    stop_sequence: str | None = None  # the stop string that ended the turn, if one did
+
+
+class Session:
+    """The state of one trajectory: its segments, its engine, its budgets, its status.
+
+    The router holds one per session URL; the default single-turn path uses one without HTTP, so
+    both build trajectories through the same TITO code.
+    """
+
+    def __init__(self, chat: ChatFormat, *, sampling: dict, max_context_len: int, max_turns: int,
+                 sample: dict | None = None):
+        self.id = secrets.token_urlsafe(18)       # the unguessable part of the session URL
+        self.api_key = "ls-" + secrets.token_urlsafe(18)
+        self.chat, self.sampling, self.sample = chat, dict(sampling), sample or {}
+        self.max_context_len, self.max_turns = max_context_len, max_turns
+        self.segments: list[Segment] = []
+        self.turns = 0
+        self.status = "ok"                        # becomes truncated / failed / aborted
+        self.engine: str | None = None            # sticky engine url
+        self.closed = False
+        self.lock = asyncio.Lock()                # one turn at a time per session
+        self.inflight_rid: str | None = None
+        self.last_text = ""                       # last assistant content, what the reward sees by default
+        self.finish_reasons: list[str] = []
+        self.generate_s = 0.0
+
+    def plan(self, messages: list[dict], tools: list[dict] | None) -> TurnPlan:
+        """The input ids for a turn: extend the last segment if the history extends it, else start a new one."""
+        seg = self.segments[-1] if self.segments else None
+        if seg is not None and tools == seg.tools and len(messages) >= len(seg.messages) and \
+                all(_message_key(a) == _message_key(b) for a, b in zip(seg.messages, messages)):
+            full = self.chat.render(messages, tools, add_generation_prompt=True)
+            if full.startswith(seg.text):
+                # Reuse the segment's ids verbatim; only the new messages and the template glue are tokenized.
+                new_ids = seg.pending_close + self.chat.encode(full[len(seg.text):])
+                return TurnPlan(seg, new_ids, seg.ids() + new_ids, messages, tools)
+        prompt = self.chat.encode(self.chat.render(messages, tools, add_generation_prompt=True))
+        return TurnPlan(None, prompt, prompt, messages, tools)
+
+    def commit(self, plan: TurnPlan, turn: Turn) -> None:
+        """Append a generated turn (and the ids that led to it) to its segment."""
+        seg = plan.segment
+        if seg is None:
+            seg = Segment(messages=[], tools=plan.tools, text="", prompt_ids=plan.new_ids)
+            self.segments.append(seg)
+        else:
+            n = len(plan.new_ids)
+            seg.response_ids += plan.new_ids
+            seg.loss_mask += [0] * n
+            seg.rollout_logprobs += [0.0] * n
+            seg.weight_versions += [-1] * n
+        n = len(turn.output_ids)
+        seg.response_ids += turn.output_ids
+        seg.loss_mask += [1] * n
+        seg.rollout_logprobs += turn.logprobs
+        seg.weight_versions += turn.versions
+        seg.pending_close = self.chat.close_turn_ids(turn.output_ids)
+        assistant = {"role": "assistant", "content": turn.content}
+        if turn.tool_calls:
+            assistant["tool_calls"] = turn.tool_calls
+        seg.messages = plan.messages + [assistant]
+        seg.text = self.chat.render(seg.messages, seg.tools)
+        self.turns += 1
+        self.last_text = turn.content
+        self.finish_reasons.append(turn.finish_reason)
+
+    async def run_turn(self, pool: EnginePool, messages: list[dict], tools: list[dict] | None, *,
+                       parse_tools: bool = True, max_tokens: int | None = None, overrides: dict | None = None,
+                       stop: list[str] | None = None) -> Turn:
+        """Render, check the budgets, generate on an engine, parse tool calls, commit. Raises ApiError."""
+        async with self.lock:
+            if self.closed:
+                raise ApiError(404, "this session is finished; its trajectory has been handed to the trainer",
+                               code="session_closed")
+            if self.turns >= self.max_turns:
+                self.status = "truncated"
+                raise ApiError(400, f"this session used its {self.max_turns} turns (cfg.max_turns); "
+                               "end the episode", code="max_turns_exceeded")
+            plan = self.plan(messages, tools)
+            room = self.max_context_len - len(plan.input_ids)
+            if room <= 0:
+                self.status = "truncated"
+                raise ApiError(400, f"this request has {len(plan.input_ids)} tokens; the context limit is "
+                               f"{self.max_context_len} (cfg.max_context_len). Shorten or compact the history.",
+                               code="context_length_exceeded", param="messages")
+            sp = {**self.sampling, **(overrides or {})}
+            # The recipe's max_new_tokens caps every turn; a client's max_tokens may only lower it.
+            cap = min(sp.get("max_new_tokens") or room, max_tokens or room)
+            sp["max_new_tokens"] = min(cap, room)
+            sp.update(stop_token_ids=self.chat.stop_ids, skip_special_tokens=False, no_stop_trim=True)
+            rid = f"{self.id[:8]}-{self.turns}-{uuid.uuid4().hex[:8]}"
+            self.inflight_rid = rid
+            t0 = time.perf_counter()
+            try:
+                url, out = await pool.generate(plan.input_ids, sp, rid, prefer=self.engine)
+            finally:
+                self.inflight_rid = None
+                self.generate_s += time.perf_counter() - t0
+            if self.closed:  # the trajectory ended (timeout/abort) while this turn was generating
+                raise ApiError(404, "this session was closed while generating", code="session_closed")
+            self.engine = url
+            meta = out.get("meta_info", {})
+            output_ids = list(out.get("output_ids", []))
+            lps = meta.get("output_token_logprobs") or []
+            if len(lps) != len(output_ids):
+                raise RuntimeError(f"engine {url} returned {len(output_ids)} output ids but {len(lps)} logprobs; "
+                                   "it must honour return_logprob=True")
+            finish = (meta.get("finish_reason") or {}).get("type", "stop")
+            if finish == "abort":
+                self.status = "aborted"
+                raise ApiError(503, "generation was aborted by the trainer (weight update or shutdown)",
+                               code="aborted")
+            logprobs, versions = [float(lp[0]) for lp in lps], _token_versions(meta, len(output_ids))
+            if stop:
+                output_ids, finish = self._cut_at_stop(output_ids, stop, finish)
+                logprobs, versions = logprobs[:len(output_ids)], versions[:len(output_ids)]
+            text, matched = self.chat.assistant_text(output_ids), None
+            if stop and finish == "stop_string":  # the stop string itself is not part of the content
+                matched = min((x for x in stop if x in text), key=text.find)
+                text, finish = text[:text.find(matched)], "stop"
+            names = {t["function"]["name"] for t in tools or ()}
+            content, calls = parse_tool_calls(text, names) if (parse_tools and tools) else (text.strip(), [])
+            turn = Turn(output_ids, logprobs, versions, finish, content, calls, len(plan.input_ids), url, matched)
+            self.commit(plan, turn)
+            if finish == "length" and len(self.segments[-1].ids()) >= self.max_context_len:
+                self.status = "truncated"
+            return turn
+
+    def _cut_at_stop(self, output_ids: list[int], stop: list[str], finish: str) -> tuple[list[int], str]:
+        """Stop strings, applied here rather than in the engine (the CPU engine has none): keep the
+        sampled ids up to the token that completes a stop string and drop the rest. The kept ids are
+        a prefix of what the engine sampled, so ids and logprobs stay exact (TITO)."""
+        if not any(x and x in self.chat.assistant_text(output_ids) for x in stop):
+            return output_ids, finish
+        for k in range(1, len(output_ids) + 1):
+            text = self.chat.assistant_text(output_ids[:k])
+            if any(x and x in text for x in stop):
+                return output_ids[:k], "stop_string"
+        return output_ids, finish
+
+    def trajectory(self, reward: float, status: str | None = None) -> Trajectory:
+        """The session as a Trajectory: the last segment on top, all segments in `segments`."""
+        status = status or self.status
+        if not self.segments:  # nothing was generated: keep the prompt so the trainer has a valid row
+            msgs = self.sample.get("messages") or [{"role": "user", "content": ""}]
+            try:
+                prompt = self.chat.encode(self.chat.render(msgs, add_generation_prompt=True))
+            except Exception:
+                prompt = [self.chat.eos_id]
+            seg = Segment(messages=[], tools=None, text="", prompt_ids=prompt)
+        else:
+            seg = self.segments[-1]
+        mask = seg.loss_mask if status != "failed" else [0] * len(seg.loss_mask)
+        return Trajectory(
+            prompt_ids=list(seg.prompt_ids), response_ids=list(seg.response_ids), loss_mask=list(mask),
+            rollout_logprobs=list(seg.rollout_logprobs), weight_versions=list(seg.weight_versions),
+            segments=[s.as_dict() for s in self.segments], reward=float(reward) if status != "failed" else 0.0,
+            status=status, prompt_text=self.chat.decode(seg.prompt_ids, skip_special_tokens=False),
+            metadata={"turns": self.turns, "finish_reasons": self.finish_reasons, "engine": self.engine,
+                      "num_segments": len(self.segments)})
+
+
+# ----------------------------------------------------------------------------------------------
+# response shapes: OpenAI chat.completion(.chunk) and Anthropic message (+ stream events)
+
+
+def _openai_tool_calls(turn: Turn) -> list[dict]:
+    # OpenAI sends arguments as a JSON string; internally they are a dict so histories compare by value.
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+            for c in turn.tool_calls]
+
+
+def _finish_openai(turn: Turn) -> str:
+    return "tool_calls" if turn.tool_calls else ("length" if turn.finish_reason == "length" else "stop")
+
+
+def _finish_anthropic(turn: Turn) -> str:
+    if turn.tool_calls:
+        return "tool_use"
+    if turn.stop_sequence is not None:
+        return "stop_sequence"
+    return "max_tokens" if turn.finish_reason == "length" else "end_turn"
+
+
+def _openai_logprobs(chat: ChatFormat, turn: Turn) -> dict:
+    """Per-token logprobs of the sampled tokens (no top_logprobs: the engine returns only the sampled one)."""
+    content = []
+    for tid, lp in zip(turn.output_ids, turn.logprobs):
+        text = chat.decode([tid], skip_special_tokens=False)
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+def openai_response(chat: ChatFormat, turn: Turn, model: str, logprobs: bool) -> dict:
+    message = {"role": "assistant", "content": turn.content if (turn.content or not turn.tool_calls) else None}
+    if turn.tool_calls:
+        message["tool_calls"] = _openai_tool_calls(turn)
+    return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, "message": message, "finish_reason": _finish_openai(turn),
+                                         "logprobs": _openai_logprobs(chat, turn) if logprobs else None}],
+            "usage": {"prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.output_ids),
+                      "total_tokens": turn.prompt_tokens + len(turn.output_ids)}}
+
+
+def openai_stream(chat: ChatFormat, turn: Turn, model: str, logprobs: bool, include_usage: bool):
+    """The chunk sequence of a streamed reply: role, content, tool calls, finish, [usage], [DONE]."""
+    base = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model}
+
+    def chunk(delta, finish=None, lp=None):
+        return "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                                           "logprobs": lp}]}) + "\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    if turn.content:
+        yield chunk({"content": turn.content}, lp=_openai_logprobs(chat, turn) if logprobs else None)
+    for i, c in enumerate(_openai_tool_calls(turn)):
+        yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                     "function": {"name": c["function"]["name"], "arguments": ""}}]})
+        yield chunk({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
+    yield chunk({}, finish=_finish_openai(turn))
+    if include_usage:
+        usage = {"prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.output_ids),
+                 "total_tokens": turn.prompt_tokens + len(turn.output_ids)}
+        yield "data: " + json.dumps({**base, "choices": [], "usage": usage}) + "\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _anthropic_blocks(turn: Turn) -> list[dict]:
+    blocks = [{"type": "text", "text": turn.content}] if (turn.content or not turn.tool_calls) else []
+    for c in turn.tool_calls:
+        blocks.append({"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"),
+                       "name": c["function"]["name"], "input": c["function"]["arguments"]})
+    return blocks
+
+
+def anthropic_response(turn: Turn, model: str) -> dict:
+    return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": model,
+            "content": _anthropic_blocks(turn), "stop_reason": _finish_anthropic(turn),
+            "stop_sequence": turn.stop_sequence,
+            "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": len(turn.output_ids)}}
+
+
+def anthropic_stream(turn: Turn, model: str):
+    """message_start, per block (start, delta, stop), message_delta, message_stop."""
+    def event(kind, body):
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **body})}\n\n"
+
+    msg = anthropic_response(turn, model)
+    yield event("message_start", {"message": {**msg, "content": [], "stop_reason": None,
+                                              "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": 0}}})
+    for i, b in enumerate(msg["content"]):
+        if b["type"] == "text":
+            yield event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
+            if b["text"]:
+                yield event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": b["text"]}})
+        else:
+            yield event("content_block_start", {"index": i, "content_block": {**b, "input": {}}})
+            yield event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
+                                                                       "partial_json": json.dumps(b["input"])}})
+        yield event("content_block_stop", {"index": i})
+    yield event("message_delta", {"delta": {"stop_reason": msg["stop_reason"], "stop_sequence": msg["stop_sequence"]},
+                                  "usage": {"output_tokens": len(turn.output_ids)}})
+    yield event("message_stop", {})
+
+
+# ----------------------------------------------------------------------------------------------
+# the router: one HTTP server, a session URL per trajectory
+
+
+class Router:
+    """Sessions + the FastAPI app that serves them. Runs inside the caller's event loop (the AgentFlow actor)."""
+
+    def __init__(self, pool: EnginePool, chat: ChatFormat, *, model_name: str = "loongsage",
+                 host: str = "127.0.0.1"):
+        self.pool, self.chat, self.model_name, self.host = pool, chat, model_name, host
+        self.sessions: dict[str, Session] = {}
+        self.url: str | None = None
+        self._server = None
+        self._task: asyncio.Task | None = None
+
+    # --- sessions
+
+    def open_session(self, *, sampling: dict, max_context_len: int, max_turns: int,
+                     sample: dict | None = None) -> Session:
+        s = Session(self.chat, sampling=sampling, max_context_len=max_context_len, max_turns=max_turns,
+                    sample=sample)
+        self.sessions[s.id] = s
+        return s
+
+    def base_url(self, s: Session) -> str:
+        return f"{self.url}/s/{s.id}/v1"
+
+    async def close_session(self, s: Session) -> None:
+        """Finish a session: later requests get 404; a turn still generating is aborted on its engine."""
+        s.closed = True
+        self.sessions.pop(s.id, None)
+        if s.inflight_rid:
+            await self.pool.abort(s.inflight_rid)
+
+    def _session(self, sid: str, headers) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise ApiError(404, "unknown or finished session; each trajectory has its own base URL "
+                           "http://host:port/s/<session>/v1", code="session_not_found")
+        key = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(key.encode(), s.api_key.encode()):
+            raise ApiError(401, "wrong API key for this session; use the api_key handed out with the session URL",
+                           code="invalid_api_key")
+        return s
+
+    # --- the app
+
+    def app(self):
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        app = FastAPI(title="LoongSage router", docs_url=None, redoc_url=None, openapi_url=None)
+
+        async def body_of(request: Request) -> dict:
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ApiError(400, f"request body is not valid JSON: {e}") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
+            return body
+
+        def sse(events) -> StreamingResponse:
+            # The turn is already generated: send its events from an async generator (a sync one would
+            # make Starlette hop to a worker thread per event).
+            async def gen():
+                for e in events:
+                    yield e
+            return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+        def guarded(error_body):
+            """Every endpoint answers errors in its API's shape; unexpected errors are 500s, never crashes."""
+            def wrap(fn):
+                async def handler(request: Request, sid: str | None = None):
+                    try:
+                        return await fn(request, sid)
+                    except ApiError as e:
+                        return JSONResponse(error_body(e), status_code=e.status)
+                    except EngineUnavailable as e:
+                        return JSONResponse(error_body(ApiError(503, str(e), code="engine_unavailable")), 503)
+                    except Exception as e:  # a bug here must not take the router (and every session) down
+                        log.exception("router error")
+                        return JSONResponse(error_body(ApiError(500, f"internal router error: {e!r}")), 500)
+                handler.__name__ = fn.__name__
+                return handler
+            return wrap
+
+        @guarded(openai_error_body)
+        async def chat_completions(request: Request, sid: str):
+            s = self._session(sid, request.headers)
+            body = await body_of(request)
+            if "messages" not in body:
+                raise ApiError(400, "missing required field 'messages'", param="messages")
+            if body.get("n", 1) != 1:
+                raise ApiError(400, f"n={body.get('n')} is not supported; open one session per sample", param="n")
+            messages, tools = openai_messages(body["messages"]), openai_tools(body.get("tools"))
+            choice = body.get("tool_choice", "auto")
+            named = isinstance(choice, dict) and choice.get("type") == "function"
+            if not (named or choice in ("auto", "none", "required")):
+                raise ApiError(400, f"tool_choice {choice!r} must be 'auto', 'none', 'required' or "
+                               "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+            stop = _stop_list(body.get("stop"), "stop")
+            turn = await s.run_turn(self.pool, messages, tools, parse_tools=choice != "none",
+                                    max_tokens=_positive_int(max_tokens, "max_tokens"),
+                                    overrides=_sampling_overrides(body), stop=stop)
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return sse(openai_stream(self.chat, turn, self.model_name, bool(body.get("logprobs")), include_usage))
+            return JSONResponse(openai_response(self.chat, turn, self.model_name, bool(body.get("logprobs"))))
+
+        @guarded(anthropic_error_body)
+        async def messages(request: Request, sid: str):
+            s = self._session(sid, request.headers)
+            body = await body_of(request)
+            for name in ("messages", "max_tokens"):
+                if name not in body:
+                    raise ApiError(400, f"missing required field '{name}'", param=name)
+            msgs, tools = anthropic_messages(body.get("system"), body["messages"]), anthropic_tools(body.get("tools"))
+            choice = (body.get("tool_choice") or {}).get("type", "auto")
+            turn = await s.run_turn(self.pool, msgs, tools, parse_tools=choice != "none",
+                                    max_tokens=_positive_int(body["max_tokens"], "max_tokens"),
+                                    overrides=_sampling_overrides(body),
+                                    stop=_stop_list(body.get("stop_sequences"), "stop_sequences"))
+            if body.get("stream"):
+                return sse(anthropic_stream(turn, self.model_name))
+            return JSONResponse(anthropic_response(turn, self.model_name))
+
+        @guarded(openai_error_body)
+        async def models(request: Request, sid: str):
+            self._session(sid, request.headers)
+            return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                              "created": 0, "owned_by": "loongsage"}]})
+
+        @guarded(openai_error_body)
+        async def unscoped(request: Request, sid=None):
+            raise ApiError(404, f"no such endpoint {request.url.path}; use the session base URL "
+                           "http://host:port/s/<session>/v1 handed out with each trajectory", code="not_found")
+
+        app.add_api_route("/s/{sid}/v1/chat/completions", chat_completions, methods=["POST"])
+        app.add_api_route("/s/{sid}/v1/messages", messages, methods=["POST"])
+        app.add_api_route("/s/{sid}/v1/models", models, methods=["GET"])
+        app.add_api_route("/health", lambda: {"status": "ok", "sessions": len(self.sessions),
+                                              "engines_up": len(self.pool.healthy())}, methods=["GET"])
+        app.add_api_route("/{path:path}", unscoped, methods=["GET", "POST"])
+        return app
+
+    async def start(self, port: int = 0) -> str:
+        """Serve the app on host:port (0 = any free port) as a task of the running loop; returns the URL."""
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            # The loop belongs to the actor/test, not to uvicorn: leave its signal handlers alone.
+            def capture_signals(self):
+                return contextlib.nullcontext()
+
+        config = uvicorn.Config(self.app(), host=self.host, port=port, log_level="warning", lifespan="off",
+                                access_log=False)
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():  # e.g. the port is taken: surface uvicorn's error
+                self._task.result()
+                raise RuntimeError(f"router failed to start on {self.host}:{port}")
+            await asyncio.sleep(0.01)
+        bound = self._server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{bound}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._task
+            self._server = None
+
+
+def _positive_int(v, name: str) -> int | None:
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ApiError(400, f"{name} must be a positive integer, got {v!r}", param=name)
+    return v
+
+
+def _stop_list(v, name: str) -> list[str] | None:
+    if v is None:
+        return None
+    v = [v] if isinstance(v, str) else v
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise ApiError(400, f"{name} must be a non-empty string or a list of them, got {v!r:.200}", param=name)
+    return v
+
+
+def _sampling_overrides(body: dict) -> dict:
+    """Client sampling settings, validated. They override the recipe's for this turn (the engine's
+    logprobs then follow the client's distribution, which is what the rollout really sampled from)."""
+    out = {}
+    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+        v = body.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ApiError(400, f"{name} must be a number in [{lo}, {hi}], got {v!r}", param=name)
+        out[name] = float(v)
+    if body.get("top_k") is not None:
+        out["top_k"] = _positive_int(body["top_k"], "top_k")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# sandboxes: create / execute / delete, with limits, killed whole
+
+
+@dataclass
+class ExecResult:
+    exit_code: int          # the process's exit code; -9 etc. when killed by a signal
+    stdout: str
+    stderr: str
+    timed_out: bool         # the wall-clock limit hit and the process group was killed
+    wall_s: float
+
+
+class LocalSandbox:
+    """A temp directory + a process group with rlimits. Not a security boundary (same user, same
+    network: the agent must reach the router on loopback); it bounds runaway code and cleans up after."""
+
+    def __init__(self, *, cpu_s: int = 60, memory_mb: int = 4096, file_mb: int = 64, max_procs: int | None = None):
+        self.cpu_s, self.memory_mb, self.file_mb, self.max_procs = cpu_s, memory_mb, file_mb, max_procs
+        self.dir: str | None = None
+        self._pgids: set[int] = set()
+
+    async def create(self) -> "LocalSandbox":
+        self.dir = tempfile.mkdtemp(prefix="loongsage-sbx-")
+        return self
+
+    def _limits(self) -> None:  # runs in the child between fork and exec
+        resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s))
+        mem = self.memory_mb * 2 ** 20
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        fsize = self.file_mb * 2 ** 20
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if self.max_procs:
+            resource.setrlimit(resource.RLIMIT_NPROC, (self.max_procs, self.max_procs))
+
+    def write(self, name: str, text: str) -> str:
+        path = Path(self.dir) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return str(path)
+
+    async def execute(self, command: str, *, stdin: str = "", env: dict | None = None,
+                      timeout_s: float = 30.0) -> ExecResult:
+        """Run `bash -c command` in the sandbox dir; at the wall-clock limit kill its whole process group."""
+        if self.dir is None:
+            raise RuntimeError("LocalSandbox.execute before create(); call `await sandbox.create()` first")
+        base = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": self.dir,
+                "TMPDIR": self.dir, "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT), "LOONGSAGE_ROOT": str(ROOT)}
+        t0 = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec(
+            "bash", "-c", command, cwd=self.dir, env={**base, **(env or {})}, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self._limits)
+        self._pgids.add(proc.pid)  # start_new_session: the pid is the process group id
+        timed_out = False
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
+        except asyncio.TimeoutError:
+            timed_out = True
+            self._kill(proc.pid)
+            out, err = await proc.communicate()
+        finally:
+            self._kill(proc.pid)  # background children of a finished command die with it too
+        return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
+                          timed_out, time.perf_counter() - t0)
+
+    def _kill(self, pgid: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+    async def delete(self) -> None:
+        for pgid in self._pgids:
+            self._kill(pgid)
+        self._pgids.clear()
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+
+class DockerSandbox:
+    """One container per sandbox (docker CLI): `--network host` so the agent reaches the router on
+    loopback, memory/CPU/pids limits on the container, `docker exec` per command, `docker rm -f` at the end."""
+
+    def __init__(self, *, image: str = "python:3.11-slim", cpus: float = 1.0, memory_mb: int = 4096,
+                 file_mb: int = 64, pids: int = 256):
+        self.image, self.cpus, self.memory_mb, self.file_mb, self.pids = image, cpus, memory_mb, file_mb, pids
+        self.name: str | None = None
+        self.dir: str | None = None
+
+    async def _docker(self, *args: str, stdin: str = "", timeout_s: float = 120.0) -> ExecResult:
+        t0 = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec("docker", *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
+            return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
+                              False, time.perf_counter() - t0)
+        except asyncio.TimeoutError:
+            proc.kill()
+            out, err = await proc.communicate()
+            return ExecResult(-9, out.decode(errors="replace"), err.decode(errors="replace"), True,
+                              time.perf_counter() - t0)
+
+    async def create(self) -> "DockerSandbox":
+        self.dir = tempfile.mkdtemp(prefix="loongsage-sbx-")
+        self.name = "loongsage-" + uuid.uuid4().hex[:12]
+        r = await self._docker("run", "-d", "--rm", "--name", self.name, "--network", "host",
+                               "--memory", f"{self.memory_mb}m", "--cpus", str(self.cpus),
+                               "--pids-limit", str(self.pids), "--ulimit", f"fsize={self.file_mb * 2 ** 20}",
+                               "-v", f"{self.dir}:/work", "-v", f"{ROOT}:/loongsage:ro", "-w", "/work",
+                               self.image, "sleep", "infinity")
+        if r.exit_code != 0:
+            raise RuntimeError(f"docker run {self.image} failed ({r.exit_code}): {r.stderr.strip()[:500]}")
+        return self
+
+    def write(self, name: str, text: str) -> str:
+        path = Path(self.dir) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return f"/work/{name}"
+
+    async def execute(self, command: str, *, stdin: str = "", env: dict | None = None,
+                      timeout_s: float = 30.0) -> ExecResult:
+        envs = [a for k, v in {"PYTHONPATH": "/loongsage", "LOONGSAGE_ROOT": "/loongsage", **(env or {})}.items()
+                for a in ("-e", f"{k}={v}")]
+        # `timeout -s KILL` inside the container kills the command; the container (and any stragglers)
+        # goes away at delete().
+        r = await self._docker("exec", "-i", *envs, self.name, "timeout", "-s", "KILL", str(int(timeout_s) + 1),
+                               "bash", "-c", command, stdin=stdin, timeout_s=timeout_s + 10)
+        r.timed_out = r.timed_out or r.exit_code in (124, 137)
+        return r
+
+    async def delete(self) -> None:
+        if self.name:
+            await self._docker("rm", "-f", self.name, timeout_s=60)
+            self.name = None
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+
+_DOCKER_OK: bool | None = None
+
+
+def docker_available() -> bool:
+    """True when a Docker engine answers (`docker info`), checked once per process."""
+    global _DOCKER_OK
+    if _DOCKER_OK is None:
+        try:
+            _DOCKER_OK = shutil.which("docker") is not None and subprocess.run(
+                ["docker", "info"], capture_output=True, timeout=10).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            _DOCKER_OK = False
+    return _DOCKER_OK
+
+
+def make_sandbox(kind: str = "local", **limits):
+    """"local" | "docker" | "auto" (docker where an engine answers, else local)."""
+    if kind == "auto":
+        kind = "docker" if docker_available() else "local"
+    if kind == "local":
+        return LocalSandbox(**limits)
+    if kind == "docker":
+        if not docker_available():
+            raise RuntimeError("sandbox='docker' but no Docker engine answers `docker info`; start dockerd "
+                               "or set sandbox: local")
+        return DockerSandbox(**limits)
+    raise ValueError(f"unknown sandbox {kind!r}; valid: local, docker, auto")
+
+
+_CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+
+
+async def code_tests(response: str, sample: dict) -> float:
+    """Reward: 1.0 when the response's last ```python block passes `sample["tests"]` in a sandbox.
+
+    `sample["tests"]` is Python source that imports from `solution` (or asserts on names defined in
+    it) and exits non-zero on failure. Limits: `sample["timeout"]` seconds (default 10). Runs in Docker
+    where an engine answers, else locally.
+    """
+    blocks = _CODE_BLOCK_RE.findall(response)
+    code = blocks[-1] if blocks else response
+    box = await make_sandbox("auto", cpu_s=int(sample.get("timeout", 10)) + 1).create()
+    try:
+        box.write("solution.py", code)
+        test = box.write("test_solution.py", "from solution import *\n" + str(sample["tests"]))
+        r = await box.execute(f"python {test}", timeout_s=float(sample.get("timeout", 10)))
+        return float(r.exit_code == 0 and not r.timed_out)
+    finally:
+        await box.delete()
+
+
+# ----------------------------------------------------------------------------------------------
+# AgentFlow: the actor the controller calls
+
+
+async def _call(fn, *args):
+    """Call a sync or async function (rewards and agents may be either)."""
+    out = fn(*args)
+    return await out if inspect.isawaitable(out) else out
+
+
+def _task_text(sample: dict) -> str:
+    """The task a black-box agent gets: the last user message of the sample."""
+    users = [m.get("content", "") for m in sample.get("messages", []) if m.get("role") == "user"]
+    return str(users[-1] if users else sample.get("prompt", ""))
+
+
+class AgentFlow:
+    """Turns prompts into rewarded trajectory groups. The controller wraps it with `ray.remote` as an
+    async actor; every method runs on that actor's event loop, as does the router it starts."""
+
+    def __init__(self, cfg, engine_urls: list[str], tokenizer_path: str):
+        self.cfg = cfg
+        self.chat = ChatFormat(tokenizer_path)
+        self.pool = EnginePool(engine_urls)
+        self.reward_fn = data.import_object(cfg.reward)
+        self.agent_fn = data.import_object(cfg.agent) if cfg.agent else None
+        if cfg.agent and cfg.agent_command:
+            raise ValueError(f"set either agent ({cfg.agent!r}, a Python function) or agent_command "
+                             f"({cfg.agent_command!r}, a black-box program), not both")
+        if self.agent_fn is not None and not callable(self.agent_fn):
+            raise ValueError(f"agent {cfg.agent!r} is not callable; it must be `async def agent(client, sample)`")
+        if cfg.agent_command:
+            make_sandbox(cfg.sandbox)  # fail now, not at the first trajectory, on a bad/unavailable sandbox
+        # Loopback by default: agents run on this node. Set cfg.router_host to serve sandboxes elsewhere.
+        self.router = Router(self.pool, self.chat, model_name=Path(tokenizer_path).name or "loongsage",
+                             host=getattr(cfg, "router_host", "127.0.0.1"))
+        self._next_group = 0                # group ids stay unique across generate() calls
+        self._tasks: set[asyncio.Task] = set()
+        # Black-box agents are processes: bound how many run at once (white-box ones are coroutines).
+        self._sandbox_slots = asyncio.Semaphore(max(1, int(getattr(cfg, "max_parallel_sandboxes", 32))))
+
+    async def start_router(self) -> str:
+        """Start the router (once) and return its URL. generate() calls it when an agent is configured."""
+        if self.router.url is None:
+            await self.router.start()
+        return self.router.url
+
+    async def generate(self, samples: list[dict], n: int, sampling: dict, step: int) -> list[dict]:
+        """n trajectories per sample, rewarded, as `dataclasses.asdict` dicts, complete groups only.
+
+        `sampling`: temperature, top_p, top_k, max_new_tokens. Failed trajectories stay in their group
+        (status "failed", reward 0, loss_mask all 0) so the step goes on; groups cut by abort() are dropped.
+        """
+        if self.agent_fn is not None or self.cfg.agent_command:
+            await self.start_router()
+        base = self._next_group
+        self._next_group += len(samples)
+        groups = [[asyncio.ensure_future(self._trajectory(sample, base + g, i, sampling, step)) for i in range(n)]
+                  for g, sample in enumerate(samples)]
+        every = [t for group in groups for t in group]
+        self._tasks.update(every)
+        try:
+            results = [await asyncio.gather(*group, return_exceptions=True) for group in groups]
+        finally:
+            self._tasks.difference_update(every)
+        out = []
+        for group in results:
+            errors = [r for r in group if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+            if errors:  # _trajectory turns agent/engine errors into failed trajectories: this is a bug
+                raise errors[0]
+            if any(isinstance(r, BaseException) or r.status == "aborted" for r in group):
+                continue  # aborted mid-group: an incomplete group would bias group-relative advantages
+            out.extend(dataclasses.asdict(r) for r in group)
+        return out
+
+    async def abort(self) -> None:
+        """Stop every running trajectory now (weight update with abort, or shutdown); their groups are dropped."""
+        for t in list(self._tasks):
+            t.cancel()
+        await self.pool.abort()
+
+    async def close(self) -> None:
+        await self.abort()
+        await self.router.stop()
+        await self.pool.close()
+
+    # --- one trajectory, with retries
+
+    async def _trajectory(self, sample: dict, group_id: int, index: int, sampling: dict, step: int) -> Trajectory:
+        t0 = time.perf_counter()
+        attempts = 1 + max(0, int(self.cfg.agent_retries))
+        for attempt in range(1, attempts + 1):
+            if self.cfg.agent_command:
+                traj = await self._blackbox(sample, sampling)
+            elif self.agent_fn is not None:
+                traj = await self._whitebox(sample, sampling)
+            else:
+                traj = await self._single_turn(sample, sampling)
+            if traj.status != "failed":
+                break
+            log.warning("trajectory of group %d sample %d failed (attempt %d/%d): %s", group_id, index, attempt,
+                        attempts, traj.metadata.get("error"))
+        traj.group_id, traj.sample_index = group_id, index
+        traj.metadata.update(step=step, attempts=attempt)
+        traj.timings["total_s"] = time.perf_counter() - t0
+        return traj
+
+    def _session_args(self, sampling: dict, sample: dict, max_turns: int) -> dict:
+        return dict(sampling=sampling, max_context_len=self.cfg.max_context_len, max_turns=max_turns, sample=sample)
+
+    async def _finish(self, s: Session, sample: dict, *, status: str | None = None, error: str | None = None,
+                      reward: float | None = None, response_text: str | None = None) -> Trajectory:
+        """Reward (unless given or failed) and package a session as a Trajectory."""
+        status = status or s.status
+        if not s.segments and status != "aborted":
+            status = "failed"  # nothing was generated: nothing to train on
+            error = error or "the agent finished without calling the model"
+        text = s.last_text if response_text is None else response_text
+        t0 = time.perf_counter()
+        if status not in ("failed", "aborted") and reward is None:
+            try:
+                reward = float(await _call(self.reward_fn, text, sample))
+            except Exception as e:  # a reward bug must show, but not kill the whole step
+                log.exception("reward %s failed", self.cfg.reward)
+                status, error = "failed", f"reward {self.cfg.reward} raised {e!r}"
+        traj = s.trajectory(reward or 0.0, status)
+        traj.response_text = text
+        traj.timings.update(generate_s=s.generate_s, reward_s=time.perf_counter() - t0)
+        if error:
+            traj.metadata["error"] = error
+        return traj
+
+    # --- the three ways a trajectory is made
+
+    async def _single_turn(self, sample: dict, sampling: dict) -> Trajectory:
+        """Fast path: the sample's messages, rendered once, straight to an engine (no router)."""
+        s = Session(self.chat, **self._session_args(sampling, sample, max_turns=1))
+        try:
+            messages, tools = openai_messages(sample.get("messages")), openai_tools(sample.get("tools"))
+            plan = s.plan(messages, tools)
+            if len(plan.input_ids) > self.cfg.max_prompt_len:
+                return await self._finish(s, sample, status="failed", error=(
+                    f"prompt has {len(plan.input_ids)} tokens > max_prompt_len={self.cfg.max_prompt_len}; "
+                    "filter the dataset or raise max_prompt_len"))
+            turn = await s.run_turn(self.pool, messages, tools)
+        except (ApiError, EngineUnavailable, httpx.HTTPError, RuntimeError) as e:
+            return await self._finish(s, sample, status="failed" if s.status == "ok" else s.status,
+                                      error=getattr(e, "message", None) or repr(e))
+        status = "truncated" if turn.finish_reason == "length" else "ok"
+        return await self._finish(s, sample, status=status,
+                                  response_text=self.chat.decode(turn.output_ids, skip_special_tokens=True))
+
+    async def _whitebox(self, sample: dict, sampling: dict) -> Trajectory:
+        """`await agent(client, sample)` with an official AsyncOpenAI client bound to a fresh session."""
+        import openai
+        s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns))
+        client = openai.AsyncOpenAI(base_url=self.router.base_url(s), api_key=s.api_key, max_retries=0,
+                                    timeout=self.cfg.agent_timeout,
+                                    http_client=openai_http_client())
+        result, status, error = None, None, None
+        try:
+            result = await asyncio.wait_for(self.agent_fn(client, sample), self.cfg.agent_timeout)
+        except asyncio.TimeoutError:
+            status, error = "truncated", f"agent timed out after {self.cfg.agent_timeout}s (cfg.agent_timeout)"
+        except Exception as e:
+            # An agent that stops because the router refused a budget (context/turns) is truncated, not
+            # failed: what it generated is kept and rewarded. Anything else is a crash.
+            if s.status in ("truncated", "aborted"):
+                status = s.status
+            else:
+                status, error = "failed", f"agent {self.cfg.agent} raised {e!r}"
+        finally:
+            await self.router.close_session(s)
+            await client.close()
+        reward = None
+        if isinstance(result, dict) and result.get("reward") is not None:
+            reward = float(result["reward"])
+        traj = await self._finish(s, sample, status=status, error=error, reward=reward)
+        if isinstance(result, (str, dict)):
+            traj.metadata["agent_result"] = result if isinstance(result, dict) else result[:2000]
+        return traj
+
+    async def _blackbox(self, sample: dict, sampling: dict) -> Trajectory:
+        """Run `cfg.agent_command` in a sandbox pointed at a fresh session; its stdout is its answer."""
+        async with self._sandbox_slots:
+            s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns))
+            box = make_sandbox(self.cfg.sandbox)
+            status, error, answer = None, None, None
+            try:
+                await box.create()
+                task = _task_text(sample)
+                env = {"OPENAI_BASE_URL": self.router.base_url(s), "OPENAI_API_KEY": s.api_key,
+                       # the Anthropic SDK appends /v1/messages to its base URL itself
+                       "ANTHROPIC_BASE_URL": f"{self.router.url}/s/{s.id}", "ANTHROPIC_API_KEY": s.api_key,
+                       "LOONGSAGE_TASK": task,
+                       # a file, not a variable: samples (tests, repos) can exceed the environment's size limit
+                       "LOONGSAGE_SAMPLE_FILE": box.write("sample.json", json.dumps(sample, default=str))}
+                r = await box.execute(self.cfg.agent_command, stdin=task, env=env,
+                                      timeout_s=self.cfg.agent_timeout)
+                answer = r.stdout.strip()
+                if r.timed_out:
+                    status, error = "truncated", f"agent command timed out after {self.cfg.agent_timeout}s"
+                elif r.exit_code != 0 and s.status == "ok":
+                    status, error = "failed", (f"agent command exited {r.exit_code}: "
+                                               f"{r.stderr.strip()[-1000:]}")
+            except (OSError, RuntimeError) as e:
+                status, error = "failed", f"sandbox error: {e!r}"
+            finally:
+                await self.router.close_session(s)
+                await box.delete()
+            traj = await self._finish(s, sample, status=status, error=error,
+                                      response_text=answer or s.last_text)
+            return traj
+
+
+# ----------------------------------------------------------------------------------------------
+# debug seam: a standalone router to point any agent at by hand
+
+
+def main(argv=None) -> None:
+    """`python agentflow.py --engine URL [--engine URL2] --tokenizer DIR [--port 8000]`: serve the router
+    over running engines and print one session's OpenAI/Anthropic settings; Ctrl-C (or SIGTERM) prints
+    the session's trajectory and exits."""
+    import argparse
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--engine", action="append", required=True, help="rollout engine URL (repeatable)")
+    p.add_argument("--tokenizer", required=True, help="HF model/tokenizer dir with the chat template")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-context-len", type=int, default=4096)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    args = p.parse_args(argv)
+
+    async def serve():
+        router = Router(EnginePool(args.engine), ChatFormat(args.tokenizer), model_name=Path(args.tokenizer).name)
+        await router.start(args.port)
+        s = router.open_session(sampling={"temperature": 1.0, "max_new_tokens": args.max_new_tokens},
+                                max_context_len=args.max_context_len, max_turns=10 ** 6)
+        print(f"OPENAI_BASE_URL={router.base_url(s)} OPENAI_API_KEY={s.api_key}\n"
+              f"ANTHROPIC_BASE_URL={router.url}/s/{s.id} ANTHROPIC_API_KEY={s.api_key}", flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        t = s.trajectory(0.0)
+        print(json.dumps({k: v for k, v in dataclasses.asdict(t).items() if k != "segments"})[:4000], flush=True)
+        await router.stop()
+        await router.pool.close()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1072 @@
+"""The Megatron-Core trainer worker: one `TrainerWorker` per rank, wrapped with `ray.remote` by the controller.
+
+What lives here, top to bottom:
+
+* the CPU shims (`apply_cpu_shims`): the three changes that let Megatron-Core's GPTModel, its
+  DistributedDataParallel and its tensor-parallel layers run on a laptop CPU over gloo;
+* `megatron_config`: an HF `config.json` (Qwen3, Qwen2, Llama/Mistral, Qwen3-MoE, Mixtral) turned into a
+  Megatron `TransformerConfig` plus the GPTModel arguments, built on the local layer spec;
+* HF <-> Megatron weight conversion (`hf_to_megatron`, `megatron_to_hf`) and the tensor-parallel
+  split / gather of each parameter (`shard_for_rank`, `gather_full`);
+* the per-token log-probability / entropy forward, vocab-parallel aware (`vocab_parallel_logp_entropy`);
+* `TrainerWorker`: distributed init, load, `compute_logprobs`, `train_step` (RL), `sft_step`,
+  weight export for TransferMesh, HF save, checkpoints.
+
+Batches are padded, not packed: each micro-batch is a right-padded (B, T) tensor of prompt+response ids.
+With right padding a causal mask alone is exact (real tokens never see the pads after them), so the
+attention needs no padding mask. Per-token tensors handed to algos.py are response-aligned (B, R):
+column j is response token j of each sample, with `loss_mask` 0 on padding and on tool tokens.
+
+Gradients across data-parallel ranks are SUMMED, never averaged: the TransformerConfig sets
+`calculate_per_token_loss=True`, which makes Megatron's DDP reduce with scaling factor 1.0, and each
+micro-batch loss is already divided by GLOBAL mini-batch counts (`denom`), so a batch yields the same
+gradient on 1 data-parallel rank or N.
+
+Test: `.venv/bin/pytest tests/test_trainer.py` (real Ray actors, real Megatron-Core over gloo; parity
+against transformers, TP=2 and DP=2 equivalence, HF round trip, checkpoint resume).
+Left out: pipeline parallelism (pipeline_parallel must be 1: the schedule that moves activations
+between stages is not wired in), sequence/context parallelism, packed sequences, expert parallelism
+greater than 1 for export (expert weights are converted per EP rank but only gathered with EP=1),
+a value model (GAE needs `values`; this worker trains the policy only).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import algos
+
+# Megatron-Core warns on import that Transformer Engine / Apex are absent and it falls back to plain torch:
+# that fallback is exactly what this worker uses (local layer spec), so the warning carries no news.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+# Files copied next to the weights by `save_hf` so transformers (and the engines) can load the directory.
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja",
+                 "added_tokens.json")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral")
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU shims: everything Megatron-Core needs to run without CUDA, in one place
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Core attention (softmax(QK^T/sqrt(d)) V, causal, GQA) through torch's scaled_dot_product_attention.
+
+    Megatron's own `DotProductAttention` preallocates its score buffer on the CUDA device; this module
+    takes the same constructor and forward arguments as the layer spec passes to it, and does the same
+    math the way transformers' "sdpa" attention does (kv heads repeated, then one SDPA call), which is
+    what makes logprobs match transformers to float rounding on CPU (often bit for bit).
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__()
+        self.config = config
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale  # None: SDPA uses 1/sqrt(head_dim), as Megatron and HF do
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPACoreAttention supports padded causal batches only (no packed sequences, "
+                             "no attention bias); feed right-padded (B, T) micro-batches")
+        # query (Sq, B, Nq, D); key/value (Sk, B, Nkv, D), Megatron's sequence-first layout.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (B, N, S, D)
+        rep = q.size(1) // k.size(1)
+        if rep > 1:  # GQA: each kv head serves `rep` consecutive query heads
+            k = k.repeat_interleave(rep, dim=1)  # (B, Nq, Sk, D)
+            v = v.repeat_interleave(rep, dim=1)  # (B, Nq, Sk, D)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                             dropout_p=self.dropout_p if self.training else 0.0)  # (B, Nq, Sq, D)
+        sq, b = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # (Sq, B, Nq * D)
+
+
+_SHIMS_APPLIED = False
+
+
+def apply_cpu_shims() -> bool:
+    """Make Megatron-Core run on CPU; a no-op (returning False) when CUDA is present.
+
+    The three shims (measured necessary and sufficient here, see DESIGN.md):
+    1. `torch.cuda.current_device()` yields the CPU device: Megatron places its grad buffers, rotary
+       tables and a few scratch tensors on "the current CUDA device".
+    2. the local layer spec's core attention becomes `SDPACoreAttention` (Megatron's
+       DotProductAttention allocates a CUDA buffer).
+    3. the optimizer is `torch.optim.AdamW` with a small TP-aware grad-norm clip
+       (`TrainerWorker._build_optimizer`), because Megatron's optimizer wrappers and grad clipping
+       allocate CUDA tensors. This function only reports that the shims are on; the worker reads it.
+    Also: models are built with `use_cpu_initialization=True` (megatron_config), which avoids
+    `model_parallel_cuda_manual_seed`, another CUDA-only call.
+    Returns True when the shims are active.
+    """
+    global _SHIMS_APPLIED
+    if torch.cuda.is_available():
+        return False
+    if not _SHIMS_APPLIED:
+        torch.cuda.current_device = lambda: torch.device("cpu")  # shim 1
+        from megatron.core.models.backends import LocalSpecProvider
+        LocalSpecProvider.core_attention = lambda self: SDPACoreAttention  # shim 2
+        _SHIMS_APPLIED = True
+    return True
+
+
+def _moe_router_without_te() -> None:
+    """Megatron-Core 0.16's MoE router gating refers to Transformer Engine's GEMM by name even when TE
+    is not installed (a NameError at the first MoE forward). Define the name as None so the plain
+    torch matmul branch runs. Needed wherever TE is absent, CPU or GPU; a no-op when TE is there."""
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+# ----------------------------------------------------------------------------------------------
+# HF config -> Megatron TransformerConfig + GPTModel arguments
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """config.json of an HF model directory as a dict, with the model family checked."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{cfg_path} does not exist; model_path must be an HF model directory")
+    hf = json.loads(cfg_path.read_text())
+    if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type={hf.get('model_type')!r} in {cfg_path} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return hf
+
+
+def _rope(hf: dict) -> tuple[float, bool, float]:
+    """(rotary_base, rope_scaling, rope_scaling_factor) from either transformers 4 or 5 config keys."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "default":
+        return theta, False, 1.0
+    if rope_type == "llama3":
+        # Megatron's llama3 scaling hard-codes low/high freq factors 1 and 4 and 8192 original positions.
+        expect = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        got = {k: params.get(k) for k in expect}
+        if any(got[k] != v for k, v in expect.items()):
+            raise ValueError(f"llama3 rope scaling {got} differs from Megatron's built-in {expect}; "
+                             "only the standard Llama-3.1 settings are supported")
+        return theta, True, float(params.get("factor", 8.0))
+    raise ValueError(f"rope_type={rope_type!r} is not supported; use a model with default or llama3 rope")
+
+
+def _moe_settings(hf: dict) -> dict:
+    """TransformerConfig MoE fields for Qwen3-MoE / Mixtral. Aux losses are off (RL fine-tuning of a
+    trained router); turn them on through cfg.megatron (moe_router_load_balancing_type, moe_aux_loss_coeff)."""
+    mt = hf["model_type"]
+    if mt == "qwen3_moe":
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(f"qwen3_moe with mlp_only_layers={hf.get('mlp_only_layers')} / decoder_sparse_step="
+                             f"{hf.get('decoder_sparse_step')} mixes dense and MoE layers; only all-MoE models "
+                             "(mlp_only_layers=[] and decoder_sparse_step=1) are supported")
+        n_exp, topk, ffn = _num_experts(hf), hf["num_experts_per_tok"], hf["moe_intermediate_size"]
+        # norm_topk_prob: softmax over the top-k logits (= renormalised top-k probs); else top-k of the
+        # softmax over all experts, which is Megatron's "pre_softmax" router.
+        pre_softmax = not hf.get("norm_topk_prob", False)
+    else:  # mixtral: softmax over the top-k logits
+        n_exp, topk, ffn, pre_softmax = _num_experts(hf), hf["num_experts_per_tok"], hf["intermediate_size"], False
+    return dict(num_moe_experts=n_exp, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
+                moe_router_pre_softmax=pre_softmax, moe_router_load_balancing_type="none",
+                moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+                moe_router_dtype="fp32")
+
+
+def megatron_config(hf: dict, cfg, cpu: bool):
+    """(TransformerConfig, GPTModel kwargs) for an HF config dict, with cfg's parallel sizes and dtype.
+
+    `cfg.megatron` (a dict) is passed through last, so any TransformerConfig field can be overridden
+    from a recipe.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    mt, tp = hf["model_type"], int(cfg.tensor_parallel)
+    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                    ("vocab_size", hf["vocab_size"])):
+        if n % tp:
+            divisors = [d for d in range(1, n + 1) if n % d == 0 and d <= 16]
+            raise ValueError(f"tensor_parallel={tp} does not divide {what}={n}; choose one of {divisors}")
+    if hf.get("attention_bias") and mt != "qwen2" or hf.get("mlp_bias"):
+        raise ValueError(f"{mt} with attention_bias={hf.get('attention_bias')} / mlp_bias={hf.get('mlp_bias')} has "
+                         "biases on o_proj or the MLP, which the conversion does not map; only Qwen2-style qkv "
+                         "biases are supported")
+    # Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not applied: results are
+    # exact for sequences shorter than the window, which RL rollouts on these models usually are.
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf.get('hidden_act')!r} is not supported; only SwiGLU (silu) MLPs are")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype)
+    if dtype is None:
+        raise ValueError(f"dtype={cfg.dtype!r} is not supported; use 'float32' or 'bfloat16'")
+    if cpu and dtype != torch.float32:
+        raise ValueError(f"dtype={cfg.dtype!r} needs CUDA (Megatron's mixed-precision optimizer keeps fp32 "
+                         "master weights); on CPU use dtype=float32")
+    base = dict(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+        num_query_groups=kv_heads, ffn_hidden_size=hf["intermediate_size"],
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=mt == "qwen2" or bool(hf.get("attention_bias", False)),
+        qk_layernorm=mt in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0, attention_dropout=0.0,
+        bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        # Each micro-batch loss is pre-divided by global counts: DDP must SUM gradients over DP ranks.
+        calculate_per_token_loss=True,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=int(cfg.pipeline_parallel),
+        expert_model_parallel_size=int(getattr(cfg, "expert_parallel", 1) or 1), sequence_parallel=False,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
+        # perform_initialization stays on although the HF weights overwrite the init: it is also what marks
+        # TP-sharded parameters (`tensor_model_parallel`), which grad-norm and clipping rely on.
+        use_cpu_initialization=cpu,
+        **_moe_settings(hf) if mt in ("qwen3_moe", "mixtral") else {},
+    )
+    base.update(dict(getattr(cfg, "megatron", None) or {}))
+    tcfg = TransformerConfig(**base)
+    rotary_base, rope_scaling, rope_factor = _rope(hf)
+    model_kwargs = dict(vocab_size=hf["vocab_size"], max_sequence_length=hf.get("max_position_embeddings", 4096),
+                        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+                        position_embedding_type="rope", rotary_percent=1.0, rotary_base=rotary_base,
+                        rope_scaling=rope_scaling, rope_scaling_factor=rope_factor, parallel_output=True)
+    return tcfg, model_kwargs
+
+
+def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device):
+    """A GPTModel on the local layer spec (CPU: its core attention is SDPACoreAttention via the shims)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if tcfg.num_moe_experts:
+        _moe_router_without_te()
+    spec = get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
+    model = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=True, post_process=True, **model_kwargs)
+    return model.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# HF <-> Megatron weights
+#
+# Megatron names (local spec, TP=1 layout; `L` is a layer index, `E` an expert index):
+#   embedding.word_embeddings.weight            <- model.embed_tokens.weight
+#   decoder.layers.L.input_layernorm.weight     <- model.layers.L.input_layernorm.weight (not fused with
+#                                                  linear_qkv in the local spec)
+#   decoder.layers.L.self_attention.linear_qkv.{weight,bias}
+#                                               <- q/k/v_proj, interleaved per query group:
+#                                                  [group 0: its q heads, its k head, its v head][group 1: ...]
+#   decoder.layers.L.self_attention.{q,k}_layernorm.weight <- self_attn.{q,k}_norm.weight
+#   decoder.layers.L.self_attention.linear_proj.weight     <- self_attn.o_proj.weight
+#   decoder.layers.L.pre_mlp_layernorm.weight   <- post_attention_layernorm.weight
+#   decoder.layers.L.mlp.linear_fc1.weight      <- [gate_proj; up_proj] (rows stacked)
+#   decoder.layers.L.mlp.linear_fc2.weight      <- down_proj
+#   decoder.layers.L.mlp.router.weight          <- mlp.gate.weight (Qwen3-MoE) / block_sparse_moe.gate (Mixtral)
+#   decoder.layers.L.mlp.experts.local_experts.E.linear_fc{1,2}.weight <- experts.E.{gate,up,down}_proj
+#                                                  (Mixtral: w1 = gate, w3 = up, w2 = down)
+#   decoder.final_layernorm.weight              <- model.norm.weight
+#   output_layer.weight                         <- lm_head.weight (absent when embeddings are tied)
+
+
+def load_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint (single file or sharded with an index)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}; save the HF model with safe_serialization=True")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _dims(hf: dict) -> tuple[int, int, int]:
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads", heads)
+    return heads, kv, hf.get("head_dim") or hf["hidden_size"] // heads
+
+
+def _expert_names(hf: dict, layer: int, e: int) -> tuple[str, str, str]:
+    """HF (gate, up, down) weight names of expert `e` in `layer`."""
+    if hf["model_type"] == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
+    p = f"model.layers.{layer}.mlp.experts.{e}"
+    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+
+
+def _router_name(hf: dict, layer: int) -> str:
+    if hf["model_type"] == "mixtral":
+        return f"model.layers.{layer}.block_sparse_moe.gate.weight"
+    return f"model.layers.{layer}.mlp.gate.weight"
+
+
+def _is_moe(hf: dict) -> bool:
+    return hf["model_type"] in ("qwen3_moe", "mixtral")
+
+
+def _num_experts(hf: dict) -> int:
+    return hf.get("num_experts") or hf.get("num_local_experts") or 0
+
+
+class _Tracked(dict):
+    """A dict view of an HF state dict that records which names were read (to catch unmapped weights)."""
+
+    def __init__(self, state: dict, unused: set):
+        super().__init__(state)
+        self.unused = unused
+
+    def __getitem__(self, name):
+        self.unused.discard(name)
+        return super().__getitem__(name)
+
+
+def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
+    """Full (unsharded, TP=1 layout) Megatron state dict from an HF state dict; all experts included."""
+    heads, kv, d = _dims(hf)
+    q_per_group = heads // kv
+    unused = set(hf_state)
+    hf_state = _Tracked(hf_state, unused)
+    out = {"embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf_state["model.norm.weight"]}
+    if not hf.get("tie_word_embeddings", False):
+        out["output_layer.weight"] = hf_state["lm_head.weight"]
+    for L in range(hf["num_hidden_layers"]):
+        h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
+        q = hf_state[h + "self_attn.q_proj.weight"].view(kv, q_per_group, d, -1)  # (G, Nq/G, D, H)
+        k = hf_state[h + "self_attn.k_proj.weight"].view(kv, 1, d, -1)  # (G, 1, D, H)
+        v = hf_state[h + "self_attn.v_proj.weight"].view(kv, 1, d, -1)  # (G, 1, D, H)
+        qkv = torch.cat([q, k, v], 1)  # (G, Nq/G + 2, D, H): per group its q heads, its k head, its v head
+        out[m + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, qkv.size(-1))  # (G*(Nq/G+2)*D, H)
+        if h + "self_attn.q_proj.bias" in hf_state:
+            qb = hf_state[h + "self_attn.q_proj.bias"].view(kv, q_per_group, d)  # (G, Nq/G, D)
+            kb = hf_state[h + "self_attn.k_proj.bias"].view(kv, 1, d)
+            vb = hf_state[h + "self_attn.v_proj.bias"].view(kv, 1, d)
+            out[m + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], 1).reshape(-1)  # (G*(Nq/G+2)*D,)
+        out[m + "self_attention.linear_proj.weight"] = hf_state[h + "self_attn.o_proj.weight"]
+        if h + "self_attn.q_norm.weight" in hf_state:
+            out[m + "self_attention.q_layernorm.weight"] = hf_state[h + "self_attn.q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf_state[h + "self_attn.k_norm.weight"]
+        out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
+        if _is_moe(hf):
+            out[m + "mlp.router.weight"] = hf_state[_router_name(hf, L)]
+            for e in range(_num_experts(hf)):
+                g, u, dn = _expert_names(hf, L, e)
+                x = f"{m}mlp.experts.local_experts.{e}."
+                out[x + "linear_fc1.weight"] = torch.cat([hf_state[g], hf_state[u]], 0)  # (2F, H)
+                out[x + "linear_fc2.weight"] = hf_state[dn]  # (H, F)
+        else:
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([hf_state[h + "mlp.gate_proj.weight"],
+                                                          hf_state[h + "mlp.up_proj.weight"]], 0)  # (2F, H)
+            out[m + "mlp.linear_fc2.weight"] = hf_state[h + "mlp.down_proj.weight"]
+    if hf.get("tie_word_embeddings", False):
+        unused.discard("lm_head.weight")  # some tied checkpoints still store the shared matrix twice
+    unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
+    if unused:
+        raise ValueError(f"HF weights with no Megatron counterpart: {sorted(unused)[:8]} ({len(unused)} in all); "
+                         "this architecture variant is not supported by the conversion")
+    return out
+
+
+def megatron_to_hf(meg: dict[str, torch.Tensor], hf: dict) -> list[tuple[str, torch.Tensor]]:
+    """HF-named tensors from a full (gathered, TP=1 layout) Megatron state dict; inverse of hf_to_megatron."""
+    heads, kv, d = _dims(hf)
+    q_per_group = heads // kv
+    out = [("model.embed_tokens.weight", meg["embedding.word_embeddings.weight"])]
+    for L in range(hf["num_hidden_layers"]):
+        h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
+        qkv = meg[m + "self_attention.linear_qkv.weight"]
+        qkv = qkv.view(kv, q_per_group + 2, d, qkv.size(-1))  # (G, Nq/G+2, D, H)
+        out += [(h + "self_attn.q_proj.weight", qkv[:, :q_per_group].reshape(heads * d, -1)),
+                (h + "self_attn.k_proj.weight", qkv[:, q_per_group].reshape(kv * d, -1)),
+                (h + "self_attn.v_proj.weight", qkv[:, q_per_group + 1].reshape(kv * d, -1))]
+        if m + "self_attention.linear_qkv.bias" in meg:
+            b = meg[m + "self_attention.linear_qkv.bias"].view(kv, q_per_group + 2, d)  # (G, Nq/G+2, D)
+            out += [(h + "self_attn.q_proj.bias", b[:, :q_per_group].reshape(-1)),
+                    (h + "self_attn.k_proj.bias", b[:, q_per_group].reshape(-1)),
+                    (h + "self_attn.v_proj.bias", b[:, q_per_group + 1].reshape(-1))]
+        out.append((h + "self_attn.o_proj.weight", meg[m + "self_attention.linear_proj.weight"]))
+        if m + "self_attention.q_layernorm.weight" in meg:
+            out += [(h + "self_attn.q_norm.weight", meg[m + "self_attention.q_layernorm.weight"]),
+                    (h + "self_attn.k_norm.weight", meg[m + "self_attention.k_layernorm.weight"])]
+        out += [(h + "input_layernorm.weight", meg[m + "input_layernorm.weight"]),
+                (h + "post_attention_layernorm.weight", meg[m + "pre_mlp_layernorm.weight"])]
+        if _is_moe(hf):
+            out.append((_router_name(hf, L), meg[m + "mlp.router.weight"]))
+            for e in range(_num_experts(hf)):
+                g, u, dn = _expert_names(hf, L, e)
+                gate, up = meg[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"].chunk(2, 0)
+                out += [(g, gate), (u, up), (dn, meg[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"])]
+        else:
+            gate, up = meg[m + "mlp.linear_fc1.weight"].chunk(2, 0)
+            out += [(h + "mlp.gate_proj.weight", gate), (h + "mlp.up_proj.weight", up),
+                    (h + "mlp.down_proj.weight", meg[m + "mlp.linear_fc2.weight"])]
+    out.append(("model.norm.weight", meg["decoder.final_layernorm.weight"]))
+    if "output_layer.weight" in meg:
+        out.append(("lm_head.weight", meg["output_layer.weight"]))
+    return [(n, t.contiguous()) for n, t in out]
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dim a parameter is split on across tensor-parallel ranks (None: replicated)."""
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight",
+                      "output_layer.weight")):
+        return 0  # column-parallel (and vocab-parallel) layers: output rows split
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1  # row-parallel layers: input columns split
+    return None  # norms, router
+
+
+def shard_for_rank(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's slice of a full Megatron tensor.
+
+    linear_fc1 holds [gate; up]; each rank holds [its gate slice; its up slice], so split the halves
+    separately. linear_qkv is interleaved per query group, so a plain row split keeps whole groups.
+    """
+    dim = tp_split_dim(name)
+    if dim is None or size == 1:
+        return full
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2, 0)
+        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], 0)
+    return full.chunk(size, dim)[rank]
+
+
+def gather_full(name: str, local: torch.Tensor, group) -> torch.Tensor:
+    """The full tensor from every TP rank's slice (all ranks of `group` must call this); inverse of shard_for_rank."""
+    size = torch.distributed.get_world_size(group) if group is not None else 1
+    dim = tp_split_dim(name)
+    if dim is None or size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(size)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=group)
+    if name.endswith("linear_fc1.weight"):
+        halves = [p.chunk(2, 0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    return torch.cat(parts, dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# log-probabilities and entropy from (vocab-parallel) logits
+
+
+def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group):
+    """(logp, entropy), both (B, T) fp32, of `labels` under logits split over the vocab across TP ranks.
+
+    logits: (B, T, V/tp), this rank's contiguous vocab slice; labels: (B, T) global token ids.
+    log p(y) = z_y - log sum_v exp(z_v) with z = logits - max; entropy H = log Z - sum_v p_v z_v.
+    The sums over the vocab are all-reduced across TP ranks with Megatron's differentiable
+    `reduce_from_tensor_model_parallel_region` (its backward is the identity, which is the right
+    gradient because every TP rank computes the same replicated loss). TP=1: the reductions vanish.
+    """
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
+    rank = torch.distributed.get_rank(tp_group) if tp_group is not None else 0
+    logits = logits.float()  # (B, T, V/tp)
+    v_local = logits.size(-1)
+    with torch.no_grad():
+        zmax = logits.max(-1).values  # (B, T) local max
+        if tp > 1:
+            torch.distributed.all_reduce(zmax, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+    z = logits - zmax.unsqueeze(-1)  # (B, T, V/tp), <= 0 everywhere
+    exp_z = z.exp()  # (B, T, V/tp)
+    sum_exp = reduce_from_tensor_model_parallel_region(exp_z.sum(-1), group=tp_group)  # (B, T) global Z
+    local_ids = labels - rank * v_local  # (B, T) label index inside this rank's slice
+    here = (local_ids >= 0) & (local_ids < v_local)  # (B, T) label lives on this rank
+    z_label = z.gather(-1, local_ids.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * here  # (B, T)
+    z_label = reduce_from_tensor_model_parallel_region(z_label, group=tp_group)  # (B, T)
+    log_z = sum_exp.log()  # (B, T)
+    logp = z_label - log_z  # (B, T)
+    pz = reduce_from_tensor_model_parallel_region((exp_z * z).sum(-1), group=tp_group) / sum_exp  # (B, T) E_p[z]
+    entropy = log_z - pz  # (B, T)
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------------------------
+# batches: trajectory dicts -> padded tensors
+
+
+def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for a list of trajectory dicts.
+
+    Returns tokens (B, T) prompt+response ids; resp_pos (B, R): index into the shifted logp row
+    (B, T-1) of each response token (its prediction comes from the previous position); and the
+    response-aligned (B, R) tensors loss_mask (1 on model-generated tokens, 0 on tool tokens and
+    padding), rollout_logp, weight_versions, plus any `per_token` extras (lists of 1-D tensors,
+    one per sample, padded with 0). Also rewards (B,) and group_ids (B,).
+    """
+    B = len(samples)
+    plen = [len(s["prompt_ids"]) for s in samples]
+    rlen = [len(s["response_ids"]) for s in samples]
+    for s, p, r in zip(samples, plen, rlen):
+        if p == 0 or r == 0:
+            raise ValueError(f"sample group_id={s.get('group_id')} sample_index={s.get('sample_index')} has "
+                             f"{p} prompt and {r} response tokens; both must be >= 1 (drop it before training)")
+        if len(s["loss_mask"]) != r:
+            raise ValueError(f"loss_mask has {len(s['loss_mask'])} entries for {r} response tokens "
+                             f"(group_id={s.get('group_id')}); they must match one to one")
+    T, R = max(p + r for p, r in zip(plen, rlen)), max(rlen)
+    tokens = torch.zeros(B, T, dtype=torch.long)  # (B, T) pad id 0 is never attended to (right padding)
+    resp_pos = torch.zeros(B, R, dtype=torch.long)  # (B, R)
+    out = {k: torch.zeros(B, R) for k in ("loss_mask", "rollout_logp")}
+    versions = torch.full((B, R), -1, dtype=torch.long)  # (B, R)
+    for b, s in enumerate(samples):
+        p, r = plen[b], rlen[b]
+        tokens[b, :p + r] = torch.tensor(list(s["prompt_ids"]) + list(s["response_ids"]))
+        resp_pos[b, :r] = torch.arange(p - 1, p - 1 + r)
+        out["loss_mask"][b, :r] = torch.tensor(s["loss_mask"], dtype=torch.float)
+        if s.get("rollout_logprobs"):
+            out["rollout_logp"][b, :r] = torch.tensor(s["rollout_logprobs"], dtype=torch.float)
+        if s.get("weight_versions"):
+            versions[b, :r] = torch.tensor(s["weight_versions"], dtype=torch.long)
+    for key, rows in (per_token or {}).items():
+        t = torch.zeros(B, R)
+        for b, row in enumerate(rows):
+            t[b, :row.numel()] = row
+        out[key] = t  # (B, R)
+    out["rollout_logp"] = torch.where(out["loss_mask"] > 0, out["rollout_logp"], 0.0)  # (B, R) 0 where loss_mask == 0
+    return dict(tokens=tokens, resp_pos=resp_pos, weight_versions=versions,
+                rewards=torch.tensor([float(s.get("reward", 0.0)) for s in samples]),
+                group_ids=torch.tensor([int(s.get("group_id", i)) for i, s in enumerate(samples)]),
+                resp_len=torch.tensor(rlen), **out)
+
+
+def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_size: int,
+                     by_group: bool) -> list[list[int]]:
+    """Indices into `batch` of this DP rank's share of each mini-batch.
+
+    Groups (all samples sharing a group_id, in order of first appearance; every sample its own group
+    when by_group is False) are split into `n_minibatches` consecutive global mini-batches, and the
+    groups of each mini-batch are dealt round-robin to the DP ranks. The global mini-batches do not
+    depend on dp_size, so 1 rank and N ranks step on the same samples. A rank may get an empty share
+    (fewer groups than ranks); it still joins the gradient all-reduce.
+    """
+    groups: dict[Any, list[int]] = {}
+    for i, s in enumerate(batch):
+        groups.setdefault(s.get("group_id", i) if by_group else i, []).append(i)
+    order = list(groups.values())
+    per = [len(c) for c in _split_evenly(len(order), n_minibatches)]
+    out, start = [], 0
+    for n in per:
+        mb_groups = order[start:start + n]
+        start += n
+        out.append([i for g in mb_groups[dp_rank::dp_size] for i in g])
+    return out
+
+
+def _split_evenly(n: int, parts: int) -> list[range]:
+    """`parts` consecutive ranges covering range(n), sizes differing by at most one."""
+    q, r = divmod(n, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + q + (1 if i < r else 0))
+    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def optimizer_steps_per_rl_step(cfg) -> int:
+    """Mini-batches (optimizer steps) in one RL step: rollout samples / global_batch_size, at least 1."""
+    return max(1, round(int(cfg.prompts_per_step) * int(cfg.samples_per_prompt) / int(cfg.global_batch_size)))
+
+
+def lr_at(cfg, it: int) -> float:
+    """Learning rate of optimizer step `it` (0-based): linear warmup over cfg.lr_warmup_steps, then a
+    cosine from cfg.lr down to cfg.min_lr over the whole run (cfg.num_steps RL steps of
+    `optimizer_steps_per_rl_step` optimizer steps each); constant when min_lr == lr."""
+    warmup = int(cfg.lr_warmup_steps or 0)
+    if it < warmup:
+        return cfg.lr * (it + 1) / warmup
+    if cfg.min_lr == cfg.lr:
+        return cfg.lr
+    total = int(cfg.num_steps) * optimizer_steps_per_rl_step(cfg)
+    frac = min(1.0, (it - warmup) / max(1, total - warmup))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+# ----------------------------------------------------------------------------------------------
+# the worker
+
+
+class TrainerWorker:
+    """One Megatron-Core rank. The controller creates world_size of them (`ray.remote(TrainerWorker)`),
+    and calls every method on all ranks at once; collectives inside pair them up.
+
+    Rank layout is Megatron's default order: TP varies fastest, then DP. Rank 0 returns the gathered
+    weights and writes HF files; metrics are identical on every rank.
+    """
+
+    def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
+        from megatron.core import parallel_state
+
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.cpu = apply_cpu_shims()
+        tp, pp = int(cfg.tensor_parallel), int(cfg.pipeline_parallel)
+        ep = int(getattr(cfg, "expert_parallel", 1) or 1)
+        if pp != 1:
+            raise ValueError(f"pipeline_parallel={pp} is not supported by trainer.py yet; set pipeline_parallel=1 "
+                             "and use tensor_parallel / data parallelism")
+        if world_size % (tp * pp):
+            raise ValueError(f"world_size={world_size} is not a multiple of tensor_parallel*pipeline_parallel="
+                             f"{tp * pp}; use a world size of k*{tp * pp}")
+        if self.cpu:
+            self.device = torch.device("cpu")
+        else:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("gloo" if self.cpu else "nccl", rank=rank, world_size=world_size,
+                                                 init_method=f"tcp://{master_addr}:{master_port}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_size = tp
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_group_gloo = parallel_state.get_data_parallel_group_gloo()  # for python-object collectives
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        torch.manual_seed(int(cfg.seed))
+        if not self.cpu:
+            from megatron.core import tensor_parallel
+            tensor_parallel.model_parallel_cuda_manual_seed(int(cfg.seed))
+        self.model = self.ref_model = self.optimizer = None
+        self.optim_steps = 0  # optimizer steps taken (drives the lr schedule)
+        self.lr_override: float | None = None  # constant lr given to load_hf (SFT warm start)
+
+    # --- model, optimizer, reference ------------------------------------------------------------
+
+    def load_hf(self, path: str, lr: float | None = None) -> dict:
+        """Build the model (+ optimizer, + frozen reference when a KL term needs one) from an HF dir.
+
+        `lr` set: a constant learning rate instead of cfg's schedule (the SFT warm start uses it).
+        Calling it again rebuilds everything from the new directory (optimizer state and step reset).
+        """
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        self.hf_path, self.lr_override, self.optim_steps = str(path), lr, 0
+        self.model = self.ref_model = self.optimizer = None  # free a previous model before building the next
+        self.hf_config = read_hf_config(path)
+        self.tcfg, self.model_kwargs = megatron_config(self.hf_config, self.cfg, self.cpu)
+        hf_state = load_hf_state(path)
+        full = hf_to_megatron(hf_state, self.hf_config)
+        del hf_state
+        gpt = build_gpt_model(self.tcfg, self.model_kwargs, self.device)
+        self._load_full_state(gpt, full)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+        self.model = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_config, module=gpt)
+        self.optimizer = self._build_optimizer()
+        needs_ref = float(self.cfg.kl_coef) > 0 or bool(getattr(self.cfg, "kl_in_reward", False))
+        if needs_ref:
+            self.ref_model = build_gpt_model(self.tcfg, self.model_kwargs, self.device)
+            self._load_full_state(self.ref_model, full)
+            self.ref_model.requires_grad_(False).eval()
+        n_params = sum(p.numel() for p in gpt.parameters())
+        return {"params_this_rank": n_params, "reference": needs_ref}
+
+    def _expert_rank_info(self):
+        from megatron.core import parallel_state
+        if not self.tcfg.num_moe_experts:
+            return 0, 1, 0, 1
+        return (parallel_state.get_expert_model_parallel_rank(),
+                parallel_state.get_expert_model_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+
+    def _load_full_state(self, gpt, full: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's shard of every full Megatron tensor into `gpt` (and check nothing is missing)."""
+        ep_rank, ep_size, etp_rank, etp_size = self._expert_rank_info()
+        n_local_experts = (self.tcfg.num_moe_experts or 0) // ep_size
+        params = dict(gpt.named_parameters())
+        missing = set(params)
+        for name, tensor in full.items():
+            local_name, rank, size = name, self.tp_rank, self.tp_size
+            if ".local_experts." in name:
+                head, rest = name.split(".local_experts.")
+                e, tail = rest.split(".", 1)
+                owner, local_e = divmod(int(e), n_local_experts)
+                if owner != ep_rank:
+                    continue
+                local_name, rank, size = f"{head}.local_experts.{local_e}.{tail}", etp_rank, etp_size
+            if local_name not in params:
+                raise KeyError(f"converted weight {name!r} has no Megatron parameter {local_name!r}; the "
+                               "HF config and the built model disagree")
+            shard = shard_for_rank(local_name, tensor, rank, size)
+            p = params[local_name]
+            if p.shape != shard.shape:
+                raise ValueError(f"{local_name}: HF-converted shard {tuple(shard.shape)} != parameter {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(shard)
+            missing.discard(local_name)
+        if missing:
+            raise KeyError(f"no HF weight for Megatron parameter(s) {sorted(missing)}")
+
+    def _build_optimizer(self):
+        """AdamW over the model. CUDA: Megatron's optimizer (fp32 master weights, clipping inside).
+        CPU (shim 3): torch.optim.AdamW; clipping is done by `_grad_norm_and_clip`. Norms and biases get no decay."""
+        cfg = self.cfg
+        if not self.cpu:
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+            ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                                   adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+                                   clip_grad=float(cfg.grad_clip or 0.0), bf16=self.tcfg.bf16,
+                                   params_dtype=self.tcfg.params_dtype)
+            return get_megatron_optimizer(ocfg, [self.model])
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+    # --- forward ----------------------------------------------------------------------------------
+
+    def _forward_logp(self, model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp, entropy), both (B, R) fp32, of each response token under `model`."""
+        tokens = mb["tokens"].to(self.device)  # (B, T)
+        B, T = tokens.shape
+        position_ids = torch.arange(T, device=self.device).unsqueeze(0).expand(B, T)  # (B, T)
+        extra = {}
+        if self.tcfg.num_moe_experts:
+            seq_len = (mb["resp_pos"][:, :1] + 1 + mb["resp_len"].unsqueeze(1)).to(self.device)  # (B, 1) real tokens
+            extra["padding_mask"] = position_ids >= seq_len  # (B, T) True on padding: kept out of expert routing
+        logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **extra)  # (B, T, V/tp)
+        logp, entropy = vocab_parallel_logp_entropy(logits[:, :-1], tokens[:, 1:], self.tp_group)  # (B, T-1)
+        pos = mb["resp_pos"].to(self.device)  # (B, R)
+        return logp.gather(1, pos), entropy.gather(1, pos)  # (B, R), (B, R) on self.device
+
+    def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in mb.items()}
+
+    @torch.no_grad()
+    def _logp_no_grad(self, model, samples: list[dict]) -> list[torch.Tensor]:
+        """Per-sample 1-D logp of every response token, in micro-batches, no grad, eval mode."""
+        was_training = model.training
+        model.eval()
+        out = []
+        mbs = int(self.cfg.micro_batch_size)
+        for start in range(0, len(samples), mbs):
+            chunk = samples[start:start + mbs]
+            logp, _ = self._forward_logp(model, collate(chunk))  # (b, R)
+            out += [logp[b, :len(s["response_ids"])].cpu() for b, s in enumerate(chunk)]
+        model.train(was_training)
+        return out
+
+    def compute_logprobs(self, batch: list[dict]) -> list[list[float]]:
+        """Per response token logprobs for every sample (every rank computes all samples; for parity
+        tests and debugging, not the training hot path)."""
+        return [row.tolist() for row in self._logp_no_grad(self.model, batch)]
+
+    # --- optimizer step ----------------------------------------------------------------------------
+
+    def _grad_norm_and_clip(self) -> float:
+        """CPU path: total L2 norm of the (DP-summed) gradients across TP shards, then clip in place.
+
+        Replicated parameters (norms, router) are counted once: only TP rank 0's copy, via Megatron's
+        `param_is_not_tensor_parallel_duplicate`. Gradients are equal on every DP rank after the
+        all-reduce, so no DP reduction is needed.
+        """
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p):
+                sq += p.grad.double().pow(2).sum()
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(sq, group=self.tp_group)
+        norm = float(sq.sqrt())
+        clip = float(self.cfg.grad_clip or 0.0)
+        if clip > 0 and norm > clip:
+            for p in params:
+                p.grad.mul_(clip / (norm + 1e-6))
+        return norm
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        """Finish the DP gradient sum, clip, step at the scheduled lr. Returns (grad_norm, lr)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])  # DP all-reduce (SUM) + TP sum of qk-layernorm grads
+        lr = self.lr_override if self.lr_override is not None else lr_at(self.cfg, self.optim_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.cpu:
+            for p in self.model.parameters():
+                p.grad = p.main_grad if p.requires_grad else None  # DDP accumulated into main_grad
+            grad_norm = self._grad_norm_and_clip()
+            self.optimizer.step()
+            for p in self.model.parameters():
+                p.grad = None  # else DDP's hook would add the next grads into main_grad twice
+        else:
+            ok, grad_norm, _ = self.optimizer.step()
+            if not ok:
+                raise RuntimeError(f"optimizer step {self.optim_steps} skipped (inf/nan gradients)")
+            grad_norm = float(grad_norm or 0.0)
+            self.optimizer.zero_grad()
+        self.model.zero_grad_buffer()
+        self.optim_steps += 1
+        return float(grad_norm), lr
+
+    def _dp_sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Sum float dicts over DP ranks (keys may differ: a rank with no samples has none)."""
+        if self.dp_size == 1:
+            return dict(values)
+        gathered = [None] * self.dp_size
+        torch.distributed.all_gather_object(gathered, values, group=self.dp_group_gloo)
+        out: dict[str, float] = {}
+        for d in gathered:
+            for k, v in d.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    # --- RL step ------------------------------------------------------------------------------------
+
+    def train_step(self, batch: list[dict], step: int) -> dict[str, float]:
+        """One RL step on `batch` (all trajectories of the step, the same list on every rank).
+
+        1. this DP rank's share, by group (plan_minibatches); 2. old logp (unless use_rollout_logprobs)
+        and ref logp in no-grad forwards, and the train-inference gap against the engine's logprobs,
+        all before any update; 3. advantages (algos.compute_advantages, on the local groups); 4. for
+        each mini-batch of global_batch_size samples: micro-batches of micro_batch_size, policy loss
+        with the mini-batch's GLOBAL denominators, backward, one optimizer step. Returns `train/`
+        metrics as python floats, reduced over DP ranks (identical on every rank).
+        """
+        cfg = self.cfg
+        if not batch:
+            raise ValueError("train_step got an empty batch; the controller must skip steps with no trajectories")
+        n_groups = len({s.get("group_id", i) for i, s in enumerate(batch)})
+        # never more mini-batches than groups: an empty one would still move Adam's weights (momentum)
+        n_mb = max(1, min(n_groups, round(len(batch) / int(cfg.global_batch_size))))
+        plan = plan_minibatches(batch, n_mb, self.dp_rank, self.dp_size, by_group=True)
+        local = [batch[i] for mb in plan for i in mb]
+        row_of = {i: j for j, i in enumerate(i for mb in plan for i in mb)}  # batch index -> row in `local`
+        has_rollout = all(len(s.get("rollout_logprobs") or []) == len(s["response_ids"]) for s in batch)
+        if cfg.use_rollout_logprobs and not has_rollout:
+            raise ValueError("use_rollout_logprobs=True but some trajectories lack rollout_logprobs (one per "
+                             "response token); set use_rollout_logprobs=False to recompute old logprobs")
+        dp_group = self.dp_group_gloo if self.dp_size > 1 else None  # algos reduces small CPU tensors: gloo
+
+        # --- 1. no-grad forwards, before any update of this step
+        if cfg.use_rollout_logprobs:
+            old = [torch.tensor(s["rollout_logprobs"], dtype=torch.float) for s in local]  # behaviour = engine
+        else:
+            old = self._logp_no_grad(self.model, local)
+        ref = self._logp_no_grad(self.ref_model, local) if self.ref_model is not None else None
+        gap_local: dict[str, float] = {}
+        if has_rollout and not cfg.use_rollout_logprobs and local:
+            lb = collate(local, {"old_logp": old})
+            gap_local = self._gap_sums(lb["old_logp"], lb["rollout_logp"], lb["loss_mask"])
+
+        # --- 2. advantages over this rank's whole groups (every rank calls: batch norm all-reduces)
+        lb = collate(local, {"old_logp": old, **({"ref_logp": ref} if ref is not None else {})}) if local else None
+        if lb is not None:
+            adv = algos.compute_advantages(cfg, lb["rewards"], lb["group_ids"], lb["loss_mask"],
+                                           old_logp=lb["old_logp"], ref_logp=lb.get("ref_logp"),
+                                           dp_group=dp_group)  # (B_local, R) 0 where loss_mask == 0
+            adv_rows = [adv[b, :len(s["response_ids"])] for b, s in enumerate(local)]
+        else:
+            algos.compute_advantages(cfg, torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 1),
+                                     old_logp=torch.zeros(0, 1), ref_logp=None, dp_group=dp_group)
+            adv_rows = []
+
+        # --- 3. mini-batches: micro-batch losses with global denominators, one optimizer step each
+        totals: dict[str, float] = {}
+        first_logp: dict[int, torch.Tensor] = {}  # use_rollout_logprobs: the gap comes from mini-batch 0
+        mbs = int(cfg.micro_batch_size)
+        newest = max(max(s.get("weight_versions") or [-1]) for s in batch)  # newest policy version in the batch
+        self.model.train()
+        for mb_i, mine in enumerate(plan):
+            denom = self._denominators(batch, n_mb, mb_i, by_group=True)
+            sums: dict[str, float] = {}
+            for start in range(0, len(mine), mbs):
+                rows = [row_of[i] for i in mine[start:start + mbs]]
+                extras = {"old_logp": [old[j] for j in rows], "adv": [adv_rows[j] for j in rows]}
+                if ref is not None:
+                    extras["ref_logp"] = [ref[j] for j in rows]
+                mb = self._to_device(collate([local[j] for j in rows], extras))
+                logp, entropy = self._forward_logp(self.model, mb)  # (b, R) each, with grad
+                stale = (mb["weight_versions"] >= 0) & (mb["weight_versions"] < newest)  # (b, R) older weights
+                loss, m = algos.policy_loss(cfg, logp, mb["old_logp"], mb["adv"], mb["loss_mask"],
+                                            rollout_logp=mb["rollout_logp"] if has_rollout else None,
+                                            ref_logp=mb.get("ref_logp"), entropy=entropy, stale_mask=stale,
+                                            denom=denom)
+                loss.backward()
+                _add(sums, "loss", float(loss.detach()))
+                for k, v in m.items():
+                    _add(sums, k, float(v))
+                if cfg.use_rollout_logprobs and has_rollout and mb_i == 0:
+                    for b, j in enumerate(rows):
+                        first_logp[j] = logp.detach()[b, :len(local[j]["response_ids"])].cpu()
+            grad_norm, lr = self._optimizer_step()
+            for k, v in self._dp_sum(sums).items():
+                _add(totals, k, v / n_mb)
+            _add(totals, "grad_norm", grad_norm / n_mb)
+            totals["lr"] = lr
+
+        # --- 4. metrics: the train-inference gap (before any update), losses, norms
+        if first_logp:
+            rows = sorted(first_logp)
+            lb = collate([local[j] for j in rows], {"logp": [first_logp[j] for j in rows]})
+            gap_local = self._gap_sums(lb["logp"], lb["rollout_logp"], lb["loss_mask"])
+        metrics = {f"train/{k}": v for k, v in totals.items()}
+        gap = self._dp_sum({k: v for k, v in gap_local.items() if k != "max"})
+        gap_max = self._dp_max(gap_local.get("max", 0.0))
+        if gap.get("tokens", 0) > 0:
+            metrics.update({"train/gap_k3": gap["k3"] / gap["tokens"], "train/gap_abs": gap["abs"] / gap["tokens"],
+                            "train/gap_max": gap_max})
+        metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
+                        "train/samples": float(len(batch))})
+        return metrics
+
+    def _denominators(self, batch: list[dict], n_mb: int, mb_i: int, by_group: bool) -> dict[str, float]:
+        """GLOBAL counts of mini-batch `mb_i` over all DP ranks, from the full batch every rank holds.
+
+        tokens: loss-mask tokens; seqs: samples with at least one loss token (as
+        algos.global_denominators counts them); max_len: cfg.max_new_tokens, the constant length
+        normaliser of seq_mean_token_sum (Dr. GRPO).
+        """
+        idx = plan_minibatches(batch, n_mb, 0, 1, by_group)[mb_i]  # the whole mini-batch: as if one DP rank
+        counts = [sum(batch[i]["loss_mask"]) for i in idx]
+        max_len = getattr(self.cfg, "max_new_tokens", 0) or max([len(batch[i]["response_ids"]) for i in idx] or [1])
+        return {"tokens": float(max(sum(counts), 1)), "seqs": float(max(sum(c > 0 for c in counts), 1)),
+                "max_len": float(max_len)}
+
+    def _gap_sums(self, train_logp, rollout_logp, loss_mask) -> dict[str, float]:
+        """algos.gap_metrics on this rank's tokens, as token-weighted sums ready for a DP sum."""
+        n = float(loss_mask.sum())
+        if n == 0:
+            return {}
+        g = algos.gap_metrics(train_logp, rollout_logp, loss_mask)
+        return {"k3": g["k3"] * n, "abs": g["abs_diff"] * n, "max": g["max_abs_diff"], "tokens": n}
+
+    def _dp_max(self, value: float) -> float:
+        if self.dp_size == 1:
+            return float(value)
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.dp_group_gloo)
+        return float(t)
+
+    # --- SFT step -----------------------------------------------------------------------------------
+
+    def sft_step(self, batch: list[dict]) -> dict[str, float]:
+        """One optimizer step of cross-entropy on the loss_mask tokens of `batch` (algos.sft_loss,
+        token mean over the whole batch); samples dealt to DP ranks one by one. Warm-starts the tiny model."""
+        plan = plan_minibatches(batch, 1, self.dp_rank, self.dp_size, by_group=False)[0]
+        denom = self._denominators(batch, 1, 0, by_group=False)
+        sums: dict[str, float] = {}
+        mbs = int(self.cfg.micro_batch_size)
+        self.model.train()
+        for start in range(0, len(plan), mbs):
+            mb = self._to_device(collate([batch[i] for i in plan[start:start + mbs]]))
+            logp, entropy = self._forward_logp(self.model, mb)  # (b, R) each
+            loss = algos.sft_loss(logp, mb["loss_mask"], denom)
+            loss.backward()
+            _add(sums, "sft_loss", float(loss.detach()))
+            _add(sums, "entropy", float((entropy.detach() * mb["loss_mask"]).sum()) / denom["tokens"])
+        grad_norm, lr = self._optimizer_step()
+        metrics = {f"train/{k}": v for k, v in self._dp_sum(sums).items()}
+        metrics.update({"train/grad_norm": grad_norm, "train/lr": lr})
+        return metrics
+
+    # --- weights out --------------------------------------------------------------------------------
+
+    def export_hf_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """HF-named full tensors (CPU) on rank 0, [] elsewhere. Every rank must call it: TP shards are
+        all-gathered within each TP group (only data-parallel replica 0's result is kept)."""
+        ep_rank, ep_size, _, _ = self._expert_rank_info()
+        if ep_size > 1:
+            raise NotImplementedError(f"export with expert_parallel={ep_size} is not wired in; "
+                                      "use expert_parallel=1 (experts are then only tensor-parallel)")
+        from megatron.core import parallel_state
+        gpt = self.model.module
+        keep = self.rank == 0
+        if self.dp_rank != 0:  # another replica: same weights, no need to gather
+            return []
+        full = {}
+        etp_group = parallel_state.get_expert_tensor_parallel_group() if self.tcfg.num_moe_experts else None
+        with torch.no_grad():
+            for name, p in gpt.named_parameters():
+                group = etp_group if ".local_experts." in name else self.tp_group
+                t = gather_full(name, p.detach(), group if self.tp_size > 1 else None)
+                if keep:
+                    full[name] = t.cpu()
+        return megatron_to_hf(full, self.hf_config) if keep else []
+
+    def sync_weights(self, engine_urls: list[str], version: int) -> dict:
+        """Push the current weights to the rollout engines (rank 0 sends; the others join the gather)."""
+        named = self.export_hf_weights()
+        if self.rank != 0:
+            return {}
+        import transfermesh
+        return transfermesh.push_weights(named, engine_urls, version, transport=self.cfg.transfer,
+                                         bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path)
+
+    def save_hf(self, path: str) -> str:
+        """Write an HF model directory (safetensors + the source dir's config and tokenizer files)."""
+        from safetensors.torch import save_file
+
+        named = self.export_hf_weights()
+        if self.rank == 0:
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            save_file({n: t.contiguous() for n, t in named}, str(out / "model.safetensors"), metadata={"format": "pt"})
+            for f in HF_SIDE_FILES:
+                if (Path(self.hf_path) / f).exists():
+                    shutil.copy(Path(self.hf_path) / f, out / f)
+        torch.distributed.barrier()
+        return str(path)
+
+    # --- checkpoints --------------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str) -> str:
+        """Model shard + optimizer state + step counter + RNG, one file per rank (call on all ranks).
+        The frozen reference is not saved: load_hf() rebuilds it from the HF dir before load_checkpoint."""
+        os.makedirs(directory, exist_ok=True)
+        path = Path(directory) / f"rank_{self.rank:05d}.pt"
+        torch.save({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "optim_steps": self.optim_steps, "rng": torch.get_rng_state(),
+                    "world_size": self.world_size, "tensor_parallel": self.tp_size}, path)
+        torch.distributed.barrier()
+        return str(path)
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Restore what save_checkpoint wrote (same world size and TP). Returns the optimizer step count."""
+        path = Path(directory) / f"rank_{self.rank:05d}.pt"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist; checkpoints are per rank, so resume with the "
+                                    f"world size they were saved with")
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        if (state["world_size"], state["tensor_parallel"]) != (self.world_size, self.tp_size):
+            raise ValueError(f"checkpoint {directory} was saved with world_size={state['world_size']}, "
+                             f"tensor_parallel={state['tensor_parallel']}; this run has {self.world_size}, "
+                             f"{self.tp_size}. Resume with the same layout")
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optim_steps = int(state["optim_steps"])
+        torch.set_rng_state(state["rng"])
+        return self.optim_steps
+
+    def shutdown(self) -> None:
+        from megatron.core import parallel_state
+        parallel_state.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _add(d: dict[str, float], key: str, value: float) -> None:
+    d[key] = d.get(key, 0.0) + value
