@@ -202,6 +202,7 @@ class EnginePool:
         self._rotate = 0
         self._http: httpx.AsyncClient | None = None
         self.running: dict[str, str] = {}  # rid -> engine url of every request this pool has in flight
+        self._pending: dict[str, list] = {}  # engine url -> requests of this loop tick, sent as one batch
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -235,8 +236,7 @@ class EnginePool:
             self.inflight[url] += 1
             self.running[rid] = url
             try:
-                out = await rollout.generate(self.http, url, input_ids, sampling_params, rid=rid)
-                return url, (out[0] if isinstance(out, list) else out)
+                return url, await self._coalesced(url, input_ids, sampling_params, rid)
             except rollout.EngineError as e:
                 status = _http_status(e)
                 if status is not None and status < 500:
@@ -252,6 +252,48 @@ class EnginePool:
             self.down_until[url] = time.monotonic() + self.cooldown_s
             log.warning("engine %s failed (%r); marked down for %.0fs", url, last_error, self.cooldown_s)
         raise EngineUnavailable(f"no engine could serve request {rid}: {last_error!r}")
+
+    async def _coalesced(self, url: str, input_ids: list[int], sampling_params: dict, rid: str) -> dict:
+        """Requests for one engine made in the same event-loop tick travel as ONE batched /generate
+        (SGLang takes lists of input_ids, sampling_params and rids). A step starts hundreds of
+        trajectories at once; sent one by one, they would spend most of their time in the HTTP client's
+        connection pool (quadratic in open connections) rather than in the engine."""
+        fut = asyncio.get_running_loop().create_future()
+        pending = self._pending.setdefault(url, [])
+        pending.append((input_ids, sampling_params, rid, fut))
+        if len(pending) == 1:  # the first of this tick schedules the send, after everyone else has queued
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_batch(url)))
+        return await fut
+
+    async def _send_batch(self, url: str) -> None:
+        batch = self._pending.pop(url, [])
+        try:
+            out = await rollout.generate(self.http, url, [b[0] for b in batch], [b[1] for b in batch],
+                                         rid=[b[2] for b in batch])
+            for (*_, fut), answer in zip(batch, out):
+                if not fut.done():
+                    fut.set_result(answer)
+        except rollout.EngineError as e:
+            if len(batch) > 1 and (_http_status(e) or 500) < 500:
+                # the engine refused the batch for one bad request: resend one by one, so only it fails
+                await asyncio.gather(*(self._send_one(url, b) for b in batch))
+            else:
+                self._fail(batch, e)
+        except BaseException as e:  # every waiter sees the transport's error
+            self._fail(batch, e)
+
+    async def _send_one(self, url: str, item) -> None:
+        input_ids, sampling_params, rid, fut = item
+        try:
+            fut.set_result(await rollout.generate(self.http, url, input_ids, sampling_params, rid=rid))
+        except BaseException as e:
+            self._fail([item], e)
+
+    @staticmethod
+    def _fail(batch, error: BaseException) -> None:
+        for *_, fut in batch:
+            if not fut.done():
+                fut.set_exception(error)
 
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request (rid) or every request of this pool (rid=None) on its engine. By rid, not

@@ -875,7 +875,10 @@ class TrainerWorker:
         # --- 2. advantages over this rank's whole groups (every rank calls: batch norm all-reduces)
         lb = collate(local, {"old_logp": old, **({"ref_logp": ref} if ref is not None else {})}) if local else None
         if lb is not None:
-            adv = algos.compute_advantages(cfg, lb["rewards"], lb["group_ids"], lb["loss_mask"],
+            # reward shaping (DAPO overlong penalty, length penalties); identity with the defaults
+            rewards = algos.shape_rewards(cfg, lb["rewards"], lb["loss_mask"].sum(1), lb["group_ids"],
+                                          int(cfg.max_new_tokens))  # (B_local,)
+            adv = algos.compute_advantages(cfg, rewards, lb["group_ids"], lb["loss_mask"],
                                            old_logp=lb["old_logp"], ref_logp=lb.get("ref_logp"),
                                            dp_group=dp_group)  # (B_local, R) 0 where loss_mask == 0
             adv_rows = [adv[b, :len(s["response_ids"])] for b, s in enumerate(local)]

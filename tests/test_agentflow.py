@@ -547,6 +547,33 @@ def test_engine_pool_least_loaded_and_skips_dead_engines(engines):
     assert dead not in pool.healthy() and pool.pick() != dead
 
 
+def test_engine_pool_coalesces_a_tick_into_one_request_and_isolates_a_bad_one(engines, tiny_model_dir):
+    """Requests of one loop tick go to the engine as one batched /generate; when the engine refuses
+    the batch for one bad request (an out-of-vocab id), only that request fails."""
+    pool = agentflow.EnginePool(engines[:1])
+    posts = []
+    real_post = pool.http.post
+
+    async def counting_post(url, *a, **kw):
+        posts.append(url)
+        return await real_post(url, *a, **kw)
+    pool.http.post = counting_post
+    good = [[1, 2, 3], [4, 5], [6]]
+
+    async def body():
+        ok = await asyncio.gather(*(pool.generate(ids, {"max_new_tokens": 2, "temperature": 0}, f"r{i}")
+                                    for i, ids in enumerate(good)))
+        n_ok = len(posts)
+        mixed = await asyncio.gather(*(pool.generate(ids, {"max_new_tokens": 2, "temperature": 0}, f"m{i}")
+                                       for i, ids in enumerate(good + [[10**6]])), return_exceptions=True)
+        await pool.close()
+        return ok, n_ok, mixed
+    ok, n_ok, mixed = run(body())
+    assert n_ok == 1 and all(len(out["output_ids"]) <= 2 for _, out in ok)
+    assert isinstance(mixed[3], agentflow.ApiError) and mixed[3].status == 400
+    assert [m[1]["output_ids"] for m in mixed[:3]] == [out["output_ids"] for _, out in ok]  # greedy: same
+
+
 # ----------------------------------------------------------------------------------------------
 # sandboxes and the code-test reward
 
