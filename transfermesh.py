@@ -163,7 +163,8 @@ def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engine_urls:
                 stats["weights/buckets"] += n
                 stats["weights/bytes"] += nbytes
             for url in engine_urls:
-                _post(client, url, "/update_weight_version", {"new_version": str(version)})
+                # abort_all_requests defaults to true in SGLang: requests in flight must survive the update
+                _post(client, url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
         finally:
             for url in engine_urls:
                 _post(client, url, "/continue_generation", {})

@@ -5,9 +5,12 @@ at the chosen tokens (fp32, <= 1e-5); requests join and leave the running batch 
 results; stop ids / max_new_tokens / abort / pause modes give the right finish_reason and partial output; weight
 updates (disk, in-process, shm and gloo broadcast through transfermesh) change the outputs to exactly the new
 model's and bump weight_version, with every token stamped by the weights that produced it; bad input answers 400
-and the server keeps serving; RolloutEngine serves the CPU engine and builds the SGLang command line.
+and the server keeps serving; top-k/top-p/min-p sampling draws from exactly the filtered distribution; a fixed
+engine seed reproduces samples; RolloutEngine serves the CPU engine and builds the SGLang command line (the real
+SGLang launch runs only where CUDA is).
 """
 import asyncio
+import concurrent.futures
 import os
 import shutil
 import time
@@ -95,7 +98,7 @@ def wait_running(handle, rid, min_tokens=1, timeout=30.0):
 
 
 def background(fn, *args, **kw):
-    import concurrent.futures
+    """Run fn in a thread; returns its Future (for requests that must be in flight while the test acts)."""
     pool = concurrent.futures.ThreadPoolExecutor(1)
     fut = pool.submit(fn, *args, **kw)
     pool.shutdown(wait=False)
@@ -161,6 +164,39 @@ def test_sampling_seed_and_filters(server):
     assert top1["output_ids"] == greedy["output_ids"]
     # logprobs are the policy's (temperature 1, unfiltered), not the sampling distribution's
     assert engine_logprobs(top1).tolist() == engine_logprobs(greedy).tolist()
+
+
+@pytest.mark.parametrize("params, kept", [
+    ({"top_p": 0.6}, [0.5 / 0.8, 0.3 / 0.8, 0, 0]),     # keeps the smallest prefix whose mass reaches top_p
+    ({"top_k": 3}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]),
+    ({"min_p": 0.5}, [0.5 / 0.8, 0.3 / 0.8, 0, 0]),     # drops p < min_p * max p
+    ({"temperature": 1.0}, [0.5, 0.3, 0.15, 0.05]),
+])
+def test_sample_filters_and_inverse_cdf(params, kept):
+    """With a uniform grid of u, the sampled frequencies equal the filtered, renormalised distribution, and the
+    returned logprob is always the unfiltered log-softmax at the sampled token."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 2000
+    logits = probs.log().expand(n, 4)
+    sp = rollout.parse_sampling_params(params, vocab_size=4)
+    u = (torch.arange(n) + 0.5) / n
+    tokens, logp = rollout.sample(logits, [sp] * n, u)
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    assert torch.allclose(freq, torch.tensor(kept), atol=2e-3), freq
+    assert torch.allclose(logp, probs.log()[tokens], atol=1e-6)
+
+
+def test_engine_seed_makes_sampling_reproducible(tiny_model_dir):
+    """Same engine seed and arrival order -> same samples; another seed -> other samples."""
+    sp = {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True}
+    runs = []
+    for seed in (7, 7, 8):
+        engine = rollout.CpuEngine(tiny_model_dir, max_batch=4, max_len=64, seed=seed).start()
+        try:
+            runs.append([o["output_ids"] for o in engine.generate(PROMPTS, sp)])
+        finally:
+            engine.stop()
+    assert runs[0] == runs[1] != runs[2]
 
 
 def test_stop_token_ids_and_max_new_tokens(server):
@@ -322,7 +358,10 @@ def test_weight_updates_change_outputs_and_bump_version(server, hf_a, hf_b, othe
 ])
 def test_bad_input_answers_400_and_server_keeps_serving(server, payload, needle):
     url, _ = server
-    kw = {"content": payload, "headers": {"content-type": "application/json"}} if isinstance(payload, bytes) else {"json": payload}
+    if isinstance(payload, bytes):
+        kw = {"content": payload, "headers": {"content-type": "application/json"}}
+    else:
+        kw = {"json": payload}
     r = httpx.post(f"{url}/generate", timeout=30, **kw)
     assert r.status_code == 400
     err = r.json()["error"]

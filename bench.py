@@ -1,0 +1,190 @@
+"""LoongSage benchmarks: each prints a ratio against a baseline measured in the same process and run.
+
+Speed targets live here, never in timed tests, because the machines these run on are shared and noisy: a ratio
+measured back to back in one process is far steadier than an absolute number.
+
+    python bench.py rollout [--batch 64 --new-tokens 64 --prompt-len 32 --repeats 3]
+        CPU engine (rollout.CpuEngine, continuous batching over a slot KV cache) vs transformers
+        `model.generate` on the same tiny Qwen3 (~3.4M parameters: hidden 256, 4 layers), the same batch of
+        prompts, the same number of new tokens (both ignore EOS), both sampling at temperature 1 with no top-k/top-p.
+        Prints tokens/s of each and the ratio; the target is >= 1.5x.
+
+    python bench.py router [--requests 100]
+        Router overhead per request: an official OpenAI client through agentflow's router (session lookup, chat
+        template, TITO bookkeeping, tool-call parsing, response shaping) vs the same greedy /generate sent directly,
+        back to back in pairs. Prints p50/p99 of the paired difference and its ratio to a 64-token generation.
+
+Each benchmark is one function `bench_<name>(args)`; `main` dispatches on the subcommand with if/elif.
+Left out: GPU benchmarks (SGLang has its own) and multi-process setups.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import data
+
+
+def _interleaved(fns: list, repeats: int) -> list[float]:
+    """Median seconds of each fn over `repeats` rounds, the fns taking turns within a round, so a change in the
+    machine's load (it is shared) hits baseline and candidate alike. The caller warms them up first."""
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
+
+
+def bench_rollout(args) -> dict:
+    """Tokens/s of the CPU engine vs transformers generate, same model, batch, lengths and sampling."""
+    import rollout
+    from transformers import AutoModelForCausalLM
+
+    path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    n_params = sum(p.numel() for p in hf.parameters())
+    vocab = hf.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, vocab, (args.batch, args.prompt_len), generator=g)  # (B, P), no padding needed
+    n_tokens = args.batch * args.new_tokens
+
+    # Baseline: transformers generate with its KV cache, sampling at temperature 1, no top-k (its default is 50),
+    # EOS disabled so every row produces exactly new_tokens tokens.
+    def run_hf():
+        with torch.no_grad():
+            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
+                              top_k=0, top_p=1.0, max_new_tokens=args.new_tokens, min_new_tokens=0,
+                              eos_token_id=None, pad_token_id=0)
+        assert out.shape == (args.batch, args.prompt_len + args.new_tokens), out.shape
+
+    # CPU engine, in-process (no HTTP), the same prompts and sampling, ignore_eos; it also returns logprobs.
+    engine = rollout.CpuEngine(path, max_batch=args.batch, max_len=args.prompt_len + args.new_tokens + 1).start()
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+
+    def run_engine():
+        outs = engine.generate(prompts.tolist(), params, return_logprob=True)
+        assert all(len(o["output_ids"]) == args.new_tokens for o in outs)
+
+    try:
+        run_hf(), run_engine()  # warm-up
+        t_hf, t_engine = _interleaved([run_hf, run_engine], args.repeats)
+    finally:
+        engine.stop()
+    result = {"params": n_params, "hf_tok_s": n_tokens / t_hf, "engine_tok_s": n_tokens / t_engine,
+              "ratio": t_hf / t_engine}
+    print(f"rollout: model {n_params / 1e6:.2f}M params, batch {args.batch}, prompt {args.prompt_len}, "
+          f"new tokens {args.new_tokens}, torch threads {torch.get_num_threads()}")
+    print(f"  transformers generate: {result['hf_tok_s']:8.0f} tokens/s")
+    print(f"  CPU engine:            {result['engine_tok_s']:8.0f} tokens/s")
+    print(f"  ratio engine / generate: {result['ratio']:.2f}x (target >= 1.5x)")
+    return result
+
+
+def bench_router(args) -> dict:
+    """Router overhead per request (agentflow: official OpenAI client -> router -> engine) vs the same request
+    sent straight to the engine's /generate, as p50/p99 seconds and as a fraction of a 64-token generation."""
+    import asyncio
+
+    import agentflow
+    import loongsage
+    import openai
+    import rollout
+
+    path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
+    # The engine runs in its own process, as engines do in a run (an in-process one would share the GIL
+    # with the router and the clients being timed).
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "rollout.py", "--model-path", path, "--port", str(port), "--max-batch", "8"],
+                            cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    rollout.wait_healthy(url, timeout=120, proc=proc)
+    cfg = loongsage.Config(max_context_len=512, max_new_tokens=8)
+
+    async def run() -> dict:
+        flow = agentflow.AgentFlow(cfg, [url], path)
+        await flow.start_router()
+        msgs = [{"role": "user", "content": "12+7"}]
+        ids = flow.chat.encode(flow.chat.render(msgs, add_generation_prompt=True))
+        # Greedy, so both paths generate the very same tokens: the paired difference is the router alone.
+        params = {"temperature": 0.0, "max_new_tokens": 8, "stop_token_ids": flow.chat.stop_ids}
+        http = flow.pool.http
+        t64 = []
+        for _ in range(args.repeats + 1):  # first one is warm-up
+            t0 = time.perf_counter()
+            await rollout.generate(http, url, ids, {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True})
+            t64.append(time.perf_counter() - t0)
+        async def one_direct():
+            t0 = time.perf_counter()
+            await rollout.generate(http, url, ids, params)
+            direct.append(time.perf_counter() - t0)
+
+        async def one_routed():
+            s = flow.router.open_session(sampling=params, max_context_len=512, max_turns=1)
+            client = openai.AsyncOpenAI(base_url=flow.router.base_url(s), api_key=s.api_key, max_retries=0,
+                                        http_client=agentflow.openai_http_client())
+            t0 = time.perf_counter()
+            await client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0.0)
+            routed.append(time.perf_counter() - t0)
+            await flow.router.close_session(s)
+            await client.close()
+
+        direct, routed = [], []
+        for i in range(args.requests + 5):  # the first 5 pairs are warm-up; alternate which goes first
+            for fn in ((one_direct, one_routed) if i % 2 == 0 else (one_routed, one_direct)):
+                await fn()
+        await flow.close()
+        return {"t64": statistics.median(t64[1:]), "direct": direct[5:], "routed": routed[5:]}
+
+    try:
+        r = asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    overhead = sorted(b - a for a, b in zip(r["direct"], r["routed"]))  # paired: same tokens, back to back
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    result = {"gen64_s": r["t64"], "direct_p50_s": statistics.median(r["direct"]),
+              "routed_p50_s": statistics.median(r["routed"]), "router_p50_s": pct(overhead, 0.5),
+              "router_p99_s": pct(overhead, 0.99)}
+    result["ratio_p50"], result["ratio_p99"] = result["router_p50_s"] / r["t64"], result["router_p99_s"] / r["t64"]
+    print(f"router: {args.requests} request pairs (greedy, 8 new tokens); a 64-token generation takes "
+          f"{r['t64'] * 1e3:.1f} ms")
+    print(f"  direct /generate p50 {result['direct_p50_s'] * 1e3:.1f} ms; OpenAI client -> router p50 "
+          f"{result['routed_p50_s'] * 1e3:.1f} ms")
+    print(f"  router overhead per request: p50 {result['router_p50_s'] * 1e3:.2f} ms, p99 "
+          f"{result['router_p99_s'] * 1e3:.2f} ms")
+    print(f"  as a fraction of a 64-token generation: p50 {result['ratio_p50']:.3f}, p99 {result['ratio_p99']:.3f}")
+    return result
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bench", help="which benchmark: rollout")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--requests", type=int, default=100, help="router bench: requests of each kind")
+    args = p.parse_args(argv)
+    if args.bench == "rollout":
+        bench_rollout(args)
+    elif args.bench == "router":
+        bench_router(args)
+    else:
+        raise SystemExit(f"unknown benchmark {args.bench!r}; valid: rollout")
+
+
+if __name__ == "__main__":
+    main()

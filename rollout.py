@@ -1,0 +1,1110 @@
+"""Rollout engines behind one HTTP protocol: SGLang's native one.
+
+Every caller (the router in agentflow.py, transfermesh.py, the controller) speaks SGLang's native HTTP API
+(`/generate`, `/abort_request`, `/pause_generation`, `/update_weights_from_*`, ...) with SGLang's field names,
+so the same client lines drive either engine:
+
+* `RolloutEngine(cfg, rank)`: the object the controller wraps with `ray.remote(...)`. With `cfg.engine ==
+  "sglang"` it launches a real SGLang server as a subprocess (CUDA only); with `"cpu"` it serves `CpuEngine`
+  in-process. Either way `url()` is all a caller needs.
+* `CpuEngine`: a small continuous-batching engine on the transformers model, for laptops and for the test
+  suite. A scheduler thread owns all engine state; requests join the running batch as they arrive and leave as
+  they finish. Each request owns one slot of a preallocated KV cache of shape
+  (layers, slots, kv_heads, max_len, head_dim). The forward pass reuses the transformers model's own modules and
+  parameters (embeddings, norms, q/k norms, rotary embedding, o/down projections, activation, lm_head), with q|k|v
+  and gate|up each run as one matmul over fused weights that the modules' parameters are views of, and its own
+  attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama and Mistral layouts work.
+* `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
+* client helpers shared by every caller: `generate` (async), `post` / `get` (sync, raise with the server's message).
+
+Logprobs. `meta_info.output_token_logprobs` holds, for each sampled token, log_softmax of the RAW logits (temperature
+1, before top-k/top-p/min-p) at that token: the policy's logprob, the number the trainer recomputes, so the
+train-inference gap is a property of the numerics only. (SGLang by default reports the logprob after temperature
+scaling; RolloutEngine starts it with SGLANG_RETURN_ORIGINAL_LOGPROB=True, unless the environment already sets it,
+so both engines report the same quantity.) Every step runs under one set of weights: weight updates and pauses are
+applied by the scheduler thread between steps, so each token's logprob comes from the weights that produced it.
+`meta_info.output_token_weight_versions` (a LoongSage addition) names those weights per token;
+`meta_info.weight_version` is the version when the request finished, as in SGLang.
+
+Pausing. `/pause_generation` with mode "abort" ends every request (finish_reason abort, partial output returned);
+"retract" frees their KV slots and requeues them, so on `/continue_generation` they are re-prefilled (prompt +
+tokens so far) under the then-current weights; "in_place" keeps their KV cache, so partial rollouts continue with
+new weights over a cache computed by older ones (as SGLang does). New requests queue while paused.
+
+Determinism. Each request draws its random numbers from its own `torch.Generator`, seeded from
+`sampling_params["sampling_seed"]` when given, else from the engine seed and the request's arrival index, so a fixed
+seed and arrival order give the same tokens whatever else is in the batch (up to float ties in the batched matmuls).
+
+Run: `python rollout.py --model-path DIR --port 30000`. Test: `pytest tests/test_rollout.py`.
+Left out on the CPU engine: streaming, prefix caching, text stop strings, penalties, `n > 1` (send a batch of
+input_ids instead), LoRA, multimodal input; a dropped HTTP connection does not abort its request (call
+/abort_request).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import difflib
+import glob
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+import httpx
+import torch
+import torch.nn.functional as F
+from fastapi import Request  # at module level: FastAPI resolves handler annotations by name
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")  # dense layouts the CPU forward pass handles
+SGLANG_STARTUP_TIMEOUT_S = 1200.0  # loading a large checkpoint and capturing CUDA graphs can take minutes
+
+
+class BadRequest(ValueError):
+    """A client error: the HTTP layer answers 400 with this message, and the engine keeps serving."""
+
+
+# ----------------------------------------------------------------------------------------------
+# client helpers (shared by agentflow, transfermesh, the controller and the tests)
+
+
+class EngineError(RuntimeError):
+    """A rollout engine answered with a non-2xx status; the message carries the server's own explanation."""
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text.strip()
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message"))
+    if isinstance(body, dict) and "message" in body:
+        return str(body["message"])
+    return json.dumps(body)
+
+
+def _check(resp: httpx.Response, url: str, path: str):
+    if resp.status_code // 100 != 2:
+        raise EngineError(f"{url}{path} answered HTTP {resp.status_code}: {_error_message(resp)}")
+    try:
+        return resp.json()
+    except ValueError:
+        return {"text": resp.text}
+
+
+def post(url: str, path: str, payload: dict | None = None, timeout: float = 60.0):
+    """POST JSON to an engine; returns the parsed JSON answer, raises EngineError with the server's message."""
+    resp = httpx.post(f"{url}{path}", json=payload if payload is not None else {}, timeout=timeout)
+    return _check(resp, url, path)
+
+
+def get(url: str, path: str, timeout: float = 30.0):
+    """GET from an engine; returns the parsed JSON answer, raises EngineError with the server's message."""
+    return _check(httpx.get(f"{url}{path}", timeout=timeout), url, path)
+
+
+async def generate(client: httpx.AsyncClient, url: str, input_ids: list[int] | list[list[int]],
+                   sampling_params: dict, *, rid: str | list[str] | None = None, return_logprob: bool = True,
+                   timeout: float | None = None) -> dict | list[dict]:
+    """POST /generate with token ids; returns SGLang's answer: {"text", "output_ids", "meta_info": {...}}
+    (a list of those for a batch of input_ids). Raises EngineError on a non-2xx answer."""
+    payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+    if rid is not None:
+        payload["rid"] = rid
+    resp = await client.post(f"{url}/generate", json=payload, timeout=timeout)
+    return _check(resp, url, "/generate")
+
+
+def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None, log_path: str | None = None) -> None:
+    """Poll GET /health until it answers 200. If `proc` dies first, raise with the tail of its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"rollout server at {url} exited with code {proc.returncode} before becoming "
+                               f"healthy. Last lines of {log_path}:\n{_tail(log_path)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"rollout server at {url} was not healthy after {timeout:.0f} s. "
+                       f"Last lines of {log_path}:\n{_tail(log_path)}")
+
+
+def _tail(path: str | None, n: int = 60) -> str:
+    if not path or not os.path.exists(path):
+        return "(no log)"
+    with open(path, errors="replace") as f:
+        return "".join(collections.deque(f, maxlen=n))
+
+
+# ----------------------------------------------------------------------------------------------
+# requests and sampling parameters
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """The subset of SGLang's sampling parameters the CPU engine implements (same names and defaults)."""
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0                # nucleus mass kept, (0, 1]
+    top_k: int = -1                   # -1 (or 0) = no top-k
+    min_p: float = 0.0                # drop tokens with prob < min_p * max prob
+    max_new_tokens: int = 128
+    stop_token_ids: list = dataclasses.field(default_factory=list)  # finish when one is sampled (kept in output)
+    ignore_eos: bool = False          # when False the model's eos token(s) also stop
+    skip_special_tokens: bool = True  # for the returned text only
+    no_stop_trim: bool = False        # keep the matched stop token in the returned text
+    sampling_seed: int | None = None  # per-request seed; None = engine seed + arrival index
+
+
+# SGLang parameters the CPU engine accepts only at their neutral value (anything else is a 400 saying so).
+_NEUTRAL_PARAMS = {"n": 1, "stop": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                   "repetition_penalty": 1.0, "min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None,
+                   "structural_tag": None, "logit_bias": None, "custom_params": None,
+                   "spaces_between_special_tokens": True, "stream_interval": None}
+
+
+def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
+    """Validate a JSON sampling_params dict into SamplingParams; raises BadRequest naming the bad key and value."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest(f"sampling_params must be a JSON object, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
+    out = SamplingParams()
+    for key, value in raw.items():
+        if key in _NEUTRAL_PARAMS:
+            if value not in (_NEUTRAL_PARAMS[key], None, [], "", {}):
+                raise BadRequest(f"sampling_params.{key}={value!r} is not implemented by the CPU engine; leave it "
+                                 f"at {_NEUTRAL_PARAMS[key]!r} (or use engine=sglang)")
+            continue
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields) + list(_NEUTRAL_PARAMS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise BadRequest(f"unknown sampling_params key {key!r}{hint}; valid keys: {sorted(fields)}")
+        if value is None:
+            continue
+        setattr(out, key, value)
+    try:
+        out.temperature, out.top_p, out.min_p = float(out.temperature), float(out.top_p), float(out.min_p)
+        out.top_k, out.max_new_tokens = int(out.top_k), int(out.max_new_tokens)
+        out.stop_token_ids = [int(t) for t in (out.stop_token_ids or [])]
+        out.sampling_seed = None if out.sampling_seed is None else int(out.sampling_seed)
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"sampling_params has a value of the wrong type: {e}") from None
+    if out.temperature < 0:
+        raise BadRequest(f"sampling_params.temperature must be >= 0 (0 = greedy), got {out.temperature}")
+    if not 0 < out.top_p <= 1:
+        raise BadRequest(f"sampling_params.top_p must be in (0, 1], got {out.top_p}")
+    if not 0 <= out.min_p <= 1:
+        raise BadRequest(f"sampling_params.min_p must be in [0, 1], got {out.min_p}")
+    if out.top_k == 0:
+        out.top_k = -1
+    if out.top_k < -1:
+        raise BadRequest(f"sampling_params.top_k must be -1 (off) or >= 1, got {out.top_k}")
+    if out.max_new_tokens < 0:
+        raise BadRequest(f"sampling_params.max_new_tokens must be >= 0, got {out.max_new_tokens}")
+    bad = [t for t in out.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"sampling_params.stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+    return out
+
+
+@dataclasses.dataclass(eq=False)
+class Req:
+    """One generation request as the scheduler tracks it."""
+    rid: str
+    prompt_ids: list                      # token ids of the prompt
+    params: SamplingParams
+    return_logprob: bool
+    future: concurrent.futures.Future     # resolved with the SGLang-shaped response dict
+    max_new: int                          # max_new_tokens clipped to the context the engine holds
+    stop_ids: frozenset                   # stop_token_ids plus eos unless ignore_eos
+    uniforms: torch.Tensor                # (max_new,) this request's random numbers, one per sampled token
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    return_text_in_logprobs: bool = False
+    output_ids: list = dataclasses.field(default_factory=list)
+    output_logprobs: list = dataclasses.field(default_factory=list)
+    output_versions: list = dataclasses.field(default_factory=list)  # weight version that produced each token
+    slot: int = -1                        # KV-cache slot while running, -1 while waiting
+    kv_len: int = 0                       # tokens whose K/V sit in the slot
+
+
+# ----------------------------------------------------------------------------------------------
+# the CPU engine
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """A transformers RMSNorm module's computation as one op (bit-identical in fp32 on this CPU)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_add: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """Grouped-query attention of q (B, T, Hq, D) over keys/values (B, KV, S, D); mask_add (B*KV, G*T, S) holds 0
+    where a key is visible and -inf elsewhere.
+
+    Written out instead of calling scaled_dot_product_attention: it reads the slot cache's strided views without
+    copies, folds the mask and scale into one baddbmm, and measured ~20% faster than the CPU SDPA kernel for the
+    one-query decode shape. Query head h reads key/value head h // G (G = Hq // KV), as transformers' repeat_kv
+    lays them out.
+    """
+    B, T, Hq, D = q.shape
+    KV, S = keys.shape[1], keys.shape[2]
+    G = Hq // KV
+    q = q.reshape(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B * KV, G * T, D)       # (B*KV, G*T, D)
+    scores = torch.baddbmm(mask_add, q, keys.reshape(B * KV, S, D).transpose(1, 2), alpha=scale)  # (B*KV, G*T, S)
+    out = torch.softmax(scores, dim=-1) @ values.reshape(B * KV, S, D)                   # (B*KV, G*T, D)
+    return out.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)           # (B, T, Hq, D)
+
+
+def _fuse_rows(params: list) -> torch.Tensor:
+    """Concatenate parameters along dim 0 and turn each into a view of the result, so a later in-place copy into
+    any of them (a weight update) also updates the fused tensor."""
+    fused = torch.cat([p.data for p in params])
+    offset = 0
+    for p in params:
+        p.data = fused[offset:offset + p.shape[0]]
+        offset += p.shape[0]
+    return fused
+
+
+class CpuEngine:
+    """Continuous-batching generation on a transformers causal LM with a slot KV cache.
+
+    One scheduler thread owns every piece of mutable state. Other threads (HTTP handlers, in-process callers)
+    talk to it only through `self._inbox`: new requests, and control calls (abort, pause, weight loads) that run
+    between two forward steps.
+    """
+
+    def __init__(self, model_path: str, *, max_batch: int = 64, max_len: int | None = None, seed: int = 0,
+                 dtype: str = "float32", max_prefill_tokens: int = 8192,
+                 weight_version: str = "0"):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        self.model_path = str(model_path)
+        self.dtype = getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).eval()
+        self.model.requires_grad_(False)
+        cfg = self.model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"CPU engine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r} "
+                             f"from {self.model_path}; use engine=sglang for other architectures")
+        self.tokenizer = self._load_tokenizer()
+        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.eos_ids = self._eos_ids()
+        self.max_batch = int(max_batch)
+        self.max_len = int(min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings))
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self.seed = int(seed)
+        self.weight_version = str(weight_version)
+
+        attn = self.model.model.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        # One q|k|v and one gate|up matmul per layer instead of five: fewer, larger matmuls and fewer ops per step.
+        # The transformers modules' parameters become views of the fused tensors, so loading weights into the
+        # model by name (load_weights) updates what the forward pass reads.
+        self.qkv_w, self.qkv_b, self.gate_up_w = [], [], []
+        for layer in self.model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            if getattr(mlp.gate_proj, "bias", None) is not None:
+                raise ValueError(f"{self.model_path}: MLP biases are not supported by the CPU engine")
+            self.qkv_w.append(_fuse_rows([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            self.qkv_b.append(_fuse_rows([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                              if a.q_proj.bias is not None else None)  # Qwen2 has q/k/v biases
+            self.gate_up_w.append(_fuse_rows([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        # kv heads before positions: a slot's keys for one head are one (S, D) block, so attention reads a
+        # batch of slots as a strided view and the matmuls need no copy
+        cache_shape = (cfg.num_hidden_layers, self.max_batch, self.n_kv_heads, self.max_len, self.head_dim)
+        self.k_cache = torch.zeros(cache_shape, dtype=self.dtype)  # (L, slots, KV, max_len, D)
+        self.v_cache = torch.zeros(cache_shape, dtype=self.dtype)  # (L, slots, KV, max_len, D)
+        self.uniforms = torch.zeros(self.max_batch, self.max_len)  # (slots, max_len) running requests' draws
+
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: collections.deque[Req] = collections.deque()
+        self._running: list[Req] = []
+        self._free_slots = list(range(self.max_batch))
+        self._paused = False
+        self._arrivals = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.stats = {"steps": 0, "max_running": 0, "generated_tokens": 0, "finished": 0}
+
+    # --- setup helpers
+
+    def _load_tokenizer(self):
+        files = ("tokenizer.json", "tokenizer_config.json")
+        if not any(os.path.exists(os.path.join(self.model_path, f)) for f in files):
+            return None  # no tokenizer: responses carry ids only, "text" stays ""
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(self.model_path)
+
+    def _eos_ids(self) -> frozenset:
+        ids = set()
+        for source in (self.model.generation_config, self.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return frozenset(ids)
+
+    # --- public API (any thread)
+
+    def start(self) -> "CpuEngine":
+        self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Abort whatever is in flight, then end the scheduler thread."""
+        if self._thread is None:
+            return
+        self.call(self._abort, None, True, "engine shutting down").result(timeout=60)
+        self._stopping = True
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=60)
+        self._thread = None
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def call(self, fn, *args) -> concurrent.futures.Future:
+        """Run fn(*args) on the scheduler thread between two steps; returns a Future with its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive():  # not started (e.g. a bench or a unit test driving the engine directly)
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                fut.set_exception(e)
+            return fut
+        self._inbox.put(("call", fn, args, fut))
+        return fut
+
+    def make_request(self, input_ids, sampling_params: dict | None = None, *, rid: str | None = None,
+                     return_logprob: bool = True, return_text_in_logprobs: bool = False) -> Req:
+        """Validate one prompt into a Req (raises BadRequest); `submit` it to run it."""
+        if not isinstance(input_ids, list) or not input_ids:
+            raise BadRequest(f"input_ids must be a non-empty list of token ids, got {str(input_ids)[:80]}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+            raise BadRequest(f"input_ids must hold integers only, got {str(input_ids)[:80]}")
+        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequest(f"input_ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
+        if len(input_ids) >= self.max_len:
+            raise BadRequest(f"the prompt has {len(input_ids)} tokens but the engine's context is {self.max_len} "
+                             f"tokens (prompt + output); shorten the prompt or raise max_len")
+        params = parse_sampling_params(sampling_params, self.vocab_size)
+        max_new = min(params.max_new_tokens, self.max_len - len(input_ids))
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seed = params.sampling_seed
+        if seed is None:  # the arrival order is the order of make_request calls without a sampling_seed
+            self._arrivals += 1
+            seed = self.seed * 1_000_003 + self._arrivals
+        gen = torch.Generator().manual_seed(seed)
+        uniforms = torch.rand(max_new, generator=gen)  # (max_new,) one draw per token, whatever the batch holds
+        return Req(rid=rid or uuid.uuid4().hex, prompt_ids=list(input_ids),
+                   params=params, return_logprob=bool(return_logprob), future=concurrent.futures.Future(),
+                   max_new=max_new, stop_ids=stop_ids, uniforms=uniforms,
+                   return_text_in_logprobs=bool(return_text_in_logprobs))
+
+    def submit(self, *reqs: Req) -> list[concurrent.futures.Future]:
+        """Queue requests (one message, so a batch is admitted together); returns their futures."""
+        if not self.alive():
+            raise RuntimeError("the CPU engine is not running; call start() first")
+        self._inbox.put(("reqs", reqs))
+        return [r.future for r in reqs]
+
+    def generate(self, input_ids: list[list[int]], sampling_params: dict | None = None, **kw) -> list[dict]:
+        """Blocking convenience for in-process callers: generate for a batch of prompts, in order."""
+        reqs = [self.make_request(ids, sampling_params, **kw) for ids in input_ids]
+        return [f.result() for f in self.submit(*reqs)]
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """Abort by rid (or everything); the aborted requests answer with what they generated so far."""
+        return self.call(self._abort, rid, abort_all, "aborted by request").result()
+
+    def pause(self, mode: str = "abort") -> None:
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"pause_generation mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
+        self.call(self._pause, mode).result()
+
+    def resume(self) -> None:
+        self.call(self._resume).result()
+
+    def load_weights(self, named_tensors, version=None) -> int:
+        """Copy (hf_name, tensor) pairs into the model between two steps; set weight_version if given.
+        Returns the number of tensors loaded. Requests in flight keep their KV cache."""
+        return self.call(self._load_weights, list(named_tensors), version).result()
+
+    def set_weight_version(self, version: str, abort_all: bool = False) -> None:
+        def _set():
+            if abort_all:
+                self._abort(None, True, "aborted by update_weight_version")
+            self.weight_version = str(version)
+        self.call(_set).result()
+
+    def state(self) -> dict:
+        """A snapshot of the scheduler's state (for /get_server_info and tests)."""
+        def _snap():
+            return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
+                    "paused": self._paused, "weight_version": self.weight_version, **self.stats,
+                    "running": [{"rid": r.rid, "completion_tokens": len(r.output_ids)} for r in self._running]}
+        return self.call(_snap).result()
+
+    # --- scheduler thread
+
+    def _loop(self) -> None:
+        with torch.no_grad():
+            while not self._stopping:
+                busy = (self._running or self._waiting) and not self._paused
+                try:
+                    self._handle(self._inbox.get(block=not busy, timeout=None if busy else 0.5))
+                    while True:  # drain everything that arrived during the last step
+                        self._handle(self._inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                if self._stopping or self._paused or not (self._running or self._waiting):
+                    continue
+                try:
+                    self._step()
+                except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                    traceback.print_exc()
+                    self._abort(None, True, f"engine step failed: {type(e).__name__}: {e}")
+
+    def _handle(self, msg) -> None:
+        if msg[0] == "reqs":
+            self._waiting.extend(msg[1])
+        elif msg[0] == "call":
+            _, fn, args, fut = msg
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                fut.set_exception(e)
+
+    def _step(self) -> None:
+        """One scheduler iteration: admit waiting requests (prefill), then one decode step for the rest."""
+        decoding = list(self._running)
+        admitted = self._admit()
+        self.stats["max_running"] = max(self.stats["max_running"], len(self._running))
+        if admitted:
+            self._forward_and_sample(admitted, [r.prompt_ids + r.output_ids for r in admitted])
+        if decoding:
+            self._forward_and_sample(decoding, [[r.output_ids[-1]] for r in decoding])
+        self.stats["steps"] += 1
+
+    def _admit(self) -> list[Req]:
+        """Move waiting requests into free KV slots, oldest first, within the prefill token budget."""
+        admitted, budget = [], self.max_prefill_tokens
+        while self._waiting and self._free_slots:
+            req = self._waiting[0]
+            n = len(req.prompt_ids) + len(req.output_ids)
+            if admitted and n > budget:
+                break
+            self._waiting.popleft()
+            if req.max_new == 0:  # nothing to generate (max_new_tokens=0)
+                self._finish(req, {"type": "length", "length": 0})
+                continue
+            req.slot = self._free_slots.pop(0)
+            req.kv_len = 0
+            self.uniforms[req.slot, :req.max_new] = req.uniforms
+            admitted.append(req)
+            self._running.append(req)
+            budget -= n
+        return admitted
+
+    def _forward_and_sample(self, reqs: list[Req], chunks: list[list[int]]) -> None:
+        """Feed each request its next chunk of tokens (its whole context on prefill, its last token on decode),
+        then sample one token per request from the logits at the chunk's last position."""
+        logits = self._forward(reqs, chunks)                                             # (B, V)
+        n_out = torch.tensor([len(r.output_ids) for r in reqs])
+        u = self.uniforms[torch.tensor([r.slot for r in reqs]), n_out]                   # (B,)
+        tokens, logp = sample(logits, [r.params for r in reqs], u)                      # (B,), (B,)
+        for req, tok, lp in zip(reqs, tokens.tolist(), logp.tolist()):
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            req.output_versions.append(self.weight_version)
+            self.stats["generated_tokens"] += 1
+            if tok in req.stop_ids:
+                self._finish(req, {"type": "stop", "matched": tok})
+            elif len(req.output_ids) >= req.max_new:
+                self._finish(req, {"type": "length", "length": len(req.output_ids)})
+
+    def _forward(self, reqs: list[Req], chunks: list[list[int]]) -> torch.Tensor:
+        """Run the transformer over right-padded chunks, writing their K/V into each request's slot and
+        attending over everything in the slot. Returns the logits at each chunk's last token."""
+        m = self.model.model
+        B, T, D = len(reqs), max(len(c) for c in chunks), self.head_dim
+        Hq, KV = self.n_heads, self.n_kv_heads
+        lens = torch.tensor([len(c) for c in chunks])                                     # (B,)
+        start = torch.tensor([r.kv_len for r in reqs])                                    # (B,) cache offset
+        slots = torch.tensor([r.slot for r in reqs])                                      # (B,)
+        ids = torch.tensor([c + [0] * (T - len(c)) for c in chunks])                     # (B, T) right-padded
+        pos = start[:, None] + torch.arange(T)                                            # (B, T) absolute positions
+        S = int((start + lens).max())                                                     # keys to attend over
+        key_pos = torch.arange(S)
+        # key j is visible to query i of row b iff j <= pos[b, i] (causal) and j < start[b] + lens[b] (written);
+        # built once per step as an additive mask in the (B*KV, G*T, S) layout _attention uses
+        visible = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] < (start + lens)[:, None, None])
+        G = Hq // KV
+        visible = visible[:, None, None].expand(B, KV, G, T, S).reshape(B * KV, G * T, S)
+        mask_add = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
+        valid = torch.arange(T)[None, :] < lens[:, None]                                  # (B, T) real tokens
+        all_valid = bool(valid.all())  # decode steps: every row holds exactly one real token
+        write_slots = slots[:, None].expand(B, T)[valid]                                  # (n_valid,)
+        write_pos = pos[valid]                                                            # (n_valid,)
+        s0 = int(slots.min())
+        contiguous = bool((slots == torch.arange(s0, s0 + B)).all())  # then read the cache as a view, no gather
+
+        x = m.embed_tokens(ids)                                                           # (B, T, H)
+        cos, sin = m.rotary_emb(x, pos)                                                   # (B, T, D) each
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]                                 # (B, T, 1, D)
+        for li, layer in enumerate(m.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = _rms_norm(x, layer.input_layernorm)                                       # (B, T, H)
+            qkv = F.linear(h, self.qkv_w[li], self.qkv_b[li]).view(B, T, Hq + 2 * KV, D)
+            q, k, v = qkv.split([Hq, KV, KV], dim=2)                                      # (B, T, Hq|KV|KV, D)
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
+                q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            if all_valid:
+                k_new, v_new = k.reshape(B * T, KV, D), v.reshape(B * T, KV, D)          # (n_valid, KV, D)
+            else:
+                k_new, v_new = k[valid], v[valid]                                         # (n_valid, KV, D)
+            self.k_cache[li][write_slots, :, write_pos] = k_new                           # into the slots
+            self.v_cache[li][write_slots, :, write_pos] = v_new
+            if contiguous:
+                keys, values = self.k_cache[li, s0:s0 + B, :, :S], self.v_cache[li, s0:s0 + B, :, :S]
+            else:
+                keys, values = self.k_cache[li, slots, :, :S], self.v_cache[li, slots, :, :S]  # (B, KV, S, D)
+            out = _attention(q, keys, values, mask_add, attn.scaling)                     # (B, T, Hq, D)
+            x = x + attn.o_proj(out.reshape(B, T, Hq * D))                                # (B, T, H)
+            gate, up = F.linear(_rms_norm(x, layer.post_attention_layernorm), self.gate_up_w[li]).chunk(2, dim=-1)
+            x = x + mlp.down_proj(mlp.act_fn(gate) * up)                                  # (B, T, H)
+        last = x[torch.arange(B), lens - 1]                                               # (B, H) last real token
+        for req, n in zip(reqs, lens.tolist()):
+            req.kv_len += n
+        return self.model.lm_head(_rms_norm(last, m.norm)).float()                        # (B, V)
+
+    def _finish(self, req: Req, finish_reason: dict) -> None:
+        if req in self._running:
+            self._running.remove(req)
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            self._free_slots.sort()  # lowest slots first keeps the running set contiguous (cache read as a view)
+            req.slot = -1
+        self.stats["finished"] += 1
+        if not req.future.done():
+            req.future.set_result(self._response(req, finish_reason))
+
+    def _response(self, req: Req, finish_reason: dict) -> dict:
+        ids = req.output_ids
+        text = ""
+        if self.tokenizer is not None:
+            trim = finish_reason.get("type") == "stop" and not req.params.no_stop_trim
+            text = self.tokenizer.decode(ids[:-1] if trim else ids, skip_special_tokens=req.params.skip_special_tokens)
+        meta = {"id": req.rid, "finish_reason": finish_reason, "prompt_tokens": len(req.prompt_ids),
+                "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.weight_version,
+                "output_token_weight_versions": list(req.output_versions),
+                "e2e_latency": time.perf_counter() - req.arrival}
+        if req.return_logprob:
+            with_text = req.return_text_in_logprobs and self.tokenizer is not None
+            meta["output_token_logprobs"] = [[lp, t, self.tokenizer.decode([t]) if with_text else None]
+                                             for lp, t in zip(req.output_logprobs, ids)]
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+    # --- control calls (run on the scheduler thread via `call`)
+
+    def _abort(self, rid: str | None, abort_all: bool, message: str) -> int:
+        victims = [r for r in list(self._running) + list(self._waiting) if abort_all or r.rid == rid]
+        for req in victims:
+            if req in self._waiting:
+                self._waiting.remove(req)
+            self._finish(req, {"type": "abort", "message": message})
+        return len(victims)
+
+    def _pause(self, mode: str) -> None:
+        if mode == "abort":
+            self._abort(None, True, "aborted by pause_generation")
+        elif mode == "retract":  # give back the KV slots; re-prefill prompt + output on continue
+            for req in reversed(self._running):
+                self._free_slots.append(req.slot)
+                req.slot, req.kv_len = -1, 0
+                self._waiting.appendleft(req)
+            self._free_slots.sort()
+            self._running.clear()
+        self._paused = True
+
+    def _resume(self) -> None:
+        self._paused = False
+
+    def _load_weights(self, named_tensors: list, version) -> int:
+        params = self.model.state_dict()  # HF names -> tensors sharing storage with the live parameters
+        for name, tensor in named_tensors:
+            if name not in params:
+                close = difflib.get_close_matches(name, list(params), n=3)
+                raise BadRequest(f"weight {name!r} is not a parameter of {self.model_path} "
+                                 f"(closest: {close}); send HF parameter names")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise BadRequest(f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                                 f"{tuple(params[name].shape)}")
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor.to(dtype=params[name].dtype, device="cpu"))
+        if version is not None:
+            self.weight_version = str(version)
+        return len(named_tensors)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row by inverse-CDF sampling with the pre-drawn uniforms `u`; greedy where temperature == 0.
+
+    Returns (tokens, logp): logp is log_softmax of the RAW logits (temperature 1, no filtering) at the sampled token,
+    i.e. the policy's logprob (see the module docstring for why).
+    """
+    B, V = logits.shape
+    logp_all = torch.log_softmax(logits, dim=-1)                                          # (B, V) policy logprobs
+    temps = torch.tensor([p.temperature for p in params])                                 # (B,)
+    greedy = temps == 0
+    tokens = logits.argmax(dim=-1)                                                        # (B,)
+    if not bool(greedy.all()):
+        probs = torch.softmax(logits / temps.clamp_min(1e-6)[:, None], dim=-1)            # (B, V)
+        filtered = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
+        if filtered:
+            probs, order = probs.sort(dim=-1, descending=True)                            # (B, V) largest first
+            rank = torch.arange(V)[None, :]
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params])[:, None]
+            top_p = torch.tensor([p.top_p for p in params])[:, None]
+            min_p = torch.tensor([p.min_p for p in params])[:, None]
+            drop = (rank >= top_k) | (probs.cumsum(-1) - probs > top_p) | (probs < min_p * probs[:, :1])
+            drop[:, 0] = False  # the most likely token always survives
+            probs = probs.masked_fill(drop, 0.0)
+        cdf = probs.cumsum(dim=-1)                                                        # (B, V)
+        idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_max(V - 1)[:, 0]  # (B,)
+        sampled = order.gather(1, idx[:, None])[:, 0] if filtered else idx
+        tokens = torch.where(greedy, tokens, sampled)
+    logp = logp_all.gather(1, tokens[:, None])[:, 0]                                      # (B,)
+    return tokens, logp
+
+
+# ----------------------------------------------------------------------------------------------
+# the HTTP server (SGLang's native endpoints and field names)
+
+
+def _bad(message: str):
+    from fastapi.responses import JSONResponse
+    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": 400}}, status_code=400)
+
+
+async def _json_body(request) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _per_item(value, n: int, name: str) -> list:
+    """SGLang lets batch fields be one value for all items or a list with one per item."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise BadRequest(f"{name} has {len(value)} entries for a batch of {n} prompts")
+        return value
+    return [value] * n
+
+
+def build_app(engine: CpuEngine):
+    """The FastAPI app serving `engine` under SGLang's native endpoint names."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse
+
+    app = FastAPI(title="LoongSage CPU rollout engine")
+    groups: dict = {}  # group_name -> torch.distributed ProcessGroup for /update_weights_from_distributed
+
+    @app.exception_handler(BadRequest)
+    async def _bad_request(request, exc: BadRequest):
+        return _bad(str(exc))
+
+    @app.exception_handler(Exception)
+    async def _server_error(request, exc: Exception):
+        traceback.print_exception(exc)
+        return JSONResponse({"error": {"message": f"{type(exc).__name__}: {exc}", "type": "InternalServerError",
+                                       "code": 500}}, status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return PlainTextResponse("", status_code=200 if engine.alive() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        req = engine.make_request([0], {"max_new_tokens": 1, "temperature": 0.0, "sampling_seed": 0},
+                                  rid=f"HEALTH_CHECK_{time.time()}")
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(engine.submit(req)[0]), timeout=20.0)
+        except (asyncio.TimeoutError, RuntimeError):
+            return PlainTextResponse("", status_code=503)
+        return PlainTextResponse("", status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": engine.weight_version}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return {"model_path": engine.model_path, "max_running_requests": engine.max_batch,
+                "context_len": engine.max_len, "random_seed": engine.seed,
+                "internal_states": [await asyncio.to_thread(engine.state)]}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": engine.weight_version}
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate_endpoint(request: Request):
+        body = await _json_body(request)
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the CPU engine; send stream=false")
+        input_ids, text = body.get("input_ids"), body.get("text")
+        if input_ids is None and text is not None:
+            if engine.tokenizer is None:
+                raise BadRequest(f"{engine.model_path} has no tokenizer; send input_ids instead of text")
+            input_ids = ([engine.tokenizer.encode(t, add_special_tokens=False) for t in text]
+                         if isinstance(text, list) else engine.tokenizer.encode(text, add_special_tokens=False))
+        if input_ids is None:
+            raise BadRequest("the request has no input_ids (a list of token ids, or a list of such lists)")
+        if not isinstance(input_ids, list) or not input_ids:
+            raise BadRequest(f"input_ids must be a non-empty list, got {str(input_ids)[:80]}")
+        batched = isinstance(input_ids[0], list)
+        prompts = input_ids if batched else [input_ids]
+        n = len(prompts)
+        rid = body.get("rid")
+        if not batched:
+            if rid is not None and not isinstance(rid, str):
+                raise BadRequest(f"rid must be a string for a single prompt, got {rid!r}")
+            rids = [rid]
+        elif isinstance(rid, str):  # SGLang: one string for a batch is a prefix, item i gets f"{rid}_{i}"
+            rids = [f"{rid}_{i}" for i in range(n)]
+        else:
+            rids = _per_item(rid, n, "rid")
+        sps = _per_item(body.get("sampling_params"), n, "sampling_params")
+        lps = _per_item(body.get("return_logprob", False), n, "return_logprob")
+        reqs = [engine.make_request(p, sp, rid=r, return_logprob=bool(lp),
+                                    return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)))
+                for p, sp, r, lp in zip(prompts, sps, rids, lps)]
+        outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in engine.submit(*reqs)))
+        return outs if batched else outs[0]
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await _json_body(request)
+        await asyncio.to_thread(engine.abort, body.get("rid") or None, bool(body.get("abort_all", False)))
+        return PlainTextResponse("", status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        body = await _json_body(request)
+        await asyncio.to_thread(engine.pause, body.get("mode", "abort"))
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        await asyncio.to_thread(engine.resume)
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        # There is no prefix cache to flush: each request's KV lives in its own slot and goes with it.
+        return PlainTextResponse("Cache flushed.\n", status_code=200)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = await _json_body(request)
+        if "new_version" not in body:
+            raise BadRequest("update_weight_version needs new_version (a string)")
+        await asyncio.to_thread(engine.set_weight_version, str(body["new_version"]),
+                                bool(body.get("abort_all_requests", True)))
+        return {"success": True, "message": f"Weight version updated to {body['new_version']}",
+                "new_version": str(body["new_version"])}
+
+    async def load(named_tensors, body: dict) -> dict:
+        if body.get("abort_all_requests"):
+            await asyncio.to_thread(engine.abort, None, True)
+        n = await asyncio.to_thread(engine.load_weights, named_tensors, body.get("weight_version"))
+        message = f"Loaded {n} tensors."
+        if body.get("weight_version") is not None:
+            message += f" Weight version updated to {body['weight_version']}."
+        return {"success": True, "message": message}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = await _json_body(request)
+        path = body.get("model_path")
+        if not path:
+            raise BadRequest("update_weights_from_disk needs model_path (an HF directory with *.safetensors)")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise BadRequest(f"load_format {body['load_format']!r} is not supported by the CPU engine; use null")
+        named = await asyncio.to_thread(read_safetensors_dir, path)
+        return {**await load(named, body), "num_paused_requests": 0}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        body = await _json_body(request)
+        items = body.get("serialized_named_tensors")
+        if not isinstance(items, list) or not items:
+            raise BadRequest("update_weights_from_tensor needs serialized_named_tensors (a non-empty list)")
+        if body.get("load_format") != "shm":
+            raise BadRequest(f"the CPU engine takes load_format 'shm' (descriptors from transfermesh), got "
+                             f"{body.get('load_format')!r}")
+        import transfermesh
+
+        def read_all():
+            return [pair for item in items for pair in transfermesh.read_shm_bucket(item)]
+        return await load(await asyncio.to_thread(read_all), body)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await _json_body(request)
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+        if missing:
+            raise BadRequest(f"init_weights_update_group is missing {missing}")
+        if body.get("backend", "gloo") not in ("gloo", "nccl"):
+            raise BadRequest(f"backend {body['backend']!r}: the CPU engine joins with gloo")
+        import transfermesh
+        # Blocks until the trainer joins the rendezvous, so it runs off the event loop (and off the scheduler).
+        groups[body.get("group_name", "weight_update_group")] = await asyncio.to_thread(
+            transfermesh.new_gloo_group, body["master_address"], int(body["master_port"]),
+            int(body["rank_offset"]), int(body["world_size"]))
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await _json_body(request)
+        name = body.get("group_name", "weight_update_group")
+        if name not in groups:
+            raise BadRequest(f"no weight update group {name!r}; call /init_weights_update_group first "
+                             f"(known: {sorted(groups)})")
+        if not all(isinstance(body.get(k), list) for k in ("names", "dtypes", "shapes")):
+            raise BadRequest("update_weights_from_distributed needs lists names, dtypes and shapes")
+        import transfermesh
+        # Receive while generation goes on; only the copy into the model waits for a step boundary.
+        named = await asyncio.to_thread(transfermesh.recv_broadcast, groups[name], body["names"], body["dtypes"],
+                                        body["shapes"], body.get("checksum"))  # checksum: a LoongSage addition
+        return await load(named, body)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        body = await _json_body(request)
+        # The group was built beside (not inside) torch.distributed's registry, so dropping it closes it.
+        groups.pop(body.get("group_name", "weight_update_group"), None)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    return app
+
+
+def read_safetensors_dir(path: str) -> list:
+    """All (hf_name, tensor) pairs of the *.safetensors files in an HF directory."""
+    from safetensors.torch import load_file
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise BadRequest(f"no *.safetensors files in {path!r}; give an HF model directory")
+    return [pair for f in files for pair in load_file(f).items()]
+
+
+@dataclasses.dataclass
+class ServerHandle:
+    """A running CPU engine + HTTP server; `shutdown()` stops both."""
+    url: str
+    engine: CpuEngine
+    server: object
+    thread: threading.Thread
+
+    def shutdown(self) -> None:
+        self.engine.stop()  # first: in-flight requests answer (aborted), so the server can close cleanly
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def serve(model_path: str, host: str = "127.0.0.1", port: int = 0, **engine_opts) -> tuple[str, ServerHandle]:
+    """Start a CPU engine and its HTTP server on a background thread; returns (url, handle).
+    port=0 picks a free port. engine_opts go to CpuEngine (max_batch, max_len, seed, dtype, ...)."""
+    import uvicorn
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))  # first, so a taken port fails before the model loads
+        engine = CpuEngine(model_path, **engine_opts).start()
+    except BaseException:
+        sock.close()
+        raise
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), log_level="warning", lifespan="off",
+                                           timeout_keep_alive=60))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="cpu-engine-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            engine.stop()
+            raise RuntimeError(f"the HTTP server for {model_path} did not start on {url}")
+        time.sleep(0.01)
+    return url, ServerHandle(url, engine, server, thread)
+
+
+# ----------------------------------------------------------------------------------------------
+# the actor the controller wraps with ray.remote
+
+
+def _serve_host() -> str:
+    """Loopback on one machine; this node's address when the Ray cluster spans several."""
+    try:
+        import ray
+        if ray.is_initialized() and sum(n["Alive"] for n in ray.nodes()) > 1:
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
+    """`python -m sglang.launch_server ...` with every key of cfg.sglang passed through as a `--key value` flag
+    (underscores become dashes, True is a bare flag, False is left out, lists give several values)."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
+           "--host", host, "--port", str(port)]
+    opts = dict(cfg.sglang or {})
+    # LoongSage defaults, used only where the recipe's sglang dict does not set them
+    opts.setdefault("tp_size", cfg.gpus_per_engine)
+    opts.setdefault("random_seed", seed)
+    opts.setdefault("weight_version", "0")  # versions count trainer steps; SGLang's own default is "default"
+    # (a recipe drops any of these flags by setting it to null)
+    for key, value in opts.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            cmd += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            cmd += [flag, json.dumps(value)]
+        else:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+class RolloutEngine:
+    """One rollout engine (SGLang server or CPU engine) as a plain class; the controller wraps it in ray.remote.
+
+    Reads cfg.model_path, cfg.engine ("auto"|"cpu"|"sglang"), cfg.engine_max_batch, cfg.max_prompt_len,
+    cfg.max_new_tokens, cfg.max_context_len, cfg.seed, cfg.dtype, cfg.sglang, cfg.gpus_per_engine, cfg.output_dir.
+    """
+
+    def __init__(self, cfg, rank: int):
+        self.rank = rank
+        self.proc: subprocess.Popen | None = None
+        self.handle: ServerHandle | None = None
+        host = _serve_host()
+        seed = int(cfg.seed) + 1000 * rank  # different engines draw different samples
+        engine = cfg.engine if cfg.engine != "auto" else ("sglang" if torch.cuda.is_available() else "cpu")
+        if engine == "cpu":
+            max_len = max(int(cfg.max_prompt_len) + int(cfg.max_new_tokens), int(cfg.max_context_len or 0))
+            self._url, self.handle = serve(cfg.model_path, host=host, max_batch=int(cfg.engine_max_batch),
+                                           max_len=max_len, seed=seed, dtype=cfg.dtype)
+        elif engine == "sglang":
+            if not torch.cuda.is_available():
+                raise RuntimeError("engine=sglang needs CUDA, and none is visible to this actor; use engine=cpu "
+                                   "or give the rollout actors GPUs")
+            port = _free_port(host)
+            self._url = f"http://{host}:{port}"
+            log_dir = Path(cfg.output_dir or tempfile.gettempdir())
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.log_path = str(log_dir / f"sglang_engine_{rank}.log")
+            cmd = sglang_command(cfg, host, port, seed)
+            with open(self.log_path, "w") as log:
+                log.write(" ".join(cmd) + "\n")
+                log.flush()
+                # raw (temperature-1) logprobs, the same quantity the CPU engine and the trainer compute
+                env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "True", **os.environ}
+                # own session: shutdown() kills the server and every process it spawned (schedulers, detokenizer)
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)
+            try:
+                wait_healthy(self._url, SGLANG_STARTUP_TIMEOUT_S, self.proc, self.log_path)
+            except BaseException:
+                self.shutdown()
+                raise
+        else:
+            raise ValueError(f"cfg.engine must be 'auto', 'cpu' or 'sglang', got {cfg.engine!r}")
+
+    def url(self) -> str:
+        return self._url
+
+    def shutdown(self) -> None:
+        if self.handle is not None:
+            self.handle.shutdown()
+            self.handle = None
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self.proc = None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Serve the LoongSage CPU rollout engine (SGLang's native HTTP API).")
+    p.add_argument("--model-path", required=True, help="HF model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-batch", type=int, default=64, help="KV-cache slots = requests running at once")
+    p.add_argument("--max-len", type=int, default=None, help="context per request (prompt + output)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    a = p.parse_args()
+    url, handle = serve(a.model_path, a.host, a.port, max_batch=a.max_batch, max_len=a.max_len, seed=a.seed,
+                        dtype=a.dtype)
+    print(f"CPU rollout engine for {a.model_path} serving at {url} (Ctrl-C to stop)", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a clean shutdown on `kill` too
+    try:
+        while handle.thread.is_alive():
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        handle.shutdown()
+
+
+if __name__ == "__main__":
+    main()
