@@ -86,7 +86,7 @@ def bench_rollout(args) -> dict:
     def run_engine(lengths):
         reqs = [engine.make_request(p, {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": n,
                                         "ignore_eos": True}) for p, n in zip(prompts.tolist(), lengths)]
-        outs = [f.result() for f in [engine.submit(r) for r in reqs]]
+        outs = [f.result() for f in engine.submit(*reqs)]
         assert [len(o["output_ids"]) for o in outs] == lengths
 
     rng = torch.Generator().manual_seed(1)
