@@ -225,6 +225,10 @@ def finalize(cfg: Config) -> Config:
     need(cfg.engine != "sglang" or cfg.device == "cuda", "engine=sglang runs on CUDA only; set device=cuda or engine=cpu")
     need(cfg.mode in ("sync", "async"), f"mode={cfg.mode!r}: choose 'sync' or 'async'")
     need(cfg.dtype in ("float32", "bfloat16"), f"dtype={cfg.dtype!r}: choose 'float32' or 'bfloat16'")
+    need(cfg.pipeline_parallel == 1, f"pipeline_parallel={cfg.pipeline_parallel}: the trainer runs tensor and data "
+         "parallelism only for now; set pipeline_parallel=1 and use tensor_parallel/trainer_workers")
+    need(cfg.expert_parallel == 1, f"expert_parallel={cfg.expert_parallel}: MoE weights cannot yet be exported "
+         "from several expert ranks to the engines; set expert_parallel=1 (MoE models train with TP/DP)")
     mp = cfg.tensor_parallel * cfg.pipeline_parallel
     need(cfg.trainer_workers % mp == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
          f"tensor_parallel*pipeline_parallel={mp}; use {mp * max(1, cfg.trainer_workers // mp)}")

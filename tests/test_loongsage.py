@@ -40,6 +40,7 @@ def test_overrides_are_typed_and_pass_through():
      "must split evenly over data_parallel=2"),
     (["global_batch_size=64", "micro_batch_size=48", "prompts_per_step=8", "samples_per_prompt=8"], "multiple of micro_batch_size=48"),
     (["engine=sglang"], "CUDA only"),
+    (["pipeline_parallel=2", "trainer_workers=2"], "set pipeline_parallel=1"),
     (["mode=fast"], "choose 'sync' or 'async'"),
     (["reward=data.nope"], "cannot load 'data.nope'"),
     (["advantage=ppo2"], "ppo2"),
