@@ -996,6 +996,14 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the SGLang child, before exec: on Linux, get SIGTERM when the engine actor's process dies, even by
+    SIGKILL (Ray killing the actor), so no server is left holding GPUs. Elsewhere shutdown() is the only stop."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
     """`python -m sglang.launch_server ...` with every key of cfg.sglang passed through as a `--key value` flag
     (underscores become dashes, True is a bare flag, False is left out, lists give several values)."""
@@ -1057,7 +1065,7 @@ class RolloutEngine:
                 env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "True", **os.environ}
                 # own session: shutdown() kills the server and every process it spawned (schedulers, detokenizer)
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                             start_new_session=True)
+                                             start_new_session=True, preexec_fn=_die_with_parent)
             try:
                 wait_healthy(self._url, SGLANG_STARTUP_TIMEOUT_S, self.proc, self.log_path)
             except BaseException:

@@ -13,8 +13,11 @@ import asyncio
 import concurrent.futures
 import os
 import shutil
+import subprocess
+import sys
 import time
 import types
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +26,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import rollout
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MAX_LEN = 512  # the tiny model's max_position_embeddings
 
@@ -426,3 +431,24 @@ def test_rollout_engine_launches_sglang(tiny_model_dir, tmp_path):
         assert out["meta_info"]["weight_version"] == "0"
     finally:
         eng.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_sglang_child_dies_with_the_engine_process():
+    """A server started with _die_with_parent ends when the process that started it is killed (SIGKILL
+    included), so a killed engine actor leaves no server holding GPUs. `sleep` stands in for the server."""
+    code = ("import subprocess, sys; sys.path.insert(0, %r); import rollout; "
+            "p = subprocess.Popen(['sleep', '60'], preexec_fn=rollout._die_with_parent, start_new_session=True); "
+            "print(p.pid, flush=True); import os, signal; os.kill(os.getpid(), signal.SIGKILL)") % str(ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = open(f"/proc/{pid}/status").read().split("State:")[1].split()[0]
+        except FileNotFoundError:
+            state = "gone"
+        if state in ("Z", "X", "gone"):  # exited (a zombie is dead, merely not yet reaped)
+            break
+        time.sleep(0.1)
+    assert state in ("Z", "X", "gone"), state
