@@ -3,7 +3,8 @@
 
 It uses only the official `openai` package, configured the standard way (OPENAI_BASE_URL and
 OPENAI_API_KEY from the environment), reads its task from argv (or stdin when no argument is given),
-asks the model for an answer, asks it once more to check that answer, and prints the final answer.
+asks the model for an answer, asks it once more to check that answer (unless AGENT_SELF_CHECK=0),
+and prints the final answer.
 LoongSage runs it in a sandbox with those variables pointing at a per-trajectory session of its router,
 so any agent program that speaks the OpenAI (or Anthropic) API can be trained the same way.
 
@@ -25,9 +26,10 @@ def main() -> int:
     client = OpenAI(max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY come from the environment
     model = client.models.list().data[0].id
     max_tokens = int(os.environ.get("AGENT_MAX_TOKENS", "16"))
+    self_check = os.environ.get("AGENT_SELF_CHECK", "1") != "0"  # ask the model to check its answer once
     messages = [{"role": "user", "content": task}]
     answer = ""
-    for prompt in (None, "Check your answer. Reply with the final answer only."):
+    for prompt in (None, "Check your answer. Reply with the final answer only.")[:2 if self_check else 1]:
         if prompt:
             messages.append({"role": "user", "content": prompt})
         reply = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens)
