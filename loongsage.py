@@ -585,7 +585,9 @@ def train(cfg: Config) -> list[dict]:
             bar.write(f"[sample step {step}] reward={t['reward']} status={t['status']}\n"
                       f"  {t.get('prompt_text', '')!r} -> {t.get('response_text', '')!r}")
 
-        if not cfg.rollout_only:
+        if not trajs:  # every group failed, was aborted or was filtered out: nothing to learn from
+            bar.write(f"step {step}: no trajectories to train on; skipping the update")
+        if not cfg.rollout_only and trajs:
             # --- 2. old/ref logprobs, advantages, policy update (all inside the trainers; one call per rank)
             t0 = time.perf_counter()
             batch_ref = ray.put(trajs)
