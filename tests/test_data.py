@@ -10,7 +10,7 @@ import data
 def test_tiny_model_is_deterministic_and_cached(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file
     settings = json.loads((data.Path(tiny_model_dir) / "loongsage_tiny.json").read_text())
-    kwargs = {k: v for k, v in settings.items()}
+    kwargs = settings
     p = data.build_tiny_model(tmp_path / "again", **kwargs)
     a, b = load_file(f"{tiny_model_dir}/model.safetensors"), load_file(f"{p}/model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
