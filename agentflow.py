@@ -1,7 +1,10 @@
 """AgentFlow: every agent trains through a standard chat API.
 
-The controller asks `AgentFlow.generate(samples, n, sampling, step)` for n trajectories per sample.
-Each trajectory is produced one of three ways:
+The controller's rollout producer hands AgentFlow prompt groups with `submit(groups, n, sampling, step)` and
+takes each group back from `completed()` the moment its n trajectories are done (groups finish in any order;
+see `train()` in loongsage.py for the window that decides how many are in flight). `generate(samples, n,
+sampling, step)` does the same for one batch and waits for all of it (eval). Each trajectory is produced one
+of three ways:
 
 * `cfg.agent == ""` and no `cfg.agent_command` (the fast path of the CPU recipes): render
   `sample["messages"]` with the chat template and send the token ids straight to the least-loaded
@@ -145,12 +148,27 @@ def _version(v) -> int:
 
 
 def _token_versions(meta: dict, n: int) -> list[int]:
-    """Per-token weight versions: the engine's own list when it has one (the CPU engine does; a weight
-    update in the middle of a request shows up there), else the version at the end of the request."""
-    per_token = meta.get("output_token_weight_versions")
-    if per_token is not None and len(per_token) == n:
-        return [_version(v) for v in per_token]
+    """Per-token weight versions from the engine's `weight_versions` spans (SGLang >= 0.5.23 and the CPU
+    engine: [{"version", "start", "end"}, ...] over the output tokens, end exclusive), so a request that spans
+    a weight update keeps the exact version of every token. An engine without spans reports only the version
+    at the end; every token then gets it, which can understate the lag of the request's early tokens."""
+    spans = meta.get("weight_versions")
+    if spans and spans[-1]["end"] == n and spans[0]["start"] == 0:
+        out = []
+        for span in spans:
+            out += [_version(span["version"])] * (span["end"] - span["start"])
+        if len(out) == n:
+            return out
     return [_version(meta.get("weight_version"))] * n
+
+
+def sampling_seed(*key) -> int:
+    """A sampling_seed (SGLang's per-request seed; the CPU engine's too) from any key, < 2**56. Seeding every
+    request from what it is (run seed, group, sample, attempt, turn) rather than from its arrival makes a
+    trajectory's tokens independent of timing and batch composition: sync and async runs, and a resumed run,
+    draw the same random numbers for the same trajectory."""
+    import hashlib
+    return int.from_bytes(hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=7).digest(), "big")
 
 
 def _http_status(e: Exception) -> int | None:
@@ -705,6 +723,8 @@ class Session:
                                f"{self.max_context_len} (cfg.max_context_len). Shorten or compact the history.",
                                code="context_length_exceeded", param="messages")
             sp = {**self.sampling, **(overrides or {})}
+            if sp.get("sampling_seed") is not None:  # one seed per trajectory -> one per turn
+                sp["sampling_seed"] = sampling_seed(sp["sampling_seed"], self.turns)
             # The recipe's max_new_tokens caps every turn; a client's max_tokens may only lower it.
             cap = min(sp.get("max_new_tokens") or room, max_tokens or room)
             sp["max_new_tokens"] = min(cap, room)
@@ -1323,8 +1343,11 @@ class AgentFlow:
         # Loopback by default: agents run on this node. Set cfg.router_host to serve sandboxes elsewhere.
         self.router = Router(self.pool, self.chat, model_name=Path(tokenizer_path).name or "loongsage",
                              host=getattr(cfg, "router_host", "127.0.0.1"))
-        self._next_group = 0                # group ids stay unique across generate() calls
+        self._next_group = 0                # generate()'s group ids (eval): unique across its calls
         self._tasks: set[asyncio.Task] = set()
+        self._completed: list[dict] = []    # submit()'s groups that finished since the last completed() call
+        self._producing = 0                 # submit()'s groups still running
+        self._wake = asyncio.Event()        # set when a submitted group finishes
         # Black-box agents are processes: bound how many run at once (white-box ones are coroutines).
         self._sandbox_slots = asyncio.Semaphore(max(1, int(getattr(cfg, "max_parallel_sandboxes", 32))))
 
@@ -1334,8 +1357,48 @@ class AgentFlow:
             await self.router.start()
         return self.router.url
 
+    async def submit(self, groups: list[tuple[int, dict]], n: int, sampling: dict, step: int) -> None:
+        """The rollout producer's dispatch: start n trajectories for each (seq, sample) and return at once.
+        `seq` (the controller's sequence number) is the group id; `step` the RL step dispatching it (kept in
+        each trajectory's metadata). Each group reaches `completed()` the moment its n trajectories are done,
+        in whatever order groups finish."""
+        if self.agent_fn is not None or self.cfg.agent_command:
+            await self.start_router()
+        for seq, sample in groups:
+            task = asyncio.ensure_future(self._group(sample, seq, n, sampling, step))
+            self._tasks.add(task)
+            task.add_done_callback(self._group_done)
+            self._producing += 1
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._producing -= 1
+        if not task.cancelled():  # a cancelled group (abort at shutdown) is nobody's any more
+            self._completed.append(task)
+        self._wake.set()
+
+    async def completed(self, wait: bool = True) -> list[dict]:
+        """Groups finished since the last call, as {"seq", "trajs", "aborted"}; with `wait`, block until there
+        is at least one (or nothing is running). An aborted group (an engine cut it) is returned without its
+        trajectories so the controller can dispatch its prompt again."""
+        while wait and not self._completed and self._producing:
+            self._wake.clear()
+            await self._wake.wait()
+        done, self._completed = self._completed, []
+        return [task.result() for task in done]  # a bug inside _group raises here, in the controller's ray.get
+
+    async def _group(self, sample: dict, seq: int, n: int, sampling: dict, step: int) -> dict:
+        results = await asyncio.gather(*(self._trajectory(sample, seq, i, sampling, step) for i in range(n)),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+        if errors:  # _trajectory turns agent/engine errors into failed trajectories: this is a bug
+            raise errors[0]
+        aborted = any(isinstance(r, BaseException) or r.status == "aborted" for r in results)
+        # an aborted group is incomplete: group-relative advantages over it would be biased
+        return {"seq": seq, "aborted": aborted, "trajs": [] if aborted else [dataclasses.asdict(r) for r in results]}
+
     async def generate(self, samples: list[dict], n: int, sampling: dict, step: int) -> list[dict]:
-        """n trajectories per sample, rewarded, as `dataclasses.asdict` dicts, complete groups only.
+        """n trajectories per sample, rewarded, as `dataclasses.asdict` dicts, complete groups only (eval).
 
         `sampling`: temperature, top_p, top_k, max_new_tokens. Failed trajectories stay in their group
         (status "failed", reward 0, loss_mask all 0) so the step goes on; groups cut by abort() are dropped.
@@ -1344,23 +1407,17 @@ class AgentFlow:
             await self.start_router()
         base = self._next_group
         self._next_group += len(samples)
-        groups = [[asyncio.ensure_future(self._trajectory(sample, base + g, i, sampling, step)) for i in range(n)]
-                  for g, sample in enumerate(samples)]
-        every = [t for group in groups for t in group]
-        self._tasks.update(every)
+        tasks = [asyncio.ensure_future(self._group(sample, base + g, n, sampling, step))
+                 for g, sample in enumerate(samples)]
+        self._tasks.update(tasks)
         try:
-            results = [await asyncio.gather(*group, return_exceptions=True) for group in groups]
+            groups = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
-            self._tasks.difference_update(every)
-        out = []
-        for group in results:
-            errors = [r for r in group if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
-            if errors:  # _trajectory turns agent/engine errors into failed trajectories: this is a bug
-                raise errors[0]
-            if any(isinstance(r, BaseException) or r.status == "aborted" for r in group):
-                continue  # aborted mid-group: an incomplete group would bias group-relative advantages
-            out.extend(dataclasses.asdict(r) for r in group)
-        return out
+            self._tasks.difference_update(tasks)
+        for g in groups:  # a group cancelled by abort() is dropped; anything else raised is a bug
+            if isinstance(g, BaseException) and not isinstance(g, asyncio.CancelledError):
+                raise g
+        return [t for g in groups if isinstance(g, dict) for t in g["trajs"]]
 
     async def abort(self) -> None:
         """Stop every running trajectory now (weight update with abort, or shutdown); their groups are dropped."""
@@ -1379,6 +1436,7 @@ class AgentFlow:
         t0 = time.perf_counter()
         attempts = 1 + max(0, int(self.cfg.agent_retries))
         for attempt in range(1, attempts + 1):
+            sampling = {**sampling, "sampling_seed": sampling_seed(self.cfg.seed, group_id, index, attempt)}
             if self.cfg.agent_command:
                 traj = await self._blackbox(sample, sampling)
             elif self.agent_fn is not None:

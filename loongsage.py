@@ -29,7 +29,6 @@ import random
 import sys
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,8 +48,12 @@ class Config:
     output_dir: str = "runs/default"  # metrics.jsonl, TensorBoard, reward curve, checkpoints, final HF model
     seed: int = 1234  # seeds data order, sampling and init
     num_steps: int = 20  # RL steps (one rollout batch and one policy update each)
-    mode: str = "sync"  # "sync" or "async" (generation overlaps training)
-    max_staleness: int = 1  # async: rollout batches in flight while training (the sliding window)
+    mode: str = "sync"  # "sync" (generate, train, sync in turn) or "async" (a producer keeps generating while it trains)
+    stale_steps: float = 1.0  # async: capacity C = prompts_per_step*(1+stale_steps) groups in flight or buffered
+    # (fractions allowed); mode=sync is stale_steps=0: C = one step's groups, dispatched after each sync
+    window: str = "window-gated"  # async dispatch/collect rule: no-window | window-gated | windowed-fifo (see below)
+    max_version_lag: int = -1  # hard bound: no trained token older than this many weight versions; -1 = no bound
+    lag_policy: str = "mask"  # a group over the bound: "mask" its too-old tokens, or "regenerate" it (once)
     eval_every: int = 5  # evaluate every N steps (and before step 0 and after the last); 0 = never
     save_every: int = 0  # Megatron checkpoint every N steps; 0 = only the final HF export
     resume: bool = False  # resume from the newest checkpoint in output_dir/checkpoints
@@ -73,6 +76,8 @@ class Config:
     colocate: bool = False  # engines share the trainers' placement bundles (GPUs), instead of their own
     cpus_per_trainer: float = 1.0  # Ray CPU resources per trainer rank
     cpus_per_engine: float = 1.0  # Ray CPU resources per engine
+    trainer_threads: int = 0  # torch threads per trainer rank; 0 = derive (async: its Ray CPUs; sync: a share of the node)
+    engine_threads: int = 0  # torch threads per CPU engine; 0 = derive (likewise)
     gpus_per_engine: int = 1  # GPUs per SGLang engine (its tensor parallel size); CUDA only
 
     # --- model ---
@@ -189,6 +194,9 @@ def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
     for key in raw:
         if key not in names:
             raise ValueError(f"unknown config key {key!r}{_closest(key, names)}")
+    if raw.get("mode", "sync") == "sync" and float(raw.get("stale_steps") or 0) > 0:
+        raise ValueError(f"stale_steps={raw['stale_steps']} applies to mode=async only (sync runs with 0); set "
+                         "mode=async or drop stale_steps")
     cfg = Config(**raw)
     cfg.recipe = recipe or ""
     for f in dataclasses.fields(Config):
@@ -244,7 +252,20 @@ def finalize(cfg: Config) -> Config:
     per_rank = cfg.global_batch_size // dp
     need(per_rank % cfg.micro_batch_size == 0, f"global_batch_size/data_parallel={per_rank} samples per rank must be "
          f"a multiple of micro_batch_size={cfg.micro_batch_size}; try micro_batch_size={math.gcd(per_rank, cfg.micro_batch_size)}")
-    need(cfg.max_staleness >= 1, f"max_staleness={cfg.max_staleness} must be >= 1")
+    # --- async: capacity, window, lag bound (train() reads them; see `groups_to_dispatch` / `collectable`)
+    need(cfg.stale_steps >= 0, f"stale_steps={cfg.stale_steps} must be >= 0 (0 = no step runs ahead of training)")
+    need(cfg.window in WINDOWS, f"window={cfg.window!r}: choose one of {WINDOWS}{_closest(cfg.window, WINDOWS)}")
+    need(cfg.lag_policy in ("mask", "regenerate"), f"lag_policy={cfg.lag_policy!r}: choose 'mask' or 'regenerate'")
+    need(cfg.max_version_lag >= -1, f"max_version_lag={cfg.max_version_lag}: use -1 (no bound) or a lag >= 0")
+    if cfg.mode == "sync":
+        cfg.stale_steps = 0.0  # one code path: sync is the pipeline with nothing running ahead
+    # torch threads per actor: async runs trainers and engines at once, each on its own Ray CPUs; sync runs
+    # one phase at a time, so the phase running may use the node's cores (split among the actors of that phase)
+    sync_cpu, cores = cfg.mode == "sync" and cfg.device == "cpu", os.cpu_count() or 1
+    if cfg.trainer_threads <= 0:
+        cfg.trainer_threads = max(1, cores // cfg.trainer_workers if sync_cpu else int(cfg.cpus_per_trainer))
+    if cfg.engine_threads <= 0:
+        cfg.engine_threads = max(1, cores // cfg.num_engines if sync_cpu else int(cfg.cpus_per_engine))
     need(not (cfg.train_only and not cfg.load_rollouts), "train_only needs load_rollouts=<dir written by dump_rollouts>")
     for name in ("reward", "warmstart_example") + (("agent",) if cfg.agent else ()):
         data.import_object(getattr(cfg, name))  # fail now, not after the model is built
@@ -257,7 +278,10 @@ def describe(cfg: Config) -> str:
     rollout = cfg.prompts_per_step * cfg.samples_per_prompt
     return (f"data_parallel={cfg.data_parallel}, rollout batch={rollout} samples, {rollout // cfg.global_batch_size} "
             f"optimizer step(s) per RL step, {cfg.global_batch_size // cfg.data_parallel // cfg.micro_batch_size} "
-            f"micro-batch(es) per rank per optimizer step, device={cfg.device}, engine={cfg.engine}")
+            f"micro-batch(es) per rank per optimizer step, device={cfg.device}, engine={cfg.engine}, "
+            f"torch threads trainer/engine={cfg.trainer_threads}/{cfg.engine_threads}"
+            + (f", async: capacity C={capacity(cfg)} groups, window={cfg.window}, max_version_lag="
+               f"{cfg.max_version_lag} ({cfg.lag_policy})" if cfg.mode == "async" else ""))
 
 
 def check_runtime(cfg: Config) -> None:
@@ -434,19 +458,168 @@ class Logger:
             self.tb.close()
 
 
-def rollout_metrics(trajs: list[dict]) -> dict:
-    """`rollout/` metrics of one batch of trajectory dicts."""
+# ================================================================================================
+# the rollout producer's window (fully async): two pure functions decide how many prompt groups to dispatch
+# and which finished ones to collect. R = groups dispatched and not yet collected (running, or finished but
+# held back by the window); Q = groups collected into the buffer and not yet trained on; C = capacity.
+
+WINDOWS = ("no-window", "window-gated", "windowed-fifo")
+
+
+def capacity(cfg: Config) -> int:
+    """C = B * (1 + stale_steps) groups in flight or buffered (B = prompts_per_step); C = B in sync mode."""
+    return max(cfg.prompts_per_step, int(round(cfg.prompts_per_step * (1 + cfg.stale_steps))))
+
+
+def groups_to_dispatch(window: str, C: int, R: int, Q: int, next_seq: int, oldest_uncollected: int) -> int:
+    """How many new groups to dispatch now. Every window keeps R + Q <= C. window-gated also keeps every
+    dispatched sequence number within C of the oldest uncollected group, so one slow group holds new work
+    back (its lag stays bounded) instead of the producer racing ahead of it."""
+    room = C - R - Q
+    if window == "window-gated":
+        room = min(room, oldest_uncollected + C - next_seq)
+    return max(0, room)
+
+
+def collectable(window: str, finished: list[int], min_unfinished: int | None, oldest_uncollected: int,
+                B: int, C: int) -> list[int]:
+    """Which finished groups (sequence numbers) move into the buffer now. no-window: any; window-gated: those
+    inside the window [oldest uncollected, + C); windowed-fifo: only those fewer than B sequence numbers past
+    the oldest unfinished group, so the buffer fills roughly in dispatch order (others wait)."""
+    if window == "windowed-fifo" and min_unfinished is not None:
+        return sorted(s for s in finished if s - min_unfinished < B)
+    if window == "window-gated":
+        return sorted(s for s in finished if s - oldest_uncollected < C)
+    return sorted(finished)
+
+
+def lag_over(group: list[dict], version: int, max_lag: int) -> int:
+    """Loss tokens of a group generated more than `max_lag` weight versions before `version` (the weights
+    about to be updated); 0 when there is no bound."""
+    if max_lag < 0:
+        return 0
+    return sum(m and 0 <= v < version - max_lag for t in group for v, m in zip(t["weight_versions"], t["loss_mask"]))
+
+
+def mask_lagging(group: list[dict], version: int, max_lag: int) -> None:
+    """Drop from the loss (loss_mask 0, rollout logprob 0) every token older than the lag bound allows."""
+    for t in group:
+        for i, v in enumerate(t["weight_versions"]):
+            if t["loss_mask"][i] and 0 <= v < version - max_lag:
+                t["loss_mask"][i], t["rollout_logprobs"][i] = 0, 0.0
+
+
+class Producer:
+    """The rollout producer's bookkeeping, fully async, in plain Python (no Ray, so tests drive it directly).
+
+    Every prompt group is known by its sequence number (its group id). `dispatch()` hands out new groups while
+    the window allows; `receive()` takes the groups AgentFlow finished, collects them into the buffer as the
+    window allows (dropping uninformative ones under dynamic sampling), and moves the oldest buffered groups
+    into the step's batch, applying the version-lag bound; `pop_batch()` returns the batch once it holds B
+    groups. train() moves groups between it and AgentFlow with visible calls.
+    """
+
+    def __init__(self, cfg: Config, prompts):
+        self.cfg, self.prompts = cfg, prompts  # prompts: an iterator of (cursor, sample)
+        self.B, self.C = cfg.prompts_per_step, capacity(cfg)
+        self.next_seq, self.cursor = 0, 0
+        self.prompt_of: dict[int, dict] = {}  # seq -> sample, for every group dispatched and not yet trained on
+        self.running: set[int] = set()  # R: dispatched, not collected (generating, or finished and held back)
+        self.finished: dict[int, list[dict]] = {}  # finished, waiting for the window to collect them
+        self.buffer: dict[int, list[dict]] = {}  # collected, not yet in a batch
+        self.batch: list[list[dict]] = []  # the groups of the step being assembled (with buffer: Q)
+        self.redo: list[tuple[dict, bool]] = []  # (prompt, is a regeneration) to dispatch first
+        self.second_try: set[int] = set()  # seqs dispatched as a regeneration: never regenerated again
+        self.stats = dict(dropped=0, regenerated=0, masked=0)  # this step's counts
+
+    def dispatch(self) -> list[tuple[int, dict]]:
+        """New (seq, prompt) groups to start now, as many as the window allows."""
+        queued = len(self.buffer) + len(self.batch)  # Q: collected and not yet trained on
+        n = groups_to_dispatch(self.cfg.window, self.C, len(self.running), queued, self.next_seq,
+                               min(self.running, default=self.next_seq))
+        new = []
+        for _ in range(n):
+            if self.redo:
+                sample, again = self.redo.pop(0)
+            else:
+                (self.cursor, sample), again = next(self.prompts), False
+            if again:
+                self.second_try.add(self.next_seq)
+            self.prompt_of[self.next_seq] = sample
+            self.running.add(self.next_seq)
+            new.append((self.next_seq, sample))
+            self.next_seq += 1
+        return new
+
+    def receive(self, groups: list[dict], version: int) -> None:
+        """Record finished groups ({"seq", "trajs", "aborted"} from AgentFlow.completed), collect what the
+        window allows, and fill the batch from the oldest buffered groups. `version`: the weights the
+        batch will update (the lag bound's reference)."""
+        cfg = self.cfg
+        for g in groups:
+            if g["aborted"]:  # an engine cut it short: its prompt goes again
+                self.running.discard(g["seq"])
+                self.redo.append((self.prompt_of.pop(g["seq"]), g["seq"] in self.second_try))
+            else:
+                self.finished[g["seq"]] = g["trajs"]
+        unfinished = self.running - self.finished.keys()
+        for seq in collectable(cfg.window, list(self.finished), min(unfinished, default=None),
+                               min(self.running, default=self.next_seq), self.B, self.C):
+            self.running.discard(seq)
+            group = self.finished.pop(seq)
+            if cfg.dynamic_sampling and len({t["reward"] for t in group}) == 1:
+                self.stats["dropped"] += 1  # DAPO: equal rewards, zero advantages; the window refills
+                self.prompt_of.pop(seq)
+            else:
+                self.buffer[seq] = group
+        for seq in sorted(self.buffer)[:self.B - len(self.batch)]:  # oldest first
+            group, sample = self.buffer.pop(seq), self.prompt_of.pop(seq)
+            over = lag_over(group, version, cfg.max_version_lag)  # tokens older than the bound allows
+            if over and cfg.lag_policy == "regenerate" and seq not in self.second_try:
+                self.redo.append((sample, True))  # once: a long trajectory is masked next time, not starved
+                self.stats["regenerated"] += 1
+                continue
+            if over:
+                mask_lagging(group, version, cfg.max_version_lag)
+                self.stats["masked"] += over
+            self.batch.append(group)
+
+    def full(self) -> bool:
+        """B groups are ready (or dynamic sampling found too few informative ones: train on what there is)."""
+        gave_up = self.cfg.dynamic_sampling and self.stats["dropped"] >= 4 * self.B
+        return len(self.batch) >= self.B or gave_up
+
+    def pop_batch(self) -> tuple[list[dict], dict]:
+        trajs = [t for group in self.batch for t in group]
+        metrics = {"rollout/buffer_groups": len(self.buffer), "rollout/running_groups": len(self.running),
+                   "rollout/lag_masked_tokens": self.stats["masked"],
+                   "rollout/regenerated_groups": self.stats["regenerated"]}
+        if self.cfg.dynamic_sampling:
+            metrics.update({"rollout/groups_kept": len(self.batch),
+                            "rollout/groups_sampled": len(self.batch) + self.stats["dropped"]})
+        self.batch, self.stats = [], dict(dropped=0, regenerated=0, masked=0)
+        return trajs, metrics
+
+
+def rollout_metrics(trajs: list[dict], version: int) -> dict:
+    """`rollout/` metrics of one batch of trajectory dicts trained at weight `version`."""
     n = max(len(trajs), 1)
-    gen = sum(sum(t["loss_mask"]) for t in trajs)
     versions = [v for t in trajs for v, m in zip(t["weight_versions"], t["loss_mask"]) if m]
+    lags = [version - v for v in versions]
     return {
         "rollout/reward_mean": sum(t["reward"] for t in trajs) / n,
         "rollout/response_len": sum(len(t["response_ids"]) for t in trajs) / n,
-        "rollout/generated_tokens": gen,
+        "rollout/generated_tokens": len(versions),
         "rollout/failed_frac": sum(t["status"] == "failed" for t in trajs) / n,
         "rollout/truncated_frac": sum(t["status"] == "truncated" for t in trajs) / n,
         "rollout/weight_version_min": min(versions, default=-1),
         "rollout/weight_version_max": max(versions, default=-1),
+        # async: how off-policy the trained tokens are (lag = version being updated - version that sampled it)
+        "rollout/lag_min": min(lags, default=0), "rollout/lag_max": max(lags, default=0),
+        "rollout/lag_mean": sum(lags) / max(len(lags), 1),
+        "rollout/on_policy_frac": sum(lag == 0 for lag in lags) / max(len(lags), 1),
+        "rollout/partial_frac": sum(len({v for v, m in zip(t["weight_versions"], t["loss_mask"]) if m}) > 1
+                                    for t in trajs) / n,  # trajectories whose tokens span a weight update
     }
 
 
@@ -461,45 +634,16 @@ def dump(trajs: list[dict], path: Path):
 # the training loop
 
 
-def batches(cfg: Config, samples: list[dict]):
-    """Endless shuffled epochs of `prompts_per_step` samples."""
-    rng = random.Random(cfg.seed)
+def prompt_stream(cfg: Config, samples: list[dict], cursor: int = 0):
+    """Endless shuffled epochs of samples from position `cursor` on: yields (cursor, sample). Epoch e is
+    shuffled by its own seed, so a resumed run continues the same order from its saved cursor."""
     while True:
+        epoch, i = divmod(cursor, len(samples))
         order = list(range(len(samples)))
-        rng.shuffle(order)
-        for i in range(0, len(order) - cfg.prompts_per_step + 1, cfg.prompts_per_step):
-            yield [samples[j] for j in order[i:i + cfg.prompts_per_step]]
-
-
-def refill_informative_groups(cfg: Config, flow, trajs: list[dict], prompts, sampling: dict, step: int,
-                              max_rounds: int = 4) -> tuple[list[dict], dict]:
-    """Dynamic sampling (DAPO): drop groups whose rewards are all equal (their advantages are all 0)
-    and sample more prompts until `prompts_per_step` informative groups are kept, at most `max_rounds`
-    extra rounds; then train on what was kept (possibly fewer groups, never more)."""
-    import algos
-    import ray
-
-    def groups(ts):
-        by: dict[int, list[dict]] = {}
-        for t in ts:
-            by.setdefault(t["group_id"], []).append(t)
-        return list(by.values())
-
-    kept, seen, rounds = [], 0, 0
-    pending = groups(trajs)
-    while True:
-        keep, stats = algos.filter_groups([[t["reward"] for t in g] for g in pending])
-        seen += stats["groups"]
-        kept += [g for g, k in zip(pending, keep.tolist()) if k]
-        more = algos.groups_to_request(len(kept), cfg.prompts_per_step, len(kept) / max(seen, 1))
-        if more == 0 or rounds == max_rounds:
-            break
-        rounds += 1
-        batch = [s for _ in range(math.ceil(more / cfg.prompts_per_step)) for s in next(prompts)][:more]
-        pending = groups(ray.get(flow.generate.remote(batch, cfg.samples_per_prompt, sampling, step)))
-    kept = kept[:cfg.prompts_per_step]
-    return [t for g in kept for t in g], {"rollout/groups_kept": len(kept), "rollout/groups_sampled": seen,
-                                          "rollout/refill_rounds": rounds}
+        random.Random(f"{cfg.seed}/{epoch}").shuffle(order)
+        for j in order[i:]:
+            cursor += 1
+            yield cursor, samples[j]
 
 
 def evaluate(cfg: Config, flow, eval_samples: list[dict], step: int) -> dict:
@@ -510,14 +654,34 @@ def evaluate(cfg: Config, flow, eval_samples: list[dict], step: int) -> dict:
             "eval/response_len": sum(len(t["response_ids"]) for t in trajs) / max(len(trajs), 1)}
 
 
+def engine_busy_seconds(engine_urls: list[str]) -> float:
+    """Seconds CPU engines have spent computing so far (their /get_server_info); 0 for other engines."""
+    import rollout
+    try:
+        return sum(rollout.get(u, "/get_server_info")["internal_states"][0].get("busy_s", 0.0) for u in engine_urls)
+    except (rollout.EngineError, KeyError, IndexError, OSError):
+        return 0.0
+
+
+def warn_off_policy(cfg: Config) -> None:
+    if cfg.mode == "async" and cfg.stale_steps > 0 and cfg.max_version_lag != 0 and not (
+            cfg.is_correction or cfg.m2po_threshold > 0 or cfg.opsm_delta > 0 or cfg.mask_stale_tokens):
+        print(f"warning: mode=async with stale_steps={cfg.stale_steps} trains on tokens up to "
+              f"{'unbounded' if cfg.max_version_lag < 0 else cfg.max_version_lag} versions old with no off-policy "
+              "correction; consider is_correction=token, m2po_threshold, opsm_delta, mask_stale_tokens=true or "
+              "max_version_lag", file=sys.stderr)
+
+
 def train(cfg: Config) -> list[dict]:
-    """The whole system: launch actors, then generate -> reward -> train -> sync -> eval -> checkpoint."""
+    """The whole system: launch actors, then per step: rollout (a producer keeps up to C prompt groups in
+    flight or buffered), train on B complete groups, sync weights, eval, checkpoint."""
     import ray
     from tqdm import tqdm
 
     check_runtime(cfg)
     print("config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     print(f"derived: {describe(cfg)}")
+    warn_off_policy(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
@@ -544,39 +708,38 @@ def train(cfg: Config) -> list[dict]:
 
     samples = data.load_dataset(cfg.dataset)
     eval_samples = data.load_dataset(cfg.eval_dataset) if cfg.eval_dataset else []
-    prompts = batches(cfg, samples)
-    for _ in range(start_step):  # keep the data order of an uninterrupted run
-        next(prompts)
+    prompts = prompt_stream(cfg, samples, cursor=start_step * cfg.prompts_per_step)
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
+    N = cfg.samples_per_prompt
 
     if cfg.eval_every and eval_samples:
         m = evaluate(cfg, flow, eval_samples, start_step)
         logger.log(start_step, m)
         print(f"eval before training: accuracy {m['eval/accuracy']:.3f}")
 
-    in_flight: deque = deque()  # ObjectRefs of rollout batches being generated (async: the window)
+    producer = Producer(cfg, prompts)
+    busy0, wall0 = engine_busy_seconds(engine_urls), time.perf_counter()
     bar = tqdm(range(start_step, cfg.num_steps), desc="RL", file=sys.stdout, mininterval=5)
     for step in bar:
         t_step = time.perf_counter()
         metrics: dict = {}
 
-        # --- 1. generate (+ reward, inside AgentFlow). Async keeps `max_staleness` batches in flight, so
-        #        the next batches sample while this one trains; sync waits for the one it just asked for.
+        # --- 1. rollout (+ reward, inside AgentFlow): top the window up to C groups, collect finished groups
+        #        until B are buffered, take the B oldest. Sync (C = B) dispatches B and waits for all of them;
+        #        async leaves up to C - B groups generating while this step trains and syncs.
         t0 = time.perf_counter()
         if cfg.train_only:
             trajs = [json.loads(line) for line in open(Path(cfg.load_rollouts) / f"step_{step:05d}.jsonl")]
         else:
-            window = cfg.max_staleness if cfg.mode == "async" else 1
-            while len(in_flight) < window:
-                in_flight.append(flow.generate.remote(next(prompts), cfg.samples_per_prompt, sampling, step))
-            trajs = ray.get(in_flight.popleft())
-            if cfg.mode == "async" and step + 1 < cfg.num_steps:  # refill now: overlaps with training below
-                in_flight.append(flow.generate.remote(next(prompts), cfg.samples_per_prompt, sampling, step + 1))
-            if cfg.dynamic_sampling:
-                trajs, ds = refill_informative_groups(cfg, flow, trajs, prompts, sampling, step)
-                metrics.update(ds)
-        metrics["timing/generate"] = time.perf_counter() - t0
-        metrics.update(rollout_metrics(trajs))
+            while not producer.full():
+                new = producer.dispatch()
+                if new:
+                    flow.submit.remote(new, N, sampling, step)
+                producer.receive(ray.get(flow.completed.remote()), version=step)  # blocks until a group finishes
+            trajs, m = producer.pop_batch()
+            metrics.update(m)
+        metrics["timing/generate"] = time.perf_counter() - t0  # the trainer's wait for rollouts
+        metrics.update(rollout_metrics(trajs, step))
         metrics["perf/rollout_tokens_per_s"] = metrics["rollout/generated_tokens"] / max(metrics["timing/generate"], 1e-9)
         if cfg.dump_rollouts:
             dump(trajs, Path(cfg.dump_rollouts) / f"step_{step:05d}.jsonl")
@@ -595,7 +758,8 @@ def train(cfg: Config) -> list[dict]:
             metrics.update(results[0])  # already reduced over DP ranks
             metrics["timing/train"] = time.perf_counter() - t0
 
-            # --- 3. weights -> engines (TransferMesh); engines then report version step + 1
+            # --- 3. weights -> engines (TransferMesh); engines then report version step + 1. Requests in
+            #        flight keep their tokens and continue on the new weights (partial rollouts).
             t0 = time.perf_counter()
             sync = ray.get([t.sync_weights.remote(engine_urls, step + 1) for t in trainers])
             metrics.update(sync[0])
@@ -614,13 +778,15 @@ def train(cfg: Config) -> list[dict]:
             ray.get([t.save_checkpoint.remote(str(path)) for t in trainers])
             (path / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
 
-        metrics["timing/step"] = time.perf_counter() - t_step
+        busy, wall = engine_busy_seconds(engine_urls), time.perf_counter()
+        metrics.update({"timing/step": wall - t_step, "perf/trainer_wait_frac": metrics["timing/generate"] / (wall - t_step),
+                        "perf/engine_idle_frac": max(0.0, 1 - (busy - busy0) / len(engines) / (wall - wall0))})
+        busy0, wall0 = busy, wall
         logger.log(step, metrics)
         bar.write(logger.line(step, metrics))
 
-    # --- end: drain the async window, export HF weights, plot
-    for ref in in_flight:
-        ray.cancel(ref)
+    # --- end: stop the producer, export HF weights, plot
+    ray.get(flow.abort.remote())
     if not cfg.rollout_only:
         ray.get([t.save_hf.remote(str(out / "final_hf")) for t in trainers])
         print(f"final HF checkpoint: {out / 'final_hf'}")

@@ -23,7 +23,9 @@ train-inference gap is a property of the numerics only. (SGLang by default repor
 scaling; RolloutEngine starts it with SGLANG_RETURN_ORIGINAL_LOGPROB=True, unless the environment already sets it,
 so both engines report the same quantity.) Every step runs under one set of weights: weight updates and pauses are
 applied by the scheduler thread between steps, so each token's logprob comes from the weights that produced it.
-`meta_info.output_token_weight_versions` (a LoongSage addition) names those weights per token;
+`meta_info.weight_versions` names those weights per token in SGLang's own format (0.5.23): a list of spans
+`{"version", "start", "end"}` over the output tokens (end exclusive), one per run of tokens sampled under one
+version, so a request that spans weight updates reports exactly which tokens each version produced;
 `meta_info.weight_version` is the version when the request finished, as in SGLang.
 
 Pausing. `/pause_generation` with mode "abort" ends every request (finish_reason abort, partial output returned);
@@ -349,7 +351,8 @@ class CpuEngine:
         self._arrivals = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.stats = {"steps": 0, "max_running": 0, "generated_tokens": 0, "finished": 0}
+        self.stats = {"steps": 0, "max_running": 0, "generated_tokens": 0, "finished": 0,
+                      "busy_s": 0.0}  # busy_s: seconds spent in forward steps (the controller's engine idle fraction)
 
     # --- setup helpers
 
@@ -485,7 +488,9 @@ class CpuEngine:
                 if self._stopping or self._paused or not (self._running or self._waiting):
                     continue
                 try:
+                    t0 = time.perf_counter()
                     self._step()
+                    self.stats["busy_s"] += time.perf_counter() - t0
                 except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
                     traceback.print_exc()
                     self._abort(None, True, f"engine step failed: {type(e).__name__}: {e}")
@@ -624,7 +629,7 @@ class CpuEngine:
             text = self.tokenizer.decode(ids[:-1] if trim else ids, skip_special_tokens=req.params.skip_special_tokens)
         meta = {"id": req.rid, "finish_reason": finish_reason, "prompt_tokens": len(req.prompt_ids),
                 "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.weight_version,
-                "output_token_weight_versions": list(req.output_versions),
+                "weight_versions": weight_version_spans(req.output_versions, self.weight_version),
                 "e2e_latency": time.perf_counter() - req.arrival}
         if req.return_logprob:
             with_text = req.return_text_in_logprobs and self.tokenizer is not None
@@ -673,6 +678,18 @@ class CpuEngine:
         if version is not None:
             self.weight_version = str(version)
         return len(named_tensors)
+
+
+def weight_version_spans(versions: list[str], current: str) -> list[dict]:
+    """Per-token versions as SGLang's spans: [{"version", "start", "end"}, ...], end exclusive, one span per run of
+    equal versions; no tokens yet -> one empty span of the current version (as SGLang reports it)."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans or [{"version": current, "start": 0, "end": 0}]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1045,6 +1062,7 @@ class RolloutEngine:
         seed = int(cfg.seed) + 1000 * rank  # different engines draw different samples
         engine = cfg.engine if cfg.engine != "auto" else ("sglang" if torch.cuda.is_available() else "cpu")
         if engine == "cpu":
+            torch.set_num_threads(int(cfg.engine_threads))  # see Config.engine_threads: sync uses every core
             max_len = max(int(cfg.max_prompt_len) + int(cfg.max_new_tokens), int(cfg.max_context_len or 0))
             self._url, self.handle = serve(cfg.model_path, host=host, max_batch=int(cfg.engine_max_batch),
                                            max_len=max_len, seed=seed, dtype=cfg.dtype)

@@ -616,6 +616,7 @@ class TrainerWorker:
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.cpu = apply_cpu_shims()
+        torch.set_num_threads(int(cfg.trainer_threads))  # see Config.trainer_threads: sync uses every core
         tp, pp = int(cfg.tensor_parallel), int(cfg.pipeline_parallel)
         ep = int(getattr(cfg, "expert_parallel", 1) or 1)
         if pp != 1:
@@ -648,6 +649,9 @@ class TrainerWorker:
         self.model = self.ref_model = self.optimizer = None
         self.optim_steps = 0  # optimizer steps taken (drives the lr schedule)
         self.lr_override: float | None = None  # constant lr given to load_hf (SFT warm start)
+        # mini-batch 0 takes its old logprobs from its own training forward (train_step); False = a separate
+        # no-grad forward for every sample, as before (tests compare the two)
+        self.reuse_first_forward = True
 
     # --- model, optimizer, reference ------------------------------------------------------------
 
@@ -839,12 +843,14 @@ class TrainerWorker:
     def train_step(self, batch: list[dict], step: int) -> dict[str, float]:
         """One RL step on `batch` (all trajectories of the step, the same list on every rank).
 
-        1. this DP rank's share, by group (plan_minibatches); 2. old logp (unless use_rollout_logprobs)
-        and ref logp in no-grad forwards, and the train-inference gap against the engine's logprobs,
-        all before any update; 3. advantages (algos.compute_advantages, on the local groups); 4. for
-        each mini-batch of global_batch_size samples: micro-batches of micro_batch_size, policy loss
-        with the mini-batch's GLOBAL denominators, backward, one optimizer step. Returns `train/`
-        metrics as python floats, reduced over DP ranks (identical on every rank).
+        `step` is also the version of the weights this worker holds (one sync per step). 1. this DP rank's
+        share, by group (plan_minibatches); old logp (unless use_rollout_logprobs) of every mini-batch but
+        the first, and ref logp, in no-grad forwards before any update; 2. advantages
+        (algos.compute_advantages, on the local groups); 3. for each mini-batch of global_batch_size
+        samples: micro-batches of micro_batch_size, policy loss with the mini-batch's GLOBAL denominators,
+        backward, one optimizer step; 4. the train-inference gap of the step's starting weights against
+        the engine's logprobs. Returns `train/` metrics as python floats, reduced over DP ranks
+        (identical on every rank).
         """
         cfg = self.cfg
         if not batch:
@@ -861,20 +867,26 @@ class TrainerWorker:
                              "response token); set use_rollout_logprobs=False to recompute old logprobs")
         dp_group = self.dp_group_gloo if self.dp_size > 1 else None  # algos reduces small CPU tensors: gloo
 
-        # --- 1. no-grad forwards, before any update of this step
+        # --- 1. old/ref logprobs, before any update of this step (old-policy consistency: every mini-batch's
+        #     old logp comes from the weights at the start of the step). The first mini-batch takes its old
+        #     logp from its own training forward, detached: same weights, same numbers, ratio exactly 1, so
+        #     only the later mini-batches pay a no-grad forward. KL-in-reward advantages need every old logp
+        #     up front, and use_rollout_logprobs takes the engine's.
+        first = set(range(len(plan[0]))) if self.reuse_first_forward and not cfg.use_rollout_logprobs and \
+            not (cfg.kl_in_reward and cfg.kl_coef > 0) else set()  # rows of `local` in mini-batch 0
         if cfg.use_rollout_logprobs:
             old = [torch.tensor(s["rollout_logprobs"], dtype=torch.float) for s in local]  # behaviour = engine
         else:
-            old = self._logp_no_grad(self.model, local)
+            rest = [j for j in range(len(local)) if j not in first]
+            computed = dict(zip(rest, self._logp_no_grad(self.model, [local[j] for j in rest])))
+            old = [computed.get(j) for j in range(len(local))]  # None: filled by mini-batch 0's forward
         ref = self._logp_no_grad(self.ref_model, local) if self.ref_model is not None else None
-        gap_local: dict[str, float] = {}
-        if has_rollout and not cfg.use_rollout_logprobs and local:
-            lb = collate(local, {"old_logp": old})
-            gap_local = self._gap_sums(lb["old_logp"], lb["rollout_logp"], lb["loss_mask"])
 
         # --- 2. advantages over this rank's whole groups (every rank calls: batch norm all-reduces)
-        lb = collate(local, {"old_logp": old, **({"ref_logp": ref} if ref is not None else {})}) if local else None
-        if lb is not None:
+        if local:
+            zeros = [torch.zeros(len(s["response_ids"])) for s in local]
+            lb = collate(local, {"old_logp": [o if o is not None else z for o, z in zip(old, zeros)],
+                                 **({"ref_logp": ref} if ref is not None else {})})
             # reward shaping (DAPO overlong penalty, length penalties); identity with the defaults
             rewards = algos.shape_rewards(cfg, lb["rewards"], lb["loss_mask"].sum(1), lb["group_ids"],
                                           int(cfg.max_new_tokens))  # (B_local,)
@@ -889,7 +901,7 @@ class TrainerWorker:
 
         # --- 3. mini-batches: micro-batch losses with global denominators, one optimizer step each
         totals: dict[str, float] = {}
-        first_logp: dict[int, torch.Tensor] = {}  # use_rollout_logprobs: the gap comes from mini-batch 0
+        before_update: dict[int, torch.Tensor] = {}  # row -> trainer logp under the step's starting weights
         mbs = int(cfg.micro_batch_size)
         newest = max(max(s.get("weight_versions") or [-1]) for s in batch)  # newest policy version in the batch
         self.model.train()
@@ -898,13 +910,18 @@ class TrainerWorker:
             sums: dict[str, float] = {}
             for start in range(0, len(mine), mbs):
                 rows = [row_of[i] for i in mine[start:start + mbs]]
-                extras = {"old_logp": [old[j] for j in rows], "adv": [adv_rows[j] for j in rows]}
+                extras = {"old_logp": [old[j] if old[j] is not None else zeros[j] for j in rows],
+                          "adv": [adv_rows[j] for j in rows]}
                 if ref is not None:
                     extras["ref_logp"] = [ref[j] for j in rows]
                 mb = self._to_device(collate([local[j] for j in rows], extras))
                 logp, entropy = self._forward_logp(self.model, mb)  # (b, R) each, with grad
+                if mb_i == 0:  # still the step's starting weights: this forward IS the old policy's
+                    for b, j in enumerate(rows):
+                        before_update[j] = logp.detach()[b, :len(local[j]["response_ids"])].cpu()
+                old_logp = logp.detach() if rows[0] in first else mb["old_logp"]  # (b, R) 0 off the mask
                 stale = (mb["weight_versions"] >= 0) & (mb["weight_versions"] < newest)  # (b, R) older weights
-                loss, m = algos.policy_loss(cfg, logp, mb["old_logp"], mb["adv"], mb["loss_mask"],
+                loss, m = algos.policy_loss(cfg, logp, old_logp, mb["adv"], mb["loss_mask"],
                                             rollout_logp=mb["rollout_logp"] if has_rollout else None,
                                             ref_logp=mb.get("ref_logp"), entropy=entropy, stale_mask=stale,
                                             denom=denom)
@@ -912,26 +929,34 @@ class TrainerWorker:
                 _add(sums, "loss", float(loss.detach()))
                 for k, v in m.items():
                     _add(sums, k, float(v))
-                if cfg.use_rollout_logprobs and has_rollout and mb_i == 0:
-                    for b, j in enumerate(rows):
-                        first_logp[j] = logp.detach()[b, :len(local[j]["response_ids"])].cpu()
             grad_norm, lr = self._optimizer_step()
             for k, v in self._dp_sum(sums).items():
                 _add(totals, k, v / n_mb)
             _add(totals, "grad_norm", grad_norm / n_mb)
             totals["lr"] = lr
 
-        # --- 4. metrics: the train-inference gap (before any update), losses, norms
-        if first_logp:
-            rows = sorted(first_logp)
-            lb = collate([local[j] for j in rows], {"logp": [first_logp[j] for j in rows]})
-            gap_local = self._gap_sums(lb["logp"], lb["rollout_logp"], lb["loss_mask"])
+        # --- 4. metrics: the train-inference gap under the step's starting weights, losses, norms
+        if not cfg.use_rollout_logprobs:
+            before_update.update({j: o for j, o in enumerate(old) if o is not None})
+        # gap: numerics only, on the tokens sampled by these very weights (version == step); off-policy: every
+        # token, so in async it also holds the policy's drift since the tokens were sampled
+        gap_local: dict[str, float] = {}
+        off_local: dict[str, float] = {}
+        if has_rollout and before_update:
+            rows = sorted(before_update)
+            lb = collate([local[j] for j in rows], {"logp": [before_update[j] for j in rows]})
+            on_policy = lb["loss_mask"] * (lb["weight_versions"] == step)  # (b, R) 1 on this version's tokens
+            gap_local = self._gap_sums(lb["logp"], lb["rollout_logp"], on_policy)
+            off_local = self._gap_sums(lb["logp"], lb["rollout_logp"], lb["loss_mask"])
         metrics = {f"train/{k}": v for k, v in totals.items()}
         gap = self._dp_sum({k: v for k, v in gap_local.items() if k != "max"})
         gap_max = self._dp_max(gap_local.get("max", 0.0))
         if gap.get("tokens", 0) > 0:
             metrics.update({"train/gap_k3": gap["k3"] / gap["tokens"], "train/gap_abs": gap["abs"] / gap["tokens"],
                             "train/gap_max": gap_max})
+        off = self._dp_sum({k: v for k, v in off_local.items() if k != "max"})
+        if off.get("tokens", 0) > 0:
+            metrics["train/offpolicy_k3"] = off["k3"] / off["tokens"]
         metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
                         "train/samples": float(len(batch))})
         return metrics

@@ -111,12 +111,14 @@ def test_end_to_end_sync_run(tmp_path, monkeypatch, ray_session):
 
 def test_end_to_end_async_run_records_versions(tmp_path, monkeypatch, ray_session):
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
-    history = loongsage.train(_short_run(tmp_path, "mode=async", "max_staleness=1"))
+    history = loongsage.train(_short_run(tmp_path, "mode=async", "stale_steps=1", "max_version_lag=1"))
     steps = [h for h in history if "train/loss" in h]
     assert len(steps) == 3 and all(math.isfinite(h["train/loss"]) for h in steps)
-    # one batch in flight while training: a batch may be one version behind, never more
+    # a step runs ahead of training; the lag bound keeps every trained token at most one version behind
     for i, h in enumerate(steps):
         assert i - 1 <= h["rollout/weight_version_min"] <= h["rollout/weight_version_max"] <= i
+        assert h["rollout/lag_max"] <= 1 and h["rollout/running_groups"] + h["rollout/buffer_groups"] <= 8
+    assert steps[1]["rollout/lag_max"] == 1  # step 1 trained groups sampled by version 0: it was async
 
 
 @pytest.mark.parametrize("algo", [

@@ -119,7 +119,7 @@ def test_greedy_matches_transformers_generate_and_logprobs(server, hf_a):
         assert (engine_logprobs(out) - hf_logprobs(hf_a, prompt, ref)).abs().max() <= 1e-5
         meta = out["meta_info"]
         assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == len(ref)
-        assert meta["weight_version"] == "0" and meta["output_token_weight_versions"] == ["0"] * len(ref)
+        assert meta["weight_version"] == "0" and meta["weight_versions"] == [{"version": "0", "start": 0, "end": len(ref)}]
         eos = hf_a.generation_config.eos_token_id
         expected = {"type": "stop", "matched": eos} if ref[-1] == eos else {"type": "length", "length": 24}
         assert meta["finish_reason"] == expected
@@ -266,8 +266,10 @@ def test_pause_in_place_keeps_kv_and_new_weights_stamp_new_tokens(server, hf_a, 
     rollout.post(url, "/continue_generation", {})
     out = fut.result(timeout=60)
     try:
-        versions = out["meta_info"]["output_token_weight_versions"]
-        assert versions == ["0"] * n + ["5"] * (200 - n) and out["meta_info"]["weight_version"] == "5"
+        # SGLang's span format: tokens [0, n) from version 0, [n, 200) from version 5
+        assert out["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": n},
+                                                       {"version": "5", "start": n, "end": 200}]
+        assert out["meta_info"]["weight_version"] == "5"
         old = out["output_ids"][:n]
         assert old == hf_greedy(hf_a, PROMPTS[0], n, ignore_eos=True)
         assert (engine_logprobs(out)[:n] - hf_logprobs(hf_a, PROMPTS[0], old)).abs().max() <= 1e-5
@@ -292,9 +294,9 @@ def test_pause_retract_recomputes_with_new_weights(server, hf_a, hf_b, other_dir
     rollout.post(url, "/continue_generation", {})
     out = fut.result(timeout=60)
     try:
-        versions = out["meta_info"]["output_token_weight_versions"]
-        k = versions.count("0")
-        assert 2 <= k < 200 and versions == ["0"] * k + ["6"] * (200 - k)
+        spans = out["meta_info"]["weight_versions"]
+        k = spans[0]["end"]
+        assert 2 <= k < 200 and spans == [{"version": "0", "start": 0, "end": k}, {"version": "6", "start": k, "end": 200}]
         ids, lps = out["output_ids"], engine_logprobs(out)
         assert ids[:k] == hf_greedy(hf_a, prompt, k, ignore_eos=True)
         assert (lps[:k] - hf_logprobs(hf_a, prompt, ids[:k])).abs().max() <= 1e-5
