@@ -148,6 +148,8 @@ class Config:
     gamma: float = 1.0  # discount for token-level returns / GAE
     lam: float = 1.0  # GAE lambda
     use_rollout_logprobs: bool = False  # old_logp := engine logprobs (skip the recompute)
+    recompute_old_logprobs: bool = False  # debug: a no-grad forward for mini-batch 0 too (by default it takes old
+    # logprobs from its own training forward, detached: the same weights and numbers, one forward fewer)
     is_correction: str = ""  # train-inference IS correction: "" | token | seq | geo
     is_mode: str = "truncate"  # truncate | mask (outside [is_low, is_high])
     is_low: float = 0.0

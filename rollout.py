@@ -1062,7 +1062,8 @@ class RolloutEngine:
         seed = int(cfg.seed) + 1000 * rank  # different engines draw different samples
         engine = cfg.engine if cfg.engine != "auto" else ("sglang" if torch.cuda.is_available() else "cpu")
         if engine == "cpu":
-            torch.set_num_threads(int(cfg.engine_threads))  # see Config.engine_threads: sync uses every core
+            if cfg.engine_threads > 0:  # see Config.engine_threads: sync uses every core
+                torch.set_num_threads(int(cfg.engine_threads))
             max_len = max(int(cfg.max_prompt_len) + int(cfg.max_new_tokens), int(cfg.max_context_len or 0))
             self._url, self.handle = serve(cfg.model_path, host=host, max_batch=int(cfg.engine_max_batch),
                                            max_len=max_len, seed=seed, dtype=cfg.dtype)

@@ -616,7 +616,8 @@ class TrainerWorker:
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.cpu = apply_cpu_shims()
-        torch.set_num_threads(int(cfg.trainer_threads))  # see Config.trainer_threads: sync uses every core
+        if cfg.trainer_threads > 0:  # see Config.trainer_threads: sync uses every core
+            torch.set_num_threads(int(cfg.trainer_threads))
         tp, pp = int(cfg.tensor_parallel), int(cfg.pipeline_parallel)
         ep = int(getattr(cfg, "expert_parallel", 1) or 1)
         if pp != 1:
@@ -649,9 +650,6 @@ class TrainerWorker:
         self.model = self.ref_model = self.optimizer = None
         self.optim_steps = 0  # optimizer steps taken (drives the lr schedule)
         self.lr_override: float | None = None  # constant lr given to load_hf (SFT warm start)
-        # mini-batch 0 takes its old logprobs from its own training forward (train_step); False = a separate
-        # no-grad forward for every sample, as before (tests compare the two)
-        self.reuse_first_forward = True
 
     # --- model, optimizer, reference ------------------------------------------------------------
 
@@ -872,7 +870,7 @@ class TrainerWorker:
         #     logp from its own training forward, detached: same weights, same numbers, ratio exactly 1, so
         #     only the later mini-batches pay a no-grad forward. KL-in-reward advantages need every old logp
         #     up front, and use_rollout_logprobs takes the engine's.
-        first = set(range(len(plan[0]))) if self.reuse_first_forward and not cfg.use_rollout_logprobs and \
+        first = set(range(len(plan[0]))) if not (cfg.recompute_old_logprobs or cfg.use_rollout_logprobs) and \
             not (cfg.kl_in_reward and cfg.kl_coef > 0) else set()  # rows of `local` in mini-batch 0
         if cfg.use_rollout_logprobs:
             old = [torch.tensor(s["rollout_logprobs"], dtype=torch.float) for s in local]  # behaviour = engine

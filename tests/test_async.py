@@ -176,3 +176,36 @@ def test_token_versions_from_spans():
     assert agentflow._token_versions({"weight_version": "3"}, 2) == [3, 3]
     assert agentflow._token_versions({"weight_version": "0", "weight_versions": [
         {"version": "0", "start": 0, "end": 0}]}, 0) == []
+
+
+# --- old-policy consistency: mini-batch 0's old logprobs come from its own training forward -----------------
+
+def test_first_minibatch_old_logprobs_from_the_training_forward(tiny_model_dir):
+    """Taking mini-batch 0's old logprobs from its training forward (detached) instead of a separate no-grad
+    forward changes nothing: the same loss, grad norm and updated weights, on two mini-batches (the second
+    still uses the step's starting weights as its old policy, not the weights after mini-batch 0's update)."""
+    import ray
+    import torch
+    from test_trainer import Ranks, make_batch, make_cfg
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
+    try:
+        runs = []
+        for recompute in (True, False):
+            ranks = Ranks(make_cfg(kl_coef=0.0, recompute_old_logprobs=recompute), 1)
+            try:
+                ranks.call("load_hf", tiny_model_dir)
+                [m] = ranks.call("train_step", make_batch(n_groups=4, per_group=2), 0)
+                [w] = ranks.call("export_hf_weights")
+            finally:
+                ranks.close()
+            runs.append((m, dict(w)))
+    finally:
+        ray.shutdown()
+    (m_sep, w_sep), (m_reuse, w_reuse) = runs
+    assert m_sep["train/num_minibatches"] == 2 == m_reuse["train/num_minibatches"]
+    for k in ("train/loss", "train/pg_loss", "train/grad_norm", "train/clip_frac", "train/gap_k3"):
+        assert m_reuse[k] == pytest.approx(m_sep[k], rel=1e-6, abs=1e-9), k
+    assert m_reuse["train/grad_norm"] > 0
+    for name, t in w_sep.items():
+        assert torch.allclose(w_reuse[name], t, rtol=0, atol=1e-7), name
