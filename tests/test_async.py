@@ -209,3 +209,25 @@ def test_first_minibatch_old_logprobs_from_the_training_forward(tiny_model_dir):
     assert m_reuse["train/grad_norm"] > 0
     for name, t in w_sep.items():
         assert torch.allclose(w_reuse[name], t, rtol=0, atol=1e-7), name
+
+
+def test_async_without_staleness_equals_sync(tmp_path, monkeypatch):
+    """mode=async with stale_steps=0 dispatches a step's groups only after the previous sync, exactly as sync
+    does: on a fixed seed (and the same thread counts, which fix fp32 summation order) every step's reward,
+    loss, grad norm and gap are bit-identical."""
+    import ray
+    from test_loongsage import _short_run
+    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
+    runs = []
+    for mode in (["mode=sync"], ["mode=async", "stale_steps=0"]):
+        cfg = _short_run(tmp_path / mode[0], "eval_every=0", "trainer_threads=1", "engine_threads=1", *mode)
+        try:
+            runs.append([h for h in loongsage.train(cfg) if "train/loss" in h])
+        finally:
+            ray.shutdown()
+    sync, asyn = runs
+    assert len(sync) == len(asyn) == 3
+    for a, b in zip(sync, asyn):
+        for k in ("rollout/reward_mean", "rollout/generated_tokens", "train/loss", "train/grad_norm", "train/gap_k3"):
+            assert a[k] == b[k], (k, a[k], b[k])
+        assert b["rollout/lag_max"] == 0 and b["rollout/on_policy_frac"] == 1.0
