@@ -16,12 +16,18 @@ measured back to back in one process is far steadier than an absolute number.
         template, TITO bookkeeping, tool-call parsing, response shaping) vs the same greedy /generate sent directly,
         back to back in pairs. Prints p50/p99 of the paired difference and its ratio to a 64-token generation.
 
+    python bench.py async [--steps 16 --prompts 16 --stale-steps 1]
+        Fully async vs sync training on a long-tail task (responses of 2 to ~60 tokens), same everything else: the
+        RL loop's trained samples per second of each, their ratio (target >= 1.7x) and both final eval accuracies
+        (a matched learning curve: within +-0.05).
+
 Each benchmark is one function `bench_<name>(args)`; `main` dispatches on the subcommand with if/elif.
 Left out: GPU benchmarks (SGLang has its own) and multi-process setups.
 """
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from pathlib import Path
@@ -192,6 +198,80 @@ def bench_router(args) -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------------------------
+# async: a long-tail task, async vs sync, trained samples per second at a matched learning curve
+
+
+def longtail_samples(n: int, seed: int) -> list[dict]:
+    """Single-digit a+b or a-b, answered k times over: "3+4 x5" -> "7 7 7 7 7". k is 1 for most prompts and up
+    to 20 for a few, so responses run from 2 to ~60 tokens: the long tail that makes a synchronous step wait
+    for its slowest trajectory."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        s = data.arith_problem(rng, max_operand=9)
+        k = 1 if rng.random() < 0.6 else rng.randint(2, 20)
+        out.append({"messages": [{"role": "user", "content": f"{s['messages'][0]['content']} x{k}"}],
+                    "answer": s["answer"], "repeat": k})
+    return out
+
+
+def longtail_sft(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dict:
+    """Warm-start example: the (possibly near-miss) answer, repeated `repeat` times, then end of turn."""
+    t = data.sft_trajectory(tok, sample, rng, label_noise)  # answer (maybe off by one) + <|im_end|>
+    answer = tok.decode(t["response_ids"][:-1])
+    r = tok.encode(" ".join([answer] * sample["repeat"]), add_special_tokens=False) + t["response_ids"][-1:]
+    return {**t, "response_ids": r, "loss_mask": [1] * len(r), "rollout_logprobs": [0.0] * len(r),
+            "weight_versions": [-1] * len(r)}
+
+
+def bench_async(args) -> dict:
+    """Async vs sync on the long-tail task, same model, data, seed, algorithm and number of trained samples:
+    trained samples per second of the RL loop (warm start and eval excluded) and the final eval accuracy of
+    each (a matched learning curve means within +-0.05). Target: async >= 1.7x sync."""
+    import json
+    import tempfile
+
+    import ray
+
+    import loongsage
+    out = Path(tempfile.mkdtemp(prefix="loongsage_bench_async_"))
+    (out / "train.jsonl").write_text("\n".join(json.dumps(s) for s in longtail_samples(4096, 1)))
+    (out / "eval.jsonl").write_text("\n".join(json.dumps(s) for s in longtail_samples(64, 2)))
+    common = [f"num_steps={args.steps}", f"prompts_per_step={args.prompts}", "samples_per_prompt=8",
+              f"global_batch_size={args.prompts * 8}", f"micro_batch_size={args.prompts * 4}", "max_new_tokens=64",
+              f"dataset={out / 'train.jsonl'}", f"eval_dataset={out / 'eval.jsonl'}", "eval_samples=2",
+              f"eval_every={args.steps}", "reward=data.last_number_match", "warmstart_example=bench.longtail_sft",
+              f"warmstart_dataset={out / 'train.jsonl'}", f"warmstart_steps={args.warmstart_steps}",
+              "lr=1e-3", "min_lr=1e-3", "print_every=0", "max_context_len=256"]
+    modes = {"sync": ["mode=sync"], "async": ["mode=async", f"stale_steps={args.stale_steps}",
+                                               "max_version_lag=2", "window=window-gated"]}
+    res = {}
+    for name, extra in modes.items():
+        cfg = loongsage.load_config("recipes/arith_cpu.yaml", common + extra + [f"output_dir={out / name}"])
+        try:
+            hist = loongsage.train(cfg)
+        finally:
+            ray.shutdown()
+        steps = [h for h in hist if "timing/step" in h]
+        wall = sum(h["timing/step"] - h.get("timing/eval", 0.0) for h in steps)
+        trained = sum(h.get("train/samples", 0) for h in steps)
+        res[name] = {"wall_s": wall, "samples_per_s": trained / wall, "eval_start": hist[0]["eval/accuracy"],
+                     "eval_end": [h for h in hist if "eval/accuracy" in h][-1]["eval/accuracy"],
+                     "lag_max": max(h.get("rollout/lag_max", 0) for h in steps),
+                     "response_len": statistics.mean(h["rollout/response_len"] for h in steps)}
+    ratio = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
+    print(f"bench async: long-tail task, {args.steps} steps x {args.prompts} prompts x 8 samples, "
+          f"mean response {res['sync']['response_len']:.1f} tokens")
+    for name, r in res.items():
+        print(f"  {name:5s}: RL loop {r['wall_s']:.1f} s, {r['samples_per_s']:.1f} trained samples/s, eval "
+              f"{r['eval_start']:.3f} -> {r['eval_end']:.3f}, max version lag {r['lag_max']:.0f}")
+    print(f"  async / sync trained samples per second: {ratio:.2f}x (target >= 1.7x); final eval difference "
+          f"{res['async']['eval_end'] - res['sync']['eval_end']:+.3f} (matched within +-0.05: "
+          f"{abs(res['async']['eval_end'] - res['sync']['eval_end']) <= 0.05})")
+    return {"ratio": ratio, **res}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", help="which benchmark: rollout")
@@ -200,11 +280,17 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests", type=int, default=100, help="router bench: requests of each kind")
+    p.add_argument("--steps", type=int, default=16, help="async bench: RL steps of each mode")
+    p.add_argument("--prompts", type=int, default=16, help="async bench: prompts per step (8 samples each)")
+    p.add_argument("--stale-steps", type=float, default=1.0, help="async bench: the async run's stale_steps")
+    p.add_argument("--warmstart-steps", type=int, default=200, help="async bench: SFT steps of the warm start")
     args = p.parse_args(argv)
     if args.bench == "rollout":
         bench_rollout(args)
     elif args.bench == "router":
         bench_router(args)
+    elif args.bench == "async":
+        bench_async(args)
     else:
         raise SystemExit(f"unknown benchmark {args.bench!r}; valid: rollout")
 

@@ -11,10 +11,13 @@ Read `train()` first: it is the whole system, top to bottom. Every blocking poin
           v                                                                |  TransferMesh buckets
     TrainerWorker x (TP*PP*DP) (Megatron-Core): old/ref logprobs, advantages, loss, step
 
-Modes: `mode: sync` (generate, then train, then sync weights) and `mode: async` (the next batches
-are generated while this one trains; at most `max_staleness` batches in flight, partial rollouts
-continue across weight updates and record the version of every token). Debug seams: `rollout_only`,
-`train_only` with `load_rollouts`, `dump_rollouts`, decoded samples printed every `print_every` steps.
+Modes: `mode: async` runs a rollout producer beside the trainer: prompt groups are dispatched under a sliding
+window (capacity C = B*(1+stale_steps) groups in flight or buffered), each is collected the moment it finishes,
+a step trains on the B oldest complete groups while the rest keep generating, and at a weight update requests
+in flight continue on the new weights, every token recording its version (`max_version_lag` bounds how old a
+trained token may be). `mode: sync` is the same pipeline with C = B: generate, train, sync, in turn.
+Debug seams: `rollout_only`, `train_only` with `load_rollouts`, `dump_rollouts`, decoded samples printed every
+`print_every` steps, `recompute_old_logprobs`.
 
 Left out here (see the issues): the teacher manager and multi-node launch scripts.
 """
@@ -420,6 +423,8 @@ class Logger:
         self.history: list[dict] = []
 
     def log(self, step: int, metrics: dict):
+        """Scalars to every sink; lists of numbers (per-token lags) to TensorBoard histograms only."""
+        hists = {k: v for k, v in metrics.items() if isinstance(v, list)}
         metrics = {"step": step, **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
         self.history.append(metrics)
         self.jsonl.write(json.dumps(metrics) + "\n")
@@ -428,12 +433,19 @@ class Logger:
             for k, v in metrics.items():
                 if k != "step":
                     self.tb.add_scalar(k, v, step)
+            for k, v in hists.items():
+                if v:
+                    import numpy as np
+                    self.tb.add_histogram(k, np.asarray(v), step)
 
     def line(self, step: int, m: dict) -> str:
         keys = [("reward", "rollout/reward_mean"), ("eval", "eval/accuracy"), ("loss", "train/loss"),
                 ("gap_k3", "train/gap_k3"), ("len", "rollout/response_len"), ("step_s", "timing/step"),
                 ("tok/s", "perf/rollout_tokens_per_s")]
-        return f"step {step:4d} | " + " | ".join(f"{k} {m[v]:.4g}" for k, v in keys if v in m)
+        line = f"step {step:4d} | " + " | ".join(f"{k} {m[v]:.4g}" for k, v in keys if v in m)
+        if "rollout/on_policy_frac" in m:  # how on-policy the step was
+            line += f" | on-policy {m['rollout/on_policy_frac']:.0%} · max lag {m['rollout/lag_max']:.0f}"
+        return line
 
     def plot(self) -> Path | None:
         import matplotlib
@@ -558,6 +570,9 @@ class Producer:
         window allows, and fill the batch from the oldest buffered groups. `version`: the weights the
         batch will update (the lag bound's reference)."""
         cfg = self.cfg
+        if not groups and self.running - self.finished.keys():
+            raise RuntimeError(f"AgentFlow reports nothing running, but groups {sorted(self.running)[:8]} were "
+                               "dispatched and never came back; they were lost (was AgentFlow restarted?)")
         for g in groups:
             if g["aborted"]:  # an engine cut it short: its prompt goes again
                 self.running.discard(g["seq"])
@@ -622,6 +637,7 @@ def rollout_metrics(trajs: list[dict], version: int) -> dict:
         "rollout/on_policy_frac": sum(lag == 0 for lag in lags) / max(len(lags), 1),
         "rollout/partial_frac": sum(len({v for v, m in zip(t["weight_versions"], t["loss_mask"]) if m}) > 1
                                     for t in trajs) / n,  # trajectories whose tokens span a weight update
+        "rollout/lag": lags,  # per token: a TensorBoard histogram
     }
 
 
@@ -736,7 +752,7 @@ def train(cfg: Config) -> list[dict]:
             while not producer.full():
                 new = producer.dispatch()
                 if new:
-                    flow.submit.remote(new, N, sampling, step)
+                    ray.get(flow.submit.remote(new, N, sampling, step))  # returns at once: the groups start
                 producer.receive(ray.get(flow.completed.remote()), version=step)  # blocks until a group finishes
             trajs, m = producer.pop_batch()
             metrics.update(m)
