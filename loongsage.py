@@ -242,6 +242,13 @@ def finalize(cfg: Config) -> Config:
          "parallelism only for now; set pipeline_parallel=1 and use tensor_parallel/trainer_workers")
     need(cfg.expert_parallel == 1, f"expert_parallel={cfg.expert_parallel}: MoE weights cannot yet be exported "
          "from several expert ranks to the engines; set expert_parallel=1 (MoE models train with TP/DP)")
+    if cfg.device == "cuda" and cfg.colocate:
+        need(cfg.num_engines * cfg.gpus_per_engine <= cfg.trainer_workers, f"colocate: {cfg.num_engines} engines x "
+             f"gpus_per_engine={cfg.gpus_per_engine} GPUs must fit on the trainers' {cfg.trainer_workers} GPUs; lower "
+             "num_engines or set colocate=false")
+    if cfg.engine == "sglang" and "tp_size" in cfg.sglang:
+        need(int(cfg.sglang["tp_size"]) == cfg.gpus_per_engine, f"sglang.tp_size={cfg.sglang['tp_size']} but "
+             f"gpus_per_engine={cfg.gpus_per_engine}: an engine's tensor parallel size is its GPU count; set them equal")
     mp = cfg.tensor_parallel * cfg.pipeline_parallel
     need(cfg.trainer_workers % mp == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
          f"tensor_parallel*pipeline_parallel={mp}; use {mp * max(1, cfg.trainer_workers // mp)}")
@@ -344,19 +351,85 @@ def prepare_model(cfg: Config, trainers) -> str:
 # Ray: placement and actors
 
 
-def launch(cfg: Config):
-    """Start Ray, reserve placement bundles (trainers' and engines'), create the trainer ranks.
+def placement(cfg: Config) -> dict:
+    """Where every actor goes, as data (launch() follows it; `--check` prints it; tests place it on simulated GPUs).
 
-    CPU: one {"CPU": n} bundle per trainer rank and per engine. GPU: one {"GPU": 1} bundle per
-    trainer rank; engines get their own GPU bundles, or share the trainers' when `colocate`.
+    GPU: one {"GPU": 1} bundle per GPU. Trainer rank r holds bundle r. Engine i (an SGLang server with
+    tensor parallel size k = gpus_per_engine) spans k consecutive bundles and its actor sits on the first:
+    disaggregated, the k bundles after the trainers'; colocated (`colocate`), bundles i*k .. i*k+k-1 of the
+    trainers', where trainer and engine actors take half a GPU each (they hand the memory over in turn). The
+    server process sees all k GPUs (CUDA_VISIBLE_DEVICES from the bundles' GPU ids, see `bundle_gpus`).
+    CPU: one {"CPU": n} bundle per trainer rank and per engine; colocated, a trainer's bundle also holds its engine.
+    Returns {"bundles": [resource dicts], "trainers": [actor options], "engines": [actor options + "gpu_bundles"]}.
     """
+    gpu, T, E, k = cfg.device == "cuda", cfg.trainer_workers, cfg.num_engines, cfg.gpus_per_engine
+    if gpu:
+        bundles = [{"GPU": 1, "CPU": cfg.cpus_per_trainer} for _ in range(T)]
+        first = 0 if cfg.colocate else T  # the bundle engine 0 starts on
+        if cfg.colocate:
+            for i in range(E * k):
+                bundles[i]["CPU"] += cfg.cpus_per_engine / k  # the engine's CPUs, spread over its bundles
+        else:
+            bundles += [{"GPU": 1, "CPU": cfg.cpus_per_engine / k} for _ in range(E * k)]
+        share = 0.5 if cfg.colocate else 1.0
+        trainers = [dict(bundle=r, num_gpus=share, num_cpus=cfg.cpus_per_trainer) for r in range(T)]
+        engines = [dict(bundle=first + i * k, num_gpus=share, num_cpus=cfg.cpus_per_engine / k,
+                        gpu_bundles=list(range(first + i * k, first + (i + 1) * k))) for i in range(E)]
+    else:
+        bundles = [{"CPU": cfg.cpus_per_trainer} for _ in range(T)]
+        if cfg.colocate:
+            for i in range(E):
+                bundles[i * T // E]["CPU"] += cfg.cpus_per_engine
+        else:
+            bundles += [{"CPU": cfg.cpus_per_engine} for _ in range(E)]
+        trainers = [dict(bundle=r, num_gpus=0, num_cpus=cfg.cpus_per_trainer) for r in range(T)]
+        engines = [dict(bundle=(i * T // E) if cfg.colocate else T + i, num_gpus=0, num_cpus=cfg.cpus_per_engine,
+                        gpu_bundles=[]) for i in range(E)]
+    return {"bundles": bundles, "trainers": trainers, "engines": engines}
+
+
+def placement_table(cfg: Config, plan: dict, where: list | None = None) -> str:
+    """One line per actor: bundle, Ray resources, and (after launch) node and GPU ids."""
+    rows = [f"{'actor':12s} {'bundle':>6s} {'GPU':>5s} {'CPU':>5s}  " + ("node / GPU ids" if where else "")]
+    for kind, opts in (("trainer", plan["trainers"]), ("engine", plan["engines"])):
+        for i, o in enumerate(opts):
+            span = f" (+ bundles {o['gpu_bundles'][1:]})" if len(o.get("gpu_bundles", [])) > 1 else ""
+            loc = ""
+            if where:
+                bs = o.get("gpu_bundles") or [o["bundle"]]
+                loc = f"{where[o['bundle']][0][:12]} / {[g for b in bs for g in where[b][1]]}"
+            rows.append(f"{kind + ' ' + str(i):12s} {o['bundle']:6d} {o['num_gpus']:5.2g} {o['num_cpus']:5.3g}  {loc}{span}")
+    return "\n".join(rows)
+
+
+def where_am_i() -> tuple[str, list[str]]:
+    """(Ray node id, GPU ids Ray assigned) of the calling task or actor."""
+    import ray
+    return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+
+
+def bundle_gpus(pg, n: int) -> list[tuple[str, list[str]]]:
+    """(node id, GPU ids) of each of the n bundles, asked of Ray by a tiny task on each (before any actor
+    holds them). Engines spanning several bundles pass these ids to their server as CUDA_VISIBLE_DEVICES."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    has_gpu = ray.available_resources().get("GPU", 0) > 0 or ray.cluster_resources().get("GPU", 0) > 0
+    probe = ray.remote(where_am_i)
+    return ray.get([probe.options(num_cpus=0, num_gpus=0.01 if has_gpu else 0,
+                                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, b)).remote()
+                    for b in range(n)])
+
+
+def launch(cfg: Config):
+    """Start Ray, reserve the placement bundles (see `placement`), create the trainer ranks.
+    Returns (placement group, trainer actors, the placement plan, each bundle's (node, GPU ids))."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     import trainer
 
-    gpu = cfg.device == "cuda"
     if not ray.is_initialized():
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, log_to_driver=True)
@@ -364,40 +437,49 @@ def launch(cfg: Config):
             need = cfg.trainer_workers * cfg.cpus_per_trainer + cfg.num_engines * cfg.cpus_per_engine + 1
             ray.init(num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
                      log_to_driver=True, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    t_bundle = {"GPU": 1, "CPU": cfg.cpus_per_trainer} if gpu else {"CPU": cfg.cpus_per_trainer}
-    e_bundle = {"GPU": cfg.gpus_per_engine, "CPU": cfg.cpus_per_engine} if gpu else {"CPU": cfg.cpus_per_engine}
-    bundles = [dict(t_bundle) for _ in range(cfg.trainer_workers)]
-    if not cfg.colocate:
-        bundles += [dict(e_bundle) for _ in range(cfg.num_engines)]
-    pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready(), timeout=300)
-
-    def on(i, **res):
-        return dict(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i), **res)
-
-    addr, port = ray.get(ray.remote(_addr_and_port).options(**on(0, num_cpus=0)).remote())
-    share = 0.5 if cfg.colocate else 1.0  # colocated actors split their bundle
+    plan = placement(cfg)
+    pg = placement_group(plan["bundles"], strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=300)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"Ray could not reserve the placement bundles {plan['bundles']} within 300 s (cluster "
+                           f"has {ray.cluster_resources()}); lower trainer_workers / num_engines / cpus_per_* or "
+                           "add nodes") from None
+    where = bundle_gpus(pg, len(plan["bundles"]))
+    for i, e in enumerate(plan["engines"]):
+        nodes = {where[b][0] for b in e["gpu_bundles"]}
+        if len(nodes) > 1:
+            raise RuntimeError(f"engine {i} spans bundles {e['gpu_bundles']} on several nodes {sorted(nodes)}; an "
+                               "SGLang server needs its GPUs on one node: make gpus_per_engine divide GPUs per node")
+    print("placement:\n" + placement_table(cfg, plan, where))
+    addr, port = ray.get(ray.remote(_addr_and_port).options(
+        num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote())
     TrainerActor = ray.remote(trainer.TrainerWorker)
-    trainers = [TrainerActor.options(**on(r, num_cpus=cfg.cpus_per_trainer * share, num_gpus=share if gpu else 0))
-                .remote(cfg, r, cfg.trainer_workers, addr, port) for r in range(cfg.trainer_workers)]
-    return pg, trainers
+    trainers = [TrainerActor.options(num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
+                                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"]))
+                .remote(cfg, r, cfg.trainer_workers, addr, port) for r, o in enumerate(plan["trainers"])]
+    return pg, trainers, plan, where
 
 
-def start_engines(cfg: Config, pg) -> list:
-    """One RolloutEngine actor per engine, on its own bundle or (colocate) on a trainer's bundle."""
+def start_engine(cfg: Config, pg, plan: dict, where: list, i: int):
+    """Engine i's RolloutEngine actor on its bundle; an SGLang server sees the GPUs of all its bundles."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     import rollout
-    gpu, share = cfg.device == "cuda", (0.5 if cfg.colocate else 1.0)
-    EngineActor = ray.remote(rollout.RolloutEngine)
-    engines = []
-    for i in range(cfg.num_engines):
-        b = (i * cfg.trainer_workers // cfg.num_engines) if cfg.colocate else cfg.trainer_workers + i
-        engines.append(EngineActor.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, b), num_cpus=cfg.cpus_per_engine * share,
-            num_gpus=(cfg.gpus_per_engine * share) if gpu else 0).remote(cfg, i))
-    return engines
+    o = plan["engines"][i]
+    return ray.remote(rollout.RolloutEngine).options(
+        num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"])).remote(cfg, i, engine_gpu_ids(plan, where, i))
+
+
+def engine_gpu_ids(plan: dict, where: list, i: int) -> list[str]:
+    """The GPU ids engine i's server must see: those of every bundle it spans, in order."""
+    return [g for b in plan["engines"][i]["gpu_bundles"] for g in where[b][1]]
+
+
+def start_engines(cfg: Config, pg, plan: dict, where: list) -> list:
+    return [start_engine(cfg, pg, plan, where, i) for i in range(cfg.num_engines)]
 
 
 def _addr_and_port():
@@ -707,10 +789,10 @@ def train(cfg: Config) -> list[dict]:
 
     # --- actors: trainers first (they also warm-start the tiny model), then engines on its weights ---
     import agentflow
-    pg, trainers = launch(cfg)
+    pg, trainers, plan, where = launch(cfg)
     cfg.model_path = prepare_model(cfg, trainers)
     ray.get([t.load_hf.remote(cfg.model_path) for t in trainers])
-    engines = start_engines(cfg, pg)  # they load cfg.model_path: weight version 0 == the trainers' weights
+    engines = start_engines(cfg, pg, plan, where)  # they load cfg.model_path: version 0 == the trainers' weights
     engine_urls = ray.get([e.url.remote() for e in engines])
     flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, engine_urls, cfg.model_path)
     print(f"engines: {engine_urls}")
@@ -826,7 +908,8 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if check_only:
-        print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False) + f"config OK: {describe(cfg)}")
+        print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False) + "placement (bundle = one GPU on CUDA):\n"
+              + placement_table(cfg, placement(cfg)) + f"\nconfig OK: {describe(cfg)}")
         return 0
     try:
         train(cfg)

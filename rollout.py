@@ -1054,7 +1054,9 @@ class RolloutEngine:
     cfg.max_new_tokens, cfg.max_context_len, cfg.seed, cfg.dtype, cfg.sglang, cfg.gpus_per_engine, cfg.output_dir.
     """
 
-    def __init__(self, cfg, rank: int):
+    def __init__(self, cfg, rank: int, gpu_ids: list[str] | None = None):
+        """`gpu_ids`: the GPUs of every placement bundle this engine spans (loongsage.placement); an SGLang server
+        with tensor parallel size k needs all k visible, while Ray shows the actor only its own bundle's."""
         self.rank = rank
         self.proc: subprocess.Popen | None = None
         self.handle: ServerHandle | None = None
@@ -1082,6 +1084,8 @@ class RolloutEngine:
                 log.flush()
                 # raw (temperature-1) logprobs, the same quantity the CPU engine and the trainer compute
                 env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "True", **os.environ}
+                if gpu_ids:
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
                 # own session: shutdown() kills the server and every process it spawned (schedulers, detokenizer)
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                              start_new_session=True, preexec_fn=_die_with_parent)
