@@ -662,6 +662,19 @@ def sft_loss(logp, loss_mask, denom) -> torch.Tensor:
     return aggregate(nll_loss(logp.float()), loss_mask, "token_mean", denom)
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c pass (Chen et al. 2021, arXiv 2107.03374, eq. 1):
+
+      pass@k = 1 - C(n - c, k) / C(n, k)      (the chance that k of the n samples, drawn without
+                                               replacement, include at least one that passes)
+    computed as 1 - prod_{i=n-c+1}^{n} (1 - k / i) for numerical stability (the paper's form). k <= n."""
+    if not 0 < k <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n samples, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
 def gap_metrics(train_logp, rollout_logp, loss_mask) -> dict:
     """Train-inference mismatch of one batch, as python floats, over the loss tokens:
       k3 = mean_t k3 estimate of KL(pi_rollout || pi_train) (tokens were sampled by the engine),

@@ -99,7 +99,8 @@ class Config:
 
     # --- data ---
     dataset: str = "synthetic:arith:4096:1"  # training prompts (data.load_dataset spec)
-    eval_dataset: str = "synthetic:arith:128:2"  # eval prompts
+    eval_dataset: str = "synthetic:arith:128:2"  # eval prompts (metrics eval/accuracy, eval/pass@k, ...)
+    eval_sets: dict = field(default_factory=dict)  # more eval sets at once: {name: spec} -> eval/<name>/accuracy, ...
     reward: str = "data.exact_match"  # reward(response_text, sample) -> float, dotted path
     agent: str = ""  # dotted path of an agent; "" = single-turn chat straight to the engine
     agent_command: str = ""  # black-box agent: a shell command run in a sandbox against the session URL
@@ -120,7 +121,8 @@ class Config:
     top_p: float = 1.0
     top_k: int = -1
     eval_temperature: float = 0.0  # 0 = greedy eval
-    eval_samples: int = 1  # samples per eval prompt
+    eval_samples: int = 1  # k samples per eval prompt: eval/accuracy is mean@k, eval/pass@k the unbiased pass@k
+    eval_greedy: bool = False  # also one greedy sample per prompt (eval/greedy_accuracy) beside the sampled ones
     engine: str = "auto"  # "auto" (sglang on CUDA, cpu elsewhere) | "sglang" | "cpu"
     engine_max_batch: int = 256  # concurrent sequences per CPU engine
 
@@ -305,7 +307,7 @@ def check_runtime(cfg: Config) -> None:
     if cfg.model_path != "tiny" and not Path(cfg.model_path).is_dir():
         raise FileNotFoundError(f"model_path={cfg.model_path!r} is not a directory; give a local HF model directory "
                                 "(config.json + safetensors + tokenizer) or model_path=tiny")
-    for spec in (cfg.dataset, cfg.eval_dataset):
+    for spec in (cfg.dataset, cfg.eval_dataset, *cfg.eval_sets.values()):
         if spec and not spec.startswith("synthetic:") and not Path(spec).exists():
             raise FileNotFoundError(f"dataset {spec!r} not found; give a .jsonl/.parquet path or 'synthetic:arith:<n>:<seed>'")
 
@@ -746,12 +748,37 @@ def prompt_stream(cfg: Config, samples: list[dict], cursor: int = 0):
             yield cursor, samples[j]
 
 
-def evaluate(cfg: Config, flow, eval_samples: list[dict], step: int) -> dict:
+def eval_metrics(trajs: list[dict], k: int, prefix: str = "eval/") -> dict:
+    """mean@k (`accuracy`: the mean reward of k samples per prompt) and the unbiased pass@j for j = 1, 2, 4, ..
+    up to k (a sample passes when its reward is >= 1), from complete groups of k."""
+    import algos
+    groups: dict[int, list[float]] = {}
+    for t in trajs:
+        groups.setdefault(t["group_id"], []).append(t["reward"])
+    out = {f"{prefix}accuracy": sum(t["reward"] for t in trajs) / max(len(trajs), 1),
+           f"{prefix}response_len": sum(len(t["response_ids"]) for t in trajs) / max(len(trajs), 1)}
+    j = 1
+    while j <= k and k > 1:
+        out[f"{prefix}pass@{j}"] = sum(algos.pass_at_k(len(r), sum(x >= 1 for x in r), j)
+                                       for r in groups.values()) / max(len(groups), 1)
+        j = j * 2 if j * 2 <= k or j == k else k
+    return out
+
+
+def evaluate(cfg: Config, flow, eval_sets: dict[str, list[dict]], step: int) -> dict:
+    """Every eval set ("" is cfg.eval_dataset: eval/accuracy; others eval/<name>/accuracy), k = eval_samples
+    samples per prompt at eval_temperature, plus a greedy pass when eval_greedy."""
     import ray
-    sampling = dict(temperature=cfg.eval_temperature, top_p=1.0, top_k=-1, max_new_tokens=cfg.max_new_tokens)
-    trajs = ray.get(flow.generate.remote(eval_samples, cfg.eval_samples, sampling, step))
-    return {"eval/accuracy": sum(t["reward"] for t in trajs) / max(len(trajs), 1),
-            "eval/response_len": sum(len(t["response_ids"]) for t in trajs) / max(len(trajs), 1)}
+    sampled = dict(temperature=cfg.eval_temperature, top_p=1.0, top_k=-1, max_new_tokens=cfg.max_new_tokens)
+    out = {}
+    for name, samples in eval_sets.items():
+        prefix = f"eval/{name}/" if name else "eval/"
+        trajs = ray.get(flow.generate.remote(samples, cfg.eval_samples, sampled, step))
+        out.update(eval_metrics(trajs, cfg.eval_samples, prefix))
+        if cfg.eval_greedy:
+            greedy = ray.get(flow.generate.remote(samples, 1, {**sampled, "temperature": 0.0}, step))
+            out[f"{prefix}greedy_accuracy"] = eval_metrics(greedy, 1)["eval/accuracy"]
+    return out
 
 
 def engine_busy_seconds(engine_urls: list[str]) -> float:
@@ -807,15 +834,16 @@ def train(cfg: Config) -> list[dict]:
         print(f"resumed from {latest} at step {start_step}")
 
     samples = data.load_dataset(cfg.dataset)
-    eval_samples = data.load_dataset(cfg.eval_dataset) if cfg.eval_dataset else []
+    eval_sets = {name: data.load_dataset(spec) for name, spec in
+                 {**({"": cfg.eval_dataset} if cfg.eval_dataset else {}), **cfg.eval_sets}.items()}
     prompts = prompt_stream(cfg, samples, cursor=start_step * cfg.prompts_per_step)
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
     N = cfg.samples_per_prompt
 
-    if cfg.eval_every and eval_samples:
-        m = evaluate(cfg, flow, eval_samples, start_step)
+    if cfg.eval_every and eval_sets:
+        m = evaluate(cfg, flow, eval_sets, start_step)
         logger.log(start_step, m)
-        print(f"eval before training: accuracy {m['eval/accuracy']:.3f}")
+        print("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items() if "accuracy" in k))
 
     producer = Producer(cfg, prompts)
     busy0, wall0 = engine_busy_seconds(engine_urls), time.perf_counter()
@@ -867,9 +895,9 @@ def train(cfg: Config) -> list[dict]:
 
         # --- 4. eval
         last = step == cfg.num_steps - 1
-        if cfg.eval_every and eval_samples and ((step + 1) % cfg.eval_every == 0 or last):
+        if cfg.eval_every and eval_sets and ((step + 1) % cfg.eval_every == 0 or last):
             t0 = time.perf_counter()
-            metrics.update(evaluate(cfg, flow, eval_samples, step + 1))
+            metrics.update(evaluate(cfg, flow, eval_sets, step + 1))
             metrics["timing/eval"] = time.perf_counter() - t0
 
         # --- 5. checkpoint

@@ -111,8 +111,12 @@ def test_end_to_end_sync_run(tmp_path, monkeypatch, ray_session):
 
 def test_end_to_end_async_run_records_versions(tmp_path, monkeypatch, ray_session):
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
-    history = loongsage.train(_short_run(tmp_path, "mode=async", "stale_steps=1", "max_version_lag=1"))
+    history = loongsage.train(_short_run(tmp_path, "mode=async", "stale_steps=1", "max_version_lag=1",
+                                         "eval_samples=2", "eval_greedy=true", 'eval_sets={"b": "synthetic:arith:8:3:20"}'))
     steps = [h for h in history if "train/loss" in h]
+    evals = [h for h in history if "eval/accuracy" in h]
+    for key in ("eval/pass@1", "eval/pass@2", "eval/greedy_accuracy", "eval/b/accuracy", "eval/b/pass@2"):
+        assert all(0 <= h[key] <= 1 for h in evals) and len(evals) == 3, key  # before, step 1, last
     assert len(steps) == 3 and all(math.isfinite(h["train/loss"]) for h in steps)
     # a step runs ahead of training; the lag bound keeps every trained token at most one version behind
     for i, h in enumerate(steps):
