@@ -61,6 +61,9 @@ class Config:
     save_every: int = 0  # Megatron checkpoint every N steps; 0 = only the final HF export
     resume: bool = False  # resume from the newest checkpoint in output_dir/checkpoints
     print_every: int = 5  # print a decoded sample every N steps; 0 = never
+    trackers: list = field(default_factory=list)  # metric sinks beside JSONL/TensorBoard/PNG: "wandb", "mlflow"
+    tracker_project: str = "loongsage"  # the W&B project / MLflow experiment; the run is named after output_dir
+    mlflow_tracking_uri: str = ""  # MLflow store (a server URL, ...); "" = a local file store, output_dir/mlruns
     device: str = "auto"  # "auto" | "cpu" | "cuda"; resolved in finalize
     dtype: str = "float32"  # training/inference dtype: "float32" | "bfloat16"
     rollout_only: bool = False  # debug: only generate (and dump), never train
@@ -281,6 +284,12 @@ def finalize(cfg: Config) -> Config:
     if cfg.engine_threads <= 0:
         cfg.engine_threads = max(1, cores // cfg.num_engines if sync_cpu else int(cfg.cpus_per_engine))
     need(not (cfg.train_only and not cfg.load_rollouts), "train_only needs load_rollouts=<dir written by dump_rollouts>")
+    for t in cfg.trackers:
+        need(t in TRACKERS, f"trackers: {t!r} is not a tracker; choose from {sorted(TRACKERS)}{_closest(str(t), TRACKERS)}")
+        try:
+            __import__(TRACKERS[t])
+        except ImportError:
+            raise ValueError(f"trackers: {t!r} needs the {TRACKERS[t]} package: pip install -e .[tracking]") from None
     for name in ("reward", "warmstart_example") + (("agent",) if cfg.agent else ()):
         data.import_object(getattr(cfg, name))  # fail now, not after the model is built
     algos.validate(cfg)
@@ -494,7 +503,13 @@ def _addr_and_port():
 # logging: one flat dict per step -> stdout line, metrics.jsonl, TensorBoard; reward curve at the end
 
 
+TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker name -> the optional package it needs
+
+
 class Logger:
+    """Every step's metrics to metrics.jsonl, TensorBoard and (cfg.trackers) W&B / MLflow; the reward curve
+    at the end. W&B and MLflow are imported only when a recipe asks for them."""
+
     def __init__(self, cfg: Config):
         self.dir = Path(cfg.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -505,6 +520,20 @@ class Logger:
         except ImportError:  # tensorboard is optional
             self.tb = None
         self.history: list[dict] = []
+        params = {k: v for k, v in dataclasses.asdict(cfg).items()}
+        self.wandb = self.mlflow = None
+        if "wandb" in cfg.trackers:  # optional dependency (pip install -e .[tracking]); WANDB_MODE=offline works
+            import wandb
+            self.wandb = wandb.init(project=cfg.tracker_project, name=self.dir.name, dir=str(self.dir),
+                                    config=params, reinit="finish_previous")
+        if "mlflow" in cfg.trackers:  # optional dependency, likewise
+            import mlflow
+            if not cfg.mlflow_tracking_uri:  # the local file store (MLflow 3 asks for an opt-in to use it)
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri(cfg.mlflow_tracking_uri or (self.dir / "mlruns").resolve().as_uri())
+            mlflow.set_experiment(cfg.tracker_project)
+            self.mlflow = mlflow.start_run(run_name=self.dir.name)
+            mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
 
     def log(self, step: int, metrics: dict):
         """Scalars to every sink; lists of numbers (per-token lags) to TensorBoard histograms only."""
@@ -521,6 +550,12 @@ class Logger:
                 if v:
                     import numpy as np
                     self.tb.add_histogram(k, np.asarray(v), step)
+        scalars = {k: v for k, v in metrics.items() if k != "step"}
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+        if self.mlflow is not None:  # MLflow metric names allow no '@': eval/pass@4 -> eval/pass_at_4
+            import mlflow
+            mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in scalars.items()}, step=step)
 
     def line(self, step: int, m: dict) -> str:
         keys = [("reward", "rollout/reward_mean"), ("eval", "eval/accuracy"), ("loss", "train/loss"),
@@ -554,6 +589,11 @@ class Logger:
         self.jsonl.close()
         if self.tb:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.mlflow is not None:
+            import mlflow
+            mlflow.end_run()
 
 
 # ================================================================================================
