@@ -92,7 +92,7 @@ class Config:
     megatron: dict = field(default_factory=dict)  # passed through to Megatron's TransformerConfig untouched
     sglang: dict = field(default_factory=dict)  # passed through to the SGLang server as --key value flags
 
-    # --- warm start (SFT through the same trainer, before RL; cached) ---
+    # --- warm start (SFT through the same trainer, before RL; of the tiny model or any HF directory; cached) ---
     warmstart_steps: int = 0  # SFT optimizer steps; 0 = none
     warmstart_dataset: str = "synthetic:arith:4096:7"  # data.load_dataset spec of the SFT data
     warmstart_batch_size: int = 64  # samples per SFT step
@@ -325,18 +325,38 @@ def check_runtime(cfg: Config) -> None:
 # the tiny model: build, warm-start with SFT through the same trainer, cache
 
 
+def checkpoint_fingerprint(path: str) -> str:
+    """A fast hash of an HF model directory: every file's name and size, plus the first and last MiB of each
+    weight file (a changed checkpoint almost always changes one of these; hashing GBs in full would not pay)."""
+    import hashlib
+    h = hashlib.sha256()
+    for f in sorted(Path(path).iterdir()):
+        if f.is_file():
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+            if f.suffix in (".safetensors", ".json", ".bin", ".jinja"):
+                with open(f, "rb") as fh:
+                    h.update(fh.read(2**20))
+                    fh.seek(max(0, f.stat().st_size - 2**20))
+                    h.update(fh.read(2**20))
+    return h.hexdigest()[:12]
+
+
 def prepare_model(cfg: Config, trainers) -> str:
-    """Resolve cfg.model_path. For "tiny": build the random model, SFT it on `warmstart_dataset`
-    with the Megatron trainers for `warmstart_steps`, save it as HF, and cache both by settings."""
+    """Resolve cfg.model_path: "tiny" builds (and caches) the tiny Qwen3 of data.py, anything else is an HF
+    directory. With `warmstart_steps`, SFT it on `warmstart_dataset` through the same Megatron trainers first,
+    save it as HF, and cache it by the base checkpoint's fingerprint and the SFT settings."""
     import ray
-    if cfg.model_path != "tiny":
-        return cfg.model_path
-    base = data.build_tiny_model(data.default_cache_dir() / f"tiny-{data.settings_hash(cfg.tiny_model)}", **cfg.tiny_model)
+    if cfg.model_path == "tiny":
+        base = data.build_tiny_model(data.default_cache_dir() / f"tiny-{data.settings_hash(cfg.tiny_model)}",
+                                     **cfg.tiny_model)
+    else:
+        base = cfg.model_path
     if cfg.warmstart_steps == 0:
         return base
-    keys = ("tiny_model", "warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
+    keys = ("warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
             "warmstart_label_noise", "warmstart_example", "seed")
-    out = data.default_cache_dir() / f"tiny-sft-{data.settings_hash({k: getattr(cfg, k) for k in keys})}"
+    settings = {k: getattr(cfg, k) for k in keys} | {"base": checkpoint_fingerprint(base)}
+    out = data.default_cache_dir() / f"{Path(base).name}-sft-{data.settings_hash(settings)}"
     if (out / "model.safetensors").exists():
         print(f"warm start: cached SFT model {out}")
         return str(out)

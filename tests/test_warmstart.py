@@ -1,0 +1,46 @@
+"""Warm start of any HF model directory: SFT through the same Megatron trainer, cached by the base checkpoint's
+fingerprint and the SFT settings (a changed checkpoint or setting warms up again; the same ones reuse the cache)."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+import loongsage
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_warm_start_an_hf_directory_and_cache_it(tiny_model_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    from test_trainer import Ranks
+
+    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
+    base = tmp_path / "my-model"
+    shutil.copytree(tiny_model_dir, base)
+    overrides = [f"model_path={base}", "warmstart_steps=3", "warmstart_batch_size=8", "micro_batch_size=8",
+                 "global_batch_size=8", "prompts_per_step=1", "samples_per_prompt=8", "warmstart_lr=1e-2"]
+    cfg = loongsage.load_config(None, overrides)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    try:
+        ranks = Ranks(cfg, 1)
+        out = loongsage.prepare_model(cfg, ranks.workers)
+        assert Path(out).parent == tmp_path / "cache" and Path(out).name.startswith("my-model-sft-")
+        before, after = load_file(str(base / "model.safetensors")), load_file(str(Path(out) / "model.safetensors"))
+        assert before.keys() == after.keys()
+        assert any(not torch.equal(before[k], after[k]) for k in before)  # SFT moved the weights
+        assert json.loads((Path(out) / "config.json").read_text()) == json.loads((base / "config.json").read_text())
+        stamp = (Path(out) / "model.safetensors").stat().st_mtime_ns
+        assert loongsage.prepare_model(cfg, ranks.workers) == out  # cached: same settings, same checkpoint
+        assert (Path(out) / "model.safetensors").stat().st_mtime_ns == stamp
+        other = loongsage.load_config(None, overrides + ["warmstart_steps=2"])
+        assert loongsage.checkpoint_fingerprint(base) == loongsage.checkpoint_fingerprint(base)
+        with open(base / "config.json", "a") as f:  # a changed checkpoint gets its own warm start
+            f.write("\n")
+        assert loongsage.prepare_model(other, ranks.workers) != out
+        ranks.close()
+    finally:
+        ray.shutdown()
