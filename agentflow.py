@@ -93,6 +93,9 @@ class Trajectory:
     #                                the last one is the top-level fields; earlier ones exist when the agent
     #                                compacted/edited its history, so a forker can train on them too
     reward: float = 0.0            # scalar reward of the whole trajectory
+    turn_rewards: list[float] = field(default_factory=list)  # optional, one per model turn of the last segment
+    #                                (an agent returns {"turn_rewards": [...]}): returns / gae / reinforce_pp
+    #                                then reward each turn's last token instead of only the final one
     status: str = "ok"             # "ok" | "failed" (agent/engine error) | "aborted" |
     #                                "truncated" (hit a token/turn/time budget; still rewarded and trainable)
     group_id: int = -1             # which prompt this sample answers; unique across generate() calls
@@ -1523,6 +1526,8 @@ class AgentFlow:
         if isinstance(result, dict) and result.get("reward") is not None:
             reward = float(result["reward"])
         traj = await self._finish(s, sample, status=status, error=error, reward=reward)
+        if isinstance(result, dict) and result.get("turn_rewards") and traj.status != "failed":
+            traj.turn_rewards = [float(r) for r in result["turn_rewards"]]
         if isinstance(result, (str, dict)):
             traj.metadata["agent_result"] = result if isinstance(result, dict) else result[:2000]
         return traj

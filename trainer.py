@@ -548,6 +548,44 @@ def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None
                 resp_len=torch.tensor(rlen), **out)
 
 
+def segment_rows(batch: list[dict]) -> list[dict]:
+    """Every trainable segment of every trajectory as its own training row. A trajectory whose agent compacted
+    or edited its history has several segments (agentflow: the last one is the trajectory's top-level fields);
+    each earlier segment with model tokens becomes a row of its own that trains with its trajectory's
+    advantage. Rows keep the trajectory's group_id and reward; `traj` indexes the trajectory in `batch` and
+    `last` marks the row the advantage is computed on (one per trajectory, so group statistics count each
+    trajectory once)."""
+    rows = []
+    for i, t in enumerate(batch):
+        for seg in (t.get("segments") or [])[:-1]:
+            if any(seg["loss_mask"]):
+                rows.append({**t, **seg, "segments": [], "traj": i, "last": False})
+        rows.append({**t, "traj": i, "last": True})
+    return rows
+
+
+def shared_advantage(traj_adv: torch.Tensor, loss_mask: list[int]) -> torch.Tensor:
+    """An earlier segment's advantage: its trajectory's advantage at the trajectory's first trained token (the
+    sequence advantage for grpo / rloo / drgrpo; the return from the start of the last segment for token-level
+    estimators), on every model token of the segment."""
+    first = traj_adv[traj_adv != 0][:1]  # (1,) or (0,) when the trajectory has no trained token
+    value = float(first) if first.numel() else 0.0
+    return torch.tensor(loss_mask, dtype=torch.float) * value  # (R_seg,)
+
+
+def turn_token_rewards(cfg, rows: list[dict], rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor | None:
+    """(B, R) token rewards for the token-level estimators (returns, gae, reinforce_pp) when some trajectory
+    carries per-turn rewards (`turn_rewards`, one per model turn of its last segment, from its agent): each on
+    the last token of its turn; trajectories without them keep their outcome reward `rewards` (B,) on their
+    last model token. None when no trajectory has them or the estimator is sequence-level."""
+    has = [bool(r.get("turn_rewards")) for r in rows]
+    if cfg.advantage not in ("returns", "gae", "reinforce_pp") or not any(has):
+        return None
+    per_turn = algos.turn_rewards_to_tokens([list(r.get("turn_rewards") or []) for r in rows], loss_mask)  # (B, R)
+    outcome = algos.outcome_to_tokens(rewards, loss_mask)  # (B, R)
+    return torch.where(torch.tensor(has)[:, None], per_turn, outcome)
+
+
 def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_size: int,
                      by_group: bool) -> list[list[int]]:
     """Indices into `batch` of this DP rank's share of each mini-batch.
@@ -856,6 +894,7 @@ class TrainerWorker:
         n_groups = len({s.get("group_id", i) for i, s in enumerate(batch)})
         # never more mini-batches than groups: an empty one would still move Adam's weights (momentum)
         n_mb = max(1, min(n_groups, round(len(batch) / int(cfg.global_batch_size))))
+        n_traj, batch = len(batch), segment_rows(batch)  # from here on, a row is one trainable segment
         plan = plan_minibatches(batch, n_mb, self.dp_rank, self.dp_size, by_group=True)
         local = [batch[i] for mb in plan for i in mb]
         row_of = {i: j for j, i in enumerate(i for mb in plan for i in mb)}  # batch index -> row in `local`
@@ -880,18 +919,25 @@ class TrainerWorker:
             old = [computed.get(j) for j in range(len(local))]  # None: filled by mini-batch 0's forward
         ref = self._logp_no_grad(self.ref_model, local) if self.ref_model is not None else None
 
-        # --- 2. advantages over this rank's whole groups (every rank calls: batch norm all-reduces)
+        # --- 2. advantages over this rank's whole groups (every rank calls: batch norm all-reduces), one per
+        #     trajectory (its last segment's row); earlier segments share their trajectory's advantage
+        zeros = [torch.zeros(len(s["response_ids"])) for s in local]
         if local:
-            zeros = [torch.zeros(len(s["response_ids"])) for s in local]
-            lb = collate(local, {"old_logp": [o if o is not None else z for o, z in zip(old, zeros)],
-                                 **({"ref_logp": ref} if ref is not None else {})})
+            lasts = [j for j, s in enumerate(local) if s["last"]]
+            lb = collate([local[j] for j in lasts], {
+                "old_logp": [old[j] if old[j] is not None else zeros[j] for j in lasts],
+                **({"ref_logp": [ref[j] for j in lasts]} if ref is not None else {})})
             # reward shaping (DAPO overlong penalty, length penalties); identity with the defaults
             rewards = algos.shape_rewards(cfg, lb["rewards"], lb["loss_mask"].sum(1), lb["group_ids"],
-                                          int(cfg.max_new_tokens))  # (B_local,)
+                                          int(cfg.max_new_tokens))  # (B_traj,)
             adv = algos.compute_advantages(cfg, rewards, lb["group_ids"], lb["loss_mask"],
                                            old_logp=lb["old_logp"], ref_logp=lb.get("ref_logp"),
-                                           dp_group=dp_group)  # (B_local, R) 0 where loss_mask == 0
-            adv_rows = [adv[b, :len(s["response_ids"])] for b, s in enumerate(local)]
+                                           token_rewards=turn_token_rewards(cfg, [local[j] for j in lasts],
+                                                                            rewards, lb["loss_mask"]),
+                                           dp_group=dp_group)  # (B_traj, R) 0 where loss_mask == 0
+            adv_of = {local[j]["traj"]: adv[b, :len(local[j]["response_ids"])] for b, j in enumerate(lasts)}
+            adv_rows = [adv_of[s["traj"]] if s["last"] else
+                        shared_advantage(adv_of[s["traj"]], s["loss_mask"]) for s in local]
         else:
             algos.compute_advantages(cfg, torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 1),
                                      old_logp=torch.zeros(0, 1), ref_logp=None, dp_group=dp_group)
@@ -956,7 +1002,7 @@ class TrainerWorker:
         if off.get("tokens", 0) > 0:
             metrics["train/offpolicy_k3"] = off["k3"] / off["tokens"]
         metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
-                        "train/samples": float(len(batch))})
+                        "train/samples": float(n_traj), "train/rows": float(len(batch))})
         return metrics
 
     def _denominators(self, batch: list[dict], n_mb: int, mb_i: int, by_group: bool) -> dict[str, float]:
