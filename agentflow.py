@@ -26,7 +26,8 @@ kept as "failed" (reward 0, loss_mask all 0) so its group stays complete.
 
 The router is one HTTP server in front of all engines. Each trajectory gets a session base URL
 `http://host:port/s/<session>/v1` (the session id and the api key are unguessable tokens) serving
-OpenAI `POST /chat/completions`, Anthropic `POST /messages` and `GET /models`, plain and streaming,
+OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function tools,
+`previous_response_id` within the session), Anthropic `POST /messages` and `GET /models`, plain and streaming,
 with tool calls. A session sticks to one engine (its KV prefix cache stays warm); new sessions go to
 the engine with the fewest requests in flight; engines that fail are skipped for a cool-down.
 
@@ -43,7 +44,7 @@ Run a router by hand over running engines (prints session settings for any OpenA
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
 clients). Left out: constrained decoding (tool_choice "required"/named is not enforced, only parsed),
-images/audio content parts, the OpenAI Responses API, n > 1 per request (ask n sessions instead),
+images/audio content parts, built-in (non-function) tools of the Responses API, n > 1 per request (ask n sessions instead),
 token-level streaming from the engine (a streamed reply is sent once the turn is generated).
 """
 from __future__ import annotations
@@ -664,6 +665,7 @@ class Session:
         self.inflight_rid: str | None = None
         self.last_text = ""                       # last assistant content, what the reward sees by default
         self.finish_reasons: list[str] = []
+        self.responses: dict[str, list[dict]] = {}  # Responses API: id -> the conversation up to it
         self.generate_s = 0.0
 
     def plan(self, messages: list[dict], tools: list[dict] | None) -> TurnPlan:
@@ -910,6 +912,144 @@ def anthropic_stream(turn: Turn, model: str):
 
 
 # ----------------------------------------------------------------------------------------------
+# OpenAI Responses API (POST /v1/responses): input items in, output items out, same TITO path
+
+
+def _response_parts_text(content, where: str) -> str:
+    """Responses content: a string, or parts of type input_text / output_text / text."""
+    if isinstance(content, list):
+        content = [{"type": "text", "text": p.get("text")} if isinstance(p, dict) and
+                   p.get("type") in ("input_text", "output_text", "text") else p for p in content]
+    return _text_of(content, where)
+
+
+def responses_messages(instructions, raw, previous: list[dict] | None) -> list[dict]:
+    """Responses `input` (a string, or a list of message / function_call / function_call_output items) after the
+    conversation of `previous_response_id` -> internal messages; `instructions` become the system message (they
+    are not carried over from the previous response, as in the API)."""
+    msgs = [m for m in (previous or []) if m["role"] != "system"]
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise ApiError(400, f"'instructions' must be a string, got {type(instructions).__name__}",
+                           param="instructions")
+        msgs.insert(0, {"role": "system", "content": instructions})
+    if isinstance(raw, str):
+        raw = [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'input' must be a non-empty string or list of input items", param="input")
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(400, f"{where} must be an object, got {type(item).__name__}", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("system", "user", "assistant"):
+                raise ApiError(400, f"{where}.role is {item.get('role')!r}; expected user, assistant, system or "
+                               "developer", param=f"{where}.role")
+            if role == "system" and msgs:
+                raise ApiError(400, f"{where}: a system/developer message is only allowed first; use "
+                               "'instructions'", param=where)
+            msgs.append({"role": role, "content": _response_parts_text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = _tool_call(item.get("name"), item.get("arguments", "{}"), item.get("call_id"), where)
+            if msgs and msgs[-1]["role"] == "assistant":  # several calls of one turn join its message
+                msgs[-1].setdefault("tool_calls", []).append(call)
+            else:
+                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            issued = {c["id"] for m in msgs for c in m.get("tool_calls") or ()}
+            if item.get("call_id") not in issued:
+                raise ApiError(400, f"{where}: no function_call with call_id {item.get('call_id')!r} precedes this "
+                               "output", param=f"{where}.call_id")
+            output = item.get("output")
+            msgs.append({"role": "tool", "tool_call_id": item["call_id"],
+                         "content": output if isinstance(output, str) else _response_parts_text(output, where)})
+        elif kind == "reasoning":
+            continue  # the template has no place for it; the model's own tokens already hold its reasoning
+        else:
+            raise ApiError(400, f"{where}.type is {kind!r}; supported: message, function_call, "
+                           "function_call_output, reasoning", param=f"{where}.type")
+    return msgs
+
+
+def responses_tools(raw) -> list[dict] | None:
+    """Responses function tools ({"type": "function", "name", "description", "parameters"}) -> internal."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
+    tools = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise ApiError(400, f"tools[{i}] has type {kind!r}; only function tools are supported", param=f"tools[{i}]")
+        tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
+                                                                     t.get("parameters"), f"tools[{i}]")})
+    return tools or None
+
+
+def responses_output(turn: Turn) -> list[dict]:
+    """The output items of a turn: a message (its text) and one function_call item per tool call."""
+    out = []
+    if turn.content or not turn.tool_calls:
+        out.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
+                    "content": [{"type": "output_text", "text": turn.content, "annotations": [], "logprobs": []}]})
+    for c in turn.tool_calls:
+        out.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"],
+                    "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"]),
+                    "status": "completed"})
+    return out
+
+
+def responses_response(turn: Turn, model: str, rid: str, body: dict, output: list[dict]) -> dict:
+    incomplete = turn.finish_reason == "length" and not turn.tool_calls
+    n = len(turn.output_ids)
+    return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
+            "status": "incomplete" if incomplete else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
+            "output": output, "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
+            "previous_response_id": body.get("previous_response_id"), "parallel_tool_calls": True,
+            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "text": {"format": {"type": "text"}},
+            "usage": {"input_tokens": turn.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": turn.prompt_tokens + n}}
+
+
+def responses_stream(response: dict):
+    """The event sequence of a streamed response (the turn is already generated): created, in_progress, each
+    item added / its text or arguments / done, completed; every event numbered."""
+    seq = iter(range(10 ** 9))
+
+    def event(kind, **body):
+        return f"event: {kind}\ndata: " + json.dumps({"type": kind, "sequence_number": next(seq), **body}) + "\n\n"
+
+    yield event("response.created", response={**response, "status": "in_progress", "output": []})
+    yield event("response.in_progress", response={**response, "status": "in_progress", "output": []})
+    for i, item in enumerate(response["output"]):
+        if item["type"] == "message":
+            part = item["content"][0]
+            yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
+                                                                             "content": []})
+            where = dict(item_id=item["id"], output_index=i, content_index=0)
+            yield event("response.content_part.added", **where, part={**part, "text": ""})
+            if part["text"]:
+                yield event("response.output_text.delta", **where, delta=part["text"], logprobs=[])
+            yield event("response.output_text.done", **where, text=part["text"], logprobs=[])
+            yield event("response.content_part.done", **where, part=part)
+        else:
+            yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
+                                                                             "arguments": ""})
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                        delta=item["arguments"])
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                        arguments=item["arguments"], name=item["name"])
+        yield event("response.output_item.done", output_index=i, item=item)
+    yield event("response.completed", response=response)
+
+
+# ----------------------------------------------------------------------------------------------
 # the router: one HTTP server, a session URL per trajectory
 
 
@@ -1038,6 +1178,30 @@ class Router:
             return JSONResponse(anthropic_response(turn, self.model_name))
 
         @guarded(openai_error_body)
+        async def responses(request: Request, sid: str):
+            s = self._session(sid, request.headers)
+            body = await body_of(request)
+            if "input" not in body:
+                raise ApiError(400, "missing required field 'input'", param="input")
+            previous = body.get("previous_response_id")
+            if previous is not None and previous not in s.responses:
+                raise ApiError(400, f"previous_response_id {previous!r} is not a response of this session",
+                               param="previous_response_id", code="previous_response_not_found")
+            msgs = responses_messages(body.get("instructions"), body["input"], s.responses.get(previous))
+            tools = responses_tools(body.get("tools"))
+            choice = body.get("tool_choice", "auto")
+            turn = await s.run_turn(self.pool, msgs, tools, parse_tools=choice != "none",
+                                    max_tokens=_positive_int(body.get("max_output_tokens"), "max_output_tokens"),
+                                    overrides=_sampling_overrides(body))
+            rid = "resp_" + uuid.uuid4().hex
+            output = responses_output(turn)
+            s.responses[rid] = s.segments[-1].messages  # the conversation so far, for previous_response_id
+            response = responses_response(turn, self.model_name, rid, body, output)
+            if body.get("stream"):
+                return sse(responses_stream(response))
+            return JSONResponse(response)
+
+        @guarded(openai_error_body)
         async def models(request: Request, sid: str):
             self._session(sid, request.headers)
             return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
@@ -1050,6 +1214,7 @@ class Router:
 
         app.add_api_route("/s/{sid}/v1/chat/completions", chat_completions, methods=["POST"])
         app.add_api_route("/s/{sid}/v1/messages", messages, methods=["POST"])
+        app.add_api_route("/s/{sid}/v1/responses", responses, methods=["POST"])
         app.add_api_route("/s/{sid}/v1/models", models, methods=["GET"])
         app.add_api_route("/health", lambda: {"status": "ok", "sessions": len(self.sessions),
                                               "engines_up": len(self.pool.healthy())}, methods=["GET"])
