@@ -163,6 +163,14 @@ class Config:
     transfer: str = "auto"  # TransferMesh transport: auto | shm | cuda_ipc | broadcast | disk
     bucket_mb: float = 64.0  # bucket size for weight sync
 
+    # --- reliability: engine health and timeouts (see check_engines, wait, save_run_state) ---
+    engine_check_every: float = 5.0  # seconds between engine health probes (an engine is also probed after any failed call)
+    engine_health_timeout: float = 10.0  # an engine silent on /health this long is hung: out of routing, re-created
+    engine_wait: float = 180.0  # seconds a request waits for a replacement when no engine is up, before it fails
+    max_engine_restarts: int = 20  # engine re-creations per run before the run stops (a crash loop needs a fix, not more restarts)
+    weight_sync_timeout: float = 600.0  # seconds one weight sync (trainers -> engines) may take
+    actor_timeout: float = 3600.0  # seconds any other Ray call (rollout batch, train step, eval, checkpoint) may take
+
 
 def _closest(key: str, valid) -> str:
     match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.0)
@@ -245,6 +253,9 @@ def finalize(cfg: Config) -> Config:
     need(per_rank % cfg.micro_batch_size == 0, f"global_batch_size/data_parallel={per_rank} samples per rank must be "
          f"a multiple of micro_batch_size={cfg.micro_batch_size}; try micro_batch_size={math.gcd(per_rank, cfg.micro_batch_size)}")
     need(cfg.max_staleness >= 1, f"max_staleness={cfg.max_staleness} must be >= 1")
+    for knob in ("engine_check_every", "engine_health_timeout", "engine_wait", "weight_sync_timeout", "actor_timeout"):
+        need(getattr(cfg, knob) > 0, f"{knob}={getattr(cfg, knob)} must be > 0 (seconds)")
+    need(cfg.max_engine_restarts >= 0, f"max_engine_restarts={cfg.max_engine_restarts} must be >= 0")
     need(not (cfg.train_only and not cfg.load_rollouts), "train_only needs load_rollouts=<dir written by dump_rollouts>")
     for name in ("reward", "warmstart_example") + (("agent",) if cfg.agent else ()):
         data.import_object(getattr(cfg, name))  # fail now, not after the model is built
@@ -354,21 +365,23 @@ def launch(cfg: Config):
     return pg, trainers
 
 
-def start_engines(cfg: Config, pg) -> list:
-    """One RolloutEngine actor per engine, on its own bundle or (colocate) on a trainer's bundle."""
+def start_engine(cfg: Config, pg, i: int):
+    """Rollout engine i as a RolloutEngine actor, on its own bundle or (colocate) on a trainer's bundle.
+    Always the same bundle for the same i, so a re-created engine takes its predecessor's place."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     import rollout
     gpu, share = cfg.device == "cuda", (0.5 if cfg.colocate else 1.0)
-    EngineActor = ray.remote(rollout.RolloutEngine)
-    engines = []
-    for i in range(cfg.num_engines):
-        b = (i * cfg.trainer_workers // cfg.num_engines) if cfg.colocate else cfg.trainer_workers + i
-        engines.append(EngineActor.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, b), num_cpus=cfg.cpus_per_engine * share,
-            num_gpus=(cfg.gpus_per_engine * share) if gpu else 0).remote(cfg, i))
-    return engines
+    b = (i * cfg.trainer_workers // cfg.num_engines) if cfg.colocate else cfg.trainer_workers + i
+    return ray.remote(rollout.RolloutEngine).options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, b), num_cpus=cfg.cpus_per_engine * share,
+        num_gpus=(cfg.gpus_per_engine * share) if gpu else 0).remote(cfg, i)
+
+
+def start_engines(cfg: Config, pg) -> list:
+    """One RolloutEngine actor per engine (they load cfg.model_path: weight version 0)."""
+    return [start_engine(cfg, pg, i) for i in range(cfg.num_engines)]
 
 
 def _addr_and_port():
@@ -378,20 +391,190 @@ def _addr_and_port():
 
 
 # ================================================================================================
+# reliability: waits that cannot hang, engines that are re-created when they die
+
+
+@dataclass
+class Fleet:
+    """The rollout engines as the controller tracks them: handles and URLs, never tensors."""
+    pg: object  # the placement group; engine i always lives on the same bundle (start_engine)
+    actors: list  # RolloutEngine actor handles, engine i at index i
+    urls: list  # their HTTP URLs, same order (AgentFlow's pool routes over these)
+    restarts: int = 0  # engines re-created in this run (metric engines/restarts)
+
+
+def wait(refs, what: str, timeout: float, knob: str, every: float = 0.0, tick=None):
+    """`ray.get(refs)` that neither hangs nor waits on the dead. A failure is raised the moment it
+    arrives, even while other ranks still wait for the failed one inside a collective (a plain ray.get
+    of a list waits for every result first); past `timeout` seconds it raises TimeoutError naming
+    `what` and the config `knob` that sets the limit. `tick()` runs every `every` seconds meanwhile
+    (the engine health check while a rollout batch is generated)."""
+    import ray
+    pending = list(refs) if isinstance(refs, list) else [refs]
+    start = time.monotonic()
+    last_tick = start
+    while pending:
+        now = time.monotonic()
+        if now - start >= timeout:
+            raise TimeoutError(f"{what} did not finish within {timeout:.0f}s (config `{knob}`); if it is only "
+                               f"slow, raise {knob}, else the actors' logs above show where it is stuck")
+        if tick is not None and every > 0 and now - last_tick >= every:
+            tick()
+            last_tick = time.monotonic()
+        limit = min(timeout - (now - start), every if tick is not None and every > 0 else 1.0)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(limit, 0.01))
+        ray.get(ready)  # raises the actor's error (with its traceback) now, not after the others finish
+    return ray.get(refs)
+
+
+def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: int) -> str:
+    """Re-create dead engine i on its bundle, load the trainers' current weights (labelled `version`)
+    into it, and route to it again. The trainers must be idle and hold weight version `version`."""
+    import ray
+    if fleet.restarts >= cfg.max_engine_restarts:
+        raise RuntimeError(f"rollout engine {i} ({fleet.urls[i]}) is dead, and {fleet.restarts} engines were already "
+                           f"re-created in this run (max_engine_restarts={cfg.max_engine_restarts}); the engines' logs "
+                           "above say why they die. Fix that, or raise max_engine_restarts")
+    old = fleet.urls[i]
+    ray.kill(fleet.actors[i], no_restart=True)  # a hung engine still holds its bundle (and port, GPU)
+    fleet.actors[i] = start_engine(cfg, fleet.pg, i)
+    url = wait(fleet.actors[i].url.remote(), f"re-creating rollout engine {i}", cfg.actor_timeout, "actor_timeout")
+    if version > 0:  # it loaded cfg.model_path (version 0); every later version lives only in the trainers
+        wait([t.sync_weights.remote([url], version) for t in trainers], f"weight sync to re-created engine {i}",
+             cfg.weight_sync_timeout, "weight_sync_timeout")
+    ray.get(flow.replace_engine.remote(old, url), timeout=cfg.actor_timeout)
+    fleet.urls[i] = url
+    fleet.restarts += 1
+    print(f"engine {i} at {old} was dead or hung: re-created at {url}, serving weight version {version}")
+    return url
+
+
+def check_engines(cfg: Config, fleet: Fleet, flow, trainers=None, version: int = 0) -> list[str]:
+    """Probe every engine now: AgentFlow's pool takes a dead or hung one out of routing at once (its
+    requests in flight move to the others). With `trainers` (only while they are idle and hold weight
+    version `version`), each dead engine is also re-created on those weights. Returns the dead URLs."""
+    import ray
+    dead = ray.get(flow.check_engines.remote(), timeout=cfg.engine_health_timeout + cfg.actor_timeout)
+    if trainers is not None:
+        for url in dead:
+            restart_engine(cfg, fleet, fleet.urls.index(url), flow, trainers, version)
+    return dead
+
+
+def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int) -> dict:
+    """Weights -> engines (TransferMesh) as version `version`. A dead engine is skipped and re-created on
+    these weights afterwards; one that dies during the push fails it, so probe and push once more to
+    the engines left (a push is idempotent). Returns the trainers' `weights/` metrics."""
+    import ray
+    for attempt in (1, 2):
+        dead = check_engines(cfg, fleet, flow)
+        live = [u for u in fleet.urls if u not in dead]
+        try:
+            stats = wait([t.sync_weights.remote(live, version) for t in trainers],
+                         f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
+                         "weight_sync_timeout")[0]
+            break
+        except ray.exceptions.RayTaskError as e:
+            if attempt == 2 or not check_engines(cfg, fleet, flow):
+                raise  # no engine died: the error is the sync's own
+            print(f"weight sync of version {version} failed as an engine died ({str(e).splitlines()[0]}); "
+                  "pushing again to the others")
+    check_engines(cfg, fleet, flow, trainers, version)
+    return stats
+
+
+# ================================================================================================
+# run state: checkpoints that lose nothing, and resume
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never a part
+
+
+def rng_state() -> dict:
+    """The controller's python and numpy global RNG states, as JSON."""
+    import numpy as np
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def save_run_state(cfg: Config, trainers, step: int, controller_state: dict) -> Path:
+    """Checkpoint after RL step `step`, in checkpoints/step_XXXXX/: one file per trainer rank (model,
+    optimizer, LR schedule position, python/numpy/torch RNG: trainer.save_checkpoint), the
+    `controller_state` train() hands over (JSON: data cursor, RNG, ...) and config.yaml. Then, last,
+    `checkpoints/latest` is rewritten (atomically) to name it: a crash anywhere in a save leaves
+    `latest` naming the previous checkpoint, complete."""
+    import shutil
+    root = Path(cfg.output_dir) / "checkpoints"
+    path = root / f"step_{step:05d}"
+    marker = root / "latest"
+    if path.exists() and not (marker.exists() and marker.read_text().strip() == path.name):
+        shutil.rmtree(path)  # debris of a save that crashed before its marker
+    wait([t.save_checkpoint.remote(str(path)) for t in trainers], f"checkpoint of step {step} (trainer ranks)",
+         cfg.actor_timeout, "actor_timeout")
+    _atomic_write(path / "controller_state.json", json.dumps({"step": step, **controller_state}))
+    _atomic_write(path / "config.yaml", yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    _atomic_write(marker, path.name + "\n")
+    return path
+
+
+def load_run_state(cfg: Config, trainers) -> tuple[int, dict] | None:
+    """Restore the checkpoint `checkpoints/latest` names into every trainer rank (after load_hf) and
+    return (the first step to run, the controller_state saved with it); None when there is none."""
+    root = Path(cfg.output_dir) / "checkpoints"
+    marker = root / "latest"
+    if not marker.exists():
+        if root.exists() and any(root.iterdir()):
+            print(f"resume: {root} has no `latest` marker (no save completed, or written by an older "
+                  "version without controller state); starting from step 0")
+        return None
+    path = root / marker.read_text().strip()
+    state = json.loads((path / "controller_state.json").read_text())
+    wait([t.load_checkpoint.remote(str(path)) for t in trainers], f"loading checkpoint {path}",
+         cfg.actor_timeout, "actor_timeout")
+    return int(state["step"]) + 1, state
+
+
+# ================================================================================================
 # logging: one flat dict per step -> stdout line, metrics.jsonl, TensorBoard; reward curve at the end
 
 
 class Logger:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, resume_step: int | None = None):
+        """`resume_step`: a resumed run continues the same metrics.jsonl and TensorBoard run from that
+        step; rows of later steps (logged after the checkpoint, before the crash) are dropped, as the
+        run does those steps again."""
         self.dir = Path(cfg.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.dir / "metrics.jsonl", "a")
+        path = self.dir / "metrics.jsonl"
+        self.history: list[dict] = []
+        if resume_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # the line a kill cut short
+                    continue
+                if row.get("step", 0) < resume_step:
+                    self.history.append(row)
+            _atomic_write(path, "".join(json.dumps(r) + "\n" for r in self.history))
+        self.jsonl = open(path, "a" if resume_step is not None else "w")
         try:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(self.dir / "tb"))
+            # purge_step: TensorBoard hides this run's earlier events from resume_step on (the redone steps)
+            self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=resume_step)
         except ImportError:  # tensorboard is optional
             self.tb = None
-        self.history: list[dict] = []
 
     def log(self, step: int, metrics: dict):
         metrics = {"step": step, **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
@@ -440,6 +623,7 @@ def rollout_metrics(trajs: list[dict]) -> dict:
     gen = sum(sum(t["loss_mask"]) for t in trajs)
     versions = [v for t in trajs for v, m in zip(t["weight_versions"], t["loss_mask"]) if m]
     return {
+        "rollout/samples": len(trajs),
         "rollout/reward_mean": sum(t["reward"] for t in trajs) / n,
         "rollout/response_len": sum(len(t["response_ids"]) for t in trajs) / n,
         "rollout/generated_tokens": gen,
@@ -461,23 +645,37 @@ def dump(trajs: list[dict], path: Path):
 # the training loop
 
 
-def batches(cfg: Config, samples: list[dict]):
-    """Endless shuffled epochs of `prompts_per_step` samples."""
+def batches(cfg: Config, samples: list[dict], cursor: dict):
+    """Endless shuffled epochs of `prompts_per_step` samples, read from `cursor` ({"epoch", "pos"}:
+    where the next batch starts). The generator moves the cursor as it hands out batches, so a
+    checkpoint saves exactly how far the run has read (dynamic sampling reads extra batches) and a
+    resumed run reads on from there. Epoch e's order is the e-th shuffle of one seeded RNG."""
     rng = random.Random(cfg.seed)
+    epoch, size = 0, cfg.prompts_per_step
     while True:
         order = list(range(len(samples)))
         rng.shuffle(order)
-        for i in range(0, len(order) - cfg.prompts_per_step + 1, cfg.prompts_per_step):
-            yield [samples[j] for j in order[i:i + cfg.prompts_per_step]]
+        if epoch == cursor["epoch"]:
+            for i in range(cursor["pos"], len(order) - size + 1, size):
+                cursor["pos"] = i + size
+                yield [samples[j] for j in order[i:i + size]]
+            cursor.update(epoch=epoch + 1, pos=0)
+        epoch += 1
+
+
+def seeded(cfg: Config, sampling: dict, cursor: dict) -> dict:
+    """`sampling` with the seed of one rollout call: a function of the run's seed and the data cursor,
+    so the same prompts get the same draws in an uninterrupted run and a resumed one, whichever engine
+    serves them (AgentFlow gives trajectory k of the call seed + k*1024, and each turn its own seed)."""
+    return {**sampling, "sampling_seed": (hash((cfg.seed, cursor["epoch"], cursor["pos"])) % 2**40) * 2**20}
 
 
 def refill_informative_groups(cfg: Config, flow, trajs: list[dict], prompts, sampling: dict, step: int,
-                              max_rounds: int = 4) -> tuple[list[dict], dict]:
+                              max_rounds: int = 4, cursor: dict | None = None) -> tuple[list[dict], dict]:
     """Dynamic sampling (DAPO): drop groups whose rewards are all equal (their advantages are all 0)
     and sample more prompts until `prompts_per_step` informative groups are kept, at most `max_rounds`
     extra rounds; then train on what was kept (possibly fewer groups, never more)."""
     import algos
-    import ray
 
     def groups(ts):
         by: dict[int, list[dict]] = {}
@@ -496,16 +694,18 @@ def refill_informative_groups(cfg: Config, flow, trajs: list[dict], prompts, sam
             break
         rounds += 1
         batch = [s for _ in range(math.ceil(more / cfg.prompts_per_step)) for s in next(prompts)][:more]
-        pending = groups(ray.get(flow.generate.remote(batch, cfg.samples_per_prompt, sampling, step)))
+        call = seeded(cfg, sampling, cursor) if cursor is not None else sampling  # RECOVER: resume-exact draws
+        pending = groups(wait(flow.generate.remote(batch, cfg.samples_per_prompt, call, step),
+                              f"dynamic-sampling refill of step {step}", cfg.actor_timeout, "actor_timeout"))
     kept = kept[:cfg.prompts_per_step]
     return [t for g in kept for t in g], {"rollout/groups_kept": len(kept), "rollout/groups_sampled": seen,
                                           "rollout/refill_rounds": rounds}
 
 
 def evaluate(cfg: Config, flow, eval_samples: list[dict], step: int) -> dict:
-    import ray
     sampling = dict(temperature=cfg.eval_temperature, top_p=1.0, top_k=-1, max_new_tokens=cfg.max_new_tokens)
-    trajs = ray.get(flow.generate.remote(eval_samples, cfg.eval_samples, sampling, step))
+    trajs = wait(flow.generate.remote(eval_samples, cfg.eval_samples, sampling, step), f"eval at step {step}",
+                 cfg.actor_timeout, "actor_timeout")
     return {"eval/accuracy": sum(t["reward"] for t in trajs) / max(len(trajs), 1),
             "eval/response_len": sum(len(t["response_ids"]) for t in trajs) / max(len(trajs), 1)}
 
@@ -521,7 +721,6 @@ def train(cfg: Config) -> list[dict]:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    logger = Logger(cfg)
 
     # --- actors: trainers first (they also warm-start the tiny model), then engines on its weights ---
     import agentflow
@@ -531,25 +730,26 @@ def train(cfg: Config) -> list[dict]:
     engines = start_engines(cfg, pg)  # they load cfg.model_path: weight version 0 == the trainers' weights
     engine_urls = ray.get([e.url.remote() for e in engines])
     flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, engine_urls, cfg.model_path)
+    fleet = Fleet(pg, engines, engine_urls)  # RECOVER: engines the controller re-creates when they die
     print(f"engines: {engine_urls}")
 
-    start_step = 0
-    ckpt_root = out / "checkpoints"
-    if cfg.resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
-        latest = max(ckpt_root.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
-        ray.get([t.load_checkpoint.remote(str(latest)) for t in trainers])
-        start_step = int(latest.name.split("_")[-1]) + 1
-        ray.get([t.sync_weights.remote(engine_urls, start_step) for t in trainers])
-        print(f"resumed from {latest} at step {start_step}")
+    # RECOVER: resume from checkpoints/latest: trainers' state, data cursor and RNG; engines get its weights
+    start_step, cursor = 0, {"epoch": 0, "pos": 0}
+    resumed = load_run_state(cfg, trainers) if cfg.resume else None
+    if resumed:
+        start_step, state = resumed
+        cursor = state["data_cursor"]
+        set_rng_state(state["rng"])
+        sync_engines(cfg, fleet, flow, trainers, start_step)
+        print(f"resumed after step {start_step - 1} (data cursor {cursor})")
+    logger = Logger(cfg, resume_step=start_step if resumed else None)
 
     samples = data.load_dataset(cfg.dataset)
     eval_samples = data.load_dataset(cfg.eval_dataset) if cfg.eval_dataset else []
-    prompts = batches(cfg, samples)
-    for _ in range(start_step):  # keep the data order of an uninterrupted run
-        next(prompts)
+    prompts = batches(cfg, samples, cursor)
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
 
-    if cfg.eval_every and eval_samples:
+    if cfg.eval_every and eval_samples and not resumed:  # a resumed run logged this eval before it stopped
         m = evaluate(cfg, flow, eval_samples, start_step)
         logger.log(start_step, m)
         print(f"eval before training: accuracy {m['eval/accuracy']:.3f}")
@@ -568,12 +768,17 @@ def train(cfg: Config) -> list[dict]:
         else:
             window = cfg.max_staleness if cfg.mode == "async" else 1
             while len(in_flight) < window:
-                in_flight.append(flow.generate.remote(next(prompts), cfg.samples_per_prompt, sampling, step))
-            trajs = ray.get(in_flight.popleft())
+                in_flight.append(flow.generate.remote(next(prompts), cfg.samples_per_prompt,
+                                                      seeded(cfg, sampling, cursor), step))
+            # RECOVER: a bounded wait, engines probed (and dead ones re-created) while the batch is generated
+            trajs = wait(in_flight.popleft(), f"rollout batch of step {step}", cfg.actor_timeout, "actor_timeout",
+                         every=cfg.engine_check_every, tick=lambda: check_engines(
+                             cfg, fleet, flow, None if cfg.mode == "async" else trainers, step))
             if cfg.mode == "async" and step + 1 < cfg.num_steps:  # refill now: overlaps with training below
-                in_flight.append(flow.generate.remote(next(prompts), cfg.samples_per_prompt, sampling, step + 1))
+                in_flight.append(flow.generate.remote(next(prompts), cfg.samples_per_prompt,
+                                                      seeded(cfg, sampling, cursor), step + 1))
             if cfg.dynamic_sampling:
-                trajs, ds = refill_informative_groups(cfg, flow, trajs, prompts, sampling, step)
+                trajs, ds = refill_informative_groups(cfg, flow, trajs, prompts, sampling, step, cursor=cursor)
                 metrics.update(ds)
         metrics["timing/generate"] = time.perf_counter() - t0
         metrics.update(rollout_metrics(trajs))
@@ -591,14 +796,14 @@ def train(cfg: Config) -> list[dict]:
             # --- 2. old/ref logprobs, advantages, policy update (all inside the trainers; one call per rank)
             t0 = time.perf_counter()
             batch_ref = ray.put(trajs)
-            results = ray.get([t.train_step.remote(batch_ref, step) for t in trainers])
+            results = wait([t.train_step.remote(batch_ref, step) for t in trainers], f"train step {step}",
+                           cfg.actor_timeout, "actor_timeout")
             metrics.update(results[0])  # already reduced over DP ranks
             metrics["timing/train"] = time.perf_counter() - t0
 
             # --- 3. weights -> engines (TransferMesh); engines then report version step + 1
             t0 = time.perf_counter()
-            sync = ray.get([t.sync_weights.remote(engine_urls, step + 1) for t in trainers])
-            metrics.update(sync[0])
+            metrics.update(sync_engines(cfg, fleet, flow, trainers, step + 1))  # RECOVER: skips/re-creates dead engines
             metrics["timing/sync"] = time.perf_counter() - t0
 
         # --- 4. eval
@@ -608,15 +813,15 @@ def train(cfg: Config) -> list[dict]:
             metrics.update(evaluate(cfg, flow, eval_samples, step + 1))
             metrics["timing/eval"] = time.perf_counter() - t0
 
-        # --- 5. checkpoint
-        if cfg.save_every and not cfg.rollout_only and ((step + 1) % cfg.save_every == 0 or last):
-            path = ckpt_root / f"step_{step:05d}"
-            ray.get([t.save_checkpoint.remote(str(path)) for t in trainers])
-            (path / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-
+        metrics.update(ray.get(flow.engine_metrics.remote()), **{"engines/restarts": fleet.restarts})  # RECOVER
         metrics["timing/step"] = time.perf_counter() - t_step
         logger.log(step, metrics)
         bar.write(logger.line(step, metrics))
+
+        # --- 5. checkpoint, after the step's metrics are logged: a resumed run has every row up to it.
+        if cfg.save_every and not cfg.rollout_only and ((step + 1) % cfg.save_every == 0 or last):
+            # RECOVER: controller_state is the JSON the controller needs to go on exactly (async: add the buffer)
+            save_run_state(cfg, trainers, step, {"data_cursor": cursor, "rng": rng_state()})
 
     # --- end: drain the async window, export HF weights, plot
     for ref in in_flight:
