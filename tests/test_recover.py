@@ -176,3 +176,121 @@ def test_engine_and_controller_killed_mid_run_lose_nothing(tmp_path):
     mine = [t for t, s in served if t["metadata"]["engine"] == new_url]
     assert mine and all(v == s for t, s in served if t["metadata"]["engine"] == new_url
                         for v, m in zip(t["weight_versions"], t["loss_mask"]) if m)
+
+
+# ------------------------------------------------------------------------------------------------
+# engine health at the pool: real CPU engines, one in this process, the victims in their own processes
+
+
+def engine_process(model_dir: str, port: int, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "rollout.py", "--model-path", model_dir, "--port", str(port),
+                             "--max-len", "512"], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+LONG = dict(temperature=1.0, max_new_tokens=300, ignore_eos=True)  # ~seconds per request: still in flight when hit
+
+
+def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_dir, tmp_path):
+    """A request on an engine that is killed (connection reset) or hung (SIGSTOP: the connection stays
+    open, nothing answers) finishes on the other engine with exactly the tokens that engine gives the
+    same seeded request; the bad engine leaves routing and replace() brings in its successor.
+    Planted bugs this catches: no probe after a failed call (the killed engine stays in routing), no
+    periodic probe (requests on the hung engine wait for the 600 s HTTP timeout), retried requests not
+    counted, replace() not routing to the new engine."""
+    import asyncio
+
+    import agentflow
+    import rollout
+    good_url, good = rollout.serve(tiny_model_dir, max_batch=64, max_len=512, seed=0)
+    ports = [free_port(), free_port()]
+    victims = [engine_process(tiny_model_dir, port, tmp_path / f"engine{i}.log") for i, port in enumerate(ports)]
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for url, proc, i in zip(urls, victims, range(2)):
+            rollout.wait_healthy(url, 120, proc, str(tmp_path / f"engine{i}.log"))
+
+        async def drill(victim_url: str, victim: subprocess.Popen, sig: int):
+            pool = agentflow.EnginePool([victim_url, good_url], check_every_s=0.5, health_timeout_s=1.0)
+            prompts = [[1 + i, 2, 3] for i in range(6)]
+            tasks = [asyncio.ensure_future(pool.generate(ids, dict(LONG, sampling_seed=100 + i), f"r{i}",
+                                                         prefer=victim_url)) for i, ids in enumerate(prompts)]
+            while len([u for u in pool.running.values() if u == victim_url]) < len(prompts):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # the victim is generating them
+            os.kill(victim.pid, sig)
+            t0 = time.monotonic()
+            answers = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            moved_in = time.monotonic() - t0
+            # the same seeded requests sent straight to the good engine: the retry was invisible
+            direct = await asyncio.gather(*(rollout.generate(pool.http, good_url, ids, dict(LONG, sampling_seed=100 + i))
+                                            for i, ids in enumerate(prompts)))
+            state = (sorted(pool.dead), pool.healthy(), pool.retried)
+            pool.replace(victim_url, good_url + "/")  # a successor at a new URL (here: the good engine again)
+            after = (pool.urls, pool.healthy(), pool.pick())
+            await pool.close()
+            return answers, direct, moved_in, state, after
+
+        for victim_url, victim, sig in ((urls[0], victims[0], signal.SIGKILL), (urls[1], victims[1], signal.SIGSTOP)):
+            answers, direct, moved_in, (dead, healthy, retried), (urls_after, healthy_after, pick) = \
+                asyncio.run(drill(victim_url, victim, sig))
+            assert [u for u, _ in answers] == [good_url] * 6
+            assert [a["output_ids"] for _, a in answers] == [d["output_ids"] for d in direct]
+            assert all(len(a["output_ids"]) == 300 for _, a in answers)
+            assert dead == [victim_url] and healthy == [good_url] and retried == 6
+            assert urls_after == [good_url, good_url] and len(healthy_after) == 2 and pick == good_url
+            if sig == signal.SIGSTOP:  # found by the periodic probe, not by a failed call
+                assert moved_in < 30, moved_in
+    finally:
+        for v in victims:
+            v.kill()
+            v.wait()
+        good.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# no silent hang: loongsage.wait
+
+
+def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
+    """A rank that dies while the other waits for it in a collective ends the wait at once (a plain
+    ray.get of both would wait for the survivor forever); a call past its deadline raises naming
+    what timed out and the config knob that sets the limit.
+    Planted bugs this catches: waiting on results in list order; a timeout without the knob's name."""
+    import ray
+
+    import loongsage
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def collective(self, die: bool):
+            if die:
+                time.sleep(0.5)
+                os._exit(1)  # killed mid-step, as by the OOM killer
+            time.sleep(300)  # the survivor: blocked on its dead peer
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        ranks = [Rank.remote(), Rank.remote()]
+        t0 = time.monotonic()
+        with pytest.raises(ray.exceptions.RayActorError, match="Rank"):
+            loongsage.wait([ranks[0].collective.remote(False), ranks[1].collective.remote(True)],
+                           "train step 7", 120, "actor_timeout")
+        assert time.monotonic() - t0 < 60
+        ticks = []
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"weight sync of version 3 did not finish within 2s "
+                                               r"\(config `weight_sync_timeout`\)"):
+            loongsage.wait(ranks[0].collective.remote(False), "weight sync of version 3", 2.0, "weight_sync_timeout",
+                           every=0.5, tick=lambda: ticks.append(1))
+        assert 2.0 <= time.monotonic() - t0 < 10 and len(ticks) >= 2  # the health check ran while it waited
+        ray.kill(ranks[0])
+    finally:
+        ray.shutdown()
