@@ -25,7 +25,9 @@ The router is one HTTP server in front of all engines. Each trajectory gets a se
 `http://host:port/s/<session>/v1` (the session id and the api key are unguessable tokens) serving
 OpenAI `POST /chat/completions`, Anthropic `POST /messages` and `GET /models`, plain and streaming,
 with tool calls. A session sticks to one engine (its KV prefix cache stays warm); new sessions go to
-the engine with the fewest requests in flight; engines that fail are skipped for a cool-down.
+the engine with the fewest requests in flight. An engine that fails a call, or misses a periodic
+`/health` probe, leaves routing at once (dead or hung) and its requests move to the other engines;
+the controller re-creates it and `replace_engine` routes to its successor.
 
 Token in, token out (TITO): the chat is rendered with the template once. On the next turn the router
 checks that the new messages extend the previous ones, keeps the exact token ids the model produced,

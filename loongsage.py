@@ -16,6 +16,11 @@ are generated while this one trains; at most `max_staleness` batches in flight, 
 continue across weight updates and record the version of every token). Debug seams: `rollout_only`,
 `train_only` with `load_rollouts`, `dump_rollouts`, decoded samples printed every `print_every` steps.
 
+Nothing lost: a dead or hung rollout engine leaves routing and is re-created with the current weights
+(`check_engines`); every wait on an actor fails fast and has a deadline (`wait`); checkpoints hold the
+trainers' whole state and the controller's data cursor and RNG, and `resume: true` goes on bit-exactly
+(`save_run_state`, `load_run_state`). Drills: `pytest tests/test_recover.py`.
+
 Left out here (see the issues): the teacher manager and multi-node launch scripts.
 """
 from __future__ import annotations
@@ -357,12 +362,24 @@ def launch(cfg: Config):
     def on(i, **res):
         return dict(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i), **res)
 
-    addr, port = ray.get(ray.remote(_addr_and_port).options(**on(0, num_cpus=0)).remote())
     share = 0.5 if cfg.colocate else 1.0  # colocated actors split their bundle
     TrainerActor = ray.remote(trainer.TrainerWorker)
-    trainers = [TrainerActor.options(**on(r, num_cpus=cfg.cpus_per_trainer * share, num_gpus=share if gpu else 0))
-                .remote(cfg, r, cfg.trainer_workers, addr, port) for r in range(cfg.trainer_workers)]
-    return pg, trainers
+    for attempt in range(1, 4):
+        addr, port = ray.get(ray.remote(_addr_and_port).options(**on(0, num_cpus=0)).remote())
+        trainers = [TrainerActor.options(**on(r, num_cpus=cfg.cpus_per_trainer * share, num_gpus=share if gpu else 0))
+                    .remote(cfg, r, cfg.trainer_workers, addr, port) for r in range(cfg.trainer_workers)]
+        try:
+            wait([t.__ray_ready__.remote() for t in trainers], "starting the trainer ranks", cfg.actor_timeout,
+                 "actor_timeout")
+            return pg, trainers
+        except ray.exceptions.RayActorError as e:
+            # The port was free when picked, but rank 0 binds it only once its actor has started
+            # (seconds later): another process may take it meanwhile. Pick another; other errors are real.
+            for t in trainers:
+                ray.kill(t)
+            if "EADDRINUSE" not in str(e) or attempt == 3:
+                raise
+            print(f"trainer rendezvous port {port} was taken before rank 0 could bind it; trying another")
 
 
 def start_engine(cfg: Config, pg, i: int):
@@ -667,7 +684,8 @@ def seeded(cfg: Config, sampling: dict, cursor: dict) -> dict:
     """`sampling` with the seed of one rollout call: a function of the run's seed and the data cursor,
     so the same prompts get the same draws in an uninterrupted run and a resumed one, whichever engine
     serves them (AgentFlow gives trajectory k of the call seed + k*1024, and each turn its own seed)."""
-    return {**sampling, "sampling_seed": (hash((cfg.seed, cursor["epoch"], cursor["pos"])) % 2**40) * 2**20}
+    call = (cfg.seed * 1_000_003 + cursor["epoch"]) * 1_000_003 + cursor["pos"]  # unique per batch read
+    return {**sampling, "sampling_seed": (call % 2**40) * 2**20}  # 2**20 apart: room for k*1024 + turn
 
 
 def refill_informative_groups(cfg: Config, flow, trajs: list[dict], prompts, sampling: dict, step: int,
@@ -770,10 +788,11 @@ def train(cfg: Config) -> list[dict]:
             while len(in_flight) < window:
                 in_flight.append(flow.generate.remote(next(prompts), cfg.samples_per_prompt,
                                                       seeded(cfg, sampling, cursor), step))
-            # RECOVER: a bounded wait, engines probed (and dead ones re-created) while the batch is generated
+            # RECOVER: a bounded wait; meanwhile engines are probed and dead ones re-created (the trainers are
+            # idle here and hold version `step`, which the re-created engine gets)
             trajs = wait(in_flight.popleft(), f"rollout batch of step {step}", cfg.actor_timeout, "actor_timeout",
-                         every=cfg.engine_check_every, tick=lambda: check_engines(
-                             cfg, fleet, flow, None if cfg.mode == "async" else trainers, step))
+                         every=cfg.engine_check_every,
+                         tick=lambda: check_engines(cfg, fleet, flow, trainers, 0 if cfg.rollout_only else step))
             if cfg.mode == "async" and step + 1 < cfg.num_steps:  # refill now: overlaps with training below
                 in_flight.append(flow.generate.remote(next(prompts), cfg.samples_per_prompt,
                                                       seeded(cfg, sampling, cursor), step + 1))
@@ -813,7 +832,8 @@ def train(cfg: Config) -> list[dict]:
             metrics.update(evaluate(cfg, flow, eval_samples, step + 1))
             metrics["timing/eval"] = time.perf_counter() - t0
 
-        metrics.update(ray.get(flow.engine_metrics.remote()), **{"engines/restarts": fleet.restarts})  # RECOVER
+        metrics.update(wait(flow.engine_metrics.remote(), "AgentFlow.engine_metrics", cfg.actor_timeout, "actor_timeout"),
+                       **{"engines/restarts": fleet.restarts})  # RECOVER
         metrics["timing/step"] = time.perf_counter() - t_step
         logger.log(step, metrics)
         bar.write(logger.line(step, metrics))
