@@ -349,7 +349,9 @@ def launch(cfg: Config):
             ray.init(address=cfg.ray_address, log_to_driver=True)
         else:  # logical CPUs: actors are mostly waiting on each other; torch threads are set per actor
             need = cfg.trainer_workers * cfg.cpus_per_trainer + cfg.num_engines * cfg.cpus_per_engine + 1
-            ray.init(num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
+            # address="local": always a Ray of its own. Without it, ray.init joins a cluster another run on
+            # this machine advertises (/tmp/ray/ray_current_cluster), and then refuses num_cpus.
+            ray.init(address="local", num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
                      log_to_driver=True, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     t_bundle = {"GPU": 1, "CPU": cfg.cpus_per_trainer} if gpu else {"CPU": cfg.cpus_per_trainer}
     e_bundle = {"GPU": cfg.gpus_per_engine, "CPU": cfg.cpus_per_engine} if gpu else {"CPU": cfg.cpus_per_engine}
@@ -459,7 +461,7 @@ def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: i
     if version > 0:  # it loaded cfg.model_path (version 0); every later version lives only in the trainers
         wait([t.sync_weights.remote([url], version) for t in trainers], f"weight sync to re-created engine {i}",
              cfg.weight_sync_timeout, "weight_sync_timeout")
-    ray.get(flow.replace_engine.remote(old, url), timeout=cfg.actor_timeout)
+    wait(flow.replace_engine.remote(old, url), "AgentFlow.replace_engine", cfg.actor_timeout, "actor_timeout")
     fleet.urls[i] = url
     fleet.restarts += 1
     print(f"engine {i} at {old} was dead or hung: re-created at {url}, serving weight version {version}")
@@ -470,8 +472,8 @@ def check_engines(cfg: Config, fleet: Fleet, flow, trainers=None, version: int =
     """Probe every engine now: AgentFlow's pool takes a dead or hung one out of routing at once (its
     requests in flight move to the others). With `trainers` (only while they are idle and hold weight
     version `version`), each dead engine is also re-created on those weights. Returns the dead URLs."""
-    import ray
-    dead = ray.get(flow.check_engines.remote(), timeout=cfg.engine_health_timeout + cfg.actor_timeout)
+    dead = wait(flow.check_engines.remote(), "the engine health check (AgentFlow.check_engines)",
+                cfg.engine_health_timeout + 60, "engine_health_timeout")
     if trainers is not None:
         for url in dead:
             restart_engine(cfg, fleet, fleet.urls.index(url), flow, trainers, version)

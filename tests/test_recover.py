@@ -276,7 +276,7 @@ def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
                 os._exit(1)  # killed mid-step, as by the OOM killer
             time.sleep(300)  # the survivor: blocked on its dead peer
 
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     try:
         ranks = [Rank.remote(), Rank.remote()]
         t0 = time.monotonic()
