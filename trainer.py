@@ -1042,7 +1042,7 @@ class TrainerWorker:
         python / numpy / torch RNG states, in one file per rank (call on all ranks). The frozen reference
         is not saved: load_hf() rebuilds it from the HF dir before load_checkpoint. The file is written
         under a temporary name and renamed, so a rank file that exists is complete; the controller's
-        `latest` marker (loongsage.save_run_state) says which checkpoint directory is."""
+        `latest` marker (loongsage.save_run_state) names the newest complete checkpoint directory."""
         import numpy as np
         os.makedirs(directory, exist_ok=True)
         path = Path(directory) / f"rank_{self.rank:05d}.pt"

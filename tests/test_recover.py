@@ -1,13 +1,14 @@
-"""Nothing lost: drills that kill parts of a real run (Ray actors, Megatron-Core over gloo, CPU engines
-over HTTP) and check what survives. Each drill launches the controller as its own process
-(`python loongsage.py ...`), since what is killed is a process.
+"""Nothing lost: drills that kill parts of a real run and check what survives.
 
-- resume: kill -9 the controller after the checkpoint of step 3 of 6 and resume; steps 4-6 must be
-  bit-exact (sync, fp32) against an uninterrupted run, with dynamic sampling off and on;
-- a crash while a checkpoint is written leaves the previous one loadable;
-- kill -9 one of two CPU engines mid-run: every step still trains a full batch, and the re-created
-  engine serves the trainer's weights and version;
-- a dead trainer ends the run non-zero, with the actor named, within a bounded time.
+- kill -9 one of two CPU engines mid-run, then kill -9 the controller after the checkpoint of step 3
+  of 6, plant the debris of a crash in the middle of a later save, and resume: every step of the
+  run is bit-identical to an uninterrupted one (sync, fp32, dynamic sampling on), and the re-created
+  engine serves the trainer's weights and version. The controller runs as its own process
+  (`python loongsage.py ...`) with Ray actors, Megatron-Core over gloo and CPU engines over HTTP;
+- AgentFlow's engine pool against real CPU engines, one killed (kill -9) and one hung (SIGSTOP) while
+  requests are in flight on them: the requests finish on the other engine, exactly as sent there;
+- `loongsage.wait`: a rank that dies ends the wait at once; a deadline names what timed out and the knob;
+- the data cursor a checkpoint saves hands out exactly the batches an uninterrupted run reads next.
 """
 import json
 import os
@@ -217,8 +218,8 @@ def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_di
         for url, proc, i in zip(urls, victims, range(2)):
             rollout.wait_healthy(url, 120, proc, str(tmp_path / f"engine{i}.log"))
 
-        async def drill(victim_url: str, victim: subprocess.Popen, sig: int):
-            pool = agentflow.EnginePool([victim_url, good_url], check_every_s=0.5, health_timeout_s=1.0)
+        async def drill(victim_url: str, victim: subprocess.Popen, sig: int, check_every_s: float):
+            pool = agentflow.EnginePool([victim_url, good_url], check_every_s=check_every_s, health_timeout_s=1.0)
             prompts = [[1 + i, 2, 3] for i in range(6)]
             tasks = [asyncio.ensure_future(pool.generate(ids, dict(LONG, sampling_seed=100 + i), f"r{i}",
                                                          prefer=victim_url)) for i, ids in enumerate(prompts)]
@@ -227,7 +228,7 @@ def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_di
             await asyncio.sleep(0.3)  # the victim is generating them
             os.kill(victim.pid, sig)
             t0 = time.monotonic()
-            answers = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            answers = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             moved_in = time.monotonic() - t0
             # the same seeded requests sent straight to the good engine: the retry was invisible
             direct = await asyncio.gather(*(rollout.generate(pool.http, good_url, ids, dict(LONG, sampling_seed=100 + i))
@@ -238,9 +239,12 @@ def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_di
             await pool.close()
             return answers, direct, moved_in, state, after
 
-        for victim_url, victim, sig in ((urls[0], victims[0], signal.SIGKILL), (urls[1], victims[1], signal.SIGSTOP)):
+        # killed: found by the probe that follows the failed call (no periodic probe running);
+        # hung: no call fails, only the periodic probe can find it
+        for victim_url, victim, sig, every in ((urls[0], victims[0], signal.SIGKILL, 0.0),
+                                               (urls[1], victims[1], signal.SIGSTOP, 0.5)):
             answers, direct, moved_in, (dead, healthy, retried), (urls_after, healthy_after, pick) = \
-                asyncio.run(drill(victim_url, victim, sig))
+                asyncio.run(drill(victim_url, victim, sig, every))
             assert [u for u, _ in answers] == [good_url] * 6
             assert [a["output_ids"] for _, a in answers] == [d["output_ids"] for d in direct]
             assert all(len(a["output_ids"]) == 300 for _, a in answers)
