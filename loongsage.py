@@ -423,13 +423,14 @@ class Fleet:
 
 
 def wait(refs, what: str, timeout: float, knob: str, every: float = 0.0, tick=None):
-    """`ray.get(refs)` that neither hangs nor waits on the dead. A failure is raised the moment it
-    arrives, even while other ranks still wait for the failed one inside a collective (a plain ray.get
-    of a list waits for every result first); past `timeout` seconds it raises TimeoutError naming
-    `what` and the config `knob` that sets the limit. `tick()` runs every `every` seconds meanwhile
-    (the engine health check while a rollout batch is generated)."""
+    """`ray.get(refs)` that cannot hang. A failure is raised the moment it arrives, even while other
+    ranks still wait for the failed one inside a collective; past `timeout` seconds it raises
+    TimeoutError naming `what` and the config `knob` that sets the limit (a bare ray.get would wait
+    forever on a hung actor). `tick()` runs every `every` seconds meanwhile (the engine health check
+    while a rollout batch is generated)."""
     import ray
-    pending = list(refs) if isinstance(refs, list) else [refs]
+    order = list(refs) if isinstance(refs, list) else [refs]
+    pending, results = list(order), {}
     start = time.monotonic()
     last_tick = start
     while pending:
@@ -442,8 +443,9 @@ def wait(refs, what: str, timeout: float, knob: str, every: float = 0.0, tick=No
             last_tick = time.monotonic()
         limit = min(timeout - (now - start), every if tick is not None and every > 0 else 1.0)
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(limit, 0.01))
-        ray.get(ready)  # raises the actor's error (with its traceback) now, not after the others finish
-    return ray.get(refs)
+        for ref in ready:  # raises the actor's error (with its traceback) now, not after the others finish
+            results[ref] = ray.get(ref)
+    return [results[ref] for ref in order] if isinstance(refs, list) else results[refs]
 
 
 def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: int) -> str:

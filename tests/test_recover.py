@@ -264,10 +264,11 @@ def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_di
 
 
 def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
-    """A rank that dies while the other waits for it in a collective ends the wait at once (a plain
-    ray.get of both would wait for the survivor forever); a call past its deadline raises naming
-    what timed out and the config knob that sets the limit.
-    Planted bugs this catches: waiting on results in list order; a timeout without the knob's name."""
+    """A rank that dies while the other waits for it in a collective ends the wait at once; a call
+    past its deadline raises naming what timed out and the config knob that sets the limit, and the
+    health check ticks while it waits.
+    Planted bugs this catches: getting the results one by one in list order (waits on the survivor
+    first); a timeout without the knob's name; no tick while waiting."""
     import ray
 
     import loongsage
