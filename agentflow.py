@@ -322,7 +322,7 @@ class EnginePool:
         live = [u for u in self.urls if u not in self.dead]
         for url, ok in zip(live, await asyncio.gather(*(self._alive(u) for u in live))):
             if not ok:
-                self.mark_dead(url, f"no answer to /health within {self.health_timeout_s:.0f}s "
+                self.mark_dead(url, f"/health failed: the engine is dead, or hung past {self.health_timeout_s:.0f}s "
                                     "(cfg.engine_health_timeout)")
         return [u for u in self.urls if u in self.dead]
 
