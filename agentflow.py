@@ -29,7 +29,9 @@ The router is one HTTP server in front of all engines. Each trajectory gets a se
 OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function tools,
 `previous_response_id` within the session), Anthropic `POST /messages` and `GET /models`, plain and streaming,
 with tool calls. A session sticks to one engine (its KV prefix cache stays warm); new sessions go to
-the engine with the fewest requests in flight; engines that fail are skipped for a cool-down.
+the engine with the fewest requests in flight. An engine that fails a call, or misses a periodic
+`/health` probe, leaves routing at once (dead or hung) and its requests move to the other engines;
+the controller re-creates it and `replace_engine` routes to its successor.
 
 Token in, token out (TITO): the chat is rendered with the template once. On the next turn the router
 checks that the new messages extend the previous ones, keeps the exact token ids the model produced,
@@ -205,26 +207,39 @@ def openai_http_client():
 
 
 class EnginePool:
-    """Routes /generate calls over several engines.
+    """Routes /generate calls over several engines, and keeps track of which are alive.
 
     A request goes to the session's engine if it has one and it is healthy (so its prefix cache stays
-    warm), else to the healthy engine with the fewest requests in flight (ties rotate). A connection
-    error or 5xx marks the engine down for `cooldown_s` and the request moves to another engine;
-    nothing of the failed attempt was recorded, so the retry is invisible to the trajectory.
+    warm), else to the healthy engine with the fewest requests in flight (ties rotate).
+
+    Health. Every failed call (connection error, 5xx) is followed at once by a `/health` probe of that
+    engine: no answer within `health_timeout_s` means dead (or hung), and a dead engine leaves routing
+    until `replace()` puts its successor in; an engine that answers the probe only sits out `cooldown_s`.
+    `check()` probes every engine the same way; a background task runs it every `check_every_s` while
+    the pool has requests in flight, so an engine that hangs without failing a call is found too. The
+    requests in flight on an engine that leaves routing are retried on the others: nothing of a failed
+    attempt was recorded, so the retry is invisible to the trajectory (and its group stays complete).
+    When no engine is left, a request waits up to `wait_s` for one to be replaced before it fails.
     """
 
-    def __init__(self, urls: list[str], *, timeout_s: float = 600.0, cooldown_s: float = 5.0):
+    def __init__(self, urls: list[str], *, timeout_s: float = 600.0, cooldown_s: float = 5.0,
+                 health_timeout_s: float = 10.0, check_every_s: float = 5.0, wait_s: float = 300.0):
         if not urls:
             raise ValueError("EnginePool needs at least one engine URL (got an empty list); start the rollout "
                              "engines first and pass their URLs")
         self.urls = [u.rstrip("/") for u in urls]
         self.inflight = {u: 0 for u in self.urls}
         self.down_until = {u: 0.0 for u in self.urls}
+        self.dead: set[str] = set()  # engines found dead or hung: out of routing until replace()
         self.timeout_s, self.cooldown_s = timeout_s, cooldown_s
+        self.health_timeout_s, self.check_every_s, self.wait_s = health_timeout_s, check_every_s, wait_s
+        self.retried = 0  # requests moved to another engine after their engine failed (rollout/retried)
         self._rotate = 0
         self._http: httpx.AsyncClient | None = None
         self.running: dict[str, str] = {}  # rid -> engine url of every request this pool has in flight
         self._pending: dict[str, list] = {}  # engine url -> requests of this loop tick, sent as one batch
+        self._sent: dict[str, set] = {}  # engine url -> futures of requests sent to it and not answered yet
+        self._watcher: asyncio.Task | None = None
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -236,25 +251,39 @@ class EnginePool:
 
     def healthy(self) -> list[str]:
         now = time.monotonic()
-        return [u for u in self.urls if self.down_until[u] <= now]
+        return [u for u in self.urls if u not in self.dead and self.down_until[u] <= now]
 
     def pick(self, prefer: str | None = None) -> str:
         up = self.healthy()
         if not up:
-            raise EngineUnavailable(f"all {len(self.urls)} engines are marked down ({self.urls}); check their "
-                                    f"logs; they are retried {self.cooldown_s:.0f}s after a failure")
+            raise EngineUnavailable(f"no engine of {self.urls} is up (dead: {sorted(self.dead)}); check their "
+                                    f"logs; one that failed a call is retried {self.cooldown_s:.0f}s later")
         if prefer in up:
             return prefer
         self._rotate += 1
         order = up[self._rotate % len(up):] + up[:self._rotate % len(up)]
         return min(order, key=lambda u: self.inflight[u])
 
+    async def _pick_or_wait(self, prefer: str | None) -> str:
+        """pick(), or wait up to `wait_s` for an engine to come back (a cool-down ends, a dead one is replaced)."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                return self.pick(prefer)
+            except EngineUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.2)
+
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
                        prefer: str | None = None) -> tuple[str, dict]:
-        """POST /generate on one engine (rollout.generate); returns (engine url, the engine's answer)."""
+        """POST /generate on one engine (rollout.generate); returns (engine url, the engine's answer).
+        A failed engine is probed and the request moves to another; at most two tries per engine."""
+        if self._watcher is None and self.check_every_s > 0:
+            self._watcher = asyncio.ensure_future(self._watch())
         last_error: Exception | None = None
-        for attempt in range(len(self.urls)):
-            url = self.pick(prefer if attempt == 0 else None)
+        for attempt in range(2 * len(self.urls)):
+            url = await self._pick_or_wait(prefer if attempt == 0 else None)
             self.inflight[url] += 1
             self.running[rid] = url
             try:
@@ -266,14 +295,66 @@ class EnginePool:
                     raise ApiError(400, f"the rollout engine rejected the request: {e}",
                                    code="engine_rejected") from None
                 last_error = e
-            except httpx.TransportError as e:
+            except (httpx.TransportError, EngineUnavailable) as e:  # EngineUnavailable: its engine left routing
                 last_error = e
             finally:
                 self.inflight[url] -= 1
                 self.running.pop(rid, None)
-            self.down_until[url] = time.monotonic() + self.cooldown_s
-            log.warning("engine %s failed (%r); marked down for %.0fs", url, last_error, self.cooldown_s)
+            self.retried += 1
+            if url not in self.dead and not await self._alive(url):
+                self.mark_dead(url, f"it failed a call ({last_error!r}) and then did not answer /health")
+            elif url not in self.dead:
+                self.down_until[url] = time.monotonic() + self.cooldown_s
+                log.warning("engine %s failed a call (%r) but answers /health; skipped for %.0fs", url,
+                            last_error, self.cooldown_s)
         raise EngineUnavailable(f"no engine could serve request {rid}: {last_error!r}")
+
+    async def _alive(self, url: str) -> bool:
+        """GET /health within health_timeout_s. An engine that cannot answer that is dead or hung."""
+        try:
+            r = await self.http.get(f"{url}/health", timeout=self.health_timeout_s)
+            return r.status_code == 200
+        except (httpx.HTTPError, OSError):
+            return False
+
+    def mark_dead(self, url: str, why: str) -> None:
+        """Take an engine out of routing now; the requests waiting on it fail over to the other engines."""
+        if url in self.dead or url not in self.inflight:
+            return
+        self.dead.add(url)
+        log.warning("engine %s is out of routing: %s", url, why)
+        error = EngineUnavailable(f"engine {url} left routing: {why}")
+        self._fail(self._pending.pop(url, []), error)
+        for fut in list(self._sent.pop(url, ())):
+            if not fut.done():
+                fut.set_exception(error)
+
+    def replace(self, old: str, new: str) -> None:
+        """The engine at `old` was re-created at `new` (same slot, current weights): it rejoins routing."""
+        new = new.rstrip("/")
+        i = self.urls.index(old)
+        self.mark_dead(old, "replaced")
+        self.urls[i] = new
+        self.inflight.setdefault(new, 0)
+        self.down_until[new] = 0.0
+        self.dead.discard(new)
+
+    async def check(self) -> list[str]:
+        """Probe every engine in routing now; return the URLs of every engine out of routing for good."""
+        live = [u for u in self.urls if u not in self.dead]
+        for url, ok in zip(live, await asyncio.gather(*(self._alive(u) for u in live))):
+            if not ok:
+                self.mark_dead(url, f"/health failed: the engine is dead, or hung past {self.health_timeout_s:.0f}s "
+                                    "(cfg.engine_health_timeout)")
+        return [u for u in self.urls if u in self.dead]
+
+    async def _watch(self) -> None:
+        """Probe the engines every check_every_s while requests are in flight: a hung engine fails no call
+        (its connection stays open), so only a probe finds it and frees the requests stuck on it."""
+        while True:
+            await asyncio.sleep(self.check_every_s)
+            if self.running:
+                await self.check()
 
     async def _coalesced(self, url: str, input_ids: list[int], sampling_params: dict, rid: str) -> dict:
         """Requests for one engine made in the same event-loop tick travel as ONE batched /generate
@@ -285,10 +366,17 @@ class EnginePool:
         pending.append((input_ids, sampling_params, rid, fut))
         if len(pending) == 1:  # the first of this tick schedules the send, after everyone else has queued
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_batch(url)))
-        return await fut
+        sent = self._sent.setdefault(url, set())
+        sent.add(fut)
+        try:
+            return await fut
+        finally:
+            sent.discard(fut)
 
     async def _send_batch(self, url: str) -> None:
         batch = self._pending.pop(url, [])
+        if not batch:  # mark_dead() already failed them over
+            return
         try:
             out = await rollout.generate(self.http, url, [b[0] for b in batch], [b[1] for b in batch],
                                          rid=[b[2] for b in batch])
@@ -307,7 +395,9 @@ class EnginePool:
     async def _send_one(self, url: str, item) -> None:
         input_ids, sampling_params, rid, fut = item
         try:
-            fut.set_result(await rollout.generate(self.http, url, input_ids, sampling_params, rid=rid))
+            answer = await rollout.generate(self.http, url, input_ids, sampling_params, rid=rid)
+            if not fut.done():
+                fut.set_result(answer)
         except BaseException as e:
             self._fail([item], e)
 
@@ -325,6 +415,9 @@ class EnginePool:
                                for r in rids if r in self.running), return_exceptions=True)
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -1498,7 +1591,8 @@ class AgentFlow:
     def __init__(self, cfg, engine_urls: list[str], tokenizer_path: str):
         self.cfg = cfg
         self.chat = ChatFormat(tokenizer_path)
-        self.pool = EnginePool(engine_urls)
+        self.pool = EnginePool(engine_urls, health_timeout_s=cfg.engine_health_timeout,
+                               check_every_s=cfg.engine_check_every, wait_s=cfg.engine_wait)
         self.reward_fn = data.import_object(cfg.reward)
         self.agent_fn = data.import_object(cfg.agent) if cfg.agent else None
         if cfg.agent and cfg.agent_command:
@@ -1586,6 +1680,19 @@ class AgentFlow:
             if isinstance(g, BaseException) and not isinstance(g, asyncio.CancelledError):
                 raise g
         return [t for g in groups if isinstance(g, dict) for t in g["trajs"]]
+
+    # --- engine health (the controller asks; EnginePool does the work)
+
+    async def check_engines(self) -> list[str]:
+        """Probe every engine now; the URLs of those out of routing (dead or hung), for the controller to re-create."""
+        return await self.pool.check()
+
+    def replace_engine(self, old_url: str, new_url: str) -> None:
+        """The controller re-created the engine at old_url as new_url, on the current weights: route to it."""
+        self.pool.replace(old_url, new_url)
+
+    def engine_metrics(self) -> dict:
+        return {"engines/healthy": len(self.pool.healthy()), "rollout/retried": self.pool.retried}
 
     async def abort(self) -> None:
         """Stop every running trajectory now (weight update with abort, or shutdown); their groups are dropped."""

@@ -19,6 +19,11 @@ trained token may be). `mode: sync` is the same pipeline with C = B: generate, t
 Debug seams: `rollout_only`, `train_only` with `load_rollouts`, `dump_rollouts`, decoded samples printed every
 `print_every` steps, `recompute_old_logprobs`.
 
+Nothing lost: a dead or hung rollout engine leaves routing and is re-created with the current weights
+(`check_engines`); every wait on an actor fails fast and has a deadline (`wait`); checkpoints hold the
+trainers' whole state and the controller's data cursor and RNG, and `resume: true` goes on bit-exactly
+(`save_run_state`, `load_run_state`). Drills: `pytest tests/test_recover.py`.
+
 Left out here (see the issues): the teacher manager and multi-node launch scripts.
 """
 from __future__ import annotations
@@ -178,6 +183,14 @@ class Config:
     transfer: str = "auto"  # TransferMesh transport: auto | shm | cuda_ipc | broadcast | disk
     bucket_mb: float = 64.0  # bucket size for weight sync
 
+    # --- reliability: engine health and timeouts (see check_engines, wait, save_run_state) ---
+    engine_check_every: float = 5.0  # seconds between engine health probes (an engine is also probed after any failed call)
+    engine_health_timeout: float = 10.0  # an engine silent on /health this long is hung: out of routing, re-created
+    engine_wait: float = 180.0  # seconds a request waits for a replacement when no engine is up, before it fails
+    max_engine_restarts: int = 20  # engine re-creations per run before the run stops (a crash loop needs a fix, not more restarts)
+    weight_sync_timeout: float = 600.0  # seconds one weight sync (trainers -> engines) may take
+    actor_timeout: float = 3600.0  # seconds any other Ray call (rollout batch, train step, eval, checkpoint) may take
+
 
 def _closest(key: str, valid) -> str:
     match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.0)
@@ -283,6 +296,9 @@ def finalize(cfg: Config) -> Config:
         cfg.trainer_threads = max(1, cores // cfg.trainer_workers if sync_cpu else int(cfg.cpus_per_trainer))
     if cfg.engine_threads <= 0:
         cfg.engine_threads = max(1, cores // cfg.num_engines if sync_cpu else int(cfg.cpus_per_engine))
+    for knob in ("engine_check_every", "engine_health_timeout", "engine_wait", "weight_sync_timeout", "actor_timeout"):
+        need(getattr(cfg, knob) > 0, f"{knob}={getattr(cfg, knob)} must be > 0 (seconds)")
+    need(cfg.max_engine_restarts >= 0, f"max_engine_restarts={cfg.max_engine_restarts} must be >= 0")
     need(not (cfg.train_only and not cfg.load_rollouts), "train_only needs load_rollouts=<dir written by dump_rollouts>")
     for t in cfg.trackers:
         need(t in TRACKERS, f"trackers: {t!r} is not a tracker; choose from {sorted(TRACKERS)}{_closest(str(t), TRACKERS)}")
@@ -466,7 +482,9 @@ def launch(cfg: Config):
             ray.init(address=cfg.ray_address, log_to_driver=True)
         else:  # logical CPUs: actors are mostly waiting on each other; torch threads are set per actor
             need = cfg.trainer_workers * cfg.cpus_per_trainer + cfg.num_engines * cfg.cpus_per_engine + 1
-            ray.init(num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
+            # address="local": always a Ray of its own. Without it, ray.init joins a cluster another run on
+            # this machine advertises (/tmp/ray/ray_current_cluster), and then refuses num_cpus.
+            ray.init(address="local", num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
                      log_to_driver=True, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     plan = placement(cfg)
     pg = placement_group(plan["bundles"], strategy="PACK")
@@ -483,17 +501,30 @@ def launch(cfg: Config):
             raise RuntimeError(f"engine {i} spans bundles {e['gpu_bundles']} on several nodes {sorted(nodes)}; an "
                                "SGLang server needs its GPUs on one node: make gpus_per_engine divide GPUs per node")
     print("placement:\n" + placement_table(cfg, plan, where))
-    addr, port = ray.get(ray.remote(_addr_and_port).options(
-        num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote())
     TrainerActor = ray.remote(trainer.TrainerWorker)
-    trainers = [TrainerActor.options(num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
-                                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"]))
-                .remote(cfg, r, cfg.trainer_workers, addr, port) for r, o in enumerate(plan["trainers"])]
-    return pg, trainers, plan, where
+    for attempt in range(1, 4):
+        addr, port = ray.get(ray.remote(_addr_and_port).options(
+            num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote())
+        trainers = [TrainerActor.options(num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
+                                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"]))
+                    .remote(cfg, r, cfg.trainer_workers, addr, port) for r, o in enumerate(plan["trainers"])]
+        try:
+            wait([t.__ray_ready__.remote() for t in trainers], "starting the trainer ranks", cfg.actor_timeout,
+                 "actor_timeout")
+            return pg, trainers, plan, where
+        except ray.exceptions.RayActorError as e:
+            # The port was free when picked, but rank 0 binds it only once its actor has started
+            # (seconds later): another process may take it meanwhile. Pick another; other errors are real.
+            for t in trainers:
+                ray.kill(t)
+            if "EADDRINUSE" not in str(e) or attempt == 3:
+                raise
+            print(f"trainer rendezvous port {port} was taken before rank 0 could bind it; trying another")
 
 
 def start_engine(cfg: Config, pg, plan: dict, where: list, i: int):
-    """Engine i's RolloutEngine actor on its bundle; an SGLang server sees the GPUs of all its bundles."""
+    """Engine i's RolloutEngine actor on its bundle; an SGLang server sees the GPUs of all its bundles.
+    Always the same bundle for the same i, so a re-created engine takes its predecessor's place."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -520,6 +551,166 @@ def _addr_and_port():
 
 
 # ================================================================================================
+# reliability: waits that cannot hang, engines that are re-created when they die
+
+
+@dataclass
+class Fleet:
+    """The rollout engines as the controller tracks them: handles and URLs, never tensors."""
+    pg: object  # the placement group; engine i always lives on the same bundle (start_engine)
+    plan: dict  # placement(cfg): every actor's bundle and resources
+    where: list  # each bundle's (node, GPU ids)
+    actors: list  # RolloutEngine actor handles, engine i at index i
+    urls: list  # their HTTP URLs, same order (AgentFlow's pool routes over these)
+    restarts: int = 0  # engines re-created in this run (metric engines/restarts)
+
+
+def wait(refs, what: str, timeout: float, knob: str, every: float = 0.0, tick=None):
+    """`ray.get(refs)` that cannot hang. A failure is raised the moment it arrives, even while other
+    ranks still wait for the failed one inside a collective; past `timeout` seconds it raises
+    TimeoutError naming `what` and the config `knob` that sets the limit (a bare ray.get would wait
+    forever on a hung actor). `tick()` runs every `every` seconds meanwhile (the engine health check
+    while a rollout batch is generated)."""
+    import ray
+    order = list(refs) if isinstance(refs, list) else [refs]
+    pending, results = list(order), {}
+    start = time.monotonic()
+    last_tick = start
+    while pending:
+        now = time.monotonic()
+        if now - start >= timeout:
+            raise TimeoutError(f"{what} did not finish within {timeout:.0f}s (config `{knob}`); if it is only "
+                               f"slow, raise {knob}, else the actors' logs above show where it is stuck")
+        if tick is not None and every > 0 and now - last_tick >= every:
+            tick()
+            last_tick = time.monotonic()
+        limit = min(timeout - (now - start), every if tick is not None and every > 0 else 1.0)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(limit, 0.01))
+        for ref in ready:  # raises the actor's error (with its traceback) now, not after the others finish
+            results[ref] = ray.get(ref)
+    return [results[ref] for ref in order] if isinstance(refs, list) else results[refs]
+
+
+def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: int) -> str:
+    """Re-create dead engine i on its bundle, load the trainers' current weights (labelled `version`)
+    into it, and route to it again. The trainers must be idle and hold weight version `version`."""
+    import ray
+    if fleet.restarts >= cfg.max_engine_restarts:
+        raise RuntimeError(f"rollout engine {i} ({fleet.urls[i]}) is dead, and {fleet.restarts} engines were already "
+                           f"re-created in this run (max_engine_restarts={cfg.max_engine_restarts}); the engines' logs "
+                           "above say why they die. Fix that, or raise max_engine_restarts")
+    old = fleet.urls[i]
+    ray.kill(fleet.actors[i], no_restart=True)  # a hung engine still holds its bundle (and port, GPU)
+    fleet.actors[i] = start_engine(cfg, fleet.pg, fleet.plan, fleet.where, i)
+    url = wait(fleet.actors[i].url.remote(), f"re-creating rollout engine {i}", cfg.actor_timeout, "actor_timeout")
+    if version > 0:  # it loaded cfg.model_path (version 0); every later version lives only in the trainers
+        wait([t.sync_weights.remote([url], version) for t in trainers], f"weight sync to re-created engine {i}",
+             cfg.weight_sync_timeout, "weight_sync_timeout")
+    wait(flow.replace_engine.remote(old, url), "AgentFlow.replace_engine", cfg.actor_timeout, "actor_timeout")
+    fleet.urls[i] = url
+    fleet.restarts += 1
+    print(f"engine {i} at {old} was dead or hung: re-created at {url}, serving weight version {version}")
+    return url
+
+
+def check_engines(cfg: Config, fleet: Fleet, flow, trainers=None, version: int = 0) -> list[str]:
+    """Probe every engine now: AgentFlow's pool takes a dead or hung one out of routing at once (its
+    requests in flight move to the others). With `trainers` (only while they are idle and hold weight
+    version `version`), each dead engine is also re-created on those weights. Returns the dead URLs."""
+    dead = wait(flow.check_engines.remote(), "the engine health check (AgentFlow.check_engines)",
+                cfg.engine_health_timeout + 60, "engine_health_timeout")
+    if trainers is not None:
+        for url in dead:
+            restart_engine(cfg, fleet, fleet.urls.index(url), flow, trainers, version)
+    return dead
+
+
+def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int) -> dict:
+    """Weights -> engines (TransferMesh) as version `version`. A dead engine is skipped and re-created on
+    these weights afterwards; one that dies during the push fails it, so probe and push once more to
+    the engines left (a push is idempotent). Returns the trainers' `weights/` metrics."""
+    import ray
+    for attempt in (1, 2):
+        dead = check_engines(cfg, fleet, flow)
+        live = [u for u in fleet.urls if u not in dead]
+        try:
+            stats = wait([t.sync_weights.remote(live, version) for t in trainers],
+                         f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
+                         "weight_sync_timeout")[0]
+            break
+        except ray.exceptions.RayTaskError as e:
+            if attempt == 2 or not check_engines(cfg, fleet, flow):
+                raise  # no engine died: the error is the sync's own
+            print(f"weight sync of version {version} failed as an engine died ({str(e).splitlines()[0]}); "
+                  "pushing again to the others")
+    check_engines(cfg, fleet, flow, trainers, version)
+    return stats
+
+
+# ================================================================================================
+# run state: checkpoints that lose nothing, and resume
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never a part
+
+
+def rng_state() -> dict:
+    """The controller's python and numpy global RNG states, as JSON."""
+    import numpy as np
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def save_run_state(cfg: Config, trainers, step: int, controller_state: dict) -> Path:
+    """Checkpoint after RL step `step`, in checkpoints/step_XXXXX/: one file per trainer rank (model,
+    optimizer, LR schedule position, python/numpy/torch RNG: trainer.save_checkpoint), the
+    `controller_state` train() hands over (JSON: data cursor, RNG, ...) and config.yaml. Then, last,
+    `checkpoints/latest` is rewritten (atomically) to name it: a crash anywhere in a save leaves
+    `latest` naming the previous checkpoint, complete."""
+    import shutil
+    root = Path(cfg.output_dir) / "checkpoints"
+    path = root / f"step_{step:05d}"
+    marker = root / "latest"
+    if path.exists() and not (marker.exists() and marker.read_text().strip() == path.name):
+        shutil.rmtree(path)  # debris of a save that crashed before its marker
+    wait([t.save_checkpoint.remote(str(path)) for t in trainers], f"checkpoint of step {step} (trainer ranks)",
+         cfg.actor_timeout, "actor_timeout")
+    _atomic_write(path / "controller_state.json", json.dumps({"step": step, **controller_state}))
+    _atomic_write(path / "config.yaml", yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    _atomic_write(marker, path.name + "\n")
+    return path
+
+
+def load_run_state(cfg: Config, trainers) -> tuple[int, dict | None]:
+    """Restore the checkpoint `checkpoints/latest` names into every trainer rank (after load_hf) and
+    return (the first step to run, the controller_state saved with it); (0, None) when there is none."""
+    root = Path(cfg.output_dir) / "checkpoints"
+    marker = root / "latest"
+    if not marker.exists():
+        if root.exists() and any(root.iterdir()):
+            print(f"resume: {root} has no `latest` marker (no save completed, or written by an older "
+                  "version without controller state); starting from step 0")
+        return 0, None
+    path = root / marker.read_text().strip()
+    state = json.loads((path / "controller_state.json").read_text())
+    wait([t.load_checkpoint.remote(str(path)) for t in trainers], f"loading checkpoint {path}",
+         cfg.actor_timeout, "actor_timeout")
+    return int(state["step"]) + 1, state
+
+
+# ================================================================================================
 # logging: one flat dict per step -> stdout line, metrics.jsonl, TensorBoard; reward curve at the end
 
 
@@ -530,16 +721,30 @@ class Logger:
     """Every step's metrics to metrics.jsonl, TensorBoard and (cfg.trackers) W&B / MLflow; the reward curve
     at the end. W&B and MLflow are imported only when a recipe asks for them."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, resume_step: int | None = None):
+        """`resume_step`: a resumed run continues the same metrics.jsonl and TensorBoard run from that
+        step; rows of later steps (logged after the checkpoint, before the crash) are dropped, as the
+        run does those steps again."""
         self.dir = Path(cfg.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.dir / "metrics.jsonl", "a")
+        path = self.dir / "metrics.jsonl"
+        self.history: list[dict] = []
+        if resume_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # the line a kill cut short
+                    continue
+                if row.get("step", 0) < resume_step:
+                    self.history.append(row)
+            _atomic_write(path, "".join(json.dumps(r) + "\n" for r in self.history))
+        self.jsonl = open(path, "a" if resume_step is not None else "w")
         try:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(self.dir / "tb"))
+            # purge_step: TensorBoard hides this run's earlier events from resume_step on (the redone steps)
+            self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=resume_step)
         except ImportError:  # tensorboard is optional
             self.tb = None
-        self.history: list[dict] = []
         params = {k: v for k, v in dataclasses.asdict(cfg).items()}
         self.wandb = self.mlflow = None
         if "wandb" in cfg.trackers:  # optional dependency (pip install -e .[tracking]); WANDB_MODE=offline works
@@ -667,6 +872,18 @@ def mask_lagging(group: list[dict], version: int, max_lag: int) -> None:
                 t["loss_mask"][i], t["rollout_logprobs"][i] = 0, 0.0
 
 
+def prompt_stream(cfg: Config, samples: list[dict], cursor: int = 0):
+    """Endless shuffled epochs of samples from position `cursor` on: yields (cursor, sample). Epoch e is
+    shuffled by its own seed, so a resumed run continues the same order from its saved cursor."""
+    while True:
+        epoch, i = divmod(cursor, len(samples))
+        order = list(range(len(samples)))
+        random.Random(f"{cfg.seed}/{epoch}").shuffle(order)
+        for j in order[i:]:
+            cursor += 1
+            yield cursor, samples[j]
+
+
 class Producer:
     """The rollout producer's bookkeeping, fully async, in plain Python (no Ray, so tests drive it directly).
 
@@ -677,10 +894,11 @@ class Producer:
     groups. train() moves groups between it and AgentFlow with visible calls.
     """
 
-    def __init__(self, cfg: Config, prompts):
-        self.cfg, self.prompts = cfg, prompts  # prompts: an iterator of (cursor, sample)
-        self.B, self.C = cfg.prompts_per_step, capacity(cfg)
-        self.next_seq, self.cursor = 0, 0
+    def __init__(self, cfg: Config, samples: list[dict], state: dict | None = None):
+        """`state`: what `state()` returned when a checkpoint was saved (resume)."""
+        self.cfg, self.B, self.C = cfg, cfg.prompts_per_step, capacity(cfg)
+        self.next_seq, self.cursor = (state or {}).get("next_seq", 0), (state or {}).get("cursor", 0)
+        self.prompts = prompt_stream(cfg, samples, self.cursor)  # (cursor, sample) from where the run was
         self.prompt_of: dict[int, dict] = {}  # seq -> sample, for every group dispatched and not yet trained on
         self.running: set[int] = set()  # R: dispatched, not collected (generating, or finished and held back)
         self.finished: dict[int, list[dict]] = {}  # finished, waiting for the window to collect them
@@ -689,6 +907,15 @@ class Producer:
         self.redo: list[tuple[dict, bool]] = []  # (prompt, is a regeneration) to dispatch first
         self.second_try: set[int] = set()  # seqs dispatched as a regeneration: never regenerated again
         self.stats = dict(dropped=0, regenerated=0, masked=0)  # this step's counts
+        for sample, again in (state or {}).get("pending", []):  # groups that were in flight: dispatched first
+            self.redo.append((sample, again))
+
+    def state(self) -> dict:
+        """JSON for a checkpoint: the place in the data and the next sequence number, plus the prompts of groups
+        dispatched and not yet trained on (in flight or buffered), which a resumed run dispatches again (their
+        partial tokens are not kept: sync mode has none at a checkpoint, so it resumes exactly)."""
+        pending = [[self.prompt_of[seq], seq in self.second_try] for seq in sorted(self.prompt_of)]
+        return {"next_seq": self.next_seq, "cursor": self.cursor, "pending": pending + [list(r) for r in self.redo]}
 
     def dispatch(self) -> list[tuple[int, dict]]:
         """New (seq, prompt) groups to start now, as many as the window allows."""
@@ -768,6 +995,7 @@ def rollout_metrics(trajs: list[dict], version: int) -> dict:
     versions = [v for t in trajs for v, m in zip(t["weight_versions"], t["loss_mask"]) if m]
     lags = [version - v for v in versions]
     return {
+        "rollout/samples": len(trajs),
         "rollout/reward_mean": sum(t["reward"] for t in trajs) / n,
         "rollout/response_len": sum(len(t["response_ids"]) for t in trajs) / n,
         "rollout/generated_tokens": len(versions),
@@ -796,18 +1024,6 @@ def dump(trajs: list[dict], path: Path):
 # the training loop
 
 
-def prompt_stream(cfg: Config, samples: list[dict], cursor: int = 0):
-    """Endless shuffled epochs of samples from position `cursor` on: yields (cursor, sample). Epoch e is
-    shuffled by its own seed, so a resumed run continues the same order from its saved cursor."""
-    while True:
-        epoch, i = divmod(cursor, len(samples))
-        order = list(range(len(samples)))
-        random.Random(f"{cfg.seed}/{epoch}").shuffle(order)
-        for j in order[i:]:
-            cursor += 1
-            yield cursor, samples[j]
-
-
 def eval_metrics(trajs: list[dict], k: int, prefix: str = "eval/") -> dict:
     """mean@k (`accuracy`: the mean reward of k samples per prompt) and the unbiased pass@j for j = 1, 2, 4, ..
     up to k (a sample passes when its reward is >= 1), from complete groups of k."""
@@ -828,15 +1044,16 @@ def eval_metrics(trajs: list[dict], k: int, prefix: str = "eval/") -> dict:
 def evaluate(cfg: Config, flow, eval_sets: dict[str, list[dict]], step: int) -> dict:
     """Every eval set ("" is cfg.eval_dataset: eval/accuracy; others eval/<name>/accuracy), k = eval_samples
     samples per prompt at eval_temperature, plus a greedy pass when eval_greedy."""
-    import ray
     sampled = dict(temperature=cfg.eval_temperature, top_p=1.0, top_k=-1, max_new_tokens=cfg.max_new_tokens)
     out = {}
     for name, samples in eval_sets.items():
         prefix = f"eval/{name}/" if name else "eval/"
-        trajs = ray.get(flow.generate.remote(samples, cfg.eval_samples, sampled, step))
+        trajs = wait(flow.generate.remote(samples, cfg.eval_samples, sampled, step), f"eval at step {step}",
+                     cfg.actor_timeout, "actor_timeout")
         out.update(eval_metrics(trajs, cfg.eval_samples, prefix))
         if cfg.eval_greedy:
-            greedy = ray.get(flow.generate.remote(samples, 1, {**sampled, "temperature": 0.0}, step))
+            greedy = wait(flow.generate.remote(samples, 1, {**sampled, "temperature": 0.0}, step),
+                          f"greedy eval at step {step}", cfg.actor_timeout, "actor_timeout")
             out[f"{prefix}greedy_accuracy"] = eval_metrics(greedy, 1)["eval/accuracy"]
     return out
 
@@ -872,7 +1089,6 @@ def train(cfg: Config) -> list[dict]:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    logger = Logger(cfg)
 
     # --- actors: trainers first (they also warm-start the tiny model), then engines on its weights ---
     import agentflow
@@ -882,31 +1098,30 @@ def train(cfg: Config) -> list[dict]:
     engines = start_engines(cfg, pg, plan, where)  # they load cfg.model_path: version 0 == the trainers' weights
     engine_urls = ray.get([e.url.remote() for e in engines])
     flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, engine_urls, cfg.model_path)
+    fleet = Fleet(pg, plan, where, engines, engine_urls)  # the engines, re-created when they die
     print(f"engines: {engine_urls}")
 
-    start_step = 0
-    ckpt_root = out / "checkpoints"
-    if cfg.resume and ckpt_root.exists() and any(ckpt_root.iterdir()):
-        latest = max(ckpt_root.iterdir(), key=lambda p: int(p.name.split("_")[-1]))
-        ray.get([t.load_checkpoint.remote(str(latest)) for t in trainers])
-        start_step = int(latest.name.split("_")[-1]) + 1
-        ray.get([t.sync_weights.remote(engine_urls, start_step) for t in trainers])
-        print(f"resumed from {latest} at step {start_step}")
+    # resume from checkpoints/latest: the trainers' state, the producer's place in the data, the RNG
+    start_step, state = load_run_state(cfg, trainers) if cfg.resume else (0, None)
+    if state:
+        set_rng_state(state["rng"])
+        sync_engines(cfg, fleet, flow, trainers, start_step)  # the engines get the checkpoint's weights
+        print(f"resumed after step {start_step - 1}")
+    logger = Logger(cfg, resume_step=start_step if state else None)
 
     samples = data.load_dataset(cfg.dataset)
     eval_sets = {name: data.load_dataset(spec) for name, spec in
                  {**({"": cfg.eval_dataset} if cfg.eval_dataset else {}), **cfg.eval_sets}.items()}
-    prompts = prompt_stream(cfg, samples, cursor=start_step * cfg.prompts_per_step)
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
     N = cfg.samples_per_prompt
 
-    if cfg.eval_every and eval_sets:
+    if cfg.eval_every and eval_sets and not state:  # a resumed run logged this eval before it stopped
         m = evaluate(cfg, flow, eval_sets, start_step)
         logger.log(start_step, m)
         print("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items() if "accuracy" in k))
 
-    producer = Producer(cfg, prompts)
-    busy0, wall0 = engine_busy_seconds(engine_urls), time.perf_counter()
+    producer = Producer(cfg, samples, state["producer"] if state else None)
+    busy0, wall0 = engine_busy_seconds(fleet.urls), time.perf_counter()
     bar = tqdm(range(start_step, cfg.num_steps), desc="RL", file=sys.stdout, mininterval=5)
     for step in bar:
         t_step = time.perf_counter()
@@ -922,8 +1137,14 @@ def train(cfg: Config) -> list[dict]:
             while not producer.full():
                 new = producer.dispatch()
                 if new:
-                    ray.get(flow.submit.remote(new, N, sampling, step))  # returns at once: the groups start
-                producer.receive(ray.get(flow.completed.remote()), version=step)  # blocks until a group finishes
+                    wait(flow.submit.remote(new, N, sampling, step), "AgentFlow.submit", cfg.actor_timeout,
+                         "actor_timeout")  # returns at once: the groups start
+                # blocks until a group finishes; meanwhile engines are probed and dead ones re-created (the
+                # trainers are idle here and hold version `step`, which a re-created engine gets)
+                producer.receive(wait(flow.completed.remote(), f"rollouts of step {step}", cfg.actor_timeout,
+                                      "actor_timeout", every=cfg.engine_check_every,
+                                      tick=lambda: check_engines(cfg, fleet, flow, trainers,
+                                                                 0 if cfg.rollout_only else step)), version=step)
             trajs, m = producer.pop_batch()
             metrics.update(m)
         metrics["timing/generate"] = time.perf_counter() - t0  # the trainer's wait for rollouts
@@ -942,15 +1163,15 @@ def train(cfg: Config) -> list[dict]:
             # --- 2. old/ref logprobs, advantages, policy update (all inside the trainers; one call per rank)
             t0 = time.perf_counter()
             batch_ref = ray.put(trajs)
-            results = ray.get([t.train_step.remote(batch_ref, step) for t in trainers])
+            results = wait([t.train_step.remote(batch_ref, step) for t in trainers], f"train step {step}",
+                           cfg.actor_timeout, "actor_timeout")
             metrics.update(results[0])  # already reduced over DP ranks
             metrics["timing/train"] = time.perf_counter() - t0
 
             # --- 3. weights -> engines (TransferMesh); engines then report version step + 1. Requests in
             #        flight keep their tokens and continue on the new weights (partial rollouts).
             t0 = time.perf_counter()
-            sync = ray.get([t.sync_weights.remote(engine_urls, step + 1) for t in trainers])
-            metrics.update(sync[0])
+            metrics.update(sync_engines(cfg, fleet, flow, trainers, step + 1))  # skips, then re-creates, dead engines
             metrics["timing/sync"] = time.perf_counter() - t0
 
         # --- 4. eval
@@ -960,18 +1181,19 @@ def train(cfg: Config) -> list[dict]:
             metrics.update(evaluate(cfg, flow, eval_sets, step + 1))
             metrics["timing/eval"] = time.perf_counter() - t0
 
-        # --- 5. checkpoint
-        if cfg.save_every and not cfg.rollout_only and ((step + 1) % cfg.save_every == 0 or last):
-            path = ckpt_root / f"step_{step:05d}"
-            ray.get([t.save_checkpoint.remote(str(path)) for t in trainers])
-            (path / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-
-        busy, wall = engine_busy_seconds(engine_urls), time.perf_counter()
+        busy, wall = engine_busy_seconds(fleet.urls), time.perf_counter()
         metrics.update({"timing/step": wall - t_step, "perf/trainer_wait_frac": metrics["timing/generate"] / (wall - t_step),
-                        "perf/engine_idle_frac": max(0.0, 1 - (busy - busy0) / len(engines) / (wall - wall0))})
+                        "perf/engine_idle_frac": max(0.0, 1 - (busy - busy0) / len(fleet.urls) / (wall - wall0)),
+                        "engines/restarts": fleet.restarts,
+                        **wait(flow.engine_metrics.remote(), "AgentFlow.engine_metrics", cfg.actor_timeout,
+                               "actor_timeout")})
         busy0, wall0 = busy, wall
         logger.log(step, metrics)
         bar.write(logger.line(step, metrics))
+
+        # --- 5. checkpoint, after the step's metrics are logged: a resumed run has every row up to it
+        if cfg.save_every and not cfg.rollout_only and ((step + 1) % cfg.save_every == 0 or last):
+            save_run_state(cfg, trainers, step, {"producer": producer.state(), "rng": rng_state()})
 
     # --- end: stop the producer, export HF weights, plot
     ray.get(flow.abort.remote())

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import shutil
 import warnings
 from pathlib import Path
@@ -1106,22 +1107,34 @@ class TrainerWorker:
     # --- checkpoints --------------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str) -> str:
-        """Model shard + optimizer state + step counter + RNG, one file per rank (call on all ranks).
-        The frozen reference is not saved: load_hf() rebuilds it from the HF dir before load_checkpoint."""
+        """This rank's model shard, optimizer state, LR schedule position (optimizer steps taken) and
+        python / numpy / torch RNG states, in one file per rank (call on all ranks). The frozen reference
+        is not saved: load_hf() rebuilds it from the HF dir before load_checkpoint. The file is written
+        under a temporary name and renamed, so a rank file that exists is complete; the controller's
+        `latest` marker (loongsage.save_run_state) names the newest complete checkpoint directory."""
+        import numpy as np
         os.makedirs(directory, exist_ok=True)
         path = Path(directory) / f"rank_{self.rank:05d}.pt"
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+        if torch.cuda.is_available() and not self.cpu:
+            rng["cuda"] = torch.cuda.get_rng_state()
         torch.save({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "optim_steps": self.optim_steps, "rng": torch.get_rng_state(),
-                    "world_size": self.world_size, "tensor_parallel": self.tp_size}, path)
+                    "optim_steps": self.optim_steps, "lr_override": self.lr_override, "rng": rng,
+                    "world_size": self.world_size, "tensor_parallel": self.tp_size}, str(path) + ".tmp")
+        os.replace(str(path) + ".tmp", path)
         torch.distributed.barrier()
         return str(path)
 
     def load_checkpoint(self, directory: str) -> int:
-        """Restore what save_checkpoint wrote (same world size and TP). Returns the optimizer step count."""
+        """Restore what save_checkpoint wrote (same world size and TP), after load_hf() built the model.
+        Returns the optimizer step count (the LR schedule continues from it)."""
+        import numpy as np
         path = Path(directory) / f"rank_{self.rank:05d}.pt"
         if not path.exists():
             raise FileNotFoundError(f"{path} does not exist; checkpoints are per rank, so resume with the "
                                     f"world size they were saved with")
+        if self.model is None:
+            raise RuntimeError("load_checkpoint needs the model built first: call load_hf(model dir) before it")
         state = torch.load(path, map_location=self.device, weights_only=False)
         if (state["world_size"], state["tensor_parallel"]) != (self.world_size, self.tp_size):
             raise ValueError(f"checkpoint {directory} was saved with world_size={state['world_size']}, "
@@ -1130,7 +1143,16 @@ class TrainerWorker:
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.optim_steps = int(state["optim_steps"])
-        torch.set_rng_state(state["rng"])
+        self.lr_override = state.get("lr_override")
+        rng = state["rng"]
+        if isinstance(rng, torch.Tensor):  # checkpoints written before python/numpy states were kept
+            rng = {"torch": rng}
+        torch.set_rng_state(rng["torch"].cpu())
+        if "python" in rng:
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+        if "cuda" in rng and torch.cuda.is_available() and not self.cpu:
+            torch.cuda.set_rng_state(rng["cuda"].cpu())
         return self.optim_steps
 
     def shutdown(self) -> None:

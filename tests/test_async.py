@@ -67,8 +67,7 @@ def simulate(cfg, rng, steps=12, max_len=40):
     """Drive loongsage.Producer as train() does, against a simulated engine: each group's trajectories take a
     random number of ticks (one token per tick); the weight version goes up by one after each trained batch,
     and every token records the version current when it was sampled. Returns what the invariants need."""
-    prompts = loongsage.prompt_stream(cfg, [{"messages": [], "answer": str(i), "id": i} for i in range(1000)])
-    prod = loongsage.Producer(cfg, prompts)
+    prod = loongsage.Producer(cfg, [{"messages": [], "answer": str(i), "id": i} for i in range(1000)])
     running = {}  # seq -> {"left": ticks, "versions": [...]} per trajectory
     version, trained, max_rq, events = 0, [], 0, []
     for step in range(steps):

@@ -1,0 +1,338 @@
+"""Nothing lost: drills that kill parts of a real run and check what survives.
+
+- kill -9 one of two CPU engines mid-run, then kill -9 the controller after the checkpoint of step 3
+  of 6, plant the debris of a crash in the middle of a later save, and resume: every step of the
+  run is bit-identical to an uninterrupted one (sync, fp32, dynamic sampling on), and the re-created
+  engine serves the trainer's weights and version. The controller runs as its own process
+  (`python loongsage.py ...`) with Ray actors, Megatron-Core over gloo and CPU engines over HTTP;
+- AgentFlow's engine pool against real CPU engines, one killed (kill -9) and one hung (SIGSTOP) while
+  requests are in flight on them: the requests finish on the other engine, exactly as sent there;
+- `loongsage.wait`: a rank that dies ends the wait at once; a deadline names what timed out and the knob;
+- the producer state a checkpoint saves hands out exactly the groups an uninterrupted run dispatches next.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128)
+
+
+def short_run(out: Path, *extra: str) -> list[str]:
+    """The default recipe, shrunk to seconds per step: 6 steps of 4 prompts x 4 samples, fp32, sync."""
+    return [sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", f"output_dir={out}", "num_steps=6",
+            "prompts_per_step=4", "samples_per_prompt=4", "global_batch_size=8", "micro_batch_size=4",
+            "max_new_tokens=6", "eval_every=0", "warmstart_steps=2", "warmstart_batch_size=8", "lr=1e-3",
+            "print_every=0", "reward=tests.rewards.digit_fraction", f"tiny_model={json.dumps(TINY)}", *extra]
+
+
+def env_for(tmp_path: Path) -> dict:
+    return {**os.environ, "LOONGSAGE_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+
+
+def launch(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    # its own session: whatever Ray leaves behind when the controller is killed is cleaned up by process group
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def finish(p: subprocess.Popen, log: Path, timeout: float = 240) -> str:
+    try:
+        p.wait(timeout=timeout)
+    finally:
+        reap(p)
+    return log.read_text()
+
+
+def reap(p: subprocess.Popen) -> None:
+    """Kill what is left of a controller's process group (Ray's processes started by it)."""
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def wait_for(predicate, p: subprocess.Popen, log: Path, timeout: float = 240, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if p.poll() is not None:
+            raise AssertionError(f"the run ended (rc={p.returncode}) before {what}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+    reap(p)
+    raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_rows(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in metrics(out) if "train/loss" in r}
+
+
+def pid_listening_on(port: int) -> int:
+    """The process with a listening TCP socket on `port` (read from /proc: no psutil here)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # 0A: LISTEN
+                inodes.add(f[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes}
+                   for fd in os.listdir(f"/proc/{pid}/fd")):
+                return int(pid)
+        except OSError:
+            continue
+    raise AssertionError(f"no process listens on port {port}")
+
+
+def plant_crashed_save(out: Path) -> None:
+    """What a crash in the middle of save_run_state(step 5) leaves: a rank file cut short under its
+    temporary name, the controller state half written, the new marker not yet renamed into place."""
+    ckpt = out / "checkpoints"
+    (ckpt / "step_00004").mkdir()
+    good = (ckpt / "step_00002" / "rank_00000.pt").read_bytes()
+    (ckpt / "step_00004" / "rank_00000.pt.tmp").write_bytes(good[:len(good) // 3])
+    (ckpt / "step_00004" / "controller_state.json.tmp").write_text('{"step": 4, "data_cur')
+    (ckpt / "latest.tmp").write_text("step_00004\n")
+
+
+def test_engine_and_controller_killed_mid_run_lose_nothing(tmp_path):
+    """Two drills in one run (each launch of the controller costs ~30-60 s here, so they share them):
+
+    1. kill -9 one of two CPU engines after step 1 of 6: the run goes on, the engine is re-created on
+       its bundle with the trainer's weights, and steps 1-3 are bit-identical to an uninterrupted run
+       (per-request seeds make the draws independent of the engine; the CPU engine's fp32 forward
+       gives the same bits whatever the batch). So every step trained the same full batch;
+    2. kill -9 the controller after the checkpoint of step 3, plant the debris of a crash in the middle
+       of a later save, and resume: the previous checkpoint loads, and steps 4-6 are bit-identical to
+       the uninterrupted run, with dynamic sampling on (it reads a varying number of prompts per step,
+       so only a saved data cursor gets the data order right).
+
+    Planted bugs this catches: a dead engine kept in routing or never re-created (requests fail, groups
+    go missing); a re-created engine left on version-0 weights or mislabelled (gap and versions);
+    a data cursor re-derived by skipping batches; RNG or optimizer state not restored; an LR schedule
+    restarted at 0; a marker written before the checkpoint; rows of redone steps logged twice.
+    """
+    common = ["num_engines=2", "dynamic_sampling=true", "save_every=3"]
+    base, crash = tmp_path / "base", tmp_path / "crash"
+    # the uninterrupted run goes alongside (its own Ray and model cache): the draws do not depend on timing
+    b = launch(short_run(base, *common), env_for(tmp_path / "b"), tmp_path / "base.log")
+    env = env_for(tmp_path)
+    p = launch(short_run(crash, *common, f"dump_rollouts={tmp_path}/dump"), env, tmp_path / "crash.log")
+    urls = wait_for(lambda: [ln for ln in (tmp_path / "crash.log").read_text().splitlines()
+                             if ln.startswith("engines: ")], p, tmp_path / "crash.log", what="the engines")
+    victim = json.loads(urls[0][len("engines: "):].replace("'", '"'))[1]
+    wait_for(lambda: "step    0 |" in (tmp_path / "crash.log").read_text(), p, tmp_path / "crash.log",
+             what="step 1")
+    os.kill(pid_listening_on(int(victim.rsplit(":", 1)[1])), signal.SIGKILL)
+    marker = crash / "checkpoints" / "latest"
+    wait_for(lambda: marker.exists() and marker.read_text().strip() == "step_00002", p, tmp_path / "crash.log",
+             what="the checkpoint of step 3")
+    os.kill(p.pid, signal.SIGKILL)  # the controller only; its Ray actors lose their driver
+    p.wait()
+    reap(p)
+    crash_log = (tmp_path / "crash.log").read_text()
+    plant_crashed_save(crash)
+
+    p = launch(short_run(crash, *common, "resume=true"), env, tmp_path / "resume.log")
+    log = finish(p, tmp_path / "resume.log")
+    assert p.returncode == 0, log[-3000:]
+    assert "resumed after step 2" in log
+    base_log = finish(b, tmp_path / "base.log")
+    assert b.returncode == 0, base_log[-3000:]
+
+    want, got = train_rows(base), train_rows(crash)
+    assert sorted(got) == [0, 1, 2, 3, 4, 5]  # one row per step: rows logged after the checkpoint were dropped
+    assert len([r for r in metrics(crash) if "train/loss" in r]) == 6
+    for step in range(6):
+        for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/samples",
+                    "rollout/groups_sampled", "rollout/response_len"):
+            assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+        assert got[step]["rollout/weight_version_min"] == got[step]["rollout/weight_version_max"] == step
+        assert got[step]["train/gap_max"] < 1e-4  # engines sampled with exactly the trainer's weights
+    # dynamic sampling read more prompts than steps x prompts_per_step: a skip-based cursor would be wrong
+    assert sum(r["rollout/groups_sampled"] for r in want.values()) > 6 * 4
+
+    # the engine drill: re-created once, and the new engine served later steps with the trainer's version
+    assert max(got[s]["engines/restarts"] for s in (0, 1, 2)) == 1 and got[2]["engines/healthy"] == 2
+    new_url = next(ln.split("re-created at ")[1].split(",")[0] for ln in crash_log.splitlines()
+                   if "re-created at" in ln)
+    served = [(json.loads(line), s) for s in (2,) for line in open(tmp_path / "dump" / f"step_{s:05d}.jsonl")]
+    mine = [t for t, s in served if t["metadata"]["engine"] == new_url]
+    assert mine and all(v == s for t, s in served if t["metadata"]["engine"] == new_url
+                        for v, m in zip(t["weight_versions"], t["loss_mask"]) if m)
+
+
+# ------------------------------------------------------------------------------------------------
+# engine health at the pool: real CPU engines, one in this process, the victims in their own processes
+
+
+def engine_process(model_dir: str, port: int, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "rollout.py", "--model-path", model_dir, "--port", str(port),
+                             "--max-len", "512"], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+LONG = dict(temperature=1.0, max_new_tokens=300, ignore_eos=True)  # ~seconds per request: still in flight when hit
+
+
+def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_dir, tmp_path):
+    """A request on an engine that is killed (connection reset) or hung (SIGSTOP: the connection stays
+    open, nothing answers) finishes on the other engine with exactly the tokens that engine gives the
+    same seeded request; the bad engine leaves routing and replace() brings in its successor.
+    Planted bugs this catches: no probe after a failed call (the killed engine stays in routing), no
+    periodic probe (requests on the hung engine wait for the 600 s HTTP timeout), retried requests not
+    counted, replace() not routing to the new engine."""
+    import asyncio
+
+    import agentflow
+    import rollout
+    good_url, good = rollout.serve(tiny_model_dir, max_batch=64, max_len=512, seed=0)
+    ports = [free_port(), free_port()]
+    victims = [engine_process(tiny_model_dir, port, tmp_path / f"engine{i}.log") for i, port in enumerate(ports)]
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for url, proc, i in zip(urls, victims, range(2)):
+            rollout.wait_healthy(url, 120, proc, str(tmp_path / f"engine{i}.log"))
+
+        async def drill(victim_url: str, victim: subprocess.Popen, sig: int, check_every_s: float):
+            pool = agentflow.EnginePool([victim_url, good_url], check_every_s=check_every_s, health_timeout_s=1.0)
+            prompts = [[1 + i, 2, 3] for i in range(6)]
+            tasks = [asyncio.ensure_future(pool.generate(ids, dict(LONG, sampling_seed=100 + i), f"r{i}",
+                                                         prefer=victim_url)) for i, ids in enumerate(prompts)]
+            while len([u for u in pool.running.values() if u == victim_url]) < len(prompts):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # the victim is generating them
+            os.kill(victim.pid, sig)
+            t0 = time.monotonic()
+            answers = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            moved_in = time.monotonic() - t0
+            # the same seeded requests sent straight to the good engine: the retry was invisible
+            direct = await asyncio.gather(*(rollout.generate(pool.http, good_url, ids, dict(LONG, sampling_seed=100 + i))
+                                            for i, ids in enumerate(prompts)))
+            state = (sorted(pool.dead), pool.healthy(), pool.retried)
+            pool.replace(victim_url, good_url + "/")  # a successor at a new URL (here: the good engine again)
+            after = (pool.urls, pool.healthy(), pool.pick())
+            await pool.close()
+            return answers, direct, moved_in, state, after
+
+        # killed: found by the probe that follows the failed call (no periodic probe running);
+        # hung: no call fails, only the periodic probe can find it
+        for victim_url, victim, sig, every in ((urls[0], victims[0], signal.SIGKILL, 0.0),
+                                               (urls[1], victims[1], signal.SIGSTOP, 0.5)):
+            answers, direct, moved_in, (dead, healthy, retried), (urls_after, healthy_after, pick) = \
+                asyncio.run(drill(victim_url, victim, sig, every))
+            assert [u for u, _ in answers] == [good_url] * 6
+            assert [a["output_ids"] for _, a in answers] == [d["output_ids"] for d in direct]
+            assert all(len(a["output_ids"]) == 300 for _, a in answers)
+            assert dead == [victim_url] and healthy == [good_url] and retried == 6
+            assert urls_after == [good_url, good_url] and len(healthy_after) == 2 and pick == good_url
+            if sig == signal.SIGSTOP:  # found by the periodic probe, not by a failed call
+                assert moved_in < 30, moved_in
+    finally:
+        for v in victims:
+            v.kill()
+            v.wait()
+        good.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# no silent hang: loongsage.wait
+
+
+def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
+    """A rank that dies while the other waits for it in a collective ends the wait at once; a call
+    past its deadline raises naming what timed out and the config knob that sets the limit, and the
+    health check ticks while it waits.
+    Planted bugs this catches: getting the results one by one in list order (waits on the survivor
+    first); a timeout without the knob's name; no tick while waiting."""
+    import ray
+
+    import loongsage
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def collective(self, die: bool):
+            if die:
+                time.sleep(0.5)
+                os._exit(1)  # killed mid-step, as by the OOM killer
+            time.sleep(300)  # the survivor: blocked on its dead peer
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
+    try:
+        ranks = [Rank.remote(), Rank.remote()]
+        t0 = time.monotonic()
+        with pytest.raises(ray.exceptions.RayActorError, match="Rank"):
+            loongsage.wait([ranks[0].collective.remote(False), ranks[1].collective.remote(True)],
+                           "train step 7", 120, "actor_timeout")
+        assert time.monotonic() - t0 < 60
+        ticks = []
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"weight sync of version 3 did not finish within 2s "
+                                               r"\(config `weight_sync_timeout`\)"):
+            loongsage.wait(ranks[0].collective.remote(False), "weight sync of version 3", 2.0, "weight_sync_timeout",
+                           every=0.5, tick=lambda: ticks.append(1))
+        assert 2.0 <= time.monotonic() - t0 < 10 and len(ticks) >= 2  # the health check ran while it waited
+        ray.kill(ranks[0])
+    finally:
+        ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# the pieces resume rests on (pure functions)
+
+
+def test_producer_state_goes_on_where_it_stopped_across_epochs():
+    """A producer rebuilt from the state a checkpoint saved hands out exactly the groups (prompts and sequence
+    numbers, hence sampling seeds) the first one would have handed out next, across an epoch boundary; groups
+    in flight at the checkpoint are dispatched again first. Planted bugs this catches: a cursor counted
+    before the sample is taken, an epoch's order not reproducible from the seed, in-flight prompts dropped."""
+    import loongsage
+    cfg = loongsage.load_config(None, ["prompts_per_step=3", "samples_per_prompt=2", "global_batch_size=6",
+                                       "micro_batch_size=6"])
+    samples = [{"i": i} for i in range(10)]
+
+    def step(prod):  # one sync step: dispatch B groups, all finish, train on them
+        new = prod.dispatch()
+        prod.receive([{"seq": seq, "aborted": False, "trajs": [{"reward": 1.0, "weight_versions": [0],
+                       "loss_mask": [1], "rollout_logprobs": [0.0], "group_id": seq}]} for seq, _ in new], 0)
+        prod.pop_batch()
+        return [(seq, sample["i"]) for seq, sample in new]
+
+    first = loongsage.Producer(cfg, samples)
+    taken = [step(first) for _ in range(4)]  # 12 prompts: past the end of epoch 0
+    saved = json.loads(json.dumps(first.state()))  # what a checkpoint stores
+    assert saved["next_seq"] == 12 and saved["cursor"] == 12 and saved["pending"] == []
+    rest = [step(first) for _ in range(5)]
+    again = loongsage.Producer(cfg, samples, saved)
+    assert [step(again) for _ in range(5)] == rest
+    seen = [i for batch in taken + rest for _, i in batch]
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))  # whole epochs
+    # a group in flight at the checkpoint goes out again first on resume
+    inflight = loongsage.Producer(cfg, samples)
+    new = inflight.dispatch()
+    resumed = loongsage.Producer(cfg, samples, json.loads(json.dumps(inflight.state())))
+    assert [s["i"] for _, s in resumed.dispatch()] == [s["i"] for _, s in new]
