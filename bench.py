@@ -21,6 +21,10 @@ measured back to back in one process is far steadier than an absolute number.
         RL loop's trained samples per second of each, their ratio (target >= 1.7x) and both final eval accuracies
         (a matched learning curve: within +-0.05).
 
+    python bench.py modes [--recipe recipes/arith_cpu.yaml --stale-steps 1 --seed 1234]
+        The default recipe in sync and in async mode: eval accuracy by step and by wall time in one PNG
+        (runs/bench_modes/modes.png), final accuracies and RL-loop wall times.
+
 Each benchmark is one function `bench_<name>(args)`; `main` dispatches on the subcommand with if/elif.
 Left out: GPU benchmarks (SGLang has its own) and multi-process setups.
 """
@@ -272,6 +276,62 @@ def bench_async(args) -> dict:
     return {"ratio": ratio, **res}
 
 
+def bench_modes(args) -> dict:
+    """The default recipe (recipes/arith_cpu.yaml) in sync and in async mode, same seed and steps: eval accuracy
+    by step and by wall-clock time, both curves in one PNG (runs/bench_modes/modes.png), final accuracies and
+    wall times printed. The bar: async ends within 0.05 of sync's accuracy in less wall time."""
+    import json
+
+    import ray
+
+    import loongsage
+    res = {}
+    for name, extra in {"sync": ["mode=sync"],
+                        "async": ["mode=async", f"stale_steps={args.stale_steps}", "max_version_lag=2"]}.items():
+        cfg = loongsage.load_config(args.recipe, extra + [f"output_dir=runs/bench_modes/{name}", f"seed={args.seed}"])
+        t0 = time.perf_counter()
+        try:
+            hist = loongsage.train(cfg)
+        finally:
+            ray.shutdown()
+        total = time.perf_counter() - t0
+        steps = [h for h in hist if "timing/step" in h]
+        clock, rl = {}, 0.0  # wall time of the RL loop at the end of each step
+        for h in steps:
+            rl += h["timing/step"]
+            clock[h["step"]] = rl
+        evals = [(h["step"], h["eval/accuracy"]) for h in hist if "eval/accuracy" in h]
+        res[name] = {"evals": evals, "clock": clock, "rl_s": rl, "total_s": total,
+                     "lag_max": max(h.get("rollout/lag_max", 0) for h in steps)}
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in res.items():
+        steps_, acc = zip(*r["evals"])
+        a.plot(steps_, acc, "o-", label=name)
+        b.plot([0.0] + [r["clock"][s - 1] for s in steps_[1:]], acc, "o-", label=name)
+    a.set_xlabel("RL step")
+    b.set_xlabel("RL loop wall time (s)")
+    for ax in (a, b):
+        ax.set_ylabel("eval accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{args.recipe}: sync vs async (stale_steps={args.stale_steps}), seed {args.seed}")
+    fig.tight_layout()
+    Path("runs/bench_modes").mkdir(parents=True, exist_ok=True)
+    fig.savefig("runs/bench_modes/modes.png", dpi=110)
+    print(f"bench modes: {args.recipe}, seed {args.seed}")
+    for name, r in res.items():
+        print(f"  {name:5s}: eval {r['evals'][0][1]:.3f} -> {r['evals'][-1][1]:.3f}, RL loop {r['rl_s']:.0f} s "
+              f"(run {r['total_s']:.0f} s), max version lag {r['lag_max']:.0f}")
+    d = res["async"]["evals"][-1][1] - res["sync"]["evals"][-1][1]
+    print(f"  final accuracy async - sync {d:+.3f} (within 0.05: {abs(d) <= 0.05}); RL loop time async / sync "
+          f"{res['async']['rl_s'] / res['sync']['rl_s']:.2f}; curves: runs/bench_modes/modes.png")
+    (Path("runs/bench_modes") / "result.json").write_text(json.dumps(res, default=str))
+    return res
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", help="which benchmark: rollout")
@@ -284,6 +344,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=16, help="async bench: prompts per step (8 samples each)")
     p.add_argument("--stale-steps", type=float, default=1.0, help="async bench: the async run's stale_steps")
     p.add_argument("--warmstart-steps", type=int, default=200, help="async bench: SFT steps of the warm start")
+    p.add_argument("--recipe", default="recipes/arith_cpu.yaml", help="modes bench: the recipe run in both modes")
+    p.add_argument("--seed", type=int, default=1234, help="modes bench: the run seed")
     args = p.parse_args(argv)
     if args.bench == "rollout":
         bench_rollout(args)
@@ -291,6 +353,8 @@ def main(argv=None) -> None:
         bench_router(args)
     elif args.bench == "async":
         bench_async(args)
+    elif args.bench == "modes":
+        bench_modes(args)
     else:
         raise SystemExit(f"unknown benchmark {args.bench!r}; valid: rollout")
 
