@@ -18,9 +18,8 @@ import socket
 from pathlib import Path
 
 import pytest
+import ray
 import torch
-
-ray = pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parents[1]
 
