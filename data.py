@@ -7,7 +7,8 @@ Nothing here can be downloaded on an offline laptop, so the tiny recipes build t
   results), trained deterministically on a synthetic corpus. A few hundred tokens; digits are always
   single tokens so arithmetic is learnable.
 * `build_tiny_model(dir, ...)`: a randomly initialised Qwen3-architecture causal LM (HF config +
-  safetensors) on that tokenizer, cached and rebuilt when its settings change.
+  safetensors) on that tokenizer, cached and rebuilt when its settings change (`norm_std > 0`
+  randomises the norm weights too, as the test models do).
 * `arith_samples(n, seed)`: the synthetic arithmetic task of the default CPU recipe.
 * rewards: plain functions `reward(response_text, sample) -> float` named in recipes by dotted path.
 * `load_dataset(spec)`: jsonl / parquet files or `synthetic:<task>:<n>:<seed>`.
@@ -137,7 +138,7 @@ def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 384) -> N
 
 TINY_DEFAULTS = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=32, intermediate_size=384, max_position_embeddings=512, vocab_multiple=64,
-                     tie_word_embeddings=False, seed=0, tokenizer_vocab=384)
+                     tie_word_embeddings=False, seed=0, tokenizer_vocab=384, norm_std=0.0)
 
 
 def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
@@ -173,6 +174,14 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
         architectures=["Qwen3ForCausalLM"])
     torch.manual_seed(s["seed"])
     model = Qwen3ForCausalLM(config).to(torch.float32)
+    if s["norm_std"]:
+        # Tests: norm weights (RMSNorm, q_norm/k_norm) initialise to exactly 1, so a conversion or engine that
+        # dropped or swapped one would give the same outputs. Drawing them as 1 + norm_std * N(0, 1) makes
+        # every parameter of the test models random, and such a bug visible.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(s["norm_std"] * torch.randn_like(p))
     model.save_pretrained(str(out))  # safetensors
     stamp.write_text(json.dumps(s))
     return str(out)
@@ -216,9 +225,20 @@ def load_dataset(spec: str) -> list[dict]:
                                 "'synthetic:arith:<n>:<seed>'")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
-        rows = pq.read_table(path).to_pylist()
+        # a column some rows lack reads back as None in those rows: drop it, as if the key were absent (jsonl)
+        rows = [{k: v for k, v in r.items() if v is not None} for r in pq.read_table(path).to_pylist()]
+    elif path.suffix == ".jsonl":
+        rows = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{spec} line {n} is not JSON ({e}); a .jsonl file holds one JSON object "
+                                     "per line") from None
     else:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        raise ValueError(f"dataset {spec!r}: unknown format {path.suffix!r}; give a .jsonl or .parquet file "
+                         "or 'synthetic:arith:<n>:<seed>'")
     for i, r in enumerate(rows):
         if "messages" not in r:
             if "prompt" not in r:

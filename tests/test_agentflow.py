@@ -3,7 +3,9 @@ token-in-token-out invariants, concurrency, bad input, agents (white-box, black-
 
 Every client round trip goes to a real CPU engine (rollout.serve) on the tiny random model. The only
 test double is `crafted_engine`: the random model never writes a well-formed tool call, so the tests of
-tool-call parsing (and of the calc agent's tool loop, which needs one) feed crafted engine outputs.
+tool-call parsing and of exact calc transcripts feed crafted engine outputs. The calc agent's tool loop
+against the real engine, with a model warm-started to call the tool, runs in tests/test_loongsage.py
+(test_rollout_only_calc_agent_calls_the_tool_on_the_real_engine).
 """
 import asyncio
 import dataclasses
@@ -482,6 +484,7 @@ def test_whitebox_agents_ok_crash_reward_budget_timeout(engines, tiny_model_dir)
                                     gen("context_hungry_agent", max_context_len=60),
                                     gen("sleepy_agent", agent_timeout=6.0))
     ok, crashed, rewarded, hungry, sleepy = run(body())
+    assert [len(x) for x in (ok, crashed, rewarded, hungry, sleepy)] == [4] * 5  # 2 samples x 2, every group kept
     for t in ok:
         assert t["status"] == "ok" and t["metadata"]["turns"] == 2 and len(t["segments"]) == 1
         assert 0 in t["loss_mask"] and t["loss_mask"][0] == 1 and t["metadata"]["step"] == 5
@@ -662,17 +665,6 @@ def test_calc_agent_tool_loop_masks_tool_results(engines, tiny_model_dir):
     assert t["weight_versions"][0] == 3
 
 
-def test_calc_agent_runs_against_the_real_engine(engines, tiny_model_dir):
-    async def body():
-        flow = agentflow.AgentFlow(make_cfg(agent="recipes.calc.agent", reward="recipes.calc.reward", max_turns=3),
-                                   engines, tiny_model_dir)
-        out = await flow.generate(data.calc_samples(2, seed=0), 2, SAMPLING, step=0)
-        await flow.close()
-        return out
-    out = run(body())
-    assert len(out) == 4 and all(t["status"] in ("ok", "truncated") and t["reward"] in (0.0, 1.0) for t in out)
-
-
 def test_calc_sft_transcript_matches_what_the_router_records(engines, tiny_model_dir):
     """Warm-start data and RL data agree token for token: replaying the SFT transcript's model turns
     through the router (crafted engine replies) yields the same ids and the same mask."""
@@ -702,3 +694,52 @@ def test_calc_sft_transcript_matches_what_the_router_records(engines, tiny_model
     assert t["reward"] == 1.0 and t["status"] == "ok"
     assert (t["prompt_ids"], t["response_ids"], t["loss_mask"]) == \
         (sft["prompt_ids"], sft["response_ids"], sft["loss_mask"])
+
+
+# ----------------------------------------------------------------------------------------------
+# what goes wrong in users' runs: a reward that raises, an agent past its turns, every engine down
+
+
+def raising_reward(response: str, sample: dict) -> float:
+    raise KeyError("solution")  # e.g. a reward reading a field the dataset does not have
+
+
+async def endless_agent(client, sample):
+    msgs = list(sample["messages"])
+    while True:  # never ends on its own: the router's max_turns budget must stop it
+        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=3)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "go on"}]
+
+
+def test_reward_error_max_turns_and_all_engines_down(engines, tiny_model_dir):
+    """A reward that raises fails its trajectories (kept in their group, reward 0, nothing trainable, the
+    error named, retried) without failing the step; an agent past max_turns gets the router's
+    max_turns_exceeded and its trajectory is truncated with exactly max_turns turns, still rewarded; with
+    every engine down the trajectories fail with a message that says so, and generate still returns."""
+    samples = data.arith_samples(2, seed=6)
+    dead = ["http://127.0.0.1:9", "http://127.0.0.1:19"]  # nothing listens: connection refused
+
+    async def gen(urls, **kw):
+        flow = agentflow.AgentFlow(make_cfg(**kw), urls, tiny_model_dir)
+        out = await flow.generate(samples, 2, SAMPLING, step=1)
+        await flow.close()
+        return out, flow
+
+    async def body():
+        return await asyncio.gather(gen(engines, reward="test_agentflow.raising_reward"),
+                                    gen(engines, agent="test_agentflow.endless_agent", max_turns=3,
+                                        reward="tests.rewards.digit_fraction"),
+                                    gen(dead))
+    (bad_reward, _), (endless, _), (down, down_flow) = run(body())
+    assert len(bad_reward) == len(endless) == len(down) == 4
+    for t in bad_reward:
+        assert t["status"] == "failed" and t["reward"] == 0.0 and set(t["loss_mask"]) == {0}
+        assert "raising_reward raised KeyError('solution')" in t["metadata"]["error"]
+        assert t["metadata"]["attempts"] == 2 and len(t["response_ids"]) >= 1  # generated, then the reward failed
+    for t in endless:
+        assert t["status"] == "truncated" and t["metadata"]["turns"] == 3 and 1 in t["loss_mask"]
+        assert t["reward"] == data.import_object("tests.rewards.digit_fraction")(t["response_text"], {})  # rewarded
+    for t in down:
+        assert t["status"] == "failed" and t["reward"] == 0.0 and t["metadata"]["attempts"] == 2
+        assert "no engine could serve" in t["metadata"]["error"] or "engines are marked down" in t["metadata"]["error"]
+    assert down_flow.pool.healthy() == []

@@ -91,6 +91,28 @@ def test_load_dataset(tmp_path):
         data.load_dataset(str(p))
 
 
+def test_load_parquet_dataset(tmp_path):
+    """A .parquet file loads like the same rows in .jsonl: chat rows kept, prompt rows wrapped as one user turn
+    (even though parquet stores the prompt row's missing `messages` as a null), extra columns kept."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"prompt": "1+1", "answer": "2", "level": 1},
+            {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "3+4"}], "answer": "7"}]
+    keys = ["prompt", "answer", "level", "messages"]
+    pq.write_table(pa.table({k: [r.get(k) for r in rows] for k in keys}), tmp_path / "d.parquet")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = data.load_dataset(str(tmp_path / "d.parquet"))
+    assert got == data.load_dataset(str(tmp_path / "d.jsonl"))
+    assert got[0] == {"prompt": "1+1", "answer": "2", "level": 1, "messages": [{"role": "user", "content": "1+1"}]}
+    assert got[1]["messages"][0] == {"role": "system", "content": "be brief"} and got[1]["answer"] == "7"
+    (tmp_path / "d.csv").write_text("prompt,answer\n1+1,2\n")
+    with pytest.raises(ValueError, match="unknown format '.csv'; give a .jsonl or .parquet"):
+        data.load_dataset(str(tmp_path / "d.csv"))
+    (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n{oops\n")
+    with pytest.raises(ValueError, match="bad.jsonl line 2 is not JSON"):
+        data.load_dataset(str(tmp_path / "bad.jsonl"))
+
+
 def test_import_object():
     assert data.import_object("data.exact_match") is data.exact_match
     with pytest.raises(ValueError, match="cannot load"):

@@ -11,10 +11,36 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")))
-def test_every_recipe_passes_validation(recipe):
+def test_every_recipe_passes_validation_and_its_reward_knows_the_answer(recipe, tiny_model_dir):
+    """Every YAML loads (load_config raises on a bad key, a bad batch algebra or an unloadable dotted path).
+    Where its data is synthetic (the CPU recipes): the reward gives 1 to the sample's own answer and 0 to a
+    wrong one, and the warm-start example trains on that answer (a recipe whose reward and data disagree
+    would train on noise), with prompts that fit max_prompt_len."""
+    import data
     cfg = loongsage.load_config(str(ROOT / "recipes" / recipe))
-    assert cfg.prompts_per_step * cfg.samples_per_prompt % cfg.global_batch_size == 0
-    assert loongsage.describe(cfg)
+    assert set(cfg.tiny_model) <= set(data.TINY_DEFAULTS)
+    if not cfg.dataset.startswith("synthetic:"):
+        assert cfg.device == "cuda" and cfg.model_path.startswith("/")  # GPU recipes: real data and model on disk
+        return
+    reward = data.import_object(cfg.reward)
+    tok = data.load_tokenizer(tiny_model_dir)
+    for spec in (cfg.dataset, cfg.eval_dataset):
+        for s in data.load_dataset(spec)[:20]:
+            assert reward(s["answer"], s) == 1.0 and reward(str(int(s["answer"]) + 1), s) == 0.0, s
+            assert len(data.prompt_ids(tok, s)) <= cfg.max_prompt_len
+    if cfg.warmstart_steps:
+        example = data.import_object(cfg.warmstart_example)
+        s = data.load_dataset(cfg.warmstart_dataset)[0]
+        t = example(tok, s)
+        trained = tok.decode([i for i, m in zip(t["response_ids"], t["loss_mask"]) if m])
+        assert trained.endswith(s["answer"] + "<|im_end|>")
+
+
+def test_describe_states_the_derived_sizes():
+    cfg = loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), ["device=cpu", "trainer_workers=2"])
+    # 64 prompts x 8 samples = 512 = 4 mini-batches of 128; 128 / 2 DP ranks = 64 = 1 micro-batch of 64
+    assert loongsage.describe(cfg) == ("data_parallel=2, rollout batch=512 samples, 4 optimizer step(s) per RL "
+                                       "step, 1 micro-batch(es) per rank per optimizer step, device=cpu, engine=cpu")
 
 
 def test_code_repair_tool_runs_the_tests_in_a_sandbox():

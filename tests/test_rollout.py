@@ -52,7 +52,8 @@ def other_dir(tiny_model_dir, tmp_path_factory):
         if os.path.exists(os.path.join(tiny_model_dir, f)):
             shutil.copy(os.path.join(tiny_model_dir, f), out)
     g = torch.Generator().manual_seed(1)
-    state = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v
+    # every tensor moves, by half its spread (at least 0.01): a tensor the engine failed to reload would show
+    state = {k: v + 0.5 * v.std().clamp_min(0.02) * torch.randn(v.shape, generator=g)
              for k, v in load_file(f"{tiny_model_dir}/model.safetensors").items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return str(out)
@@ -252,7 +253,29 @@ def test_abort_by_rid_returns_partial_output(server):
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
 
 
+def hf_greedy_over_cache(model_a, model_b, prefix, last, n):
+    """What in-place pause + weight swap computes: model A's KV cache of `prefix`, then model B feeding `last`
+    and its own greedy tokens one at a time over that cache. Returns (ids, (n,) logprobs)."""
+    import inspect
+    arg = "cache" if "cache" in inspect.signature(model_b.forward).parameters else "past_key_values"  # renamed in 5.x
+    ids, lps = [], []
+    with torch.no_grad():
+        o = model_a(torch.tensor([prefix]), use_cache=True)
+        cache, tok = o[arg], last
+        for _ in range(n):
+            o = model_b(torch.tensor([[tok]]), use_cache=True, **{arg: cache})
+            cache = o[arg]
+            lp = torch.log_softmax(o.logits[0, -1].float(), -1)  # (V,)
+            tok = int(lp.argmax())
+            ids.append(tok)
+            lps.append(float(lp[tok]))
+    return ids, torch.tensor(lps)
+
+
 def test_pause_in_place_keeps_kv_and_new_weights_stamp_new_tokens(server, hf_a, hf_b):
+    """In-place pause keeps the request in its slot with its KV cache; after a weight swap the tokens that follow
+    are exactly model B's greedy tokens computed over model A's cache (neither A's continuation nor B's from a
+    fresh prefill), each stamped with the new version."""
     url, handle = server
     fut = background(rollout.post, url, "/generate", {"input_ids": PROMPTS[0], "rid": "inplace", "return_logprob": True,
                                                       "sampling_params": {"temperature": 0, "max_new_tokens": 200,
@@ -270,9 +293,16 @@ def test_pause_in_place_keeps_kv_and_new_weights_stamp_new_tokens(server, hf_a, 
         assert out["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": n},
                                                        {"version": "5", "start": n, "end": 200}]
         assert out["meta_info"]["weight_version"] == "5"
-        old = out["output_ids"][:n]
+        ids, lps = out["output_ids"], engine_logprobs(out)
+        old = ids[:n]
         assert old == hf_greedy(hf_a, PROMPTS[0], n, ignore_eos=True)
-        assert (engine_logprobs(out)[:n] - hf_logprobs(hf_a, PROMPTS[0], old)).abs().max() <= 1e-5
+        assert (lps[:n] - hf_logprobs(hf_a, PROMPTS[0], old)).abs().max() <= 1e-5
+        # after the swap: model B's forward over the KV cache model A wrote (the cache was kept, not recomputed)
+        ref_ids, ref_lps = hf_greedy_over_cache(hf_a, hf_b, PROMPTS[0] + old[:-1], old[-1], 200 - n)
+        assert ids[n:] == ref_ids and (lps[n:] - ref_lps).abs().max() <= 1e-5
+        # both alternatives differ: B re-prefilled from scratch (the cache dropped), or A still running
+        assert ids[n:n + 20] != hf_greedy(hf_b, PROMPTS[0] + old, 20, ignore_eos=True)
+        assert ids[n:n + 20] != hf_greedy(hf_a, PROMPTS[0] + old, 20, ignore_eos=True)
     finally:
         rollout.post(url, "/update_weights_from_disk", {"model_path": handle.engine.model_path, "weight_version": "0"})
 
@@ -346,6 +376,51 @@ def test_weight_updates_change_outputs_and_bump_version(server, hf_a, hf_b, othe
     finally:
         rollout.post(url, "/update_weights_from_disk", {"model_path": tiny_model_dir, "weight_version": "0"})
     check(hf_a, "0")
+
+
+def _family_model(kind: str, out: Path) -> str:
+    """A random 2-layer model of another family the CPU engine serves, every parameter random (biases and norm
+    weights moved off their 0/1 init), saved as HF without a tokenizer (the engine then answers ids only)."""
+    import transformers as tf
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2)
+    model = {"qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)),  # q/k/v biases, no q_norm/k_norm
+             "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=True)),  # no biases
+             }[kind]()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name or "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model.float().save_pretrained(str(out / kind))
+    return str(out / kind)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_other_families_match_transformers(kind, tmp_path):
+    """The CPU engine on Qwen2 (q/k/v biases in the fused qkv matmul, no q_norm) and Llama (no biases, tied
+    embeddings): greedy ids equal transformers' generate and logprobs equal its log-softmax, in a batch of
+    prompts of different lengths; a weight update by name lands in the fused tensors."""
+    path = _family_model(kind, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [[5, 17, 33, 100, 7], [9, 8, 7], [20, 21, 22, 23, 24, 25, 26, 27]]
+    engine = rollout.CpuEngine(path, max_batch=4, max_len=128, seed=0).start()
+    try:
+        outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
+        for prompt, out in zip(prompts, outs):
+            assert out["output_ids"] == hf_greedy(hf, prompt, 16, ignore_eos=True)
+            assert (engine_logprobs(out) - hf_logprobs(hf, prompt, out["output_ids"])).abs().max() <= 1e-5
+        with torch.no_grad():  # a bias (qwen2) or a norm (llama) reloaded by name changes what the engine computes
+            name = "model.layers.0.self_attn.k_proj.bias" if kind == "qwen2" else "model.layers.1.input_layernorm.weight"
+            p = dict(hf.named_parameters())[name]
+            p.copy_(p + torch.randn_like(p))
+        engine.load_weights([(name, p.detach().clone())], version=1)
+        out = engine.generate(prompts[:1], {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})[0]
+        assert out["meta_info"]["weight_version"] == "1"
+        assert (engine_logprobs(out) - hf_logprobs(hf, prompts[0], out["output_ids"])).abs().max() <= 1e-5
+        assert out["output_ids"] == hf_greedy(hf, prompts[0], 16, ignore_eos=True) != outs[0]["output_ids"]
+    finally:
+        engine.stop()
 
 
 @pytest.mark.parametrize("payload, needle", [

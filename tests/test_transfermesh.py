@@ -129,3 +129,33 @@ def test_trainer_to_engine_sync_gives_equal_logprobs(tiny_model_dir, tmp_path):
     finally:
         handle.shutdown()
         ray.shutdown()
+
+
+def test_every_transport_reaches_every_engine(tiny_model_dir, other_model):
+    """Two engines: a broadcast group of three ranks (this process + both engines), shared memory read by both,
+    and the broadcast group reused for a second sync. After each push BOTH engines give the pushed model's
+    logprobs and report the pushed version (a rank offset or a bucket that reached only one engine shows)."""
+    from safetensors.torch import load_file
+    started = [rollout.serve(tiny_model_dir, max_batch=4, max_len=128, seed=i) for i in range(2)]
+    urls = [url for url, _ in started]
+    prompt = data.prompt_ids(data.load_tokenizer(tiny_model_dir), {"messages": [{"role": "user", "content": "12+7"}]})
+    other = sorted(load_file(f"{other_model}/model.safetensors").items())
+    tiny = sorted(load_file(f"{tiny_model_dir}/model.safetensors").items())
+
+    def check(model_dir, version):
+        for url in urls:
+            out, lps, v = _engine_logprobs(url, prompt)
+            assert v == str(version)
+            assert max(abs(a - b) for a, b in zip(lps, _hf_logprobs(model_dir, prompt, out))) < 1e-5, url
+
+    try:
+        stats = tm.push_weights(other, urls, version=3, transport="broadcast", bucket_mb=0.05)
+        assert stats["weights/buckets"] > 1
+        check(other_model, 3)
+        tm.push_weights(tiny, urls, version=4, transport="shm", bucket_mb=0.05)
+        check(tiny_model_dir, 4)
+        tm.push_weights(other, urls, version=5, transport="broadcast", bucket_mb=0.05)  # the group, reused
+        check(other_model, 5)
+    finally:
+        for _, handle in started:
+            handle.shutdown()
