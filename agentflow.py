@@ -51,6 +51,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import math
 import os
 import re
 import resource
@@ -1297,6 +1298,24 @@ async def _call(fn, *args):
     return await out if inspect.isawaitable(out) else out
 
 
+def _scalar_reward(value, source: str) -> tuple[float | None, str | None]:
+    """(reward, None) for a finite number, else (None, error). A NaN or inf reward would turn every
+    advantage of its group (and the loss) into NaN; a list would be per-turn rewards, which have no
+    path from the trajectory to the trainer in this build (algos.turn_rewards_to_tokens is unwired)."""
+    if isinstance(value, (list, tuple)):
+        return None, (f"{source} returned a sequence {value!r:.200}; per-turn rewards are not carried to the "
+                      "trainer in this build: return one number per trajectory")
+    try:
+        if value is None or isinstance(value, (str, bytes, dict)):
+            raise TypeError
+        value = float(value)  # bools, numpy and 0-d torch numbers convert
+    except (TypeError, ValueError):
+        return None, f"{source} returned {value!r:.200} ({type(value).__name__}); it must return a number"
+    if not math.isfinite(value):
+        return None, f"{source} returned {value}; rewards must be finite numbers"
+    return value, None
+
+
 def _task_text(sample: dict) -> str:
     """The task a black-box agent gets: the last user message of the sample."""
     users = [m.get("content", "") for m in sample.get("messages", []) if m.get("role") == "user"]
@@ -1408,10 +1427,12 @@ class AgentFlow:
         t0 = time.perf_counter()
         if status not in ("failed", "aborted") and reward is None:
             try:
-                reward = float(await _call(self.reward_fn, text, sample))
+                reward, error = _scalar_reward(await _call(self.reward_fn, text, sample), f"reward {self.cfg.reward}")
             except Exception as e:  # a reward bug must show, but not kill the whole step
                 log.exception("reward %s failed", self.cfg.reward)
-                status, error = "failed", f"reward {self.cfg.reward} raised {e!r}"
+                reward, error = None, f"reward {self.cfg.reward} raised {e!r}"
+            if error:
+                status = "failed"
         traj = s.trajectory(reward or 0.0, status)
         traj.response_text = text
         traj.timings.update(generate_s=s.generate_s, reward_s=time.perf_counter() - t0)
@@ -1432,7 +1453,7 @@ class AgentFlow:
                     f"prompt has {len(plan.input_ids)} tokens > max_prompt_len={self.cfg.max_prompt_len}; "
                     "filter the dataset or raise max_prompt_len"))
             turn = await s.run_turn(self.pool, messages, tools)
-        except (ApiError, EngineUnavailable, httpx.HTTPError, RuntimeError) as e:
+        except Exception as e:  # a bad sample (no messages, a template error) or engine error fails this one only
             return await self._finish(s, sample, status="failed" if s.status == "ok" else s.status,
                                       error=getattr(e, "message", None) or repr(e))
         status = "truncated" if turn.finish_reason == "length" else "ok"
@@ -1462,8 +1483,12 @@ class AgentFlow:
             await self.router.close_session(s)
             await client.close()
         reward = None
-        if isinstance(result, dict) and result.get("reward") is not None:
-            reward = float(result["reward"])
+        if status is None and not (result is None or isinstance(result, (str, dict))):
+            status, error = "failed", (f"agent {self.cfg.agent} returned {type(result).__name__} {result!r:.200}; "
+                                       "return the final text (str), a dict (optionally with 'reward'), or None")
+        elif status is None and isinstance(result, dict) and result.get("reward") is not None:
+            reward, error = _scalar_reward(result["reward"], f"agent {self.cfg.agent}'s 'reward'")
+            status = "failed" if error else None
         traj = await self._finish(s, sample, status=status, error=error, reward=reward)
         if isinstance(result, (str, dict)):
             traj.metadata["agent_result"] = result if isinstance(result, dict) else result[:2000]
@@ -1492,7 +1517,7 @@ class AgentFlow:
                 elif r.exit_code != 0 and s.status == "ok":
                     status, error = "failed", (f"agent command exited {r.exit_code}: "
                                                f"{r.stderr.strip()[-1000:]}")
-            except (OSError, RuntimeError) as e:
+            except Exception as e:  # sandbox start/exec trouble fails this trajectory, not the step
                 status, error = "failed", f"sandbox error: {e!r}"
             finally:
                 await self.router.close_session(s)
