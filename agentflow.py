@@ -34,7 +34,10 @@ so the trainer sees exactly the ids — and logprobs, and weight versions — th
 history that does not extend (compacted or edited) starts a new segment; all segments are kept.
 
 Sandboxes (`LocalSandbox`, `DockerSandbox`) run black-box agents and code-test rewards with CPU-time,
-memory, file-size and wall-clock limits, and kill the whole process group at the end.
+memory, file-size and wall-clock limits, and kill every process they started at the end. Where the OS
+allows (root or user namespaces, a writable cgroup), the local one also makes everything outside its
+directory read-only, cuts the network when asked (code tests; agents keep loopback for the router) and
+caps its process count and total memory; `LocalSandbox.contained` says what holds on this machine.
 
 Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
@@ -1109,34 +1112,144 @@ class ExecResult:
     wall_s: float
 
 
-class LocalSandbox:
-    """A temp directory + a process group with rlimits. Not a security boundary (same user, same
-    network: the agent must reach the router on loopback); it bounds runaway code and cleans up after."""
+# What a LocalSandbox can contain depends on the OS and the user, so it is probed once per process:
+#   writes outside the sandbox dir + network: a new mount namespace (everything else remounted
+#     read-only, a private /dev/shm) and, when network=False, a new network namespace (no interface up,
+#     not even loopback). Needs `unshare`, and root or unprivileged user namespaces.
+#   the number of processes and the total memory: a pids + memory cgroup per sandbox. Needs write access
+#     to a cgroup hierarchy (root, usually). RLIMIT_NPROC is no substitute: the kernel ignores it for
+#     root, and for other users it counts every process of the user, not the sandbox's.
+# Whatever is unavailable is not contained; `LocalSandbox.contained` says which, and a warning says so once.
+_ISOLATE_SH = r"""
+dir=$1; shift
+mount --bind "$dir" "$dir"
+cd "$dir"  # the old cwd is the directory under the new mount, which is about to turn read-only
+mount -t tmpfs -o size=64m,nosuid,nodev tmpfs /dev/shm 2>/dev/null || true
+for m in $(awk '{print $5}' /proc/self/mountinfo | sort -r); do
+  case "$m" in "$dir"|/dev/shm) continue;; esac
+  mount -o remount,bind,ro "$m" 2>/dev/null || true
+done
+exec bash -c "$1"
+"""
+_UNSHARE: list[str] | None | bool = False  # probed: the `unshare` prefix that works here, or None
 
-    def __init__(self, *, cpu_s: int = 60, memory_mb: int = 4096, file_mb: int = 64, max_procs: int | None = None):
+
+def _unshare_prefix() -> list[str] | None:
+    """`unshare --mount` (root) or `unshare --user --map-root-user --mount` (others), if one works here."""
+    global _UNSHARE
+    if _UNSHARE is False:
+        _UNSHARE = None
+        if shutil.which("unshare"):
+            user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+            probe = ["unshare", *user, "--mount", "--net", "--", "bash", "-c", "mount -t tmpfs tmpfs /mnt"]
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                if subprocess.run(probe, capture_output=True, timeout=10).returncode == 0:
+                    _UNSHARE = ["unshare", *user, "--mount"]
+    return _UNSHARE
+
+
+def _cgroup(controller: str, name: str) -> Path | None:
+    """Create cgroup `name` with `controller` (v1 hierarchy /sys/fs/cgroup/<controller>, or v2
+    /sys/fs/cgroup with the controller enabled for children); None where neither is writable."""
+    limit_file = {"pids": "pids.max", "memory": "memory.limit_in_bytes"}[controller]
+    for base, limit in ((Path("/sys/fs/cgroup") / controller, limit_file), (Path("/sys/fs/cgroup"),
+                                                                           f"{controller}.max")):
+        path = base / name
+        try:
+            path.mkdir(exist_ok=False)
+        except OSError:
+            continue
+        if (path / limit).exists():
+            return path
+        with contextlib.suppress(OSError):
+            path.rmdir()
+    return None
+
+
+def _cgroup_kill(path: Path, remove: bool = False) -> None:
+    """SIGKILL every process left in the cgroup (even ones that left the process group with setsid);
+    then remove it if asked (which only works once it is empty)."""
+    for _ in range(100):
+        try:
+            pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+        except OSError:
+            return
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    if remove:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+
+
+_WARNED: set[str] = set()
+
+
+class LocalSandbox:
+    """A temp directory + a process group with rlimits, and where this machine allows it, namespaces and
+    cgroups (see `_ISOLATE_SH` above): writes outside the directory fail (read-only filesystem),
+    `network=False` cuts every connection (black-box agents keep it: they reach the router on loopback),
+    and the sandbox's processes are counted and their total memory capped together. Always: CPU time,
+    address space and file size per process, the wall clock, and every process killed at the end.
+
+    Not a security boundary: the same kernel, and the same user (root stays root inside, with a
+    read-only view). Measured here (root, cgroup v1): all five containment cases hold (tests/test_reliability.py)."""
+
+    def __init__(self, *, cpu_s: int = 60, memory_mb: int = 4096, file_mb: int = 64, max_procs: int = 256,
+                 network: bool = True):
         self.cpu_s, self.memory_mb, self.file_mb, self.max_procs = cpu_s, memory_mb, file_mb, max_procs
+        self.network = network
         self.dir: str | None = None
         self._pgids: set[int] = set()
+        self._cgroups: list[Path] = []
+        self.contained: dict[str, bool] = {}  # what this sandbox really enforces, filled by create()
 
     async def create(self) -> "LocalSandbox":
         self.dir = tempfile.mkdtemp(prefix="loongsage-sbx-")
+        name = "loongsage-" + Path(self.dir).name
+        pids, mem = _cgroup("pids", name), _cgroup("memory", name)
+        if pids is not None:
+            (pids / "pids.max").write_text(str(self.max_procs))
+        if mem is not None:
+            limit = "memory.limit_in_bytes" if (mem / "memory.limit_in_bytes").exists() else "memory.max"
+            (mem / limit).write_text(str(self.memory_mb * 2 ** 20))
+        self._cgroups = [c for c in (pids, mem) if c is not None]
+        isolate = _unshare_prefix() is not None
+        self.contained = {"writes": isolate, "network": isolate or self.network, "procs": pids is not None,
+                          "total_memory": mem is not None}
+        missing = sorted(k for k, v in self.contained.items() if not v)
+        if missing and ",".join(missing) not in _WARNED:
+            _WARNED.add(",".join(missing))
+            log.warning("LocalSandbox cannot contain %s on this machine (needs unshare with root or user "
+                        "namespaces, and a writable pids/memory cgroup); use sandbox: docker for those", missing)
         return self
 
     def _limits(self) -> None:  # runs in the child between fork and exec
+        for cg in self._cgroups:  # join first: every process forked from here on is counted
+            (cg / "cgroup.procs").write_text(str(os.getpid()))
         resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s))
         mem = self.memory_mb * 2 ** 20
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         fsize = self.file_mb * 2 ** 20
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if self.max_procs:
-            resource.setrlimit(resource.RLIMIT_NPROC, (self.max_procs, self.max_procs))
 
     def write(self, name: str, text: str) -> str:
         path = Path(self.dir) / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         return str(path)
+
+    def argv(self, command: str) -> list[str]:
+        """The command line of one execute: `bash -c command`, inside new namespaces where possible."""
+        prefix = _unshare_prefix()
+        if prefix is None:
+            return ["bash", "-c", command]
+        return [*prefix, *([] if self.network else ["--net"]), "--", "bash", "-c", _ISOLATE_SH, "sandbox",
+                self.dir, command]
 
     async def execute(self, command: str, *, stdin: str = "", env: dict | None = None,
                       timeout_s: float = 30.0) -> ExecResult:
@@ -1147,7 +1260,7 @@ class LocalSandbox:
                 "TMPDIR": self.dir, "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT), "LOONGSAGE_ROOT": str(ROOT)}
         t0 = time.perf_counter()
         proc = await asyncio.create_subprocess_exec(
-            "bash", "-c", command, cwd=self.dir, env={**base, **(env or {})}, stdin=subprocess.PIPE,
+            *self.argv(command), cwd=self.dir, env={**base, **(env or {})}, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self._limits)
         self._pgids.add(proc.pid)  # start_new_session: the pid is the process group id
         timed_out = False
@@ -1158,7 +1271,9 @@ class LocalSandbox:
             self._kill(proc.pid)
             out, err = await proc.communicate()
         finally:
-            self._kill(proc.pid)  # background children of a finished command die with it too
+            self._kill(proc.pid)  # background children of a finished command die with it too,
+            for cg in self._cgroups[:1]:  # and so do those that left its process group (setsid, daemons)
+                _cgroup_kill(cg)
         return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
                           timed_out, time.perf_counter() - t0)
 
@@ -1170,18 +1285,28 @@ class LocalSandbox:
         for pgid in self._pgids:
             self._kill(pgid)
         self._pgids.clear()
+        for cg in self._cgroups:
+            _cgroup_kill(cg, remove=True)
+        self._cgroups = []
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
 
 
 class DockerSandbox:
-    """One container per sandbox (docker CLI): `--network host` so the agent reaches the router on
-    loopback, memory/CPU/pids limits on the container, `docker exec` per command, `docker rm -f` at the end."""
+    """One container per sandbox (docker CLI), `docker exec` per command, `docker rm -f` at the end.
 
-    def __init__(self, *, image: str = "python:3.11-slim", cpus: float = 1.0, memory_mb: int = 4096,
-                 file_mb: int = 64, pids: int = 256):
-        self.image, self.cpus, self.memory_mb, self.file_mb, self.pids = image, cpus, memory_mb, file_mb, pids
+    The container: memory (no extra swap), CPUs, pids, per-process CPU time and file size limits; a
+    read-only root filesystem with a small /tmp tmpfs; the work dir mounted read-write at /work and
+    LoongSage read-only at /loongsage; no capabilities, no privilege gain. `network=True` shares the
+    host network so an agent reaches the router on loopback; `network=False` gives it none.
+    """
+
+    def __init__(self, *, image: str | None = None, cpus: float = 1.0, cpu_s: int = 60, memory_mb: int = 4096,
+                 file_mb: int = 64, max_procs: int = 256, network: bool = True):
+        self.image = image or os.environ.get("LOONGSAGE_SANDBOX_IMAGE", "python:3.11-slim")
+        self.cpus, self.cpu_s, self.memory_mb, self.file_mb = cpus, cpu_s, memory_mb, file_mb
+        self.max_procs, self.network = max_procs, network
         self.name: str | None = None
         self.dir: str | None = None
 
@@ -1199,14 +1324,22 @@ class DockerSandbox:
             return ExecResult(-9, out.decode(errors="replace"), err.decode(errors="replace"), True,
                               time.perf_counter() - t0)
 
+    def run_args(self) -> list[str]:
+        """The `docker run` arguments that start this sandbox's container (after create() named it)."""
+        fsize = self.file_mb * 2 ** 20  # docker passes ulimit values to setrlimit as they are: bytes, seconds
+        return ["run", "-d", "--rm", "--name", self.name, "--network", "host" if self.network else "none",
+                "--memory", f"{self.memory_mb}m", "--memory-swap", f"{self.memory_mb}m", "--cpus", str(self.cpus),
+                "--pids-limit", str(self.max_procs), "--ulimit", f"cpu={self.cpu_s}:{self.cpu_s}",
+                "--ulimit", f"fsize={fsize}:{fsize}", "--read-only", "--tmpfs", "/tmp:rw,size=64m",
+                "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+                "-v", f"{self.dir}:/work", "-v", f"{ROOT}:/loongsage:ro", "-w", "/work",
+                self.image, "sleep", "infinity"]
+
     async def create(self) -> "DockerSandbox":
         self.dir = tempfile.mkdtemp(prefix="loongsage-sbx-")
+        os.chmod(self.dir, 0o777)  # the image's user may not be ours
         self.name = "loongsage-" + uuid.uuid4().hex[:12]
-        r = await self._docker("run", "-d", "--rm", "--name", self.name, "--network", "host",
-                               "--memory", f"{self.memory_mb}m", "--cpus", str(self.cpus),
-                               "--pids-limit", str(self.pids), "--ulimit", f"fsize={self.file_mb * 2 ** 20}",
-                               "-v", f"{self.dir}:/work", "-v", f"{ROOT}:/loongsage:ro", "-w", "/work",
-                               self.image, "sleep", "infinity")
+        r = await self._docker(*self.run_args())
         if r.exit_code != 0:
             raise RuntimeError(f"docker run {self.image} failed ({r.exit_code}): {r.stderr.strip()[:500]}")
         return self
@@ -1278,7 +1411,7 @@ async def code_tests(response: str, sample: dict) -> float:
     """
     blocks = _CODE_BLOCK_RE.findall(response)
     code = blocks[-1] if blocks else response
-    box = await make_sandbox("auto", cpu_s=int(sample.get("timeout", 10)) + 1).create()
+    box = await make_sandbox("auto", cpu_s=int(sample.get("timeout", 10)) + 1, network=False).create()
     try:
         box.write("solution.py", code)
         test = box.write("test_solution.py", "from solution import *\n" + str(sample["tests"]))

@@ -108,3 +108,157 @@ def test_cli_check_rejects_gae_with_exit_code_2():
     r = subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", "advantage=gae", "--check"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "config error" in r.stderr and "advantage='returns'" in r.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# sandbox containment: each case runs for real; where this machine cannot contain it, the sandbox
+# says so in `contained` and the test checks that it says so (skips the containment assertion)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+# A bounded fork bomb: forks sleeping children until fork fails or 400 exist (400 short-lived sleepers
+# are harmless even where nothing contains them), then reports how many it got.
+FORK_BOMB = """
+import os, time
+n = 0
+for _ in range(400):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(3)
+        os._exit(0)
+    n += 1
+print(n)
+"""
+
+# A memory hog across processes: 6 children each touch 150 MB (each under the per-process cap of 300).
+MEMORY_HOG = """
+import os, time
+for _ in range(6):
+    if os.fork() == 0:
+        x = bytearray(150 * 2 ** 20)
+        for j in range(0, len(x), 4096):
+            x[j] = 1
+        time.sleep(1)
+        os._exit(0)
+kept = 0
+for _ in range(6):
+    _, status = os.wait()
+    kept += os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+print(kept)
+"""
+
+
+def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_network():
+    import socket
+    server = socket.socket()  # something on loopback to connect to
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    connect = f"python -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3); print('connected')\""
+    outside = Path("/tmp") / f"loongsage-outside-{os.getpid()}"
+
+    async def body():
+        box = await agentflow.LocalSandbox(cpu_s=20, memory_mb=300, max_procs=32, network=False).create()
+        box.write("bomb.py", FORK_BOMB)
+        box.write("hog.py", MEMORY_HOG)
+        bomb = await box.execute("python bomb.py", timeout_s=30)
+        hog = await box.execute("python hog.py", timeout_s=30)
+        writes = await box.execute(f"echo x > inside.txt; cat inside.txt; echo x > {outside}; "
+                                   f"echo x > {ROOT}/sandbox-escape.txt; echo x > $HOME/../escape.txt", timeout_s=10)
+        t0 = asyncio.get_running_loop().time()
+        sleep = await box.execute("setsid sleep 300 > /dev/null 2>&1 < /dev/null & echo $! > escaped.pid; sleep 300",
+                                  timeout_s=1)
+        escaped = int(Path(box.dir, "escaped.pid").read_text())  # (output read before a timeout is lost)
+        offline = await box.execute(connect, timeout_s=10)
+        online_box = await agentflow.LocalSandbox(network=True).create()
+        online = await online_box.execute(connect, timeout_s=10)
+        contained, home = box.contained, box.dir
+        await box.delete()
+        await online_box.delete()
+        return bomb, hog, writes, sleep, asyncio.get_running_loop().time() - t0, escaped, offline, online, \
+            contained, home
+    try:
+        bomb, hog, writes, sleep, waited, escaped, offline, online, contained, home = run(body())
+    finally:
+        server.close()
+    assert set(contained) == {"writes", "network", "procs", "total_memory"}
+    # the long sleep: killed at the wall clock, with a child that left the process group (setsid)
+    assert sleep.timed_out and sleep.wall_s < 5 and waited < 15
+    if contained["procs"]:  # a pids cgroup: 32 tasks in all, the bomb's python among them
+        assert int(bomb.stdout) < 32 and not _alive(escaped)
+    if contained["total_memory"]:  # a memory cgroup: 300 MB for the whole sandbox, so at most one child keeps 150
+        assert int(hog.stdout) <= 1
+    assert writes.stdout.split("\n")[0] == "x"  # inside the sandbox dir: fine
+    if contained["writes"]:
+        assert writes.stderr.count("Read-only file system") == 3
+        assert not outside.exists() and not (ROOT / "sandbox-escape.txt").exists()
+        assert not (Path(home).parent / "escape.txt").exists()
+    assert "connected" in online.stdout  # network=True (black-box agents): loopback reaches the router
+    if contained["network"]:
+        assert "connected" not in offline.stdout and "Network is unreachable" in offline.stderr
+
+
+def test_local_sandbox_states_what_it_cannot_contain(monkeypatch):
+    """Where neither namespaces nor cgroups are available, `contained` says so (and the command still runs)."""
+    monkeypatch.setattr(agentflow, "_UNSHARE", None)
+    monkeypatch.setattr(agentflow, "_cgroup", lambda controller, name: None)
+
+    async def body():
+        box = await agentflow.LocalSandbox(network=False).create()
+        r = await box.execute("echo ran")
+        await box.delete()
+        return box.contained, r
+    contained, r = run(body())
+    assert contained == {"writes": False, "network": False, "procs": False, "total_memory": False}
+    assert r.stdout == "ran\n"
+
+
+def test_docker_sandbox_builds_the_exact_docker_run_command():
+    """No daemon needed: the limits the issue lists are in the command, with docker's units."""
+    box = agentflow.DockerSandbox(image="img:1", cpus=1.5, cpu_s=11, memory_mb=512,
+                                                               file_mb=2, max_procs=64, network=False)
+    box.name, box.dir = "loongsage-x", "/tmp/loongsage-sbx-x"
+    assert box.run_args() == [
+        "run", "-d", "--rm", "--name", "loongsage-x", "--network", "none",
+        "--memory", "512m", "--memory-swap", "512m", "--cpus", "1.5", "--pids-limit", "64",
+        "--ulimit", "cpu=11:11", "--ulimit", f"fsize={2 * 2 ** 20}:{2 * 2 ** 20}", "--read-only",
+        "--tmpfs", "/tmp:rw,size=64m", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+        "-v", "/tmp/loongsage-sbx-x:/work", "-v", f"{ROOT}:/loongsage:ro", "-w", "/work", "img:1", "sleep", "infinity"]
+    assert agentflow.DockerSandbox(network=True).run_args()[5:7] == ["--network", "host"]  # agents reach the router
+
+
+def test_make_sandbox_passes_the_same_limits_to_both_kinds(monkeypatch):
+    """The code-test reward and the code-repair tool call make_sandbox("auto", cpu_s=..., network=False):
+    with a daemon answering that builds a DockerSandbox, which must take the same keywords."""
+    monkeypatch.setattr(agentflow, "_DOCKER_OK", True)
+    box = agentflow.make_sandbox("auto", cpu_s=11, network=False)
+    assert isinstance(box, agentflow.DockerSandbox) and box.cpu_s == 11 and not box.network
+    monkeypatch.setattr(agentflow, "_DOCKER_OK", False)
+    box = agentflow.make_sandbox("auto", cpu_s=11, network=False)
+    assert isinstance(box, agentflow.LocalSandbox) and box.cpu_s == 11 and not box.network
+
+
+@pytest.mark.skipif(not agentflow.docker_available(), reason="no Docker engine answers `docker info` here")
+def test_docker_sandbox_contains_the_same_cases():
+    async def body():
+        box = await agentflow.DockerSandbox(memory_mb=300, max_procs=32, network=False).create()
+        box.write("bomb.py", FORK_BOMB)
+        bomb = await box.execute("python bomb.py", timeout_s=30)
+        writes = await box.execute("echo x > /work/in.txt && echo in; echo x > /usr/escape.txt", timeout_s=10)
+        sleep = await box.execute("sleep 300", timeout_s=1)
+        net = await box.execute("python -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=3)\"",
+                                timeout_s=10)
+        await box.delete()
+        return bomb, writes, sleep, net
+    bomb, writes, sleep, net = run(body())
+    assert int(bomb.stdout) < 32 and writes.stdout.strip() == "in" and "Read-only" in writes.stderr
+    assert sleep.timed_out and net.exit_code != 0
