@@ -317,7 +317,7 @@ class EnginePool:
 
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")  # both APIs' tool-name rule
 
 
 def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str, list[dict]]:
@@ -407,26 +407,29 @@ class ChatFormat:
 # request normalisation: OpenAI and Anthropic chat formats -> one internal message list
 
 
-def _text_of(content, where: str) -> str:
+def _text_of(content, where: str, *, parts: tuple[str, ...] = ("text",)) -> str:
     """A message content (str, None, or a list of text parts/blocks) as plain text."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        texts = []
         for j, p in enumerate(content):
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise ApiError(400, f"{where}.content[{j}] has type {kind!r}; only text parts are supported",
-                               param=f"{where}.content")
-            parts.append(p["text"])
-        return "".join(parts)
+            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+            if kind not in parts or not isinstance(p.get(kind), str):
+                raise ApiError(400, f"{where}.content[{j}] has type {kind!r}; this router takes only text parts "
+                               f"({', '.join(parts)}) with a string '{parts[0]}'", param=f"{where}.content")
+            texts.append(p[kind])
+        return "".join(texts)
     raise ApiError(400, f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
                    param=f"{where}.content")
 
 
-def _tool_call(name, args, call_id: str | None, where: str) -> dict:
+def _tool_call(name, args, call_id, where: str) -> dict:
+    if not isinstance(call_id, str) or not call_id:
+        raise ApiError(400, f"{where}: a tool call needs a string 'id' (the tool result answers it), got "
+                       f"{call_id!r}", param=where)
     if not isinstance(name, str) or not name:
         raise ApiError(400, f"{where}: tool call needs a function name, got {name!r}", param=where)
     if isinstance(args, str):
@@ -438,8 +441,28 @@ def _tool_call(name, args, call_id: str | None, where: str) -> dict:
     if not isinstance(args, dict):
         raise ApiError(400, f"{where}: tool call arguments must be a JSON object, got {type(args).__name__}",
                        param=where)
-    return {"id": call_id or "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": name, "arguments": args}}
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _check_tool_answers(out: list[dict], api: str) -> None:
+    """Each tool result answers a call the assistant made just before it, and each such call is answered
+    before the conversation goes on (both APIs refuse otherwise; the template would render an orphan
+    tool result, or a call with no result, into a context the model never sees in practice)."""
+    open_ids: list[str] = []  # calls of the last assistant turn not answered yet
+    for i, m in enumerate(out):
+        if m["role"] == "tool":
+            if m["tool_call_id"] not in open_ids:
+                raise ApiError(400, f"{m['where']}: {'tool_use_id' if api == 'anthropic' else 'tool_call_id'} "
+                               f"{m['tool_call_id']!r} answers no tool call of the preceding assistant message "
+                               f"(unanswered calls there: {open_ids})", param=m["where"])
+            open_ids.remove(m["tool_call_id"])
+            continue
+        if open_ids:
+            raise ApiError(400, f"{m['where']}: the assistant message before it made tool calls {open_ids} that "
+                           "were not answered; send a tool result for each call id first", param=m["where"])
+        open_ids = [c["id"] for c in m.get("tool_calls") or ()]
+    for m in out:
+        m.pop("where")
 
 
 def openai_messages(raw) -> list[dict]:
@@ -460,22 +483,35 @@ def openai_messages(raw) -> list[dict]:
         if role == "system" and i != 0:
             # The chat template renders a system message only in first position; elsewhere it would vanish.
             raise ApiError(400, f"{where}: a system message is only allowed as the first message", param=where)
-        msg = {"role": role, "content": _text_of(m.get("content"), where)}
-        if role == "assistant" and m.get("tool_calls"):
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise ApiError(400, f"{where}.name must be a string, got {m['name']!r:.100}", param=f"{where}.name")
+        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+            raise ApiError(400, f"{where}: a {m.get('role')} message needs 'content'" +
+                           (" (or 'tool_calls')" if role == "assistant" else ""), param=f"{where}.content")
+        parts = ("text", "refusal") if role == "assistant" else ("text",)
+        msg = {"role": role, "content": _text_of(m.get("content"), where, parts=parts), "where": where}
+        if role == "assistant" and m.get("tool_calls") is not None:
             if not isinstance(m["tool_calls"], list):
                 raise ApiError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
             calls = []
             for j, tc in enumerate(m["tool_calls"]):
                 fn = tc.get("function") if isinstance(tc, dict) else None
-                if not isinstance(fn, dict):
-                    raise ApiError(400, f"{where}.tool_calls[{j}] needs a 'function' object",
+                if not isinstance(fn, dict) or tc.get("type", "function") != "function":
+                    raise ApiError(400, f"{where}.tool_calls[{j}] needs type 'function' and a 'function' object",
                                    param=f"{where}.tool_calls")
-                calls.append(_tool_call(fn.get("name"), fn.get("arguments", {}), tc.get("id"),
-                                        f"{where}.tool_calls[{j}]"))
-            msg["tool_calls"] = calls
+                if not isinstance(fn.get("arguments"), str):  # OpenAI sends and takes them as a JSON string
+                    raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON string, got "
+                                   f"{type(fn.get('arguments')).__name__}", param=f"{where}.tool_calls")
+                calls.append(_tool_call(fn.get("name"), fn["arguments"], tc.get("id"), f"{where}.tool_calls[{j}]"))
+            if calls:
+                msg["tool_calls"] = calls
         if role == "tool":
-            msg["tool_call_id"] = m.get("tool_call_id", "")
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ApiError(400, f"{where}: a tool message needs the string 'tool_call_id' of the call it "
+                               f"answers, got {m.get('tool_call_id')!r:.100}", param=f"{where}.tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
+    _check_tool_answers(out, "openai")
     return out
 
 
@@ -490,23 +526,34 @@ def openai_tools(raw) -> list[dict] | None:
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
             raise ApiError(400, f"invalid tool schema at tools[{i}]: expected "
-                           "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}", param=f"tools[{i}]")
+                           "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}} (only function "
+                           "tools are supported)", param=f"tools[{i}]")
         tools.append({"type": "function", "function": _tool_function(fn.get("name"), fn.get("description"),
                                                                      fn.get("parameters"), f"tools[{i}]")})
+    return _unique_tools(tools)
+
+
+def _unique_tools(tools: list[dict]) -> list[dict] | None:
+    names = [t["function"]["name"] for t in tools]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ApiError(400, f"tool names must be unique; repeated: {dup}", param="tools")
     return tools or None
 
 
 def _tool_function(name, description, parameters, where: str) -> dict:
     if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
-        raise ApiError(400, f"invalid tool schema at {where}: name {name!r} must match [A-Za-z0-9_.-]{{1,64}}",
+        raise ApiError(400, f"invalid tool schema at {where}: name {name!r} must match ^[a-zA-Z0-9_-]{{1,64}}$",
                        param=where)
     if parameters is not None and (not isinstance(parameters, dict) or
                                    parameters.get("type", "object") != "object"):
         raise ApiError(400, f"invalid tool schema at {where}: parameters must be a JSON-schema object "
                        f"({{'type': 'object', ...}}), got {parameters!r:.200}", param=where)
+    if description is not None and not isinstance(description, str):
+        raise ApiError(400, f"invalid tool schema at {where}: description must be a string", param=where)
     fn = {"name": name}
     if description is not None:
-        fn["description"] = str(description)
+        fn["description"] = description
     fn["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
     return fn
 
@@ -517,39 +564,53 @@ def anthropic_messages(system, raw) -> list[dict]:
         raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
     out = []
     if system:
-        out.append({"role": "system", "content": _text_of(system, "system")})
+        out.append({"role": "system", "content": _text_of(system, "system"), "where": "system"})
     for i, m in enumerate(raw):
-        where = f"messages[{i}]"
+        where = f"messages.{i}"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             role = m.get("role") if isinstance(m, dict) else None
             raise ApiError(400, f"{where}.role is {role!r}; Anthropic messages take 'user' or 'assistant' "
                            "(the system prompt goes in the top-level 'system' field)", param=f"{where}.role")
+        if m["role"] == "assistant" and i == len(raw) - 1:
+            raise ApiError(400, f"{where}: the conversation ends with an assistant message (prefill); this "
+                           "router does not support prefill: end with a user message", param=where)
         content = m.get("content")
         if isinstance(content, str):
-            out.append({"role": m["role"], "content": content})
+            if not content:
+                raise ApiError(400, f"{where}: all messages must have non-empty content", param=where)
+            out.append({"role": m["role"], "content": content, "where": where})
             continue
-        if not isinstance(content, list):
-            raise ApiError(400, f"{where}.content must be a string or a list of content blocks", param=where)
+        if not isinstance(content, list) or not content:
+            raise ApiError(400, f"{where}.content must be a non-empty string or a non-empty list of content blocks",
+                           param=where)
         texts, calls = [], []
         for j, b in enumerate(content):
             kind = b.get("type") if isinstance(b, dict) else None
-            bw = f"{where}.content[{j}]"
+            bw = f"{where}.content.{j}"
             if kind == "text" and isinstance(b.get("text"), str):
+                if not b["text"]:
+                    raise ApiError(400, f"{bw}: text content blocks must be non-empty", param=bw)
                 texts.append(b["text"])
             elif kind == "tool_use" and m["role"] == "assistant":
-                calls.append(_tool_call(b.get("name"), b.get("input", {}), b.get("id"), bw))
+                if not isinstance(b.get("input"), dict):
+                    raise ApiError(400, f"{bw}: tool_use.input must be an object", param=bw)
+                calls.append(_tool_call(b.get("name"), b["input"], b.get("id"), bw))
             elif kind == "tool_result" and m["role"] == "user":
+                if not isinstance(b.get("tool_use_id"), str):
+                    raise ApiError(400, f"{bw}: tool_result needs the string 'tool_use_id' of the call it answers",
+                                   param=bw)
                 # Tool results become tool messages, rendered by the template as <tool_response> blocks.
                 out.append({"role": "tool", "content": _text_of(b.get("content"), bw),
-                            "tool_call_id": b.get("tool_use_id", "")})
+                            "tool_call_id": b["tool_use_id"], "where": bw})
             else:
                 raise ApiError(400, f"{bw} has unsupported block type {kind!r} for role {m['role']!r} "
                                "(supported: text, tool_use in assistant turns, tool_result in user turns)", param=bw)
-        if texts or calls or not any(isinstance(b, dict) and b.get("type") == "tool_result" for b in content):
-            msg = {"role": m["role"], "content": "".join(texts)}
+        if texts or calls:
+            msg = {"role": m["role"], "content": "".join(texts), "where": where}
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
+    _check_tool_answers(out, "anthropic")
     return out
 
 
@@ -561,12 +622,134 @@ def anthropic_tools(raw) -> list[dict] | None:
         raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
     tools = []
     for i, t in enumerate(raw):
-        if not isinstance(t, dict) or not isinstance(t.get("input_schema"), dict):
-            raise ApiError(400, f"invalid tool schema at tools[{i}]: expected {{'name', 'description', "
-                           "'input_schema': {'type': 'object', ...}}", param=f"tools[{i}]")
+        if not isinstance(t, dict) or t.get("type", "custom") != "custom" or not isinstance(t.get("input_schema"), dict):
+            raise ApiError(400, f"invalid tool schema at tools.{i}: expected a client tool {{'name', 'description', "
+                           "'input_schema': {'type': 'object', ...}}} (server tools are not supported)",
+                           param=f"tools.{i}")
         tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
-                                                                     t["input_schema"], f"tools[{i}]")})
-    return tools or None
+                                                                     t["input_schema"], f"tools.{i}")})
+    return _unique_tools(tools)
+
+
+# Top-level request fields, as the official SDKs' request types list them. An unknown field is refused,
+# naming the closest known one, as both APIs refuse it (a typo like `temprature` must not pass silently).
+# Known fields fall in three kinds: honoured (the handlers read them); inert (no effect on what is generated:
+# metadata, caching, billing hints), only type-checked; honoured only at their default value, because the
+# engine cannot do otherwise and ignoring them would hand the trainer a different sample than was asked for.
+_OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options",
+                    "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs"}
+_OPENAI_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
+                 "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str, "seed": int,
+                 "parallel_tool_calls": bool, "reasoning_effort": str, "verbosity": str, "moderation": dict}
+_OPENAI_DEFAULT_ONLY = {"n": [1], "top_logprobs": [0], "frequency_penalty": [0], "presence_penalty": [0],
+                        "logit_bias": [{}], "response_format": [{"type": "text"}], "modalities": [["text"]],
+                        "audio": [], "prediction": [], "web_search_options": [], "functions": [], "function_call": []}
+_ANTHROPIC_HONOURED = {"messages", "model", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
+                       "top_k", "tools", "tool_choice"}
+_ANTHROPIC_INERT = {"metadata": dict, "service_tier": str, "cache_control": dict, "inference_geo": str, "speed": str,
+                    "diagnostics": dict, "user_profile_id": str, "workspace_id": str, "container": (str, dict)}
+_ANTHROPIC_DEFAULT_ONLY = {"thinking": [{"type": "disabled"}], "output_config": [{}], "mcp_servers": [[]]}
+
+
+def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict) -> None:
+    import difflib
+    for k, v in body.items():
+        if k in honoured:
+            continue
+        if k in inert:
+            if v is not None and (not isinstance(v, inert[k]) or isinstance(v, bool) and inert[k] is int):
+                raise ApiError(400, f"'{k}' must be of type {getattr(inert[k], '__name__', inert[k])}, got {v!r:.100}",
+                               param=k)
+        elif k in default_only:
+            if v is not None and v not in default_only[k]:
+                raise ApiError(400, f"'{k}'={v!r:.200} is not supported by this router (the engine cannot honour it);"
+                               f" leave it unset" + (f" or {default_only[k][0]!r}" if default_only[k] else ""), param=k)
+        else:
+            close = difflib.get_close_matches(k, sorted(honoured | set(inert) | set(default_only)), n=1)
+            raise ApiError(400, f"unrecognized request argument supplied: {k!r}" +
+                           (f"; did you mean {close[0]!r}?" if close else ""), param=k)
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise ApiError(400, f"'{name}' must be a boolean, got {v!r:.100}", param=name)
+    return bool(v)
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat request, whichever API it came in."""
+    messages: list[dict]
+    tools: list[dict] | None
+    parse_tools: bool              # False for tool_choice "none": tool-call text stays text
+    max_tokens: int | None
+    overrides: dict                # the client's sampling settings for this turn
+    stop: list[str] | None
+    stream: bool
+    logprobs: bool = False         # OpenAI: return per-token logprobs
+    include_usage: bool = False    # OpenAI streaming: a final usage chunk
+
+
+def openai_request(body: dict) -> ChatRequest:
+    """A Chat Completions body, checked against what the OpenAI API accepts (and what the router can do)."""
+    _check_fields(body, _OPENAI_HONOURED, _OPENAI_INERT, _OPENAI_DEFAULT_ONLY)
+    if "messages" not in body:
+        raise ApiError(400, "missing required field 'messages'", param="messages")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
+    messages, tools = openai_messages(body["messages"]), openai_tools(body.get("tools"))
+    choice = body.get("tool_choice", "auto")
+    named = isinstance(choice, dict) and choice.get("type") == "function" and \
+        isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+    if not (named or choice in ("auto", "none", "required")):
+        raise ApiError(400, f"tool_choice {choice!r:.200} must be 'auto', 'none', 'required' or "
+                       "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if "tool_choice" in body and body["tool_choice"] is not None and not tools:
+        raise ApiError(400, "'tool_choice' is only allowed when 'tools' are specified", param="tool_choice")
+    if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
+        raise ApiError(400, f"tool_choice names {choice['function']['name']!r}, which is not among the tools",
+                       param="tool_choice")
+    stream, logprobs = _flag(body, "stream"), _flag(body, "logprobs")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true, as an object", param="stream_options")
+    include_usage = _flag(options or {}, "include_usage")
+    for name in ("max_tokens", "max_completion_tokens"):
+        _positive_int(body.get(name), name)
+    stop = _stop_list(body.get("stop"), "stop", allow_str=True)
+    if stop is not None and len(stop) > 4:
+        raise ApiError(400, f"'stop' takes at most 4 sequences, got {len(stop)}", param="stop")
+    return ChatRequest(messages, tools, choice != "none", body.get("max_completion_tokens") or body.get("max_tokens"),
+                       _sampling_overrides(body, temperature_max=2.0), stop, stream, logprobs, include_usage)
+
+
+def anthropic_request(body: dict) -> ChatRequest:
+    """A Messages body, checked against what the Anthropic API accepts (and what the router can do)."""
+    _check_fields(body, _ANTHROPIC_HONOURED, _ANTHROPIC_INERT, _ANTHROPIC_DEFAULT_ONLY)
+    for name in ("messages", "max_tokens"):
+        if name not in body:
+            raise ApiError(400, f"missing required field '{name}'", param=name)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
+    if body["max_tokens"] == 0:
+        raise ApiError(400, "max_tokens=0 (prompt-cache pre-warming) is not supported by this router; ask for "
+                       ">= 1 token", param="max_tokens")
+    msgs, tools = anthropic_messages(body.get("system"), body["messages"]), anthropic_tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+            raise ApiError(400, f"tool_choice {choice!r:.200} must be {{'type': 'auto' | 'any' | 'tool' | 'none'}}",
+                           param="tool_choice")
+        if choice["type"] == "tool" and choice.get("name") not in {t["function"]["name"] for t in tools or ()}:
+            raise ApiError(400, f"tool_choice names {choice.get('name')!r}, which is not among the tools",
+                           param="tool_choice")
+    stop = body.get("stop_sequences")
+    if stop is not None and not isinstance(stop, list):
+        raise ApiError(400, f"'stop_sequences' must be a list of strings, got {stop!r:.100}", param="stop_sequences")
+    return ChatRequest(msgs, tools, (choice or {}).get("type") != "none",
+                       _positive_int(body["max_tokens"], "max_tokens"), _sampling_overrides(body, temperature_max=1.0),
+                       _stop_list(stop, "stop_sequences"), _flag(body, "stream"))
 
 
 def _message_key(m: dict) -> tuple:
@@ -980,41 +1163,20 @@ class Router:
         @guarded(openai_error_body)
         async def chat_completions(request: Request, sid: str):
             s = self._session(sid, request.headers)
-            body = await body_of(request)
-            if "messages" not in body:
-                raise ApiError(400, "missing required field 'messages'", param="messages")
-            if body.get("n", 1) != 1:
-                raise ApiError(400, f"n={body.get('n')} is not supported; open one session per sample", param="n")
-            messages, tools = openai_messages(body["messages"]), openai_tools(body.get("tools"))
-            choice = body.get("tool_choice", "auto")
-            named = isinstance(choice, dict) and choice.get("type") == "function"
-            if not (named or choice in ("auto", "none", "required")):
-                raise ApiError(400, f"tool_choice {choice!r} must be 'auto', 'none', 'required' or "
-                               "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
-            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-            stop = _stop_list(body.get("stop"), "stop")
-            turn = await s.run_turn(self.pool, messages, tools, parse_tools=choice != "none",
-                                    max_tokens=_positive_int(max_tokens, "max_tokens"),
-                                    overrides=_sampling_overrides(body), stop=stop)
-            if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return sse(openai_stream(self.chat, turn, self.model_name, bool(body.get("logprobs")), include_usage))
-            return JSONResponse(openai_response(self.chat, turn, self.model_name, bool(body.get("logprobs"))))
+            req = openai_request(await body_of(request))
+            turn = await s.run_turn(self.pool, req.messages, req.tools, parse_tools=req.parse_tools,
+                                    max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop)
+            if req.stream:
+                return sse(openai_stream(self.chat, turn, self.model_name, req.logprobs, req.include_usage))
+            return JSONResponse(openai_response(self.chat, turn, self.model_name, req.logprobs))
 
         @guarded(anthropic_error_body)
         async def messages(request: Request, sid: str):
             s = self._session(sid, request.headers)
-            body = await body_of(request)
-            for name in ("messages", "max_tokens"):
-                if name not in body:
-                    raise ApiError(400, f"missing required field '{name}'", param=name)
-            msgs, tools = anthropic_messages(body.get("system"), body["messages"]), anthropic_tools(body.get("tools"))
-            choice = (body.get("tool_choice") or {}).get("type", "auto")
-            turn = await s.run_turn(self.pool, msgs, tools, parse_tools=choice != "none",
-                                    max_tokens=_positive_int(body["max_tokens"], "max_tokens"),
-                                    overrides=_sampling_overrides(body),
-                                    stop=_stop_list(body.get("stop_sequences"), "stop_sequences"))
-            if body.get("stream"):
+            req = anthropic_request(await body_of(request))
+            turn = await s.run_turn(self.pool, req.messages, req.tools, parse_tools=req.parse_tools,
+                                    max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop)
+            if req.stream:
                 return sse(anthropic_stream(turn, self.model_name))
             return JSONResponse(anthropic_response(turn, self.model_name))
 
@@ -1074,26 +1236,30 @@ def _positive_int(v, name: str) -> int | None:
     return v
 
 
-def _stop_list(v, name: str) -> list[str] | None:
+def _stop_list(v, name: str, allow_str: bool = False) -> list[str] | None:
     if v is None:
         return None
-    v = [v] if isinstance(v, str) else v
+    v = [v] if (allow_str and isinstance(v, str)) else v
     if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
-        raise ApiError(400, f"{name} must be a non-empty string or a list of them, got {v!r:.200}", param=name)
+        raise ApiError(400, f"{name} must be a list of non-empty strings{' (or one string)' if allow_str else ''}, "
+                       f"got {v!r:.200}", param=name)
     return v
 
 
-def _sampling_overrides(body: dict) -> dict:
+def _sampling_overrides(body: dict, temperature_max: float) -> dict:
     """Client sampling settings, validated. They override the recipe's for this turn (the engine's
-    logprobs then follow the client's distribution, which is what the rollout really sampled from)."""
+    logprobs then follow the client's distribution, which is what the rollout really sampled from).
+    Ranges are the APIs': temperature [0, 2] (OpenAI) or [0, 1] (Anthropic), top_p [0, 1]."""
     out = {}
-    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+    for name, lo, hi in (("temperature", 0.0, temperature_max), ("top_p", 0.0, 1.0)):
         v = body.get(name)
         if v is None:
             continue
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
             raise ApiError(400, f"{name} must be a number in [{lo}, {hi}], got {v!r}", param=name)
         out[name] = float(v)
+    if out.get("top_p") == 0.0:  # the engines need a non-empty nucleus; top_p 0 keeps the single best token
+        out["top_p"], out["top_k"] = 1.0, 1
     if body.get("top_k") is not None:
         out["top_k"] = _positive_int(body["top_k"], "top_k")
     return out
@@ -1560,12 +1726,12 @@ class AgentFlow:
         t0 = time.perf_counter()
         if status not in ("failed", "aborted") and reward is None:
             try:
-                reward, error = _scalar_reward(await _call(self.reward_fn, text, sample), f"reward {self.cfg.reward}")
+                reward, bad = _scalar_reward(await _call(self.reward_fn, text, sample), f"reward {self.cfg.reward}")
             except Exception as e:  # a reward bug must show, but not kill the whole step
                 log.exception("reward %s failed", self.cfg.reward)
-                reward, error = None, f"reward {self.cfg.reward} raised {e!r}"
-            if error:
-                status = "failed"
+                reward, bad = None, f"reward {self.cfg.reward} raised {e!r}"
+            if bad:
+                status, error = "failed", bad
         traj = s.trajectory(reward or 0.0, status)
         traj.response_text = text
         traj.timings.update(generate_s=s.generate_s, reward_s=time.perf_counter() - t0)
