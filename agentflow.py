@@ -735,6 +735,8 @@ def anthropic_request(body: dict) -> ChatRequest:
     if body["max_tokens"] == 0:
         raise ApiError(400, "max_tokens=0 (prompt-cache pre-warming) is not supported by this router; ask for "
                        ">= 1 token", param="max_tokens")
+    if body["max_tokens"] is None:
+        raise ApiError(400, "max_tokens must be a positive integer, got None", param="max_tokens")
     msgs, tools = anthropic_messages(body.get("system"), body["messages"]), anthropic_tools(body.get("tools"))
     choice = body.get("tool_choice")
     if choice is not None:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -262,3 +263,158 @@ def test_docker_sandbox_contains_the_same_cases():
     bomb, writes, sleep, net = run(body())
     assert int(bomb.stdout) < 32 and writes.stdout.strip() == "in" and "Read-only" in writes.stderr
     assert sleep.timed_out and net.exit_code != 0
+
+
+# ----------------------------------------------------------------------------------------------
+# router input: what the OpenAI / Anthropic APIs refuse gets a 4xx in their error shape, and the
+# router keeps serving after each (one real CPU engine behind it)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    import rollout
+    url, handle = rollout.serve(tiny_model_dir, max_batch=16, max_len=512, seed=0)
+    yield url
+    handle.shutdown()
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}}
+TOOL = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {}}}}
+USER = {"role": "user", "content": "1+1"}
+OPENAI_BAD = {  # each a body the OpenAI API answers with a 400, and the words the router's message must hold
+    "user message without content": ({"messages": [{"role": "user"}]}, "needs 'content'"),
+    "tool answers an unknown tool_call_id": ({"messages": [USER, {"role": "assistant", "content": None,
+                                                                  "tool_calls": [CALL]},
+                                                           {"role": "tool", "tool_call_id": "call_9", "content": "2"}]},
+                                            "'call_9' answers no tool call"),
+    "tool message with no assistant call before it": ({"messages": [USER, {"role": "tool", "tool_call_id": "call_1",
+                                                                           "content": "2"}]}, "answers no tool call"),
+    "tool call left unanswered": ({"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                                                USER]}, "were not answered"),
+    "logprobs 'yes'": ({"messages": [USER], "logprobs": "yes"}, "'logprobs' must be a boolean"),
+    "stream 'yes'": ({"messages": [USER], "stream": "yes"}, "'stream' must be a boolean"),
+    "unknown field": ({"messages": [USER], "temprature": 0.5}, "did you mean 'temperature'"),
+    "n=2": ({"messages": [USER], "n": 2}, "'n'=2 is not supported"),
+    "frequency_penalty the engine cannot apply": ({"messages": [USER], "frequency_penalty": 0.5}, "not supported"),
+    "response_format json": ({"messages": [USER], "response_format": {"type": "json_object"}}, "not supported"),
+    "top_logprobs": ({"messages": [USER], "logprobs": True, "top_logprobs": 3}, "'top_logprobs'=3"),
+    "seed not an integer": ({"messages": [USER], "seed": "x"}, "'seed' must be of type int"),
+    "model not a string": ({"messages": [USER], "model": 5}, "'model' must be a string"),
+    "arguments as an object": ({"messages": [USER, {"role": "assistant", "tool_calls": [
+        {**CALL, "function": {"name": "calculator", "arguments": {"expression": "1"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "2"}]}, "must be a JSON string"),
+    "tool call without id": ({"messages": [USER, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": CALL["function"]}]}]}, "needs a string 'id'"),
+    "assistant with neither content nor tool_calls": ({"messages": [USER, {"role": "assistant"}, USER]},
+                                                      "needs 'content' (or 'tool_calls')"),
+    "five stop sequences": ({"messages": [USER], "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+    "stream_options without stream": ({"messages": [USER], "stream_options": {"include_usage": True}},
+                                      "only allowed when 'stream' is true"),
+    "tool_choice without tools": ({"messages": [USER], "tool_choice": "auto"}, "only allowed when 'tools'"),
+    "tool_choice naming no tool": ({"messages": [USER], "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "search"}}}, "not among the tools"),
+    "duplicate tool names": ({"messages": [USER], "tools": [TOOL, TOOL]}, "must be unique"),
+    "tool name with a dot": ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "a.b"}}]},
+                             "must match"),
+    "temperature above 2": ({"messages": [USER], "temperature": 2.5}, "temperature must be a number in [0.0, 2.0]"),
+    "image part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                   "only text parts"),
+}
+RESULT = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "2"}
+USE = {"type": "tool_use", "id": "toolu_1", "name": "calculator", "input": {"expression": "1+1"}}
+AUSER = {"role": "user", "content": "1+1"}
+ANTHROPIC_BAD = {  # each a body the Anthropic API answers with a 400
+    "temperature above 1": ({"messages": [AUSER], "temperature": 1.5}, "temperature must be a number in [0.0, 1.0]"),
+    "stop_sequences as a string": ({"messages": [AUSER], "stop_sequences": "x"}, "must be a list of strings"),
+    "tool_result for an unknown tool_use_id": ({"messages": [AUSER, {"role": "assistant", "content": [USE]},
+                                                             {"role": "user", "content": [{**RESULT,
+                                                                                           "tool_use_id": "toolu_9"}]}]},
+                                               "'toolu_9' answers no tool call"),
+    "tool_use without a tool_result after it": ({"messages": [AUSER, {"role": "assistant", "content": [USE]}, AUSER]},
+                                                "were not answered"),
+    "prefill": ({"messages": [AUSER, {"role": "assistant", "content": "The answer is"}]}, "does not support prefill"),
+    "empty text block": ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+                         "text content blocks must be non-empty"),
+    "empty content": ({"messages": [{"role": "user", "content": ""}]}, "non-empty content"),
+    "tool_choice as a string": ({"messages": [AUSER], "tool_choice": "auto"}, "must be {'type'"),
+    "unknown field": ({"messages": [AUSER], "stop_sequence": ["x"]}, "did you mean 'stop_sequences'"),
+    "thinking": ({"messages": [AUSER], "thinking": {"type": "enabled", "budget_tokens": 1024}}, "not supported"),
+    "server tool": ({"messages": [AUSER], "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+                    "server tools are not supported"),
+    "no max_tokens": ({"messages": [AUSER], "max_tokens": None}, "max_tokens must be a positive integer"),
+    "missing max_tokens": ({"messages": [AUSER], "max_tokens": ...}, "missing required field 'max_tokens'"),
+    "system role in messages": ({"messages": [{"role": "system", "content": "x"}, AUSER]}, "'user' or 'assistant'"),
+}
+
+
+def test_router_refuses_what_the_apis_refuse_and_keeps_serving(engine, tiny_model_dir):
+    async def body():
+        flow = agentflow.AgentFlow(loongsage.load_config(None, ["max_context_len=512"]), [engine], tiny_model_dir)
+        await flow.start_router()
+        s = flow.router.open_session(sampling={"max_new_tokens": 2}, max_context_len=512, max_turns=1000)
+        base = flow.router.base_url(s)
+        seen = []
+        async with httpx.AsyncClient(timeout=30) as http:
+            for name, (payload, words) in OPENAI_BAD.items():
+                r = await http.post(f"{base}/chat/completions", json={"model": "m", **payload},
+                                    headers={"Authorization": f"Bearer {s.api_key}"})
+                ok = await http.post(f"{base}/chat/completions", json={"model": "m", "messages": [USER], "max_tokens": 1},
+                                     headers={"Authorization": f"Bearer {s.api_key}"})
+                seen.append(("openai", name, words, r.status_code, r.json(), ok.status_code))
+            for name, (payload, words) in ANTHROPIC_BAD.items():
+                sent = {k: v for k, v in {"model": "m", "max_tokens": 4, **payload}.items() if v is not ...}
+                r = await http.post(f"{flow.router.url}/s/{s.id}/v1/messages", json=sent,
+                                    headers={"x-api-key": s.api_key})
+                ok = await http.post(f"{flow.router.url}/s/{s.id}/v1/messages", headers={"x-api-key": s.api_key},
+                                     json={"model": "m", "max_tokens": 1, "messages": [AUSER]})
+                seen.append(("anthropic", name, words, r.status_code, r.json(), ok.status_code))
+        await flow.close()
+        return seen
+    for api, name, words, status, err, after in run(body()):
+        assert status == 400, (api, name, err)
+        if api == "openai":
+            assert err["error"]["type"] == "invalid_request_error" and words in err["error"]["message"], (name, err)
+        else:
+            assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", (name, err)
+            assert words in err["error"]["message"], (name, err)
+        assert after == 200, (api, name)  # still serving
+
+
+def test_official_clients_get_typed_errors_for_refused_requests(engine, tiny_model_dir):
+    import anthropic
+    import openai
+
+    async def body():
+        flow = agentflow.AgentFlow(loongsage.load_config(None, ["max_context_len=512"]), [engine], tiny_model_dir)
+        await flow.start_router()
+        s = flow.router.open_session(sampling={"max_new_tokens": 2}, max_context_len=512, max_turns=1000)
+        oa = openai.AsyncOpenAI(base_url=flow.router.base_url(s), api_key=s.api_key, max_retries=0)
+        an = anthropic.AsyncAnthropic(base_url=f"{flow.router.url}/s/{s.id}", api_key=s.api_key, max_retries=0)
+        errors = []
+        for kw in (dict(messages=[{"role": "user"}]),                                       # no content
+                   dict(messages=[USER, {"role": "tool", "tool_call_id": "call_9", "content": "2"}]),
+                   dict(messages=[USER], logprobs="yes"),
+                   dict(messages=[USER], extra_body={"temprature": 0.1})):
+            try:
+                await oa.chat.completions.create(model="m", **kw)
+            except openai.BadRequestError as e:
+                errors.append(("openai", e.status_code, e.body))
+        for kw in (dict(messages=[AUSER], extra_body={"temperature": 1.5}),  # (this SDK has no temperature)
+                   dict(messages=[AUSER, {"role": "assistant", "content": "The answer is"}]),
+                   dict(messages=[AUSER, {"role": "assistant", "content": [USE]},
+                                  {"role": "user", "content": [{**RESULT, "tool_use_id": "toolu_9"}]}])):
+            try:
+                await an.messages.create(model="m", max_tokens=4, **kw)
+            except anthropic.BadRequestError as e:
+                errors.append(("anthropic", e.status_code, e.body))
+        ok = await oa.chat.completions.create(model="m", messages=[USER], max_tokens=1)
+        ok2 = await an.messages.create(model="m", max_tokens=1, messages=[AUSER])
+        await oa.close()
+        await an.close()
+        await flow.close()
+        return errors, ok, ok2
+    errors, ok, ok2 = run(body())
+    assert [(api, status) for api, status, _ in errors] == [("openai", 400)] * 4 + [("anthropic", 400)] * 3
+    assert all(b["type"] == "invalid_request_error" for api, _, b in errors if api == "openai")
+    assert all(b["error"]["type"] == "invalid_request_error" for api, _, b in errors if api == "anthropic")
+    assert ok.choices[0].message.role == "assistant" and ok2.role == "assistant"
