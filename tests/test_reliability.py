@@ -10,6 +10,7 @@ run is skipped unless a daemon answers.
 """
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -418,3 +419,50 @@ def test_official_clients_get_typed_errors_for_refused_requests(engine, tiny_mod
     assert all(b["type"] == "invalid_request_error" for api, _, b in errors if api == "openai")
     assert all(b["error"]["type"] == "invalid_request_error" for api, _, b in errors if api == "anthropic")
     assert ok.choices[0].message.role == "assistant" and ok2.role == "assistant"
+
+
+# ----------------------------------------------------------------------------------------------
+# through the real pipeline: Ray, Megatron-Core over gloo, the CPU engine, the router, AgentFlow
+
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128)
+
+
+def test_failed_and_empty_trajectories_never_stop_a_run(tmp_path, monkeypatch, capsys):
+    """tests.agents.flaky_agent: step 0 fails entirely (skipped with a message); in step 1 three of
+    each group's four samples fail three different ways (raise before the first model call, garbage
+    return, NaN reward). The run finishes, the failed samples stay in their groups with reward 0 and an
+    all-zero loss mask, and the update trains on the whole batch."""
+    import ray
+    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
+    cfg = loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
+        f"output_dir={tmp_path}/run", "num_steps=2", "prompts_per_step=2", "samples_per_prompt=4",
+        "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=4", "eval_every=0", "warmstart_steps=0",
+        "print_every=0", "agent=tests.agents.flaky_agent", "agent_retries=0", "max_turns=2",
+        "reward=tests.agents.one", f"dump_rollouts={tmp_path}/dump", f"tiny_model={json.dumps(TINY)}"])
+    try:
+        history = loongsage.train(cfg)
+    finally:
+        ray.shutdown()
+    steps = {h["step"]: h for h in history if "rollout/failed_frac" in h}
+    assert sorted(steps) == [0, 1]
+    assert steps[0]["rollout/failed_frac"] == 1.0 and steps[0]["rollout/empty_groups"] == 2
+    assert "train/loss" not in steps[0]
+    assert "step 0: no group has a token to train on" in capsys.readouterr().out
+    for step in (1,):
+        h = steps[step]
+        assert h["rollout/failed"] == 6 and h["rollout/empty_groups"] == 0 and h["train/samples"] == 8
+        # finite, and it trained: the survivor (reward 1) is above its group's failed samples (reward 0)
+        assert math.isfinite(h["train/loss"]) and h["train/grad_norm"] > 0
+        trajs = [json.loads(line) for line in open(tmp_path / "dump" / f"step_{step:05d}.jsonl")]
+        assert sorted((t["group_id"], t["sample_index"]) for t in trajs) == [(g, i) for g in (2 * step, 2 * step + 1)
+                                                                              for i in range(4)]
+        for t in trajs:
+            if t["sample_index"] == 3:
+                assert t["status"] in ("ok", "truncated") and any(t["loss_mask"])
+                continue
+            assert t["status"] == "failed" and t["reward"] == 0.0 and not any(t["loss_mask"])
+            reason = {0: "before its first model call", 1: "returned int 42", 2: "must be finite"}[t["sample_index"]]
+            assert reason in t["metadata"]["error"]
+            assert (t["response_ids"] == []) == (t["sample_index"] == 0)  # the early crash has no response at all
