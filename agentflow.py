@@ -27,6 +27,10 @@ OpenAI `POST /chat/completions`, Anthropic `POST /messages` and `GET /models`, p
 with tool calls. A session sticks to one engine (its KV prefix cache stays warm); new sessions go to
 the engine with the fewest requests in flight; engines that fail are skipped for a cool-down.
 
+Requests are checked against the APIs' request schemas (`openai_request`, `anthropic_request`): what
+they refuse gets a 400 in their error shape, options the engine cannot honour are refused rather than
+ignored, and `model` is optional (one model is served).
+
 Token in, token out (TITO): the chat is rendered with the template once. On the next turn the router
 checks that the new messages extend the previous ones, keeps the exact token ids the model produced,
 and appends only the tokens of the new messages (loss_mask 0). Generated text is never re-tokenized,
