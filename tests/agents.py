@@ -23,3 +23,28 @@ def one(response: str, sample: dict) -> float:
     """Reward 1 for any trajectory that gets rewarded at all: next to failed samples (reward 0) in its
     group, a surviving sample then has a positive advantage, so the step has a gradient."""
     return 1.0
+
+
+async def early_crash(client, sample):
+    raise RuntimeError("crashed before any model call")
+
+
+async def garbage(client, sample):
+    await client.chat.completions.create(model="m", messages=sample["messages"], max_tokens=2)
+    return ["not", "an", "answer"]
+
+
+async def turn_hog(client, sample):
+    """Keeps calling the model past cfg.max_turns; the router's 400 max_turns_exceeded ends it."""
+    msgs = list(sample["messages"])
+    while True:
+        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=2)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "again"}]
+
+
+def raising_reward(response: str, sample: dict) -> float:
+    raise ValueError("reward bug")
+
+
+def per_turn_reward(response: str, sample: dict) -> list:
+    return [0.5, 1.0]

@@ -466,3 +466,36 @@ def test_failed_and_empty_trajectories_never_stop_a_run(tmp_path, monkeypatch, c
             reason = {0: "before its first model call", 1: "returned int 42", 2: "must be finite"}[t["sample_index"]]
             assert reason in t["metadata"]["error"]
             assert (t["response_ids"] == []) == (t["sample_index"] == 0)  # the early crash has no response at all
+
+
+def test_each_kind_of_failure_stays_in_its_group(engine, tiny_model_dir):
+    """AgentFlow.generate with one kind of failure per run: the groups come back complete, the failed
+    samples with reward 0, an all-zero loss mask and the reason. A turn budget overrun is not a failure:
+    what was generated is kept, rewarded and trainable ("truncated")."""
+    import data
+    samples = data.arith_samples(2, seed=1)
+
+    async def gen(**kw):
+        cfg = loongsage.load_config(None, ["max_context_len=512", "agent_retries=0", "max_turns=2",
+                                           *[f"{k}={v}" for k, v in kw.items()]])
+        flow = agentflow.AgentFlow(cfg, [engine], tiny_model_dir)
+        out = await flow.generate(samples, 2, {"max_new_tokens": 2}, step=0)
+        await flow.close()
+        return out
+
+    async def body():
+        return await asyncio.gather(gen(agent="tests.agents.early_crash"), gen(agent="tests.agents.garbage"),
+                                    gen(agent="tests.agents.turn_hog"), gen(reward="tests.agents.raising_reward"),
+                                    gen(reward="tests.agents.per_turn_reward"))
+    early, garbage, hog, raising, per_turn = run(body())
+    for out, reason in ((early, "crashed before any model call"), (garbage, "returned list"),
+                        (raising, "raised ValueError('reward bug')"), (per_turn, "per-turn rewards are not carried")):
+        assert [(t["group_id"], t["sample_index"]) for t in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        for t in out:
+            assert t["status"] == "failed" and t["reward"] == 0.0 and not any(t["loss_mask"]), reason
+            assert reason in t["metadata"]["error"]
+    assert all(t["response_ids"] == [] for t in early)  # nothing generated: collate pads it (tested above)
+    mb = trainer.collate(early + garbage)
+    assert mb["loss_mask"].sum() == 0 and mb["tokens"].shape[0] == 8
+    for t in hog:
+        assert t["status"] == "truncated" and t["metadata"]["turns"] == 2 and any(t["loss_mask"])
