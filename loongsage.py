@@ -297,6 +297,11 @@ def check_runtime(cfg: Config) -> None:
     if cfg.model_path != "tiny" and not Path(cfg.model_path).is_dir():
         raise FileNotFoundError(f"model_path={cfg.model_path!r} is not a directory; give a local HF model directory "
                                 "(config.json + safetensors + tokenizer) or model_path=tiny")
+    if cfg.agent_command and cfg.sandbox == "docker":
+        import agentflow
+        if not agentflow.docker_available():
+            raise ValueError("sandbox=docker but no Docker engine answers `docker info` on this machine; start "
+                             "dockerd, or set sandbox=local (LocalSandbox.contained says what it contains here)")
     for spec in (cfg.dataset, cfg.eval_dataset):
         if spec and not spec.startswith("synthetic:") and not Path(spec).exists():
             raise FileNotFoundError(f"dataset {spec!r} not found; give a .jsonl/.parquet path or 'synthetic:arith:<n>:<seed>'")

@@ -499,3 +499,10 @@ def test_each_kind_of_failure_stays_in_its_group(engine, tiny_model_dir):
     assert mb["loss_mask"].sum() == 0 and mb["tokens"].shape[0] == 8
     for t in hog:
         assert t["status"] == "truncated" and t["metadata"]["turns"] == 2 and any(t["loss_mask"])
+
+
+@pytest.mark.skipif(agentflow.docker_available(), reason="a Docker engine answers here")
+def test_docker_sandbox_without_a_daemon_is_refused_before_any_actor_starts():
+    cfg = loongsage.load_config(str(ROOT / "recipes/blackbox_cpu.yaml"), ["sandbox=docker"])
+    with pytest.raises(ValueError, match="no Docker engine answers"):
+        loongsage.check_runtime(cfg)
