@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -166,7 +167,8 @@ def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_ne
     server.listen(8)
     port = server.getsockname()[1]
     connect = f"python -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3); print('connected')\""
-    outside = Path("/tmp") / f"loongsage-outside-{os.getpid()}"
+    tag = f"loongsage-escape-{os.getpid()}"  # unique: a stale file from another run cannot fail this one
+    outside, in_repo = Path("/tmp") / tag, ROOT / tag
 
     async def body():
         box = await agentflow.LocalSandbox(cpu_s=20, memory_mb=300, max_procs=32, network=False).create()
@@ -175,7 +177,7 @@ def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_ne
         bomb = await box.execute("python bomb.py", timeout_s=30)
         hog = await box.execute("python hog.py", timeout_s=30)
         writes = await box.execute(f"echo x > inside.txt; cat inside.txt; echo x > {outside}; "
-                                   f"echo x > {ROOT}/sandbox-escape.txt; echo x > $HOME/../escape.txt", timeout_s=10)
+                                   f"echo x > {in_repo}; echo x > $HOME/../{tag}-home", timeout_s=10)
         t0 = asyncio.get_running_loop().time()
         sleep = await box.execute("setsid sleep 300 > /dev/null 2>&1 < /dev/null & echo $! > escaped.pid; sleep 300",
                                   timeout_s=1)
@@ -192,6 +194,10 @@ def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_ne
         bomb, hog, writes, sleep, waited, escaped, offline, online, contained, home = run(body())
     finally:
         server.close()
+        escapes = [outside, in_repo, Path(tempfile.gettempdir()) / f"{tag}-home"]  # $HOME/.. of the sandbox
+        leaked = [p for p in escapes if p.exists()]
+        for p in leaked:
+            p.unlink()
     assert set(contained) == {"writes", "network", "procs", "total_memory"}
     # the long sleep: killed at the wall clock, with a child that left the process group (setsid)
     assert sleep.timed_out and sleep.wall_s < 5 and waited < 15
@@ -202,8 +208,7 @@ def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_ne
     assert writes.stdout.split("\n")[0] == "x"  # inside the sandbox dir: fine
     if contained["writes"]:
         assert writes.stderr.count("Read-only file system") == 3
-        assert not outside.exists() and not (ROOT / "sandbox-escape.txt").exists()
-        assert not (Path(home).parent / "escape.txt").exists()
+        assert not leaked and Path(home).parent == Path(tempfile.gettempdir())
     assert "connected" in online.stdout  # network=True (black-box agents): loopback reaches the router
     if contained["network"]:
         assert "connected" not in offline.stdout and "Network is unreachable" in offline.stderr
