@@ -492,6 +492,9 @@ def openai_messages(raw) -> list[dict]:
         if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
             raise ApiError(400, f"{where}: a {m.get('role')} message needs 'content'" +
                            (" (or 'tool_calls')" if role == "assistant" else ""), param=f"{where}.content")
+        if m.get("content") == []:
+            raise ApiError(400, f"{where}.content is an empty array; give a string or at least one part",
+                           param=f"{where}.content")
         parts = ("text", "refusal") if role == "assistant" else ("text",)
         msg = {"role": role, "content": _text_of(m.get("content"), where, parts=parts), "where": where}
         if role == "assistant" and m.get("tool_calls") is not None:

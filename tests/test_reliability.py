@@ -323,6 +323,7 @@ OPENAI_BAD = {  # each a body the OpenAI API answers with a 400, and the words t
     "tool name with a dot": ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "a.b"}}]},
                              "must match"),
     "temperature above 2": ({"messages": [USER], "temperature": 2.5}, "temperature must be a number in [0.0, 2.0]"),
+    "empty content array": ({"messages": [{"role": "user", "content": []}]}, "empty array"),
     "image part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
                    "only text parts"),
 }
