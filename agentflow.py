@@ -98,7 +98,8 @@ class Trajectory:
     #                                the last one is the top-level fields; earlier ones exist when the agent
     #                                compacted/edited its history, so a forker can train on them too
     reward: float = 0.0            # scalar reward of the whole trajectory
-    status: str = "ok"             # "ok" | "failed" (agent/engine error) | "aborted" |
+    status: str = "ok"             # "ok" | "failed" (agent/engine/sandbox error, an agent's garbage return, a reward
+    #                                that raised or is not a finite number: reward 0, loss_mask all 0) | "aborted" |
     #                                "truncated" (hit a token/turn/time budget; still rewarded and trainable)
     group_id: int = -1             # which prompt this sample answers; unique across generate() calls
     sample_index: int = -1         # 0..n-1 within its group
@@ -453,7 +454,7 @@ def _check_tool_answers(out: list[dict], api: str) -> None:
     before the conversation goes on (both APIs refuse otherwise; the template would render an orphan
     tool result, or a call with no result, into a context the model never sees in practice)."""
     open_ids: list[str] = []  # calls of the last assistant turn not answered yet
-    for i, m in enumerate(out):
+    for m in out:
         if m["role"] == "tool":
             if m["tool_call_id"] not in open_ids:
                 raise ApiError(400, f"{m['where']}: {'tool_use_id' if api == 'anthropic' else 'tool_call_id'} "
