@@ -1291,37 +1291,72 @@ class ExecResult:
 # What a LocalSandbox can contain depends on the OS and the user, so it is probed once per process:
 #   writes outside the sandbox dir + network: a new mount namespace (everything else remounted
 #     read-only, a private /dev/shm) and, when network=False, a new network namespace (no interface up,
-#     not even loopback). Needs `unshare`, and root or unprivileged user namespaces.
+#     not even loopback). Needs root, or unprivileged user namespaces.
 #   the number of processes and the total memory: a pids + memory cgroup per sandbox. Needs write access
 #     to a cgroup hierarchy (root, usually). RLIMIT_NPROC is no substitute: the kernel ignores it for
 #     root, and for other users it counts every process of the user, not the sandbox's.
 # Whatever is unavailable is not contained; `LocalSandbox.contained` says which, and a warning says so once.
-_ISOLATE_SH = r"""
-dir=$1; shift
-mount --bind "$dir" "$dir"
-cd "$dir"  # the old cwd is the directory under the new mount, which is about to turn read-only
-mount -t tmpfs -o size=64m,nosuid,nodev tmpfs /dev/shm 2>/dev/null || true
-for m in $(awk '{print $5}' /proc/self/mountinfo | sort -r); do
-  case "$m" in "$dir"|/dev/shm) continue;; esac
-  mount -o remount,bind,ro "$m" 2>/dev/null || true
-done
-exec bash -c "$1"
-"""
-_UNSHARE: list[str] | None | bool = False  # probed: the `unshare` prefix that works here, or None
+# The namespaces are entered with raw syscalls in the forked child, before exec: the `unshare`/`mount`
+# programs cost a process per mount point (~0.5 s per command measured here, against ~1 ms this way).
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
+_MS = {"ro": 1, "nosuid": 2, "nodev": 4, "noexec": 8, "remount": 32, "noatime": 1024, "nodiratime": 2048,
+       "bind": 4096, "rec": 16384, "private": 1 << 18, "relatime": 1 << 21, "strictatime": 1 << 24}
+_LIBC = None
+_ISOLATION: bool | None = None  # probed once: can a child enter the namespaces here?
 
 
-def _unshare_prefix() -> list[str] | None:
-    """`unshare --mount` (root) or `unshare --user --map-root-user --mount` (others), if one works here."""
-    global _UNSHARE
-    if _UNSHARE is False:
-        _UNSHARE = None
-        if shutil.which("unshare"):
-            user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-            probe = ["unshare", *user, "--mount", "--net", "--", "bash", "-c", "mount -t tmpfs tmpfs /mnt"]
-            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-                if subprocess.run(probe, capture_output=True, timeout=10).returncode == 0:
-                    _UNSHARE = ["unshare", *user, "--mount"]
-    return _UNSHARE
+def _syscall(name: str, *args) -> None:
+    if getattr(_LIBC, name)(*args) != 0:
+        import ctypes
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}{args!r}: {os.strerror(err)}")
+
+
+def _isolate(root_dir: str, network: bool) -> None:
+    """In the child between fork and exec: new mount (+ user, + network) namespaces; every mount but
+    `root_dir` becomes read-only (keeping its nosuid/nodev/noexec flags, which a user namespace may not
+    drop), /dev/shm becomes a private tmpfs, and the cwd moves onto the new bind mount of root_dir."""
+    uid, gid = os.getuid(), os.getgid()
+    flags = _CLONE_NEWNS | (0 if network else _CLONE_NEWNET) | (_CLONE_NEWUSER if uid != 0 else 0)
+    _syscall("unshare", flags)
+    if uid != 0:  # map ourselves to root inside, so the mounts below are allowed
+        for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"0 {uid} 1"),
+                           ("/proc/self/gid_map", f"0 {gid} 1")):
+            with open(path, "w") as f:
+                f.write(text)
+    d = root_dir.encode()
+    _syscall("mount", None, b"/", None, _MS["rec"] | _MS["private"], None)  # nothing propagates to the host
+    _syscall("mount", d, d, None, _MS["bind"], None)
+    with contextlib.suppress(OSError):
+        _syscall("mount", b"tmpfs", b"/dev/shm", b"tmpfs", _MS["nosuid"] | _MS["nodev"], b"size=64m")
+    with open("/proc/self/mountinfo") as f:
+        mounts = [(line.split()[4], line.split()[5].split(",")) for line in f]
+    for point, opts in reversed(mounts):  # mountinfo escapes spaces as \040; such mounts stay as they are
+        if point in (root_dir, "/dev/shm"):
+            continue
+        keep = sum(_MS.get(o, 0) for o in opts if o in ("nosuid", "nodev", "noexec", "noatime", "nodiratime",
+                                                         "relatime", "strictatime"))
+        with contextlib.suppress(OSError):
+            _syscall("mount", None, point.encode(), None, _MS["remount"] | _MS["bind"] | _MS["ro"] | keep, None)
+    os.chdir(root_dir)  # the old cwd is the directory under the new mount, which is now read-only
+
+
+def _isolation_available() -> bool:
+    """Whether a child can enter the namespaces here (probed once, in a throwaway child)."""
+    global _ISOLATION, _LIBC
+    if _ISOLATION is None:
+        import ctypes
+        _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here, not in the forked child
+        probe = tempfile.mkdtemp(prefix="loongsage-probe-")
+        try:
+            _ISOLATION = subprocess.run(["sh", "-c", "! touch /loongsage-probe 2>/dev/null && touch ok"], cwd=probe,
+                                        preexec_fn=lambda: _isolate(probe, False), capture_output=True,
+                                        timeout=30).returncode == 0 and os.path.exists(f"{probe}/ok")
+        except (OSError, subprocess.SubprocessError):
+            _ISOLATION = False
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    return _ISOLATION
 
 
 def _cgroup(controller: str, name: str) -> Path | None:
@@ -1342,9 +1377,10 @@ def _cgroup(controller: str, name: str) -> Path | None:
     return None
 
 
-def _cgroup_kill(path: Path, remove: bool = False) -> None:
-    """SIGKILL every process left in the cgroup (even ones that left the process group with setsid);
-    then remove it if asked (which only works once it is empty)."""
+def _cgroup_kill(path: Path) -> None:
+    """SIGKILL every process left in the cgroup (even ones that left the process group with setsid).
+    Orphans are reaped by init: until then they still count against pids.max (on this machine's init,
+    for up to seconds) and the cgroup cannot be removed."""
     for _ in range(100):
         try:
             pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
@@ -1356,9 +1392,6 @@ def _cgroup_kill(path: Path, remove: bool = False) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
-    if remove:
-        with contextlib.suppress(OSError):
-            path.rmdir()
 
 
 _WARNED: set[str] = set()
@@ -1366,7 +1399,7 @@ _WARNED: set[str] = set()
 
 class LocalSandbox:
     """A temp directory + a process group with rlimits, and where this machine allows it, namespaces and
-    cgroups (see `_ISOLATE_SH` above): writes outside the directory fail (read-only filesystem),
+    cgroups (see `_isolate` above): writes outside the directory fail (read-only filesystem),
     `network=False` cuts every connection (black-box agents keep it: they reach the router on loopback),
     and the sandbox's processes are counted and their total memory capped together. Always: CPU time,
     address space and file size per process, the wall clock, and every process killed at the end.
@@ -1385,7 +1418,7 @@ class LocalSandbox:
 
     async def create(self) -> "LocalSandbox":
         self.dir = tempfile.mkdtemp(prefix="loongsage-sbx-")
-        name = "loongsage-" + Path(self.dir).name
+        name = Path(self.dir).name
         pids, mem = _cgroup("pids", name), _cgroup("memory", name)
         if pids is not None:
             (pids / "pids.max").write_text(str(self.max_procs))
@@ -1393,7 +1426,7 @@ class LocalSandbox:
             limit = "memory.limit_in_bytes" if (mem / "memory.limit_in_bytes").exists() else "memory.max"
             (mem / limit).write_text(str(self.memory_mb * 2 ** 20))
         self._cgroups = [c for c in (pids, mem) if c is not None]
-        isolate = _unshare_prefix() is not None
+        isolate = _isolation_available()
         self.contained = {"writes": isolate, "network": isolate or self.network, "procs": pids is not None,
                           "total_memory": mem is not None}
         missing = sorted(k for k, v in self.contained.items() if not v)
@@ -1406,6 +1439,8 @@ class LocalSandbox:
     def _limits(self) -> None:  # runs in the child between fork and exec
         for cg in self._cgroups:  # join first: every process forked from here on is counted
             (cg / "cgroup.procs").write_text(str(os.getpid()))
+        if self.contained.get("writes"):
+            _isolate(self.dir, self.network)
         resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s))
         mem = self.memory_mb * 2 ** 20
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -1419,14 +1454,6 @@ class LocalSandbox:
         path.write_text(text)
         return str(path)
 
-    def argv(self, command: str) -> list[str]:
-        """The command line of one execute: `bash -c command`, inside new namespaces where possible."""
-        prefix = _unshare_prefix()
-        if prefix is None:
-            return ["bash", "-c", command]
-        return [*prefix, *([] if self.network else ["--net"]), "--", "bash", "-c", _ISOLATE_SH, "sandbox",
-                self.dir, command]
-
     async def execute(self, command: str, *, stdin: str = "", env: dict | None = None,
                       timeout_s: float = 30.0) -> ExecResult:
         """Run `bash -c command` in the sandbox dir; at the wall-clock limit kill its whole process group."""
@@ -1436,7 +1463,7 @@ class LocalSandbox:
                 "TMPDIR": self.dir, "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT), "LOONGSAGE_ROOT": str(ROOT)}
         t0 = time.perf_counter()
         proc = await asyncio.create_subprocess_exec(
-            *self.argv(command), cwd=self.dir, env={**base, **(env or {})}, stdin=subprocess.PIPE,
+            "bash", "-c", command, cwd=self.dir, env={**base, **(env or {})}, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self._limits)
         self._pgids.add(proc.pid)  # start_new_session: the pid is the process group id
         timed_out = False
@@ -1462,7 +1489,17 @@ class LocalSandbox:
             self._kill(pgid)
         self._pgids.clear()
         for cg in self._cgroups:
-            _cgroup_kill(cg, remove=True)
+            _cgroup_kill(cg)
+        for _ in range(100):  # removable once init has reaped the killed processes
+            for cg in list(self._cgroups):
+                with contextlib.suppress(OSError):
+                    cg.rmdir()
+                    self._cgroups.remove(cg)
+            if not self._cgroups:
+                break
+            await asyncio.sleep(0.05)
+        if self._cgroups:
+            log.warning("sandbox cgroups %s still hold unreaped processes; left in place", self._cgroups)
         self._cgroups = []
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)

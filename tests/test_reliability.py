@@ -171,10 +171,14 @@ def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_ne
     outside, in_repo = Path("/tmp") / tag, ROOT / tag
 
     async def body():
+        # the bomb gets a sandbox of its own: the children it leaves count against its pids cap until
+        # init reaps them, which on some machines (this one) takes seconds
+        bomb_box = await agentflow.LocalSandbox(max_procs=32).create()
+        bomb_box.write("bomb.py", FORK_BOMB)
+        bomb = await bomb_box.execute("python bomb.py", timeout_s=30)
+        await bomb_box.delete()
         box = await agentflow.LocalSandbox(cpu_s=20, memory_mb=300, max_procs=32, network=False).create()
-        box.write("bomb.py", FORK_BOMB)
         box.write("hog.py", MEMORY_HOG)
-        bomb = await box.execute("python bomb.py", timeout_s=30)
         hog = await box.execute("python hog.py", timeout_s=30)
         writes = await box.execute(f"echo x > inside.txt; cat inside.txt; echo x > {outside}; "
                                    f"echo x > {in_repo}; echo x > $HOME/../{tag}-home", timeout_s=10)
@@ -182,16 +186,17 @@ def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_ne
         sleep = await box.execute("setsid sleep 300 > /dev/null 2>&1 < /dev/null & echo $! > escaped.pid; sleep 300",
                                   timeout_s=1)
         escaped = int(Path(box.dir, "escaped.pid").read_text())  # (output read before a timeout is lost)
+        escaped_alive = _alive(escaped)  # after the command, before delete()
         offline = await box.execute(connect, timeout_s=10)
         online_box = await agentflow.LocalSandbox(network=True).create()
         online = await online_box.execute(connect, timeout_s=10)
         contained, home = box.contained, box.dir
         await box.delete()
         await online_box.delete()
-        return bomb, hog, writes, sleep, asyncio.get_running_loop().time() - t0, escaped, offline, online, \
+        return bomb, hog, writes, sleep, asyncio.get_running_loop().time() - t0, escaped_alive, offline, online, \
             contained, home
     try:
-        bomb, hog, writes, sleep, waited, escaped, offline, online, contained, home = run(body())
+        bomb, hog, writes, sleep, waited, escaped_alive, offline, online, contained, home = run(body())
     finally:
         server.close()
         escapes = [outside, in_repo, Path(tempfile.gettempdir()) / f"{tag}-home"]  # $HOME/.. of the sandbox
@@ -199,10 +204,17 @@ def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_ne
         for p in leaked:
             p.unlink()
     assert set(contained) == {"writes", "network", "procs", "total_memory"}
+    # independent of the sandbox's own probe: where the OS lets util-linux make the namespaces and a pids
+    # cgroup is writable, the sandbox must use them (a broken isolation must not pass as "not available")
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    if subprocess.run(["unshare", *user, "--mount", "--net", "true"], capture_output=True).returncode == 0:
+        assert contained["writes"] and contained["network"]
+    if os.geteuid() == 0 and os.access("/sys/fs/cgroup/pids", os.W_OK):
+        assert contained["procs"]
     # the long sleep: killed at the wall clock, with a child that left the process group (setsid)
     assert sleep.timed_out and sleep.wall_s < 5 and waited < 15
     if contained["procs"]:  # a pids cgroup: 32 tasks in all, the bomb's python among them
-        assert int(bomb.stdout) < 32 and not _alive(escaped)
+        assert int(bomb.stdout) < 32 and not escaped_alive  # the setsid child died with its command
     if contained["total_memory"]:  # a memory cgroup: 300 MB for the whole sandbox, so at most one child keeps 150
         assert int(hog.stdout) <= 1
     assert writes.stdout.split("\n")[0] == "x"  # inside the sandbox dir: fine
@@ -216,7 +228,7 @@ def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_ne
 
 def test_local_sandbox_states_what_it_cannot_contain(monkeypatch):
     """Where neither namespaces nor cgroups are available, `contained` says so (and the command still runs)."""
-    monkeypatch.setattr(agentflow, "_UNSHARE", None)
+    monkeypatch.setattr(agentflow, "_ISOLATION", False)
     monkeypatch.setattr(agentflow, "_cgroup", lambda controller, name: None)
 
     async def body():
