@@ -129,7 +129,7 @@ class Config:
     grad_clip: float = 1.0  # global grad-norm clip; 0 = off
 
     # --- algo (see algos.py and ALGORITHMS.md; validated by algos.validate) ---
-    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns | gae
+    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns (gae: rejected until a value model exists)
     adv_norm: str = "group"  # grpo normaliser: group | group_mean | batch | none
     policy_loss: str = "ppo_clip"  # ppo_clip | gspo | cispo | reinforce | sft
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
