@@ -254,6 +254,8 @@ def finalize(cfg: Config) -> Config:
          "of GPU tensors); on CPU use transfer=auto (shared memory to local engines) or broadcast")
     need(cfg.transfer != "shm" or cfg.engine == "cpu", "transfer=shm is the CPU engine's shared-memory path; SGLang "
          "engines take cuda_ipc, broadcast or disk (or auto)")
+    need(not (cfg.agent and cfg.agent_command), f"set either agent ({cfg.agent!r}, a Python function) or "
+         f"agent_command ({cfg.agent_command!r}, a black-box program), not both")
     unknown = sorted(set(cfg.tiny_model) - set(data.TINY_DEFAULTS))
     need(cfg.model_path != "tiny" or not unknown, f"unknown tiny_model setting(s) {unknown}"
          f"{_closest(unknown[0], data.TINY_DEFAULTS) if unknown else ''}; valid: {sorted(data.TINY_DEFAULTS)}")

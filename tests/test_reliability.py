@@ -100,6 +100,7 @@ def test_rewards_must_be_finite_numbers(value, reward, error):
     (["temperature=-1"], "temperature=-1.0 must be >= 0"),
     (["train_only=true", "rollout_only=true", "load_rollouts=x"], "would neither generate nor train"),
     (["tiny_model.hiden_size=8"], "did you mean 'hidden_size'"),
+    (["agent=recipes.calc.agent", "agent_command=python x.py"], "not both"),
 ])
 def test_options_without_a_working_path_fail_check(overrides, message):
     with pytest.raises(ValueError) as e:
