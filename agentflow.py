@@ -1414,7 +1414,8 @@ class LocalSandbox:
         self.dir: str | None = None
         self._pgids: set[int] = set()
         self._cgroups: list[Path] = []
-        self.contained: dict[str, bool] = {}  # what this sandbox really enforces, filled by create()
+        self.contained: dict[str, bool] = {}  # what this sandbox really enforces (writes, network, procs,
+        #                                       total_memory), filled by create()
 
     async def create(self) -> "LocalSandbox":
         self.dir = tempfile.mkdtemp(prefix="loongsage-sbx-")
@@ -1427,13 +1428,14 @@ class LocalSandbox:
             (mem / limit).write_text(str(self.memory_mb * 2 ** 20))
         self._cgroups = [c for c in (pids, mem) if c is not None]
         isolate = _isolation_available()
-        self.contained = {"writes": isolate, "network": isolate or self.network, "procs": pids is not None,
+        # network: cut (only asked for with network=False; black-box agents need loopback to the router)
+        self.contained = {"writes": isolate, "network": isolate and not self.network, "procs": pids is not None,
                           "total_memory": mem is not None}
-        missing = sorted(k for k, v in self.contained.items() if not v)
+        missing = sorted(k for k, v in self.contained.items() if not v and (k != "network" or not self.network))
         if missing and ",".join(missing) not in _WARNED:
             _WARNED.add(",".join(missing))
-            log.warning("LocalSandbox cannot contain %s on this machine (needs unshare with root or user "
-                        "namespaces, and a writable pids/memory cgroup); use sandbox: docker for those", missing)
+            log.warning("LocalSandbox cannot contain %s on this machine (needs root or user namespaces, and a "
+                        "writable pids/memory cgroup); use sandbox: docker for those", missing)
         return self
 
     def _limits(self) -> None:  # runs in the child between fork and exec
