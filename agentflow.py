@@ -33,6 +33,10 @@ the engine with the fewest requests in flight. An engine that fails a call, or m
 `/health` probe, leaves routing at once (dead or hung) and its requests move to the other engines;
 the controller re-creates it and `replace_engine` routes to its successor.
 
+Requests are checked against the APIs' request schemas (`openai_request`, `anthropic_request`): what
+they refuse gets a 400 in their error shape, options the engine cannot honour are refused rather than
+ignored, and `model` is optional (one model is served).
+
 Token in, token out (TITO): the chat is rendered with the template once. On the next turn the router
 checks that the new messages extend the previous ones, keeps the exact token ids the model produced,
 and appends only the tokens of the new messages (loss_mask 0). Generated text is never re-tokenized,
@@ -40,7 +44,10 @@ so the trainer sees exactly the ids — and logprobs, and weight versions — th
 history that does not extend (compacted or edited) starts a new segment; all segments are kept.
 
 Sandboxes (`LocalSandbox`, `DockerSandbox`) run black-box agents and code-test rewards with CPU-time,
-memory, file-size and wall-clock limits, and kill the whole process group at the end.
+memory, file-size and wall-clock limits, and kill every process they started at the end. Where the OS
+allows (root or user namespaces, a writable cgroup), the local one also makes everything outside its
+directory read-only, cuts the network when asked (code tests; agents keep loopback for the router) and
+caps its process count and total memory; `LocalSandbox.contained` says what holds on this machine.
 
 Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
@@ -57,6 +64,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import math
 import os
 import re
 import resource
@@ -99,7 +107,8 @@ class Trajectory:
     turn_rewards: list[float] = field(default_factory=list)  # optional, one per model turn of the last segment
     #                                (an agent returns {"turn_rewards": [...]}): returns / gae / reinforce_pp
     #                                then reward each turn's last token instead of only the final one
-    status: str = "ok"             # "ok" | "failed" (agent/engine error) | "aborted" |
+    status: str = "ok"             # "ok" | "failed" (agent/engine/sandbox error, an agent's garbage return, a reward
+    #                                that raised or is not a finite number: reward 0, loss_mask all 0) | "aborted" |
     #                                "truncated" (hit a token/turn/time budget; still rewarded and trainable)
     group_id: int = -1             # which prompt this sample answers; unique across generate() calls
     sample_index: int = -1         # 0..n-1 within its group
@@ -428,7 +437,7 @@ class EnginePool:
 
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")  # both APIs' tool-name rule
 
 
 def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str, list[dict]]:
@@ -518,26 +527,29 @@ class ChatFormat:
 # request normalisation: OpenAI and Anthropic chat formats -> one internal message list
 
 
-def _text_of(content, where: str) -> str:
+def _text_of(content, where: str, *, parts: tuple[str, ...] = ("text",)) -> str:
     """A message content (str, None, or a list of text parts/blocks) as plain text."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        texts = []
         for j, p in enumerate(content):
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise ApiError(400, f"{where}.content[{j}] has type {kind!r}; only text parts are supported",
-                               param=f"{where}.content")
-            parts.append(p["text"])
-        return "".join(parts)
+            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+            if kind not in parts or not isinstance(p.get(kind), str):
+                raise ApiError(400, f"{where}.content[{j}] has type {kind!r}; this router takes only text parts "
+                               f"({', '.join(parts)}) with a string '{parts[0]}'", param=f"{where}.content")
+            texts.append(p[kind])
+        return "".join(texts)
     raise ApiError(400, f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
                    param=f"{where}.content")
 
 
-def _tool_call(name, args, call_id: str | None, where: str) -> dict:
+def _tool_call(name, args, call_id, where: str) -> dict:
+    if not isinstance(call_id, str) or not call_id:
+        raise ApiError(400, f"{where}: a tool call needs a string 'id' (the tool result answers it), got "
+                       f"{call_id!r}", param=where)
     if not isinstance(name, str) or not name:
         raise ApiError(400, f"{where}: tool call needs a function name, got {name!r}", param=where)
     if isinstance(args, str):
@@ -549,8 +561,28 @@ def _tool_call(name, args, call_id: str | None, where: str) -> dict:
     if not isinstance(args, dict):
         raise ApiError(400, f"{where}: tool call arguments must be a JSON object, got {type(args).__name__}",
                        param=where)
-    return {"id": call_id or "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": name, "arguments": args}}
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _check_tool_answers(out: list[dict], api: str) -> None:
+    """Each tool result answers a call the assistant made just before it, and each such call is answered
+    before the conversation goes on (both APIs refuse otherwise; the template would render an orphan
+    tool result, or a call with no result, into a context the model never sees in practice)."""
+    open_ids: list[str] = []  # calls of the last assistant turn not answered yet
+    for m in out:
+        if m["role"] == "tool":
+            if m["tool_call_id"] not in open_ids:
+                raise ApiError(400, f"{m['where']}: {'tool_use_id' if api == 'anthropic' else 'tool_call_id'} "
+                               f"{m['tool_call_id']!r} answers no tool call of the preceding assistant message "
+                               f"(unanswered calls there: {open_ids})", param=m["where"])
+            open_ids.remove(m["tool_call_id"])
+            continue
+        if open_ids:
+            raise ApiError(400, f"{m['where']}: the assistant message before it made tool calls {open_ids} that "
+                           "were not answered; send a tool result for each call id first", param=m["where"])
+        open_ids = [c["id"] for c in m.get("tool_calls") or ()]
+    for m in out:
+        m.pop("where")
 
 
 def openai_messages(raw) -> list[dict]:
@@ -571,22 +603,38 @@ def openai_messages(raw) -> list[dict]:
         if role == "system" and i != 0:
             # The chat template renders a system message only in first position; elsewhere it would vanish.
             raise ApiError(400, f"{where}: a system message is only allowed as the first message", param=where)
-        msg = {"role": role, "content": _text_of(m.get("content"), where)}
-        if role == "assistant" and m.get("tool_calls"):
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise ApiError(400, f"{where}.name must be a string, got {m['name']!r:.100}", param=f"{where}.name")
+        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+            raise ApiError(400, f"{where}: a {m.get('role')} message needs 'content'" +
+                           (" (or 'tool_calls')" if role == "assistant" else ""), param=f"{where}.content")
+        if m.get("content") == []:
+            raise ApiError(400, f"{where}.content is an empty array; give a string or at least one part",
+                           param=f"{where}.content")
+        parts = ("text", "refusal") if role == "assistant" else ("text",)
+        msg = {"role": role, "content": _text_of(m.get("content"), where, parts=parts), "where": where}
+        if role == "assistant" and m.get("tool_calls") is not None:
             if not isinstance(m["tool_calls"], list):
                 raise ApiError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
             calls = []
             for j, tc in enumerate(m["tool_calls"]):
                 fn = tc.get("function") if isinstance(tc, dict) else None
-                if not isinstance(fn, dict):
-                    raise ApiError(400, f"{where}.tool_calls[{j}] needs a 'function' object",
+                if not isinstance(fn, dict) or tc.get("type", "function") != "function":
+                    raise ApiError(400, f"{where}.tool_calls[{j}] needs type 'function' and a 'function' object",
                                    param=f"{where}.tool_calls")
-                calls.append(_tool_call(fn.get("name"), fn.get("arguments", {}), tc.get("id"),
-                                        f"{where}.tool_calls[{j}]"))
-            msg["tool_calls"] = calls
+                if not isinstance(fn.get("arguments"), str):  # OpenAI sends and takes them as a JSON string
+                    raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON string, got "
+                                   f"{type(fn.get('arguments')).__name__}", param=f"{where}.tool_calls")
+                calls.append(_tool_call(fn.get("name"), fn["arguments"], tc.get("id"), f"{where}.tool_calls[{j}]"))
+            if calls:
+                msg["tool_calls"] = calls
         if role == "tool":
-            msg["tool_call_id"] = m.get("tool_call_id", "")
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ApiError(400, f"{where}: a tool message needs the string 'tool_call_id' of the call it "
+                               f"answers, got {m.get('tool_call_id')!r:.100}", param=f"{where}.tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
+    _check_tool_answers(out, "openai")
     return out
 
 
@@ -601,23 +649,34 @@ def openai_tools(raw) -> list[dict] | None:
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
             raise ApiError(400, f"invalid tool schema at tools[{i}]: expected "
-                           "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}", param=f"tools[{i}]")
+                           "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}} (only function "
+                           "tools are supported)", param=f"tools[{i}]")
         tools.append({"type": "function", "function": _tool_function(fn.get("name"), fn.get("description"),
                                                                      fn.get("parameters"), f"tools[{i}]")})
+    return _unique_tools(tools)
+
+
+def _unique_tools(tools: list[dict]) -> list[dict] | None:
+    names = [t["function"]["name"] for t in tools]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ApiError(400, f"tool names must be unique; repeated: {dup}", param="tools")
     return tools or None
 
 
 def _tool_function(name, description, parameters, where: str) -> dict:
     if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
-        raise ApiError(400, f"invalid tool schema at {where}: name {name!r} must match [A-Za-z0-9_.-]{{1,64}}",
+        raise ApiError(400, f"invalid tool schema at {where}: name {name!r} must match ^[a-zA-Z0-9_-]{{1,64}}$",
                        param=where)
     if parameters is not None and (not isinstance(parameters, dict) or
                                    parameters.get("type", "object") != "object"):
         raise ApiError(400, f"invalid tool schema at {where}: parameters must be a JSON-schema object "
                        f"({{'type': 'object', ...}}), got {parameters!r:.200}", param=where)
+    if description is not None and not isinstance(description, str):
+        raise ApiError(400, f"invalid tool schema at {where}: description must be a string", param=where)
     fn = {"name": name}
     if description is not None:
-        fn["description"] = str(description)
+        fn["description"] = description
     fn["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
     return fn
 
@@ -628,39 +687,53 @@ def anthropic_messages(system, raw) -> list[dict]:
         raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
     out = []
     if system:
-        out.append({"role": "system", "content": _text_of(system, "system")})
+        out.append({"role": "system", "content": _text_of(system, "system"), "where": "system"})
     for i, m in enumerate(raw):
-        where = f"messages[{i}]"
+        where = f"messages.{i}"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             role = m.get("role") if isinstance(m, dict) else None
             raise ApiError(400, f"{where}.role is {role!r}; Anthropic messages take 'user' or 'assistant' "
                            "(the system prompt goes in the top-level 'system' field)", param=f"{where}.role")
+        if m["role"] == "assistant" and i == len(raw) - 1:
+            raise ApiError(400, f"{where}: the conversation ends with an assistant message (prefill); this "
+                           "router does not support prefill: end with a user message", param=where)
         content = m.get("content")
         if isinstance(content, str):
-            out.append({"role": m["role"], "content": content})
+            if not content:
+                raise ApiError(400, f"{where}: all messages must have non-empty content", param=where)
+            out.append({"role": m["role"], "content": content, "where": where})
             continue
-        if not isinstance(content, list):
-            raise ApiError(400, f"{where}.content must be a string or a list of content blocks", param=where)
+        if not isinstance(content, list) or not content:
+            raise ApiError(400, f"{where}.content must be a non-empty string or a non-empty list of content blocks",
+                           param=where)
         texts, calls = [], []
         for j, b in enumerate(content):
             kind = b.get("type") if isinstance(b, dict) else None
-            bw = f"{where}.content[{j}]"
+            bw = f"{where}.content.{j}"
             if kind == "text" and isinstance(b.get("text"), str):
+                if not b["text"]:
+                    raise ApiError(400, f"{bw}: text content blocks must be non-empty", param=bw)
                 texts.append(b["text"])
             elif kind == "tool_use" and m["role"] == "assistant":
-                calls.append(_tool_call(b.get("name"), b.get("input", {}), b.get("id"), bw))
+                if not isinstance(b.get("input"), dict):
+                    raise ApiError(400, f"{bw}: tool_use.input must be an object", param=bw)
+                calls.append(_tool_call(b.get("name"), b["input"], b.get("id"), bw))
             elif kind == "tool_result" and m["role"] == "user":
+                if not isinstance(b.get("tool_use_id"), str):
+                    raise ApiError(400, f"{bw}: tool_result needs the string 'tool_use_id' of the call it answers",
+                                   param=bw)
                 # Tool results become tool messages, rendered by the template as <tool_response> blocks.
                 out.append({"role": "tool", "content": _text_of(b.get("content"), bw),
-                            "tool_call_id": b.get("tool_use_id", "")})
+                            "tool_call_id": b["tool_use_id"], "where": bw})
             else:
                 raise ApiError(400, f"{bw} has unsupported block type {kind!r} for role {m['role']!r} "
                                "(supported: text, tool_use in assistant turns, tool_result in user turns)", param=bw)
-        if texts or calls or not any(isinstance(b, dict) and b.get("type") == "tool_result" for b in content):
-            msg = {"role": m["role"], "content": "".join(texts)}
+        if texts or calls:
+            msg = {"role": m["role"], "content": "".join(texts), "where": where}
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
+    _check_tool_answers(out, "anthropic")
     return out
 
 
@@ -672,12 +745,136 @@ def anthropic_tools(raw) -> list[dict] | None:
         raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
     tools = []
     for i, t in enumerate(raw):
-        if not isinstance(t, dict) or not isinstance(t.get("input_schema"), dict):
-            raise ApiError(400, f"invalid tool schema at tools[{i}]: expected {{'name', 'description', "
-                           "'input_schema': {'type': 'object', ...}}", param=f"tools[{i}]")
+        if not isinstance(t, dict) or t.get("type", "custom") != "custom" or not isinstance(t.get("input_schema"), dict):
+            raise ApiError(400, f"invalid tool schema at tools.{i}: expected a client tool {{'name', 'description', "
+                           "'input_schema': {'type': 'object', ...}}} (server tools are not supported)",
+                           param=f"tools.{i}")
         tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
-                                                                     t["input_schema"], f"tools[{i}]")})
-    return tools or None
+                                                                     t["input_schema"], f"tools.{i}")})
+    return _unique_tools(tools)
+
+
+# Top-level request fields, as the official SDKs' request types list them. An unknown field is refused,
+# naming the closest known one, as both APIs refuse it (a typo like `temprature` must not pass silently).
+# Known fields fall in three kinds: honoured (the handlers read them); inert (no effect on what is generated:
+# metadata, caching, billing hints), only type-checked; honoured only at their default value, because the
+# engine cannot do otherwise and ignoring them would hand the trainer a different sample than was asked for.
+_OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options",
+                    "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs"}
+_OPENAI_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
+                 "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str, "seed": int,
+                 "parallel_tool_calls": bool, "reasoning_effort": str, "verbosity": str, "moderation": dict}
+_OPENAI_DEFAULT_ONLY = {"n": [1], "top_logprobs": [0], "frequency_penalty": [0], "presence_penalty": [0],
+                        "logit_bias": [{}], "response_format": [{"type": "text"}], "modalities": [["text"]],
+                        "audio": [], "prediction": [], "web_search_options": [], "functions": [], "function_call": []}
+_ANTHROPIC_HONOURED = {"messages", "model", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
+                       "top_k", "tools", "tool_choice"}
+_ANTHROPIC_INERT = {"metadata": dict, "service_tier": str, "cache_control": dict, "inference_geo": str, "speed": str,
+                    "diagnostics": dict, "user_profile_id": str, "workspace_id": str, "container": (str, dict)}
+_ANTHROPIC_DEFAULT_ONLY = {"thinking": [{"type": "disabled"}], "output_config": [{}], "mcp_servers": [[]]}
+
+
+def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict) -> None:
+    import difflib
+    for k, v in body.items():
+        if k in honoured:
+            continue
+        if k in inert:
+            if v is not None and (not isinstance(v, inert[k]) or isinstance(v, bool) and inert[k] is int):
+                raise ApiError(400, f"'{k}' must be of type {getattr(inert[k], '__name__', inert[k])}, got {v!r:.100}",
+                               param=k)
+        elif k in default_only:
+            if v is not None and v not in default_only[k]:
+                raise ApiError(400, f"'{k}'={v!r:.200} is not supported by this router (the engine cannot honour it);"
+                               f" leave it unset" + (f" or {default_only[k][0]!r}" if default_only[k] else ""), param=k)
+        else:
+            close = difflib.get_close_matches(k, sorted(honoured | set(inert) | set(default_only)), n=1)
+            raise ApiError(400, f"unrecognized request argument supplied: {k!r}" +
+                           (f"; did you mean {close[0]!r}?" if close else ""), param=k)
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise ApiError(400, f"'{name}' must be a boolean, got {v!r:.100}", param=name)
+    return bool(v)
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat request, whichever API it came in."""
+    messages: list[dict]
+    tools: list[dict] | None
+    parse_tools: bool              # False for tool_choice "none": tool-call text stays text
+    max_tokens: int | None
+    overrides: dict                # the client's sampling settings for this turn
+    stop: list[str] | None
+    stream: bool
+    logprobs: bool = False         # OpenAI: return per-token logprobs
+    include_usage: bool = False    # OpenAI streaming: a final usage chunk
+
+
+def openai_request(body: dict) -> ChatRequest:
+    """A Chat Completions body, checked against what the OpenAI API accepts (and what the router can do)."""
+    _check_fields(body, _OPENAI_HONOURED, _OPENAI_INERT, _OPENAI_DEFAULT_ONLY)
+    if "messages" not in body:
+        raise ApiError(400, "missing required field 'messages'", param="messages")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
+    messages, tools = openai_messages(body["messages"]), openai_tools(body.get("tools"))
+    choice = body.get("tool_choice", "auto")
+    named = isinstance(choice, dict) and choice.get("type") == "function" and \
+        isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+    if not (named or choice in ("auto", "none", "required")):
+        raise ApiError(400, f"tool_choice {choice!r:.200} must be 'auto', 'none', 'required' or "
+                       "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if "tool_choice" in body and body["tool_choice"] is not None and not tools:
+        raise ApiError(400, "'tool_choice' is only allowed when 'tools' are specified", param="tool_choice")
+    if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
+        raise ApiError(400, f"tool_choice names {choice['function']['name']!r}, which is not among the tools",
+                       param="tool_choice")
+    stream, logprobs = _flag(body, "stream"), _flag(body, "logprobs")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true, as an object", param="stream_options")
+    include_usage = _flag(options or {}, "include_usage")
+    for name in ("max_tokens", "max_completion_tokens"):
+        _positive_int(body.get(name), name)
+    stop = _stop_list(body.get("stop"), "stop", allow_str=True)
+    if stop is not None and len(stop) > 4:
+        raise ApiError(400, f"'stop' takes at most 4 sequences, got {len(stop)}", param="stop")
+    return ChatRequest(messages, tools, choice != "none", body.get("max_completion_tokens") or body.get("max_tokens"),
+                       _sampling_overrides(body, temperature_max=2.0), stop, stream, logprobs, include_usage)
+
+
+def anthropic_request(body: dict) -> ChatRequest:
+    """A Messages body, checked against what the Anthropic API accepts (and what the router can do)."""
+    _check_fields(body, _ANTHROPIC_HONOURED, _ANTHROPIC_INERT, _ANTHROPIC_DEFAULT_ONLY)
+    for name in ("messages", "max_tokens"):
+        if name not in body:
+            raise ApiError(400, f"missing required field '{name}'", param=name)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
+    if body["max_tokens"] == 0:
+        raise ApiError(400, "max_tokens=0 (prompt-cache pre-warming) is not supported by this router; ask for "
+                       ">= 1 token", param="max_tokens")
+    if body["max_tokens"] is None:
+        raise ApiError(400, "max_tokens must be a positive integer, got None", param="max_tokens")
+    msgs, tools = anthropic_messages(body.get("system"), body["messages"]), anthropic_tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+            raise ApiError(400, f"tool_choice {choice!r:.200} must be {{'type': 'auto' | 'any' | 'tool' | 'none'}}",
+                           param="tool_choice")
+        if choice["type"] == "tool" and choice.get("name") not in {t["function"]["name"] for t in tools or ()}:
+            raise ApiError(400, f"tool_choice names {choice.get('name')!r}, which is not among the tools",
+                           param="tool_choice")
+    stop = body.get("stop_sequences")
+    if stop is not None and not isinstance(stop, list):
+        raise ApiError(400, f"'stop_sequences' must be a list of strings, got {stop!r:.100}", param="stop_sequences")
+    return ChatRequest(msgs, tools, (choice or {}).get("type") != "none",
+                       _positive_int(body["max_tokens"], "max_tokens"), _sampling_overrides(body, temperature_max=1.0),
+                       _stop_list(stop, "stop_sequences"), _flag(body, "stream"))
 
 
 def _message_key(m: dict) -> tuple:
@@ -1232,41 +1429,20 @@ class Router:
         @guarded(openai_error_body)
         async def chat_completions(request: Request, sid: str):
             s = self._session(sid, request.headers)
-            body = await body_of(request)
-            if "messages" not in body:
-                raise ApiError(400, "missing required field 'messages'", param="messages")
-            if body.get("n", 1) != 1:
-                raise ApiError(400, f"n={body.get('n')} is not supported; open one session per sample", param="n")
-            messages, tools = openai_messages(body["messages"]), openai_tools(body.get("tools"))
-            choice = body.get("tool_choice", "auto")
-            named = isinstance(choice, dict) and choice.get("type") == "function"
-            if not (named or choice in ("auto", "none", "required")):
-                raise ApiError(400, f"tool_choice {choice!r} must be 'auto', 'none', 'required' or "
-                               "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
-            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-            stop = _stop_list(body.get("stop"), "stop")
-            turn = await s.run_turn(self.pool, messages, tools, parse_tools=choice != "none",
-                                    max_tokens=_positive_int(max_tokens, "max_tokens"),
-                                    overrides=_sampling_overrides(body), stop=stop)
-            if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return sse(openai_stream(self.chat, turn, self.model_name, bool(body.get("logprobs")), include_usage))
-            return JSONResponse(openai_response(self.chat, turn, self.model_name, bool(body.get("logprobs"))))
+            req = openai_request(await body_of(request))
+            turn = await s.run_turn(self.pool, req.messages, req.tools, parse_tools=req.parse_tools,
+                                    max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop)
+            if req.stream:
+                return sse(openai_stream(self.chat, turn, self.model_name, req.logprobs, req.include_usage))
+            return JSONResponse(openai_response(self.chat, turn, self.model_name, req.logprobs))
 
         @guarded(anthropic_error_body)
         async def messages(request: Request, sid: str):
             s = self._session(sid, request.headers)
-            body = await body_of(request)
-            for name in ("messages", "max_tokens"):
-                if name not in body:
-                    raise ApiError(400, f"missing required field '{name}'", param=name)
-            msgs, tools = anthropic_messages(body.get("system"), body["messages"]), anthropic_tools(body.get("tools"))
-            choice = (body.get("tool_choice") or {}).get("type", "auto")
-            turn = await s.run_turn(self.pool, msgs, tools, parse_tools=choice != "none",
-                                    max_tokens=_positive_int(body["max_tokens"], "max_tokens"),
-                                    overrides=_sampling_overrides(body),
-                                    stop=_stop_list(body.get("stop_sequences"), "stop_sequences"))
-            if body.get("stream"):
+            req = anthropic_request(await body_of(request))
+            turn = await s.run_turn(self.pool, req.messages, req.tools, parse_tools=req.parse_tools,
+                                    max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop)
+            if req.stream:
                 return sse(anthropic_stream(turn, self.model_name))
             return JSONResponse(anthropic_response(turn, self.model_name))
 
@@ -1351,26 +1527,30 @@ def _positive_int(v, name: str) -> int | None:
     return v
 
 
-def _stop_list(v, name: str) -> list[str] | None:
+def _stop_list(v, name: str, allow_str: bool = False) -> list[str] | None:
     if v is None:
         return None
-    v = [v] if isinstance(v, str) else v
+    v = [v] if (allow_str and isinstance(v, str)) else v
     if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
-        raise ApiError(400, f"{name} must be a non-empty string or a list of them, got {v!r:.200}", param=name)
+        raise ApiError(400, f"{name} must be a list of non-empty strings{' (or one string)' if allow_str else ''}, "
+                       f"got {v!r:.200}", param=name)
     return v
 
 
-def _sampling_overrides(body: dict) -> dict:
+def _sampling_overrides(body: dict, temperature_max: float) -> dict:
     """Client sampling settings, validated. They override the recipe's for this turn (the engine's
-    logprobs then follow the client's distribution, which is what the rollout really sampled from)."""
+    logprobs then follow the client's distribution, which is what the rollout really sampled from).
+    Ranges are the APIs': temperature [0, 2] (OpenAI) or [0, 1] (Anthropic), top_p [0, 1]."""
     out = {}
-    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+    for name, lo, hi in (("temperature", 0.0, temperature_max), ("top_p", 0.0, 1.0)):
         v = body.get(name)
         if v is None:
             continue
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
             raise ApiError(400, f"{name} must be a number in [{lo}, {hi}], got {v!r}", param=name)
         out[name] = float(v)
+    if out.get("top_p") == 0.0:  # the engines need a non-empty nucleus; top_p 0 keeps the single best token
+        out["top_p"], out["top_k"] = 1.0, 1
     if body.get("top_k") is not None:
         out["top_k"] = _positive_int(body["top_k"], "top_k")
     return out
@@ -1389,28 +1569,167 @@ class ExecResult:
     wall_s: float
 
 
-class LocalSandbox:
-    """A temp directory + a process group with rlimits. Not a security boundary (same user, same
-    network: the agent must reach the router on loopback); it bounds runaway code and cleans up after."""
+# What a LocalSandbox can contain depends on the OS and the user, so it is probed once per process:
+#   writes outside the sandbox dir + network: a new mount namespace (everything else remounted
+#     read-only, a private /dev/shm) and, when network=False, a new network namespace (no interface up,
+#     not even loopback). Needs root, or unprivileged user namespaces.
+#   the number of processes and the total memory: a pids + memory cgroup per sandbox. Needs write access
+#     to a cgroup hierarchy (root, usually). RLIMIT_NPROC is no substitute: the kernel ignores it for
+#     root, and for other users it counts every process of the user, not the sandbox's.
+# Whatever is unavailable is not contained; `LocalSandbox.contained` says which, and a warning says so once.
+# The namespaces are entered with raw syscalls in the forked child, before exec: the `unshare`/`mount`
+# programs cost a process per mount point (~0.5 s per command measured here, against ~1 ms this way).
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
+_MS = {"ro": 1, "nosuid": 2, "nodev": 4, "noexec": 8, "remount": 32, "noatime": 1024, "nodiratime": 2048,
+       "bind": 4096, "rec": 16384, "private": 1 << 18, "relatime": 1 << 21, "strictatime": 1 << 24}
+_LIBC = None
+_ISOLATION: bool | None = None  # probed once: can a child enter the namespaces here?
 
-    def __init__(self, *, cpu_s: int = 60, memory_mb: int = 4096, file_mb: int = 64, max_procs: int | None = None):
+
+def _syscall(name: str, *args) -> None:
+    if getattr(_LIBC, name)(*args) != 0:
+        import ctypes
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}{args!r}: {os.strerror(err)}")
+
+
+def _isolate(root_dir: str, network: bool) -> None:
+    """In the child between fork and exec: new mount (+ user, + network) namespaces; every mount but
+    `root_dir` becomes read-only (keeping its nosuid/nodev/noexec flags, which a user namespace may not
+    drop), /dev/shm becomes a private tmpfs, and the cwd moves onto the new bind mount of root_dir."""
+    uid, gid = os.getuid(), os.getgid()
+    flags = _CLONE_NEWNS | (0 if network else _CLONE_NEWNET) | (_CLONE_NEWUSER if uid != 0 else 0)
+    _syscall("unshare", flags)
+    if uid != 0:  # map ourselves to root inside, so the mounts below are allowed
+        for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"0 {uid} 1"),
+                           ("/proc/self/gid_map", f"0 {gid} 1")):
+            with open(path, "w") as f:
+                f.write(text)
+    d = root_dir.encode()
+    _syscall("mount", None, b"/", None, _MS["rec"] | _MS["private"], None)  # nothing propagates to the host
+    _syscall("mount", d, d, None, _MS["bind"], None)
+    with contextlib.suppress(OSError):
+        _syscall("mount", b"tmpfs", b"/dev/shm", b"tmpfs", _MS["nosuid"] | _MS["nodev"], b"size=64m")
+    with open("/proc/self/mountinfo") as f:
+        mounts = [(line.split()[4], line.split()[5].split(",")) for line in f]
+    for point, opts in reversed(mounts):  # mountinfo escapes spaces as \040; such mounts stay as they are
+        if point in (root_dir, "/dev/shm"):
+            continue
+        keep = sum(_MS.get(o, 0) for o in opts if o in ("nosuid", "nodev", "noexec", "noatime", "nodiratime",
+                                                         "relatime", "strictatime"))
+        with contextlib.suppress(OSError):
+            _syscall("mount", None, point.encode(), None, _MS["remount"] | _MS["bind"] | _MS["ro"] | keep, None)
+    os.chdir(root_dir)  # the old cwd is the directory under the new mount, which is now read-only
+
+
+def _isolation_available() -> bool:
+    """Whether a child can enter the namespaces here (probed once, in a throwaway child)."""
+    global _ISOLATION, _LIBC
+    if _ISOLATION is None:
+        import ctypes
+        _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here, not in the forked child
+        probe = tempfile.mkdtemp(prefix="loongsage-probe-")
+        try:
+            _ISOLATION = subprocess.run(["sh", "-c", "! touch /loongsage-probe 2>/dev/null && touch ok"], cwd=probe,
+                                        preexec_fn=lambda: _isolate(probe, False), capture_output=True,
+                                        timeout=30).returncode == 0 and os.path.exists(f"{probe}/ok")
+        except (OSError, subprocess.SubprocessError):
+            _ISOLATION = False
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    return _ISOLATION
+
+
+def _cgroup(controller: str, name: str) -> Path | None:
+    """Create cgroup `name` with `controller` (v1 hierarchy /sys/fs/cgroup/<controller>, or v2
+    /sys/fs/cgroup with the controller enabled for children); None where neither is writable."""
+    limit_file = {"pids": "pids.max", "memory": "memory.limit_in_bytes"}[controller]
+    for base, limit in ((Path("/sys/fs/cgroup") / controller, limit_file), (Path("/sys/fs/cgroup"),
+                                                                           f"{controller}.max")):
+        path = base / name
+        try:
+            path.mkdir(exist_ok=False)
+        except OSError:
+            continue
+        if (path / limit).exists():
+            return path
+        with contextlib.suppress(OSError):
+            path.rmdir()
+    return None
+
+
+def _cgroup_kill(path: Path) -> None:
+    """SIGKILL every process left in the cgroup (even ones that left the process group with setsid).
+    Orphans are reaped by init: until then they still count against pids.max (on this machine's init,
+    for up to seconds) and the cgroup cannot be removed."""
+    for _ in range(100):
+        try:
+            pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+        except OSError:
+            return
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+_WARNED: set[str] = set()
+
+
+class LocalSandbox:
+    """A temp directory + a process group with rlimits, and where this machine allows it, namespaces and
+    cgroups (see `_isolate` above): writes outside the directory fail (read-only filesystem),
+    `network=False` cuts every connection (black-box agents keep it: they reach the router on loopback),
+    and the sandbox's processes are counted and their total memory capped together. Always: CPU time,
+    address space and file size per process, the wall clock, and every process killed at the end.
+
+    Not a security boundary: the same kernel, and the same user (root stays root inside, with a
+    read-only view). Measured here (root, cgroup v1): all five containment cases hold (tests/test_reliability.py)."""
+
+    def __init__(self, *, cpu_s: int = 60, memory_mb: int = 4096, file_mb: int = 64, max_procs: int = 256,
+                 network: bool = True):
         self.cpu_s, self.memory_mb, self.file_mb, self.max_procs = cpu_s, memory_mb, file_mb, max_procs
+        self.network = network
         self.dir: str | None = None
         self._pgids: set[int] = set()
+        self._cgroups: list[Path] = []
+        self.contained: dict[str, bool] = {}  # what this sandbox really enforces (writes, network, procs,
+        #                                       total_memory), filled by create()
 
     async def create(self) -> "LocalSandbox":
         self.dir = tempfile.mkdtemp(prefix="loongsage-sbx-")
+        name = Path(self.dir).name
+        pids, mem = _cgroup("pids", name), _cgroup("memory", name)
+        if pids is not None:
+            (pids / "pids.max").write_text(str(self.max_procs))
+        if mem is not None:
+            limit = "memory.limit_in_bytes" if (mem / "memory.limit_in_bytes").exists() else "memory.max"
+            (mem / limit).write_text(str(self.memory_mb * 2 ** 20))
+        self._cgroups = [c for c in (pids, mem) if c is not None]
+        isolate = _isolation_available()
+        # network: cut (only asked for with network=False; black-box agents need loopback to the router)
+        self.contained = {"writes": isolate, "network": isolate and not self.network, "procs": pids is not None,
+                          "total_memory": mem is not None}
+        missing = sorted(k for k, v in self.contained.items() if not v and (k != "network" or not self.network))
+        if missing and ",".join(missing) not in _WARNED:
+            _WARNED.add(",".join(missing))
+            log.warning("LocalSandbox cannot contain %s on this machine (needs root or user namespaces, and a "
+                        "writable pids/memory cgroup); use sandbox: docker for those", missing)
         return self
 
     def _limits(self) -> None:  # runs in the child between fork and exec
+        for cg in self._cgroups:  # join first: every process forked from here on is counted
+            (cg / "cgroup.procs").write_text(str(os.getpid()))
+        if self.contained.get("writes"):
+            _isolate(self.dir, self.network)
         resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s))
         mem = self.memory_mb * 2 ** 20
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         fsize = self.file_mb * 2 ** 20
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if self.max_procs:
-            resource.setrlimit(resource.RLIMIT_NPROC, (self.max_procs, self.max_procs))
 
     def write(self, name: str, text: str) -> str:
         path = Path(self.dir) / name
@@ -1438,7 +1757,9 @@ class LocalSandbox:
             self._kill(proc.pid)
             out, err = await proc.communicate()
         finally:
-            self._kill(proc.pid)  # background children of a finished command die with it too
+            self._kill(proc.pid)  # background children of a finished command die with it too,
+            for cg in self._cgroups[:1]:  # and so do those that left its process group (setsid, daemons)
+                _cgroup_kill(cg)
         return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
                           timed_out, time.perf_counter() - t0)
 
@@ -1450,18 +1771,38 @@ class LocalSandbox:
         for pgid in self._pgids:
             self._kill(pgid)
         self._pgids.clear()
+        for cg in self._cgroups:
+            _cgroup_kill(cg)
+        for _ in range(100):  # removable once init has reaped the killed processes
+            for cg in list(self._cgroups):
+                with contextlib.suppress(OSError):
+                    cg.rmdir()
+                    self._cgroups.remove(cg)
+            if not self._cgroups:
+                break
+            await asyncio.sleep(0.05)
+        if self._cgroups:
+            log.warning("sandbox cgroups %s still hold unreaped processes; left in place", self._cgroups)
+        self._cgroups = []
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
 
 
 class DockerSandbox:
-    """One container per sandbox (docker CLI): `--network host` so the agent reaches the router on
-    loopback, memory/CPU/pids limits on the container, `docker exec` per command, `docker rm -f` at the end."""
+    """One container per sandbox (docker CLI), `docker exec` per command, `docker rm -f` at the end.
 
-    def __init__(self, *, image: str = "python:3.11-slim", cpus: float = 1.0, memory_mb: int = 4096,
-                 file_mb: int = 64, pids: int = 256):
-        self.image, self.cpus, self.memory_mb, self.file_mb, self.pids = image, cpus, memory_mb, file_mb, pids
+    The container: memory (no extra swap), CPUs, pids, per-process CPU time and file size limits; a
+    read-only root filesystem with a small /tmp tmpfs; the work dir mounted read-write at /work and
+    LoongSage read-only at /loongsage; no capabilities, no privilege gain. `network=True` shares the
+    host network so an agent reaches the router on loopback; `network=False` gives it none.
+    """
+
+    def __init__(self, *, image: str | None = None, cpus: float = 1.0, cpu_s: int = 60, memory_mb: int = 4096,
+                 file_mb: int = 64, max_procs: int = 256, network: bool = True):
+        self.image = image or os.environ.get("LOONGSAGE_SANDBOX_IMAGE", "python:3.11-slim")
+        self.cpus, self.cpu_s, self.memory_mb, self.file_mb = cpus, cpu_s, memory_mb, file_mb
+        self.max_procs, self.network = max_procs, network
         self.name: str | None = None
         self.dir: str | None = None
 
@@ -1479,14 +1820,22 @@ class DockerSandbox:
             return ExecResult(-9, out.decode(errors="replace"), err.decode(errors="replace"), True,
                               time.perf_counter() - t0)
 
+    def run_args(self) -> list[str]:
+        """The `docker run` arguments that start this sandbox's container (after create() named it)."""
+        fsize = self.file_mb * 2 ** 20  # docker passes ulimit values to setrlimit as they are: bytes, seconds
+        return ["run", "-d", "--rm", "--name", self.name, "--network", "host" if self.network else "none",
+                "--memory", f"{self.memory_mb}m", "--memory-swap", f"{self.memory_mb}m", "--cpus", str(self.cpus),
+                "--pids-limit", str(self.max_procs), "--ulimit", f"cpu={self.cpu_s}:{self.cpu_s}",
+                "--ulimit", f"fsize={fsize}:{fsize}", "--read-only", "--tmpfs", "/tmp:rw,size=64m",
+                "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+                "-v", f"{self.dir}:/work", "-v", f"{ROOT}:/loongsage:ro", "-w", "/work",
+                self.image, "sleep", "infinity"]
+
     async def create(self) -> "DockerSandbox":
         self.dir = tempfile.mkdtemp(prefix="loongsage-sbx-")
+        os.chmod(self.dir, 0o777)  # the image's user may not be ours
         self.name = "loongsage-" + uuid.uuid4().hex[:12]
-        r = await self._docker("run", "-d", "--rm", "--name", self.name, "--network", "host",
-                               "--memory", f"{self.memory_mb}m", "--cpus", str(self.cpus),
-                               "--pids-limit", str(self.pids), "--ulimit", f"fsize={self.file_mb * 2 ** 20}",
-                               "-v", f"{self.dir}:/work", "-v", f"{ROOT}:/loongsage:ro", "-w", "/work",
-                               self.image, "sleep", "infinity")
+        r = await self._docker(*self.run_args())
         if r.exit_code != 0:
             raise RuntimeError(f"docker run {self.image} failed ({r.exit_code}): {r.stderr.strip()[:500]}")
         return self
@@ -1558,7 +1907,7 @@ async def code_tests(response: str, sample: dict) -> float:
     """
     blocks = _CODE_BLOCK_RE.findall(response)
     code = blocks[-1] if blocks else response
-    box = await make_sandbox("auto", cpu_s=int(sample.get("timeout", 10)) + 1).create()
+    box = await make_sandbox("auto", cpu_s=int(sample.get("timeout", 10)) + 1, network=False).create()
     try:
         box.write("solution.py", code)
         test = box.write("test_solution.py", "from solution import *\n" + str(sample["tests"]))
@@ -1576,6 +1925,24 @@ async def _call(fn, *args):
     """Call a sync or async function (rewards and agents may be either)."""
     out = fn(*args)
     return await out if inspect.isawaitable(out) else out
+
+
+def _scalar_reward(value, source: str) -> tuple[float | None, str | None]:
+    """(reward, None) for a finite number, else (None, error). A NaN or inf reward would turn every
+    advantage of its group (and the loss) into NaN; per-turn rewards travel separately (an agent's
+    {"turn_rewards": [...]}), so a list here is a mistake."""
+    if isinstance(value, (list, tuple)):
+        return None, (f"{source} returned a sequence {value!r:.200}; return one number per trajectory (an agent "
+                      "reports per-turn rewards as {'turn_rewards': [...]} in its returned dict)")
+    try:
+        if value is None or isinstance(value, (str, bytes, dict)):
+            raise TypeError
+        value = float(value)  # bools, numpy and 0-d torch numbers convert
+    except (TypeError, ValueError):
+        return None, f"{source} returned {value!r:.200} ({type(value).__name__}); it must return a number"
+    if not math.isfinite(value):
+        return None, f"{source} returned {value}; rewards must be finite numbers"
+    return value, None
 
 
 def _task_text(sample: dict) -> str:
@@ -1741,10 +2108,12 @@ class AgentFlow:
         t0 = time.perf_counter()
         if status not in ("failed", "aborted") and reward is None:
             try:
-                reward = float(await _call(self.reward_fn, text, sample))
+                reward, bad = _scalar_reward(await _call(self.reward_fn, text, sample), f"reward {self.cfg.reward}")
             except Exception as e:  # a reward bug must show, but not kill the whole step
                 log.exception("reward %s failed", self.cfg.reward)
-                status, error = "failed", f"reward {self.cfg.reward} raised {e!r}"
+                reward, bad = None, f"reward {self.cfg.reward} raised {e!r}"
+            if bad:
+                status, error = "failed", bad
         traj = s.trajectory(reward or 0.0, status)
         traj.response_text = text
         traj.timings.update(generate_s=s.generate_s, reward_s=time.perf_counter() - t0)
@@ -1765,7 +2134,7 @@ class AgentFlow:
                     f"prompt has {len(plan.input_ids)} tokens > max_prompt_len={self.cfg.max_prompt_len}; "
                     "filter the dataset or raise max_prompt_len"))
             turn = await s.run_turn(self.pool, messages, tools)
-        except (ApiError, EngineUnavailable, httpx.HTTPError, RuntimeError) as e:
+        except Exception as e:  # a bad sample (no messages, a template error) or engine error fails this one only
             return await self._finish(s, sample, status="failed" if s.status == "ok" else s.status,
                                       error=getattr(e, "message", None) or repr(e))
         status = "truncated" if turn.finish_reason == "length" else "ok"
@@ -1795,11 +2164,22 @@ class AgentFlow:
             await self.router.close_session(s)
             await client.close()
         reward = None
-        if isinstance(result, dict) and result.get("reward") is not None:
-            reward = float(result["reward"])
+        if status is None and not (result is None or isinstance(result, (str, dict))):
+            status, error = "failed", (f"agent {self.cfg.agent} returned {type(result).__name__} {result!r:.200}; "
+                                       "return the final text (str), a dict (optionally with 'reward'), or None")
+        elif status is None and isinstance(result, dict) and result.get("reward") is not None:
+            reward, error = _scalar_reward(result["reward"], f"agent {self.cfg.agent}'s 'reward'")
+            status = "failed" if error else None
+        turn_rewards = result.get("turn_rewards") if isinstance(result, dict) and status is None else None
+        if turn_rewards is not None:  # one finite number per model turn, or the trajectory fails
+            checked = [_scalar_reward(r, f"agent {self.cfg.agent}'s turn_rewards[{i}]")
+                       for i, r in enumerate(turn_rewards if isinstance(turn_rewards, list) else [turn_rewards])]
+            error = next((e for _, e in checked if e), None) or (
+                None if isinstance(turn_rewards, list) else f"agent {self.cfg.agent}'s turn_rewards must be a list")
+            status = "failed" if error else None
         traj = await self._finish(s, sample, status=status, error=error, reward=reward)
-        if isinstance(result, dict) and result.get("turn_rewards") and traj.status != "failed":
-            traj.turn_rewards = [float(r) for r in result["turn_rewards"]]
+        if turn_rewards and traj.status != "failed":
+            traj.turn_rewards = [r for r, _ in checked]
         if isinstance(result, (str, dict)):
             traj.metadata["agent_result"] = result if isinstance(result, dict) else result[:2000]
         return traj
@@ -1827,7 +2207,7 @@ class AgentFlow:
                 elif r.exit_code != 0 and s.status == "ok":
                     status, error = "failed", (f"agent command exited {r.exit_code}: "
                                                f"{r.stderr.strip()[-1000:]}")
-            except (OSError, RuntimeError) as e:
+            except Exception as e:  # sandbox start/exec trouble fails this trajectory, not the step
                 status, error = "failed", f"sandbox error: {e!r}"
             finally:
                 await self.router.close_session(s)

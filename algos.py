@@ -119,6 +119,9 @@ def validate(cfg) -> None:
     need(cfg.dual_clip_c == 0 or cfg.policy_loss == "ppo_clip",
          f"algo.dual_clip_c={cfg.dual_clip_c!r} applies to policy_loss='ppo_clip' only, "
          f"not {cfg.policy_loss!r}; set dual_clip_c=0")
+    need(cfg.advantage != "gae", "algo.advantage='gae' needs a value model (critic) to give V(s_t), and this build "
+         "trains the policy only; use advantage='returns' (discounted return-to-go of the outcome, gamma) or "
+         "'reinforce_pp' (the same with KL in the reward and a batch z-score) instead")
     need(0 <= cfg.gamma <= 1, f"algo.gamma={cfg.gamma!r} must be in [0, 1]")
     need(0 <= cfg.lam <= 1, f"algo.lam={cfg.lam!r} must be in [0, 1]")
     need(cfg.is_low < cfg.is_high, f"algo.is_low={cfg.is_low!r} must be < algo.is_high={cfg.is_high!r}")

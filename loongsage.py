@@ -147,7 +147,7 @@ class Config:
     grad_clip: float = 1.0  # global grad-norm clip; 0 = off
 
     # --- algo (see algos.py and ALGORITHMS.md; validated by algos.validate) ---
-    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns | gae
+    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns (gae: rejected until a value model exists)
     adv_norm: str = "group"  # grpo normaliser: group | group_mean | batch | none
     policy_loss: str = "ppo_clip"  # ppo_clip | gspo | cispo | reinforce | sft
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
@@ -260,6 +260,36 @@ def finalize(cfg: Config) -> Config:
          "parallelism only for now; set pipeline_parallel=1 and use tensor_parallel/trainer_workers")
     need(cfg.expert_parallel == 1, f"expert_parallel={cfg.expert_parallel}: MoE weights cannot yet be exported "
          "from several expert ranks to the engines; set expert_parallel=1 (MoE models train with TP/DP)")
+    # counts and budgets: a zero or negative value here would divide by zero below or hang/do nothing later
+    for name in ("trainer_workers", "tensor_parallel", "num_engines", "prompts_per_step", "samples_per_prompt",
+                 "global_batch_size", "micro_batch_size", "max_new_tokens", "max_prompt_len", "max_context_len",
+                 "max_turns", "eval_samples", "engine_max_batch", "max_parallel_sandboxes", "warmstart_batch_size"):
+        need(isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 1,
+             f"{name}={getattr(cfg, name)!r} must be a positive integer")
+    for name in ("num_steps", "eval_every", "save_every", "print_every", "agent_retries", "warmstart_steps",
+                 "lr_warmup_steps"):
+        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = off / none)")
+    for name in ("agent_timeout", "cpus_per_trainer", "cpus_per_engine", "bucket_mb"):
+        need(getattr(cfg, name) > 0, f"{name}={getattr(cfg, name)!r} must be > 0")
+    need(cfg.lr >= 0 and 0 <= cfg.min_lr <= max(cfg.lr, 0), f"lr={cfg.lr!r}, min_lr={cfg.min_lr!r}: need 0 <= min_lr <= lr")
+    for name in ("temperature", "eval_temperature"):  # SGLang and the CPU engine refuse negative ones
+        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = greedy)")
+    need(0 < cfg.top_p <= 1, f"top_p={cfg.top_p!r} must be in (0, 1]")
+    need(cfg.top_k == -1 or cfg.top_k >= 1, f"top_k={cfg.top_k!r}: use -1 (off) or a positive integer")
+    need(not (cfg.train_only and cfg.rollout_only), "train_only and rollout_only together would neither generate "
+         "nor train; set one of them")
+    need(cfg.sandbox in ("local", "docker", "auto"), f"sandbox={cfg.sandbox!r}: choose 'local', 'docker' or 'auto'")
+    import transfermesh
+    need(cfg.transfer in transfermesh.TRANSPORTS, f"transfer={cfg.transfer!r}: choose one of {transfermesh.TRANSPORTS}")
+    need(cfg.transfer != "cuda_ipc" or cfg.device == "cuda", "transfer=cuda_ipc needs device=cuda (CUDA IPC handles "
+         "of GPU tensors); on CPU use transfer=auto (shared memory to local engines) or broadcast")
+    need(cfg.transfer != "shm" or cfg.engine == "cpu", "transfer=shm is the CPU engine's shared-memory path; SGLang "
+         "engines take cuda_ipc, broadcast or disk (or auto)")
+    need(not (cfg.agent and cfg.agent_command), f"set either agent ({cfg.agent!r}, a Python function) or "
+         f"agent_command ({cfg.agent_command!r}, a black-box program), not both")
+    unknown = sorted(set(cfg.tiny_model) - set(data.TINY_DEFAULTS))
+    need(cfg.model_path != "tiny" or not unknown, f"unknown tiny_model setting(s) {unknown}"
+         f"{_closest(unknown[0], data.TINY_DEFAULTS) if unknown else ''}; valid: {sorted(data.TINY_DEFAULTS)}")
     if cfg.device == "cuda" and cfg.colocate:
         need(cfg.num_engines * cfg.gpus_per_engine <= cfg.trainer_workers, f"colocate: {cfg.num_engines} engines x "
              f"gpus_per_engine={cfg.gpus_per_engine} GPUs must fit on the trainers' {cfg.trainer_workers} GPUs; lower "
@@ -332,6 +362,11 @@ def check_runtime(cfg: Config) -> None:
     if cfg.model_path != "tiny" and not Path(cfg.model_path).is_dir():
         raise FileNotFoundError(f"model_path={cfg.model_path!r} is not a directory; give a local HF model directory "
                                 "(config.json + safetensors + tokenizer) or model_path=tiny")
+    if cfg.agent_command and cfg.sandbox == "docker":
+        import agentflow
+        if not agentflow.docker_available():
+            raise ValueError("sandbox=docker but no Docker engine answers `docker info` on this machine; start "
+                             "dockerd, or set sandbox=local (LocalSandbox.contained says what it contains here)")
     for spec in (cfg.dataset, cfg.eval_dataset, *cfg.eval_sets.values()):
         if spec and not spec.startswith("synthetic:") and not Path(spec).exists():
             raise FileNotFoundError(f"dataset {spec!r} not found; give a .jsonl/.parquet path or 'synthetic:arith:<n>:<seed>'")
@@ -1000,6 +1035,7 @@ def rollout_metrics(trajs: list[dict], version: int) -> dict:
         "rollout/response_len": sum(len(t["response_ids"]) for t in trajs) / n,
         "rollout/generated_tokens": len(versions),
         "rollout/failed_frac": sum(t["status"] == "failed" for t in trajs) / n,
+        "rollout/failed": sum(t["status"] == "failed" for t in trajs),
         "rollout/truncated_frac": sum(t["status"] == "truncated" for t in trajs) / n,
         "rollout/weight_version_min": min(versions, default=-1),
         "rollout/weight_version_max": max(versions, default=-1),
@@ -1011,6 +1047,19 @@ def rollout_metrics(trajs: list[dict], version: int) -> dict:
                                     for t in trajs) / n,  # trajectories whose tokens span a weight update
         "rollout/lag": lags,  # per token: a TensorBoard histogram
     }
+
+
+def drop_empty_groups(trajs: list[dict]) -> tuple[list[dict], int, str]:
+    """Leave out groups with no trainable token (every sample failed, or generated nothing): they carry
+    no signal, and a mini-batch of only such groups would still move Adam's weights (momentum) on zero
+    gradients. Groups with some failed samples stay whole: those keep reward 0 and an all-zero loss
+    mask. Returns (kept trajectories, groups left out, the first error seen, for the log)."""
+    by: dict[int, list[dict]] = {}
+    for t in trajs:
+        by.setdefault(t["group_id"], []).append(t)
+    kept = [g for g in by.values() if any(any(t["loss_mask"]) for t in g)]
+    error = next((t.get("metadata", {}).get("error") for t in trajs if t.get("metadata", {}).get("error")), "")
+    return [t for g in kept for t in g], len(by) - len(kept), error
 
 
 def dump(trajs: list[dict], path: Path):
@@ -1157,8 +1206,10 @@ def train(cfg: Config) -> list[dict]:
             bar.write(f"[sample step {step}] reward={t['reward']} status={t['status']}\n"
                       f"  {t.get('prompt_text', '')!r} -> {t.get('response_text', '')!r}")
 
+        trajs, metrics["rollout/empty_groups"], error = drop_empty_groups(trajs)
         if not trajs:  # every group failed, was aborted or was filtered out: nothing to learn from
-            bar.write(f"step {step}: no trajectories to train on; skipping the update")
+            bar.write(f"step {step}: no group has a token to train on (every group failed, was aborted or "
+                      f"was filtered out){'; first error: ' + error[:500] if error else ''}; skipping the update")
         if not cfg.rollout_only and trajs:
             # --- 2. old/ref logprobs, advantages, policy update (all inside the trainers; one call per rank)
             t0 = time.perf_counter()

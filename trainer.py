@@ -512,25 +512,30 @@ def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None
     response-aligned (B, R) tensors loss_mask (1 on model-generated tokens, 0 on tool tokens and
     padding), rollout_logp, weight_versions, plus any `per_token` extras (lists of 1-D tensors,
     one per sample, padded with 0). Also rewards (B,) and group_ids (B,).
+
+    A trajectory that failed before its first model call has no response tokens: it becomes a row of
+    padding with loss_mask all 0 (it stays in its group, reward 0, and adds nothing to the loss).
+    R and T are at least 1 and 2, so even a micro-batch of only such rows has a position to gather.
     """
     B = len(samples)
     plen = [len(s["prompt_ids"]) for s in samples]
     rlen = [len(s["response_ids"]) for s in samples]
     for s, p, r in zip(samples, plen, rlen):
-        if p == 0 or r == 0:
+        if p == 0 and r > 0:
             raise ValueError(f"sample group_id={s.get('group_id')} sample_index={s.get('sample_index')} has "
-                             f"{p} prompt and {r} response tokens; both must be >= 1 (drop it before training)")
+                             f"{r} response tokens but no prompt token; the first response token needs a "
+                             "prompt token before it (keep the rendered prompt in prompt_ids)")
         if len(s["loss_mask"]) != r:
             raise ValueError(f"loss_mask has {len(s['loss_mask'])} entries for {r} response tokens "
                              f"(group_id={s.get('group_id')}); they must match one to one")
-    T, R = max(p + r for p, r in zip(plen, rlen)), max(rlen)
+    T, R = max([p + r for p, r in zip(plen, rlen)] + [2]), max(rlen + [1])
     tokens = torch.zeros(B, T, dtype=torch.long)  # (B, T) pad id 0 is never attended to (right padding)
     resp_pos = torch.zeros(B, R, dtype=torch.long)  # (B, R)
     out = {k: torch.zeros(B, R) for k in ("loss_mask", "rollout_logp")}
     versions = torch.full((B, R), -1, dtype=torch.long)  # (B, R)
     for b, s in enumerate(samples):
         p, r = plen[b], rlen[b]
-        tokens[b, :p + r] = torch.tensor(list(s["prompt_ids"]) + list(s["response_ids"]))
+        tokens[b, :p + r] = torch.tensor(list(s["prompt_ids"]) + list(s["response_ids"]), dtype=torch.long)
         resp_pos[b, :r] = torch.arange(p - 1, p - 1 + r)
         out["loss_mask"][b, :r] = torch.tensor(s["loss_mask"], dtype=torch.float)
         if s.get("rollout_logprobs"):
