@@ -729,7 +729,7 @@ def test_reward_error_max_turns_and_all_engines_down(engines, tiny_model_dir):
         return await asyncio.gather(gen(engines, reward="test_agentflow.raising_reward"),
                                     gen(engines, agent="test_agentflow.endless_agent", max_turns=3,
                                         reward="tests.rewards.digit_fraction"),
-                                    gen(dead))
+                                    gen(dead, engine_wait=1.0))  # no replacement comes: give up after 1 s
     (bad_reward, _), (endless, _), (down, down_flow) = run(body())
     assert len(bad_reward) == len(endless) == len(down) == 4
     for t in bad_reward:
@@ -741,5 +741,5 @@ def test_reward_error_max_turns_and_all_engines_down(engines, tiny_model_dir):
         assert t["reward"] == data.import_object("tests.rewards.digit_fraction")(t["response_text"], {})  # rewarded
     for t in down:
         assert t["status"] == "failed" and t["reward"] == 0.0 and t["metadata"]["attempts"] == 2
-        assert "no engine could serve" in t["metadata"]["error"] or "engines are marked down" in t["metadata"]["error"]
+        assert "no engine could serve" in t["metadata"]["error"] or "is up (dead:" in t["metadata"]["error"]
     assert down_flow.pool.healthy() == []

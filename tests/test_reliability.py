@@ -64,7 +64,7 @@ def test_groups_with_no_trainable_token_are_left_out_and_counted():
     kept, n_empty, error = loongsage.drop_empty_groups([ok, failed] + dead)
     assert kept == [ok, failed] and n_empty == 1 and error == "agent x raised boom"  # partial group stays whole
     assert loongsage.drop_empty_groups(dead)[:2] == ([], 1)
-    m = loongsage.rollout_metrics([ok, failed] + dead)
+    m = loongsage.rollout_metrics([ok, failed] + dead, 0)
     assert m["rollout/failed"] == 3 and m["rollout/failed_frac"] == 0.75
 
 
@@ -72,7 +72,7 @@ def test_groups_with_no_trainable_token_are_left_out_and_counted():
     (1, 1.0, None), (0.5, 0.5, None), (True, 1.0, None), (torch.tensor(0.25), 0.25, None),
     (float("nan"), None, "must be finite"), (float("inf"), None, "must be finite"),
     (None, None, "must return a number"), ("0.5", None, "must return a number"),
-    ({"r": 1}, None, "must return a number"), ([1.0, 0.0], None, "per-turn rewards are not carried"),
+    ({"r": 1}, None, "must return a number"), ([1.0, 0.0], None, "turn_rewards"),
 ])
 def test_rewards_must_be_finite_numbers(value, reward, error):
     got, err = agentflow._scalar_reward(value, "reward r")
@@ -508,7 +508,7 @@ def test_each_kind_of_failure_stays_in_its_group(engine, tiny_model_dir):
                                     gen(reward="tests.agents.per_turn_reward"))
     early, garbage, hog, raising, per_turn = run(body())
     for out, reason in ((early, "crashed before any model call"), (garbage, "returned list"),
-                        (raising, "raised ValueError('reward bug')"), (per_turn, "per-turn rewards are not carried")):
+                        (raising, "raised ValueError('reward bug')"), (per_turn, "turn_rewards")):
         assert [(t["group_id"], t["sample_index"]) for t in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         for t in out:
             assert t["status"] == "failed" and t["reward"] == 0.0 and not any(t["loss_mask"]), reason
