@@ -1461,7 +1461,7 @@ class Router:
             choice = body.get("tool_choice", "auto")
             turn = await s.run_turn(self.pool, msgs, tools, parse_tools=choice != "none",
                                     max_tokens=_positive_int(body.get("max_output_tokens"), "max_output_tokens"),
-                                    overrides=_sampling_overrides(body))
+                                    overrides=_sampling_overrides(body, temperature_max=2.0))
             rid = "resp_" + uuid.uuid4().hex
             output = responses_output(turn)
             s.responses[rid] = s.segments[-1].messages  # the conversation so far, for previous_response_id

@@ -1,6 +1,7 @@
 """Recipes: every YAML validates here (GPU ones included), and the code-repair tool runs real tests
 in a real sandbox."""
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,11 @@ def test_every_recipe_passes_validation_and_its_reward_knows_the_answer(recipe, 
 def test_describe_states_the_derived_sizes():
     cfg = loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), ["device=cpu", "trainer_workers=2"])
     # 64 prompts x 8 samples = 512 = 4 mini-batches of 128; 128 / 2 DP ranks = 64 = 1 micro-batch of 64
+    # sync on CPU: the phase running shares the node's cores among its actors (2 trainer ranks, 1 engine)
+    cores = os.cpu_count() or 1
     assert loongsage.describe(cfg) == ("data_parallel=2, rollout batch=512 samples, 4 optimizer step(s) per RL "
-                                       "step, 1 micro-batch(es) per rank per optimizer step, device=cpu, engine=cpu")
+                                       "step, 1 micro-batch(es) per rank per optimizer step, device=cpu, engine=cpu, "
+                                       f"torch threads trainer/engine={max(1, cores // 2)}/{cores}")
 
 
 def test_code_repair_tool_runs_the_tests_in_a_sandbox():
