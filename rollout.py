@@ -334,6 +334,16 @@ class CpuEngine:
             self.qkv_b.append(_fuse_rows([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
                               if a.q_proj.bias is not None else None)  # Qwen2 has q/k/v biases
             self.gate_up_w.append(_fuse_rows([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        # RoPE cos/sin for every position, computed once by the model's own rotary module (elementwise per
+        # position, so a table lookup gives the very same values); rope types that rescale with the sequence
+        # length ("dynamic", "longrope") are computed per step instead.
+        rope = self.model.model.rotary_emb
+        self.rope_table = None
+        if "dynamic" not in str(getattr(rope, "rope_type", "")) and getattr(rope, "rope_type", "") != "longrope":
+            probe = torch.zeros(1, dtype=self.dtype)
+            cos, sin = rope(probe, torch.arange(self.max_len)[None])                     # (1, max_len, D) each
+            self.rope_table = (cos[0], sin[0])                                            # (max_len, D) each
+        self._pack_weights()
         # kv heads before positions: a slot's keys for one head are one (S, D) block, so attention reads a
         # batch of slots as a strided view and the matmuls need no copy
         cache_shape = (cfg.num_hidden_layers, self.max_batch, self.n_kv_heads, self.max_len, self.head_dim)
@@ -366,6 +376,27 @@ class CpuEngine:
             eos = getattr(source, "eos_token_id", None)
             ids.update([eos] if isinstance(eos, int) else (eos or []))
         return frozenset(ids)
+
+    def _pack_weights(self) -> None:
+        """MKL's packed-GEMM copy of every weight matrix the forward pass multiplies by. A plain F.linear
+        re-packs the weight into GEMM panels on every call, which for a decode step (a few dozen rows against a
+        full weight) costs about as much as the multiply itself; packing once per weight version removes that and
+        gives the same fp32 results. Re-run after every weight load (the packed copy does not follow in-place
+        updates). Where MKL is absent (non-x86 builds) the forward pass uses F.linear."""
+        mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear") and self.dtype == torch.float32
+        weights = {"lm_head": self.model.lm_head.weight}
+        for li, layer in enumerate(self.model.model.layers):
+            weights.update({("qkv", li): self.qkv_w[li], ("o", li): layer.self_attn.o_proj.weight,
+                            ("gate_up", li): self.gate_up_w[li], ("down", li): layer.mlp.down_proj.weight})
+        self.packed = {key: (w, torch.ops.mkl._mkl_reorder_linear_weight(w, self.max_batch) if mkl else None)
+                       for key, w in weights.items()}
+
+    def _linear(self, x: torch.Tensor, key, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias) for the weight named `key` in `self.packed` (see _pack_weights)."""
+        w, packed = self.packed[key]
+        if packed is None:
+            return F.linear(x, w, bias)
+        return torch.ops.mkl._mkl_linear(x, packed, w, bias, self.max_batch)
 
     # --- public API (any thread)
 
@@ -561,11 +592,15 @@ class CpuEngine:
         pos = start[:, None] + torch.arange(T)                                            # (B, T) absolute positions
         S = int((start + lens).max())                                                     # keys to attend over
         key_pos = torch.arange(S)
+        G = Hq // KV
         # key j is visible to query i of row b iff j <= pos[b, i] (causal) and j < start[b] + lens[b] (written);
         # built once per step as an additive mask in the (B*KV, G*T, S) layout _attention uses
-        visible = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] < (start + lens)[:, None, None])
-        G = Hq // KV
-        visible = visible[:, None, None].expand(B, KV, G, T, S).reshape(B * KV, G * T, S)
+        if T == 1:  # decode: one query per row, so the mask is per row only and baddbmm broadcasts it over G
+            visible = (key_pos[None, :] < (start + lens)[:, None])[:, None, None, :]     # (B, 1, 1, S)
+            visible = visible.expand(B, KV, 1, S).reshape(B * KV, 1, S)                  # (B*KV, 1, S)
+        else:
+            visible = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] < (start + lens)[:, None, None])
+            visible = visible[:, None, None].expand(B, KV, G, T, S).reshape(B * KV, G * T, S)
         mask_add = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
         valid = torch.arange(T)[None, :] < lens[:, None]                                  # (B, T) real tokens
         all_valid = bool(valid.all())  # decode steps: every row holds exactly one real token
@@ -575,12 +610,15 @@ class CpuEngine:
         contiguous = bool((slots == torch.arange(s0, s0 + B)).all())  # then read the cache as a view, no gather
 
         x = m.embed_tokens(ids)                                                           # (B, T, H)
-        cos, sin = m.rotary_emb(x, pos)                                                   # (B, T, D) each
+        if self.rope_table is not None:
+            cos, sin = self.rope_table[0][pos], self.rope_table[1][pos]                  # (B, T, D) each
+        else:
+            cos, sin = m.rotary_emb(x, pos)                                               # (B, T, D) each
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]                                 # (B, T, 1, D)
         for li, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm)                                       # (B, T, H)
-            qkv = F.linear(h, self.qkv_w[li], self.qkv_b[li]).view(B, T, Hq + 2 * KV, D)
+            qkv = self._linear(h, ("qkv", li), self.qkv_b[li]).view(B, T, Hq + 2 * KV, D)
             q, k, v = qkv.split([Hq, KV, KV], dim=2)                                      # (B, T, Hq|KV|KV, D)
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
                 q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
@@ -597,13 +635,13 @@ class CpuEngine:
             else:
                 keys, values = self.k_cache[li, slots, :, :S], self.v_cache[li, slots, :, :S]  # (B, KV, S, D)
             out = _attention(q, keys, values, mask_add, attn.scaling)                     # (B, T, Hq, D)
-            x = x + attn.o_proj(out.reshape(B, T, Hq * D))                                # (B, T, H)
-            gate, up = F.linear(_rms_norm(x, layer.post_attention_layernorm), self.gate_up_w[li]).chunk(2, dim=-1)
-            x = x + mlp.down_proj(mlp.act_fn(gate) * up)                                  # (B, T, H)
+            x = x + self._linear(out.reshape(B, T, Hq * D), ("o", li), attn.o_proj.bias)  # (B, T, H)
+            gate, up = self._linear(_rms_norm(x, layer.post_attention_layernorm), ("gate_up", li)).chunk(2, dim=-1)
+            x = x + self._linear(mlp.act_fn(gate) * up, ("down", li))                     # (B, T, H)
         last = x[torch.arange(B), lens - 1]                                               # (B, H) last real token
         for req, n in zip(reqs, lens.tolist()):
             req.kv_len += n
-        return self.model.lm_head(_rms_norm(last, m.norm)).float()                        # (B, V)
+        return self._linear(_rms_norm(last, m.norm), "lm_head").float()                   # (B, V)
 
     def _finish(self, req: Req, finish_reason: dict) -> None:
         if req in self._running:
@@ -670,6 +708,7 @@ class CpuEngine:
         with torch.no_grad():
             for name, tensor in named_tensors:
                 params[name].copy_(tensor.to(dtype=params[name].dtype, device="cpu"))
+        self._pack_weights()
         if version is not None:
             self.weight_version = str(version)
         return len(named_tensors)
