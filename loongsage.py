@@ -525,6 +525,7 @@ def train(cfg: Config) -> list[dict]:
 
     # --- actors: trainers first (they also warm-start the tiny model), then engines on its weights ---
     import agentflow
+    import transfermesh
     pg, trainers = launch(cfg)
     cfg.model_path = prepare_model(cfg, trainers)
     ray.get([t.load_hf.remote(cfg.model_path) for t in trainers])
@@ -597,7 +598,9 @@ def train(cfg: Config) -> list[dict]:
 
             # --- 3. weights -> engines (TransferMesh); engines then report version step + 1
             t0 = time.perf_counter()
+            transfermesh.pause_engines(engine_urls)  # in place: requests in flight keep their KV cache
             sync = ray.get([t.sync_weights.remote(engine_urls, step + 1) for t in trainers])
+            transfermesh.continue_engines(engine_urls)
             metrics.update(sync[0])
             metrics["timing/sync"] = time.perf_counter() - t0
 

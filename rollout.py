@@ -910,20 +910,46 @@ def build_app(engine: CpuEngine):
         named = await asyncio.to_thread(read_safetensors_dir, path)
         return {**await load(named, body), "num_paused_requests": 0}
 
+    # SGLang 0.5.23: tensor and distributed updates must sit inside a begin/end weight-update session.
+    session = {"open": False}
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request):
+        body = await _json_body(request)
+        if body.get("selector", "all") not in ("all", "target", "draft"):
+            raise BadRequest(f"selector must be 'all', 'target' or 'draft', got {body['selector']!r}")
+        session["open"] = True
+        return {"success": True, "message": "Weight update session begun."}
+
+    @app.post("/end_weight_update")
+    async def end_weight_update():
+        session["open"] = False
+        return {"success": True, "message": "Weight update session ended."}
+
+    def refuse_outside_session(endpoint: str):
+        if not session["open"]:
+            return JSONResponse({"success": False, "message": f"{endpoint} must run between begin_weight_update() "
+                                 f"and end_weight_update()"}, status_code=400)
+        return None
+
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         body = await _json_body(request)
+        if (refused := refuse_outside_session("update_weights_from_tensor")) is not None:
+            return refused
         items = body.get("serialized_named_tensors")
         if not isinstance(items, list) or not items:
-            raise BadRequest("update_weights_from_tensor needs serialized_named_tensors (a non-empty list)")
-        if body.get("load_format") != "shm":
-            raise BadRequest(f"the CPU engine takes load_format 'shm' (descriptors from transfermesh), got "
-                             f"{body.get('load_format')!r}")
+            raise BadRequest("update_weights_from_tensor needs serialized_named_tensors (a non-empty list, one entry "
+                             "per TP rank)")
+        if body.get("load_format") != "flattened_bucket":
+            raise BadRequest(f"the CPU engine takes load_format 'flattened_bucket' (a shared-memory descriptor from "
+                             f"transfermesh per TP rank), got {body.get('load_format')!r}")
         import transfermesh
-
-        def read_all():
-            return [pair for item in items for pair in transfermesh.read_shm_bucket(item)]
-        return await load(await asyncio.to_thread(read_all), body)
+        try:  # the CPU engine is one TP rank: it reads entry 0, as SGLang's rank 0 does
+            named = await asyncio.to_thread(transfermesh.read_shm_bucket, items[0])
+        except ValueError as e:  # a bad descriptor or checksum: refuse the bucket, keep the old weights
+            raise BadRequest(str(e)) from None
+        return await load(named, body)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
@@ -935,6 +961,7 @@ def build_app(engine: CpuEngine):
             raise BadRequest(f"backend {body['backend']!r}: the CPU engine joins with gloo")
         import transfermesh
         # Blocks until the trainer joins the rendezvous, so it runs off the event loop (and off the scheduler).
+        # The CPU engine is TP rank 0 of itself: it joins at rank_offset + 0.
         groups[body.get("group_name", "weight_update_group")] = await asyncio.to_thread(
             transfermesh.new_gloo_group, body["master_address"], int(body["master_port"]),
             int(body["rank_offset"]), int(body["world_size"]))
@@ -943,6 +970,8 @@ def build_app(engine: CpuEngine):
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
         body = await _json_body(request)
+        if (refused := refuse_outside_session("update_weights_from_distributed")) is not None:
+            return refused
         name = body.get("group_name", "weight_update_group")
         if name not in groups:
             raise BadRequest(f"no weight update group {name!r}; call /init_weights_update_group first "
@@ -951,8 +980,12 @@ def build_app(engine: CpuEngine):
             raise BadRequest("update_weights_from_distributed needs lists names, dtypes and shapes")
         import transfermesh
         # Receive while generation goes on; only the copy into the model waits for a step boundary.
-        named = await asyncio.to_thread(transfermesh.recv_broadcast, groups[name], body["names"], body["dtypes"],
-                                        body["shapes"], body.get("checksum"))  # checksum: a LoongSage addition
+        try:
+            named = await asyncio.to_thread(transfermesh.recv_broadcast, groups[name], body["names"], body["dtypes"],
+                                            body["shapes"], body.get("load_format"),
+                                            body.get("checksum"))  # checksum: a LoongSage addition
+        except ValueError as e:  # checksum or layout: refuse the bucket, keep the old weights
+            raise BadRequest(str(e)) from None
         return await load(named, body)
 
     @app.post("/destroy_weights_update_group")
