@@ -377,19 +377,28 @@ class CpuEngine:
             ids.update([eos] if isinstance(eos, int) else (eos or []))
         return frozenset(ids)
 
-    def _pack_weights(self) -> None:
+    def _pack_weights(self, names: list[str] | None = None) -> None:
         """MKL's packed-GEMM copy of every weight matrix the forward pass multiplies by. A plain F.linear
         re-packs the weight into GEMM panels on every call, which for a decode step (a few dozen rows against a
         full weight) costs about as much as the multiply itself; packing once per weight version removes that and
-        gives the same fp32 results. Re-run after every weight load (the packed copy does not follow in-place
-        updates). Where MKL is absent (non-x86 builds) the forward pass uses F.linear."""
+        gives the same fp32 results. Re-run after every weight load with the loaded names (the packed copy does not
+        follow in-place updates). Where MKL is absent (non-x86 builds) the forward pass uses F.linear."""
         mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear") and self.dtype == torch.float32
         weights = {"lm_head": self.model.lm_head.weight}
         for li, layer in enumerate(self.model.model.layers):
             weights.update({("qkv", li): self.qkv_w[li], ("o", li): layer.self_attn.o_proj.weight,
                             ("gate_up", li): self.gate_up_w[li], ("down", li): layer.mlp.down_proj.weight})
-        self.packed = {key: (w, torch.ops.mkl._mkl_reorder_linear_weight(w, self.max_batch) if mkl else None)
-                       for key, w in weights.items()}
+        if names is None:
+            self.packed = {}
+            # HF parameter name -> the packed weights it lives in (by storage: fused views and tied embeddings too)
+            by_storage = {w.untyped_storage().data_ptr(): key for key, w in weights.items()}
+            self._packed_keys = {name: by_storage[p.untyped_storage().data_ptr()]
+                                 for name, p in self.model.named_parameters(remove_duplicate=False)
+                                 if p.untyped_storage().data_ptr() in by_storage}
+        keys = weights if names is None else {self._packed_keys[n] for n in names if n in self._packed_keys}
+        for key in keys:  # a weight update repacks only what it touched
+            w = weights[key]
+            self.packed[key] = (w, torch.ops.mkl._mkl_reorder_linear_weight(w, self.max_batch) if mkl else None)
 
     def _linear(self, x: torch.Tensor, key, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias) for the weight named `key` in `self.packed` (see _pack_weights)."""
@@ -708,7 +717,7 @@ class CpuEngine:
         with torch.no_grad():
             for name, tensor in named_tensors:
                 params[name].copy_(tensor.to(dtype=params[name].dtype, device="cpu"))
-        self._pack_weights()
+        self._pack_weights([name for name, _ in named_tensors])
         if version is not None:
             self.weight_version = str(version)
         return len(named_tensors)

@@ -291,21 +291,28 @@ def _with_last(iterable):
     yield prev, True
 
 
+def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[shared_memory.SharedMemory, str, int]:
+    """Write a bucket into a new POSIX shared-memory segment in the packed layout; returns the segment (the
+    caller closes and unlinks it once every receiver has read it), its JSON descriptor and its size in bytes."""
+    metas, total = bucket_layout(bucket)
+    shm = shared_memory.SharedMemory(create=True, size=max(total, 1), name=f"loongsage_{uuid.uuid4().hex[:16]}")
+    flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total) if total else torch.empty(0, dtype=torch.uint8)
+    flatten_bucket(bucket, out=flat)
+    desc = json.dumps({"shm": shm.name, "size": total, "tensors": metas, "checksum": checksum(flat)})
+    del flat  # no view may outlive the segment's close()
+    return shm, desc, total
+
+
 def _push_shm(tensors, engines, bucket_bytes, config_dir, version):
     """One shared-memory segment per bucket, written once, read by every local engine."""
     n = nbytes = 0
     for bucket, last in _with_last(iter_buckets(tensors, bucket_bytes)):
-        metas, total = bucket_layout(bucket)
-        shm = shared_memory.SharedMemory(create=True, size=max(total, 1), name=f"loongsage_{uuid.uuid4().hex[:16]}")
+        shm, desc, total = write_shm_bucket(bucket)
         try:
-            flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total) if total else torch.empty(0, dtype=torch.uint8)
-            flatten_bucket(bucket, out=flat)
-            desc = json.dumps({"shm": shm.name, "size": total, "tensors": metas, "checksum": checksum(flat)})
             fields = _update_fields(last, version)
             # serialized_named_tensors is indexed by TP rank: every rank of a local engine reads the same segment
             _each(lambda e: _post(e[0], "/update_weights_from_tensor", {
                 "serialized_named_tensors": [desc] * e[1], "load_format": "flattened_bucket", **fields}), engines)
-            del flat
         finally:
             shm.close()
             shm.unlink()
