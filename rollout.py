@@ -615,6 +615,9 @@ class CpuEngine:
         all_valid = bool(valid.all())  # decode steps: every row holds exactly one real token
         write_slots = slots[:, None].expand(B, T)[valid]                                  # (n_valid,)
         write_pos = pos[valid]                                                            # (n_valid,)
+        # rows of a layer's cache viewed as (slots*KV*max_len, D) that the new K/V go to: one index_copy_ per
+        # layer instead of a scattered two-index assignment
+        write_rows = ((write_slots[:, None] * KV + torch.arange(KV)) * self.max_len + write_pos[:, None]).view(-1)
         s0 = int(slots.min())
         contiguous = bool((slots == torch.arange(s0, s0 + B)).all())  # then read the cache as a view, no gather
 
@@ -637,8 +640,8 @@ class CpuEngine:
                 k_new, v_new = k.reshape(B * T, KV, D), v.reshape(B * T, KV, D)          # (n_valid, KV, D)
             else:
                 k_new, v_new = k[valid], v[valid]                                         # (n_valid, KV, D)
-            self.k_cache[li][write_slots, :, write_pos] = k_new                           # into the slots
-            self.v_cache[li][write_slots, :, write_pos] = v_new
+            self.k_cache[li].view(-1, D).index_copy_(0, write_rows, k_new.reshape(-1, D))  # into the slots
+            self.v_cache[li].view(-1, D).index_copy_(0, write_rows, v_new.reshape(-1, D))
             if contiguous:
                 keys, values = self.k_cache[li, s0:s0 + B, :, :S], self.v_cache[li, s0:s0 + B, :, :S]
             else:
