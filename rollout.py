@@ -13,7 +13,14 @@ so the same client lines drive either engine:
   (layers, slots, kv_heads, max_len, head_dim). The forward pass reuses the transformers model's own modules and
   parameters (embeddings, norms, q/k norms, rotary embedding, o/down projections, activation, lm_head), with q|k|v
   and gate|up each run as one matmul over fused weights that the modules' parameters are views of, and its own
-  attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama and Mistral layouts work.
+  attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama and Mistral layouts work. Decode-step
+  costs that need not recur are paid once: weight matrices are kept in MKL's packed-GEMM form (repacked when a
+  weight update touches them), RoPE cos/sin come from a table, K/V land in the cache with one index_copy_.
+* Weight updates follow SGLang 0.5.23: `/update_weights_from_tensor` and `/update_weights_from_distributed` are
+  refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine reads
+  `serialized_named_tensors[0]` (it is TP rank 0 of one), and takes `load_format: "flattened_bucket"` in SGLang's
+  packed layout (for tensor updates: a transfermesh shared-memory descriptor). A bucket whose CRC32 does not match
+  the sender's is refused (400) and the engine keeps its weights.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
 * client helpers shared by every caller: `generate` (async), `post` / `get` (sync, raise with the server's message).
 
@@ -405,7 +412,9 @@ class CpuEngine:
         w, packed = self.packed[key]
         if packed is None:
             return F.linear(x, w, bias)
-        return torch.ops.mkl._mkl_linear(x, packed, w, bias, self.max_batch)
+        # the last argument is the row count: the op falls back to the unpacked weight when it differs (MKL's packed
+        # B serves any number of rows; the max_batch given at packing time is only a blocking hint)
+        return torch.ops.mkl._mkl_linear(x, packed, w, bias, x.numel() // x.shape[-1])
 
     # --- public API (any thread)
 

@@ -276,3 +276,28 @@ def test_shm_sync_to_a_tp2_engine_sends_one_entry_per_rank(engine, other_model, 
         assert _engine_logprobs(engine, [5, 6, 7])[2] == "5"
     finally:
         rollout.post(engine, "/update_weights_from_disk", {"model_path": str(other_model), "weight_version": "0"})
+
+
+def test_a_partial_update_reaches_the_packed_weights(tiny_model_dir, other_model):
+    """The engine multiplies by packed copies of its weights; an update of a few tensors (a fused q|k|v part, an
+    MLP projection, the tied embedding/LM head) must reach them: logprobs then equal transformers' on the same
+    mixed weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    other = load_file(f"{other_model}/model.safetensors")
+    names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight"]
+    engine = rollout.CpuEngine(tiny_model_dir, max_batch=2, max_len=64).start()
+    try:
+        engine.load_weights([(n, other[n]) for n in names], version="2")
+        out = engine.generate([[5, 6, 7, 8]], {"temperature": 0, "max_new_tokens": 6})[0]
+    finally:
+        engine.stop()
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        for n in names:
+            ref.get_parameter(n).copy_(other[n])
+        x = torch.tensor([[5, 6, 7, 8] + out["output_ids"]])
+        logp = torch.log_softmax(ref(x).logits[0, 3:-1].float(), -1)                  # (6, V)
+    want = logp.gather(1, torch.tensor(out["output_ids"])[:, None])[:, 0]
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    assert out["meta_info"]["weight_version"] == "2" and (got - want).abs().max() <= 1e-5
