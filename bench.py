@@ -299,12 +299,7 @@ def bench_sync(args) -> dict:
 
     def shm(named):
         for bucket in tm.iter_buckets(named, bucket_bytes):
-            seg, desc, _ = tm.write_shm_bucket(bucket)
-            try:
-                ask("shm", desc)
-            finally:
-                seg.close()
-                seg.unlink()
+            ask("shm", tm.write_shm_bucket(bucket)[0])
 
     def broadcast(named):
         for bucket in tm.iter_buckets(named, bucket_bytes):

@@ -44,6 +44,7 @@ only moves when the last bucket lands).
 """
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import os
@@ -132,7 +133,7 @@ def unflatten_bucket(flat: torch.Tensor, metas: list[list]) -> list[tuple[str, t
     return out
 
 
-CHECKSUM_CHUNK = 32 * 2**20  # bytes per CRC32; chunks are checksummed in parallel (zlib releases the GIL)
+CHECKSUM_CHUNK = 8 * 2**20  # bytes per CRC32; chunks are checksummed in parallel (zlib releases the GIL)
 _CRC_POOL = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="crc32")
 
 
@@ -291,31 +292,46 @@ def _with_last(iterable):
     yield prev, True
 
 
-def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[shared_memory.SharedMemory, str, int]:
-    """Write a bucket into a new POSIX shared-memory segment in the packed layout; returns the segment (the
-    caller closes and unlinks it once every receiver has read it), its JSON descriptor and its size in bytes."""
+_SEGMENT: list = []  # [SharedMemory]: one segment reused by every bucket of every sync of this process
+
+
+def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
+    """Write a bucket into this process's shared-memory segment in the packed layout; returns its JSON descriptor
+    and size in bytes. The segment is reused (grown when a bucket needs more): fresh pages cost a page fault each
+    on first write, which made a new segment per bucket several times slower than the copy itself. Reuse is safe
+    because every receiver has copied a bucket out before its update request returns. The segment is unlinked
+    at exit (multiprocessing's resource tracker unlinks it even if this process is killed)."""
     metas, total = bucket_layout(bucket)
-    shm = shared_memory.SharedMemory(create=True, size=max(total, 1), name=f"loongsage_{uuid.uuid4().hex[:16]}")
+    if not _SEGMENT or _SEGMENT[0].size < total:
+        if _SEGMENT:
+            _SEGMENT.pop().unlink()
+        _SEGMENT.append(shared_memory.SharedMemory(create=True, size=max(total, 1),
+                                                   name=f"loongsage_{uuid.uuid4().hex[:16]}"))
+    shm = _SEGMENT[0]
     flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total) if total else torch.empty(0, dtype=torch.uint8)
     flatten_bucket(bucket, out=flat)
     desc = json.dumps({"shm": shm.name, "size": total, "tensors": metas, "checksum": checksum(flat)})
-    del flat  # no view may outlive the segment's close()
-    return shm, desc, total
+    return desc, total
+
+
+@atexit.register
+def _unlink_segment() -> None:
+    while _SEGMENT:
+        try:
+            _SEGMENT.pop().unlink()
+        except OSError:
+            pass
 
 
 def _push_shm(tensors, engines, bucket_bytes, config_dir, version):
-    """One shared-memory segment per bucket, written once, read by every local engine."""
+    """Each bucket written once into shared memory, read by every local engine."""
     n = nbytes = 0
     for bucket, last in _with_last(iter_buckets(tensors, bucket_bytes)):
-        shm, desc, total = write_shm_bucket(bucket)
-        try:
-            fields = _update_fields(last, version)
-            # serialized_named_tensors is indexed by TP rank: every rank of a local engine reads the same segment
-            _each(lambda e: _post(e[0], "/update_weights_from_tensor", {
-                "serialized_named_tensors": [desc] * e[1], "load_format": "flattened_bucket", **fields}), engines)
-        finally:
-            shm.close()
-            shm.unlink()
+        desc, total = write_shm_bucket(bucket)
+        fields = _update_fields(last, version)
+        # serialized_named_tensors is indexed by TP rank: every rank of a local engine reads the same segment
+        _each(lambda e: _post(e[0], "/update_weights_from_tensor", {
+            "serialized_named_tensors": [desc] * e[1], "load_format": "flattened_bucket", **fields}), engines)
         n, nbytes = n + 1, nbytes + total
     return n, nbytes
 
