@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import glob
 import json
 import os
 import shutil
@@ -300,18 +301,33 @@ def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
     and size in bytes. The segment is reused (grown when a bucket needs more): fresh pages cost a page fault each
     on first write, which made a new segment per bucket several times slower than the copy itself. Reuse is safe
     because every receiver has copied a bucket out before its update request returns. The segment is unlinked
-    at exit (multiprocessing's resource tracker unlinks it even if this process is killed)."""
+    at exit; one left by a killed process (Ray kills actors at shutdown) is unlinked by the next one created."""
     metas, total = bucket_layout(bucket)
     if not _SEGMENT or _SEGMENT[0].size < total:
         if _SEGMENT:
             _SEGMENT.pop().unlink()
+        _unlink_orphans()
         _SEGMENT.append(shared_memory.SharedMemory(create=True, size=max(total, 1),
-                                                   name=f"loongsage_{uuid.uuid4().hex[:16]}"))
+                                                   name=f"loongsage_{os.getpid()}_{uuid.uuid4().hex[:8]}"))
     shm = _SEGMENT[0]
     flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total) if total else torch.empty(0, dtype=torch.uint8)
     flatten_bucket(bucket, out=flat)
     desc = json.dumps({"shm": shm.name, "size": total, "tensors": metas, "checksum": checksum(flat)})
     return desc, total
+
+
+def _unlink_orphans() -> None:
+    """Unlink the segments of LoongSage processes that no longer exist (Linux: /dev/shm/loongsage_<pid>_*)."""
+    for path in glob.glob("/dev/shm/loongsage_*_*"):
+        try:
+            os.kill(int(os.path.basename(path).split("_")[1]), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except (ValueError, PermissionError):
+            pass  # not ours, or another user's live process
 
 
 @atexit.register
