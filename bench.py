@@ -294,7 +294,7 @@ def bench_sync(args) -> dict:
     conn.send(("join", port))
     group = tm.new_gloo_group("127.0.0.1", port, 0, 2)
     assert conn.recv() == "ok"
-    http = httpx.Client(timeout=600)
+    http = httpx.Client(timeout=600, transport=httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]))
     tmp = Path(tempfile.mkdtemp(prefix="loongsage_bench_sync_"))
 
     def shm(named):
