@@ -313,8 +313,20 @@ def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
         _SEGMENT.append(shared_memory.SharedMemory(create=True, size=max(total, 1),
                                                    name=f"loongsage_{os.getpid()}_{uuid.uuid4().hex[:8]}"))
     shm = _SEGMENT[0]
-    flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total) if total else torch.empty(0, dtype=torch.uint8)
-    flatten_bucket(bucket, out=flat)
+    path = f"/dev/shm/{shm.name}"
+    if total == 0:
+        flat = torch.empty(0, dtype=torch.uint8)
+    elif os.path.exists(path):
+        # Linux: write() the tensors into the segment's tmpfs file (measured here ~5 GB/s, where copying into the
+        # mmap'd segment ran at 0.3-1 GB/s), then checksum through a read-only private mapping
+        with open(path, "r+b", buffering=0) as f:
+            for (_, t), (*_, off) in zip(bucket, metas):
+                f.seek(off)
+                f.write(memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy()))
+        flat = torch.from_file(path, shared=False, size=total, dtype=torch.uint8)
+    else:  # other POSIX systems: copy into the mapping
+        flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total)
+        flatten_bucket(bucket, out=flat)
     desc = json.dumps({"shm": shm.name, "size": total, "tensors": metas, "checksum": checksum(flat)})
     return desc, total
 
