@@ -661,19 +661,27 @@ def check_engines(cfg: Config, fleet: Fleet, flow, trainers=None, version: int =
 
 
 def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int) -> dict:
-    """Weights -> engines (TransferMesh) as version `version`. A dead engine is skipped and re-created on
-    these weights afterwards; one that dies during the push fails it, so probe and push once more to
-    the engines left (a push is idempotent). Returns the trainers' `weights/` metrics."""
+    """Weights -> engines (TransferMesh) as version `version`: the live engines pause in place (requests in
+    flight keep their KV cache and tokens), take every bucket, then continue on the new weights. A dead engine
+    is skipped and re-created on these weights afterwards; one that dies during the push fails it, so probe
+    and push once more to the engines left (a push is idempotent). Returns the trainers' `weights/` metrics."""
+    import httpx
     import ray
+
+    import transfermesh
     for attempt in (1, 2):
         dead = check_engines(cfg, fleet, flow)
         live = [u for u in fleet.urls if u not in dead]
         try:
-            stats = wait([t.sync_weights.remote(live, version) for t in trainers],
-                         f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
-                         "weight_sync_timeout")[0]
+            transfermesh.pause_engines(live)  # in place: no forward step sees half-updated weights
+            try:
+                stats = wait([t.sync_weights.remote(live, version) for t in trainers],
+                             f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
+                             "weight_sync_timeout")[0]
+            finally:
+                transfermesh.continue_engines(live)
             break
-        except ray.exceptions.RayTaskError as e:
+        except (ray.exceptions.RayTaskError, RuntimeError, httpx.HTTPError) as e:
             if attempt == 2 or not check_engines(cfg, fleet, flow):
                 raise  # no engine died: the error is the sync's own
             print(f"weight sync of version {version} failed as an engine died ({str(e).splitlines()[0]}); "

@@ -13,7 +13,14 @@ so the same client lines drive either engine:
   (layers, slots, kv_heads, max_len, head_dim). The forward pass reuses the transformers model's own modules and
   parameters (embeddings, norms, q/k norms, rotary embedding, o/down projections, activation, lm_head), with q|k|v
   and gate|up each run as one matmul over fused weights that the modules' parameters are views of, and its own
-  attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama and Mistral layouts work.
+  attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama and Mistral layouts work. Decode-step
+  costs that need not recur are paid once: weight matrices are kept in MKL's packed-GEMM form (repacked when a
+  weight update touches them), RoPE cos/sin come from a table, K/V land in the cache with one index_copy_.
+* Weight updates follow SGLang 0.5.23: `/update_weights_from_tensor` and `/update_weights_from_distributed` are
+  refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine reads
+  `serialized_named_tensors[0]` (it is TP rank 0 of one), and takes `load_format: "flattened_bucket"` in SGLang's
+  packed layout (for tensor updates: a transfermesh shared-memory descriptor). A bucket whose CRC32 does not match
+  the sender's is refused (400) and the engine keeps its weights.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
 * client helpers shared by every caller: `generate` (async), `post` / `get` (sync, raise with the server's message).
 
@@ -336,6 +343,16 @@ class CpuEngine:
             self.qkv_b.append(_fuse_rows([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
                               if a.q_proj.bias is not None else None)  # Qwen2 has q/k/v biases
             self.gate_up_w.append(_fuse_rows([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        # RoPE cos/sin for every position, computed once by the model's own rotary module (elementwise per
+        # position, so a table lookup gives the very same values); rope types that rescale with the sequence
+        # length ("dynamic", "longrope") are computed per step instead.
+        rope = self.model.model.rotary_emb
+        self.rope_table = None
+        if "dynamic" not in str(getattr(rope, "rope_type", "")) and getattr(rope, "rope_type", "") != "longrope":
+            probe = torch.zeros(1, dtype=self.dtype)
+            cos, sin = rope(probe, torch.arange(self.max_len)[None])                     # (1, max_len, D) each
+            self.rope_table = (cos[0], sin[0])                                            # (max_len, D) each
+        self._pack_weights()
         # kv heads before positions: a slot's keys for one head are one (S, D) block, so attention reads a
         # batch of slots as a strided view and the matmuls need no copy
         cache_shape = (cfg.num_hidden_layers, self.max_batch, self.n_kv_heads, self.max_len, self.head_dim)
@@ -369,6 +386,38 @@ class CpuEngine:
             eos = getattr(source, "eos_token_id", None)
             ids.update([eos] if isinstance(eos, int) else (eos or []))
         return frozenset(ids)
+
+    def _pack_weights(self, names: list[str] | None = None) -> None:
+        """MKL's packed-GEMM copy of every weight matrix the forward pass multiplies by. A plain F.linear
+        re-packs the weight into GEMM panels on every call, which for a decode step (a few dozen rows against a
+        full weight) costs about as much as the multiply itself; packing once per weight version removes that and
+        gives the same fp32 results. Re-run after every weight load with the loaded names (the packed copy does not
+        follow in-place updates). Where MKL is absent (non-x86 builds) the forward pass uses F.linear."""
+        mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear") and self.dtype == torch.float32
+        weights = {"lm_head": self.model.lm_head.weight}
+        for li, layer in enumerate(self.model.model.layers):
+            weights.update({("qkv", li): self.qkv_w[li], ("o", li): layer.self_attn.o_proj.weight,
+                            ("gate_up", li): self.gate_up_w[li], ("down", li): layer.mlp.down_proj.weight})
+        if names is None:
+            self.packed = {}
+            # HF parameter name -> the packed weights it lives in (by storage: fused views and tied embeddings too)
+            by_storage = {w.untyped_storage().data_ptr(): key for key, w in weights.items()}
+            self._packed_keys = {name: by_storage[p.untyped_storage().data_ptr()]
+                                 for name, p in self.model.named_parameters(remove_duplicate=False)
+                                 if p.untyped_storage().data_ptr() in by_storage}
+        keys = weights if names is None else {self._packed_keys[n] for n in names if n in self._packed_keys}
+        for key in keys:  # a weight update repacks only what it touched
+            w = weights[key]
+            self.packed[key] = (w, torch.ops.mkl._mkl_reorder_linear_weight(w, self.max_batch) if mkl else None)
+
+    def _linear(self, x: torch.Tensor, key, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias) for the weight named `key` in `self.packed` (see _pack_weights)."""
+        w, packed = self.packed[key]
+        if packed is None:
+            return F.linear(x, w, bias)
+        # the last argument is the row count: the op falls back to the unpacked weight when it differs (MKL's packed
+        # B serves any number of rows; the max_batch given at packing time is only a blocking hint)
+        return torch.ops.mkl._mkl_linear(x, packed, w, bias, x.numel() // x.shape[-1])
 
     # --- public API (any thread)
 
@@ -566,26 +615,36 @@ class CpuEngine:
         pos = start[:, None] + torch.arange(T)                                            # (B, T) absolute positions
         S = int((start + lens).max())                                                     # keys to attend over
         key_pos = torch.arange(S)
+        G = Hq // KV
         # key j is visible to query i of row b iff j <= pos[b, i] (causal) and j < start[b] + lens[b] (written);
         # built once per step as an additive mask in the (B*KV, G*T, S) layout _attention uses
-        visible = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] < (start + lens)[:, None, None])
-        G = Hq // KV
-        visible = visible[:, None, None].expand(B, KV, G, T, S).reshape(B * KV, G * T, S)
+        if T == 1:  # decode: one query per row, so the mask is per row only and baddbmm broadcasts it over G
+            visible = (key_pos[None, :] < (start + lens)[:, None])[:, None, None, :]     # (B, 1, 1, S)
+            visible = visible.expand(B, KV, 1, S).reshape(B * KV, 1, S)                  # (B*KV, 1, S)
+        else:
+            visible = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] < (start + lens)[:, None, None])
+            visible = visible[:, None, None].expand(B, KV, G, T, S).reshape(B * KV, G * T, S)
         mask_add = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
         valid = torch.arange(T)[None, :] < lens[:, None]                                  # (B, T) real tokens
         all_valid = bool(valid.all())  # decode steps: every row holds exactly one real token
         write_slots = slots[:, None].expand(B, T)[valid]                                  # (n_valid,)
         write_pos = pos[valid]                                                            # (n_valid,)
+        # rows of a layer's cache viewed as (slots*KV*max_len, D) that the new K/V go to: one index_copy_ per
+        # layer instead of a scattered two-index assignment
+        write_rows = ((write_slots[:, None] * KV + torch.arange(KV)) * self.max_len + write_pos[:, None]).view(-1)
         s0 = int(slots.min())
         contiguous = bool((slots == torch.arange(s0, s0 + B)).all())  # then read the cache as a view, no gather
 
         x = m.embed_tokens(ids)                                                           # (B, T, H)
-        cos, sin = m.rotary_emb(x, pos)                                                   # (B, T, D) each
+        if self.rope_table is not None:
+            cos, sin = self.rope_table[0][pos], self.rope_table[1][pos]                  # (B, T, D) each
+        else:
+            cos, sin = m.rotary_emb(x, pos)                                               # (B, T, D) each
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]                                 # (B, T, 1, D)
         for li, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm)                                       # (B, T, H)
-            qkv = F.linear(h, self.qkv_w[li], self.qkv_b[li]).view(B, T, Hq + 2 * KV, D)
+            qkv = self._linear(h, ("qkv", li), self.qkv_b[li]).view(B, T, Hq + 2 * KV, D)
             q, k, v = qkv.split([Hq, KV, KV], dim=2)                                      # (B, T, Hq|KV|KV, D)
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
                 q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
@@ -595,20 +654,20 @@ class CpuEngine:
                 k_new, v_new = k.reshape(B * T, KV, D), v.reshape(B * T, KV, D)          # (n_valid, KV, D)
             else:
                 k_new, v_new = k[valid], v[valid]                                         # (n_valid, KV, D)
-            self.k_cache[li][write_slots, :, write_pos] = k_new                           # into the slots
-            self.v_cache[li][write_slots, :, write_pos] = v_new
+            self.k_cache[li].view(-1, D).index_copy_(0, write_rows, k_new.reshape(-1, D))  # into the slots
+            self.v_cache[li].view(-1, D).index_copy_(0, write_rows, v_new.reshape(-1, D))
             if contiguous:
                 keys, values = self.k_cache[li, s0:s0 + B, :, :S], self.v_cache[li, s0:s0 + B, :, :S]
             else:
                 keys, values = self.k_cache[li, slots, :, :S], self.v_cache[li, slots, :, :S]  # (B, KV, S, D)
             out = _attention(q, keys, values, mask_add, attn.scaling)                     # (B, T, Hq, D)
-            x = x + attn.o_proj(out.reshape(B, T, Hq * D))                                # (B, T, H)
-            gate, up = F.linear(_rms_norm(x, layer.post_attention_layernorm), self.gate_up_w[li]).chunk(2, dim=-1)
-            x = x + mlp.down_proj(mlp.act_fn(gate) * up)                                  # (B, T, H)
+            x = x + self._linear(out.reshape(B, T, Hq * D), ("o", li), attn.o_proj.bias)  # (B, T, H)
+            gate, up = self._linear(_rms_norm(x, layer.post_attention_layernorm), ("gate_up", li)).chunk(2, dim=-1)
+            x = x + self._linear(mlp.act_fn(gate) * up, ("down", li))                     # (B, T, H)
         last = x[torch.arange(B), lens - 1]                                               # (B, H) last real token
         for req, n in zip(reqs, lens.tolist()):
             req.kv_len += n
-        return self.model.lm_head(_rms_norm(last, m.norm)).float()                        # (B, V)
+        return self._linear(_rms_norm(last, m.norm), "lm_head").float()                   # (B, V)
 
     def _finish(self, req: Req, finish_reason: dict) -> None:
         if req in self._running:
@@ -675,6 +734,7 @@ class CpuEngine:
         with torch.no_grad():
             for name, tensor in named_tensors:
                 params[name].copy_(tensor.to(dtype=params[name].dtype, device="cpu"))
+        self._pack_weights([name for name, _ in named_tensors])
         if version is not None:
             self.weight_version = str(version)
         return len(named_tensors)
@@ -888,20 +948,46 @@ def build_app(engine: CpuEngine):
         named = await asyncio.to_thread(read_safetensors_dir, path)
         return {**await load(named, body), "num_paused_requests": 0}
 
+    # SGLang 0.5.23: tensor and distributed updates must sit inside a begin/end weight-update session.
+    session = {"open": False}
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request):
+        body = await _json_body(request)
+        if body.get("selector", "all") not in ("all", "target", "draft"):
+            raise BadRequest(f"selector must be 'all', 'target' or 'draft', got {body['selector']!r}")
+        session["open"] = True
+        return {"success": True, "message": "Weight update session begun."}
+
+    @app.post("/end_weight_update")
+    async def end_weight_update():
+        session["open"] = False
+        return {"success": True, "message": "Weight update session ended."}
+
+    def refuse_outside_session(endpoint: str):
+        if not session["open"]:
+            return JSONResponse({"success": False, "message": f"{endpoint} must run between begin_weight_update() "
+                                 f"and end_weight_update()"}, status_code=400)
+        return None
+
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         body = await _json_body(request)
+        if (refused := refuse_outside_session("update_weights_from_tensor")) is not None:
+            return refused
         items = body.get("serialized_named_tensors")
         if not isinstance(items, list) or not items:
-            raise BadRequest("update_weights_from_tensor needs serialized_named_tensors (a non-empty list)")
-        if body.get("load_format") != "shm":
-            raise BadRequest(f"the CPU engine takes load_format 'shm' (descriptors from transfermesh), got "
-                             f"{body.get('load_format')!r}")
+            raise BadRequest("update_weights_from_tensor needs serialized_named_tensors (a non-empty list, one entry "
+                             "per TP rank)")
+        if body.get("load_format") != "flattened_bucket":
+            raise BadRequest(f"the CPU engine takes load_format 'flattened_bucket' (a shared-memory descriptor from "
+                             f"transfermesh per TP rank), got {body.get('load_format')!r}")
         import transfermesh
-
-        def read_all():
-            return [pair for item in items for pair in transfermesh.read_shm_bucket(item)]
-        return await load(await asyncio.to_thread(read_all), body)
+        try:  # the CPU engine is one TP rank: it reads entry 0, as SGLang's rank 0 does
+            named = await asyncio.to_thread(transfermesh.read_shm_bucket, items[0])
+        except ValueError as e:  # a bad descriptor or checksum: refuse the bucket, keep the old weights
+            raise BadRequest(str(e)) from None
+        return await load(named, body)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
@@ -913,6 +999,7 @@ def build_app(engine: CpuEngine):
             raise BadRequest(f"backend {body['backend']!r}: the CPU engine joins with gloo")
         import transfermesh
         # Blocks until the trainer joins the rendezvous, so it runs off the event loop (and off the scheduler).
+        # The CPU engine is TP rank 0 of itself: it joins at rank_offset + 0.
         groups[body.get("group_name", "weight_update_group")] = await asyncio.to_thread(
             transfermesh.new_gloo_group, body["master_address"], int(body["master_port"]),
             int(body["rank_offset"]), int(body["world_size"]))
@@ -921,6 +1008,8 @@ def build_app(engine: CpuEngine):
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
         body = await _json_body(request)
+        if (refused := refuse_outside_session("update_weights_from_distributed")) is not None:
+            return refused
         name = body.get("group_name", "weight_update_group")
         if name not in groups:
             raise BadRequest(f"no weight update group {name!r}; call /init_weights_update_group first "
@@ -929,8 +1018,12 @@ def build_app(engine: CpuEngine):
             raise BadRequest("update_weights_from_distributed needs lists names, dtypes and shapes")
         import transfermesh
         # Receive while generation goes on; only the copy into the model waits for a step boundary.
-        named = await asyncio.to_thread(transfermesh.recv_broadcast, groups[name], body["names"], body["dtypes"],
-                                        body["shapes"], body.get("checksum"))  # checksum: a LoongSage addition
+        try:
+            named = await asyncio.to_thread(transfermesh.recv_broadcast, groups[name], body["names"], body["dtypes"],
+                                            body["shapes"], body.get("load_format"),
+                                            body.get("checksum"))  # checksum: a LoongSage addition
+        except ValueError as e:  # checksum or layout: refuse the bucket, keep the old weights
+            raise BadRequest(str(e)) from None
         return await load(named, body)
 
     @app.post("/destroy_weights_update_group")
@@ -972,6 +1065,9 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 0, **engine_opts
     import uvicorn
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # TCP_NODELAY (inherited by accepted connections): a JSON answer goes out as two writes, headers then body, and
+    # with Nagle's algorithm the body waited for the client's delayed ACK, ~40 ms on every call
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))  # first, so a taken port fails before the model loads
         engine = CpuEngine(model_path, **engine_opts).start()

@@ -1091,7 +1091,11 @@ class TrainerWorker:
         if self.rank != 0:
             return {}
         import transfermesh
-        return transfermesh.push_weights(named, engine_urls, version, transport=self.cfg.transfer,
+        # SGLang engines run with tensor parallel size tp_size (cfg.gpus_per_engine unless cfg.sglang sets it);
+        # the CPU engine is one rank
+        sglang = self.cfg.engine == "sglang" or (self.cfg.engine == "auto" and torch.cuda.is_available())
+        tp = int((self.cfg.sglang or {}).get("tp_size") or self.cfg.gpus_per_engine) if sglang else 1
+        return transfermesh.push_weights(named, [(u, tp) for u in engine_urls], version, transport=self.cfg.transfer,
                                          bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path)
 
     def save_hf(self, path: str) -> str:

@@ -1,7 +1,9 @@
 """bench.py smoke runs: each benchmark through its command line (bench.main), at a tiny size, on the real parts
-(the CPU engine and transformers generate; an engine process behind the router and the official OpenAI client).
+(the CPU engine and transformers generate; an engine process behind the router and the official OpenAI client;
+every weight transport; LoongSage's own training loop).
 They prove the benchmarks run and report what they say, not any speed: speed targets are ratios the
 benchmarks print, never timed tests."""
+import math
 import re
 
 import pytest
@@ -35,3 +37,22 @@ def test_bench_router_smoke(capsys):
 def test_bench_unknown_name():
     with pytest.raises(SystemExit, match="unknown benchmark 'nope'"):
         bench.main(["nope"])
+
+
+def test_sync_bench_measures_every_transport_and_the_fixed_cost():
+    r = bench.main(["sync", "--quick", "--repeats", "1"])
+    assert sorted(k for k in r if isinstance(k, int)) == [1, 4]  # --quick sizes, in MB
+    for mb in (1, 4):
+        assert set(r[mb]) == {"memcpy", "shm", "broadcast", "disk", "pickle_http"}
+        assert all(0 < v < math.inf for v in r[mb].values())
+    assert 0 < r["fixed_s"] < 60 and 0 < r["tiny_sync_s"] < 60
+
+
+def test_step_bench_reports_phases_within_the_step():
+    r = bench.main(["step", "--quick"])
+    for mode in ("sync", "async"):
+        ph = r[mode]
+        assert ph["step"] > 0 and ph["train"] > 0 and ph["sync"] > 0
+        # the phases are parts of the step (medians of each over the same steps: allow a little slack)
+        assert ph["generate"] + ph["train"] + ph["sync"] <= ph["step"] * 1.05 + 0.05
+    assert "trl" not in r or r["trl"] > 0

@@ -455,9 +455,13 @@ def test_client_helpers_raise_with_the_server_message(server):
     url, _ = server
     with pytest.raises(rollout.EngineError, match=r"HTTP 400: .*input_ids"):
         rollout.post(url, "/generate", {"sampling_params": {}})
-    with pytest.raises(rollout.EngineError, match="init_weights_update_group"):
-        rollout.post(url, "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
-                                                               "group_name": "nope"})
+    rollout.post(url, "/begin_weight_update", {"selector": "all"})  # updates run inside a session (SGLang 0.5.23)
+    try:
+        with pytest.raises(rollout.EngineError, match="init_weights_update_group"):
+            rollout.post(url, "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
+                                                                   "group_name": "nope"})
+    finally:
+        rollout.post(url, "/end_weight_update", {})
     assert rollout.get(url, "/get_model_info")["is_generation"] is True
     assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200
 

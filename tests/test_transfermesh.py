@@ -20,16 +20,64 @@ def test_buckets_respect_the_size_and_keep_order():
     assert [[n for n, _ in b] for b in tm.iter_buckets(big, bucket_bytes=1024)] == [["small"], ["huge"], ["small2"]]
 
 
-def test_flatten_roundtrip_mixed_dtypes_and_checksum():
-    ts = [("a", torch.randn(3, 5)), ("b", torch.randn(7).bfloat16()), ("c", torch.arange(6, dtype=torch.int64).view(2, 3))]
+def test_flatten_roundtrip_in_sglangs_packed_layout():
+    ts = [("a", torch.randn(3, 5)), ("b", torch.randn(7).bfloat16()), ("c", torch.randn(2, 3).bfloat16())]
     flat, metas = tm.flatten_bucket(ts)
-    assert all(off % 64 == 0 for *_, off in metas)
+    # SGLang's flattened_bucket: back to back, no padding
+    assert [off for *_, off in metas] == [0, 60, 74] and flat.numel() == 60 + 14 + 12
     for (n, t), (m, u) in zip(ts, tm.unflatten_bucket(flat, metas)):
         assert n == m and u.dtype == t.dtype and torch.equal(u, t)
-    tm.verify_checksum(flat, tm.checksum(flat))
-    flat[3] ^= 1
+    # an offset that is not a multiple of the dtype size is what SGLang's receiver refuses ...
+    with pytest.raises(ValueError, match="Unaligned received tensor 'd': offset 14"):
+        tm.packed_layout(["c", "d"], ["bfloat16", "float32"], [[7], [2]])
+    # ... so the sender starts a new bucket instead of misaligning a tensor
+    mixed = [("h", torch.zeros(3, dtype=torch.bfloat16)), ("f", torch.zeros(2)), ("g", torch.zeros(2))]
+    assert [[n for n, _ in b] for b in tm.iter_buckets(mixed, bucket_bytes=1 << 20)] == [["h"], ["f", "g"]]
+
+
+def test_checksum_sees_flips_swaps_and_shifts():
+    flat = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    ref = tm.checksum(flat)
+    flipped = flat.clone()
+    flipped[1234] ^= 1 << 5
+    swapped = torch.cat([flat[2048:], flat[:2048]])            # two chunks swapped: same bytes, same byte sum
+    shifted = torch.roll(flat, 4)                               # every byte moved by one float32
+    for bad in (flipped, swapped, shifted):
+        assert tm.checksum(bad) != ref
     with pytest.raises(ValueError, match="checksum mismatch"):
-        tm.verify_checksum(flat, tm.checksum(flat) + 1)
+        tm.verify_checksum(swapped, ref)
+    tm.verify_checksum(flat.clone(), ref)
+    # big buffers: one CRC32 per chunk, in order, so swapping two whole chunks is caught as well
+    big = torch.randint(0, 256, (2 * tm.CHECKSUM_CHUNK,), dtype=torch.uint8)
+    big_swapped = torch.cat([big[tm.CHECKSUM_CHUNK:], big[:tm.CHECKSUM_CHUNK]])
+    assert len(tm.checksum(big)) == 2 and tm.checksum(big_swapped) != tm.checksum(big)
+
+
+def test_broadcast_ranks_count_every_tp_rank():
+    # trainer = rank 0; engine A (tp 2) holds ranks 1-2, engine B (tp 1) rank 3, engine C (tp 4) ranks 4-7
+    assert tm.broadcast_ranks([("a", 2), ("b", 1), ("c", 4)]) == ([1, 3, 4], 8)
+    assert tm._engines(["http://x", ("http://y", 2)]) == [("http://x", 1), ("http://y", 2)]
+    with pytest.raises(ValueError, match="tp_size 0"):
+        tm._engines([("http://y", 0)])
+
+
+def test_cuda_ipc_payload_has_one_entry_per_tp_rank():
+    """SGLang's rank r deserializes serialized_named_tensors[r]: a TP=2 engine needs two entries, each the
+    whole bucket (built here from CPU tensors: the same code path, shared-memory handles instead of CUDA's)."""
+    import pickle
+
+    import torch.multiprocessing as mp
+    bucket = [("w", torch.randn(4, 3)), ("b", torch.randn(3))]
+    old = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")  # like CUDA IPC handles, a named segment can be opened by every rank
+    try:
+        payload = tm.cuda_ipc_payloads(bucket, tp_size=2)
+    finally:
+        mp.set_sharing_strategy(old)
+    assert len(payload) == 2
+    for entry in payload:
+        got = pickle.loads(__import__("base64").b64decode(entry))
+        assert [n for n, _ in got] == ["w", "b"] and all(torch.equal(a, b) for (_, a), (_, b) in zip(got, bucket))
 
 
 def test_pick_transport():
@@ -159,3 +207,127 @@ def test_every_transport_reaches_every_engine(tiny_model_dir, other_model):
     finally:
         for _, handle in started:
             handle.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    url, handle = rollout.serve(tiny_model_dir, max_batch=4, max_len=128)
+    yield url
+    handle.shutdown()
+
+
+def _shm_bucket(named):
+    """A shared-memory bucket as _push_shm writes it: (segment, flat view of it, descriptor)."""
+    from multiprocessing import shared_memory
+    metas, total = tm.bucket_layout(named)
+    shm = shared_memory.SharedMemory(create=True, size=total)
+    flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total)
+    tm.flatten_bucket(named, out=flat)
+    return shm, flat, {"shm": shm.name, "size": total, "tensors": metas, "checksum": tm.checksum(flat)}
+
+
+def test_updates_outside_a_session_are_refused_as_sglang_does(engine, tiny_model_dir):
+    from safetensors.torch import load_file
+    named = sorted(load_file(f"{tiny_model_dir}/model.safetensors").items())[:2]
+    shm, flat, desc = _shm_bucket(named)
+    try:
+        body = {"serialized_named_tensors": [json.dumps(desc)], "load_format": "flattened_bucket"}
+        r = httpx.post(engine + "/update_weights_from_tensor", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["success"] is False
+        assert r.json()["message"] == ("update_weights_from_tensor must run between begin_weight_update() and "
+                                       "end_weight_update()")
+        r = httpx.post(engine + "/update_weights_from_distributed", json={"names": [], "dtypes": [], "shapes": []},
+                       timeout=30)
+        assert r.status_code == 400 and "update_weights_from_distributed must run between" in r.json()["message"]
+        # inside a session the same bucket loads (entry 0 = this engine's TP rank); afterwards it is refused again
+        rollout.post(engine, "/begin_weight_update", {"selector": "all"})
+        assert rollout.post(engine, "/update_weights_from_tensor", body)["message"] == "Loaded 2 tensors."
+        rollout.post(engine, "/end_weight_update", {})
+        assert httpx.post(engine + "/update_weights_from_tensor", json=body, timeout=30).status_code == 400
+    finally:
+        del flat
+        shm.close()
+        shm.unlink()
+
+
+@pytest.mark.parametrize("corruption", ["flipped_bit", "swapped_chunks", "shifted_buffer"])
+def test_engine_refuses_a_corrupted_bucket_and_keeps_its_weights(corruption, engine, other_model):
+    """The receiving side verifies the CRC32 the sender wrote: a bucket corrupted after it was checksummed is
+    refused with a clear error, and the engine keeps serving its old weights and version."""
+    from safetensors.torch import load_file
+    prompt = [5, 6, 7, 8, 9]
+    before_ids, before_lp, v0 = _engine_logprobs(engine, prompt)
+    named = sorted(load_file(f"{other_model}/model.safetensors").items())  # every weight, one bucket
+    shm, flat, desc = _shm_bucket(named)
+    try:
+        if corruption == "flipped_bit":
+            flat[flat.numel() // 3] ^= 1 << 2
+        elif corruption == "swapped_chunks":  # two 4 KiB chunks trade places: the same bytes, reordered
+            a, b = flat[4096:8192].clone(), flat[8192:12288].clone()
+            flat[4096:8192], flat[8192:12288] = b, a
+        else:
+            flat.copy_(torch.roll(flat.clone(), 4))  # every byte one float32 later
+        rollout.post(engine, "/begin_weight_update", {"selector": "all"})
+        r = httpx.post(engine + "/update_weights_from_tensor", json={
+            "serialized_named_tensors": [json.dumps(desc)], "load_format": "flattened_bucket",
+            "weight_version": "9", "flush_cache": False}, timeout=60)
+        rollout.post(engine, "/end_weight_update", {})
+        assert r.status_code == 400
+        assert "checksum mismatch" in r.text and "keeps its old weights" in r.text
+        after_ids, after_lp, v1 = _engine_logprobs(engine, prompt)
+        assert (after_ids, after_lp, v1) == (before_ids, before_lp, v0)
+    finally:
+        del flat
+        shm.close()
+        shm.unlink()
+
+
+def test_pause_and_continue_are_separate_calls(engine):
+    tm.pause_engines([engine])
+    assert rollout.get(engine, "/get_server_info")["internal_states"][0]["paused"] is True
+    tm.continue_engines([engine])
+    assert rollout.get(engine, "/get_server_info")["internal_states"][0]["paused"] is False
+
+
+def test_shm_sync_to_a_tp2_engine_sends_one_entry_per_rank(engine, other_model, monkeypatch):
+    from safetensors.torch import load_file
+    sent = []
+    real_post = tm._post
+    monkeypatch.setattr(tm, "_post", lambda url, path, payload: (sent.append((path, payload)), real_post(url, path, payload))[1])
+    new = sorted(load_file(f"{other_model}/model.safetensors").items())
+    try:
+        stats = tm.push_weights(new, [(engine, 2)], version=5, transport="shm", bucket_mb=0.05)
+        updates = [p for path, p in sent if path == "/update_weights_from_tensor"]
+        assert len(updates) == stats["weights/buckets"] > 1
+        assert all(len(p["serialized_named_tensors"]) == 2 and p["load_format"] == "flattened_bucket" for p in updates)
+        # only the last bucket sets the version; the whole sync sits inside one session
+        assert [p.get("weight_version") for p in updates] == [None] * (len(updates) - 1) + ["5"]
+        assert [path for path, _ in sent][0] == "/begin_weight_update" and sent[-1][0] == "/end_weight_update"
+        assert _engine_logprobs(engine, [5, 6, 7])[2] == "5"
+    finally:
+        rollout.post(engine, "/update_weights_from_disk", {"model_path": str(other_model), "weight_version": "0"})
+
+
+def test_a_partial_update_reaches_the_packed_weights(tiny_model_dir, other_model):
+    """The engine multiplies by packed copies of its weights; an update of a few tensors (a fused q|k|v part, an
+    MLP projection, the tied embedding/LM head) must reach them: logprobs then equal transformers' on the same
+    mixed weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    other = load_file(f"{other_model}/model.safetensors")
+    names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight"]
+    engine = rollout.CpuEngine(tiny_model_dir, max_batch=2, max_len=64).start()
+    try:
+        engine.load_weights([(n, other[n]) for n in names], version="2")
+        out = engine.generate([[5, 6, 7, 8]], {"temperature": 0, "max_new_tokens": 6})[0]
+    finally:
+        engine.stop()
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        for n in names:
+            ref.get_parameter(n).copy_(other[n])
+        x = torch.tensor([[5, 6, 7, 8] + out["output_ids"]])
+        logp = torch.log_softmax(ref(x).logits[0, 3:-1].float(), -1)                  # (6, V)
+    want = logp.gather(1, torch.tensor(out["output_ids"])[:, None])[:, 0]
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    assert out["meta_info"]["weight_version"] == "2" and (got - want).abs().max() <= 1e-5
