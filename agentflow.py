@@ -1499,10 +1499,17 @@ class Router:
             def capture_signals(self):
                 return contextlib.nullcontext()
 
+        import socket
         config = uvicorn.Config(self.app(), host=self.host, port=port, log_level="warning", lifespan="off",
                                 access_log=False)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # TCP_NODELAY, inherited by accepted connections: an answer's headers and body go out as two writes, and
+        # with Nagle the body would wait for the client's delayed ACK (~40 ms on every agent call)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((self.host, port))
         self._server = _Server(config)
-        self._task = asyncio.create_task(self._server.serve())
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():  # e.g. the port is taken: surface uvicorn's error
                 self._task.result()
