@@ -1313,6 +1313,10 @@ class AgentFlow:
         self.pool = EnginePool(engine_urls)
         self.reward_fn = data.import_object(cfg.reward)
         self.agent_fn = data.import_object(cfg.agent) if cfg.agent else None
+        # data_sources: a source's own reward / agent, looked up by sample["source"]; else the ones above
+        sources = getattr(cfg, "data_sources", None) or []
+        self.source_reward = {s["name"]: data.import_object(s["reward"]) for s in sources if s.get("reward")}
+        self.source_agent = {s["name"]: data.import_object(s["agent"]) for s in sources if s.get("agent")}
         if cfg.agent and cfg.agent_command:
             raise ValueError(f"set either agent ({cfg.agent!r}, a Python function) or agent_command "
                              f"({cfg.agent_command!r}, a black-box program), not both")
@@ -1340,7 +1344,7 @@ class AgentFlow:
         `sampling`: temperature, top_p, top_k, max_new_tokens. Failed trajectories stay in their group
         (status "failed", reward 0, loss_mask all 0) so the step goes on; groups cut by abort() are dropped.
         """
-        if self.agent_fn is not None or self.cfg.agent_command:
+        if self.agent_fn is not None or self.cfg.agent_command or self.source_agent:
             await self.start_router()
         base = self._next_group
         self._next_group += len(samples)
@@ -1381,7 +1385,7 @@ class AgentFlow:
         for attempt in range(1, attempts + 1):
             if self.cfg.agent_command:
                 traj = await self._blackbox(sample, sampling)
-            elif self.agent_fn is not None:
+            elif self.agent_fn is not None or sample.get("source") in self.source_agent:
                 traj = await self._whitebox(sample, sampling)
             else:
                 traj = await self._single_turn(sample, sampling)
@@ -1391,6 +1395,8 @@ class AgentFlow:
                         attempts, traj.metadata.get("error"))
         traj.group_id, traj.sample_index = group_id, index
         traj.metadata.update(step=step, attempts=attempt)
+        if "source" in sample or "teacher" in sample:  # data_sources / teacher routing read these (teacher.py)
+            traj.metadata.update(source=sample.get("source"), teacher=sample.get("teacher"))
         traj.timings["total_s"] = time.perf_counter() - t0
         return traj
 
@@ -1408,7 +1414,7 @@ class AgentFlow:
         t0 = time.perf_counter()
         if status not in ("failed", "aborted") and reward is None:
             try:
-                reward = float(await _call(self.reward_fn, text, sample))
+                reward = float(await _call(self.source_reward.get(sample.get("source"), self.reward_fn), text, sample))
             except Exception as e:  # a reward bug must show, but not kill the whole step
                 log.exception("reward %s failed", self.cfg.reward)
                 status, error = "failed", f"reward {self.cfg.reward} raised {e!r}"
@@ -1448,7 +1454,8 @@ class AgentFlow:
                                     http_client=openai_http_client())
         result, status, error = None, None, None
         try:
-            result = await asyncio.wait_for(self.agent_fn(client, sample), self.cfg.agent_timeout)
+            agent_fn = self.source_agent.get(sample.get("source"), self.agent_fn)
+            result = await asyncio.wait_for(agent_fn(client, sample), self.cfg.agent_timeout)
         except asyncio.TimeoutError:
             status, error = "truncated", f"agent timed out after {self.cfg.agent_timeout}s (cfg.agent_timeout)"
         except Exception as e:

@@ -16,7 +16,9 @@ are generated while this one trains; at most `max_staleness` batches in flight, 
 continue across weight updates and record the version of every token). Debug seams: `rollout_only`,
 `train_only` with `load_rollouts`, `dump_rollouts`, decoded samples printed every `print_every` steps.
 
-Left out here (see the issues): the teacher manager and multi-node launch scripts.
+Teachers (teacher.py) score every batch between "generate" and "train" when `teachers:` is set;
+`data_sources:` mixes several datasets (each with its agent, reward, teacher and eval set) by weight.
+Left out here (see the issues): multi-node launch scripts.
 """
 from __future__ import annotations
 
@@ -155,9 +157,21 @@ class Config:
     overlong_penalty: float = 1.0  # DAPO overlong penalty at max length
     length_penalty: str = ""  # "" | linear | kimi
     length_penalty_coef: float = 0.0  # weight of the length penalty
-    distill_type: str = "sampled_kl"  # teacher distillation divergence: sampled_kl | topk_kl | reverse_kl | forward_kl | jsd
-    distill_coef: float = 0.0  # weight of the distillation term; 0 = no teachers
+    distill_type: str = "topk_kl"  # GKD divergence to the teachers: topk_kl | forward_kl | reverse_kl | jsd
+    pg_ratio: float = 0.0  # A' = A - pg_ratio * (log pi - log pi_teacher) on the sampled token; needs teachers
+    gkd_ratio: float = 0.0  # L = (1 - gkd_ratio) * RL loss + gkd_ratio * GKD loss; 1 = pure distillation
     jsd_beta: float = 0.5  # beta of the generalised JSD
+
+    # --- teachers and data sources (teacher.py; the objective is in algos.py, "On-policy distillation") ---
+    teachers: dict = field(default_factory=dict)  # {name: HF dir | {path: HF dir or "tiny", tiny_model/warmstart_* overrides}}
+    teacher_route: str = ""  # dotted path: fn(trajectory) -> per response token a teacher, {teacher: weight} or None
+    teacher_tp: int = 1  # tensor parallel size of the teacher group (independent of the student's)
+    teacher_placement: str = "own"  # "own": the teachers' own bundles | "trainer": time-share the trainers' (CPU)
+    cpus_per_teacher: float = 1.0  # Ray CPU resources per teacher rank
+    teacher_topk: int = 16  # K of the top-k targets each teacher returns per token
+    teacher_micro_batch: int = 64  # samples per teacher forward
+    teacher_eval: bool = True  # before training, evaluate each teacher (same architecture as the student) on the eval sets
+    data_sources: list = field(default_factory=list)  # [{name, dataset, weight, eval_dataset, reward, agent, teacher}]
 
     # --- weights ---
     transfer: str = "auto"  # TransferMesh transport: auto | shm | cuda_ipc | broadcast | disk
@@ -249,7 +263,121 @@ def finalize(cfg: Config) -> Config:
     for name in ("reward", "warmstart_example") + (("agent",) if cfg.agent else ()):
         data.import_object(getattr(cfg, name))  # fail now, not after the model is built
     algos.validate(cfg)
+    check_teachers(cfg)
     return cfg
+
+
+TEACHER_BUILD_KEYS = ("tiny_model", "warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
+                      "warmstart_label_noise", "warmstart_example", "seed")
+SOURCE_KEYS = ("name", "dataset", "weight", "eval_dataset", "reward", "agent", "teacher")
+
+
+def _teacher_spec(name: str, spec) -> dict:
+    """A `teachers:` entry as {"path": ..., build overrides...}, checked."""
+    spec = {"path": spec} if isinstance(spec, str) else spec
+    if not isinstance(spec, dict) or "path" not in spec:
+        raise ValueError(f"teachers.{name}={spec!r}: give an HF directory, or {{path: tiny, warmstart_dataset: ...}}")
+    for key in spec:
+        if key != "path" and key not in TEACHER_BUILD_KEYS:
+            raise ValueError(f"teachers.{name}.{key} is not a teacher setting{_closest(key, ('path',) + TEACHER_BUILD_KEYS)}")
+    if spec["path"] != "tiny" and len(spec) > 1:
+        raise ValueError(f"teachers.{name}: build settings {sorted(set(spec) - {'path'})} apply to path: tiny only")
+    return spec
+
+
+def _vocab_of(cfg: Config, path: str, tiny_model: dict) -> tuple | None:
+    """What must match between student and teacher: (vocab_size, tokenizer vocab hash), or the tiny
+    builder's tokenizer settings; None where it cannot be known before anything is built."""
+    if path == "tiny":
+        s = {**data.TINY_DEFAULTS, **tiny_model}
+        return ("tiny", s["tokenizer_vocab"], s["vocab_multiple"])
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        return None
+    tok = Path(path) / "tokenizer.json"
+    return (json.loads(cfg_file.read_text()).get("vocab_size"),
+            data.settings_hash(tok.read_text()) if tok.exists() else None)
+
+
+def check_teachers(cfg: Config) -> None:
+    """Teachers, routing and data sources: meaningless combinations fail here, at --check."""
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ValueError(msg)
+
+    names = list(cfg.teachers)
+    specs = {n: _teacher_spec(n, s) for n, s in cfg.teachers.items()}
+    need(not names or cfg.pg_ratio > 0 or cfg.gkd_ratio > 0, f"teachers {names} are set but pg_ratio=0 and "
+         "gkd_ratio=0, so they would teach nothing; set pg_ratio > 0 (PG-style) and/or gkd_ratio > 0 (GKD)")
+    need(names or (cfg.pg_ratio == 0 and cfg.gkd_ratio == 0), f"pg_ratio={cfg.pg_ratio} / gkd_ratio={cfg.gkd_ratio} "
+         "distil from teachers, but `teachers:` is empty; add teachers or set both to 0")
+    need(cfg.teacher_placement in ("own", "trainer"), f"teacher_placement={cfg.teacher_placement!r}: choose 'own' or 'trainer'")
+    need(cfg.teacher_placement == "own" or cfg.device == "cpu", "teacher_placement='trainer' time-shares CPU bundles "
+         "only for now; on CUDA use teacher_placement='own' (the teachers' own GPUs)")
+    need(cfg.teacher_placement == "own" or cfg.teacher_tp <= cfg.trainer_workers, f"teacher_placement='trainer' "
+         f"puts teacher_tp={cfg.teacher_tp} ranks on {cfg.trainer_workers} trainer bundles; lower teacher_tp")
+    need(cfg.teacher_tp >= 1 and cfg.teacher_topk >= 1 and cfg.teacher_micro_batch >= 1,
+         f"teacher_tp={cfg.teacher_tp}, teacher_topk={cfg.teacher_topk}, teacher_micro_batch={cfg.teacher_micro_batch} must be >= 1")
+    if cfg.teacher_route:
+        need(bool(names), f"teacher_route={cfg.teacher_route!r} without teachers; add `teachers:`")
+        data.import_object(cfg.teacher_route)
+    student = _vocab_of(cfg, cfg.model_path, cfg.tiny_model)
+    for n, spec in specs.items():
+        theirs = _vocab_of(cfg, spec["path"], spec.get("tiny_model", cfg.tiny_model))
+        need(student is None or theirs is None or student == theirs, f"teacher {n!r} ({spec['path']}) has another "
+             f"vocabulary than the student ({cfg.model_path}): {theirs} vs {student}. Distillation compares "
+             "distributions token by token: give teachers that share the student's tokenizer")
+
+    def check_teacher_ref(ref, where: str):
+        for t in ([ref] if isinstance(ref, str) else list(dict(ref))):
+            need(t in names, f"{where} names teacher {t!r}, which is not in teachers: {names}{_closest(str(t), names)}")
+
+    seen = set()
+    for i, src in enumerate(cfg.data_sources):
+        need(isinstance(src, dict) and "name" in src and "dataset" in src,
+             f"data_sources[{i}]={src!r} needs at least name and dataset")
+        for key in src:
+            need(key in SOURCE_KEYS, f"data_sources[{i}].{key} is not a source key{_closest(key, SOURCE_KEYS)}")
+        need(src["name"] not in seen, f"data_sources: the name {src['name']!r} is used twice")
+        seen.add(src["name"])
+        need(float(src.get("weight", 1.0)) > 0, f"data_sources {src['name']!r}: weight={src.get('weight')} must be > 0")
+        for key in ("reward", "agent"):
+            if src.get(key):
+                data.import_object(src[key])
+        if src.get("teacher") is not None:
+            need(bool(names), f"data source {src['name']!r} names teacher {src['teacher']!r} but `teachers:` is empty")
+            check_teacher_ref(src["teacher"], f"data source {src['name']!r}")
+        elif len(names) > 1 and not cfg.teacher_route:
+            raise ValueError(f"data source {src['name']!r} has no teacher, and there are {len(names)} teachers "
+                             f"{names}; set its `teacher:` (a name or {{name: weight}}), or set teacher_route")
+
+
+def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(training samples, eval samples). With data_sources every sample carries `source` and, unless it
+    has its own, the source's `teacher`; sample teachers are checked against `teachers:` here."""
+    if not cfg.data_sources:
+        samples = data.load_dataset(cfg.dataset)
+        evals = data.load_dataset(cfg.eval_dataset) if cfg.eval_dataset else []
+    else:
+        samples, evals = [], []
+        for src in cfg.data_sources:
+            for spec, into in ((src["dataset"], samples), (src.get("eval_dataset"), evals)):
+                for s in (data.load_dataset(spec) if spec else []):
+                    s["source"] = src["name"]
+                    if src.get("teacher") is not None and s.get("teacher") is None:
+                        s["teacher"] = src["teacher"]
+                    into.append(s)
+    names = list(cfg.teachers)
+    for s in samples:
+        ref = s.get("teacher")
+        for t in ([] if ref is None else [ref] if isinstance(ref, str) else list(dict(ref))):
+            if t not in names:
+                raise ValueError(f"a sample of {s.get('source') or cfg.dataset!r} names teacher {t!r}, which is not "
+                                 f"in teachers: {names}{_closest(str(t), names)}")
+        if ref is None and len(names) > 1 and not cfg.teacher_route:
+            raise ValueError(f"a sample of {s.get('source') or cfg.dataset!r} has no teacher and there are "
+                             f"{len(names)} teachers {names}; add a `teacher` field, a source teacher or teacher_route")
+    return samples, evals
 
 
 def describe(cfg: Config) -> str:
@@ -333,6 +461,7 @@ def launch(cfg: Config):
             ray.init(address=cfg.ray_address, log_to_driver=True)
         else:  # logical CPUs: actors are mostly waiting on each other; torch threads are set per actor
             need = cfg.trainer_workers * cfg.cpus_per_trainer + cfg.num_engines * cfg.cpus_per_engine + 1
+            need += cfg.teacher_tp * cfg.cpus_per_teacher if cfg.teachers and cfg.teacher_placement == "own" else 0
             ray.init(num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
                      log_to_driver=True, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     t_bundle = {"GPU": 1, "CPU": cfg.cpus_per_trainer} if gpu else {"CPU": cfg.cpus_per_trainer}
@@ -369,6 +498,47 @@ def start_engines(cfg: Config, pg) -> list:
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, b), num_cpus=cfg.cpus_per_engine * share,
             num_gpus=(cfg.gpus_per_engine * share) if gpu else 0).remote(cfg, i))
     return engines
+
+
+def prepare_teachers(cfg: Config, trainers) -> dict[str, str]:
+    """{teacher: HF dir}. A `path: tiny` teacher is built like the student (prepare_model, on the same
+    trainers, cached by its settings) with its own warm-start data: that is how the tiny recipes train a
+    teacher per sub-task."""
+    paths = {}
+    for name, spec in cfg.teachers.items():
+        spec = _teacher_spec(name, spec)
+        if spec["path"] == "tiny":
+            over = {k: v for k, v in spec.items() if k != "path"}
+            paths[name] = prepare_model(dataclasses.replace(cfg, model_path="tiny", **over), trainers)
+        else:
+            paths[name] = spec["path"]
+    return paths
+
+
+def start_teachers(cfg: Config, pg, paths: dict[str, str]) -> list:
+    """The teacher group: `teacher_tp` TeacherWorker ranks in their own placement group ("own") or on the
+    trainers' bundles ("trainer": they compute while the trainers wait), every teacher registered."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    import teacher
+    gpu = cfg.device == "cuda"
+    if cfg.teacher_placement == "own":
+        bundle = {"GPU": 1, "CPU": cfg.cpus_per_teacher} if gpu else {"CPU": cfg.cpus_per_teacher}
+        pg = placement_group([dict(bundle) for _ in range(cfg.teacher_tp)], strategy="PACK")
+        ray.get(pg.ready(), timeout=300)
+        cpus = cfg.cpus_per_teacher
+    else:
+        cpus = 0  # the trainer bundle's CPUs are the trainers'; a teacher runs while they wait
+    on = [dict(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r), num_cpus=cpus, num_gpus=1 if gpu else 0)
+          for r in range(cfg.teacher_tp)]
+    addr, port = ray.get(ray.remote(_addr_and_port).options(**{**on[0], "num_cpus": 0, "num_gpus": 0}).remote())
+    Actor = ray.remote(teacher.TeacherWorker)
+    group = [Actor.options(**on[r]).remote(cfg, r, cfg.teacher_tp, addr, port) for r in range(cfg.teacher_tp)]
+    info = ray.get([t.load_teachers.remote(paths, str(Path(cfg.output_dir) / "teacher_snapshots")) for t in group])[0]
+    print(f"teachers: {info}")
+    return group
 
 
 def _addr_and_port():
@@ -418,10 +588,19 @@ class Logger:
             pts = [(h["step"], h[key]) for h in self.history if key in h]
             if pts:
                 ax.plot(*zip(*pts), style, label=key)
+        # data sources: the student's eval curve per source, each teacher's accuracy there as a flat line
+        keys = sorted({k for h in self.history for k in h})
+        for i, src in enumerate(k.split("/")[1] for k in keys if k.startswith("eval/") and k.count("/") == 2):
+            color = f"C{i + 2}"
+            pts = [(h["step"], h[f"eval/{src}/accuracy"]) for h in self.history if f"eval/{src}/accuracy" in h]
+            ax.plot(*zip(*pts), "s-", color=color, label=f"student eval/{src}")
+            for j, k in enumerate(k for k in keys if k.startswith("teacher/") and k.endswith(f"/{src}/accuracy")):
+                v = next(h[k] for h in self.history if k in h)
+                ax.axhline(v, color=color, ls=("--", ":", "-.")[j % 3], lw=1, label=f"{k.split('/')[1]} (teacher) on {src}")
         ax.set_xlabel("step")
         ax.set_ylabel("reward / accuracy")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
         path = self.dir / "reward_curve.png"
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -447,6 +626,7 @@ def rollout_metrics(trajs: list[dict]) -> dict:
         "rollout/truncated_frac": sum(t["status"] == "truncated" for t in trajs) / n,
         "rollout/weight_version_min": min(versions, default=-1),
         "rollout/weight_version_max": max(versions, default=-1),
+        **{f"rollout/{src}/reward_mean": sum(t["reward"] for t in ts) / len(ts) for src, ts in _by_source(trajs).items()},
     }
 
 
@@ -506,8 +686,63 @@ def evaluate(cfg: Config, flow, eval_samples: list[dict], step: int) -> dict:
     import ray
     sampling = dict(temperature=cfg.eval_temperature, top_p=1.0, top_k=-1, max_new_tokens=cfg.max_new_tokens)
     trajs = ray.get(flow.generate.remote(eval_samples, cfg.eval_samples, sampling, step))
-    return {"eval/accuracy": sum(t["reward"] for t in trajs) / max(len(trajs), 1),
-            "eval/response_len": sum(len(t["response_ids"]) for t in trajs) / max(len(trajs), 1)}
+    out = {"eval/accuracy": sum(t["reward"] for t in trajs) / max(len(trajs), 1),
+           "eval/response_len": sum(len(t["response_ids"]) for t in trajs) / max(len(trajs), 1)}
+    for src, ts in _by_source(trajs).items():  # data_sources: one accuracy per source's eval set
+        out[f"eval/{src}/accuracy"] = sum(t["reward"] for t in ts) / len(ts)
+    return out
+
+
+def _by_source(trajs: list[dict]) -> dict[str, list[dict]]:
+    by: dict[str, list[dict]] = {}
+    for t in trajs:
+        src = (t.get("metadata") or {}).get("source")
+        if src is not None:
+            by.setdefault(src, []).append(t)
+    return by
+
+
+def mixed_batches(cfg: Config, samples: list[dict]):
+    """data_sources: endless batches of `prompts_per_step` samples mixed by source weight. Each source is
+    its own shuffled epoch stream; a step takes floor(share) from each and the remainder goes to the
+    sources with the largest carried-over fraction, so over steps every source gets its exact share."""
+    weights = {s["name"]: float(s.get("weight", 1.0)) for s in cfg.data_sources}
+    total = sum(weights.values())
+    streams, carry = {}, {n: 0.0 for n in weights}
+    for i, name in enumerate(weights):
+        pool = [s for s in samples if s["source"] == name]
+        streams[name] = batches(dataclasses.replace(cfg, prompts_per_step=1, seed=cfg.seed + i), pool)
+    while True:
+        want = {n: cfg.prompts_per_step * w / total + carry[n] for n, w in weights.items()}
+        take = {n: int(math.floor(v)) for n, v in want.items()}
+        for n in sorted(want, key=lambda n: want[n] - take[n], reverse=True)[:cfg.prompts_per_step - sum(take.values())]:
+            take[n] += 1
+        carry = {n: want[n] - take[n] for n in want}
+        yield [next(streams[n])[0] for n in weights for _ in range(take[n])]
+
+
+def evaluate_teachers(cfg: Config, trainers, flow, engine_urls, paths: dict[str, str], eval_samples) -> dict:
+    """`teacher/<name>/<source>/accuracy` (and `teacher/<name>/accuracy`): each teacher of the student's
+    architecture is loaded into the trainers, pushed to the engines and evaluated like the student; then
+    the student's weights go back (version 0). Other architectures cannot be served by the student's
+    engines and are skipped."""
+    import ray
+
+    import trainer
+    import teacher
+    mine = teacher.arch_key(trainer.read_hf_config(cfg.model_path))
+    out = {}
+    for name, path in paths.items():
+        if teacher.arch_key(trainer.read_hf_config(path)) != mine:
+            print(f"teacher {name}: another architecture than the student, not evaluated")
+            continue
+        ray.get([t.load_hf.remote(path) for t in trainers])
+        ray.get([t.sync_weights.remote(engine_urls, -1) for t in trainers])
+        m = evaluate(cfg, flow, eval_samples, 0)
+        out.update({f"teacher/{name}/{k[len('eval/'):]}": v for k, v in m.items() if k.endswith("accuracy")})
+    ray.get([t.load_hf.remote(cfg.model_path) for t in trainers])
+    ray.get([t.sync_weights.remote(engine_urls, 0) for t in trainers])
+    return out
 
 
 def train(cfg: Config) -> list[dict]:
@@ -523,15 +758,22 @@ def train(cfg: Config) -> list[dict]:
     (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     logger = Logger(cfg)
 
-    # --- actors: trainers first (they also warm-start the tiny model), then engines on its weights ---
+    samples, eval_samples = load_data(cfg)  # before any actor: a bad teacher name in the data fails here
+
+    # --- actors: trainers first (they also warm-start the tiny model and build tiny teachers), then engines
     import agentflow
     pg, trainers = launch(cfg)
+    teacher_paths = prepare_teachers(cfg, trainers) if cfg.teachers else {}
     cfg.model_path = prepare_model(cfg, trainers)
     ray.get([t.load_hf.remote(cfg.model_path) for t in trainers])
     engines = start_engines(cfg, pg)  # they load cfg.model_path: weight version 0 == the trainers' weights
     engine_urls = ray.get([e.url.remote() for e in engines])
     flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, engine_urls, cfg.model_path)
     print(f"engines: {engine_urls}")
+    teachers = start_teachers(cfg, pg, teacher_paths) if cfg.teachers else []  # teacher.py, scores each batch
+    if teachers and float(cfg.gkd_ratio) > 0 and cfg.distill_type != "topk_kl":  # hidden-state targets
+        heads = teachers[0].lm_heads.remote()  # the teachers' LM heads, sent to the trainers once
+        ray.get([t.set_teacher_heads.remote(heads) for t in trainers])
 
     start_step = 0
     ckpt_root = out / "checkpoints"
@@ -542,13 +784,15 @@ def train(cfg: Config) -> list[dict]:
         ray.get([t.sync_weights.remote(engine_urls, start_step) for t in trainers])
         print(f"resumed from {latest} at step {start_step}")
 
-    samples = data.load_dataset(cfg.dataset)
-    eval_samples = data.load_dataset(cfg.eval_dataset) if cfg.eval_dataset else []
-    prompts = batches(cfg, samples)
+    prompts = mixed_batches(cfg, samples) if cfg.data_sources else batches(cfg, samples)
     for _ in range(start_step):  # keep the data order of an uninterrupted run
         next(prompts)
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
 
+    if cfg.teacher_eval and teachers and eval_samples and start_step == 0:
+        m = evaluate_teachers(cfg, trainers, flow, engine_urls, teacher_paths, eval_samples)
+        logger.log(0, m)
+        print("teachers' eval accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
     if cfg.eval_every and eval_samples:
         m = evaluate(cfg, flow, eval_samples, start_step)
         logger.log(start_step, m)
@@ -591,7 +835,15 @@ def train(cfg: Config) -> list[dict]:
             # --- 2. old/ref logprobs, advantages, policy update (all inside the trainers; one call per rank)
             t0 = time.perf_counter()
             batch_ref = ray.put(trajs)
-            results = ray.get([t.train_step.remote(batch_ref, step) for t in trainers])
+            # TEACHERS (teacher.py): every teacher rank scores, rank 0's per-token targets go to the trainers
+            # by ref (never through the controller); the metrics get is the blocking point of this phase.
+            targets_ref = None
+            if teachers:
+                refs = [t.score.options(num_returns=2).remote(batch_ref) for t in teachers]
+                targets_ref = refs[0][0]
+                metrics.update(ray.get(refs[0][1]))
+                metrics["timing/teacher"] = time.perf_counter() - t0
+            results = ray.get([t.train_step.remote(batch_ref, step, targets_ref) for t in trainers])
             metrics.update(results[0])  # already reduced over DP ranks
             metrics["timing/train"] = time.perf_counter() - t0
 
