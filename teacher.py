@@ -39,7 +39,6 @@ student's (rejected at --check), and prefetching the next teacher while the curr
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import time
 from pathlib import Path
@@ -136,8 +135,9 @@ class TeacherWorker(trainer.TrainerWorker):
     """
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
-        self.base_rss = peak_rss_mb()[0]  # before any model: what the teachers add is measured against it
         super().__init__(teacher_cfg(cfg), rank, world_size, master_addr, master_port)
+        from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401  (imported now, so base_rss has it)
+        self.base_rss = peak_rss_mb()[0]  # before any model: what the teachers add is measured against it
         self.names: list[str] = []  # teacher names, in recipe order (columns of token_routes)
         self.skeletons: dict[str, tuple] = {}  # arch key -> (GPTModel, TransformerConfig): resident models
         self.arch_of: dict[str, str] = {}  # teacher -> arch key
@@ -167,10 +167,10 @@ class TeacherWorker(trainer.TrainerWorker):
             self._load_full_state(gpt, full)
             del full
             if needs_hidden(self.cfg):
-                head_name = "embedding.word_embeddings.weight" if gpt.share_embeddings_and_output_weights \
-                    else "output_layer.weight"
-                head = trainer.gather_full(head_name, gpt.shared_embedding_or_output_weight().detach(),
-                                           self.tp_group if self.tp_size > 1 else None)  # (V, H)
+                tied = gpt.share_embeddings_and_output_weights
+                head_name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+                w = gpt.embedding.word_embeddings.weight if tied else gpt.output_layer.weight  # (V/tp, H)
+                head = trainer.gather_full(head_name, w.detach(), self.tp_group if self.tp_size > 1 else None)  # (V, H)
                 self.heads[name] = head.cpu().clone()
             local = {n: p.detach() for n, p in gpt.named_parameters()}
             if self.cpu:  # CPU: a file, read back through mmap at swap time (page cache, not this heap)
