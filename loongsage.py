@@ -843,6 +843,7 @@ def train(cfg: Config) -> list[dict]:
                 targets_ref = refs[0][0]
                 metrics.update(ray.get(refs[0][1]))
                 metrics["timing/teacher"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
             results = ray.get([t.train_step.remote(batch_ref, step, targets_ref) for t in trainers])
             metrics.update(results[0])  # already reduced over DP ranks
             metrics["timing/train"] = time.perf_counter() - t0

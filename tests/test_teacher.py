@@ -296,3 +296,39 @@ def test_mixed_batches_follow_the_source_weights(tmp_path):
     assert sorted(counts) == [1, 1, 2, 2] and sum(counts) == 6
     ops = {s["messages"][0]["content"][1] for s in samples if s["source"] == "sub"}
     assert ops == {"-"}
+
+
+# ---------------------------------------------------------------------------------------- end to end
+
+
+def test_mopd_recipe_end_to_end_short(tmp_path, monkeypatch):
+    """recipes/mopd_cpu.yaml shrunk (2 teachers built with 2 SFT steps each, 2 steps), with a
+    full-vocabulary divergence so the hidden-state targets and the LM heads travel too: teachers are
+    evaluated per source, every step swaps at most once per teacher, the opd metrics are finite, the
+    plot is written."""
+    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
+    build = {"warmstart_steps": 2, "warmstart_batch_size": 8, "tiny_model": TINY}
+    teachers = {"add_teacher": {"path": "tiny", "warmstart_dataset": "synthetic:add:64:11:9", **build},
+                "sub_teacher": {"path": "tiny", "warmstart_dataset": "synthetic:sub:64:12:9", **build}}
+    cfg = loongsage.load_config(str(ROOT / "recipes/mopd_cpu.yaml"), [
+        f"output_dir={tmp_path}/run", "num_steps=2", "prompts_per_step=4", "samples_per_prompt=2",
+        "global_batch_size=8", "micro_batch_size=4", "eval_every=1", "warmstart_steps=2", "warmstart_batch_size=8",
+        f"tiny_model={json.dumps(TINY)}", f"teachers={json.dumps(teachers)}", "distill_type=forward_kl",
+        "data_sources=" + json.dumps([
+            {"name": "add", "dataset": "synthetic:add:64:1:9", "eval_dataset": "synthetic:add:6:2:9", "teacher": "add_teacher"},
+            {"name": "sub", "dataset": "synthetic:sub:64:3:9", "eval_dataset": "synthetic:sub:6:4:9", "teacher": "sub_teacher"}])])
+    try:
+        history = loongsage.train(cfg)
+    finally:
+        ray.shutdown()
+    first = history[0]
+    assert {f"teacher/{t}/{s}/accuracy" for t in ("add_teacher", "sub_teacher") for s in ("add", "sub")} <= set(first)
+    steps = [h for h in history if "train/loss" in h]
+    assert len(steps) == 2
+    for h in steps:
+        assert h["teacher/teachers_used"] == 2 and h["teacher/swaps"] <= 2
+        assert h["teacher/add_teacher/tokens"] > 0 and h["teacher/sub_teacher/tokens"] > 0
+        assert h["rollout/add/reward_mean"] >= 0 and "eval/sub/accuracy" in h
+        assert all(math.isfinite(h[k]) for k in ("train/opd_loss", "train/opd_kl", "train/opd_pg_kl", "train/loss"))
+        assert h["train/opd_loss"] > 0 and h["train/opd_tokens"] == 1.0
+    assert (tmp_path / "run" / "reward_curve.png").stat().st_size > 1000
