@@ -14,8 +14,8 @@ What a teacher returns, per response token (`score`):
   * `teacher_mask` (R,): 1 where a teacher scored the token (model tokens that some route covers).
 
 Memory: several teachers share one worker group. One model skeleton per architecture is resident; each
-teacher's weights wait as a snapshot of this rank's shards (a safetensors file read through mmap on
-CPU, pinned host memory on CUDA) and are copied into the skeleton when needed (`_swap_in`). `score`
+teacher's weights wait as a snapshot of this rank's shards (a safetensors file on CPU, read straight
+into the skeleton's parameters at swap time; pinned host memory on CUDA) and are copied into the skeleton when needed (`_swap_in`). `score`
 groups the batch by teacher, resident teachers first, so each teacher loads at most once per step.
 `python teacher.py memory` measures peak RSS with 1 and with 3 same-size teachers.
 
@@ -127,6 +127,30 @@ def peak_rss_mb() -> tuple[float, float]:
     return got.get("VmRSS:", 0.0), got.get("VmHWM:", 0.0)
 
 
+def read_snapshot_into(path: str, params: dict[str, torch.Tensor]) -> None:
+    """Copy a safetensors file's tensors straight into same-named CPU parameters with plain reads.
+
+    Not mmap: a mapping's touched pages count in this process's RSS while it is open (a whole teacher
+    at every swap), and get_tensor would allocate a copy; `readinto` fills each parameter's own storage
+    and the file's pages stay in the kernel's page cache. Format: 8-byte header length, JSON header
+    {name: {dtype, shape, data_offsets}}, then the raw bytes."""
+    import json
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            p = params[name]
+            start, end = meta["data_offsets"]
+            if meta["dtype"] != "F32" or list(meta["shape"]) != list(p.shape) or end - start != p.numel() * 4 \
+                    or p.dtype != torch.float32 or not p.is_contiguous():
+                raise ValueError(f"snapshot {path}: {name} is {meta['dtype']} {meta['shape']}, the skeleton has "
+                                 f"{p.dtype} {tuple(p.shape)}; rebuild the snapshots (delete {path})")
+            fh.seek(8 + n + start)
+            fh.readinto(memoryview(p.detach().numpy()).cast("B"))
+
+
 class TeacherWorker(trainer.TrainerWorker):
     """One rank of the teacher group (`ray.remote(TeacherWorker)`); every method is called on all ranks.
 
@@ -173,7 +197,7 @@ class TeacherWorker(trainer.TrainerWorker):
                 head = trainer.gather_full(head_name, w.detach(), self.tp_group if self.tp_size > 1 else None)  # (V, H)
                 self.heads[name] = head.cpu().clone()
             local = {n: p.detach() for n, p in gpt.named_parameters()}
-            if self.cpu:  # CPU: a file, read back through mmap at swap time (page cache, not this heap)
+            if self.cpu:  # CPU: a file, read back into the parameters at swap time (page cache, not this heap)
                 from safetensors.torch import save_file
                 f = snap_dir / f"{name}.tp{self.tp_size}-rank{self.tp_rank}.safetensors"
                 save_file({n: t.contiguous() for n, t in local.items()}, str(f))
@@ -196,10 +220,7 @@ class TeacherWorker(trainer.TrainerWorker):
             snap = self.snapshots[name]
             with torch.no_grad():
                 if isinstance(snap, str):
-                    from safetensors import safe_open
-                    with safe_open(snap, framework="pt") as f:
-                        for n in f.keys():
-                            params[n].copy_(f.get_tensor(n))
+                    read_snapshot_into(snap, params)
                 else:
                     for n, t in snap.items():
                         params[n].copy_(t, non_blocking=True)
