@@ -285,7 +285,7 @@ def _teacher_spec(name: str, spec) -> dict:
     return spec
 
 
-def _vocab_of(cfg: Config, path: str, tiny_model: dict) -> tuple | None:
+def _vocab_of(path: str, tiny_model: dict) -> tuple | None:
     """What must match between student and teacher: (vocab_size, tokenizer vocab hash), or the tiny
     builder's tokenizer settings; None where it cannot be known before anything is built."""
     if path == "tiny":
@@ -297,6 +297,22 @@ def _vocab_of(cfg: Config, path: str, tiny_model: dict) -> tuple | None:
     tok = Path(path) / "tokenizer.json"
     return (json.loads(cfg_file.read_text()).get("vocab_size"),
             data.settings_hash(tok.read_text()) if tok.exists() else None)
+
+
+def check_teacher_vocab(student_path: str, teacher_paths: dict[str, str], student_tiny: dict | None = None,
+                        teacher_tiny: dict | None = None) -> None:
+    """Every teacher must share the student's vocabulary. Compared like with like: two built/HF dirs by
+    vocab_size and tokenizer.json, two `tiny` specs by their tokenizer settings; a tiny spec against an HF
+    dir is compared again in train(), once the tiny model is built."""
+    student = _vocab_of(student_path, student_tiny or {})
+    for n, path in teacher_paths.items():
+        theirs = _vocab_of(path, (teacher_tiny or {}).get(n, student_tiny or {}))
+        if student is None or theirs is None or (student[0] == "tiny") != (theirs[0] == "tiny"):
+            continue
+        if student != theirs:
+            raise ValueError(f"teacher {n!r} ({path}) has another vocabulary than the student ({student_path}): "
+                             f"{theirs} vs {student}. Distillation compares distributions token by token: give "
+                             "teachers that share the student's tokenizer")
 
 
 def check_teachers(cfg: Config) -> None:
@@ -321,12 +337,8 @@ def check_teachers(cfg: Config) -> None:
     if cfg.teacher_route:
         need(bool(names), f"teacher_route={cfg.teacher_route!r} without teachers; add `teachers:`")
         data.import_object(cfg.teacher_route)
-    student = _vocab_of(cfg, cfg.model_path, cfg.tiny_model)
-    for n, spec in specs.items():
-        theirs = _vocab_of(cfg, spec["path"], spec.get("tiny_model", cfg.tiny_model))
-        need(student is None or theirs is None or student == theirs, f"teacher {n!r} ({spec['path']}) has another "
-             f"vocabulary than the student ({cfg.model_path}): {theirs} vs {student}. Distillation compares "
-             "distributions token by token: give teachers that share the student's tokenizer")
+    check_teacher_vocab(cfg.model_path, {n: spec["path"] for n, spec in specs.items()},
+                        cfg.tiny_model, {n: spec.get("tiny_model", cfg.tiny_model) for n, spec in specs.items()})
 
     def check_teacher_ref(ref, where: str):
         for t in ([ref] if isinstance(ref, str) else list(dict(ref))):
@@ -765,6 +777,7 @@ def train(cfg: Config) -> list[dict]:
     pg, trainers = launch(cfg)
     teacher_paths = prepare_teachers(cfg, trainers) if cfg.teachers else {}
     cfg.model_path = prepare_model(cfg, trainers)
+    check_teacher_vocab(cfg.model_path, teacher_paths)  # the built dirs, before any teacher starts
     ray.get([t.load_hf.remote(cfg.model_path) for t in trainers])
     engines = start_engines(cfg, pg)  # they load cfg.model_path: weight version 0 == the trainers' weights
     engine_urls = ray.get([e.url.remote() for e in engines])
