@@ -1969,6 +1969,10 @@ class AgentFlow:
                                check_every_s=cfg.engine_check_every, wait_s=cfg.engine_wait)
         self.reward_fn = data.import_object(cfg.reward)
         self.agent_fn = data.import_object(cfg.agent) if cfg.agent else None
+        # data_sources: a source's own reward / agent, looked up by sample["source"]; else the ones above
+        sources = getattr(cfg, "data_sources", None) or []
+        self.source_reward = {s["name"]: data.import_object(s["reward"]) for s in sources if s.get("reward")}
+        self.source_agent = {s["name"]: data.import_object(s["agent"]) for s in sources if s.get("agent")}
         if cfg.agent and cfg.agent_command:
             raise ValueError(f"set either agent ({cfg.agent!r}, a Python function) or agent_command "
                              f"({cfg.agent_command!r}, a black-box program), not both")
@@ -2039,7 +2043,7 @@ class AgentFlow:
         `sampling`: temperature, top_p, top_k, max_new_tokens. Failed trajectories stay in their group
         (status "failed", reward 0, loss_mask all 0) so the step goes on; groups cut by abort() are dropped.
         """
-        if self.agent_fn is not None or self.cfg.agent_command:
+        if self.agent_fn is not None or self.cfg.agent_command or self.source_agent:
             await self.start_router()
         base = self._next_group
         self._next_group += len(samples)
@@ -2088,7 +2092,7 @@ class AgentFlow:
             sampling = {**sampling, "sampling_seed": sampling_seed(self.cfg.seed, group_id, index, attempt)}
             if self.cfg.agent_command:
                 traj = await self._blackbox(sample, sampling)
-            elif self.agent_fn is not None:
+            elif self.agent_fn is not None or sample.get("source") in self.source_agent:
                 traj = await self._whitebox(sample, sampling)
             else:
                 traj = await self._single_turn(sample, sampling)
@@ -2098,6 +2102,8 @@ class AgentFlow:
                         attempts, traj.metadata.get("error"))
         traj.group_id, traj.sample_index = group_id, index
         traj.metadata.update(step=step, attempts=attempt)
+        if "source" in sample or "teacher" in sample:  # data_sources / teacher routing read these (teacher.py)
+            traj.metadata.update(source=sample.get("source"), teacher=sample.get("teacher"))
         traj.timings["total_s"] = time.perf_counter() - t0
         return traj
 
@@ -2115,7 +2121,8 @@ class AgentFlow:
         t0 = time.perf_counter()
         if status not in ("failed", "aborted") and reward is None:
             try:
-                reward, bad = _scalar_reward(await _call(self.reward_fn, text, sample), f"reward {self.cfg.reward}")
+                reward, bad = _scalar_reward(await _call(self.source_reward.get(sample.get("source"), self.reward_fn),
+                                                         text, sample), f"reward {self.cfg.reward}")
             except Exception as e:  # a reward bug must show, but not kill the whole step
                 log.exception("reward %s failed", self.cfg.reward)
                 reward, bad = None, f"reward {self.cfg.reward} raised {e!r}"
@@ -2157,7 +2164,8 @@ class AgentFlow:
                                     http_client=openai_http_client())
         result, status, error = None, None, None
         try:
-            result = await asyncio.wait_for(self.agent_fn(client, sample), self.cfg.agent_timeout)
+            agent_fn = self.source_agent.get(sample.get("source"), self.agent_fn)
+            result = await asyncio.wait_for(agent_fn(client, sample), self.cfg.agent_timeout)
         except asyncio.TimeoutError:
             status, error = "truncated", f"agent timed out after {self.cfg.agent_timeout}s (cfg.agent_timeout)"
         except Exception as e:

@@ -8,8 +8,8 @@ family (`compute_advantages`, `_pg_token_loss`, `aggregate`, `kl_estimate`, `is_
 
 The trainer calls five entry points (fixed in the interface notes): `validate`, `compute_advantages`,
 `policy_loss`, `gap_metrics`, `sft_loss`. The controller uses the reward shaping and group filters
-(`shape_rewards`, `filter_groups`, `groups_to_request`); the Teacher Manager uses the distillation
-divergences (`distill_advantage`, `distill_loss`).
+(`shape_rewards`, `filter_groups`, `groups_to_request`); the Teacher Manager's objective uses
+`distill_advantage`, `distill_loss`, `opd_objective` (and `mixture_logp` for ensembles).
 
 Conventions (stated once here, repeated where a loss consumes them):
   * B sequences, T response positions. `loss_mask` (B, T) is 1 on model-generated tokens only; tool and
@@ -46,7 +46,7 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_k3", "k3_unbiased")
 IS_LEVELS = ("", "token", "seq", "geo")
 IS_MODES = ("truncate", "mask")
 LENGTH_PENALTIES = ("", "linear", "kimi")
-DISTILL_TYPES = ("sampled_kl", "topk_kl", "reverse_kl", "forward_kl", "jsd")
+DISTILL_TYPES = ("topk_kl", "forward_kl", "reverse_kl", "jsd")  # the GKD divergence of on-policy distillation
 
 ALGO_DEFAULTS = {
     "advantage": "grpo",            # one of ADVANTAGES
@@ -76,14 +76,15 @@ ALGO_DEFAULTS = {
     # --- added fields (not in the interface notes' algo list) ---
     "length_penalty": "",           # one of LENGTH_PENALTIES: extra length shaping of the reward; "" = off
     "length_penalty_coef": 0.0,     # weight of the length penalty
-    "distill_type": "sampled_kl",   # one of DISTILL_TYPES, for the Teacher Manager
-    "distill_coef": 0.0,            # weight of the distillation term; 0 = off
+    "distill_type": "topk_kl",      # one of DISTILL_TYPES: the GKD divergence (teacher.py targets)
+    "pg_ratio": 0.0,                # weight of the sampled reverse KL subtracted from the advantage; 0 = off
+    "gkd_ratio": 0.0,               # L = (1 - gkd_ratio) * RL loss + gkd_ratio * GKD loss; 1 = pure distillation
     "jsd_beta": 0.5,                # generalised JSD mixture weight beta, in (0, 1)
 }
 
 EPS = 1e-6          # added to std in z-scores; zero-variance groups give 0 / (0 + EPS) = 0
 LOG_RATIO_CLAMP = 20.0
-ADDED_FIELDS = ("length_penalty", "length_penalty_coef", "distill_type", "distill_coef", "jsd_beta")
+ADDED_FIELDS = ("length_penalty", "length_penalty_coef", "distill_type", "pg_ratio", "gkd_ratio", "jsd_beta")
 
 
 def _field(cfg, name: str):
@@ -112,7 +113,7 @@ def validate(cfg) -> None:
             raise ValueError(msg)
 
     for field in ("clip_low", "clip_high", "kl_coef", "is_low", "m2po_threshold", "opsm_delta",
-                  "overlong_buffer", "overlong_penalty", "length_penalty_coef", "distill_coef"):
+                  "overlong_buffer", "overlong_penalty", "length_penalty_coef", "pg_ratio"):
         need(_field(cfg, field) >= 0, f"algo.{field}={_field(cfg, field)!r} must be >= 0")
     need(cfg.dual_clip_c == 0 or cfg.dual_clip_c > 1,
          f"algo.dual_clip_c={cfg.dual_clip_c!r} must be 0 (off) or > 1 (the bound is -c * adv for adv < 0)")
@@ -127,6 +128,11 @@ def validate(cfg) -> None:
     need(cfg.is_low < cfg.is_high, f"algo.is_low={cfg.is_low!r} must be < algo.is_high={cfg.is_high!r}")
     need(0 < _field(cfg, "jsd_beta") < 1, f"algo.jsd_beta={_field(cfg, 'jsd_beta')!r} must be in (0, 1) (the ends are forward_kl / "
          "reverse_kl: use distill_type for those)")
+    need(0 <= _field(cfg, "gkd_ratio") <= 1, f"algo.gkd_ratio={_field(cfg, 'gkd_ratio')!r} must be in [0, 1] "
+         "(the weight of the GKD loss against the RL loss)")
+    need(not (_field(cfg, "gkd_ratio") == 1 and _field(cfg, "pg_ratio") > 0),
+         f"algo.gkd_ratio=1 is pure distillation: the RL loss (and with it pg_ratio={_field(cfg, 'pg_ratio')!r}) "
+         "has weight 0; set pg_ratio=0 or gkd_ratio < 1")
     need(not (cfg.is_correction and cfg.use_rollout_logprobs),
          f"algo.is_correction={cfg.is_correction!r} with use_rollout_logprobs=True: old_logp is then the rollout "
          "logp and the correction is the identity; set is_correction='' or use_rollout_logprobs=False")
@@ -778,7 +784,13 @@ def groups_to_request(num_kept: int, num_target: int, keep_rate: float, *, min_k
 
 
 # --------------------------------------------------------------------------------------------------------
-# Distillation divergences (Teacher Manager)
+# On-policy distillation (Teacher Manager, teacher.py)
+#
+#   L = (1 - gkd_ratio) * L_RL(A')  +  gkd_ratio * L_GKD,     A'_t = A_t - pg_ratio * sg(KL_t)
+#
+# KL_t is the sampled reverse KL (`sampled_reverse_kl`), L_GKD one of `distill_loss`'s divergences.
+# gkd_ratio = 1 is pure distillation (no reward, no old-logprob forward); gkd_ratio = 0 with pg_ratio > 0
+# is PG-style on-policy distillation (the teacher's logprob is a dense per-token reward).
 # --------------------------------------------------------------------------------------------------------
 
 def sampled_reverse_kl(logp, teacher_logp):
@@ -790,11 +802,27 @@ def sampled_reverse_kl(logp, teacher_logp):
 
 def distill_advantage(cfg, adv, logp, teacher_logp, loss_mask):
     """Use the sampled reverse KL as a per-token advantage penalty:
-      A'_t = A_t - distill_coef * (log pi_student(y_t) - log pi_teacher(y_t))    (B, T), 0 off the mask
+      A'_t = A_t - pg_ratio * (log pi_student(y_t) - log pi_teacher(y_t))    (B, T), 0 off the mask
     Detached: the policy gradient does the rest (minimising it is minimising the reverse KL)."""
     mask = loss_mask > 0
     penalty = torch.where(mask, sampled_reverse_kl(logp.float(), teacher_logp.float()), torch.zeros_like(adv))
-    return torch.where(mask, adv - _field(cfg, "distill_coef") * penalty.detach(), torch.zeros_like(adv))
+    return torch.where(mask, adv - _field(cfg, "pg_ratio") * penalty.detach(), torch.zeros_like(adv))
+
+
+def opd_objective(cfg, rl_loss, gkd_loss):
+    """L = (1 - gkd_ratio) * L_RL + gkd_ratio * L_GKD (both already divided by the global denominators)."""
+    g = _field(cfg, "gkd_ratio")
+    return (1 - g) * rl_loss + g * gkd_loss
+
+
+def mixture_logp(logps, weights):
+    """Log-probabilities of a weighted mixture of teachers (an ensemble target):
+      log q(v) = log sum_j w_j p_j(v)
+    logps (J, ..., V) log-probabilities of J teachers; weights (J, ...) per token, summing to 1 over J
+    (a weight 0 drops teacher j there). Returns (..., V)."""
+    w = weights.float().unsqueeze(-1)                                     # (J, ..., 1)
+    logw = torch.where(w > 0, w.clamp(min=1e-30).log(), torch.full_like(w, -math.inf))  # (J, ..., 1)
+    return torch.logsumexp(logps.float() + logw, 0)                       # (..., V)
 
 
 def categorical_kl(p_logp, q_logp):
@@ -826,15 +854,24 @@ def generalized_jsd(student_logits, teacher_logits, beta: float):
     return beta * categorical_kl(p_log, m_log) + (1 - beta) * categorical_kl(q_log, m_log)
 
 
+def topk_overlap(student_logits, teacher_topk_ids):
+    """Fraction of the teacher's top-k ids that are also among the student's top-k, per token (B, T)."""
+    k = teacher_topk_ids.size(-1)
+    s_ids = student_logits.topk(k, -1).indices                            # (B, T, K)
+    hit = (teacher_topk_ids.unsqueeze(-1) == s_ids.unsqueeze(-2)).any(-1)  # (B, T, K) teacher id in student top-k
+    return hit.float().mean(-1)
+
+
 def distill_loss(cfg, student_logits, loss_mask, denom, *, teacher_logits=None, teacher_topk_logp=None,
                  teacher_topk_ids=None):
-    """The one dispatch over `cfg.distill_type` for divergences used as a loss term:
+    """L_GKD: the one dispatch over `cfg.distill_type` (the divergence of the GKD term):
       topk_kl     KL(teacher || student) on the teacher's top-k, renormalised    needs teacher_topk_*
       forward_kl  KL(teacher || student) over the full vocabulary               needs teacher_logits
       reverse_kl  KL(student || teacher) over the full vocabulary               needs teacher_logits
       jsd         generalised JSD with jsd_beta                                  needs teacher_logits
-    (sampled_kl is an advantage penalty: call `distill_advantage`.) Returns (distill_coef * agg(D), metrics)
-    with the same global-denominator aggregation as `policy_loss`.
+    teacher_logits may be log-probabilities (an ensemble's `mixture_logp`): only their softmax is used.
+    Returns (agg(D), metrics) with the same global-denominator aggregation as `policy_loss`; the weight
+    gkd_ratio is applied by `opd_objective`.
     """
     name = _field(cfg, "distill_type")
     if name == "topk_kl":
@@ -852,9 +889,7 @@ def distill_loss(cfg, student_logits, loss_mask, denom, *, teacher_logits=None, 
             div = categorical_kl(s_log, t_log)
         else:
             div = generalized_jsd(student_logits, teacher_logits, _field(cfg, "jsd_beta"))
-    elif name == "sampled_kl":
-        raise ValueError("distill_type='sampled_kl' is an advantage penalty: call algos.distill_advantage")
     else:
         raise _choice_error("distill_type", name, DISTILL_TYPES)
     value = aggregate(div, loss_mask, cfg.loss_agg, denom)
-    return _field(cfg, "distill_coef") * value, {"distill_" + name: value.detach()}
+    return value, {"distill_" + name: value.detach()}

@@ -205,20 +205,21 @@ def load_tokenizer(path: str):
 
 
 def load_dataset(spec: str) -> list[dict]:
-    """A list of samples from `path.jsonl`, `path.parquet`, or `synthetic:<arith|calc>:<n>:<seed>[:<max_operand>]`.
+    """A list of samples from `path.jsonl`, `path.parquet`, or `synthetic:<arith|add|sub|calc>:<n>:<seed>[:<max_operand>]`.
 
     Each sample is a dict; chat samples hold `messages` (or `prompt`, wrapped as one user turn) and
     usually `answer`.
     """
     if spec.startswith("synthetic:"):
         parts = spec.split(":")
-        if len(parts) not in (4, 5) or parts[1] not in ("arith", "calc") or not all(p.isdigit() for p in parts[2:]):
+        if len(parts) not in (4, 5) or parts[1] not in ("arith", "add", "sub", "calc") or not all(p.isdigit() for p in parts[2:]):
             raise ValueError(f"synthetic dataset spec {spec!r} must look like 'synthetic:arith:<n>:<seed>[:<max_operand>]' "
-                             "or 'synthetic:calc:<n>:<seed>'")
+                             "(or add / sub for one operation), or 'synthetic:calc:<n>:<seed>'")
         n, seed = int(parts[2]), int(parts[3])
         if parts[1] == "calc":
             return calc_samples(n, seed)
-        return arith_samples(n, seed, max_operand=int(parts[4]) if len(parts) == 5 else 99)
+        ops = {"arith": "+-", "add": "+", "sub": "-"}[parts[1]]  # add / sub: one sub-task each (mopd recipe)
+        return arith_samples(n, seed, max_operand=int(parts[4]) if len(parts) == 5 else 99, ops=ops)
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"dataset {spec!r} does not exist; give a .jsonl/.parquet path or "

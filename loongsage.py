@@ -24,12 +24,15 @@ Nothing lost: a dead or hung rollout engine leaves routing and is re-created wit
 trainers' whole state and the controller's data cursor and RNG, and `resume: true` goes on bit-exactly
 (`save_run_state`, `load_run_state`). Drills: `pytest tests/test_recover.py`.
 
-Left out here (see the issues): the teacher manager and multi-node launch scripts.
+Teachers (teacher.py) score every batch between "generate" and "train" when `teachers:` is set;
+`data_sources:` mixes several datasets (each with its agent, reward, teacher and eval set) by weight.
+Left out here (see the issues): multi-node launch scripts.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import json
 import math
 import os
@@ -175,9 +178,21 @@ class Config:
     overlong_penalty: float = 1.0  # DAPO overlong penalty at max length
     length_penalty: str = ""  # "" | linear | kimi
     length_penalty_coef: float = 0.0  # weight of the length penalty
-    distill_type: str = "sampled_kl"  # teacher distillation divergence: sampled_kl | topk_kl | reverse_kl | forward_kl | jsd
-    distill_coef: float = 0.0  # weight of the distillation term; 0 = no teachers
+    distill_type: str = "topk_kl"  # GKD divergence to the teachers: topk_kl | forward_kl | reverse_kl | jsd
+    pg_ratio: float = 0.0  # A' = A - pg_ratio * (log pi - log pi_teacher) on the sampled token; needs teachers
+    gkd_ratio: float = 0.0  # L = (1 - gkd_ratio) * RL loss + gkd_ratio * GKD loss; 1 = pure distillation
     jsd_beta: float = 0.5  # beta of the generalised JSD
+
+    # --- teachers and data sources (teacher.py; the objective is in algos.py, "On-policy distillation") ---
+    teachers: dict = field(default_factory=dict)  # {name: HF dir | {path: HF dir or "tiny", tiny_model/warmstart_* overrides}}
+    teacher_route: str = ""  # dotted path: fn(trajectory) -> per response token a teacher, {teacher: weight} or None
+    teacher_tp: int = 1  # tensor parallel size of the teacher group (independent of the student's)
+    teacher_placement: str = "own"  # "own": the teachers' own bundles | "trainer": time-share the trainers' (CPU)
+    cpus_per_teacher: float = 1.0  # Ray CPU resources per teacher rank
+    teacher_topk: int = 16  # K of the top-k targets each teacher returns per token
+    teacher_micro_batch: int = 64  # samples per teacher forward
+    teacher_eval: bool = True  # before training, evaluate each teacher (same architecture as the student) on the eval sets
+    data_sources: list = field(default_factory=list)  # [{name, dataset, weight, eval_dataset, reward, agent, teacher}]
 
     # --- weights ---
     transfer: str = "auto"  # TransferMesh transport: auto | shm | cuda_ipc | broadcast | disk
@@ -339,7 +354,133 @@ def finalize(cfg: Config) -> Config:
     for name in ("reward", "warmstart_example") + (("agent",) if cfg.agent else ()):
         data.import_object(getattr(cfg, name))  # fail now, not after the model is built
     algos.validate(cfg)
+    check_teachers(cfg)
     return cfg
+
+
+TEACHER_BUILD_KEYS = ("tiny_model", "warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
+                      "warmstart_label_noise", "warmstart_example", "seed")
+SOURCE_KEYS = ("name", "dataset", "weight", "eval_dataset", "reward", "agent", "teacher")
+
+
+def _teacher_spec(name: str, spec) -> dict:
+    """A `teachers:` entry as {"path": ..., build overrides...}, checked."""
+    spec = {"path": spec} if isinstance(spec, str) else spec
+    if not isinstance(spec, dict) or "path" not in spec:
+        raise ValueError(f"teachers.{name}={spec!r}: give an HF directory, or {{path: tiny, warmstart_dataset: ...}}")
+    for key in spec:
+        if key != "path" and key not in TEACHER_BUILD_KEYS:
+            raise ValueError(f"teachers.{name}.{key} is not a teacher setting{_closest(key, ('path',) + TEACHER_BUILD_KEYS)}")
+    if spec["path"] != "tiny" and len(spec) > 1:
+        raise ValueError(f"teachers.{name}: build settings {sorted(set(spec) - {'path'})} apply to path: tiny only")
+    return spec
+
+
+def _vocab_of(path: str, tiny_model: dict) -> tuple | None:
+    """What must match between student and teacher: (vocab_size, tokenizer vocab hash), or the tiny
+    builder's tokenizer settings; None where it cannot be known before anything is built."""
+    if path == "tiny":
+        s = {**data.TINY_DEFAULTS, **tiny_model}
+        return ("tiny", s["tokenizer_vocab"], s["vocab_multiple"])
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        return None
+    tok = Path(path) / "tokenizer.json"
+    return (json.loads(cfg_file.read_text()).get("vocab_size"),
+            data.settings_hash(tok.read_text()) if tok.exists() else None)
+
+
+def check_teacher_vocab(student_path: str, teacher_paths: dict[str, str], student_tiny: dict | None = None,
+                        teacher_tiny: dict | None = None) -> None:
+    """Every teacher must share the student's vocabulary. Compared like with like: two built/HF dirs by
+    vocab_size and tokenizer.json, two `tiny` specs by their tokenizer settings; a tiny spec against an HF
+    dir is compared again in train(), once the tiny model is built."""
+    student = _vocab_of(student_path, student_tiny or {})
+    for n, path in teacher_paths.items():
+        theirs = _vocab_of(path, (teacher_tiny or {}).get(n, student_tiny or {}))
+        if student is None or theirs is None or (student[0] == "tiny") != (theirs[0] == "tiny"):
+            continue
+        if student != theirs:
+            raise ValueError(f"teacher {n!r} ({path}) has another vocabulary than the student ({student_path}): "
+                             f"{theirs} vs {student}. Distillation compares distributions token by token: give "
+                             "teachers that share the student's tokenizer")
+
+
+def check_teachers(cfg: Config) -> None:
+    """Teachers, routing and data sources: meaningless combinations fail here, at --check."""
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ValueError(msg)
+
+    names = list(cfg.teachers)
+    specs = {n: _teacher_spec(n, s) for n, s in cfg.teachers.items()}
+    need(not names or cfg.pg_ratio > 0 or cfg.gkd_ratio > 0, f"teachers {names} are set but pg_ratio=0 and "
+         "gkd_ratio=0, so they would teach nothing; set pg_ratio > 0 (PG-style) and/or gkd_ratio > 0 (GKD)")
+    need(names or (cfg.pg_ratio == 0 and cfg.gkd_ratio == 0), f"pg_ratio={cfg.pg_ratio} / gkd_ratio={cfg.gkd_ratio} "
+         "distil from teachers, but `teachers:` is empty; add teachers or set both to 0")
+    need(cfg.teacher_placement in ("own", "trainer"), f"teacher_placement={cfg.teacher_placement!r}: choose 'own' or 'trainer'")
+    need(cfg.teacher_placement == "own" or cfg.device == "cpu", "teacher_placement='trainer' time-shares CPU bundles "
+         "only for now; on CUDA use teacher_placement='own' (the teachers' own GPUs)")
+    need(cfg.teacher_placement == "own" or cfg.teacher_tp <= cfg.trainer_workers, f"teacher_placement='trainer' "
+         f"puts teacher_tp={cfg.teacher_tp} ranks on {cfg.trainer_workers} trainer bundles; lower teacher_tp")
+    need(cfg.teacher_tp >= 1 and cfg.teacher_topk >= 1 and cfg.teacher_micro_batch >= 1,
+         f"teacher_tp={cfg.teacher_tp}, teacher_topk={cfg.teacher_topk}, teacher_micro_batch={cfg.teacher_micro_batch} must be >= 1")
+    if cfg.teacher_route:
+        need(bool(names), f"teacher_route={cfg.teacher_route!r} without teachers; add `teachers:`")
+        data.import_object(cfg.teacher_route)
+    check_teacher_vocab(cfg.model_path, {n: spec["path"] for n, spec in specs.items()},
+                        cfg.tiny_model, {n: spec.get("tiny_model", cfg.tiny_model) for n, spec in specs.items()})
+
+    def check_teacher_ref(ref, where: str):
+        for t in ([ref] if isinstance(ref, str) else list(dict(ref))):
+            need(t in names, f"{where} names teacher {t!r}, which is not in teachers: {names}{_closest(str(t), names)}")
+
+    seen = set()
+    for i, src in enumerate(cfg.data_sources):
+        need(isinstance(src, dict) and "name" in src and "dataset" in src,
+             f"data_sources[{i}]={src!r} needs at least name and dataset")
+        for key in src:
+            need(key in SOURCE_KEYS, f"data_sources[{i}].{key} is not a source key{_closest(key, SOURCE_KEYS)}")
+        need(src["name"] not in seen, f"data_sources: the name {src['name']!r} is used twice")
+        seen.add(src["name"])
+        need(float(src.get("weight", 1.0)) > 0, f"data_sources {src['name']!r}: weight={src.get('weight')} must be > 0")
+        for key in ("reward", "agent"):
+            if src.get(key):
+                data.import_object(src[key])
+        if src.get("teacher") is not None:
+            need(bool(names), f"data source {src['name']!r} names teacher {src['teacher']!r} but `teachers:` is empty")
+            check_teacher_ref(src["teacher"], f"data source {src['name']!r}")
+        elif len(names) > 1 and not cfg.teacher_route:
+            raise ValueError(f"data source {src['name']!r} has no teacher, and there are {len(names)} teachers "
+                             f"{names}; set its `teacher:` (a name or {{name: weight}}), or set teacher_route")
+
+
+def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(training samples, eval samples). With data_sources every sample carries `source` and, unless it
+    has its own, the source's `teacher`; sample teachers are checked against `teachers:` here."""
+    if not cfg.data_sources:
+        samples = data.load_dataset(cfg.dataset)
+        evals = data.load_dataset(cfg.eval_dataset) if cfg.eval_dataset else []
+    else:
+        samples, evals = [], []
+        for src in cfg.data_sources:
+            for spec, into in ((src["dataset"], samples), (src.get("eval_dataset"), evals)):
+                for s in (data.load_dataset(spec) if spec else []):
+                    s["source"] = src["name"]
+                    if src.get("teacher") is not None and s.get("teacher") is None:
+                        s["teacher"] = src["teacher"]
+                    into.append(s)
+    names = list(cfg.teachers)
+    for s in samples:
+        ref = s.get("teacher")
+        for t in ([] if ref is None else [ref] if isinstance(ref, str) else list(dict(ref))):
+            if t not in names:
+                raise ValueError(f"a sample of {s.get('source') or cfg.dataset!r} names teacher {t!r}, which is not "
+                                 f"in teachers: {names}{_closest(str(t), names)}")
+        if ref is None and len(names) > 1 and not cfg.teacher_route:
+            raise ValueError(f"a sample of {s.get('source') or cfg.dataset!r} has no teacher and there are "
+                             f"{len(names)} teachers {names}; add a `teacher` field, a source teacher or teacher_route")
+    return samples, evals
 
 
 def describe(cfg: Config) -> str:
@@ -517,6 +658,7 @@ def launch(cfg: Config):
             ray.init(address=cfg.ray_address, log_to_driver=True)
         else:  # logical CPUs: actors are mostly waiting on each other; torch threads are set per actor
             need = cfg.trainer_workers * cfg.cpus_per_trainer + cfg.num_engines * cfg.cpus_per_engine + 1
+            need += cfg.teacher_tp * cfg.cpus_per_teacher if cfg.teachers and cfg.teacher_placement == "own" else 0
             # address="local": always a Ray of its own. Without it, ray.init joins a cluster another run on
             # this machine advertises (/tmp/ray/ray_current_cluster), and then refuses num_cpus.
             ray.init(address="local", num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
@@ -577,6 +719,47 @@ def engine_gpu_ids(plan: dict, where: list, i: int) -> list[str]:
 
 def start_engines(cfg: Config, pg, plan: dict, where: list) -> list:
     return [start_engine(cfg, pg, plan, where, i) for i in range(cfg.num_engines)]
+
+
+def prepare_teachers(cfg: Config, trainers) -> dict[str, str]:
+    """{teacher: HF dir}. A `path: tiny` teacher is built like the student (prepare_model, on the same
+    trainers, cached by its settings) with its own warm-start data: that is how the tiny recipes train a
+    teacher per sub-task."""
+    paths = {}
+    for name, spec in cfg.teachers.items():
+        spec = _teacher_spec(name, spec)
+        if spec["path"] == "tiny":
+            over = {k: v for k, v in spec.items() if k != "path"}
+            paths[name] = prepare_model(dataclasses.replace(cfg, model_path="tiny", **over), trainers)
+        else:
+            paths[name] = spec["path"]
+    return paths
+
+
+def start_teachers(cfg: Config, pg, paths: dict[str, str]) -> list:
+    """The teacher group: `teacher_tp` TeacherWorker ranks in their own placement group ("own") or on the
+    trainers' bundles ("trainer": they compute while the trainers wait), every teacher registered."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    import teacher
+    gpu = cfg.device == "cuda"
+    if cfg.teacher_placement == "own":
+        bundle = {"GPU": 1, "CPU": cfg.cpus_per_teacher} if gpu else {"CPU": cfg.cpus_per_teacher}
+        pg = placement_group([dict(bundle) for _ in range(cfg.teacher_tp)], strategy="PACK")
+        ray.get(pg.ready(), timeout=300)
+        cpus = cfg.cpus_per_teacher
+    else:
+        cpus = 0  # the trainer bundle's CPUs are the trainers'; a teacher runs while they wait
+    on = [dict(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r), num_cpus=cpus, num_gpus=1 if gpu else 0)
+          for r in range(cfg.teacher_tp)]
+    addr, port = ray.get(ray.remote(_addr_and_port).options(**{**on[0], "num_cpus": 0, "num_gpus": 0}).remote())
+    Actor = ray.remote(teacher.TeacherWorker)
+    group = [Actor.options(**on[r]).remote(cfg, r, cfg.teacher_tp, addr, port) for r in range(cfg.teacher_tp)]
+    info = ray.get([t.load_teachers.remote(paths, str(Path(cfg.output_dir) / "teacher_snapshots")) for t in group])[0]
+    print(f"teachers: {info}")
+    return group
 
 
 def _addr_and_port():
@@ -843,10 +1026,19 @@ class Logger:
             pts = [(h["step"], h[key]) for h in self.history if key in h]
             if pts:
                 ax.plot(*zip(*pts), style, label=key)
+        # data sources: the student's eval curve per source, each teacher's accuracy there as a flat line
+        keys = sorted({k for h in self.history for k in h})
+        for i, src in enumerate(k.split("/")[1] for k in keys if k.startswith("eval/") and k.count("/") == 2):
+            color = f"C{i + 2}"
+            pts = [(h["step"], h[f"eval/{src}/accuracy"]) for h in self.history if f"eval/{src}/accuracy" in h]
+            ax.plot(*zip(*pts), "s-", color=color, label=f"student eval/{src}")
+            for j, k in enumerate(k for k in keys if k.startswith("teacher/") and k.endswith(f"/{src}/accuracy")):
+                v = next(h[k] for h in self.history if k in h)
+                ax.axhline(v, color=color, ls=("--", ":", "-.")[j % 3], lw=1, label=f"{k.split('/')[1]} (teacher) on {src}")
         ax.set_xlabel("step")
         ax.set_ylabel("reward / accuracy")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
         path = self.dir / "reward_curve.png"
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -915,16 +1107,33 @@ def mask_lagging(group: list[dict], version: int, max_lag: int) -> None:
                 t["loss_mask"][i], t["rollout_logprobs"][i] = 0, 0.0
 
 
+def _epochs(pool: list[dict], key: str):
+    """Endless shuffled epochs of `pool`; epoch e is shuffled by its own seed (`key`/e)."""
+    for epoch in itertools.count():
+        order = list(range(len(pool)))
+        random.Random(f"{key}/{epoch}").shuffle(order)
+        for j in order:
+            yield pool[j]
+
+
 def prompt_stream(cfg: Config, samples: list[dict], cursor: int = 0):
-    """Endless shuffled epochs of samples from position `cursor` on: yields (cursor, sample). Epoch e is
-    shuffled by its own seed, so a resumed run continues the same order from its saved cursor."""
-    while True:
-        epoch, i = divmod(cursor, len(samples))
-        order = list(range(len(samples)))
-        random.Random(f"{cfg.seed}/{epoch}").shuffle(order)
-        for j in order[i:]:
-            cursor += 1
-            yield cursor, samples[j]
+    """Endless shuffled epochs of samples from position `cursor` on: yields (cursor, sample), cursor counting the
+    samples drawn so far. The order is a function of the seed alone, so a resumed run continues it from its
+    saved cursor. With `data_sources` each source is its own stream and position i goes to the source whose
+    share (weight / total) is most owed, so every prefix of the stream holds each source's share to within one."""
+    if not cfg.data_sources:
+        streams, weights = {"": _epochs(samples, str(cfg.seed))}, {"": 1.0}
+    else:
+        weights = {src["name"]: float(src.get("weight", 1.0)) for src in cfg.data_sources}
+        streams = {n: _epochs([x for x in samples if x["source"] == n], f"{cfg.seed}/{n}") for n in weights}
+    total, owed = sum(weights.values()), {n: 0.0 for n in weights}
+    for i in itertools.count(1):
+        owed = {n: owed[n] + w / total for n, w in weights.items()}
+        name = max(owed, key=owed.get)  # ties: the first source listed
+        owed[name] -= 1.0
+        sample = next(streams[name])
+        if i > cursor:  # positions before the cursor were drawn by the run being resumed: replayed, not yielded
+            yield i, sample
 
 
 class Producer:
@@ -1054,6 +1263,7 @@ def rollout_metrics(trajs: list[dict], version: int) -> dict:
         "rollout/partial_frac": sum(len({v for v, m in zip(t["weight_versions"], t["loss_mask"]) if m}) > 1
                                     for t in trajs) / n,  # trajectories whose tokens span a weight update
         "rollout/lag": lags,  # per token: a TensorBoard histogram
+        **{f"rollout/{src}/reward_mean": sum(t["reward"] for t in ts) / len(ts) for src, ts in _by_source(trajs).items()},
     }
 
 
@@ -1108,6 +1318,8 @@ def evaluate(cfg: Config, flow, eval_sets: dict[str, list[dict]], step: int) -> 
         trajs = wait(flow.generate.remote(samples, cfg.eval_samples, sampled, step), f"eval at step {step}",
                      cfg.actor_timeout, "actor_timeout")
         out.update(eval_metrics(trajs, cfg.eval_samples, prefix))
+        for src, ts in _by_source(trajs).items():  # data_sources: one accuracy per source's eval set
+            out[f"{prefix}{src}/accuracy"] = sum(t["reward"] for t in ts) / len(ts)
         if cfg.eval_greedy:
             greedy = wait(flow.generate.remote(samples, 1, {**sampled, "temperature": 0.0}, step),
                           f"greedy eval at step {step}", cfg.actor_timeout, "actor_timeout")
@@ -1133,6 +1345,39 @@ def warn_off_policy(cfg: Config) -> None:
               "max_version_lag", file=sys.stderr)
 
 
+def _by_source(trajs: list[dict]) -> dict[str, list[dict]]:
+    by: dict[str, list[dict]] = {}
+    for t in trajs:
+        src = (t.get("metadata") or {}).get("source")
+        if src is not None:
+            by.setdefault(src, []).append(t)
+    return by
+
+
+def evaluate_teachers(cfg: Config, trainers, flow, engine_urls, paths: dict[str, str], eval_sets) -> dict:
+    """`teacher/<name>/<source>/accuracy` (and `teacher/<name>/accuracy`): each teacher of the student's
+    architecture is loaded into the trainers, pushed to the engines and evaluated like the student; then
+    the student's weights go back (version 0). Other architectures cannot be served by the student's
+    engines and are skipped."""
+    import ray
+
+    import trainer
+    import teacher
+    mine = teacher.arch_key(trainer.read_hf_config(cfg.model_path))
+    out = {}
+    for name, path in paths.items():
+        if teacher.arch_key(trainer.read_hf_config(path)) != mine:
+            print(f"teacher {name}: another architecture than the student, not evaluated")
+            continue
+        ray.get([t.load_hf.remote(path) for t in trainers])
+        ray.get([t.sync_weights.remote(engine_urls, -1) for t in trainers])
+        m = evaluate(cfg, flow, eval_sets, 0)
+        out.update({f"teacher/{name}/{k[len('eval/'):]}": v for k, v in m.items() if k.endswith("accuracy")})
+    ray.get([t.load_hf.remote(cfg.model_path) for t in trainers])
+    ray.get([t.sync_weights.remote(engine_urls, 0) for t in trainers])
+    return out
+
+
 def train(cfg: Config) -> list[dict]:
     """The whole system: launch actors, then per step: rollout (a producer keeps up to C prompt groups in
     flight or buffered), train on B complete groups, sync weights, eval, checkpoint."""
@@ -1147,16 +1392,24 @@ def train(cfg: Config) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
 
-    # --- actors: trainers first (they also warm-start the tiny model), then engines on its weights ---
+    samples, eval_samples = load_data(cfg)  # before any actor: a bad teacher name in the data fails here
+
+    # --- actors: trainers first (they also warm-start the tiny model and build tiny teachers), then engines
     import agentflow
     pg, trainers, plan, where = launch(cfg)
+    teacher_paths = prepare_teachers(cfg, trainers) if cfg.teachers else {}
     cfg.model_path = prepare_model(cfg, trainers)
+    check_teacher_vocab(cfg.model_path, teacher_paths)  # the built dirs, before any teacher starts
     ray.get([t.load_hf.remote(cfg.model_path) for t in trainers])
     engines = start_engines(cfg, pg, plan, where)  # they load cfg.model_path: version 0 == the trainers' weights
     engine_urls = ray.get([e.url.remote() for e in engines])
     flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, engine_urls, cfg.model_path)
     fleet = Fleet(pg, plan, where, engines, engine_urls)  # the engines, re-created when they die
     print(f"engines: {engine_urls}")
+    teachers = start_teachers(cfg, pg, teacher_paths) if cfg.teachers else []  # teacher.py, scores each batch
+    if teachers and float(cfg.gkd_ratio) > 0 and cfg.distill_type != "topk_kl":  # hidden-state targets
+        heads = teachers[0].lm_heads.remote()  # the teachers' LM heads, sent to the trainers once
+        ray.get([t.set_teacher_heads.remote(heads) for t in trainers])
 
     # resume from checkpoints/latest: the trainers' state, the producer's place in the data, the RNG
     start_step, state = load_run_state(cfg, trainers) if cfg.resume else (0, None)
@@ -1166,12 +1419,15 @@ def train(cfg: Config) -> list[dict]:
         print(f"resumed after step {start_step - 1}")
     logger = Logger(cfg, resume_step=start_step if state else None)
 
-    samples = data.load_dataset(cfg.dataset)
-    eval_sets = {name: data.load_dataset(spec) for name, spec in
-                 {**({"": cfg.eval_dataset} if cfg.eval_dataset else {}), **cfg.eval_sets}.items()}
+    eval_sets = {name: data.load_dataset(spec) for name, spec in cfg.eval_sets.items()}
+    eval_sets = {**({"": eval_samples} if eval_samples else {}), **eval_sets}
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
     N = cfg.samples_per_prompt
 
+    if cfg.teacher_eval and teachers and eval_sets and start_step == 0:
+        m = evaluate_teachers(cfg, trainers, flow, engine_urls, teacher_paths, eval_sets)
+        logger.log(0, m)
+        print("teachers' eval accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
     if cfg.eval_every and eval_sets and not state:  # a resumed run logged this eval before it stopped
         m = evaluate(cfg, flow, eval_sets, start_step)
         logger.log(start_step, m)
@@ -1222,8 +1478,18 @@ def train(cfg: Config) -> list[dict]:
             # --- 2. old/ref logprobs, advantages, policy update (all inside the trainers; one call per rank)
             t0 = time.perf_counter()
             batch_ref = ray.put(trajs)
-            results = wait([t.train_step.remote(batch_ref, step) for t in trainers], f"train step {step}",
-                           cfg.actor_timeout, "actor_timeout")
+            # TEACHERS (teacher.py): every teacher rank scores, rank 0's per-token targets go to the trainers
+            # by ref (never through the controller); the metrics get is the blocking point of this phase.
+            targets_ref = None
+            if teachers:
+                refs = [t.score.options(num_returns=2).remote(batch_ref) for t in teachers]
+                targets_ref = refs[0][0]
+                metrics.update(wait(refs[0][1], f"teacher scoring of step {step}", cfg.actor_timeout,
+                                    "actor_timeout"))
+                metrics["timing/teacher"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+            results = wait([t.train_step.remote(batch_ref, step, targets_ref) for t in trainers],
+                           f"train step {step}", cfg.actor_timeout, "actor_timeout")
             metrics.update(results[0])  # already reduced over DP ranks
             metrics["timing/train"] = time.perf_counter() - t0
 

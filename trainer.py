@@ -10,7 +10,8 @@ What lives here, top to bottom:
   split / gather of each parameter (`shard_for_rank`, `gather_full`);
 * the per-token log-probability / entropy forward, vocab-parallel aware (`vocab_parallel_logp_entropy`);
 * `TrainerWorker`: distributed init, load, `compute_logprobs`, `train_step` (RL), `sft_step`,
-  weight export for TransferMesh, HF save, checkpoints.
+  weight export for TransferMesh, HF save, checkpoints; the student side of on-policy distillation
+  (`_opd_terms`, `distill_step`: teacher targets from teacher.py, algos' objective).
 
 Batches are padded, not packed: each micro-batch is a right-padded (B, T) tensor of prompt+response ids.
 With right padding a causal mask alone is exact (real tokens never see the pads after them), so the
@@ -592,6 +593,35 @@ def turn_token_rewards(cfg, rows: list[dict], rewards: torch.Tensor, loss_mask: 
     return torch.where(torch.tensor(has)[:, None], per_turn, outcome)
 
 
+def collate_targets(targets: list[dict], R: int) -> dict:
+    """Teacher targets (teacher.py, one dict per sample) as right-padded tensors aligned with `collate`'s
+    response columns: (B, R) teacher_logp / teacher_mask, (B, R, K) teacher_topk_logp / _ids, and in
+    hidden mode {teacher: (B, R, H)} teacher_hidden and {teacher: (B, R)} teacher_weight. Padding is 0
+    (teacher_mask 0 there, so it never reaches a loss)."""
+    B = len(targets)
+    out: dict = {}
+    for key in ("teacher_logp", "teacher_mask", "teacher_topk_logp", "teacher_topk_ids"):
+        if key not in targets[0]:
+            continue
+        first = targets[0][key]
+        x = torch.zeros((B, R) + tuple(first.shape[1:]), dtype=first.dtype)  # (B, R[, K])
+        for b, tg in enumerate(targets):
+            x[b, :tg[key].size(0)] = tg[key]
+        out[key] = x
+    if "teacher_hidden" in targets[0]:
+        names = sorted({n for tg in targets for n in tg["teacher_hidden"]})
+        out["teacher_hidden"], out["teacher_weight"] = {}, {}
+        for n in names:
+            H = next(tg["teacher_hidden"][n].size(-1) for tg in targets if n in tg["teacher_hidden"])
+            h, w = torch.zeros(B, R, H), torch.zeros(B, R)  # (B, R, H), (B, R)
+            for b, tg in enumerate(targets):
+                if n in tg["teacher_hidden"]:
+                    r = tg["teacher_hidden"][n].size(0)
+                    h[b, :r], w[b, :r] = tg["teacher_hidden"][n], tg["teacher_weight"][n]
+            out["teacher_hidden"][n], out["teacher_weight"][n] = h, w
+    return out
+
+
 def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_size: int,
                      by_group: bool) -> list[list[int]]:
     """Indices into `batch` of this DP rank's share of each mini-batch.
@@ -782,8 +812,9 @@ class TrainerWorker:
 
     # --- forward ----------------------------------------------------------------------------------
 
-    def _forward_logp(self, model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logp, entropy), both (B, R) fp32, of each response token under `model`."""
+    def _forward_logp(self, model, mb: dict[str, torch.Tensor], return_logits: bool = False):
+        """(logp, entropy), both (B, R) fp32, of each response token under `model`; with `return_logits`
+        also the logits that predict each response token, (B, R, V/tp) (distillation needs them)."""
         tokens = mb["tokens"].to(self.device)  # (B, T)
         B, T = tokens.shape
         position_ids = torch.arange(T, device=self.device).unsqueeze(0).expand(B, T)  # (B, T)
@@ -794,6 +825,9 @@ class TrainerWorker:
         logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **extra)  # (B, T, V/tp)
         logp, entropy = vocab_parallel_logp_entropy(logits[:, :-1], tokens[:, 1:], self.tp_group)  # (B, T-1)
         pos = mb["resp_pos"].to(self.device)  # (B, R)
+        if return_logits:
+            resp_logits = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.size(-1)))  # (B, R, V/tp)
+            return logp.gather(1, pos), entropy.gather(1, pos), resp_logits
         return logp.gather(1, pos), entropy.gather(1, pos)  # (B, R), (B, R) on self.device
 
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -882,7 +916,7 @@ class TrainerWorker:
 
     # --- RL step ------------------------------------------------------------------------------------
 
-    def train_step(self, batch: list[dict], step: int) -> dict[str, float]:
+    def train_step(self, batch: list[dict], step: int, targets: list[dict] | None = None) -> dict[str, float]:
         """One RL step on `batch` (all trajectories of the step, the same list on every rank).
 
         `step` is also the version of the weights this worker holds (one sync per step). 1. this DP rank's
@@ -893,14 +927,21 @@ class TrainerWorker:
         backward, one optimizer step; 4. the train-inference gap of the step's starting weights against
         the engine's logprobs. Returns `train/` metrics as python floats, reduced over DP ranks
         (identical on every rank).
+
+        `targets`: teacher targets from teacher.py's `TeacherWorker.score`, one dict per sample of `batch`
+        (same order), or None without teachers; see `_opd_terms`.
         """
         cfg = self.cfg
         if not batch:
             raise ValueError("train_step got an empty batch; the controller must skip steps with no trajectories")
+        if targets is not None and float(cfg.gkd_ratio) == 1.0:  # TEACHERS: pure distillation, no RL forward
+            return self.distill_step(batch, targets)
         n_groups = len({s.get("group_id", i) for i, s in enumerate(batch)})
         # never more mini-batches than groups: an empty one would still move Adam's weights (momentum)
         n_mb = max(1, min(n_groups, round(len(batch) / int(cfg.global_batch_size))))
-        n_traj, batch = len(batch), segment_rows(batch)  # from here on, a row is one trainable segment
+        # from here on a row is one trainable segment (teachers score the top-level segment only: one row each)
+        n_traj = len(batch)
+        batch = segment_rows(batch) if targets is None else [{**t, "traj": i, "last": True} for i, t in enumerate(batch)]
         plan = plan_minibatches(batch, n_mb, self.dp_rank, self.dp_size, by_group=True)
         local = [batch[i] for mb in plan for i in mb]
         row_of = {i: j for j, i in enumerate(i for mb in plan for i in mb)}  # batch index -> row in `local`
@@ -965,16 +1006,24 @@ class TrainerWorker:
                 if ref is not None:
                     extras["ref_logp"] = [ref[j] for j in rows]
                 mb = self._to_device(collate([local[j] for j in rows], extras))
-                logp, entropy = self._forward_logp(self.model, mb)  # (b, R) each, with grad
+                logp, entropy, *logits = self._forward_logp(self.model, mb, return_logits=targets is not None)
                 if mb_i == 0:  # still the step's starting weights: this forward IS the old policy's
                     for b, j in enumerate(rows):
                         before_update[j] = logp.detach()[b, :len(local[j]["response_ids"])].cpu()
                 old_logp = logp.detach() if rows[0] in first else mb["old_logp"]  # (b, R) 0 off the mask
+                # TEACHERS (teacher.py): A' = A - pg_ratio * KL_token, and the GKD term; off without teachers
+                opd = None
+                if targets is not None:
+                    opd = self._opd_terms(mb, logp, logits[0], [targets[i] for i in mine[start:start + mbs]], denom)
+                    mb["adv"] = opd.pop("adv")
                 stale = (mb["weight_versions"] >= 0) & (mb["weight_versions"] < newest)  # (b, R) older weights
                 loss, m = algos.policy_loss(cfg, logp, old_logp, mb["adv"], mb["loss_mask"],
                                             rollout_logp=mb["rollout_logp"] if has_rollout else None,
                                             ref_logp=mb.get("ref_logp"), entropy=entropy, stale_mask=stale,
                                             denom=denom)
+                if opd is not None:  # TEACHERS: L = (1 - gkd_ratio) * L_RL + gkd_ratio * L_GKD
+                    loss = algos.opd_objective(cfg, loss, opd.pop("gkd_loss"))
+                    m.update(opd)
                 loss.backward()
                 _add(sums, "loss", float(loss.detach()))
                 for k, v in m.items():
@@ -1009,6 +1058,90 @@ class TrainerWorker:
             metrics["train/offpolicy_k3"] = off["k3"] / off["tokens"]
         metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
                         "train/samples": float(n_traj), "train/rows": float(len(batch))})
+        return metrics
+
+    # --- on-policy distillation (targets from teacher.py) ---------------------------------------------
+
+    def set_teacher_heads(self, heads: dict[str, torch.Tensor]) -> None:
+        """Keep each teacher's LM head (V, H), sent once: with full-vocabulary divergences the teachers
+        send final hidden states and the student side turns them into logits (no V-sized logits travel)."""
+        self.teacher_heads = {name: w.to(self.device) for name, w in heads.items()}
+
+    def _opd_terms(self, mb: dict, logp, logits, targets: list[dict], denom: dict) -> dict:
+        """The distillation pieces of one micro-batch: {"adv": A', "gkd_loss": L_GKD, metrics...}.
+
+        logp (b, R) student logprobs of the sampled tokens (with grad); logits (b, R, V/tp) the student's.
+        Each target dict holds (R_i,)/(R_i, K) tensors: teacher_logp, teacher_mask (1 where a teacher
+        scored the token), teacher_topk_logp/ids, and in hidden mode teacher_hidden {name: (R_i, H)} and
+        teacher_weight {name: (R_i,)}. Tokens without a teacher (route None, tool tokens) are left out.
+        Metrics are token means over the mini-batch's global token count, so micro-batches sum up.
+        """
+        cfg = self.cfg
+        t = collate_targets(targets, logp.size(1))  # (b, R) / (b, R, K) / per-teacher (b, R, H)
+        t = {k: ({n: x.to(self.device) for n, x in v.items()} if isinstance(v, dict) else v.to(self.device))
+             for k, v in t.items()}
+        mask = mb["loss_mask"] * t["teacher_mask"]  # (b, R) distilled tokens
+        if self.tp_size > 1:  # full-vocabulary divergences need the whole row: gather the vocab shards
+            from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+            logits = gather_from_tensor_model_parallel_region(logits, group=self.tp_group)  # (b, R, V)
+        logits = logits.float()
+        adv = mb["adv"]
+        if float(cfg.pg_ratio) > 0:
+            adv = algos.distill_advantage(cfg, mb["adv"], logp.detach(), t["teacher_logp"], mask)  # (b, R)
+            adv = torch.where(mask > 0, adv, mb["adv"])  # (b, R) a token no teacher scored keeps its A
+        teacher_logits = None
+        if "teacher_hidden" in t:  # full vocabulary: teacher LM head applied here, mixture over teachers
+            names = sorted(t["teacher_hidden"])
+            logps = torch.stack([torch.log_softmax(t["teacher_hidden"][n].float() @ self.teacher_heads[n].float().T, -1)
+                                 for n in names])  # (J, b, R, V)
+            weights = torch.stack([t["teacher_weight"][n] for n in names])  # (J, b, R)
+            weights = torch.where(mask.unsqueeze(0) > 0, weights, torch.full_like(weights, 1.0 / len(names)))
+            teacher_logits = algos.mixture_logp(logps, weights)  # (b, R, V) log-probs of the target
+        gkd, m = algos.distill_loss(cfg, logits, mask, denom, teacher_logits=teacher_logits,
+                                    teacher_topk_logp=t.get("teacher_topk_logp"),
+                                    teacher_topk_ids=t.get("teacher_topk_ids"))
+        tok = lambda x: algos.aggregate(x.detach().float(), mask, "token_mean", denom)  # noqa: E731
+        pg_kl = algos.sampled_reverse_kl(logp.detach(), t["teacher_logp"])  # (b, R)
+        out = {"adv": adv, "gkd_loss": gkd, "opd_loss": m[f"distill_{cfg.distill_type}"],
+               "opd_pg_kl": tok(pg_kl), "opd_kl": tok(algos.kl_estimate("k3", logp.detach(), t["teacher_logp"])),
+               "opd_tokens": mask.sum().detach() / denom["tokens"]}
+        if "teacher_topk_ids" in t:
+            out["opd_topk_overlap"] = tok(algos.topk_overlap(logits.detach(), t["teacher_topk_ids"]))
+        return out
+
+    def distill_step(self, batch: list[dict], targets: list[dict]) -> dict[str, float]:
+        """gkd_ratio = 1: pure distillation. No old/ref logprobs and no advantages (rewards are not used);
+        per mini-batch the GKD loss (algos.distill_loss) with global denominators, one optimizer step."""
+        cfg = self.cfg
+        n_groups = len({s.get("group_id", i) for i, s in enumerate(batch)})
+        n_mb = max(1, min(n_groups, round(len(batch) / int(cfg.global_batch_size))))
+        plan = plan_minibatches(batch, n_mb, self.dp_rank, self.dp_size, by_group=True)
+        mbs, totals = int(cfg.micro_batch_size), {}
+        self.model.train()
+        for mb_i, mine in enumerate(plan):
+            denom = self._denominators(batch, n_mb, mb_i, by_group=True)
+            sums: dict[str, float] = {}
+            for start in range(0, len(mine), mbs):
+                idx = mine[start:start + mbs]
+                mb = self._to_device(collate([batch[i] for i in idx], {"adv": [torch.zeros(len(batch[i]["response_ids"]))
+                                                                              for i in idx]}))
+                logp, entropy, logits = self._forward_logp(self.model, mb, return_logits=True)  # (b, R), (b, R, V/tp)
+                opd = self._opd_terms(mb, logp, logits, [targets[i] for i in idx], denom)
+                opd.pop("adv")
+                loss = opd.pop("gkd_loss")
+                loss.backward()
+                _add(sums, "loss", float(loss.detach()))
+                _add(sums, "entropy", float(algos.aggregate(entropy.detach(), mb["loss_mask"], "token_mean", denom)))
+                for k, v in opd.items():
+                    _add(sums, k, float(v))
+            grad_norm, lr = self._optimizer_step()
+            for k, v in self._dp_sum(sums).items():
+                _add(totals, k, v / n_mb)
+            _add(totals, "grad_norm", grad_norm / n_mb)
+            totals["lr"] = lr
+        metrics = {f"train/{k}": v for k, v in totals.items()}
+        metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
+                        "train/samples": float(len(batch))})
         return metrics
 
     def _denominators(self, batch: list[dict], n_mb: int, mb_i: int, by_group: bool) -> dict[str, float]:

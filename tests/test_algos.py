@@ -710,7 +710,7 @@ def test_shape_rewards_linear_and_kimi():
 
 def test_sampled_reverse_kl_as_advantage_penalty():
     # kl = -1 - (-1.5) = 0.5; A' = 1 - 0.2 * 0.5 = 0.9 on the mask, 0 off it
-    cfg = make_cfg(distill_coef=0.2)
+    cfg = make_cfg(pg_ratio=0.2)
     adv = algos.distill_advantage(cfg, torch.ones(1, 2), torch.full((1, 2), -1.0), torch.full((1, 2), -1.5),
                                   t([[1, 0]]))
     close(adv, [[0.9, 0.0]])
@@ -721,11 +721,11 @@ def test_full_vocab_kl_both_directions_hand_values():
     #                               KL(q||p) = .25 ln(.5) + .75 ln(1.5) = 0.130812
     p_logits, q_logits = t([[[0., 0.]]]).log_softmax(-1), t([[[0.25, 0.75]]]).log()
     mask = torch.ones(1, 1)
-    fwd, m = algos.distill_loss(make_cfg(distill_type="forward_kl", distill_coef=2.0), q_logits, mask,
+    fwd, m = algos.distill_loss(make_cfg(distill_type="forward_kl"), q_logits, mask,
                                 denom_of(mask), teacher_logits=p_logits)
-    close(fwd, 2 * 0.143841)
+    close(fwd, 0.143841)
     close(m["distill_forward_kl"], 0.143841)
-    rev, _ = algos.distill_loss(make_cfg(distill_type="reverse_kl", distill_coef=1.0), q_logits, mask,
+    rev, _ = algos.distill_loss(make_cfg(distill_type="reverse_kl"), q_logits, mask,
                                 denom_of(mask), teacher_logits=p_logits)
     close(rev, 0.130812)
 
@@ -736,7 +736,7 @@ def test_topk_kl_renormalised_on_teacher_support():
     student = t([[[0.4, 0.2, 0.2, 0.2]]]).log()
     kl = algos.topk_forward_kl(student, t([[[0.3, 0.1]]]).log(), torch.tensor([[[0, 1]]]))
     close(kl, [[0.016417]])
-    cfg = make_cfg(distill_type="topk_kl", distill_coef=1.0)
+    cfg = make_cfg(distill_type="topk_kl")
     loss, _ = algos.distill_loss(cfg, student, torch.ones(1, 1), denom_of(torch.ones(1, 1)),
                                  teacher_topk_logp=t([[[0.3, 0.1]]]).log(), teacher_topk_ids=torch.tensor([[[0, 1]]]))
     close(loss, 0.016417)
@@ -754,7 +754,31 @@ def test_generalized_jsd_hand_values():
 
 def test_distill_loss_errors():
     mask = torch.ones(1, 1)
-    with pytest.raises(ValueError, match="distill_advantage"):
+    with pytest.raises(ValueError, match="distill_type='sampled_kl' is not valid"):
         algos.distill_loss(make_cfg(distill_type="sampled_kl"), torch.zeros(1, 1, 2), mask, denom_of(mask))
     with pytest.raises(ValueError, match="needs teacher_logits"):
         algos.distill_loss(make_cfg(distill_type="jsd"), torch.zeros(1, 1, 2), mask, denom_of(mask))
+
+
+def test_mixture_logp_and_objective_hand_values():
+    # teachers p1 = [.5, .5], p2 = [.9, .1], weights .25/.75 -> q = [.8, .2]; a weight of 0 drops a teacher
+    logps = torch.stack([t([[.5, .5]]).log(), t([[.9, .1]]).log()])      # (J=2, 1, V=2)
+    close(algos.mixture_logp(logps, t([[.25], [.75]])).exp(), [[0.8, 0.2]])
+    close(algos.mixture_logp(logps, t([[0.], [1.]])).exp(), [[0.9, 0.1]])
+    # L = (1 - g) * rl + g * gkd
+    close(algos.opd_objective(make_cfg(gkd_ratio=0.25), torch.tensor(2.0), torch.tensor(6.0)), 3.0)
+
+
+def test_opd_ratios_are_validated():
+    with pytest.raises(ValueError, match="gkd_ratio=1.5"):
+        algos.validate(make_cfg(gkd_ratio=1.5))
+    with pytest.raises(ValueError, match="pure distillation"):
+        algos.validate(make_cfg(gkd_ratio=1.0, pg_ratio=0.5))
+    with pytest.raises(ValueError, match="pg_ratio=-1"):
+        algos.validate(make_cfg(pg_ratio=-1.0))
+
+
+def test_topk_overlap():
+    student = t([[[3., 2., 1., 0.]]])                                     # student top-2 ids {0, 1}
+    close(algos.topk_overlap(student, torch.tensor([[[1, 2]]])), [[0.5]])
+    close(algos.topk_overlap(student, torch.tensor([[[1, 0]]])), [[1.0]])

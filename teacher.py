@@ -1,0 +1,383 @@
+"""Teacher Manager: forward-only teacher workers that score the student's trajectories, token by token.
+
+The controller creates `teacher_tp` `TeacherWorker` actors (one teacher group, its own tensor
+parallelism, in its own placement bundles or time-sharing the trainers'), registers every teacher of
+the recipe with `load_teachers`, and each step calls `score(batch)` on all ranks; rank 0 answers with
+one target dict per trajectory, which goes by object ref to `TrainerWorker.train_step(..., targets)`.
+
+What a teacher returns, per response token (`score`):
+  * `teacher_logp`        log p_teacher(y_t) of the sampled token (PG-style OPD: A' = A - pg_ratio * KL_t);
+  * `teacher_topk_logp`, `teacher_topk_ids` (R, K): the teacher's top-k (GKD `distill_type: topk_kl`);
+  * `teacher_hidden` {teacher: (R, H)} final hidden states (after the last norm) for full-vocabulary
+    divergences (`forward_kl`, `reverse_kl`, `jsd`): the student side applies the teacher's LM head
+    (sent once, `lm_heads`) per micro-batch, so no V-sized logits travel;
+  * `teacher_mask` (R,): 1 where a teacher scored the token (model tokens that some route covers).
+
+Memory: several teachers share one worker group. One model skeleton per architecture is resident; each
+teacher's weights wait as a snapshot of this rank's shards (a safetensors file on CPU, read straight
+into the skeleton's parameters at swap time; pinned host memory on CUDA) and are copied into the skeleton when needed (`_swap_in`). `score`
+groups the batch by teacher, resident teachers first, so each teacher loads at most once per step.
+`python teacher.py memory` measures peak RSS with 1 and with 3 same-size teachers.
+
+Routing (`token_routes`), who teaches which token, first match wins:
+  1. `teacher_route: module.fn` — fn(trajectory dict) -> one entry per response token: a teacher name,
+     {name: weight, ...} (an ensemble: the target is the weighted mixture of the teachers'
+     distributions, algos.mixture_logp), or None (no distillation there). `model_turns` helps to
+     route per turn (tool-call turns to one teacher, answers to another);
+  2. the trajectory's `metadata["teacher"]`: a sample's own `teacher` field, else its data source's
+     `teacher` (a name or a {name: weight} ensemble);
+  3. the only teacher, when there is one.
+
+The teachers are built from trainer.py's own code (megatron_config, build_gpt_model, hf_to_megatron,
+_forward_logp / vocab_parallel_logp_entropy): `TeacherWorker` subclasses `TrainerWorker` to reuse its
+distributed init, shard loading and forward, and never builds an optimizer.
+
+Test: `.venv/bin/python -m pytest -q tests/test_teacher.py`.
+Left out: pipeline / expert parallelism for teachers, teachers with a vocabulary other than the
+student's (rejected at --check), and prefetching the next teacher while the current one scores.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import algos
+import data
+import trainer
+
+# Fields of an HF config that never change the built model: teachers that differ only in these share a skeleton.
+_NOT_ARCH = ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "bos_token_id",
+             "eos_token_id", "pad_token_id", "use_cache", "name_or_path")
+
+
+def teacher_cfg(cfg):
+    """The Config a teacher group runs with: the teachers' own tensor parallelism, no PP/EP, no optimizer."""
+    t = copy.copy(cfg)
+    t.tensor_parallel, t.pipeline_parallel, t.expert_parallel = int(cfg.teacher_tp), 1, 1
+    t.trainer_workers = int(cfg.teacher_tp)
+    t.micro_batch_size = int(cfg.teacher_micro_batch)
+    return t
+
+
+def needs_hidden(cfg) -> bool:
+    """Full-vocabulary GKD divergences need the teachers' hidden states (top-k and PG need only numbers)."""
+    return float(cfg.gkd_ratio) > 0 and cfg.distill_type != "topk_kl"
+
+
+def arch_key(hf: dict) -> str:
+    return data.settings_hash({k: v for k, v in hf.items() if k not in _NOT_ARCH})
+
+
+def model_turns(traj: dict) -> list[tuple[int, int]]:
+    """[start, end) spans of the model's turns in response_ids (runs of loss_mask == 1), for route functions."""
+    spans, start = [], None
+    for i, m in enumerate(list(traj["loss_mask"]) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def token_routes(traj: dict, names: list[str], route_fn=None) -> torch.Tensor:
+    """(R, J) weight of teacher j on response token t; rows sum to 1 on routed model tokens, 0 elsewhere.
+    The rules are in the module docstring; unknown names and unroutable trajectories raise ValueError."""
+    R, mask = len(traj["response_ids"]), traj["loss_mask"]
+    where = f"trajectory group_id={traj.get('group_id')} (source {(traj.get('metadata') or {}).get('source')!r})"
+    if route_fn is not None:
+        per_token = list(route_fn(traj))
+        if len(per_token) != R:
+            raise ValueError(f"teacher_route returned {len(per_token)} entries for {R} response tokens of {where}; "
+                             "return one (a name, a {name: weight} dict or None) per response token")
+    else:
+        spec = (traj.get("metadata") or {}).get("teacher")
+        if spec is None and len(names) == 1:
+            spec = names[0]
+        if spec is None:
+            raise ValueError(f"{where} has no teacher and there are {len(names)} ({names}); name one on its data "
+                             "source (teacher: ...), in the sample (a 'teacher' field), or set teacher_route")
+        per_token = [spec] * R
+    W = torch.zeros(R, len(names))  # (R, J)
+    for t, spec in enumerate(per_token):
+        if not mask[t] or spec is None:
+            continue
+        weights = {spec: 1.0} if isinstance(spec, str) else dict(spec)
+        total = sum(float(w) for w in weights.values())
+        for name, w in weights.items():
+            if name not in names:
+                raise ValueError(f"unknown teacher {name!r} for token {t} of {where}; the teachers are {names}")
+            if float(w) < 0 or total <= 0:
+                raise ValueError(f"ensemble weights {weights} of {where} must be >= 0 and not all 0")
+            W[t, names.index(name)] = float(w) / total
+    return W
+
+
+def peak_rss_mb() -> tuple[float, float]:
+    """(current, peak) resident set size of this process in MiB, from /proc/self/status (VmRSS, VmHWM)."""
+    got = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            key, kb = line.split()[:2]
+            got[key] = int(kb) / 1024
+    return got.get("VmRSS:", 0.0), got.get("VmHWM:", 0.0)
+
+
+def read_snapshot_into(path: str, params: dict[str, torch.Tensor]) -> None:
+    """Copy a safetensors file's tensors straight into same-named CPU parameters with plain reads.
+
+    Not mmap: a mapping's touched pages count in this process's RSS while it is open (a whole teacher
+    at every swap), and get_tensor would allocate a copy; `readinto` fills each parameter's own storage
+    and the file's pages stay in the kernel's page cache. Format: 8-byte header length, JSON header
+    {name: {dtype, shape, data_offsets}}, then the raw bytes."""
+    import json
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            p = params[name]
+            start, end = meta["data_offsets"]
+            if meta["dtype"] != "F32" or list(meta["shape"]) != list(p.shape) or end - start != p.numel() * 4 \
+                    or p.dtype != torch.float32 or not p.is_contiguous():
+                raise ValueError(f"snapshot {path}: {name} is {meta['dtype']} {meta['shape']}, the skeleton has "
+                                 f"{p.dtype} {tuple(p.shape)}; rebuild the snapshots (delete {path})")
+            fh.seek(8 + n + start)
+            fh.readinto(memoryview(p.detach().numpy()).cast("B"))
+
+
+class TeacherWorker(trainer.TrainerWorker):
+    """One rank of the teacher group (`ray.remote(TeacherWorker)`); every method is called on all ranks.
+
+    A subclass only to reuse the trainer's rank setup, `_load_full_state` and `_forward_logp` unchanged:
+    a teacher is a trainer rank with no optimizer, whose model is one of several swapped skeletons.
+    """
+
+    def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
+        super().__init__(teacher_cfg(cfg), rank, world_size, master_addr, master_port)
+        from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401  (imported now, so base_rss has it)
+        self.base_rss = peak_rss_mb()[0]  # before any model: what the teachers add is measured against it
+        self.names: list[str] = []  # teacher names, in recipe order (columns of token_routes)
+        self.skeletons: dict[str, tuple] = {}  # arch key -> (GPTModel, TransformerConfig): resident models
+        self.arch_of: dict[str, str] = {}  # teacher -> arch key
+        self.resident: dict[str, str] = {}  # arch key -> teacher whose weights the skeleton holds now
+        self.snapshots: dict[str, object] = {}  # teacher -> safetensors path (CPU) | {name: pinned tensor} (CUDA)
+        self.heads: dict[str, torch.Tensor] = {}  # teacher -> full LM head (V, H), hidden-state mode only
+        self.swaps = 0  # weight loads into a skeleton since start
+        self.route_fn = data.import_object(cfg.teacher_route) if cfg.teacher_route else None
+
+    # --- registration and swapping -------------------------------------------------------------------
+
+    def load_teachers(self, paths: dict[str, str], snapshot_dir: str) -> dict:
+        """Register teachers {name: HF dir}: build a skeleton per architecture, convert each teacher once
+        into this rank's shards and keep them as a snapshot. Returns sizes and the RSS after loading."""
+        snap_dir = Path(snapshot_dir)
+        snap_dir.mkdir(parents=True, exist_ok=True)
+        for name, path in paths.items():
+            hf = trainer.read_hf_config(path)
+            arch = arch_key(hf)
+            tcfg, kwargs = trainer.megatron_config(hf, self.cfg, self.cpu)
+            self.tcfg = tcfg  # the trainer's helpers read the current model's TransformerConfig from here
+            if arch not in self.skeletons:
+                gpt = trainer.build_gpt_model(tcfg, kwargs, self.device).requires_grad_(False).eval()
+                self.skeletons[arch] = (gpt, tcfg)
+            gpt = self.skeletons[arch][0]
+            full = trainer.hf_to_megatron(trainer.load_hf_state(path), hf)
+            self._load_full_state(gpt, full)
+            del full
+            if needs_hidden(self.cfg):
+                tied = gpt.share_embeddings_and_output_weights
+                head_name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+                w = gpt.embedding.word_embeddings.weight if tied else gpt.output_layer.weight  # (V/tp, H)
+                head = trainer.gather_full(head_name, w.detach(), self.tp_group if self.tp_size > 1 else None)  # (V, H)
+                self.heads[name] = head.cpu().clone()
+            local = {n: p.detach() for n, p in gpt.named_parameters()}
+            if self.cpu:  # CPU: a file, read back into the parameters at swap time (page cache, not this heap)
+                from safetensors.torch import save_file
+                f = snap_dir / f"{name}.tp{self.tp_size}-rank{self.tp_rank}.safetensors"
+                save_file({n: t.contiguous() for n, t in local.items()}, str(f))
+                self.snapshots[name] = str(f)
+            else:  # CUDA: pinned host memory, copied back with non_blocking
+                self.snapshots[name] = {n: t.to("cpu").pin_memory() for n, t in local.items()}
+            self.names.append(name)
+            self.arch_of[name] = arch
+            self.resident[arch] = name
+        rss, peak = peak_rss_mb()
+        return {"teachers": list(self.names), "skeletons": len(self.skeletons), "rss_mb": rss, "peak_rss_mb": peak,
+                "base_rss_mb": self.base_rss}
+
+    def _swap_in(self, name: str):
+        """Make `name` the resident teacher of its skeleton (a copy into the same parameters); its model."""
+        arch = self.arch_of[name]
+        gpt, self.tcfg = self.skeletons[arch]
+        if self.resident.get(arch) != name:
+            params = dict(gpt.named_parameters())
+            snap = self.snapshots[name]
+            with torch.no_grad():
+                if isinstance(snap, str):
+                    read_snapshot_into(snap, params)
+                else:
+                    for n, t in snap.items():
+                        params[n].copy_(t, non_blocking=True)
+                    torch.cuda.synchronize()
+            self.resident[arch] = name
+            self.swaps += 1
+        return gpt
+
+    def lm_heads(self) -> dict[str, torch.Tensor]:
+        """{teacher: LM head (V, H)} for the student side of hidden-state targets ({} unless needed)."""
+        return dict(self.heads) if self.rank == 0 else {}
+
+    def memory(self) -> dict:
+        rss, peak = peak_rss_mb()
+        return {"rss_mb": rss, "peak_rss_mb": peak, "base_rss_mb": self.base_rss, "swaps": self.swaps}
+
+    # --- scoring ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _teacher_forward(self, gpt, mb: dict):
+        """(logp (b, R) of the sampled tokens, logits (b, R, V) full vocab, hidden (b, R, H) or None)."""
+        hidden = []
+        hook = None
+        if needs_hidden(self.cfg):  # the output layer's input is the final (normed) hidden state (T, b, H)
+            hook = gpt.output_layer.register_forward_pre_hook(lambda mod, args: hidden.append(args[0]))
+        try:
+            logp, _, logits = self._forward_logp(gpt, mb, return_logits=True)  # (b, R), (b, R, V/tp)
+        finally:
+            if hook is not None:
+                hook.remove()
+        if self.tp_size > 1:  # whole rows for top-k and mixtures
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(parts, logits.contiguous(), group=self.tp_group)
+            logits = torch.cat(parts, -1)  # (b, R, V)
+        h = None
+        if hidden:
+            pos = mb["resp_pos"].to(self.device)  # (b, R)
+            hs = hidden[0].transpose(0, 1)  # (b, T, H)
+            h = hs.gather(1, pos.unsqueeze(-1).expand(-1, -1, hs.size(-1)))  # (b, R, H)
+        return logp.float(), logits.float(), h
+
+    @torch.no_grad()
+    def score(self, batch: list[dict]):
+        """(targets, metrics): one target dict per trajectory of `batch` (rank 0; None elsewhere), and
+        `teacher/` metrics. Teachers run one after the other, each on the samples it teaches."""
+        t0, swaps0 = time.perf_counter(), self.swaps
+        J, K = len(self.names), int(self.cfg.teacher_topk)
+        routes = [token_routes(traj, self.names, self.route_fn) for traj in batch]  # (R_i, J) each
+        hidden = needs_hidden(self.cfg)
+        out = []
+        for traj, W in zip(batch, routes):
+            R = len(traj["response_ids"])
+            t = {"teacher_logp": torch.zeros(R), "teacher_mask": (W.sum(1) > 0).float(),
+                 "teacher_topk_logp": torch.zeros(R, K), "teacher_topk_ids": torch.zeros(R, K, dtype=torch.long)}
+            if hidden:
+                t["teacher_hidden"], t["teacher_weight"] = {}, {}
+            out.append(t)
+        mixed: dict[int, dict[str, torch.Tensor]] = {}  # sample -> {teacher: (n_mix, V) logp} for ensemble tokens
+        metrics: dict[str, float] = {}
+        used = [j for j in range(J) if any(W[:, j].any() for W in routes)]
+        used.sort(key=lambda j: self.resident.get(self.arch_of[self.names[j]]) != self.names[j])  # resident first
+        mbs = int(self.cfg.micro_batch_size)
+        for j in used:
+            name = self.names[j]
+            gpt = self._swap_in(name)
+            idx = [i for i, W in enumerate(routes) if W[:, j].any()]
+            kl_sum, n_tok = 0.0, 0.0
+            for start in range(0, len(idx), mbs):
+                chunk = idx[start:start + mbs]
+                logp, logits, h = self._teacher_forward(gpt, trainer.collate([batch[i] for i in chunk]))
+                logp_all = torch.log_softmax(logits, -1)  # (b, R, V)
+                for b, i in enumerate(chunk):
+                    W, r = routes[i], len(batch[i]["response_ids"])
+                    w = W[:, j]  # (r,) this teacher's weight per token
+                    whole, part = w == 1, (w > 0) & (w < 1)  # (r,) single-teacher / ensemble tokens
+                    top = logp_all[b, :r].topk(K, -1)  # (r, K)
+                    out[i]["teacher_logp"][whole] = logp[b, :r][whole].cpu()
+                    out[i]["teacher_topk_logp"][whole] = top.values[whole].cpu()
+                    out[i]["teacher_topk_ids"][whole] = top.indices[whole].cpu()
+                    if part.any():
+                        rows = (W.sum(1) > 0) & (W.max(1).values < 1)  # (r,) every ensemble token of sample i
+                        mixed.setdefault(i, {})[name] = logp_all[b, :r][rows].cpu()
+                    if hidden:
+                        out[i]["teacher_hidden"][name] = h[b, :r].cpu()
+                        out[i]["teacher_weight"][name] = w.clone()
+                    roll = batch[i].get("rollout_logprobs") or []
+                    if len(roll) == r:  # how far the student (the sampler) is from this teacher, k3 on its tokens
+                        k3 = algos.kl_estimate("k3", torch.tensor(roll, dtype=torch.float), logp[b, :r].cpu())
+                        kl_sum += float((k3 * w).sum())
+                    n_tok += float(w.sum())
+            metrics[f"teacher/{name}/tokens"] = n_tok
+            if n_tok:
+                metrics[f"teacher/{name}/kl"] = kl_sum / n_tok
+        for i, per_teacher in mixed.items():  # ensembles: the target is the weighted mixture of distributions
+            W = routes[i]
+            rows = (W.sum(1) > 0) & (W.max(1).values < 1)  # (r,)
+            names = [n for n in self.names if n in per_teacher]
+            logps = torch.stack([per_teacher[n] for n in names])  # (J', n_mix, V)
+            weights = torch.stack([W[rows, self.names.index(n)] for n in names])  # (J', n_mix)
+            mix = algos.mixture_logp(logps, weights)  # (n_mix, V)
+            y = torch.tensor(batch[i]["response_ids"])[rows]  # (n_mix,)
+            top = mix.topk(K, -1)
+            out[i]["teacher_logp"][rows] = mix.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+            out[i]["teacher_topk_logp"][rows], out[i]["teacher_topk_ids"][rows] = top.values, top.indices
+        rss, peak = peak_rss_mb()
+        metrics.update({"teacher/seconds": time.perf_counter() - t0, "teacher/swaps": float(self.swaps - swaps0),
+                        "teacher/teachers_used": float(len(used)), "teacher/peak_rss_mb": peak})
+        return (out if self.rank == 0 else None), metrics
+
+
+# ----------------------------------------------------------------------------------------------------
+# `python teacher.py memory`: peak RSS of a teacher group holding 1 vs 3 same-size teachers
+
+
+def measure_memory(workdir: str, hidden_size: int = 512, layers: int = 4) -> dict:
+    """Build 3 same-size tiny Qwen3 teachers (different seeds), then in two fresh teacher processes
+    register 1 resp. 3 of them and score one batch routed to all of them. Returns both processes'
+    peak RSS and what the teachers added to it (peak minus the RSS before any model was built)."""
+    import types
+
+    import ray
+
+    import transfermesh
+    paths = {f"t{i}": data.build_tiny_model(Path(workdir) / f"t{i}", hidden_size=hidden_size,
+                                            num_hidden_layers=layers, intermediate_size=3 * hidden_size,
+                                            num_attention_heads=8, num_key_value_heads=4, head_dim=64, seed=i)
+             for i in range(3)}
+    cfg = types.SimpleNamespace(teacher_tp=1, teacher_micro_batch=16, teacher_topk=8, teacher_route="", seed=0,
+                                dtype="float32", megatron={}, gkd_ratio=0.0, distill_type="topk_kl",
+                                output_dir=workdir)
+    tok = data.load_tokenizer(paths["t0"])
+    batch = []
+    for i, s in enumerate(data.arith_samples(48, 3)):
+        r = tok.encode(s["answer"], add_special_tokens=False)
+        batch.append({"prompt_ids": data.prompt_ids(tok, s), "response_ids": r, "loss_mask": [1] * len(r),
+                      "group_id": i, "metadata": {"teacher": f"t{i % 3}"}})
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    Actor = ray.remote(TeacherWorker).options(num_cpus=1)
+    out = {}
+    for k in (1, 3):
+        a = Actor.remote(cfg, 0, 1, "127.0.0.1", transfermesh.free_port())
+        ray.get(a.load_teachers.remote({n: paths[n] for n in list(paths)[:k]}, f"{workdir}/snap{k}"))
+        b = [dict(s, metadata={"teacher": f"t{i % k}"}) for i, s in enumerate(batch)]
+        _, m = ray.get(a.score.remote(b))
+        mem = ray.get(a.memory.remote())
+        out[k] = {"peak_rss_mb": mem["peak_rss_mb"], "added_mb": mem["peak_rss_mb"] - mem["base_rss_mb"],
+                  "swaps": m["teacher/swaps"]}
+        ray.kill(a)
+    out["params_per_teacher"] = sum(t.numel() for t in trainer.load_hf_state(paths["t0"]).values())
+    out["peak_ratio"] = out[3]["peak_rss_mb"] / out[1]["peak_rss_mb"]
+    out["added_ratio"] = out[3]["added_mb"] / out[1]["added_mb"]
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["memory"]:
+        sys.exit("usage: python teacher.py memory [workdir]")
+    import json
+    import tempfile
+    print(json.dumps(measure_memory(sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp()), indent=1))
