@@ -468,7 +468,7 @@ def test_client_helpers_raise_with_the_server_message(server):
 
 def _cfg(model_path, tmp_path, **over):
     base = dict(model_path=model_path, engine="cpu", engine_max_batch=4, max_prompt_len=64, max_new_tokens=16,
-                max_context_len=128, seed=0, dtype="float32", device="cpu", sglang={}, gpus_per_engine=1,
+                max_context_len=128, seed=0, dtype="float32", device="cpu", sglang={}, gpus_per_engine=1, engine_threads=0,
                 output_dir=str(tmp_path))
     return types.SimpleNamespace(**{**base, **over})
 

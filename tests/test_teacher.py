@@ -281,18 +281,18 @@ def test_bad_teacher_config_fails_before_anything_starts(tmp_path, tiny_model_di
         loongsage.load_data(cfg)
 
 
-def test_mixed_batches_follow_the_source_weights(tmp_path):
+def test_the_prompt_stream_follows_the_source_weights(tmp_path):
     cfg = _load(tmp_path, teachers={"a": {"path": "tiny"}}, prompts_per_step=4, global_batch_size=32, micro_batch_size=32, data_sources=[
         {"name": "add", "dataset": "synthetic:add:50:1:9", "weight": 1, "eval_dataset": "synthetic:add:5:2:9"},
         {"name": "sub", "dataset": "synthetic:sub:50:3:9", "weight": 3}])
     samples, evals = loongsage.load_data(cfg)
     assert {s["source"] for s in evals} == {"add"} and len(samples) == 100
-    it = loongsage.mixed_batches(cfg, samples)
-    steps = [next(it) for _ in range(6)]
+    it = loongsage.prompt_stream(cfg, samples)  # the producer's stream: each source gets its share in order
+    steps = [[next(it)[1] for _ in range(4)] for _ in range(6)]
     assert all([s["source"] for s in b].count("sub") == 3 and len(b) == 4 for b in steps)
     cfg.prompts_per_step, cfg.data_sources[1]["weight"] = 3, 1  # 1.5 each: the remainder alternates
-    it = loongsage.mixed_batches(cfg, samples)
-    counts = [[s["source"] for s in next(it)].count("add") for _ in range(4)]
+    it = loongsage.prompt_stream(cfg, samples)
+    counts = [[next(it)[1]["source"] for _ in range(3)].count("add") for _ in range(4)]
     assert sorted(counts) == [1, 1, 2, 2] and sum(counts) == 6
     ops = {s["messages"][0]["content"][1] for s in samples if s["source"] == "sub"}
     assert ops == {"-"}
