@@ -223,14 +223,14 @@ def bench_router(args) -> dict:
 
 
 def longtail_samples(n: int, seed: int) -> list[dict]:
-    """Single-digit a+b or a-b, answered k times over: "3+4 x5" -> "7 7 7 7 7". k is 1 for most prompts and up
-    to 20 for a few, so responses run from 2 to ~60 tokens: the long tail that makes a synchronous step wait
-    for its slowest trajectory."""
+    """Single-digit a+b or a-b, answered k times over: "3+4 x5" -> "7 7 7 7 7". k is 1 for three prompts in four
+    and 8 to 24 for the rest, so responses run from 2 to 64 tokens: the long tail that makes a synchronous step
+    wait for its slowest trajectories while most of the engine's batch has finished."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         s = data.arith_problem(rng, max_operand=9)
-        k = 1 if rng.random() < 0.6 else rng.randint(2, 20)
+        k = 1 if rng.random() < 0.75 else rng.randint(8, 24)
         out.append({"messages": [{"role": "user", "content": f"{s['messages'][0]['content']} x{k}"}],
                     "answer": s["answer"], "repeat": k})
     return out
@@ -264,7 +264,8 @@ def bench_async(args) -> dict:
               f"dataset={out / 'train.jsonl'}", f"eval_dataset={out / 'eval.jsonl'}", "eval_samples=2",
               f"eval_every={args.steps}", "reward=data.last_number_match", "warmstart_example=bench.longtail_sft",
               f"warmstart_dataset={out / 'train.jsonl'}", f"warmstart_steps={args.warmstart_steps}",
-              "lr=1e-3", "min_lr=1e-3", "print_every=0", "max_context_len=256"]
+              "lr=1e-3", "min_lr=1e-3", "print_every=0", "max_context_len=256",
+              "is_correction=token"]  # both modes: the IS weight corrects async's lag (and is ~1 in sync)
     modes = {"sync": ["mode=sync"], "async": ["mode=async", f"stale_steps={args.stale_steps}",
                                                "max_version_lag=2", "window=window-gated"]}
     res = {}
@@ -629,7 +630,7 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="sync/step: tiny sizes, a smoke test")
     p.add_argument("--prompts", type=int, default=16, help="async bench: prompts per step (8 samples each)")
     p.add_argument("--stale-steps", type=float, default=1.0, help="async bench: the async run's stale_steps")
-    p.add_argument("--warmstart-steps", type=int, default=200, help="async bench: SFT steps of the warm start")
+    p.add_argument("--warmstart-steps", type=int, default=400, help="async bench: SFT steps of the warm start")
     p.add_argument("--recipe", default="recipes/arith_cpu.yaml", help="modes bench: the recipe run in both modes")
     p.add_argument("--seed", type=int, default=1234, help="modes bench: the run seed")
     args = p.parse_args(argv)
