@@ -26,7 +26,8 @@ trainers' whole state and the controller's data cursor and RNG, and `resume: tru
 
 Teachers (teacher.py) score every batch between "generate" and "train" when `teachers:` is set;
 `data_sources:` mixes several datasets (each with its agent, reward, teacher and eval set) by weight.
-Left out here (see the issues): multi-node launch scripts.
+Left out here (see the issues): multi-node launch scripts, and the colocated memory hand-off (engines releasing
+weights and KV cache while the trainers train: colocated actors share their GPUs but both stay resident).
 """
 from __future__ import annotations
 
