@@ -1028,11 +1028,7 @@ class TrainerWorker:
                 _add(sums, "loss", float(loss.detach()))
                 for k, v in m.items():
                     _add(sums, k, float(v))
-            grad_norm, lr = self._optimizer_step()
-            for k, v in self._dp_sum(sums).items():
-                _add(totals, k, v / n_mb)
-            _add(totals, "grad_norm", grad_norm / n_mb)
-            totals["lr"] = lr
+            self._step_minibatch(sums, totals, n_mb)
 
         # --- 4. metrics: the train-inference gap under the step's starting weights, losses, norms
         if not cfg.use_rollout_logprobs:
@@ -1134,15 +1130,20 @@ class TrainerWorker:
                 _add(sums, "entropy", float(algos.aggregate(entropy.detach(), mb["loss_mask"], "token_mean", denom)))
                 for k, v in opd.items():
                     _add(sums, k, float(v))
-            grad_norm, lr = self._optimizer_step()
-            for k, v in self._dp_sum(sums).items():
-                _add(totals, k, v / n_mb)
-            _add(totals, "grad_norm", grad_norm / n_mb)
-            totals["lr"] = lr
+            self._step_minibatch(sums, totals, n_mb)
         metrics = {f"train/{k}": v for k, v in totals.items()}
         metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
                         "train/samples": float(len(batch))})
         return metrics
+
+    def _step_minibatch(self, sums: dict[str, float], totals: dict[str, float], n_mb: int) -> None:
+        """End a mini-batch: one optimizer step, then its DP-summed metric sums and grad norm into the step's
+        means over `n_mb` mini-batches (`totals`, updated in place; lr is the last one's)."""
+        grad_norm, lr = self._optimizer_step()
+        for k, v in self._dp_sum(sums).items():
+            _add(totals, k, v / n_mb)
+        _add(totals, "grad_norm", grad_norm / n_mb)
+        totals["lr"] = lr
 
     def _denominators(self, batch: list[dict], n_mb: int, mb_i: int, by_group: bool) -> dict[str, float]:
         """GLOBAL counts of mini-batch `mb_i` over all DP ranks, from the full batch every rank holds.
