@@ -181,3 +181,186 @@ def test_page_of_a_real_run_in_chromium(run_dir, tiny_model_dir, chromium, tmp_p
     assert px.get(TRAINED, 0) == 0 and px.get(VERSION0, 0) > 1500  # step 0 (on top) was sampled by version 0
     px, _ = browse(chromium, page, tmp_path, "#mode=logprob", screenshot=True)
     assert px.get(TRAINED, 0) == 0 and sum(px.get(c, 0) for c in LOGPROB) > 1500
+
+
+def test_the_tiny_tokenizer_is_rebuilt_for_a_run_of_the_tiny_model(run_dir, tmp_path):
+    """A run with model_path: tiny names no directory; the viewer rebuilds the tiny tokenizer from the run's
+    tiny_model settings and decodes the real run's prompts exactly as the run did (no warning). A tokenizer of
+    another vocabulary size does not, and the page says so."""
+    import yaml
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    for vocab, warned in ((384, False), (300, True)):
+        other = tmp_path / f"run{vocab}"
+        other.mkdir()
+        (other / "config.yaml").write_text(yaml.safe_dump({**cfg, "model_path": "tiny",
+                                                           "tiny_model": {**TINY, "tokenizer_vocab": vocab}}))
+        out, summary = viewer.build(str(run_dir / "rollouts"), str(tmp_path / f"p{vocab}.html"), tokenizer=str(other))
+        data = page_data(out)
+        assert data["notes"][0] == f"tokens decoded with the tiny tokenizer (vocab {vocab}, rebuilt)"
+        assert ("WARNING" in " ".join(data["notes"])) is warned
+        t = json.loads((run_dir / "rollouts" / "step_00000.jsonl").read_text().splitlines()[0])
+        assert ("".join(data["vocab"][str(i)] for i in t["prompt_ids"]) == t["prompt_text"]) is not warned
+
+
+# ----------------------------------------------------------------------------------------------
+# hand-built rollout files
+
+
+def _traj(reward=0.5, status="ok", group=0, sample=0, version=0, n_prompt=4, turns=((3, 2),), error="", segments=()):
+    """A trajectory dict as AgentFlow dumps it: `turns` = (model tokens, inserted tokens after them) per turn;
+    token ids count up from 10 so every token is distinct."""
+    ids, mask, lp, ver = [], [], [], []
+    for model, inserted in turns:
+        ids += range(10 + len(ids), 10 + len(ids) + model + inserted)
+        mask += [1] * model + [0] * inserted
+        lp += [-0.1 * (k + 1) for k in range(model)] + [0.0] * inserted
+        ver += [version] * model + [-1] * inserted
+    if status == "failed":
+        mask = [0] * len(mask)
+    top = dict(prompt_ids=list(range(1, n_prompt + 1)), response_ids=ids, loss_mask=mask, rollout_logprobs=lp,
+               weight_versions=ver)
+    return dict(top, segments=[*segments, top], reward=reward, status=status, group_id=group, sample_index=sample,
+                metadata={"error": error} if error else {}, prompt_text="")
+
+
+def _write(path: Path, trajs: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(t) + "\n" for t in trajs))
+    return path
+
+
+def test_model_output_cannot_inject_markup(chromium, tmp_path):
+    """Every text field a rollout file controls (token texts, status, error, the title) carries markup that
+    would run a script or add an element if it were parsed: the page holds exactly its own two scripts, its
+    data round-trips the strings unchanged, and Chromium shows them as text with no element, no script run
+    and no console message."""
+    evil = ['</script><script>document.body.dataset.pwned="script"</script>',
+            '<img src=x onerror="document.body.dataset.pwned=\'img\'">', "<!--", "]]>", "&amp; \u2028 \\u003c"]
+    trajs = [_traj(status=evil[0], error=evil[1] + evil[2]), _traj(reward=1.0, group=1, error=evil[3] + evil[4])]
+    compact = [viewer.compact(t, 0, i + 1, 10 ** 6, "hand-built")[0] for i, t in enumerate(trajs)]
+    vocab = {i: evil[i % len(evil)] for i in range(40)}
+    page = tmp_path / "evil.html"
+    page.write_text(viewer.page(compact, vocab, title=evil[0], notes=[evil[1]]), encoding="utf-8")
+    text = page.read_text(encoding="utf-8")
+    assert len(re.findall(r"<script", text, re.I)) == 2 and len(re.findall(r"</script", text, re.I)) == 2
+    data = page_data(page)
+    assert data["vocab"] == {str(k): v for k, v in vocab.items()} and data["title"] == evil[0]
+    assert data["trajs"][0]["st"] == evil[0] and data["trajs"][0]["e"] == evil[1] + evil[2]
+
+    dom, console = browse(chromium, page, tmp_path)
+    state = body_state(dom)
+    assert console == [] and state["viewer"] == "ready" and state["errors"] == "0" and "pwned" not in state
+    assert "<img" not in dom and dom.count("<script") == 2
+    assert dom.count("&lt;img src=x onerror=") >= 3  # the error, the note and token texts, shown as text
+    n_tokens = sum(len(t["prompt_ids"]) + len(t["response_ids"]) for t in trajs)
+    assert state["tokens"] == str(n_tokens)
+
+
+def test_filters_steps_segments_and_paging_in_chromium(chromium, tmp_path):
+    """A dump dir of two steps (0 and 2): reward bounds are inclusive and a null (non-finite) reward matches
+    no bound; statuses and steps filter; a compacted trajectory shows both segments and numbers its turns
+    across them; 120 trajectories in a step render 50 cards at a time; without config.yaml or --tokenizer
+    the page shows token ids and says why."""
+    compacted = _traj(reward=0.25, group=7, turns=((2, 1), (2, 0)),
+                      segments=[dict(prompt_ids=[1, 2], response_ids=[50, 51, 52], loss_mask=[1, 1, 0],
+                                     rollout_logprobs=[-0.5, -0.5, 0.0], weight_versions=[0, 0, -1])])
+    step0 = [_traj(0.0), _traj(0.5, sample=1), _traj(1.0, sample=2), _traj(float("nan"), sample=3),
+             _traj(0.0, status="failed", sample=4, error="agent raised"), _traj(0.5, status="truncated", sample=5),
+             compacted]
+    step2 = [_traj(0.1 * (k % 10), group=k // 8, sample=k % 8, version=2) for k in range(120)]
+    _write(tmp_path / "dump" / "step_00000.jsonl", step0)
+    _write(tmp_path / "dump" / "step_00002.jsonl", step2)
+    out, summary = viewer.build(str(tmp_path / "dump"))
+    assert out == tmp_path / "dump" / "trajectories.html" and summary["trajectories"] == summary["total"] == 127
+    data = page_data(out)
+    assert data["vocab"] is None and data["notes"][0].startswith("token ids shown: no config.yaml")
+    assert data["steps"] == [0, 2] and data["trajs"][3]["r"] is None  # NaN travels as null
+
+    expect = {
+        "": (127, 50),
+        "#step=0": (7, 7),
+        "#step=0&rmin=0.5": (3, 3),             # 0.5, 1.0, truncated 0.5: inclusive, NaN excluded
+        "#step=0&rmin=0.25&rmax=0.5": (3, 3),   # 0.5, truncated 0.5, compacted 0.25
+        "#step=0&status=failed,truncated": (2, 2),
+        "#step=2&rmax=0.25": (36, 36),          # rewards 0.0, 0.1, 0.2 of 0.0 .. 0.9, 12 each
+        "#step=2&rmin=0.85": (12, 12),
+        "#status=nope": (0, 0),
+    }
+    for hash_, (matching, rendered) in expect.items():
+        dom, console = browse(chromium, out, tmp_path, hash_)
+        state = body_state(dom)
+        assert console == [] and state["errors"] == "0", hash_
+        assert (int(state["matching"]), int(state["rendered"])) == (matching, rendered), hash_
+    dom, _ = browse(chromium, out, tmp_path, "#step=0&rmin=0.25&rmax=0.25")
+    assert body_state(dom)["matching"] == "1"
+    assert "segment 1 of 2 (history rewritten after it)" in dom and "segment 2 of 2" in dom
+    labels = re.findall(r'class="lab">(turn \d)', dom)
+    assert labels == ["turn 1", "turn 2", "turn 3"]  # one turn in the first segment, two in the last
+    assert body_state(dom)["tokens"] == str(2 + 3 + 4 + 5) and body_state(dom)["trained"] == str(2 + 4)
+    assert '[50]' in dom  # no tokenizer: ids
+
+
+def test_token_cap_keeps_every_step_and_says_so(tmp_path):
+    """--max-tokens splits its budget equally between the steps: each keeps its first trajectories that fit,
+    the first one always (cut to the share), and the page notes how many it shows of how many."""
+    for s in range(3):
+        _write(tmp_path / "dump" / f"step_{s:05d}.jsonl", [_traj(group=k, n_prompt=50, turns=((30, 20),))
+                                                          for k in range(10)])
+    out, summary = viewer.build(str(tmp_path / "dump"), str(tmp_path / "a.html"), max_tokens=1500)
+    data = page_data(out)
+    assert (summary["trajectories"], summary["total"]) == (15, 30)  # 500 tokens a step: 5 of 100 tokens each
+    assert [t["s"] for t in data["trajs"]] == [0] * 5 + [1] * 5 + [2] * 5 and all(t["cut"] == 0 for t in data["trajs"])
+    assert data["notes"][-1].startswith("showing 15 of 30 trajectories: each of the 3 step(s) keeps its first "
+                                        "trajectories up to 500 tokens (--max-tokens 1,500)")
+    out, summary = viewer.build(str(tmp_path / "dump"), str(tmp_path / "b.html"), max_tokens=140, steps="1-2")
+    data = page_data(out)
+    assert (summary["trajectories"], summary["total"]) == (2, 20) and [t["s"] for t in data["trajs"]] == [1, 2]
+    for t in data["trajs"]:  # 70 tokens a step: the first trajectory, cut after its prompt and 20 response tokens
+        assert len(t["segs"][0]["p"]) == 50 and len(t["segs"][0]["ids"]) == 20 and t["cut"] == 30
+        assert len(t["segs"][0]["m"]) == len(t["segs"][0]["lp"]) == len(t["segs"][0]["v"]) == 20
+
+
+def test_bad_input_says_what_and_what_to_do(tmp_path):
+    """Each way to point the viewer at the wrong thing gets an error naming the value and the fix."""
+    with pytest.raises(FileNotFoundError, match="does not exist; give a run dir"):
+        viewer.build(str(tmp_path / "nowhere"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("model_path: tiny\ndump_rollouts: ''\noutput_dir: run\n")
+    with pytest.raises(ValueError, match="has no rollouts: its config.yaml has dump_rollouts=''; run with dump_rollouts=DIR"):
+        viewer.build(str(run))
+    (run / "config.yaml").write_text("model_path: tiny\ndump_rollouts: gone\noutput_dir: run\n")
+    with pytest.raises(FileNotFoundError, match="dump_rollouts='gone', which is not at"):
+        viewer.build(str(run))
+    f = _write(tmp_path / "d" / "step_00000.jsonl", [_traj()])
+    with open(f, "a") as fh:
+        fh.write('{"prompt_ids": [1], "response_ids": [2, 3], "loss_mask": [1]}\n{not json\n')
+    with pytest.raises(ValueError, match=r"step_00000.jsonl:2 is not a LoongSage trajectory: it lacks \['rollout_logprobs', 'weight_versions'\]"):
+        viewer.build(str(f))
+    f.write_text(json.dumps(_traj()) + "\n" + json.dumps({**_traj(), "loss_mask": [1]}) + "\n")
+    with pytest.raises(ValueError, match=r"step_00000.jsonl:2: \['loss_mask'\] do not have one entry per response token \(5\)"):
+        viewer.build(str(f))
+    f.write_text(json.dumps(_traj()) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"step_00000.jsonl:2 is not JSON"):
+        viewer.build(str(f))
+    with pytest.raises(ValueError, match=r"--steps '1-x': '1-x' is not a step or a range"):
+        viewer.build(str(tmp_path / "d"), steps="1-x")
+    _write(f, [_traj()])
+    with pytest.raises(ValueError, match=r"--steps '3' matches none of the steps"):
+        viewer.build(str(tmp_path / "d"), steps="3")
+    with pytest.raises(ValueError, match=r"--tokenizer '.*nope' could not be loaded"):
+        viewer.build(str(f), tokenizer=str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="--max-tokens must be a positive number of tokens, got 0"):
+        viewer.build(str(f), max_tokens=0)
+
+
+def test_a_relative_dump_dir_is_found_from_where_the_run_was_launched(tmp_path, monkeypatch):
+    """config.yaml keeps the paths it was given: dump_rollouts relative to the launch directory, which
+    output_dir (relative to the same place) locates, whatever the viewer's own working directory."""
+    run = tmp_path / "proj" / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("model_path: tiny\noutput_dir: runs/x\ndump_rollouts: dumps/x\n")
+    _write(tmp_path / "proj" / "dumps" / "x" / "step_00004.jsonl", [_traj()])
+    monkeypatch.chdir(tmp_path)
+    files, cfg = viewer.rollout_files(run)
+    assert files == [(4, tmp_path / "proj" / "dumps" / "x" / "step_00004.jsonl")] and cfg["output_dir"] == "runs/x"
