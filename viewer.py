@@ -527,7 +527,8 @@ def build(path: str, output: str | None = None, tokenizer: str | None = None, st
                      "choose steps with --steps or raise --max-tokens")
     vocab = token_texts(tok, trajs) if tok is not None else None
     steps_seen = sorted({s for s, _ in files})
-    title = f"{src.resolve().name}: {len(trajs)} trajectories, steps {steps_seen[0]}-{steps_seen[-1]}"
+    span = f"step {steps_seen[0]}" if len(steps_seen) == 1 else f"steps {steps_seen[0]}-{steps_seen[-1]}"
+    title = f"{src.resolve().name}: {len(trajs)} trajectories, {span}"
     out = Path(output) if output else (src / "trajectories.html" if src.is_dir() else src.with_suffix(".html"))
     out.write_text(page(trajs, vocab, title, notes), encoding="utf-8")
     return out, {"trajectories": len(trajs), "total": total, "steps": len(files), "tokenizer": tok_note,
