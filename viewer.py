@@ -46,6 +46,8 @@ from pathlib import Path
 
 import yaml
 
+import data
+
 STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")  # what loongsage.dump writes: dump_rollouts/step_00003.jsonl
 MAX_TOKENS = 1_000_000  # ~14 MB of HTML (2M tokens, 27 MB, still opened in Chromium here; 50 cards render at a time)
 TRAJ_KEYS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions")
@@ -205,7 +207,6 @@ def read_trajectories(files: list[tuple[int, Path]], max_tokens: int) -> tuple[l
 def load_tokenizer(spec: str | None, cfg: dict | None) -> tuple[object | None, str]:
     """(tokenizer or None, what the page says about it). `spec` (--tokenizer) must work if given; the run's
     own tokenizer falls back to token ids with the reason."""
-    import data
     if spec == "none":
         return None, "token ids shown (--tokenizer none)"
     if spec and (Path(spec) / "config.yaml").is_file() and not (Path(spec) / "tokenizer_config.json").is_file():

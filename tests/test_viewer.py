@@ -229,6 +229,18 @@ def _write(path: Path, trajs: list[dict]) -> Path:
     return path
 
 
+def test_the_browser_harness_sees_console_messages_and_page_errors(chromium, tmp_path):
+    """The checks above would pass vacuously if Chromium's console lines or the page's error counter never
+    reached the test: a page that logs and throws is seen doing both."""
+    out, _ = viewer.build(str(_write(tmp_path / "step_00000.jsonl", [_traj()])))
+    bad = tmp_path / "bad.html"
+    bad.write_text(out.read_text(encoding="utf-8").replace(
+        "</body>", '<script>console.error("logged on purpose"); null.boom;</script></body>'), encoding="utf-8")
+    dom, console = browse(chromium, bad, tmp_path)
+    assert body_state(dom)["errors"] == "1" and body_state(dom)["viewer"] == "ready"
+    assert len(console) == 2 and "logged on purpose" in console[0] and "TypeError" in console[1]
+
+
 def test_model_output_cannot_inject_markup(chromium, tmp_path):
     """Every text field a rollout file controls (token texts, status, error, the title) carries markup that
     would run a script or add an element if it were parsed: the page holds exactly its own two scripts, its
@@ -291,6 +303,23 @@ def test_filters_steps_segments_and_paging_in_chromium(chromium, tmp_path):
         state = body_state(dom)
         assert console == [] and state["errors"] == "0", hash_
         assert (int(state["matching"]), int(state["rendered"])) == (matching, rendered), hash_
+    # the controls, used as a reader would: "show more", then the logprob mode, step 2 and a reward bound;
+    # every change re-renders and rewrites the URL's hash
+    clicks = tmp_path / "dump" / "clicks.html"
+    clicks.write_text(out.read_text(encoding="utf-8").replace("</body>", """<script>
+document.getElementById("more").click();
+document.body.dataset.afterMore = document.body.dataset.rendered;
+document.querySelector("input[name=mode][value=logprob]").click();
+const step = document.getElementById("step"); step.value = "2"; step.dispatchEvent(new Event("change"));
+const rmin = document.getElementById("rmin"); rmin.value = "0.85"; rmin.dispatchEvent(new Event("input"));
+document.body.dataset.hash = location.hash;
+</script></body>"""), encoding="utf-8")
+    dom, console = browse(chromium, clicks, tmp_path)
+    state = body_state(dom)
+    assert console == [] and state["errors"] == "0" and state["after-more"] == "100"
+    assert (state["mode"], state["matching"], state["rendered"]) == ("logprob", "12", "12")
+    assert state["hash"] == "#mode=logprob&amp;step=2&amp;status=failed%2Cok%2Ctruncated&amp;rmin=0.85"
+
     dom, _ = browse(chromium, out, tmp_path, "#step=0&rmin=0.25&rmax=0.25")
     assert body_state(dom)["matching"] == "1"
     assert "segment 1 of 2 (history rewritten after it)" in dom and "segment 2 of 2" in dom
