@@ -108,7 +108,7 @@ def _dumped(run_dir: Path) -> list[dict]:
             for line in (run_dir / "rollouts" / f"step_{s:05d}.jsonl").read_text().splitlines()]
 
 
-def test_page_of_a_real_run_in_chromium(run_dir, tiny_model_dir, chromium, tmp_path):
+def test_page_of_a_real_run_in_chromium(chromium, run_dir, tiny_model_dir, tmp_path):  # no chromium: skip before the run
     """`python viewer.py RUN_DIR` on a real run: the page holds every dumped trajectory token for token,
     decoded with the run's tokenizer (found through config.yaml), and Chromium renders exactly the dump's
     tokens, trained tokens and turns, with the hover data of each token, no console message, and the
