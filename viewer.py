@@ -445,6 +445,7 @@ function selfCheck() {
 }
 
 function controls() {
+  document.getElementById("title").textContent = D.title;
   const step = document.getElementById("step");
   step.append(el("option", "", "all steps"));
   step.lastChild.value = "all";
@@ -501,7 +502,7 @@ def page(trajs: list[dict], vocab: dict[int, str] | None, title: str, notes: lis
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>\n'
             f'<style>{STYLE}</style></head>\n<body data-mode="mask">\n{BODY}\n'
             f'<script type="application/json" id="viewer-data">{_script_json(payload)}</script>\n'
-            f'<script>{SCRIPT}\ndocument.getElementById("title").textContent = D.title;\n</script>\n</body></html>\n')
+            f'<script>{SCRIPT}</script>\n</body></html>\n')
 
 
 def build(path: str, output: str | None = None, tokenizer: str | None = None, steps: str = "",
