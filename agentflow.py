@@ -1090,7 +1090,8 @@ class Session:
         return Trajectory(
             prompt_ids=list(seg.prompt_ids), response_ids=list(seg.response_ids), loss_mask=list(mask),
             rollout_logprobs=list(seg.rollout_logprobs), weight_versions=list(seg.weight_versions),
-            segments=[s.as_dict() for s in self.segments], reward=float(reward) if status != "failed" else 0.0,
+            segments=[s.as_dict() if status != "failed" else {**s.as_dict(), "loss_mask": [0] * len(s.loss_mask)}
+                      for s in self.segments], reward=float(reward) if status != "failed" else 0.0,
             status=status, prompt_text=self.chat.decode(seg.prompt_ids, skip_special_tokens=False),
             metadata={"turns": self.turns, "finish_reasons": self.finish_reasons, "engine": self.engine,
                       "num_segments": len(self.segments)})

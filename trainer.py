@@ -561,11 +561,12 @@ def segment_rows(batch: list[dict]) -> list[dict]:
     each earlier segment with model tokens becomes a row of its own that trains with its trajectory's
     advantage. Rows keep the trajectory's group_id and reward; `traj` indexes the trajectory in `batch` and
     `last` marks the row the advantage is computed on (one per trajectory, so group statistics count each
-    trajectory once)."""
+    trajectory once). A failed trajectory trains nothing: its earlier segments make no rows (its last one
+    arrives with a zero mask)."""
     rows = []
     for i, t in enumerate(batch):
         for seg in (t.get("segments") or [])[:-1]:
-            if any(seg["loss_mask"]):
+            if any(seg["loss_mask"]) and t.get("status") != "failed":
                 rows.append({**t, **seg, "segments": [], "traj": i, "last": False})
         rows.append({**t, "traj": i, "last": True})
     return rows

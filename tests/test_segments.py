@@ -36,6 +36,9 @@ def test_segment_rows_and_shared_advantage():
     assert [(r["traj"], r["last"], r["response_ids"]) for r in rows] == [
         (0, True, [3, 4]), (1, False, [21, 22, 23]), (1, True, [31, 32, 40, 41, 33, 34])]
     assert rows[1]["group_id"] == 1 and rows[1]["reward"] == 0.0 and rows[1]["segments"] == []
+    # a failed trajectory trains no earlier segment (its last one arrives masked from agentflow)
+    failed = {**compacted(2, 0.0), "status": "failed"}
+    assert [(r["traj"], r["last"]) for r in trainer.segment_rows([plain, failed])] == [(0, True), (1, True)]
     adv = torch.tensor([0.0, 0.5, 0.0, 0.0, 0.5, 0.5])  # the trajectory's advantage on its last segment
     assert trainer.shared_advantage(adv, [1, 0, 1]).tolist() == [0.5, 0.0, 0.5]
 
