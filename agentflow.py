@@ -49,6 +49,13 @@ allows (root or user namespaces, a writable cgroup), the local one also makes ev
 directory read-only, cuts the network when asked (code tests; agents keep loopback for the router) and
 caps its process count and total memory; `LocalSandbox.contained` says what holds on this machine.
 
+Reading order (top to bottom): `Trajectory`, what the trainer reads; `EnginePool`, the engines behind the
+router; `ChatFormat` and `parse_tool_calls`, the chat template and the tool-call parser; `Session`, where TITO
+happens (render, check that the history extends, generate, append exactly the sampled ids); `Router`, the HTTP
+endpoints, which call wire.py at their edges only (request parsing, response and stream shapes, error bodies);
+the sandboxes; `AgentFlow`, the actor the controller calls. wire.py holds the OpenAI / Anthropic / Responses
+formats and nothing else, so this file is the system and that one the protocol.
+
 Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
@@ -84,10 +91,9 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 
 import data
 import rollout
-from wire import (ApiError, _positive_int, _sampling_overrides, anthropic_error_body, anthropic_request,
-                  anthropic_response, anthropic_stream, openai_error_body, openai_messages, openai_request,
-                  openai_response, openai_stream, openai_tools, responses_messages, responses_output,
-                  responses_response, responses_stream, responses_tools)
+from wire import (ApiError, anthropic_error_body, anthropic_request, anthropic_response, anthropic_stream,
+                  openai_error_body, openai_messages, openai_request, openai_response, openai_stream, openai_tools,
+                  responses_output, responses_request, responses_response, responses_stream)
 
 log = logging.getLogger("loongsage.agentflow")
 ROOT = Path(__file__).resolve().parent
@@ -829,23 +835,14 @@ class Router:
         async def responses(request: Request, sid: str):
             s = self._session(sid, request.headers)
             body = await body_of(request)
-            if "input" not in body:
-                raise ApiError(400, "missing required field 'input'", param="input")
-            previous = body.get("previous_response_id")
-            if previous is not None and previous not in s.responses:
-                raise ApiError(400, f"previous_response_id {previous!r} is not a response of this session",
-                               param="previous_response_id", code="previous_response_not_found")
-            msgs = responses_messages(body.get("instructions"), body["input"], s.responses.get(previous))
-            tools = responses_tools(body.get("tools"))
-            choice = body.get("tool_choice", "auto")
-            turn = await s.run_turn(self.pool, msgs, tools, parse_tools=choice != "none",
-                                    max_tokens=_positive_int(body.get("max_output_tokens"), "max_output_tokens"),
-                                    overrides=_sampling_overrides(body, temperature_max=2.0))
+            req = responses_request(body, s.responses)
+            turn = await s.run_turn(self.pool, req.messages, req.tools, parse_tools=req.parse_tools,
+                                    max_tokens=req.max_tokens, overrides=req.overrides)
             rid = "resp_" + uuid.uuid4().hex
             output = responses_output(turn)
             s.responses[rid] = s.segments[-1].messages  # the conversation so far, for previous_response_id
             response = responses_response(turn, self.model_name, rid, body, output)
-            if body.get("stream"):
+            if req.stream:
                 return sse(responses_stream(response))
             return JSONResponse(response)
 
@@ -1312,7 +1309,7 @@ class AgentFlow:
         self.reward_fn = data.import_object(cfg.reward)
         self.agent_fn = data.import_object(cfg.agent) if cfg.agent else None
         # data_sources: a source's own reward / agent, looked up by sample["source"]; else the ones above
-        sources = getattr(cfg, "data_sources", None) or []
+        sources = cfg.data_sources
         self.source_reward = {s["name"]: data.import_object(s["reward"]) for s in sources if s.get("reward")}
         self.source_agent = {s["name"]: data.import_object(s["agent"]) for s in sources if s.get("agent")}
         if cfg.agent and cfg.agent_command:
@@ -1324,14 +1321,14 @@ class AgentFlow:
             make_sandbox(cfg.sandbox)  # fail now, not at the first trajectory, on a bad/unavailable sandbox
         # Loopback by default: agents run on this node. Set cfg.router_host to serve sandboxes elsewhere.
         self.router = Router(self.pool, self.chat, model_name=Path(tokenizer_path).name or "loongsage",
-                             host=getattr(cfg, "router_host", "127.0.0.1"))
+                             host=cfg.router_host)
         self._next_group = 0                # generate()'s group ids (eval): unique across its calls
         self._tasks: set[asyncio.Task] = set()
         self._completed: list[dict] = []    # submit()'s groups that finished since the last completed() call
         self._producing = 0                 # submit()'s groups still running
         self._wake = asyncio.Event()        # set when a submitted group finishes
         # Black-box agents are processes: bound how many run at once (white-box ones are coroutines).
-        self._sandbox_slots = asyncio.Semaphore(max(1, int(getattr(cfg, "max_parallel_sandboxes", 32))))
+        self._sandbox_slots = asyncio.Semaphore(cfg.max_parallel_sandboxes)
 
     async def start_router(self) -> str:
         """Start the router (once) and return its URL. generate() calls it when an agent is configured."""

@@ -339,16 +339,15 @@ def measure_memory(workdir: str, hidden_size: int = 512, layers: int = 4) -> dic
     """Build 3 same-size tiny Qwen3 teachers (different seeds), then in two fresh teacher processes
     register 1 resp. 3 of them and score one batch routed to all of them. Returns both processes'
     peak RSS and what the teachers added to it (peak minus the RSS before any model was built)."""
-    import types
-
     import ray
 
+    import loongsage  # here, not at the top: loongsage imports this module when it starts the teachers
     import transfermesh
     paths = {f"t{i}": data.build_tiny_model(Path(workdir) / f"t{i}", hidden_size=hidden_size,
                                             num_hidden_layers=layers, intermediate_size=3 * hidden_size,
                                             num_attention_heads=8, num_key_value_heads=4, head_dim=64, seed=i)
              for i in range(3)}
-    cfg = types.SimpleNamespace(teacher_tp=1, teacher_micro_batch=16, teacher_topk=8, teacher_route="", seed=0,
+    cfg = loongsage.Config(teacher_tp=1, teacher_micro_batch=16, teacher_topk=8, teacher_route="", seed=0,
                                 dtype="float32", megatron={}, gkd_ratio=0.0, distill_type="topk_kl", trainer_threads=0,
                                 output_dir=workdir)
     tok = data.load_tokenizer(paths["t0"])

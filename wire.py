@@ -8,8 +8,8 @@ function can be read, and tested, on its own.
 
 Reading order: error bodies; request parsing (`openai_request`, `anthropic_request`, and below them
 `*_messages`, `*_tools`, the field checks); response shapes (`openai_response` / `openai_stream`,
-`anthropic_response` / `anthropic_stream`); the Responses API (`responses_messages`, `responses_tools`,
-`responses_output`, `responses_response`, `responses_stream`).
+`anthropic_response` / `anthropic_stream`); the Responses API (`responses_request` with `responses_messages`
+and `responses_tools`, then `responses_output`, `responses_response`, `responses_stream`).
 
 What an API refuses gets an `ApiError` (HTTP status, message naming the field and the value seen), rendered in
 that API's error shape by the router. Options the engine cannot honour are refused rather than ignored, so the
@@ -358,8 +358,10 @@ def _stop_list(v, name: str, allow_str: bool = False) -> list[str] | None:
 
 
 def _sampling_overrides(body: dict, temperature_max: float) -> dict:
-    """Client sampling settings, validated. They override the recipe's for this turn (the engine's
-    logprobs then follow the client's distribution, which is what the rollout really sampled from).
+    """Client sampling settings, validated. They override the recipe's for this turn: the engine samples with
+    them, but the logprobs it returns are still log_softmax of the raw logits (temperature 1, before top-k/top-p;
+    see rollout.py), the policy's logprob that the trainer recomputes. So a client temperature changes which
+    tokens are drawn (the rollout is then off-policy, which the IS corrections see), not the logprob numbers.
     Ranges are the APIs': temperature [0, 2] (OpenAI) or [0, 1] (Anthropic), top_p [0, 1]."""
     out = {}
     for name, lo, hi in (("temperature", 0.0, temperature_max), ("top_p", 0.0, 1.0)):
@@ -634,6 +636,21 @@ def responses_tools(raw) -> list[dict] | None:
         tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
                                                                      t.get("parameters"), f"tools[{i}]")})
     return tools or None
+
+
+def responses_request(body: dict, previous: dict[str, list[dict]]) -> ChatRequest:
+    """A Responses body -> ChatRequest; `previous` maps the session's response ids to their conversations (the
+    API's `previous_response_id` reaches only responses of the same session)."""
+    if "input" not in body:
+        raise ApiError(400, "missing required field 'input'", param="input")
+    prev = body.get("previous_response_id")
+    if prev is not None and prev not in previous:
+        raise ApiError(400, f"previous_response_id {prev!r} is not a response of this session",
+                       param="previous_response_id", code="previous_response_not_found")
+    msgs = responses_messages(body.get("instructions"), body["input"], previous.get(prev))
+    return ChatRequest(msgs, responses_tools(body.get("tools")), body.get("tool_choice", "auto") != "none",
+                       _positive_int(body.get("max_output_tokens"), "max_output_tokens"),
+                       _sampling_overrides(body, temperature_max=2.0), None, bool(body.get("stream")))
 
 
 def responses_output(turn: Turn) -> list[dict]:
