@@ -463,8 +463,13 @@ class ChatFormat:
     # Control tokens a (possibly untrained) model may emit mid-text; they are not content for an agent.
     _CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
-    def __init__(self, tokenizer_path: str):
+    def __init__(self, tokenizer_path: str, chat_template: str = "", tool_parser: str = ""):
+        """`chat_template` / `tool_parser`: dotted paths to a user's Jinja template string and a user's
+        fn(text, tool_names) -> (content, tool_calls) (cfg keys of the same names); "" keeps the tokenizer's
+        template and `parse_tool_calls`."""
         self.tok = data.load_tokenizer(tokenizer_path)
+        self.template = data.import_object(chat_template) if chat_template else None  # None: the tokenizer's
+        self.parse_tool_calls = data.import_object(tool_parser) if tool_parser else parse_tool_calls
         self.eos_id = self.tok.convert_tokens_to_ids(data.EOS_TOKEN)
         self.stop_ids = sorted({self.eos_id, self.tok.pad_token_id})
         self.vocab_size = len(self.tok)
@@ -477,7 +482,7 @@ class ChatFormat:
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
                add_generation_prompt: bool = False) -> str:
-        return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+        return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, chat_template=self.template,
                                             add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
@@ -683,7 +688,7 @@ class Session:
                 matched = min((x for x in stop if x in text), key=text.find)
                 text, finish = text[:text.find(matched)], "stop"
             names = {t["function"]["name"] for t in tools or ()}
-            content, calls = parse_tool_calls(text, names) if (parse_tools and tools) else (text.strip(), [])
+            content, calls = self.chat.parse_tool_calls(text, names) if (parse_tools and tools) else (text.strip(), [])
             turn = Turn(output_ids, logprobs, versions, finish, content, calls, len(plan.input_ids), url, matched)
             self.commit(plan, turn)
             if finish == "length" and len(self.segments[-1].ids()) >= self.max_context_len:
@@ -1238,7 +1243,9 @@ def make_sandbox(kind: str = "local", **limits):
             raise RuntimeError("sandbox='docker' but no Docker engine answers `docker info`; start dockerd "
                                "or set sandbox: local")
         return DockerSandbox(**limits)
-    raise ValueError(f"unknown sandbox {kind!r}; valid: local, docker, auto")
+    if data.is_dotted(kind):  # EXT: a user's sandbox, fn(**limits) -> an object with this file's sandbox methods
+        return data.import_object(kind)(**limits)
+    raise ValueError(f"unknown sandbox {kind!r}; valid: local, docker, auto, or a dotted path 'module.function'")
 
 
 _CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
@@ -1303,7 +1310,7 @@ class AgentFlow:
 
     def __init__(self, cfg, engine_urls: list[str], tokenizer_path: str):
         self.cfg = cfg
-        self.chat = ChatFormat(tokenizer_path)
+        self.chat = ChatFormat(tokenizer_path, cfg.chat_template, cfg.tool_parser)
         self.pool = EnginePool(engine_urls, health_timeout_s=cfg.engine_health_timeout,
                                check_every_s=cfg.engine_check_every, wait_s=cfg.engine_wait)
         self.reward_fn = data.import_object(cfg.reward)

@@ -38,6 +38,8 @@ import math
 import torch
 import torch.distributed as dist
 
+import data
+
 # --------------------------------------------------------------------------------------------------------
 # Names (the defaults are loongsage.Config's)
 # --------------------------------------------------------------------------------------------------------
@@ -51,6 +53,8 @@ IS_LEVELS = ("", "token", "seq", "geo")
 IS_MODES = ("truncate", "mask")
 LENGTH_PENALTIES = ("", "linear", "kimi")
 DISTILL_TYPES = ("topk_kl", "forward_kl", "reverse_kl", "jsd")  # the GKD divergence of on-policy distillation
+# Fields that also take a dotted path to a user's function (README "Extension points"; data.import_object loads it)
+PLUGGABLE = ("advantage", "policy_loss", "kl_type", "distill_type")
 
 EPS = 1e-6          # added to std in z-scores; zero-variance groups give 0 / (0 + EPS) = 0
 LOG_RATIO_CLAMP = 20.0
@@ -59,7 +63,7 @@ LOG_RATIO_CLAMP = 20.0
 def _choice_error(field: str, value, valid) -> ValueError:
     close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    shown = ", ".join(repr(v) for v in valid)
+    shown = ", ".join(repr(v) for v in valid) + (", or a dotted path 'module.function'" if field in PLUGGABLE else "")
     return ValueError(f"algo.{field}={value!r} is not valid; choose one of: {shown}.{hint}")
 
 
@@ -69,8 +73,11 @@ def validate(cfg) -> None:
                          ("loss_agg", LOSS_AGGS), ("kl_type", KL_TYPES), ("is_correction", IS_LEVELS),
                          ("is_mode", IS_MODES), ("length_penalty", LENGTH_PENALTIES),
                          ("distill_type", DISTILL_TYPES)):
-        if getattr(cfg, field) not in valid:
-            raise _choice_error(field, getattr(cfg, field), valid)
+        value = getattr(cfg, field)
+        if field in PLUGGABLE and data.is_dotted(value):
+            data.import_object(value)  # a user's function: fail now, naming the path, if it does not load
+        elif value not in valid:
+            raise _choice_error(field, value, valid)
 
     def need(ok: bool, msg: str):
         if not ok:
@@ -193,6 +200,8 @@ def kl_estimate(kind: str, logp: torch.Tensor, ref_logp: torch.Tensor, old_logp:
             raise ValueError("kl_type='k3_unbiased' needs old_logp (the sampling policy)")
         ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (B, T) pi/pi_old
         return ratio * kl_estimate("k3", logp, ref_logp)
+    elif data.is_dotted(kind):  # EXT: a user's estimator fn(logp, ref_logp) -> (B, T)
+        return data.import_object(kind)(logp, ref_logp)
     raise _choice_error("kl_type", kind, KL_TYPES)
 
 
@@ -342,6 +351,10 @@ def compute_advantages(cfg, rewards, group_ids, loss_mask, *, old_logp=None, ref
     rewards = rewards.float().to(maskf.device)                            # (B,)
     group_ids = group_ids.to(maskf.device)                                # (B,)
     name = cfg.advantage
+    if data.is_dotted(name):  # EXT: a user's estimator, same arguments as this function -> (B, T)
+        adv = data.import_object(name)(cfg, rewards, group_ids, loss_mask, old_logp=old_logp, ref_logp=ref_logp,
+                                       values=values, token_rewards=token_rewards, dp_group=dp_group)
+        return adv.float() * maskf                                        # (B, T) 0 where loss_mask == 0
     kl = None                                                             # (B, T) per-token KL penalty
     if cfg.kl_in_reward and cfg.kl_coef > 0 and mask.numel() > 0:      # (a DP rank may hold no samples)
         if old_logp is None or ref_logp is None:
@@ -461,6 +474,8 @@ def _pg_token_loss(cfg, logp, old_logp, adv, mask):
         return reinforce_loss(adv, logp), none, none
     elif name == "sft":
         return nll_loss(logp), none, none
+    elif data.is_dotted(name):  # EXT: a user's loss fn(cfg, logp, old_logp, adv, mask) -> (B, T); no clip counts
+        return data.import_object(name)(cfg, logp, old_logp, adv, mask), none, none
     raise _choice_error("policy_loss", name, POLICY_LOSSES)
 
 
@@ -853,6 +868,10 @@ def distill_loss(cfg, student_logits, loss_mask, denom, *, teacher_logits=None, 
             div = categorical_kl(s_log, t_log)
         else:
             div = generalized_jsd(student_logits, teacher_logits, cfg.jsd_beta)
+    elif data.is_dotted(name):  # EXT: a user's divergence, fn(student_logits, *, teacher_logits, teacher_topk_logp,
+        #                           teacher_topk_ids) -> (B, T) per token (the trainer reports it as train/opd_loss)
+        div = data.import_object(name)(student_logits, teacher_logits=teacher_logits,
+                                       teacher_topk_logp=teacher_topk_logp, teacher_topk_ids=teacher_topk_ids)
     else:
         raise _choice_error("distill_type", name, DISTILL_TYPES)
     value = aggregate(div, loss_mask, cfg.loss_agg, denom)

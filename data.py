@@ -19,6 +19,7 @@ Left out: streaming datasets and on-the-fly packing; datasets here are lists of 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import random
@@ -314,16 +315,29 @@ def math_verify(response: str, sample: dict) -> float:
 # extension points
 
 
+def is_dotted(name) -> bool:
+    """True for a string naming user code ("pkg.mod.fn" or "pkg.mod:fn"); built-in variant names have no '.' or ':'."""
+    return isinstance(name, str) and ("." in name or ":" in name)
+
+
 def import_object(dotted: str):
-    """`"recipes.calc.agent"` -> the object. Every extension point in a recipe is loaded through here."""
-    import importlib
-    module, _, name = dotted.rpartition(".")
-    if not module:
-        raise ValueError(f"{dotted!r} is not a dotted path like 'data.exact_match'")
+    """`"recipes.calc.agent"` or `"mypkg.mod:agent"` -> the object. The one resolver of every extension point
+    (README "Extension points"): the module may live anywhere on sys.path / PYTHONPATH, outside this repo too.
+    After a ':' the rest is an attribute path (`mod:Class.method`)."""
+    if ":" in dotted:
+        module, _, name = dotted.partition(":")
+    else:
+        module, _, name = dotted.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"{dotted!r} is not a dotted path like 'data.exact_match' or 'mypkg.rewards:score'")
     try:
-        return getattr(importlib.import_module(module), name)
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load {dotted!r}: {e}. Give 'module.function' importable from the repo root") from e
+        raise ValueError(f"cannot load {dotted!r}: {e}. Give 'module.function' (or 'module:function') importable "
+                         "from the repo root or from a directory on PYTHONPATH") from e
 
 
 if __name__ == "__main__":

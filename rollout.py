@@ -77,6 +77,8 @@ import torch
 import torch.nn.functional as F
 from fastapi import Request  # at module level: FastAPI resolves handler annotations by name
 
+import data
+
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")  # dense layouts the CPU forward pass handles
 SGLANG_STARTUP_TIMEOUT_S = 1200.0  # loading a large checkpoint and capturing CUDA graphs can take minutes
 
@@ -1190,8 +1192,12 @@ class RolloutEngine:
             except BaseException:
                 self.shutdown()
                 raise
+        elif data.is_dotted(engine):  # EXT: a user's engine, fn(cfg, rank, host, seed) -> (url, handle), serving
+            #                           SGLang's HTTP contract; handle.shutdown() stops it
+            self._url, self.handle = data.import_object(engine)(cfg, rank=rank, host=host, seed=seed)
         else:
-            raise ValueError(f"cfg.engine must be 'auto', 'cpu' or 'sglang', got {cfg.engine!r}")
+            raise ValueError(f"cfg.engine must be 'auto', 'cpu', 'sglang' or a dotted path 'module.function', got "
+                             f"{cfg.engine!r}")
 
     def url(self) -> str:
         return self._url
