@@ -65,9 +65,13 @@ token-level streaming from the engine (a streamed reply is sent once the turn is
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
+import hashlib
+import importlib
 import inspect
 import json
 import logging
@@ -78,6 +82,7 @@ import resource
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -87,7 +92,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from fastapi import Request  # module level: FastAPI resolves handler annotations here
+import openai
+import uvicorn
+from fastapi import FastAPI, Request  # Request at module level: FastAPI resolves handler annotations here
+from fastapi.responses import JSONResponse, StreamingResponse
 
 import data
 import rollout
@@ -165,7 +173,6 @@ def sampling_seed(*key) -> int:
     request from what it is (run seed, group, sample, attempt, turn) rather than from its arrival makes a
     trajectory's tokens independent of timing and batch composition: sync and async runs, and a resumed run,
     draw the same random numbers for the same trajectory."""
-    import hashlib
     return int.from_bytes(hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=7).digest(), "big")
 
 
@@ -181,7 +188,6 @@ def nodelay_transport(http_module=httpx, **kw):
     """An httpx transport with TCP_NODELAY. httpx writes a POST's headers and body separately; with
     Nagle on, the body waits for the peer's delayed ACK of the headers: ~40 ms per request on loopback
     (measured here: median client overhead 44 ms -> 6 ms). Every engine and router call pays it otherwise."""
-    import socket
     return http_module.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], **kw)
 
 
@@ -189,9 +195,6 @@ def openai_http_client():
     """An http client for an official AsyncOpenAI client, with TCP_NODELAY. The SDK builds requests
     with its own httpx flavour (httpx, or its fork httpx2 in newer releases), so the transport must come
     from the same module as the SDK's client class."""
-    import importlib
-
-    import openai
     base = next(c for c in openai.DefaultAsyncHttpxClient.__mro__ if c.__name__ == "AsyncClient")
     mod = importlib.import_module(base.__module__.split(".")[0])
     limits = mod.Limits(max_connections=100, max_keepalive_connections=20)
@@ -777,8 +780,6 @@ class Router:
     # --- the app
 
     def app(self):
-        from fastapi import FastAPI
-        from fastapi.responses import JSONResponse, StreamingResponse
 
         app = FastAPI(title="LoongSage router", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -873,14 +874,12 @@ class Router:
 
     async def start(self, port: int = 0) -> str:
         """Serve the app on host:port (0 = any free port) as a task of the running loop; returns the URL."""
-        import uvicorn
 
         class _Server(uvicorn.Server):
             # The loop belongs to the actor/test, not to uvicorn: leave its signal handlers alone.
             def capture_signals(self):
                 return contextlib.nullcontext()
 
-        import socket
         config = uvicorn.Config(self.app(), host=self.host, port=port, log_level="warning", lifespan="off",
                                 access_log=False)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -939,7 +938,6 @@ _ISOLATION: bool | None = None  # probed once: can a child enter the namespaces 
 
 def _syscall(name: str, *args) -> None:
     if getattr(_LIBC, name)(*args) != 0:
-        import ctypes
         err = ctypes.get_errno()
         raise OSError(err, f"{name}{args!r}: {os.strerror(err)}")
 
@@ -977,7 +975,6 @@ def _isolation_available() -> bool:
     """Whether a child can enter the namespaces here (probed once, in a throwaway child)."""
     global _ISOLATION, _LIBC
     if _ISOLATION is None:
-        import ctypes
         _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here, not in the forked child
         probe = tempfile.mkdtemp(prefix="loongsage-probe-")
         try:
@@ -1503,7 +1500,6 @@ class AgentFlow:
 
     async def _whitebox(self, sample: dict, sampling: dict) -> Trajectory:
         """`await agent(client, sample)` with an official AsyncOpenAI client bound to a fresh session."""
-        import openai
         s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns))
         client = openai.AsyncOpenAI(base_url=self.router.base_url(s), api_key=s.api_key, max_retries=0,
                                     timeout=self.cfg.agent_timeout,
@@ -1586,7 +1582,6 @@ def main(argv=None) -> None:
     """`python agentflow.py --engine URL [--engine URL2] --tokenizer DIR [--port 8000]`: serve the router
     over running engines and print one session's OpenAI/Anthropic settings; Ctrl-C (or SIGTERM) prints
     the session's trajectory and exits."""
-    import argparse
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--engine", action="append", required=True, help="rollout engine URL (repeatable)")
     p.add_argument("--tokenizer", required=True, help="HF model/tokenizer dir with the chat template")

@@ -25,7 +25,13 @@ import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -120,8 +126,6 @@ def _corpus(seed: int = 0) -> list[str]:
 
 def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 384) -> None:
     """Train a byte-level BPE tokenizer on `_corpus()` and save it in HF format with the chat template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -148,8 +152,6 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
     The directory holds `loongsage_tiny.json` with the settings it was built from; a directory built
     from other settings is rebuilt. Returns the path as a string.
     """
-    import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     s = {**TINY_DEFAULTS, **settings}
     unknown = set(settings) - set(TINY_DEFAULTS)
@@ -197,7 +199,6 @@ def settings_hash(obj) -> str:
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -226,7 +227,6 @@ def load_dataset(spec: str) -> list[dict]:
         raise FileNotFoundError(f"dataset {spec!r} does not exist; give a .jsonl/.parquet path or "
                                 "'synthetic:arith:<n>:<seed>'")
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
         # a column some rows lack reads back as None in those rows: drop it, as if the key were absent (jsonl)
         rows = [{k: v for k, v in r.items() if v is not None} for r in pq.read_table(path).to_pylist()]
     elif path.suffix == ".jsonl":
@@ -304,7 +304,7 @@ def last_number_match(response: str, sample: dict) -> float:
 
 def math_verify(response: str, sample: dict) -> float:
     """Math answer equivalence with math-verify (LaTeX / boxed / plain numbers), 1.0 or 0.0."""
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # here: it loads sympy (~1-2 s), paid only by runs using this reward
     gold = parse(str(sample["answer"]))
     pred = parse(response)
     return float(bool(gold) and bool(pred) and verify(gold, pred))
@@ -341,7 +341,5 @@ def import_object(dotted: str):
 
 
 if __name__ == "__main__":
-    import sys
     path = build_tiny_model(sys.argv[1] if len(sys.argv) > 1 else default_cache_dir() / "tiny-test")
-    from transformers import AutoConfig
     print(path, AutoConfig.from_pretrained(path))
