@@ -245,6 +245,8 @@ class EnginePool:
         return self._http
 
     def healthy(self) -> list[str]:
+        # An engine that failed a call but still answers /health sits out a cool-down (down_until) rather than
+        # leaving for good: it is more likely overloaded or restarting than dead.
         now = time.monotonic()
         return [u for u in self.urls if u not in self.dead and self.down_until[u] <= now]
 
@@ -255,6 +257,8 @@ class EnginePool:
                                     f"logs; one that failed a call is retried {self.cooldown_s:.0f}s later")
         if prefer in up:
             return prefer
+        # Rotate the starting point so that ties in requests in flight (all idle at the start of a step) spread
+        # new sessions over the engines instead of always landing on the first one.
         self._rotate += 1
         order = up[self._rotate % len(up):] + up[:self._rotate % len(up)]
         return min(order, key=lambda u: self.inflight[u])
@@ -277,6 +281,8 @@ class EnginePool:
         if self._watcher is None and self.check_every_s > 0:
             self._watcher = asyncio.ensure_future(self._watch())
         last_error: Exception | None = None
+        # Two tries per engine: one transient failure (a dropped connection, an engine being replaced) must not
+        # fail a trajectory. Stickiness only on the first try: a retry is free to leave the engine that failed.
         for attempt in range(2 * len(self.urls)):
             url = await self._pick_or_wait(prefer if attempt == 0 else None)
             self.inflight[url] += 1
@@ -384,7 +390,9 @@ class EnginePool:
                 await asyncio.gather(*(self._send_one(url, b) for b in batch))
             else:
                 self._fail(batch, e)
-        except BaseException as e:  # every waiter sees the transport's error
+        except BaseException as e:
+            # every waiter sees the transport's error, cancellation included: a future never resolved would hang
+            # its trajectory until agent_timeout
             self._fail(batch, e)
 
     async def _send_one(self, url: str, item) -> None:

@@ -63,8 +63,8 @@ class Config:
     mode: str = "sync"  # "sync" (generate, train, sync in turn) or "async" (a producer keeps generating while it trains)
     stale_steps: float = 1.0  # async: capacity C = prompts_per_step*(1+stale_steps) groups in flight or buffered
     # (fractions allowed); mode=sync is stale_steps=0: C = one step's groups, dispatched after each sync
-    window: str = "window-gated"  # async dispatch/collect rule: no-window | window-gated | windowed-fifo (see below), or a
-    # dotted path to an object with groups_to_dispatch(C, R, Q, next_seq, oldest_uncollected) and
+    window: str = "window-gated"  # async dispatch/collect rule: no-window | window-gated | windowed-fifo (see
+    # below), or a dotted path to an object with groups_to_dispatch(C, R, Q, next_seq, oldest_uncollected) and
     # collectable(finished, min_unfinished, oldest_uncollected, B, C), the built-ins' signatures without `window`
     max_version_lag: int = -1  # hard bound: no trained token older than this many weight versions; -1 = no bound
     lag_policy: str = "mask"  # a group over the bound: "mask" its too-old tokens, or "regenerate" it (once)
@@ -126,9 +126,10 @@ class Config:
     agent_timeout: float = 120.0  # seconds per trajectory
     agent_retries: int = 1  # retries of a failed trajectory
     max_context_len: int = 1024  # token budget per trajectory (prompt + all turns)
-    chat_template: str = ""  # dotted path to a Jinja chat template string for the router and the fast path; "" = the tokenizer's
+    chat_template: str = ""  # dotted path to a Jinja chat template string (router, fast path); "" = the tokenizer's
     tool_parser: str = ""  # dotted path: fn(text, tool_names) -> (content, tool_calls); "" = agentflow.parse_tool_calls
-    group_filter: str = ""  # dotted path: fn(group: list[trajectory dict]) -> bool, False drops the group (refilled like dynamic_sampling)
+    group_filter: str = ""  # dotted path: fn(group: list[trajectory dict]) -> bool; False drops the group, and the
+    # producer dispatches another in its place (as for dynamic_sampling)
 
     # --- rollout ---
     prompts_per_step: int = 32  # B prompts per step
@@ -141,8 +142,8 @@ class Config:
     eval_temperature: float = 0.0  # 0 = greedy eval
     eval_samples: int = 1  # k samples per eval prompt: eval/accuracy is mean@k, eval/pass@k the unbiased pass@k
     eval_greedy: bool = False  # also one greedy sample per prompt (eval/greedy_accuracy) beside the sampled ones
-    engine: str = "auto"  # "auto" (sglang on CUDA, cpu elsewhere) | "sglang" | "cpu" | a dotted path: fn(cfg, rank, host, seed)
-    # -> (url, handle with .shutdown()), a server speaking SGLang's HTTP contract (rollout.RolloutEngine calls it)
+    engine: str = "auto"  # "auto" (sglang on CUDA, cpu elsewhere) | "sglang" | "cpu" | a dotted path:
+    # fn(cfg, rank, host, seed) -> (url, handle with .shutdown()), a server speaking SGLang's HTTP contract (rollout.RolloutEngine calls it)
     engine_max_batch: int = 256  # concurrent sequences per CPU engine
 
     # --- train ---
@@ -1228,7 +1229,7 @@ class Producer:
             group = self.finished.pop(seq)
             equal = cfg.dynamic_sampling and len({t["reward"] for t in group}) == 1
             if equal or (cfg.group_filter and not data.import_object(cfg.group_filter)(group)):
-                self.stats["dropped"] += 1  # DAPO: equal rewards, zero advantages (or the user's filter); the window refills
+                self.stats["dropped"] += 1  # equal rewards (DAPO: zero advantages) or the user's filter; refilled
                 self.prompt_of.pop(seq)
             else:
                 self.buffer[seq] = group

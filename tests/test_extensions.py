@@ -196,7 +196,7 @@ def test_distill_divergence_by_dotted_path(tmp_path, monkeypatch):
     mask = torch.tensor([[1, 1]])
     value, m = algos.distill_loss(cfg, student, mask, algos.global_denominators(mask, 2),
                                   teacher_logits=teacher_logits)
-    assert float(value) == 3.0 and float(m[f"distill_{mod}.l1"]) == 3.0  # the key the trainer reads  # |0 - 1| * 3 vocab entries, token mean
+    assert float(value) == 3.0 and float(m[f"distill_{mod}.l1"]) == 3.0  # the trainer reads this key  # |0 - 1| * 3 vocab entries, token mean
 
 
 @pytest.fixture(scope="module")
