@@ -12,6 +12,8 @@ Nothing here can be downloaded on an offline laptop, so the tiny recipes build t
 * `arith_samples(n, seed)`: the synthetic arithmetic task of the default CPU recipe.
 * rewards: plain functions `reward(response_text, sample) -> float` named in recipes by dotted path.
 * `load_dataset(spec)`: jsonl / parquet files or `synthetic:<task>:<n>:<seed>`.
+* `import_object(dotted)`: the one resolver of every extension point (`mod.fn` or `mod:fn`, README "Extension
+  points").
 
 Run `python data.py /tmp/tiny` to build the tiny model and print its size. Tested by tests/test_data.py.
 Left out: streaming datasets and on-the-fly packing; datasets here are lists of dicts held in memory.

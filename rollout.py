@@ -6,7 +6,8 @@ so the same client lines drive either engine:
 
 * `RolloutEngine(cfg, rank)`: the object the controller wraps with `ray.remote(...)`. With `cfg.engine ==
   "sglang"` it launches a real SGLang server as a subprocess (CUDA only); with `"cpu"` it serves `CpuEngine`
-  in-process. Either way `url()` is all a caller needs.
+  in-process; with a dotted path it calls the user's `start(cfg, rank, host, seed) -> (url, handle)` (README
+  "Extension points"). Either way `url()` is all a caller needs.
 * `CpuEngine`: a small continuous-batching engine on the transformers model, for laptops and for the test
   suite. A scheduler thread owns all engine state; requests join the running batch as they arrive and leave as
   they finish. Each request owns one slot of a preallocated KV cache of shape
@@ -1148,7 +1149,7 @@ def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
 class RolloutEngine:
     """One rollout engine (SGLang server or CPU engine) as a plain class; the controller wraps it in ray.remote.
 
-    Reads cfg.model_path, cfg.engine ("auto"|"cpu"|"sglang"), cfg.engine_max_batch, cfg.max_prompt_len,
+    Reads cfg.model_path, cfg.engine ("auto"|"cpu"|"sglang"|a dotted path), cfg.engine_max_batch, cfg.max_prompt_len,
     cfg.max_new_tokens, cfg.max_context_len, cfg.seed, cfg.dtype, cfg.sglang, cfg.gpus_per_engine, cfg.output_dir.
     """
 
