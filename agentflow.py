@@ -33,7 +33,7 @@ the engine with the fewest requests in flight. An engine that fails a call, or m
 `/health` probe, leaves routing at once (dead or hung) and its requests move to the other engines;
 the controller re-creates it and `replace_engine` routes to its successor.
 
-Requests are checked against the APIs' request schemas (`openai_request`, `anthropic_request`): what
+Requests are checked against the APIs' request schemas (`openai_request`, `anthropic_request`, in wire.py): what
 they refuse gets a 400 in their error shape, options the engine cannot honour are refused rather than
 ignored, and `model` is optional (one model is served).
 
@@ -49,6 +49,13 @@ allows (root or user namespaces, a writable cgroup), the local one also makes ev
 directory read-only, cuts the network when asked (code tests; agents keep loopback for the router) and
 caps its process count and total memory; `LocalSandbox.contained` says what holds on this machine.
 
+Reading order (top to bottom): `Trajectory`, what the trainer reads; `EnginePool`, the engines behind the
+router; `ChatFormat` and `parse_tool_calls`, the chat template and the tool-call parser; `Session`, where TITO
+happens (render, check that the history extends, generate, append exactly the sampled ids); `Router`, the HTTP
+endpoints, which call wire.py at their edges only (request parsing, response and stream shapes, error bodies);
+the sandboxes; `AgentFlow`, the actor the controller calls. wire.py holds the OpenAI / Anthropic / Responses
+formats and nothing else, so this file is the system and that one the protocol.
+
 Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
@@ -58,9 +65,13 @@ token-level streaming from the engine (a streamed reply is sent once the turn is
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
+import hashlib
+import importlib
 import inspect
 import json
 import logging
@@ -71,6 +82,7 @@ import resource
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -80,10 +92,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from fastapi import Request  # module level: FastAPI resolves handler annotations here
+import openai
+import uvicorn
+from fastapi import FastAPI, Request  # Request at module level: FastAPI resolves handler annotations here
+from fastapi.responses import JSONResponse, StreamingResponse
 
 import data
 import rollout
+from wire import (ApiError, anthropic_error_body, anthropic_request, anthropic_response, anthropic_stream,
+                  openai_error_body, openai_messages, openai_request, openai_response, openai_stream, openai_tools,
+                  responses_output, responses_request, responses_response, responses_stream)
 
 log = logging.getLogger("loongsage.agentflow")
 ROOT = Path(__file__).resolve().parent
@@ -119,39 +137,12 @@ class Trajectory:
 
 
 # ----------------------------------------------------------------------------------------------
-# errors that reach an API client: each renders as an OpenAI- or Anthropic-style error body
-
-
-class ApiError(Exception):
-    """A request the router refuses; `status` is the HTTP code, `code` a machine-readable reason."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
-
-_OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                       503: "server_error"}
-_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                          503: "overloaded_error"}
-
-
-def openai_error_body(e: ApiError) -> dict:
-    return {"error": {"message": e.message, "type": _OPENAI_ERROR_TYPES.get(e.status, "server_error"),
-                      "param": e.param, "code": e.code}}
-
-
-def anthropic_error_body(e: ApiError) -> dict:
-    return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(e.status, "api_error"),
-                                       "message": e.message}}
+# engines: least-loaded choice, stickiness, health
 
 
 class EngineUnavailable(Exception):
     """No healthy engine answered; the trajectory fails (and may be retried)."""
 
-
-# ----------------------------------------------------------------------------------------------
-# engines: least-loaded choice, stickiness, health
 
 
 def _version(v) -> int:
@@ -182,7 +173,6 @@ def sampling_seed(*key) -> int:
     request from what it is (run seed, group, sample, attempt, turn) rather than from its arrival makes a
     trajectory's tokens independent of timing and batch composition: sync and async runs, and a resumed run,
     draw the same random numbers for the same trajectory."""
-    import hashlib
     return int.from_bytes(hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=7).digest(), "big")
 
 
@@ -198,7 +188,6 @@ def nodelay_transport(http_module=httpx, **kw):
     """An httpx transport with TCP_NODELAY. httpx writes a POST's headers and body separately; with
     Nagle on, the body waits for the peer's delayed ACK of the headers: ~40 ms per request on loopback
     (measured here: median client overhead 44 ms -> 6 ms). Every engine and router call pays it otherwise."""
-    import socket
     return http_module.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], **kw)
 
 
@@ -206,9 +195,6 @@ def openai_http_client():
     """An http client for an official AsyncOpenAI client, with TCP_NODELAY. The SDK builds requests
     with its own httpx flavour (httpx, or its fork httpx2 in newer releases), so the transport must come
     from the same module as the SDK's client class."""
-    import importlib
-
-    import openai
     base = next(c for c in openai.DefaultAsyncHttpxClient.__mro__ if c.__name__ == "AsyncClient")
     mod = importlib.import_module(base.__module__.split(".")[0])
     limits = mod.Limits(max_connections=100, max_keepalive_connections=20)
@@ -259,6 +245,8 @@ class EnginePool:
         return self._http
 
     def healthy(self) -> list[str]:
+        # An engine that failed a call but still answers /health sits out a cool-down (down_until) rather than
+        # leaving for good: it is more likely overloaded or restarting than dead.
         now = time.monotonic()
         return [u for u in self.urls if u not in self.dead and self.down_until[u] <= now]
 
@@ -269,6 +257,8 @@ class EnginePool:
                                     f"logs; one that failed a call is retried {self.cooldown_s:.0f}s later")
         if prefer in up:
             return prefer
+        # Rotate the starting point so that ties in requests in flight (all idle at the start of a step) spread
+        # new sessions over the engines instead of always landing on the first one.
         self._rotate += 1
         order = up[self._rotate % len(up):] + up[:self._rotate % len(up)]
         return min(order, key=lambda u: self.inflight[u])
@@ -291,6 +281,8 @@ class EnginePool:
         if self._watcher is None and self.check_every_s > 0:
             self._watcher = asyncio.ensure_future(self._watch())
         last_error: Exception | None = None
+        # Two tries per engine: one transient failure (a dropped connection, an engine being replaced) must not
+        # fail a trajectory. Stickiness only on the first try: a retry is free to leave the engine that failed.
         for attempt in range(2 * len(self.urls)):
             url = await self._pick_or_wait(prefer if attempt == 0 else None)
             self.inflight[url] += 1
@@ -398,7 +390,9 @@ class EnginePool:
                 await asyncio.gather(*(self._send_one(url, b) for b in batch))
             else:
                 self._fail(batch, e)
-        except BaseException as e:  # every waiter sees the transport's error
+        except BaseException as e:
+            # every waiter sees the transport's error, cancellation included: a future never resolved would hang
+            # its trajectory until agent_timeout
             self._fail(batch, e)
 
     async def _send_one(self, url: str, item) -> None:
@@ -437,7 +431,6 @@ class EnginePool:
 
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")  # both APIs' tool-name rule
 
 
 def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str, list[dict]]:
@@ -481,8 +474,13 @@ class ChatFormat:
     # Control tokens a (possibly untrained) model may emit mid-text; they are not content for an agent.
     _CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
-    def __init__(self, tokenizer_path: str):
+    def __init__(self, tokenizer_path: str, chat_template: str = "", tool_parser: str = ""):
+        """`chat_template` / `tool_parser`: dotted paths to a user's Jinja template string and a user's
+        fn(text, tool_names) -> (content, tool_calls) (cfg keys of the same names); "" keeps the tokenizer's
+        template and `parse_tool_calls`."""
         self.tok = data.load_tokenizer(tokenizer_path)
+        self.template = data.import_object(chat_template) if chat_template else None  # None: the tokenizer's
+        self.parse_tool_calls = data.import_object(tool_parser) if tool_parser else parse_tool_calls
         self.eos_id = self.tok.convert_tokens_to_ids(data.EOS_TOKEN)
         self.stop_ids = sorted({self.eos_id, self.tok.pad_token_id})
         self.vocab_size = len(self.tok)
@@ -495,7 +493,7 @@ class ChatFormat:
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
                add_generation_prompt: bool = False) -> str:
-        return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+        return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, chat_template=self.template,
                                             add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
@@ -521,360 +519,6 @@ class ChatFormat:
         if output_ids and output_ids[-1] == self.eos_id and suffix.startswith(self.eos_text):
             suffix = suffix[len(self.eos_text):]
         return self.encode(suffix)
-
-
-# ----------------------------------------------------------------------------------------------
-# request normalisation: OpenAI and Anthropic chat formats -> one internal message list
-
-
-def _text_of(content, where: str, *, parts: tuple[str, ...] = ("text",)) -> str:
-    """A message content (str, None, or a list of text parts/blocks) as plain text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, p in enumerate(content):
-            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-            if kind not in parts or not isinstance(p.get(kind), str):
-                raise ApiError(400, f"{where}.content[{j}] has type {kind!r}; this router takes only text parts "
-                               f"({', '.join(parts)}) with a string '{parts[0]}'", param=f"{where}.content")
-            texts.append(p[kind])
-        return "".join(texts)
-    raise ApiError(400, f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
-                   param=f"{where}.content")
-
-
-def _tool_call(name, args, call_id, where: str) -> dict:
-    if not isinstance(call_id, str) or not call_id:
-        raise ApiError(400, f"{where}: a tool call needs a string 'id' (the tool result answers it), got "
-                       f"{call_id!r}", param=where)
-    if not isinstance(name, str) or not name:
-        raise ApiError(400, f"{where}: tool call needs a function name, got {name!r}", param=where)
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ApiError(400, f"{where}: tool call arguments are not valid JSON ({e}): {args[:200]!r}",
-                           param=where) from None
-    if not isinstance(args, dict):
-        raise ApiError(400, f"{where}: tool call arguments must be a JSON object, got {type(args).__name__}",
-                       param=where)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _check_tool_answers(out: list[dict], api: str) -> None:
-    """Each tool result answers a call the assistant made just before it, and each such call is answered
-    before the conversation goes on (both APIs refuse otherwise; the template would render an orphan
-    tool result, or a call with no result, into a context the model never sees in practice)."""
-    open_ids: list[str] = []  # calls of the last assistant turn not answered yet
-    for m in out:
-        if m["role"] == "tool":
-            if m["tool_call_id"] not in open_ids:
-                raise ApiError(400, f"{m['where']}: {'tool_use_id' if api == 'anthropic' else 'tool_call_id'} "
-                               f"{m['tool_call_id']!r} answers no tool call of the preceding assistant message "
-                               f"(unanswered calls there: {open_ids})", param=m["where"])
-            open_ids.remove(m["tool_call_id"])
-            continue
-        if open_ids:
-            raise ApiError(400, f"{m['where']}: the assistant message before it made tool calls {open_ids} that "
-                           "were not answered; send a tool result for each call id first", param=m["where"])
-        open_ids = [c["id"] for c in m.get("tool_calls") or ()]
-    for m in out:
-        m.pop("where")
-
-
-def openai_messages(raw) -> list[dict]:
-    """OpenAI chat `messages` -> internal messages {role, content: str, tool_calls?} (400 on anything else)."""
-    if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "'messages' must be a non-empty list of chat messages", param="messages")
-    out = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(400, f"{where} must be an object, got {type(m).__name__}", param=where)
-        role = m.get("role")
-        if role == "developer":
-            role = "system"
-        if role not in ("system", "user", "assistant", "tool"):
-            raise ApiError(400, f"{where}.role is {role!r}; expected one of system, developer, user, assistant, tool",
-                           param=f"{where}.role")
-        if role == "system" and i != 0:
-            # The chat template renders a system message only in first position; elsewhere it would vanish.
-            raise ApiError(400, f"{where}: a system message is only allowed as the first message", param=where)
-        if m.get("name") is not None and not isinstance(m["name"], str):
-            raise ApiError(400, f"{where}.name must be a string, got {m['name']!r:.100}", param=f"{where}.name")
-        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
-            raise ApiError(400, f"{where}: a {m.get('role')} message needs 'content'" +
-                           (" (or 'tool_calls')" if role == "assistant" else ""), param=f"{where}.content")
-        if m.get("content") == []:
-            raise ApiError(400, f"{where}.content is an empty array; give a string or at least one part",
-                           param=f"{where}.content")
-        parts = ("text", "refusal") if role == "assistant" else ("text",)
-        msg = {"role": role, "content": _text_of(m.get("content"), where, parts=parts), "where": where}
-        if role == "assistant" and m.get("tool_calls") is not None:
-            if not isinstance(m["tool_calls"], list):
-                raise ApiError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
-            calls = []
-            for j, tc in enumerate(m["tool_calls"]):
-                fn = tc.get("function") if isinstance(tc, dict) else None
-                if not isinstance(fn, dict) or tc.get("type", "function") != "function":
-                    raise ApiError(400, f"{where}.tool_calls[{j}] needs type 'function' and a 'function' object",
-                                   param=f"{where}.tool_calls")
-                if not isinstance(fn.get("arguments"), str):  # OpenAI sends and takes them as a JSON string
-                    raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON string, got "
-                                   f"{type(fn.get('arguments')).__name__}", param=f"{where}.tool_calls")
-                calls.append(_tool_call(fn.get("name"), fn["arguments"], tc.get("id"), f"{where}.tool_calls[{j}]"))
-            if calls:
-                msg["tool_calls"] = calls
-        if role == "tool":
-            if not isinstance(m.get("tool_call_id"), str):
-                raise ApiError(400, f"{where}: a tool message needs the string 'tool_call_id' of the call it "
-                               f"answers, got {m.get('tool_call_id')!r:.100}", param=f"{where}.tool_call_id")
-            msg["tool_call_id"] = m["tool_call_id"]
-        out.append(msg)
-    _check_tool_answers(out, "openai")
-    return out
-
-
-def openai_tools(raw) -> list[dict] | None:
-    """Validate OpenAI `tools` ([{"type": "function", "function": {name, description?, parameters?}}])."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
-    tools = []
-    for i, t in enumerate(raw):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
-            raise ApiError(400, f"invalid tool schema at tools[{i}]: expected "
-                           "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}} (only function "
-                           "tools are supported)", param=f"tools[{i}]")
-        tools.append({"type": "function", "function": _tool_function(fn.get("name"), fn.get("description"),
-                                                                     fn.get("parameters"), f"tools[{i}]")})
-    return _unique_tools(tools)
-
-
-def _unique_tools(tools: list[dict]) -> list[dict] | None:
-    names = [t["function"]["name"] for t in tools]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ApiError(400, f"tool names must be unique; repeated: {dup}", param="tools")
-    return tools or None
-
-
-def _tool_function(name, description, parameters, where: str) -> dict:
-    if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
-        raise ApiError(400, f"invalid tool schema at {where}: name {name!r} must match ^[a-zA-Z0-9_-]{{1,64}}$",
-                       param=where)
-    if parameters is not None and (not isinstance(parameters, dict) or
-                                   parameters.get("type", "object") != "object"):
-        raise ApiError(400, f"invalid tool schema at {where}: parameters must be a JSON-schema object "
-                       f"({{'type': 'object', ...}}), got {parameters!r:.200}", param=where)
-    if description is not None and not isinstance(description, str):
-        raise ApiError(400, f"invalid tool schema at {where}: description must be a string", param=where)
-    fn = {"name": name}
-    if description is not None:
-        fn["description"] = description
-    fn["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
-    return fn
-
-
-def anthropic_messages(system, raw) -> list[dict]:
-    """Anthropic `system` + `messages` (text / tool_use / tool_result blocks) -> internal messages."""
-    if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
-    out = []
-    if system:
-        out.append({"role": "system", "content": _text_of(system, "system"), "where": "system"})
-    for i, m in enumerate(raw):
-        where = f"messages.{i}"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            role = m.get("role") if isinstance(m, dict) else None
-            raise ApiError(400, f"{where}.role is {role!r}; Anthropic messages take 'user' or 'assistant' "
-                           "(the system prompt goes in the top-level 'system' field)", param=f"{where}.role")
-        if m["role"] == "assistant" and i == len(raw) - 1:
-            raise ApiError(400, f"{where}: the conversation ends with an assistant message (prefill); this "
-                           "router does not support prefill: end with a user message", param=where)
-        content = m.get("content")
-        if isinstance(content, str):
-            if not content:
-                raise ApiError(400, f"{where}: all messages must have non-empty content", param=where)
-            out.append({"role": m["role"], "content": content, "where": where})
-            continue
-        if not isinstance(content, list) or not content:
-            raise ApiError(400, f"{where}.content must be a non-empty string or a non-empty list of content blocks",
-                           param=where)
-        texts, calls = [], []
-        for j, b in enumerate(content):
-            kind = b.get("type") if isinstance(b, dict) else None
-            bw = f"{where}.content.{j}"
-            if kind == "text" and isinstance(b.get("text"), str):
-                if not b["text"]:
-                    raise ApiError(400, f"{bw}: text content blocks must be non-empty", param=bw)
-                texts.append(b["text"])
-            elif kind == "tool_use" and m["role"] == "assistant":
-                if not isinstance(b.get("input"), dict):
-                    raise ApiError(400, f"{bw}: tool_use.input must be an object", param=bw)
-                calls.append(_tool_call(b.get("name"), b["input"], b.get("id"), bw))
-            elif kind == "tool_result" and m["role"] == "user":
-                if not isinstance(b.get("tool_use_id"), str):
-                    raise ApiError(400, f"{bw}: tool_result needs the string 'tool_use_id' of the call it answers",
-                                   param=bw)
-                # Tool results become tool messages, rendered by the template as <tool_response> blocks.
-                out.append({"role": "tool", "content": _text_of(b.get("content"), bw),
-                            "tool_call_id": b["tool_use_id"], "where": bw})
-            else:
-                raise ApiError(400, f"{bw} has unsupported block type {kind!r} for role {m['role']!r} "
-                               "(supported: text, tool_use in assistant turns, tool_result in user turns)", param=bw)
-        if texts or calls:
-            msg = {"role": m["role"], "content": "".join(texts), "where": where}
-            if calls:
-                msg["tool_calls"] = calls
-            out.append(msg)
-    _check_tool_answers(out, "anthropic")
-    return out
-
-
-def anthropic_tools(raw) -> list[dict] | None:
-    """Anthropic tools ([{name, description?, input_schema}]) -> the OpenAI tool format the template renders."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
-    tools = []
-    for i, t in enumerate(raw):
-        if not isinstance(t, dict) or t.get("type", "custom") != "custom" or not isinstance(t.get("input_schema"), dict):
-            raise ApiError(400, f"invalid tool schema at tools.{i}: expected a client tool {{'name', 'description', "
-                           "'input_schema': {'type': 'object', ...}}} (server tools are not supported)",
-                           param=f"tools.{i}")
-        tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
-                                                                     t["input_schema"], f"tools.{i}")})
-    return _unique_tools(tools)
-
-
-# Top-level request fields, as the official SDKs' request types list them. An unknown field is refused,
-# naming the closest known one, as both APIs refuse it (a typo like `temprature` must not pass silently).
-# Known fields fall in three kinds: honoured (the handlers read them); inert (no effect on what is generated:
-# metadata, caching, billing hints), only type-checked; honoured only at their default value, because the
-# engine cannot do otherwise and ignoring them would hand the trainer a different sample than was asked for.
-_OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options",
-                    "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs"}
-_OPENAI_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
-                 "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str, "seed": int,
-                 "parallel_tool_calls": bool, "reasoning_effort": str, "verbosity": str, "moderation": dict}
-_OPENAI_DEFAULT_ONLY = {"n": [1], "top_logprobs": [0], "frequency_penalty": [0], "presence_penalty": [0],
-                        "logit_bias": [{}], "response_format": [{"type": "text"}], "modalities": [["text"]],
-                        "audio": [], "prediction": [], "web_search_options": [], "functions": [], "function_call": []}
-_ANTHROPIC_HONOURED = {"messages", "model", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
-                       "top_k", "tools", "tool_choice"}
-_ANTHROPIC_INERT = {"metadata": dict, "service_tier": str, "cache_control": dict, "inference_geo": str, "speed": str,
-                    "diagnostics": dict, "user_profile_id": str, "workspace_id": str, "container": (str, dict)}
-_ANTHROPIC_DEFAULT_ONLY = {"thinking": [{"type": "disabled"}], "output_config": [{}], "mcp_servers": [[]]}
-
-
-def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict) -> None:
-    import difflib
-    for k, v in body.items():
-        if k in honoured:
-            continue
-        if k in inert:
-            if v is not None and (not isinstance(v, inert[k]) or isinstance(v, bool) and inert[k] is int):
-                raise ApiError(400, f"'{k}' must be of type {getattr(inert[k], '__name__', inert[k])}, got {v!r:.100}",
-                               param=k)
-        elif k in default_only:
-            if v is not None and v not in default_only[k]:
-                raise ApiError(400, f"'{k}'={v!r:.200} is not supported by this router (the engine cannot honour it);"
-                               f" leave it unset" + (f" or {default_only[k][0]!r}" if default_only[k] else ""), param=k)
-        else:
-            close = difflib.get_close_matches(k, sorted(honoured | set(inert) | set(default_only)), n=1)
-            raise ApiError(400, f"unrecognized request argument supplied: {k!r}" +
-                           (f"; did you mean {close[0]!r}?" if close else ""), param=k)
-
-
-def _flag(body: dict, name: str) -> bool:
-    v = body.get(name)
-    if v is not None and not isinstance(v, bool):
-        raise ApiError(400, f"'{name}' must be a boolean, got {v!r:.100}", param=name)
-    return bool(v)
-
-
-@dataclass
-class ChatRequest:
-    """A validated chat request, whichever API it came in."""
-    messages: list[dict]
-    tools: list[dict] | None
-    parse_tools: bool              # False for tool_choice "none": tool-call text stays text
-    max_tokens: int | None
-    overrides: dict                # the client's sampling settings for this turn
-    stop: list[str] | None
-    stream: bool
-    logprobs: bool = False         # OpenAI: return per-token logprobs
-    include_usage: bool = False    # OpenAI streaming: a final usage chunk
-
-
-def openai_request(body: dict) -> ChatRequest:
-    """A Chat Completions body, checked against what the OpenAI API accepts (and what the router can do)."""
-    _check_fields(body, _OPENAI_HONOURED, _OPENAI_INERT, _OPENAI_DEFAULT_ONLY)
-    if "messages" not in body:
-        raise ApiError(400, "missing required field 'messages'", param="messages")
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
-    messages, tools = openai_messages(body["messages"]), openai_tools(body.get("tools"))
-    choice = body.get("tool_choice", "auto")
-    named = isinstance(choice, dict) and choice.get("type") == "function" and \
-        isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
-    if not (named or choice in ("auto", "none", "required")):
-        raise ApiError(400, f"tool_choice {choice!r:.200} must be 'auto', 'none', 'required' or "
-                       "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
-    if "tool_choice" in body and body["tool_choice"] is not None and not tools:
-        raise ApiError(400, "'tool_choice' is only allowed when 'tools' are specified", param="tool_choice")
-    if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
-        raise ApiError(400, f"tool_choice names {choice['function']['name']!r}, which is not among the tools",
-                       param="tool_choice")
-    stream, logprobs = _flag(body, "stream"), _flag(body, "logprobs")
-    options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict)):
-        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true, as an object", param="stream_options")
-    include_usage = _flag(options or {}, "include_usage")
-    for name in ("max_tokens", "max_completion_tokens"):
-        _positive_int(body.get(name), name)
-    stop = _stop_list(body.get("stop"), "stop", allow_str=True)
-    if stop is not None and len(stop) > 4:
-        raise ApiError(400, f"'stop' takes at most 4 sequences, got {len(stop)}", param="stop")
-    return ChatRequest(messages, tools, choice != "none", body.get("max_completion_tokens") or body.get("max_tokens"),
-                       _sampling_overrides(body, temperature_max=2.0), stop, stream, logprobs, include_usage)
-
-
-def anthropic_request(body: dict) -> ChatRequest:
-    """A Messages body, checked against what the Anthropic API accepts (and what the router can do)."""
-    _check_fields(body, _ANTHROPIC_HONOURED, _ANTHROPIC_INERT, _ANTHROPIC_DEFAULT_ONLY)
-    for name in ("messages", "max_tokens"):
-        if name not in body:
-            raise ApiError(400, f"missing required field '{name}'", param=name)
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
-    if body["max_tokens"] == 0:
-        raise ApiError(400, "max_tokens=0 (prompt-cache pre-warming) is not supported by this router; ask for "
-                       ">= 1 token", param="max_tokens")
-    if body["max_tokens"] is None:
-        raise ApiError(400, "max_tokens must be a positive integer, got None", param="max_tokens")
-    msgs, tools = anthropic_messages(body.get("system"), body["messages"]), anthropic_tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if choice is not None:
-        if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
-            raise ApiError(400, f"tool_choice {choice!r:.200} must be {{'type': 'auto' | 'any' | 'tool' | 'none'}}",
-                           param="tool_choice")
-        if choice["type"] == "tool" and choice.get("name") not in {t["function"]["name"] for t in tools or ()}:
-            raise ApiError(400, f"tool_choice names {choice.get('name')!r}, which is not among the tools",
-                           param="tool_choice")
-    stop = body.get("stop_sequences")
-    if stop is not None and not isinstance(stop, list):
-        raise ApiError(400, f"'stop_sequences' must be a list of strings, got {stop!r:.100}", param="stop_sequences")
-    return ChatRequest(msgs, tools, (choice or {}).get("type") != "none",
-                       _positive_int(body["max_tokens"], "max_tokens"), _sampling_overrides(body, temperature_max=1.0),
-                       _stop_list(stop, "stop_sequences"), _flag(body, "stream"))
 
 
 def _message_key(m: dict) -> tuple:
@@ -1055,7 +699,7 @@ class Session:
                 matched = min((x for x in stop if x in text), key=text.find)
                 text, finish = text[:text.find(matched)], "stop"
             names = {t["function"]["name"] for t in tools or ()}
-            content, calls = parse_tool_calls(text, names) if (parse_tools and tools) else (text.strip(), [])
+            content, calls = self.chat.parse_tool_calls(text, names) if (parse_tools and tools) else (text.strip(), [])
             turn = Turn(output_ids, logprobs, versions, finish, content, calls, len(plan.input_ids), url, matched)
             self.commit(plan, turn)
             if finish == "length" and len(self.segments[-1].ids()) >= self.max_context_len:
@@ -1095,249 +739,6 @@ class Session:
             status=status, prompt_text=self.chat.decode(seg.prompt_ids, skip_special_tokens=False),
             metadata={"turns": self.turns, "finish_reasons": self.finish_reasons, "engine": self.engine,
                       "num_segments": len(self.segments)})
-
-
-# ----------------------------------------------------------------------------------------------
-# response shapes: OpenAI chat.completion(.chunk) and Anthropic message (+ stream events)
-
-
-def _openai_tool_calls(turn: Turn) -> list[dict]:
-    # OpenAI sends arguments as a JSON string; internally they are a dict so histories compare by value.
-    return [{"id": c["id"], "type": "function",
-             "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
-            for c in turn.tool_calls]
-
-
-def _finish_openai(turn: Turn) -> str:
-    return "tool_calls" if turn.tool_calls else ("length" if turn.finish_reason == "length" else "stop")
-
-
-def _finish_anthropic(turn: Turn) -> str:
-    if turn.tool_calls:
-        return "tool_use"
-    if turn.stop_sequence is not None:
-        return "stop_sequence"
-    return "max_tokens" if turn.finish_reason == "length" else "end_turn"
-
-
-def _openai_logprobs(chat: ChatFormat, turn: Turn) -> dict:
-    """Per-token logprobs of the sampled tokens (no top_logprobs: the engine returns only the sampled one)."""
-    content = []
-    for tid, lp in zip(turn.output_ids, turn.logprobs):
-        text = chat.decode([tid], skip_special_tokens=False)
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
-    return {"content": content, "refusal": None}
-
-
-def openai_response(chat: ChatFormat, turn: Turn, model: str, logprobs: bool) -> dict:
-    message = {"role": "assistant", "content": turn.content if (turn.content or not turn.tool_calls) else None}
-    if turn.tool_calls:
-        message["tool_calls"] = _openai_tool_calls(turn)
-    return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": [{"index": 0, "message": message, "finish_reason": _finish_openai(turn),
-                                         "logprobs": _openai_logprobs(chat, turn) if logprobs else None}],
-            "usage": {"prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.output_ids),
-                      "total_tokens": turn.prompt_tokens + len(turn.output_ids)}}
-
-
-def openai_stream(chat: ChatFormat, turn: Turn, model: str, logprobs: bool, include_usage: bool):
-    """The chunk sequence of a streamed reply: role, content, tool calls, finish, [usage], [DONE]."""
-    base = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model}
-
-    def chunk(delta, finish=None, lp=None):
-        return "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                                           "logprobs": lp}]}) + "\n\n"
-
-    yield chunk({"role": "assistant", "content": ""})
-    if turn.content:
-        yield chunk({"content": turn.content}, lp=_openai_logprobs(chat, turn) if logprobs else None)
-    for i, c in enumerate(_openai_tool_calls(turn)):
-        yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
-                                     "function": {"name": c["function"]["name"], "arguments": ""}}]})
-        yield chunk({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
-    yield chunk({}, finish=_finish_openai(turn))
-    if include_usage:
-        usage = {"prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.output_ids),
-                 "total_tokens": turn.prompt_tokens + len(turn.output_ids)}
-        yield "data: " + json.dumps({**base, "choices": [], "usage": usage}) + "\n\n"
-    yield "data: [DONE]\n\n"
-
-
-def _anthropic_blocks(turn: Turn) -> list[dict]:
-    blocks = [{"type": "text", "text": turn.content}] if (turn.content or not turn.tool_calls) else []
-    for c in turn.tool_calls:
-        blocks.append({"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"),
-                       "name": c["function"]["name"], "input": c["function"]["arguments"]})
-    return blocks
-
-
-def anthropic_response(turn: Turn, model: str) -> dict:
-    return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": model,
-            "content": _anthropic_blocks(turn), "stop_reason": _finish_anthropic(turn),
-            "stop_sequence": turn.stop_sequence,
-            "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": len(turn.output_ids)}}
-
-
-def anthropic_stream(turn: Turn, model: str):
-    """message_start, per block (start, delta, stop), message_delta, message_stop."""
-    def event(kind, body):
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **body})}\n\n"
-
-    msg = anthropic_response(turn, model)
-    yield event("message_start", {"message": {**msg, "content": [], "stop_reason": None,
-                                              "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": 0}}})
-    for i, b in enumerate(msg["content"]):
-        if b["type"] == "text":
-            yield event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
-            if b["text"]:
-                yield event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": b["text"]}})
-        else:
-            yield event("content_block_start", {"index": i, "content_block": {**b, "input": {}}})
-            yield event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
-                                                                       "partial_json": json.dumps(b["input"])}})
-        yield event("content_block_stop", {"index": i})
-    yield event("message_delta", {"delta": {"stop_reason": msg["stop_reason"], "stop_sequence": msg["stop_sequence"]},
-                                  "usage": {"output_tokens": len(turn.output_ids)}})
-    yield event("message_stop", {})
-
-
-# ----------------------------------------------------------------------------------------------
-# OpenAI Responses API (POST /v1/responses): input items in, output items out, same TITO path
-
-
-def _response_parts_text(content, where: str) -> str:
-    """Responses content: a string, or parts of type input_text / output_text / text."""
-    if isinstance(content, list):
-        content = [{"type": "text", "text": p.get("text")} if isinstance(p, dict) and
-                   p.get("type") in ("input_text", "output_text", "text") else p for p in content]
-    return _text_of(content, where)
-
-
-def responses_messages(instructions, raw, previous: list[dict] | None) -> list[dict]:
-    """Responses `input` (a string, or a list of message / function_call / function_call_output items) after the
-    conversation of `previous_response_id` -> internal messages; `instructions` become the system message (they
-    are not carried over from the previous response, as in the API)."""
-    msgs = [m for m in (previous or []) if m["role"] != "system"]
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise ApiError(400, f"'instructions' must be a string, got {type(instructions).__name__}",
-                           param="instructions")
-        msgs.insert(0, {"role": "system", "content": instructions})
-    if isinstance(raw, str):
-        raw = [{"role": "user", "content": raw}]
-    if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "'input' must be a non-empty string or list of input items", param="input")
-    for i, item in enumerate(raw):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise ApiError(400, f"{where} must be an object, got {type(item).__name__}", param=where)
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
-            if role not in ("system", "user", "assistant"):
-                raise ApiError(400, f"{where}.role is {item.get('role')!r}; expected user, assistant, system or "
-                               "developer", param=f"{where}.role")
-            if role == "system" and msgs:
-                raise ApiError(400, f"{where}: a system/developer message is only allowed first; use "
-                               "'instructions'", param=where)
-            msgs.append({"role": role, "content": _response_parts_text(item.get("content"), where)})
-        elif kind == "function_call":
-            call = _tool_call(item.get("name"), item.get("arguments", "{}"), item.get("call_id"), where)
-            if msgs and msgs[-1]["role"] == "assistant":  # several calls of one turn join its message
-                msgs[-1].setdefault("tool_calls", []).append(call)
-            else:
-                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            issued = {c["id"] for m in msgs for c in m.get("tool_calls") or ()}
-            if item.get("call_id") not in issued:
-                raise ApiError(400, f"{where}: no function_call with call_id {item.get('call_id')!r} precedes this "
-                               "output", param=f"{where}.call_id")
-            output = item.get("output")
-            msgs.append({"role": "tool", "tool_call_id": item["call_id"],
-                         "content": output if isinstance(output, str) else _response_parts_text(output, where)})
-        elif kind == "reasoning":
-            continue  # the template has no place for it; the model's own tokens already hold its reasoning
-        else:
-            raise ApiError(400, f"{where}.type is {kind!r}; supported: message, function_call, "
-                           "function_call_output, reasoning", param=f"{where}.type")
-    return msgs
-
-
-def responses_tools(raw) -> list[dict] | None:
-    """Responses function tools ({"type": "function", "name", "description", "parameters"}) -> internal."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
-    tools = []
-    for i, t in enumerate(raw):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise ApiError(400, f"tools[{i}] has type {kind!r}; only function tools are supported", param=f"tools[{i}]")
-        tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
-                                                                     t.get("parameters"), f"tools[{i}]")})
-    return tools or None
-
-
-def responses_output(turn: Turn) -> list[dict]:
-    """The output items of a turn: a message (its text) and one function_call item per tool call."""
-    out = []
-    if turn.content or not turn.tool_calls:
-        out.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
-                    "content": [{"type": "output_text", "text": turn.content, "annotations": [], "logprobs": []}]})
-    for c in turn.tool_calls:
-        out.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"],
-                    "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"]),
-                    "status": "completed"})
-    return out
-
-
-def responses_response(turn: Turn, model: str, rid: str, body: dict, output: list[dict]) -> dict:
-    incomplete = turn.finish_reason == "length" and not turn.tool_calls
-    n = len(turn.output_ids)
-    return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
-            "status": "incomplete" if incomplete else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
-            "output": output, "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
-            "previous_response_id": body.get("previous_response_id"), "parallel_tool_calls": True,
-            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "text": {"format": {"type": "text"}},
-            "usage": {"input_tokens": turn.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": turn.prompt_tokens + n}}
-
-
-def responses_stream(response: dict):
-    """The event sequence of a streamed response (the turn is already generated): created, in_progress, each
-    item added / its text or arguments / done, completed; every event numbered."""
-    seq = iter(range(10 ** 9))
-
-    def event(kind, **body):
-        return f"event: {kind}\ndata: " + json.dumps({"type": kind, "sequence_number": next(seq), **body}) + "\n\n"
-
-    yield event("response.created", response={**response, "status": "in_progress", "output": []})
-    yield event("response.in_progress", response={**response, "status": "in_progress", "output": []})
-    for i, item in enumerate(response["output"]):
-        if item["type"] == "message":
-            part = item["content"][0]
-            yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
-                                                                             "content": []})
-            where = dict(item_id=item["id"], output_index=i, content_index=0)
-            yield event("response.content_part.added", **where, part={**part, "text": ""})
-            if part["text"]:
-                yield event("response.output_text.delta", **where, delta=part["text"], logprobs=[])
-            yield event("response.output_text.done", **where, text=part["text"], logprobs=[])
-            yield event("response.content_part.done", **where, part=part)
-        else:
-            yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
-                                                                             "arguments": ""})
-            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                        delta=item["arguments"])
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                        arguments=item["arguments"], name=item["name"])
-        yield event("response.output_item.done", output_index=i, item=item)
-    yield event("response.completed", response=response)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1388,8 +789,6 @@ class Router:
     # --- the app
 
     def app(self):
-        from fastapi import FastAPI
-        from fastapi.responses import JSONResponse, StreamingResponse
 
         app = FastAPI(title="LoongSage router", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -1451,23 +850,14 @@ class Router:
         async def responses(request: Request, sid: str):
             s = self._session(sid, request.headers)
             body = await body_of(request)
-            if "input" not in body:
-                raise ApiError(400, "missing required field 'input'", param="input")
-            previous = body.get("previous_response_id")
-            if previous is not None and previous not in s.responses:
-                raise ApiError(400, f"previous_response_id {previous!r} is not a response of this session",
-                               param="previous_response_id", code="previous_response_not_found")
-            msgs = responses_messages(body.get("instructions"), body["input"], s.responses.get(previous))
-            tools = responses_tools(body.get("tools"))
-            choice = body.get("tool_choice", "auto")
-            turn = await s.run_turn(self.pool, msgs, tools, parse_tools=choice != "none",
-                                    max_tokens=_positive_int(body.get("max_output_tokens"), "max_output_tokens"),
-                                    overrides=_sampling_overrides(body, temperature_max=2.0))
+            req = responses_request(body, s.responses)
+            turn = await s.run_turn(self.pool, req.messages, req.tools, parse_tools=req.parse_tools,
+                                    max_tokens=req.max_tokens, overrides=req.overrides)
             rid = "resp_" + uuid.uuid4().hex
             output = responses_output(turn)
             s.responses[rid] = s.segments[-1].messages  # the conversation so far, for previous_response_id
             response = responses_response(turn, self.model_name, rid, body, output)
-            if body.get("stream"):
+            if req.stream:
                 return sse(responses_stream(response))
             return JSONResponse(response)
 
@@ -1493,14 +883,12 @@ class Router:
 
     async def start(self, port: int = 0) -> str:
         """Serve the app on host:port (0 = any free port) as a task of the running loop; returns the URL."""
-        import uvicorn
 
         class _Server(uvicorn.Server):
             # The loop belongs to the actor/test, not to uvicorn: leave its signal handlers alone.
             def capture_signals(self):
                 return contextlib.nullcontext()
 
-        import socket
         config = uvicorn.Config(self.app(), host=self.host, port=port, log_level="warning", lifespan="off",
                                 access_log=False)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -1525,43 +913,6 @@ class Router:
             self._server.should_exit = True
             await self._task
             self._server = None
-
-
-def _positive_int(v, name: str) -> int | None:
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ApiError(400, f"{name} must be a positive integer, got {v!r}", param=name)
-    return v
-
-
-def _stop_list(v, name: str, allow_str: bool = False) -> list[str] | None:
-    if v is None:
-        return None
-    v = [v] if (allow_str and isinstance(v, str)) else v
-    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
-        raise ApiError(400, f"{name} must be a list of non-empty strings{' (or one string)' if allow_str else ''}, "
-                       f"got {v!r:.200}", param=name)
-    return v
-
-
-def _sampling_overrides(body: dict, temperature_max: float) -> dict:
-    """Client sampling settings, validated. They override the recipe's for this turn (the engine's
-    logprobs then follow the client's distribution, which is what the rollout really sampled from).
-    Ranges are the APIs': temperature [0, 2] (OpenAI) or [0, 1] (Anthropic), top_p [0, 1]."""
-    out = {}
-    for name, lo, hi in (("temperature", 0.0, temperature_max), ("top_p", 0.0, 1.0)):
-        v = body.get(name)
-        if v is None:
-            continue
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
-            raise ApiError(400, f"{name} must be a number in [{lo}, {hi}], got {v!r}", param=name)
-        out[name] = float(v)
-    if out.get("top_p") == 0.0:  # the engines need a non-empty nucleus; top_p 0 keeps the single best token
-        out["top_p"], out["top_k"] = 1.0, 1
-    if body.get("top_k") is not None:
-        out["top_k"] = _positive_int(body["top_k"], "top_k")
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1596,7 +947,6 @@ _ISOLATION: bool | None = None  # probed once: can a child enter the namespaces 
 
 def _syscall(name: str, *args) -> None:
     if getattr(_LIBC, name)(*args) != 0:
-        import ctypes
         err = ctypes.get_errno()
         raise OSError(err, f"{name}{args!r}: {os.strerror(err)}")
 
@@ -1634,7 +984,6 @@ def _isolation_available() -> bool:
     """Whether a child can enter the namespaces here (probed once, in a throwaway child)."""
     global _ISOLATION, _LIBC
     if _ISOLATION is None:
-        import ctypes
         _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here, not in the forked child
         probe = tempfile.mkdtemp(prefix="loongsage-probe-")
         try:
@@ -1900,7 +1249,9 @@ def make_sandbox(kind: str = "local", **limits):
             raise RuntimeError("sandbox='docker' but no Docker engine answers `docker info`; start dockerd "
                                "or set sandbox: local")
         return DockerSandbox(**limits)
-    raise ValueError(f"unknown sandbox {kind!r}; valid: local, docker, auto")
+    if data.is_dotted(kind):  # EXT: a user's sandbox, fn(**limits) -> an object with this file's sandbox methods
+        return data.import_object(kind)(**limits)
+    raise ValueError(f"unknown sandbox {kind!r}; valid: local, docker, auto, or a dotted path 'module.function'")
 
 
 _CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
@@ -1965,13 +1316,13 @@ class AgentFlow:
 
     def __init__(self, cfg, engine_urls: list[str], tokenizer_path: str):
         self.cfg = cfg
-        self.chat = ChatFormat(tokenizer_path)
+        self.chat = ChatFormat(tokenizer_path, cfg.chat_template, cfg.tool_parser)
         self.pool = EnginePool(engine_urls, health_timeout_s=cfg.engine_health_timeout,
                                check_every_s=cfg.engine_check_every, wait_s=cfg.engine_wait)
         self.reward_fn = data.import_object(cfg.reward)
         self.agent_fn = data.import_object(cfg.agent) if cfg.agent else None
         # data_sources: a source's own reward / agent, looked up by sample["source"]; else the ones above
-        sources = getattr(cfg, "data_sources", None) or []
+        sources = cfg.data_sources
         self.source_reward = {s["name"]: data.import_object(s["reward"]) for s in sources if s.get("reward")}
         self.source_agent = {s["name"]: data.import_object(s["agent"]) for s in sources if s.get("agent")}
         if cfg.agent and cfg.agent_command:
@@ -1983,14 +1334,14 @@ class AgentFlow:
             make_sandbox(cfg.sandbox)  # fail now, not at the first trajectory, on a bad/unavailable sandbox
         # Loopback by default: agents run on this node. Set cfg.router_host to serve sandboxes elsewhere.
         self.router = Router(self.pool, self.chat, model_name=Path(tokenizer_path).name or "loongsage",
-                             host=getattr(cfg, "router_host", "127.0.0.1"))
+                             host=cfg.router_host)
         self._next_group = 0                # generate()'s group ids (eval): unique across its calls
         self._tasks: set[asyncio.Task] = set()
         self._completed: list[dict] = []    # submit()'s groups that finished since the last completed() call
         self._producing = 0                 # submit()'s groups still running
         self._wake = asyncio.Event()        # set when a submitted group finishes
         # Black-box agents are processes: bound how many run at once (white-box ones are coroutines).
-        self._sandbox_slots = asyncio.Semaphore(max(1, int(getattr(cfg, "max_parallel_sandboxes", 32))))
+        self._sandbox_slots = asyncio.Semaphore(cfg.max_parallel_sandboxes)
 
     async def start_router(self) -> str:
         """Start the router (once) and return its URL. generate() calls it when an agent is configured."""
@@ -2158,7 +1509,6 @@ class AgentFlow:
 
     async def _whitebox(self, sample: dict, sampling: dict) -> Trajectory:
         """`await agent(client, sample)` with an official AsyncOpenAI client bound to a fresh session."""
-        import openai
         s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns))
         client = openai.AsyncOpenAI(base_url=self.router.base_url(s), api_key=s.api_key, max_retries=0,
                                     timeout=self.cfg.agent_timeout,
@@ -2241,7 +1591,6 @@ def main(argv=None) -> None:
     """`python agentflow.py --engine URL [--engine URL2] --tokenizer DIR [--port 8000]`: serve the router
     over running engines and print one session's OpenAI/Anthropic settings; Ctrl-C (or SIGTERM) prints
     the session's trajectory and exits."""
-    import argparse
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--engine", action="append", required=True, help="rollout engine URL (repeatable)")
     p.add_argument("--tokenizer", required=True, help="HF model/tokenizer dir with the chat template")

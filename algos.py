@@ -5,11 +5,17 @@ Every equation lives in exactly one function whose docstring gives it in plain t
 equation or section) and any departure. Variants are chosen by name with if/elif in one dispatch place per
 family (`compute_advantages`, `_pg_token_loss`, `aggregate`, `kl_estimate`, `is_weight`, `distill_loss`,
 `shape_rewards`); `validate(cfg)` rejects unknown names and invalid combinations before anything runs.
+`advantage`, `policy_loss`, `kl_type` and `distill_type` also take a dotted path to a user's function (README
+"Extension points"), called from the same dispatch with the signature given there.
 
-The trainer calls five entry points (fixed in the interface notes): `validate`, `compute_advantages`,
-`policy_loss`, `gap_metrics`, `sft_loss`. The controller uses the reward shaping and group filters
-(`shape_rewards`, `filter_groups`, `groups_to_request`); the Teacher Manager's objective uses
-`distill_advantage`, `distill_loss`, `opd_objective` (and `mixture_logp` for ensembles).
+The controller calls `validate` at config time. The trainer calls `shape_rewards` (reward shaping happens in
+the trainer, on the batch it trains), `compute_advantages`, `policy_loss`, `gap_metrics`, `sft_loss`, and for
+on-policy distillation `distill_advantage`, `distill_loss`, `opd_objective` (and `mixture_logp` for ensembles).
+`filter_groups` / `groups_to_request` are DAPO's group filter and refill count as pure functions; the controller's
+producer applies the same equal-reward rule to each group it collects (`dynamic_sampling`).
+
+Every knob is a field of `loongsage.Config` (its one default lives there); these functions read them from the
+Config they are given.
 
 Conventions (stated once here, repeated where a loss consumes them):
   * B sequences, T response positions. `loss_mask` (B, T) is 1 on model-generated tokens only; tool and
@@ -34,8 +40,10 @@ import math
 import torch
 import torch.distributed as dist
 
+import data
+
 # --------------------------------------------------------------------------------------------------------
-# Names and defaults
+# Names (the defaults are loongsage.Config's)
 # --------------------------------------------------------------------------------------------------------
 
 ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce_pp", "returns", "gae")
@@ -47,55 +55,17 @@ IS_LEVELS = ("", "token", "seq", "geo")
 IS_MODES = ("truncate", "mask")
 LENGTH_PENALTIES = ("", "linear", "kimi")
 DISTILL_TYPES = ("topk_kl", "forward_kl", "reverse_kl", "jsd")  # the GKD divergence of on-policy distillation
-
-ALGO_DEFAULTS = {
-    "advantage": "grpo",            # one of ADVANTAGES
-    "adv_norm": "group",            # one of ADV_NORMS; used by grpo, returns, gae (the others fix their own)
-    "policy_loss": "ppo_clip",      # one of POLICY_LOSSES
-    "loss_agg": "token_mean",       # one of LOSS_AGGS
-    "clip_low": 0.2,                # ratio lower bound 1 - clip_low (ppo_clip, gspo, cispo)
-    "clip_high": 0.2,               # ratio upper bound 1 + clip_high; > clip_low is DAPO's clip-higher
-    "dual_clip_c": 0.0,             # dual-clip bound c > 1 for negative advantages; 0 = off
-    "kl_coef": 0.0,                 # weight of KL(pi || pi_ref); 0 = no reference model needed
-    "kl_type": "k3",                # one of KL_TYPES
-    "kl_in_reward": False,          # True: KL is a reward penalty in compute_advantages, not a loss term
-    "entropy_coef": 0.0,            # entropy bonus weight (loss -= entropy_coef * entropy)
-    "gamma": 1.0,                   # discount over response tokens (returns, gae, reinforce_pp)
-    "lam": 1.0,                     # GAE lambda
-    "use_rollout_logprobs": False,  # old_logp := rollout logprobs (no recompute); excludes is_correction
-    "is_correction": "",            # one of IS_LEVELS: trainer-vs-rollout IS weight level; "" = off
-    "is_mode": "truncate",          # one of IS_MODES: clamp the weight into [is_low, is_high] or drop outside
-    "is_low": 0.0,                  # lower bound of the IS weight
-    "is_high": 2.0,                 # upper bound of the IS weight
-    "m2po_threshold": 0.0,          # M2PO bound on the second moment of the log-ratio; 0 = off
-    "opsm_delta": 0.0,              # OPSM bound on a negative-advantage sequence's KL; 0 = off
-    "mask_stale_tokens": False,     # drop tokens generated under older weights (partial rollouts)
-    "overlong_buffer": 0,           # DAPO soft-overlong buffer length L_cache in tokens; 0 = off
-    "overlong_penalty": 1.0,        # DAPO overlong penalty magnitude (reward at/after max_len is -this)
-    "dynamic_sampling": False,      # drop groups whose rewards are all equal and sample more (controller)
-    # --- added fields (not in the interface notes' algo list) ---
-    "length_penalty": "",           # one of LENGTH_PENALTIES: extra length shaping of the reward; "" = off
-    "length_penalty_coef": 0.0,     # weight of the length penalty
-    "distill_type": "topk_kl",      # one of DISTILL_TYPES: the GKD divergence (teacher.py targets)
-    "pg_ratio": 0.0,                # weight of the sampled reverse KL subtracted from the advantage; 0 = off
-    "gkd_ratio": 0.0,               # L = (1 - gkd_ratio) * RL loss + gkd_ratio * GKD loss; 1 = pure distillation
-    "jsd_beta": 0.5,                # generalised JSD mixture weight beta, in (0, 1)
-}
+# Fields that also take a dotted path to a user's function (README "Extension points"; data.import_object loads it)
+PLUGGABLE = ("advantage", "policy_loss", "kl_type", "distill_type")
 
 EPS = 1e-6          # added to std in z-scores; zero-variance groups give 0 / (0 + EPS) = 0
 LOG_RATIO_CLAMP = 20.0
-ADDED_FIELDS = ("length_penalty", "length_penalty_coef", "distill_type", "pg_ratio", "gkd_ratio", "jsd_beta")
-
-
-def _field(cfg, name: str):
-    """cfg.name; the fields added after the interface notes fall back to their default on an older Config."""
-    return getattr(cfg, name, ALGO_DEFAULTS[name]) if name in ADDED_FIELDS else getattr(cfg, name)
 
 
 def _choice_error(field: str, value, valid) -> ValueError:
     close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    shown = ", ".join(repr(v) for v in valid)
+    shown = ", ".join(repr(v) for v in valid) + (", or a dotted path 'module.function'" if field in PLUGGABLE else "")
     return ValueError(f"algo.{field}={value!r} is not valid; choose one of: {shown}.{hint}")
 
 
@@ -105,8 +75,11 @@ def validate(cfg) -> None:
                          ("loss_agg", LOSS_AGGS), ("kl_type", KL_TYPES), ("is_correction", IS_LEVELS),
                          ("is_mode", IS_MODES), ("length_penalty", LENGTH_PENALTIES),
                          ("distill_type", DISTILL_TYPES)):
-        if _field(cfg, field) not in valid:
-            raise _choice_error(field, _field(cfg, field), valid)
+        value = getattr(cfg, field)
+        if field in PLUGGABLE and data.is_dotted(value):
+            data.import_object(value)  # a user's function: fail now, naming the path, if it does not load
+        elif value not in valid:
+            raise _choice_error(field, value, valid)
 
     def need(ok: bool, msg: str):
         if not ok:
@@ -114,7 +87,7 @@ def validate(cfg) -> None:
 
     for field in ("clip_low", "clip_high", "kl_coef", "is_low", "m2po_threshold", "opsm_delta",
                   "overlong_buffer", "overlong_penalty", "length_penalty_coef", "pg_ratio"):
-        need(_field(cfg, field) >= 0, f"algo.{field}={_field(cfg, field)!r} must be >= 0")
+        need(getattr(cfg, field) >= 0, f"algo.{field}={getattr(cfg, field)!r} must be >= 0")
     need(cfg.dual_clip_c == 0 or cfg.dual_clip_c > 1,
          f"algo.dual_clip_c={cfg.dual_clip_c!r} must be 0 (off) or > 1 (the bound is -c * adv for adv < 0)")
     need(cfg.dual_clip_c == 0 or cfg.policy_loss == "ppo_clip",
@@ -126,12 +99,12 @@ def validate(cfg) -> None:
     need(0 <= cfg.gamma <= 1, f"algo.gamma={cfg.gamma!r} must be in [0, 1]")
     need(0 <= cfg.lam <= 1, f"algo.lam={cfg.lam!r} must be in [0, 1]")
     need(cfg.is_low < cfg.is_high, f"algo.is_low={cfg.is_low!r} must be < algo.is_high={cfg.is_high!r}")
-    need(0 < _field(cfg, "jsd_beta") < 1, f"algo.jsd_beta={_field(cfg, 'jsd_beta')!r} must be in (0, 1) (the ends are forward_kl / "
+    need(0 < cfg.jsd_beta < 1, f"algo.jsd_beta={cfg.jsd_beta!r} must be in (0, 1) (the ends are forward_kl / "
          "reverse_kl: use distill_type for those)")
-    need(0 <= _field(cfg, "gkd_ratio") <= 1, f"algo.gkd_ratio={_field(cfg, 'gkd_ratio')!r} must be in [0, 1] "
+    need(0 <= cfg.gkd_ratio <= 1, f"algo.gkd_ratio={cfg.gkd_ratio!r} must be in [0, 1] "
          "(the weight of the GKD loss against the RL loss)")
-    need(not (_field(cfg, "gkd_ratio") == 1 and _field(cfg, "pg_ratio") > 0),
-         f"algo.gkd_ratio=1 is pure distillation: the RL loss (and with it pg_ratio={_field(cfg, 'pg_ratio')!r}) "
+    need(not (cfg.gkd_ratio == 1 and cfg.pg_ratio > 0),
+         f"algo.gkd_ratio=1 is pure distillation: the RL loss (and with it pg_ratio={cfg.pg_ratio!r}) "
          "has weight 0; set pg_ratio=0 or gkd_ratio < 1")
     need(not (cfg.is_correction and cfg.use_rollout_logprobs),
          f"algo.is_correction={cfg.is_correction!r} with use_rollout_logprobs=True: old_logp is then the rollout "
@@ -144,10 +117,10 @@ def validate(cfg) -> None:
          "algo.advantage='reinforce_pp' folds the KL into the reward; with kl_coef > 0 set kl_in_reward=True")
     need(not (cfg.kl_in_reward and cfg.kl_coef == 0),
          "algo.kl_in_reward=True with kl_coef=0 penalises nothing; set kl_coef > 0 or kl_in_reward=False")
-    need(not (_field(cfg, "length_penalty") and _field(cfg, "length_penalty_coef") == 0),
-         f"algo.length_penalty={_field(cfg, 'length_penalty')!r} needs length_penalty_coef > 0")
-    n = getattr(cfg, "samples_per_prompt", None)  # not an algo field; checked when the full Config is given
-    if n is not None and n < 2:
+    need(not (cfg.length_penalty and cfg.length_penalty_coef == 0),
+         f"algo.length_penalty={cfg.length_penalty!r} needs length_penalty_coef > 0")
+    n = cfg.samples_per_prompt
+    if n < 2:
         need(not cfg.dynamic_sampling, f"algo.dynamic_sampling=True with samples_per_prompt={n}: every group "
              "of one has equal rewards and would be dropped; set samples_per_prompt >= 2")
         group_baseline = cfg.advantage in ("drgrpo", "rloo") or (
@@ -229,6 +202,8 @@ def kl_estimate(kind: str, logp: torch.Tensor, ref_logp: torch.Tensor, old_logp:
             raise ValueError("kl_type='k3_unbiased' needs old_logp (the sampling policy)")
         ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (B, T) pi/pi_old
         return ratio * kl_estimate("k3", logp, ref_logp)
+    elif data.is_dotted(kind):  # EXT: a user's estimator fn(logp, ref_logp) -> (B, T)
+        return data.import_object(kind)(logp, ref_logp)
     raise _choice_error("kl_type", kind, KL_TYPES)
 
 
@@ -378,6 +353,10 @@ def compute_advantages(cfg, rewards, group_ids, loss_mask, *, old_logp=None, ref
     rewards = rewards.float().to(maskf.device)                            # (B,)
     group_ids = group_ids.to(maskf.device)                                # (B,)
     name = cfg.advantage
+    if data.is_dotted(name):  # EXT: a user's estimator, same arguments as this function -> (B, T)
+        adv = data.import_object(name)(cfg, rewards, group_ids, loss_mask, old_logp=old_logp, ref_logp=ref_logp,
+                                       values=values, token_rewards=token_rewards, dp_group=dp_group)
+        return adv.float() * maskf                                        # (B, T) 0 where loss_mask == 0
     kl = None                                                             # (B, T) per-token KL penalty
     if cfg.kl_in_reward and cfg.kl_coef > 0 and mask.numel() > 0:      # (a DP rank may hold no samples)
         if old_logp is None or ref_logp is None:
@@ -497,6 +476,8 @@ def _pg_token_loss(cfg, logp, old_logp, adv, mask):
         return reinforce_loss(adv, logp), none, none
     elif name == "sft":
         return nll_loss(logp), none, none
+    elif data.is_dotted(name):  # EXT: a user's loss fn(cfg, logp, old_logp, adv, mask) -> (B, T); no clip counts
+        return data.import_object(name)(cfg, logp, old_logp, adv, mask), none, none
     raise _choice_error("policy_loss", name, POLICY_LOSSES)
 
 
@@ -699,7 +680,7 @@ def gap_metrics(train_logp, rollout_logp, loss_mask) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Reward shaping and group filters (controller side)
+# Reward shaping (called by the trainer) and group filters
 # --------------------------------------------------------------------------------------------------------
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float) -> torch.Tensor:
@@ -744,7 +725,7 @@ def shape_rewards(cfg, rewards: torch.Tensor, lengths: torch.Tensor, group_ids: 
     budget. Call it before filter_groups if the shaped reward should decide which groups are dropped."""
     rewards = rewards.float()
     out = rewards + overlong_penalty(lengths, max_len, cfg.overlong_buffer, cfg.overlong_penalty)
-    name, coef = _field(cfg, "length_penalty"), _field(cfg, "length_penalty_coef")
+    name, coef = cfg.length_penalty, cfg.length_penalty_coef
     if name == "linear":
         out = out + coef * linear_length_penalty(lengths, max_len)
     elif name == "kimi":
@@ -806,12 +787,12 @@ def distill_advantage(cfg, adv, logp, teacher_logp, loss_mask):
     Detached: the policy gradient does the rest (minimising it is minimising the reverse KL)."""
     mask = loss_mask > 0
     penalty = torch.where(mask, sampled_reverse_kl(logp.float(), teacher_logp.float()), torch.zeros_like(adv))
-    return torch.where(mask, adv - _field(cfg, "pg_ratio") * penalty.detach(), torch.zeros_like(adv))
+    return torch.where(mask, adv - cfg.pg_ratio * penalty.detach(), torch.zeros_like(adv))
 
 
 def opd_objective(cfg, rl_loss, gkd_loss):
     """L = (1 - gkd_ratio) * L_RL + gkd_ratio * L_GKD (both already divided by the global denominators)."""
-    g = _field(cfg, "gkd_ratio")
+    g = cfg.gkd_ratio
     return (1 - g) * rl_loss + g * gkd_loss
 
 
@@ -873,7 +854,7 @@ def distill_loss(cfg, student_logits, loss_mask, denom, *, teacher_logits=None, 
     Returns (agg(D), metrics) with the same global-denominator aggregation as `policy_loss`; the weight
     gkd_ratio is applied by `opd_objective`.
     """
-    name = _field(cfg, "distill_type")
+    name = cfg.distill_type
     if name == "topk_kl":
         if teacher_topk_logp is None or teacher_topk_ids is None:
             raise ValueError("distill_type='topk_kl' needs teacher_topk_logp and teacher_topk_ids")
@@ -888,7 +869,11 @@ def distill_loss(cfg, student_logits, loss_mask, denom, *, teacher_logits=None, 
         elif name == "reverse_kl":
             div = categorical_kl(s_log, t_log)
         else:
-            div = generalized_jsd(student_logits, teacher_logits, _field(cfg, "jsd_beta"))
+            div = generalized_jsd(student_logits, teacher_logits, cfg.jsd_beta)
+    elif data.is_dotted(name):  # EXT: a user's divergence, fn(student_logits, *, teacher_logits, teacher_topk_logp,
+        #                           teacher_topk_ids) -> (B, T) per token (the trainer reports it as train/opd_loss)
+        div = data.import_object(name)(student_logits, teacher_logits=teacher_logits,
+                                       teacher_topk_logp=teacher_topk_logp, teacher_topk_ids=teacher_topk_ids)
     else:
         raise _choice_error("distill_type", name, DISTILL_TYPES)
     value = aggregate(div, loss_mask, cfg.loss_agg, denom)

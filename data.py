@@ -12,6 +12,8 @@ Nothing here can be downloaded on an offline laptop, so the tiny recipes build t
 * `arith_samples(n, seed)`: the synthetic arithmetic task of the default CPU recipe.
 * rewards: plain functions `reward(response_text, sample) -> float` named in recipes by dotted path.
 * `load_dataset(spec)`: jsonl / parquet files or `synthetic:<task>:<n>:<seed>`.
+* `import_object(dotted)`: the one resolver of every extension point (`mod.fn` or `mod:fn`, README "Extension
+  points").
 
 Run `python data.py /tmp/tiny` to build the tiny model and print its size. Tested by tests/test_data.py.
 Left out: streaming datasets and on-the-fly packing; datasets here are lists of dicts held in memory.
@@ -19,12 +21,19 @@ Left out: streaming datasets and on-the-fly packing; datasets here are lists of 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -119,8 +128,6 @@ def _corpus(seed: int = 0) -> list[str]:
 
 def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 384) -> None:
     """Train a byte-level BPE tokenizer on `_corpus()` and save it in HF format with the chat template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -147,8 +154,6 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
     The directory holds `loongsage_tiny.json` with the settings it was built from; a directory built
     from other settings is rebuilt. Returns the path as a string.
     """
-    import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     s = {**TINY_DEFAULTS, **settings}
     unknown = set(settings) - set(TINY_DEFAULTS)
@@ -196,7 +201,6 @@ def settings_hash(obj) -> str:
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -225,7 +229,6 @@ def load_dataset(spec: str) -> list[dict]:
         raise FileNotFoundError(f"dataset {spec!r} does not exist; give a .jsonl/.parquet path or "
                                 "'synthetic:arith:<n>:<seed>'")
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
         # a column some rows lack reads back as None in those rows: drop it, as if the key were absent (jsonl)
         rows = [{k: v for k, v in r.items() if v is not None} for r in pq.read_table(path).to_pylist()]
     elif path.suffix == ".jsonl":
@@ -303,7 +306,7 @@ def last_number_match(response: str, sample: dict) -> float:
 
 def math_verify(response: str, sample: dict) -> float:
     """Math answer equivalence with math-verify (LaTeX / boxed / plain numbers), 1.0 or 0.0."""
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # here: it loads sympy (~1-2 s), paid only by runs using this reward
     gold = parse(str(sample["answer"]))
     pred = parse(response)
     return float(bool(gold) and bool(pred) and verify(gold, pred))
@@ -314,20 +317,31 @@ def math_verify(response: str, sample: dict) -> float:
 # extension points
 
 
+def is_dotted(name) -> bool:
+    """True for a string naming user code ("pkg.mod.fn" or "pkg.mod:fn"); built-in variant names have no '.' or ':'."""
+    return isinstance(name, str) and ("." in name or ":" in name)
+
+
 def import_object(dotted: str):
-    """`"recipes.calc.agent"` -> the object. Every extension point in a recipe is loaded through here."""
-    import importlib
-    module, _, name = dotted.rpartition(".")
-    if not module:
-        raise ValueError(f"{dotted!r} is not a dotted path like 'data.exact_match'")
+    """`"recipes.calc.agent"` or `"mypkg.mod:agent"` -> the object. The one resolver of every extension point
+    (README "Extension points"): the module may live anywhere on sys.path / PYTHONPATH, outside this repo too.
+    After a ':' the rest is an attribute path (`mod:Class.method`)."""
+    if ":" in dotted:
+        module, _, name = dotted.partition(":")
+    else:
+        module, _, name = dotted.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"{dotted!r} is not a dotted path like 'data.exact_match' or 'mypkg.rewards:score'")
     try:
-        return getattr(importlib.import_module(module), name)
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load {dotted!r}: {e}. Give 'module.function' importable from the repo root") from e
+        raise ValueError(f"cannot load {dotted!r}: {e}. Give 'module.function' (or 'module:function') importable "
+                         "from the repo root or from a directory on PYTHONPATH") from e
 
 
 if __name__ == "__main__":
-    import sys
     path = build_tiny_model(sys.argv[1] if len(sys.argv) > 1 else default_cache_dir() / "tiny-test")
-    from transformers import AutoConfig
     print(path, AutoConfig.from_pretrained(path))

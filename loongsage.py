@@ -63,7 +63,9 @@ class Config:
     mode: str = "sync"  # "sync" (generate, train, sync in turn) or "async" (a producer keeps generating while it trains)
     stale_steps: float = 1.0  # async: capacity C = prompts_per_step*(1+stale_steps) groups in flight or buffered
     # (fractions allowed); mode=sync is stale_steps=0: C = one step's groups, dispatched after each sync
-    window: str = "window-gated"  # async dispatch/collect rule: no-window | window-gated | windowed-fifo (see below)
+    window: str = "window-gated"  # async dispatch/collect rule: no-window | window-gated | windowed-fifo (see
+    # below), or a dotted path to an object with groups_to_dispatch(C, R, Q, next_seq, oldest_uncollected) and
+    # collectable(finished, min_unfinished, oldest_uncollected, B, C), the built-ins' signatures without `window`
     max_version_lag: int = -1  # hard bound: no trained token older than this many weight versions; -1 = no bound
     lag_policy: str = "mask"  # a group over the bound: "mask" its too-old tokens, or "regenerate" it (once)
     eval_every: int = 5  # evaluate every N steps (and before step 0 and after the last); 0 = never
@@ -116,13 +118,18 @@ class Config:
     reward: str = "data.exact_match"  # reward(response_text, sample) -> float, dotted path
     agent: str = ""  # dotted path of an agent; "" = single-turn chat straight to the engine
     agent_command: str = ""  # black-box agent: a shell command run in a sandbox against the session URL
-    sandbox: str = "local"  # "local" | "docker" | "auto" (docker where a Docker engine answers)
+    sandbox: str = "local"  # "local" | "docker" | "auto" (docker where a Docker engine answers) | a dotted path to
+    # fn(**limits) -> a sandbox with LocalSandbox's methods (create, write, execute, delete)
     max_parallel_sandboxes: int = 32  # black-box agents / code-test rewards running at once
     router_host: str = "127.0.0.1"  # where the AgentFlow router listens (0.0.0.0 for agents on other machines)
     max_turns: int = 8  # agent turns per trajectory
     agent_timeout: float = 120.0  # seconds per trajectory
     agent_retries: int = 1  # retries of a failed trajectory
     max_context_len: int = 1024  # token budget per trajectory (prompt + all turns)
+    chat_template: str = ""  # dotted path to a Jinja chat template string (router, fast path); "" = the tokenizer's
+    tool_parser: str = ""  # dotted path: fn(text, tool_names) -> (content, tool_calls); "" = agentflow.parse_tool_calls
+    group_filter: str = ""  # dotted path: fn(group: list[trajectory dict]) -> bool; False drops the group, and the
+    # producer dispatches another in its place (as for dynamic_sampling)
 
     # --- rollout ---
     prompts_per_step: int = 32  # B prompts per step
@@ -135,7 +142,8 @@ class Config:
     eval_temperature: float = 0.0  # 0 = greedy eval
     eval_samples: int = 1  # k samples per eval prompt: eval/accuracy is mean@k, eval/pass@k the unbiased pass@k
     eval_greedy: bool = False  # also one greedy sample per prompt (eval/greedy_accuracy) beside the sampled ones
-    engine: str = "auto"  # "auto" (sglang on CUDA, cpu elsewhere) | "sglang" | "cpu"
+    engine: str = "auto"  # "auto" (sglang on CUDA, cpu elsewhere) | "sglang" | "cpu" | a dotted path:
+    # fn(cfg, rank, host, seed) -> (url, handle with .shutdown()), a server speaking SGLang's HTTP contract (rollout.RolloutEngine calls it)
     engine_max_batch: int = 256  # concurrent sequences per CPU engine
 
     # --- train ---
@@ -196,7 +204,8 @@ class Config:
     data_sources: list = field(default_factory=list)  # [{name, dataset, weight, eval_dataset, reward, agent, teacher}]
 
     # --- weights ---
-    transfer: str = "auto"  # TransferMesh transport: auto | shm | cuda_ipc | broadcast | disk
+    transfer: str = "auto"  # TransferMesh transport: auto | shm | cuda_ipc | broadcast | disk | a dotted path to a
+    # push function with the built-ins' signature (see transfermesh.push_weights)
     bucket_mb: float = 64.0  # bucket size for weight sync
 
     # --- reliability: engine health and timeouts (see check_engines, wait, save_run_state) ---
@@ -268,7 +277,8 @@ def finalize(cfg: Config) -> Config:
     need(cfg.device in ("cpu", "cuda"), f"device={cfg.device!r}: choose 'auto', 'cpu' or 'cuda'")
     if cfg.engine == "auto":
         cfg.engine = "sglang" if cfg.device == "cuda" else "cpu"
-    need(cfg.engine in ("sglang", "cpu"), f"engine={cfg.engine!r}: choose 'sglang', 'cpu' or 'auto'")
+    need(cfg.engine in ("sglang", "cpu") or data.is_dotted(cfg.engine),
+         f"engine={cfg.engine!r}: choose 'sglang', 'cpu', 'auto' or a dotted path 'module.function'")
     need(cfg.engine != "sglang" or cfg.device == "cuda", "engine=sglang runs on CUDA only; set device=cuda or engine=cpu")
     need(cfg.mode in ("sync", "async"), f"mode={cfg.mode!r}: choose 'sync' or 'async'")
     need(cfg.dtype in ("float32", "bfloat16"), f"dtype={cfg.dtype!r}: choose 'float32' or 'bfloat16'")
@@ -294,9 +304,11 @@ def finalize(cfg: Config) -> Config:
     need(cfg.top_k == -1 or cfg.top_k >= 1, f"top_k={cfg.top_k!r}: use -1 (off) or a positive integer")
     need(not (cfg.train_only and cfg.rollout_only), "train_only and rollout_only together would neither generate "
          "nor train; set one of them")
-    need(cfg.sandbox in ("local", "docker", "auto"), f"sandbox={cfg.sandbox!r}: choose 'local', 'docker' or 'auto'")
+    need(cfg.sandbox in ("local", "docker", "auto") or data.is_dotted(cfg.sandbox),
+         f"sandbox={cfg.sandbox!r}: choose 'local', 'docker', 'auto' or a dotted path 'module.function'")
     import transfermesh
-    need(cfg.transfer in transfermesh.TRANSPORTS, f"transfer={cfg.transfer!r}: choose one of {transfermesh.TRANSPORTS}")
+    need(cfg.transfer in transfermesh.TRANSPORTS or data.is_dotted(cfg.transfer),
+         f"transfer={cfg.transfer!r}: choose one of {transfermesh.TRANSPORTS} or a dotted path 'module.function'")
     need(cfg.transfer != "cuda_ipc" or cfg.device == "cuda", "transfer=cuda_ipc needs device=cuda (CUDA IPC handles "
          "of GPU tensors); on CPU use transfer=auto (shared memory to local engines) or broadcast")
     need(cfg.transfer != "shm" or cfg.engine == "cpu", "transfer=shm is the CPU engine's shared-memory path; SGLang "
@@ -330,7 +342,8 @@ def finalize(cfg: Config) -> Config:
          f"a multiple of micro_batch_size={cfg.micro_batch_size}; try micro_batch_size={math.gcd(per_rank, cfg.micro_batch_size)}")
     # --- async: capacity, window, lag bound (train() reads them; see `groups_to_dispatch` / `collectable`)
     need(cfg.stale_steps >= 0, f"stale_steps={cfg.stale_steps} must be >= 0 (0 = no step runs ahead of training)")
-    need(cfg.window in WINDOWS, f"window={cfg.window!r}: choose one of {WINDOWS}{_closest(cfg.window, WINDOWS)}")
+    need(cfg.window in WINDOWS or data.is_dotted(cfg.window),
+         f"window={cfg.window!r}: choose one of {WINDOWS} or a dotted path{_closest(cfg.window, WINDOWS)}")
     need(cfg.lag_policy in ("mask", "regenerate"), f"lag_policy={cfg.lag_policy!r}: choose 'mask' or 'regenerate'")
     need(cfg.max_version_lag >= -1, f"max_version_lag={cfg.max_version_lag}: use -1 (no bound) or a lag >= 0")
     if cfg.mode == "sync":
@@ -352,7 +365,9 @@ def finalize(cfg: Config) -> Config:
             __import__(TRACKERS[t])
         except ImportError:
             raise ValueError(f"trackers: {t!r} needs the {TRACKERS[t]} package: pip install -e .[tracking]") from None
-    for name in ("reward", "warmstart_example") + (("agent",) if cfg.agent else ()):
+    plugged = [k for k in ("agent", "chat_template", "tool_parser", "group_filter", "window", "engine", "transfer",
+                           "sandbox") if data.is_dotted(getattr(cfg, k))]
+    for name in ["reward", "warmstart_example"] + plugged:
         data.import_object(getattr(cfg, name))  # fail now, not after the model is built
     algos.validate(cfg)
     check_teachers(cfg)
@@ -1074,6 +1089,8 @@ def groups_to_dispatch(window: str, C: int, R: int, Q: int, next_seq: int, oldes
     """How many new groups to dispatch now. Every window keeps R + Q <= C. window-gated also keeps every
     dispatched sequence number within C of the oldest uncollected group, so one slow group holds new work
     back (its lag stays bounded) instead of the producer racing ahead of it."""
+    if data.is_dotted(window):  # EXT: a user's window strategy
+        return data.import_object(window).groups_to_dispatch(C, R, Q, next_seq, oldest_uncollected)
     room = C - R - Q
     if window == "window-gated":
         room = min(room, oldest_uncollected + C - next_seq)
@@ -1085,6 +1102,8 @@ def collectable(window: str, finished: list[int], min_unfinished: int | None, ol
     """Which finished groups (sequence numbers) move into the buffer now. no-window: any; window-gated: those
     inside the window [oldest uncollected, + C); windowed-fifo: only those fewer than B sequence numbers past
     the oldest unfinished group, so the buffer fills roughly in dispatch order (others wait)."""
+    if data.is_dotted(window):  # EXT: a user's window strategy
+        return data.import_object(window).collectable(finished, min_unfinished, oldest_uncollected, B, C)
     if window == "windowed-fifo" and min_unfinished is not None:
         return sorted(s for s in finished if s - min_unfinished < B)
     if window == "window-gated":
@@ -1208,8 +1227,9 @@ class Producer:
                                min(self.running, default=self.next_seq), self.B, self.C):
             self.running.discard(seq)
             group = self.finished.pop(seq)
-            if cfg.dynamic_sampling and len({t["reward"] for t in group}) == 1:
-                self.stats["dropped"] += 1  # DAPO: equal rewards, zero advantages; the window refills
+            equal = cfg.dynamic_sampling and len({t["reward"] for t in group}) == 1
+            if equal or (cfg.group_filter and not data.import_object(cfg.group_filter)(group)):
+                self.stats["dropped"] += 1  # equal rewards (DAPO: zero advantages) or the user's filter; refilled
                 self.prompt_of.pop(seq)
             else:
                 self.buffer[seq] = group
@@ -1227,7 +1247,7 @@ class Producer:
 
     def full(self) -> bool:
         """B groups are ready (or dynamic sampling found too few informative ones: train on what there is)."""
-        gave_up = self.cfg.dynamic_sampling and self.stats["dropped"] >= 4 * self.B
+        gave_up = (self.cfg.dynamic_sampling or self.cfg.group_filter) and self.stats["dropped"] >= 4 * self.B
         return len(self.batch) >= self.B or gave_up
 
     def pop_batch(self) -> tuple[list[dict], dict]:
@@ -1235,7 +1255,7 @@ class Producer:
         metrics = {"rollout/buffer_groups": len(self.buffer), "rollout/running_groups": len(self.running),
                    "rollout/lag_masked_tokens": self.stats["masked"],
                    "rollout/regenerated_groups": self.stats["regenerated"]}
-        if self.cfg.dynamic_sampling:
+        if self.cfg.dynamic_sampling or self.cfg.group_filter:
             metrics.update({"rollout/groups_kept": len(self.batch),
                             "rollout/groups_sampled": len(self.batch) + self.stats["dropped"]})
         self.batch, self.stats = [], dict(dropped=0, regenerated=0, masked=0)

@@ -6,7 +6,8 @@ so the same client lines drive either engine:
 
 * `RolloutEngine(cfg, rank)`: the object the controller wraps with `ray.remote(...)`. With `cfg.engine ==
   "sglang"` it launches a real SGLang server as a subprocess (CUDA only); with `"cpu"` it serves `CpuEngine`
-  in-process. Either way `url()` is all a caller needs.
+  in-process; with a dotted path it calls the user's `start(cfg, rank, host, seed) -> (url, handle)` (README
+  "Extension points"). Either way `url()` is all a caller needs.
 * `CpuEngine`: a small continuous-batching engine on the transformers model, for laptops and for the test
   suite. A scheduler thread owns all engine state; requests join the running batch as they arrive and leave as
   they finish. Each request owns one slot of a preallocated KV cache of shape
@@ -76,6 +77,8 @@ import httpx
 import torch
 import torch.nn.functional as F
 from fastapi import Request  # at module level: FastAPI resolves handler annotations by name
+
+import data
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")  # dense layouts the CPU forward pass handles
 SGLANG_STARTUP_TIMEOUT_S = 1200.0  # loading a large checkpoint and capturing CUDA graphs can take minutes
@@ -1146,7 +1149,7 @@ def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
 class RolloutEngine:
     """One rollout engine (SGLang server or CPU engine) as a plain class; the controller wraps it in ray.remote.
 
-    Reads cfg.model_path, cfg.engine ("auto"|"cpu"|"sglang"), cfg.engine_max_batch, cfg.max_prompt_len,
+    Reads cfg.model_path, cfg.engine ("auto"|"cpu"|"sglang"|a dotted path), cfg.engine_max_batch, cfg.max_prompt_len,
     cfg.max_new_tokens, cfg.max_context_len, cfg.seed, cfg.dtype, cfg.sglang, cfg.gpus_per_engine, cfg.output_dir.
     """
 
@@ -1190,8 +1193,12 @@ class RolloutEngine:
             except BaseException:
                 self.shutdown()
                 raise
+        elif data.is_dotted(engine):  # EXT: a user's engine, fn(cfg, rank, host, seed) -> (url, handle), serving
+            #                           SGLang's HTTP contract; handle.shutdown() stops it
+            self._url, self.handle = data.import_object(engine)(cfg, rank=rank, host=host, seed=seed)
         else:
-            raise ValueError(f"cfg.engine must be 'auto', 'cpu' or 'sglang', got {cfg.engine!r}")
+            raise ValueError(f"cfg.engine must be 'auto', 'cpu', 'sglang' or a dotted path 'module.function', got "
+                             f"{cfg.engine!r}")
 
     def url(self) -> str:
         return self._url

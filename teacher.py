@@ -39,15 +39,21 @@ student's (rejected at --check), and prefetching the next teacher while the curr
 from __future__ import annotations
 
 import copy
+import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import ray
 import torch
+from safetensors.torch import save_file
 
 import algos
 import data
+import loongsage
 import trainer
+import transfermesh
 
 # Fields of an HF config that never change the built model: teachers that differ only in these share a skeleton.
 _NOT_ARCH = ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "bos_token_id",
@@ -134,7 +140,6 @@ def read_snapshot_into(path: str, params: dict[str, torch.Tensor]) -> None:
     at every swap), and get_tensor would allocate a copy; `readinto` fills each parameter's own storage
     and the file's pages stay in the kernel's page cache. Format: 8-byte header length, JSON header
     {name: {dtype, shape, data_offsets}}, then the raw bytes."""
-    import json
     with open(path, "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
         header = json.loads(fh.read(n))
@@ -160,7 +165,8 @@ class TeacherWorker(trainer.TrainerWorker):
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
         super().__init__(teacher_cfg(cfg), rank, world_size, master_addr, master_port)
-        from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401  (imported now, so base_rss has it)
+        # here, not at the top: imported now so base_rss counts Megatron's modules, not the teachers' weights
+        from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401
         self.base_rss = peak_rss_mb()[0]  # before any model: what the teachers add is measured against it
         self.names: list[str] = []  # teacher names, in recipe order (columns of token_routes)
         self.skeletons: dict[str, tuple] = {}  # arch key -> (GPTModel, TransformerConfig): resident models
@@ -198,7 +204,6 @@ class TeacherWorker(trainer.TrainerWorker):
                 self.heads[name] = head.cpu().clone()
             local = {n: p.detach() for n, p in gpt.named_parameters()}
             if self.cpu:  # CPU: a file, read back into the parameters at swap time (page cache, not this heap)
-                from safetensors.torch import save_file
                 f = snap_dir / f"{name}.tp{self.tp_size}-rank{self.tp_rank}.safetensors"
                 save_file({n: t.contiguous() for n, t in local.items()}, str(f))
                 self.snapshots[name] = str(f)
@@ -339,16 +344,11 @@ def measure_memory(workdir: str, hidden_size: int = 512, layers: int = 4) -> dic
     """Build 3 same-size tiny Qwen3 teachers (different seeds), then in two fresh teacher processes
     register 1 resp. 3 of them and score one batch routed to all of them. Returns both processes'
     peak RSS and what the teachers added to it (peak minus the RSS before any model was built)."""
-    import types
-
-    import ray
-
-    import transfermesh
     paths = {f"t{i}": data.build_tiny_model(Path(workdir) / f"t{i}", hidden_size=hidden_size,
                                             num_hidden_layers=layers, intermediate_size=3 * hidden_size,
                                             num_attention_heads=8, num_key_value_heads=4, head_dim=64, seed=i)
              for i in range(3)}
-    cfg = types.SimpleNamespace(teacher_tp=1, teacher_micro_batch=16, teacher_topk=8, teacher_route="", seed=0,
+    cfg = loongsage.Config(teacher_tp=1, teacher_micro_batch=16, teacher_topk=8, teacher_route="", seed=0,
                                 dtype="float32", megatron={}, gkd_ratio=0.0, distill_type="topk_kl", trainer_threads=0,
                                 output_dir=workdir)
     tok = data.load_tokenizer(paths["t0"])
@@ -378,6 +378,4 @@ def measure_memory(workdir: str, hidden_size: int = 512, layers: int = 4) -> dic
 if __name__ == "__main__":
     if sys.argv[1:2] != ["memory"]:
         sys.exit("usage: python teacher.py memory [workdir]")
-    import json
-    import tempfile
     print(json.dumps(measure_memory(sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp()), indent=1))

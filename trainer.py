@@ -101,7 +101,7 @@ _SHIMS_APPLIED = False
 def apply_cpu_shims() -> bool:
     """Make Megatron-Core run on CPU; a no-op (returning False) when CUDA is present.
 
-    The three shims (measured necessary and sufficient here, see DESIGN.md):
+    The three shims (each one found necessary on a CPU-only machine; together they are enough):
     1. `torch.cuda.current_device()` yields the CPU device: Megatron places its grad buffers, rotary
        tables and a few scratch tensors on "the current CUDA device".
     2. the local layer spec's core attention becomes `SDPACoreAttention` (Megatron's
@@ -231,14 +231,14 @@ def megatron_config(hf: dict, cfg, cpu: bool):
         # Each micro-batch loss is pre-divided by global counts: DDP must SUM gradients over DP ranks.
         calculate_per_token_loss=True,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=int(cfg.pipeline_parallel),
-        expert_model_parallel_size=int(getattr(cfg, "expert_parallel", 1) or 1), sequence_parallel=False,
+        expert_model_parallel_size=int(cfg.expert_parallel), sequence_parallel=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         # perform_initialization stays on although the HF weights overwrite the init: it is also what marks
         # TP-sharded parameters (`tensor_model_parallel`), which grad-norm and clipping rely on.
         use_cpu_initialization=cpu,
         **_moe_settings(hf) if mt in ("qwen3_moe", "mixtral") else {},
     )
-    base.update(dict(getattr(cfg, "megatron", None) or {}))
+    base.update(dict(cfg.megatron))
     tcfg = TransformerConfig(**base)
     rotary_base, rope_scaling, rope_factor = _rope(hf)
     model_kwargs = dict(vocab_size=hf["vocab_size"], max_sequence_length=hf.get("max_position_embeddings", 4096),
@@ -694,7 +694,7 @@ class TrainerWorker:
         if cfg.trainer_threads > 0:  # see Config.trainer_threads: sync uses every core
             torch.set_num_threads(int(cfg.trainer_threads))
         tp, pp = int(cfg.tensor_parallel), int(cfg.pipeline_parallel)
-        ep = int(getattr(cfg, "expert_parallel", 1) or 1)
+        ep = int(cfg.expert_parallel)
         if pp != 1:
             raise ValueError(f"pipeline_parallel={pp} is not supported by trainer.py yet; set pipeline_parallel=1 "
                              "and use tensor_parallel / data parallelism")
@@ -749,7 +749,7 @@ class TrainerWorker:
                                                    use_distributed_optimizer=False)
         self.model = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_config, module=gpt)
         self.optimizer = self._build_optimizer()
-        needs_ref = float(self.cfg.kl_coef) > 0 or bool(getattr(self.cfg, "kl_in_reward", False))
+        needs_ref = float(self.cfg.kl_coef) > 0 or bool(self.cfg.kl_in_reward)
         if needs_ref:
             self.ref_model = build_gpt_model(self.tcfg, self.model_kwargs, self.device)
             self._load_full_state(self.ref_model, full)
@@ -1155,7 +1155,7 @@ class TrainerWorker:
         """
         idx = plan_minibatches(batch, n_mb, 0, 1, by_group)[mb_i]  # the whole mini-batch: as if one DP rank
         counts = [sum(batch[i]["loss_mask"]) for i in idx]
-        max_len = getattr(self.cfg, "max_new_tokens", 0) or max([len(batch[i]["response_ids"]) for i in idx] or [1])
+        max_len = self.cfg.max_new_tokens
         return {"tokens": float(max(sum(counts), 1)), "seqs": float(max(sum(c > 0 for c in counts), 1)),
                 "max_len": float(max_len)}
 

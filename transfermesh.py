@@ -31,6 +31,10 @@ Transports (chosen per engine by `pick_transport`, or forced with `transfer=` in
 | disk      | anything that shares a disk | safetensors + config in a directory                        |
 |           |                             | (`/update_weights_from_disk`); slowest, simplest            |
 
+`transfer=` may also name a user's push function by dotted path: `push(tensors, engines, bucket_bytes,
+config_dir, version) -> (buckets, bytes)`, the built-ins' signature, called inside the engines' weight-update
+session (README "Extension points").
+
 The flattened layout is SGLang's: the tensors' bytes back to back in one uint8 buffer, no padding, each
 tensor's offset a multiple of its dtype's size (`iter_buckets` starts a new bucket rather than misalign one).
 Every bucket carries a checksum, CRC32 of its bytes (order-sensitive: a flipped bit, swapped chunks or a
@@ -63,6 +67,8 @@ from urllib.parse import urlparse
 
 import httpx
 import torch
+
+import data
 
 TRANSPORTS = ("auto", "shm", "cuda_ipc", "broadcast", "disk")
 
@@ -176,8 +182,11 @@ def is_local(url: str) -> bool:
 
 
 def pick_transport(url: str, requested: str) -> str:
+    if data.is_dotted(requested):  # a user's transport (see push_weights)
+        return requested
     if requested not in TRANSPORTS:
-        raise ValueError(f"transfer={requested!r} is not a transport; choose one of {TRANSPORTS}")
+        raise ValueError(f"transfer={requested!r} is not a transport; choose one of {TRANSPORTS} or a dotted path "
+                         "'module.function' to your own")
     if requested != "auto":
         return requested
     if is_local(url):
@@ -259,8 +268,11 @@ def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: lis
     _each(lambda u: _post(u, "/begin_weight_update", {"selector": "all"}), urls)
     try:
         for kind, group in groups.items():
-            n, nbytes = {"shm": _push_shm, "cuda_ipc": _push_cuda_ipc, "broadcast": _push_broadcast,
-                         "disk": _push_disk}[kind](tensors, group, bucket_bytes, config_dir, str(version))
+            # EXT: a dotted path names a user's push function with the built-ins' signature, called inside the
+            # engines' weight-update session; it returns (buckets sent, bytes sent)
+            push = {"shm": _push_shm, "cuda_ipc": _push_cuda_ipc, "broadcast": _push_broadcast,
+                    "disk": _push_disk}.get(kind) or data.import_object(kind)
+            n, nbytes = push(tensors, group, bucket_bytes, config_dir, str(version))
             stats["weights/buckets"] += n
             stats["weights/bytes"] += nbytes
         if not tensors:  # nothing carried the version: set it directly

@@ -23,6 +23,7 @@ import agentflow
 import data
 import loongsage
 import rollout
+import wire
 
 SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=6)
 CALC_TOOL = {"type": "function", "function": {"name": "calculator", "description": "evaluate arithmetic",
@@ -114,19 +115,19 @@ def test_parse_tool_calls_valid_malformed_and_unknown():
 
 def test_tool_history_renders_the_same_from_openai_and_anthropic(tiny_model_dir):
     chat = agentflow.ChatFormat(tiny_model_dir)
-    oa = agentflow.openai_messages([
+    oa = wire.openai_messages([
         {"role": "system", "content": "be exact"}, {"role": "user", "content": "12+7"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "calculator", "arguments": '{"expression": "12+7"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "19"}])
-    an = agentflow.anthropic_messages("be exact", [
+    an = wire.anthropic_messages("be exact", [
         {"role": "user", "content": "12+7"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "calculator",
                                            "input": {"expression": "12+7"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "19"}]}])
-    tools = agentflow.openai_tools([CALC_TOOL])
-    an_tools = agentflow.anthropic_tools([{"name": "calculator", "description": "evaluate arithmetic",
-                                           "input_schema": CALC_TOOL["function"]["parameters"]}])
+    tools = wire.openai_tools([CALC_TOOL])
+    an_tools = wire.anthropic_tools([{"name": "calculator", "description": "evaluate arithmetic",
+                                      "input_schema": CALC_TOOL["function"]["parameters"]}])
     text = chat.render(oa, tools, add_generation_prompt=True)
     assert text == chat.render(an, an_tools, add_generation_prompt=True)
     assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+7"}}\n</tool_call>' in text
@@ -573,7 +574,7 @@ def test_engine_pool_coalesces_a_tick_into_one_request_and_isolates_a_bad_one(en
         return ok, n_ok, mixed
     ok, n_ok, mixed = run(body())
     assert n_ok == 1 and all(len(out["output_ids"]) <= 2 for _, out in ok)
-    assert isinstance(mixed[3], agentflow.ApiError) and mixed[3].status == 400
+    assert isinstance(mixed[3], wire.ApiError) and mixed[3].status == 400
     assert [m[1]["output_ids"] for m in mixed[:3]] == [out["output_ids"] for _, out in ok]  # greedy: same
 
 

@@ -1,0 +1,713 @@
+"""Wire formats: the OpenAI Chat Completions, Anthropic Messages and OpenAI Responses APIs as the router speaks them.
+
+The router (agentflow.py) calls this module at its edges only: a request body comes in, is checked against what
+the API accepts and becomes one internal chat (`ChatRequest`: messages {role, content: str, tool_calls?,
+tool_call_id?}, function tools in the OpenAI shape the chat template renders, sampling overrides); a generated
+`Turn` goes out as the API's response or stream events. Nothing here holds state or talks to an engine, so each
+function can be read, and tested, on its own.
+
+Reading order: error bodies; request parsing (`openai_request`, `anthropic_request`, and below them
+`*_messages`, `*_tools`, the field checks); response shapes (`openai_response` / `openai_stream`,
+`anthropic_response` / `anthropic_stream`); the Responses API (`responses_request` with `responses_messages`
+and `responses_tools`, then `responses_output`, `responses_response`, `responses_stream`).
+
+What an API refuses gets an `ApiError` (HTTP status, message naming the field and the value seen), rendered in
+that API's error shape by the router. Options the engine cannot honour are refused rather than ignored, so the
+trainer never sees a sample drawn from a different distribution than the agent asked for.
+
+Test: `.venv/bin/pytest tests/test_agentflow.py tests/test_responses.py` (through the router, with the official
+openai and anthropic clients). Left out: images/audio parts, built-in (non-function) Responses tools, n > 1.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: agentflow imports this module, not the other way round
+    from agentflow import ChatFormat, Turn
+
+
+# ----------------------------------------------------------------------------------------------
+# errors that reach an API client: each renders as an OpenAI- or Anthropic-style error body
+
+
+class ApiError(Exception):
+    """A request the router refuses; `status` is the HTTP code, `code` a machine-readable reason."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+_OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                       503: "server_error"}
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                          503: "overloaded_error"}
+
+
+def openai_error_body(e: ApiError) -> dict:
+    return {"error": {"message": e.message, "type": _OPENAI_ERROR_TYPES.get(e.status, "server_error"),
+                      "param": e.param, "code": e.code}}
+
+
+def anthropic_error_body(e: ApiError) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(e.status, "api_error"),
+                                       "message": e.message}}
+
+
+# ----------------------------------------------------------------------------------------------
+# request normalisation: OpenAI and Anthropic chat formats -> one internal message list
+
+
+_TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")  # both APIs' tool-name rule
+
+
+def _text_of(content, where: str, *, parts: tuple[str, ...] = ("text",)) -> str:
+    """A message content (str, None, or a list of text parts/blocks) as plain text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, p in enumerate(content):
+            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+            if kind not in parts or not isinstance(p.get(kind), str):
+                raise ApiError(400, f"{where}.content[{j}] has type {kind!r}; this router takes only text parts "
+                               f"({', '.join(parts)}) with a string '{parts[0]}'", param=f"{where}.content")
+            texts.append(p[kind])
+        return "".join(texts)
+    raise ApiError(400, f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
+                   param=f"{where}.content")
+
+
+def _tool_call(name, args, call_id, where: str) -> dict:
+    if not isinstance(call_id, str) or not call_id:
+        raise ApiError(400, f"{where}: a tool call needs a string 'id' (the tool result answers it), got "
+                       f"{call_id!r}", param=where)
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, f"{where}: tool call needs a function name, got {name!r}", param=where)
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"{where}: tool call arguments are not valid JSON ({e}): {args[:200]!r}",
+                           param=where) from None
+    if not isinstance(args, dict):
+        raise ApiError(400, f"{where}: tool call arguments must be a JSON object, got {type(args).__name__}",
+                       param=where)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _check_tool_answers(out: list[dict], api: str) -> None:
+    """Each tool result answers a call the assistant made just before it, and each such call is answered
+    before the conversation goes on (both APIs refuse otherwise; the template would render an orphan
+    tool result, or a call with no result, into a context the model never sees in practice)."""
+    open_ids: list[str] = []  # calls of the last assistant turn not answered yet
+    for m in out:
+        if m["role"] == "tool":
+            if m["tool_call_id"] not in open_ids:
+                raise ApiError(400, f"{m['where']}: {'tool_use_id' if api == 'anthropic' else 'tool_call_id'} "
+                               f"{m['tool_call_id']!r} answers no tool call of the preceding assistant message "
+                               f"(unanswered calls there: {open_ids})", param=m["where"])
+            open_ids.remove(m["tool_call_id"])
+            continue
+        if open_ids:
+            raise ApiError(400, f"{m['where']}: the assistant message before it made tool calls {open_ids} that "
+                           "were not answered; send a tool result for each call id first", param=m["where"])
+        open_ids = [c["id"] for c in m.get("tool_calls") or ()]
+    for m in out:
+        m.pop("where")
+
+
+def openai_messages(raw) -> list[dict]:
+    """OpenAI chat `messages` -> internal messages {role, content: str, tool_calls?} (400 on anything else)."""
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'messages' must be a non-empty list of chat messages", param="messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where} must be an object, got {type(m).__name__}", param=where)
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ApiError(400, f"{where}.role is {role!r}; expected one of system, developer, user, assistant, tool",
+                           param=f"{where}.role")
+        if role == "system" and i != 0:
+            # The chat template renders a system message only in first position; elsewhere it would vanish.
+            raise ApiError(400, f"{where}: a system message is only allowed as the first message", param=where)
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise ApiError(400, f"{where}.name must be a string, got {m['name']!r:.100}", param=f"{where}.name")
+        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls")):
+            raise ApiError(400, f"{where}: a {m.get('role')} message needs 'content'" +
+                           (" (or 'tool_calls')" if role == "assistant" else ""), param=f"{where}.content")
+        if m.get("content") == []:
+            raise ApiError(400, f"{where}.content is an empty array; give a string or at least one part",
+                           param=f"{where}.content")
+        parts = ("text", "refusal") if role == "assistant" else ("text",)
+        msg = {"role": role, "content": _text_of(m.get("content"), where, parts=parts), "where": where}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            if not isinstance(m["tool_calls"], list):
+                raise ApiError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+            calls = []
+            for j, tc in enumerate(m["tool_calls"]):
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                if not isinstance(fn, dict) or tc.get("type", "function") != "function":
+                    raise ApiError(400, f"{where}.tool_calls[{j}] needs type 'function' and a 'function' object",
+                                   param=f"{where}.tool_calls")
+                if not isinstance(fn.get("arguments"), str):  # OpenAI sends and takes them as a JSON string
+                    raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON string, got "
+                                   f"{type(fn.get('arguments')).__name__}", param=f"{where}.tool_calls")
+                calls.append(_tool_call(fn.get("name"), fn["arguments"], tc.get("id"), f"{where}.tool_calls[{j}]"))
+            if calls:
+                msg["tool_calls"] = calls
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ApiError(400, f"{where}: a tool message needs the string 'tool_call_id' of the call it "
+                               f"answers, got {m.get('tool_call_id')!r:.100}", param=f"{where}.tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    _check_tool_answers(out, "openai")
+    return out
+
+
+def openai_tools(raw) -> list[dict] | None:
+    """Validate OpenAI `tools` ([{"type": "function", "function": {name, description?, parameters?}}])."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
+    tools = []
+    for i, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise ApiError(400, f"invalid tool schema at tools[{i}]: expected "
+                           "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}} (only function "
+                           "tools are supported)", param=f"tools[{i}]")
+        tools.append({"type": "function", "function": _tool_function(fn.get("name"), fn.get("description"),
+                                                                     fn.get("parameters"), f"tools[{i}]")})
+    return _unique_tools(tools)
+
+
+def _unique_tools(tools: list[dict]) -> list[dict] | None:
+    names = [t["function"]["name"] for t in tools]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ApiError(400, f"tool names must be unique; repeated: {dup}", param="tools")
+    return tools or None
+
+
+def _tool_function(name, description, parameters, where: str) -> dict:
+    if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
+        raise ApiError(400, f"invalid tool schema at {where}: name {name!r} must match ^[a-zA-Z0-9_-]{{1,64}}$",
+                       param=where)
+    if parameters is not None and (not isinstance(parameters, dict) or
+                                   parameters.get("type", "object") != "object"):
+        raise ApiError(400, f"invalid tool schema at {where}: parameters must be a JSON-schema object "
+                       f"({{'type': 'object', ...}}), got {parameters!r:.200}", param=where)
+    if description is not None and not isinstance(description, str):
+        raise ApiError(400, f"invalid tool schema at {where}: description must be a string", param=where)
+    fn = {"name": name}
+    if description is not None:
+        fn["description"] = description
+    fn["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
+    return fn
+
+
+def anthropic_messages(system, raw) -> list[dict]:
+    """Anthropic `system` + `messages` (text / tool_use / tool_result blocks) -> internal messages."""
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
+    out = []
+    if system:
+        out.append({"role": "system", "content": _text_of(system, "system"), "where": "system"})
+    for i, m in enumerate(raw):
+        where = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            role = m.get("role") if isinstance(m, dict) else None
+            raise ApiError(400, f"{where}.role is {role!r}; Anthropic messages take 'user' or 'assistant' "
+                           "(the system prompt goes in the top-level 'system' field)", param=f"{where}.role")
+        if m["role"] == "assistant" and i == len(raw) - 1:
+            raise ApiError(400, f"{where}: the conversation ends with an assistant message (prefill); this "
+                           "router does not support prefill: end with a user message", param=where)
+        content = m.get("content")
+        if isinstance(content, str):
+            if not content:
+                raise ApiError(400, f"{where}: all messages must have non-empty content", param=where)
+            out.append({"role": m["role"], "content": content, "where": where})
+            continue
+        if not isinstance(content, list) or not content:
+            raise ApiError(400, f"{where}.content must be a non-empty string or a non-empty list of content blocks",
+                           param=where)
+        texts, calls = [], []
+        for j, b in enumerate(content):
+            kind = b.get("type") if isinstance(b, dict) else None
+            bw = f"{where}.content.{j}"
+            if kind == "text" and isinstance(b.get("text"), str):
+                if not b["text"]:
+                    raise ApiError(400, f"{bw}: text content blocks must be non-empty", param=bw)
+                texts.append(b["text"])
+            elif kind == "tool_use" and m["role"] == "assistant":
+                if not isinstance(b.get("input"), dict):
+                    raise ApiError(400, f"{bw}: tool_use.input must be an object", param=bw)
+                calls.append(_tool_call(b.get("name"), b["input"], b.get("id"), bw))
+            elif kind == "tool_result" and m["role"] == "user":
+                if not isinstance(b.get("tool_use_id"), str):
+                    raise ApiError(400, f"{bw}: tool_result needs the string 'tool_use_id' of the call it answers",
+                                   param=bw)
+                # Tool results become tool messages, rendered by the template as <tool_response> blocks.
+                out.append({"role": "tool", "content": _text_of(b.get("content"), bw),
+                            "tool_call_id": b["tool_use_id"], "where": bw})
+            else:
+                raise ApiError(400, f"{bw} has unsupported block type {kind!r} for role {m['role']!r} "
+                               "(supported: text, tool_use in assistant turns, tool_result in user turns)", param=bw)
+        if texts or calls:
+            msg = {"role": m["role"], "content": "".join(texts), "where": where}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    _check_tool_answers(out, "anthropic")
+    return out
+
+
+def anthropic_tools(raw) -> list[dict] | None:
+    """Anthropic tools ([{name, description?, input_schema}]) -> the OpenAI tool format the template renders."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
+    tools = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict) or t.get("type", "custom") != "custom" or not isinstance(t.get("input_schema"), dict):
+            raise ApiError(400, f"invalid tool schema at tools.{i}: expected a client tool {{'name', 'description', "
+                           "'input_schema': {'type': 'object', ...}}} (server tools are not supported)",
+                           param=f"tools.{i}")
+        tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
+                                                                     t["input_schema"], f"tools.{i}")})
+    return _unique_tools(tools)
+
+
+# Top-level request fields, as the official SDKs' request types list them. An unknown field is refused,
+# naming the closest known one, as both APIs refuse it (a typo like `temprature` must not pass silently).
+# Known fields fall in three kinds: honoured (the handlers read them); inert (no effect on what is generated:
+# metadata, caching, billing hints), only type-checked; honoured only at their default value, because the
+# engine cannot do otherwise and ignoring them would hand the trainer a different sample than was asked for.
+_OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options",
+                    "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs"}
+_OPENAI_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
+                 "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str, "seed": int,
+                 "parallel_tool_calls": bool, "reasoning_effort": str, "verbosity": str, "moderation": dict}
+_OPENAI_DEFAULT_ONLY = {"n": [1], "top_logprobs": [0], "frequency_penalty": [0], "presence_penalty": [0],
+                        "logit_bias": [{}], "response_format": [{"type": "text"}], "modalities": [["text"]],
+                        "audio": [], "prediction": [], "web_search_options": [], "functions": [], "function_call": []}
+_ANTHROPIC_HONOURED = {"messages", "model", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
+                       "top_k", "tools", "tool_choice"}
+_ANTHROPIC_INERT = {"metadata": dict, "service_tier": str, "cache_control": dict, "inference_geo": str, "speed": str,
+                    "diagnostics": dict, "user_profile_id": str, "workspace_id": str, "container": (str, dict)}
+_ANTHROPIC_DEFAULT_ONLY = {"thinking": [{"type": "disabled"}], "output_config": [{}], "mcp_servers": [[]]}
+
+
+def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict) -> None:
+    for k, v in body.items():
+        if k in honoured:
+            continue
+        if k in inert:
+            if v is not None and (not isinstance(v, inert[k]) or isinstance(v, bool) and inert[k] is int):
+                raise ApiError(400, f"'{k}' must be of type {getattr(inert[k], '__name__', inert[k])}, got {v!r:.100}",
+                               param=k)
+        elif k in default_only:
+            if v is not None and v not in default_only[k]:
+                raise ApiError(400, f"'{k}'={v!r:.200} is not supported by this router (the engine cannot honour it);"
+                               f" leave it unset" + (f" or {default_only[k][0]!r}" if default_only[k] else ""), param=k)
+        else:
+            close = difflib.get_close_matches(k, sorted(honoured | set(inert) | set(default_only)), n=1)
+            raise ApiError(400, f"unrecognized request argument supplied: {k!r}" +
+                           (f"; did you mean {close[0]!r}?" if close else ""), param=k)
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise ApiError(400, f"'{name}' must be a boolean, got {v!r:.100}", param=name)
+    return bool(v)
+
+
+def _positive_int(v, name: str) -> int | None:
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ApiError(400, f"{name} must be a positive integer, got {v!r}", param=name)
+    return v
+
+
+def _stop_list(v, name: str, allow_str: bool = False) -> list[str] | None:
+    if v is None:
+        return None
+    v = [v] if (allow_str and isinstance(v, str)) else v
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise ApiError(400, f"{name} must be a list of non-empty strings{' (or one string)' if allow_str else ''}, "
+                       f"got {v!r:.200}", param=name)
+    return v
+
+
+def _sampling_overrides(body: dict, temperature_max: float) -> dict:
+    """Client sampling settings, validated. They override the recipe's for this turn: the engine samples with
+    them, but the logprobs it returns are still log_softmax of the raw logits (temperature 1, before top-k/top-p;
+    see rollout.py), the policy's logprob that the trainer recomputes. So a client temperature changes which
+    tokens are drawn (the rollout is then off-policy, which the IS corrections see), not the logprob numbers.
+    Ranges are the APIs': temperature [0, 2] (OpenAI) or [0, 1] (Anthropic), top_p [0, 1]."""
+    out = {}
+    for name, lo, hi in (("temperature", 0.0, temperature_max), ("top_p", 0.0, 1.0)):
+        v = body.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ApiError(400, f"{name} must be a number in [{lo}, {hi}], got {v!r}", param=name)
+        out[name] = float(v)
+    if out.get("top_p") == 0.0:  # the engines need a non-empty nucleus; top_p 0 keeps the single best token
+        out["top_p"], out["top_k"] = 1.0, 1
+    if body.get("top_k") is not None:
+        out["top_k"] = _positive_int(body["top_k"], "top_k")
+    return out
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat request, whichever API it came in."""
+    messages: list[dict]
+    tools: list[dict] | None
+    parse_tools: bool              # False for tool_choice "none": tool-call text stays text
+    max_tokens: int | None
+    overrides: dict                # the client's sampling settings for this turn
+    stop: list[str] | None
+    stream: bool
+    logprobs: bool = False         # OpenAI: return per-token logprobs
+    include_usage: bool = False    # OpenAI streaming: a final usage chunk
+
+
+def openai_request(body: dict) -> ChatRequest:
+    """A Chat Completions body, checked against what the OpenAI API accepts (and what the router can do)."""
+    _check_fields(body, _OPENAI_HONOURED, _OPENAI_INERT, _OPENAI_DEFAULT_ONLY)
+    if "messages" not in body:
+        raise ApiError(400, "missing required field 'messages'", param="messages")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
+    messages, tools = openai_messages(body["messages"]), openai_tools(body.get("tools"))
+    choice = body.get("tool_choice", "auto")
+    named = isinstance(choice, dict) and choice.get("type") == "function" and \
+        isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+    if not (named or choice in ("auto", "none", "required")):
+        raise ApiError(400, f"tool_choice {choice!r:.200} must be 'auto', 'none', 'required' or "
+                       "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if "tool_choice" in body and body["tool_choice"] is not None and not tools:
+        raise ApiError(400, "'tool_choice' is only allowed when 'tools' are specified", param="tool_choice")
+    if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
+        raise ApiError(400, f"tool_choice names {choice['function']['name']!r}, which is not among the tools",
+                       param="tool_choice")
+    stream, logprobs = _flag(body, "stream"), _flag(body, "logprobs")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true, as an object", param="stream_options")
+    include_usage = _flag(options or {}, "include_usage")
+    for name in ("max_tokens", "max_completion_tokens"):
+        _positive_int(body.get(name), name)
+    stop = _stop_list(body.get("stop"), "stop", allow_str=True)
+    if stop is not None and len(stop) > 4:
+        raise ApiError(400, f"'stop' takes at most 4 sequences, got {len(stop)}", param="stop")
+    return ChatRequest(messages, tools, choice != "none", body.get("max_completion_tokens") or body.get("max_tokens"),
+                       _sampling_overrides(body, temperature_max=2.0), stop, stream, logprobs, include_usage)
+
+
+def anthropic_request(body: dict) -> ChatRequest:
+    """A Messages body, checked against what the Anthropic API accepts (and what the router can do)."""
+    _check_fields(body, _ANTHROPIC_HONOURED, _ANTHROPIC_INERT, _ANTHROPIC_DEFAULT_ONLY)
+    for name in ("messages", "max_tokens"):
+        if name not in body:
+            raise ApiError(400, f"missing required field '{name}'", param=name)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
+    if body["max_tokens"] == 0:
+        raise ApiError(400, "max_tokens=0 (prompt-cache pre-warming) is not supported by this router; ask for "
+                       ">= 1 token", param="max_tokens")
+    if body["max_tokens"] is None:
+        raise ApiError(400, "max_tokens must be a positive integer, got None", param="max_tokens")
+    msgs, tools = anthropic_messages(body.get("system"), body["messages"]), anthropic_tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+            raise ApiError(400, f"tool_choice {choice!r:.200} must be {{'type': 'auto' | 'any' | 'tool' | 'none'}}",
+                           param="tool_choice")
+        if choice["type"] == "tool" and choice.get("name") not in {t["function"]["name"] for t in tools or ()}:
+            raise ApiError(400, f"tool_choice names {choice.get('name')!r}, which is not among the tools",
+                           param="tool_choice")
+    stop = body.get("stop_sequences")
+    if stop is not None and not isinstance(stop, list):
+        raise ApiError(400, f"'stop_sequences' must be a list of strings, got {stop!r:.100}", param="stop_sequences")
+    return ChatRequest(msgs, tools, (choice or {}).get("type") != "none",
+                       _positive_int(body["max_tokens"], "max_tokens"), _sampling_overrides(body, temperature_max=1.0),
+                       _stop_list(stop, "stop_sequences"), _flag(body, "stream"))
+
+
+# ----------------------------------------------------------------------------------------------
+# response shapes: OpenAI chat.completion(.chunk) and Anthropic message (+ stream events)
+
+
+def _openai_tool_calls(turn: Turn) -> list[dict]:
+    # OpenAI sends arguments as a JSON string; internally they are a dict so histories compare by value.
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+            for c in turn.tool_calls]
+
+
+def _finish_openai(turn: Turn) -> str:
+    return "tool_calls" if turn.tool_calls else ("length" if turn.finish_reason == "length" else "stop")
+
+
+def _finish_anthropic(turn: Turn) -> str:
+    if turn.tool_calls:
+        return "tool_use"
+    if turn.stop_sequence is not None:
+        return "stop_sequence"
+    return "max_tokens" if turn.finish_reason == "length" else "end_turn"
+
+
+def _openai_logprobs(chat: ChatFormat, turn: Turn) -> dict:
+    """Per-token logprobs of the sampled tokens (no top_logprobs: the engine returns only the sampled one)."""
+    content = []
+    for tid, lp in zip(turn.output_ids, turn.logprobs):
+        text = chat.decode([tid], skip_special_tokens=False)
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+def openai_response(chat: ChatFormat, turn: Turn, model: str, logprobs: bool) -> dict:
+    message = {"role": "assistant", "content": turn.content if (turn.content or not turn.tool_calls) else None}
+    if turn.tool_calls:
+        message["tool_calls"] = _openai_tool_calls(turn)
+    return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, "message": message, "finish_reason": _finish_openai(turn),
+                                         "logprobs": _openai_logprobs(chat, turn) if logprobs else None}],
+            "usage": {"prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.output_ids),
+                      "total_tokens": turn.prompt_tokens + len(turn.output_ids)}}
+
+
+def openai_stream(chat: ChatFormat, turn: Turn, model: str, logprobs: bool, include_usage: bool):
+    """The chunk sequence of a streamed reply: role, content, tool calls, finish, [usage], [DONE]."""
+    base = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model}
+
+    def chunk(delta, finish=None, lp=None):
+        return "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                                           "logprobs": lp}]}) + "\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    if turn.content:
+        yield chunk({"content": turn.content}, lp=_openai_logprobs(chat, turn) if logprobs else None)
+    for i, c in enumerate(_openai_tool_calls(turn)):
+        yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                     "function": {"name": c["function"]["name"], "arguments": ""}}]})
+        yield chunk({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
+    yield chunk({}, finish=_finish_openai(turn))
+    if include_usage:
+        usage = {"prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.output_ids),
+                 "total_tokens": turn.prompt_tokens + len(turn.output_ids)}
+        yield "data: " + json.dumps({**base, "choices": [], "usage": usage}) + "\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _anthropic_blocks(turn: Turn) -> list[dict]:
+    blocks = [{"type": "text", "text": turn.content}] if (turn.content or not turn.tool_calls) else []
+    for c in turn.tool_calls:
+        blocks.append({"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"),
+                       "name": c["function"]["name"], "input": c["function"]["arguments"]})
+    return blocks
+
+
+def anthropic_response(turn: Turn, model: str) -> dict:
+    return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": model,
+            "content": _anthropic_blocks(turn), "stop_reason": _finish_anthropic(turn),
+            "stop_sequence": turn.stop_sequence,
+            "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": len(turn.output_ids)}}
+
+
+def anthropic_stream(turn: Turn, model: str):
+    """message_start, per block (start, delta, stop), message_delta, message_stop."""
+    def event(kind, body):
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **body})}\n\n"
+
+    msg = anthropic_response(turn, model)
+    yield event("message_start", {"message": {**msg, "content": [], "stop_reason": None,
+                                              "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": 0}}})
+    for i, b in enumerate(msg["content"]):
+        if b["type"] == "text":
+            yield event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
+            if b["text"]:
+                yield event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": b["text"]}})
+        else:
+            yield event("content_block_start", {"index": i, "content_block": {**b, "input": {}}})
+            yield event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
+                                                                       "partial_json": json.dumps(b["input"])}})
+        yield event("content_block_stop", {"index": i})
+    yield event("message_delta", {"delta": {"stop_reason": msg["stop_reason"], "stop_sequence": msg["stop_sequence"]},
+                                  "usage": {"output_tokens": len(turn.output_ids)}})
+    yield event("message_stop", {})
+
+
+# ----------------------------------------------------------------------------------------------
+# OpenAI Responses API (POST /v1/responses): input items in, output items out, same TITO path
+
+
+def _response_parts_text(content, where: str) -> str:
+    """Responses content: a string, or parts of type input_text / output_text / text."""
+    if isinstance(content, list):
+        content = [{"type": "text", "text": p.get("text")} if isinstance(p, dict) and
+                   p.get("type") in ("input_text", "output_text", "text") else p for p in content]
+    return _text_of(content, where)
+
+
+def responses_messages(instructions, raw, previous: list[dict] | None) -> list[dict]:
+    """Responses `input` (a string, or a list of message / function_call / function_call_output items) after the
+    conversation of `previous_response_id` -> internal messages; `instructions` become the system message (they
+    are not carried over from the previous response, as in the API)."""
+    msgs = [m for m in (previous or []) if m["role"] != "system"]
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise ApiError(400, f"'instructions' must be a string, got {type(instructions).__name__}",
+                           param="instructions")
+        msgs.insert(0, {"role": "system", "content": instructions})
+    if isinstance(raw, str):
+        raw = [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'input' must be a non-empty string or list of input items", param="input")
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(400, f"{where} must be an object, got {type(item).__name__}", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("system", "user", "assistant"):
+                raise ApiError(400, f"{where}.role is {item.get('role')!r}; expected user, assistant, system or "
+                               "developer", param=f"{where}.role")
+            if role == "system" and msgs:
+                raise ApiError(400, f"{where}: a system/developer message is only allowed first; use "
+                               "'instructions'", param=where)
+            msgs.append({"role": role, "content": _response_parts_text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = _tool_call(item.get("name"), item.get("arguments", "{}"), item.get("call_id"), where)
+            if msgs and msgs[-1]["role"] == "assistant":  # several calls of one turn join its message
+                msgs[-1].setdefault("tool_calls", []).append(call)
+            else:
+                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            issued = {c["id"] for m in msgs for c in m.get("tool_calls") or ()}
+            if item.get("call_id") not in issued:
+                raise ApiError(400, f"{where}: no function_call with call_id {item.get('call_id')!r} precedes this "
+                               "output", param=f"{where}.call_id")
+            output = item.get("output")
+            msgs.append({"role": "tool", "tool_call_id": item["call_id"],
+                         "content": output if isinstance(output, str) else _response_parts_text(output, where)})
+        elif kind == "reasoning":
+            continue  # the template has no place for it; the model's own tokens already hold its reasoning
+        else:
+            raise ApiError(400, f"{where}.type is {kind!r}; supported: message, function_call, "
+                           "function_call_output, reasoning", param=f"{where}.type")
+    return msgs
+
+
+def responses_tools(raw) -> list[dict] | None:
+    """Responses function tools ({"type": "function", "name", "description", "parameters"}) -> internal."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
+    tools = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise ApiError(400, f"tools[{i}] has type {kind!r}; only function tools are supported", param=f"tools[{i}]")
+        tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
+                                                                     t.get("parameters"), f"tools[{i}]")})
+    return tools or None
+
+
+def responses_request(body: dict, previous: dict[str, list[dict]]) -> ChatRequest:
+    """A Responses body -> ChatRequest; `previous` maps the session's response ids to their conversations (the
+    API's `previous_response_id` reaches only responses of the same session)."""
+    if "input" not in body:
+        raise ApiError(400, "missing required field 'input'", param="input")
+    prev = body.get("previous_response_id")
+    if prev is not None and prev not in previous:
+        raise ApiError(400, f"previous_response_id {prev!r} is not a response of this session",
+                       param="previous_response_id", code="previous_response_not_found")
+    msgs = responses_messages(body.get("instructions"), body["input"], previous.get(prev))
+    return ChatRequest(msgs, responses_tools(body.get("tools")), body.get("tool_choice", "auto") != "none",
+                       _positive_int(body.get("max_output_tokens"), "max_output_tokens"),
+                       _sampling_overrides(body, temperature_max=2.0), None, bool(body.get("stream")))
+
+
+def responses_output(turn: Turn) -> list[dict]:
+    """The output items of a turn: a message (its text) and one function_call item per tool call."""
+    out = []
+    if turn.content or not turn.tool_calls:
+        out.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
+                    "content": [{"type": "output_text", "text": turn.content, "annotations": [], "logprobs": []}]})
+    for c in turn.tool_calls:
+        out.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"],
+                    "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"]),
+                    "status": "completed"})
+    return out
+
+
+def responses_response(turn: Turn, model: str, rid: str, body: dict, output: list[dict]) -> dict:
+    incomplete = turn.finish_reason == "length" and not turn.tool_calls
+    n = len(turn.output_ids)
+    return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
+            "status": "incomplete" if incomplete else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
+            "output": output, "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
+            "previous_response_id": body.get("previous_response_id"), "parallel_tool_calls": True,
+            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "text": {"format": {"type": "text"}},
+            "usage": {"input_tokens": turn.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": turn.prompt_tokens + n}}
+
+
+def responses_stream(response: dict):
+    """The event sequence of a streamed response (the turn is already generated): created, in_progress, each
+    item added / its text or arguments / done, completed; every event numbered."""
+    seq = iter(range(10 ** 9))
+
+    def event(kind, **body):
+        return f"event: {kind}\ndata: " + json.dumps({"type": kind, "sequence_number": next(seq), **body}) + "\n\n"
+
+    yield event("response.created", response={**response, "status": "in_progress", "output": []})
+    yield event("response.in_progress", response={**response, "status": "in_progress", "output": []})
+    for i, item in enumerate(response["output"]):
+        if item["type"] == "message":
+            part = item["content"][0]
+            yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
+                                                                             "content": []})
+            where = dict(item_id=item["id"], output_index=i, content_index=0)
+            yield event("response.content_part.added", **where, part={**part, "text": ""})
+            if part["text"]:
+                yield event("response.output_text.delta", **where, delta=part["text"], logprobs=[])
+            yield event("response.output_text.done", **where, text=part["text"], logprobs=[])
+            yield event("response.content_part.done", **where, part=part)
+        else:
+            yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
+                                                                             "arguments": ""})
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                        delta=item["arguments"])
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                        arguments=item["arguments"], name=item["name"])
+        yield event("response.output_item.done", output_index=i, item=item)
+    yield event("response.completed", response=response)
