@@ -152,6 +152,13 @@ def test_critic_starts_at_zero_learns_and_resumes_from_a_checkpoint(ray_session,
         losses = [m["critic/value_loss"] for m in steps]
         assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.7 * losses[0], losses
         assert steps[-1]["critic/vf_explained_var"] > 0.2, [m["critic/vf_explained_var"] for m in steps]
+        # V(s_t) is the value of the context BEFORE response token t: changing token 3 leaves V_0..V_3 as they
+        # were and changes what follows (a head read one position late would see token t in V(s_t))
+        s = max(batch, key=lambda x: len(x["response_ids"]))
+        edited = {**s, "response_ids": s["response_ids"][:3] + [(s["response_ids"][3] + 1) % 300 + 10]
+                  + s["response_ids"][4:]}
+        [(va, vb)] = [ranks.call("compute_values", [s, edited])[0]]
+        assert torch.equal(va[:4], vb[:4]) and not torch.equal(va[4:], vb[4:]), (va, vb)
 
         ranks.call("save_checkpoint", str(tmp_path / "ckpt"))
         [saved] = ranks.call("compute_values", batch)
