@@ -7,8 +7,9 @@ in loongsage.py. What each test proves:
   equal to the return-to-go whatever V is when lam = 1; `algos.explained_variance` by hand;
 * `--check` accepts `advantage: gae` and rejects its knobs' bad values and the combinations it cannot serve;
 * the worker (real Megatron-Core over gloo in Ray actors): a fresh critic says V = 0, so the first value loss
-  is 1/2 mean R^2 of the batch's rewards, exactly; repeated steps on one batch lower it; a checkpoint restores
-  the critic bit-exactly; TP=2 and DP=2 give TP=1's critic step;
+  is 1/2 mean R^2 of the batch's rewards, exactly (also for a compacted trajectory's segments and per-turn
+  rewards with gamma < 1); repeated steps on one batch lower it; V(s_t) does not see token t; a checkpoint
+  restores the critic bit-exactly; TP=2 and DP=2 give TP=1's critic step;
 * end to end on the tiny task: `advantage: gae` trains policy and critic for a few steps with finite metrics
   and a value loss that falls.
 Runs in ~3 min on 2 CPU cores: `.venv/bin/python -m pytest -q tests/test_critic.py`.
@@ -175,6 +176,29 @@ def test_critic_starts_at_zero_learns_and_resumes_from_a_checkpoint(ray_session,
         assert again["critic/value_loss"] == pytest.approx(steps[-1]["critic/value_loss"], rel=0.5)
     finally:
         ranks.close()
+
+
+def test_critic_targets_of_segments_and_turn_rewards_by_hand(ray_session, tiny_model_dir):
+    """A compacted trajectory (two segments) with per-turn rewards, gamma 0.5, lam 1, a fresh critic (V = 0): the
+    first value loss is 1/2 sum R^2 / N over every trained row, R the discounted return-to-go of the rewards."""
+    from test_segments import compacted, seg
+    batch = [{**compacted(0, 1.0, 0), "turn_rewards": [0.5, 1.0]}, {**compacted(0, 0.0, 1), "segments": []},
+             {**seg([5, 6], [7, 8, 9], [1, 1, 1]), "reward": 1.0, "group_id": 1, "sample_index": 0, "segments": []},
+             {**seg([5, 6], [7, 9, 9], [1, 1, 1]), "reward": 0.0, "group_id": 1, "sample_index": 1, "segments": []}]
+    # trajectory 0, last segment, mask [1,1,0,0,1,1]: turn rewards 0.5 on token 1, 1.0 on token 5 (tool tokens are
+    #   not steps): G5 = 1, G4 = 0.5, G1 = 0.5 + 0.5*0.5 = 0.75, G0 = 0.375; its early segment (3 tokens) regresses
+    #   on G0 = 0.375 (the return where the last segment starts), as it shares the advantage there
+    # trajectory 1: reward 0 -> 0 on its 4 tokens; trajectory 2: outcome 1 on token 2 -> [0.25, 0.5, 1]; 3: zeros
+    squares = (0.375 ** 2 + 0.75 ** 2 + 0.5 ** 2 + 1) + 3 * 0.375 ** 2 + (0.25 ** 2 + 0.5 ** 2 + 1)  # 3.6875
+    ranks = Ranks(make_cfg(**{**GAE, "gamma": 0.5, "global_batch_size": 4}), 1)
+    try:
+        ranks.call("load_hf", tiny_model_dir)
+        [m] = ranks.call("train_step", batch, 0)
+    finally:
+        ranks.close()
+    assert m["train/rows"] == 5 and m["train/num_minibatches"] == 1
+    assert m["critic/value_loss"] == pytest.approx(0.5 * squares / 17, abs=1e-6)  # 17 model tokens in 5 rows
+    assert math.isfinite(m["train/loss"]) and m["critic/values_mean"] == 0.0
 
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel=2, trainer_workers=2), dict(trainer_workers=2)],
