@@ -12,7 +12,7 @@ in loongsage.py. What each test proves:
   restores the critic bit-exactly; TP=2 and DP=2 give TP=1's critic step; tied-embedding and MoE models work;
 * end to end on the tiny task: `advantage: gae` trains policy and critic for a few steps with finite metrics
   and a value loss that falls.
-Runs in ~8 min on 2 CPU cores: `.venv/bin/python -m pytest -q tests/test_critic.py`.
+Runs in ~4 min on 2 CPU cores: `.venv/bin/python -m pytest -q tests/test_critic.py`.
 """
 import json
 import math
@@ -115,6 +115,38 @@ def test_check_accepts_gae_and_rejects_what_the_critic_cannot_serve():
     assert ok.returncode == 0 and "config OK" in ok.stdout, ok.stderr
 
 
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+def test_end_to_end_gae_run_trains_the_critic(tmp_path, monkeypatch):
+    """A few steps of the tiny arithmetic recipe with `advantage: gae`: the real pipeline (Ray, Megatron-Core, the
+    CPU engine over HTTP, TransferMesh). The reward (tests.rewards.text_hash, in [0, 1)) differs between any two
+    responses, so each step has something to regress on; the critic starts at V = 0, so its first loss is
+    1/2 E[R^2] and it falls as the values find the rewards' level. It runs before the worker tests: it starts
+    and stops a Ray of its own."""
+    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
+    tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=128, norm_std=0.2)
+    cfg = loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
+        f"output_dir={tmp_path}/run", "num_steps=4", "prompts_per_step=4", "samples_per_prompt=4",
+        "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=6", "eval_every=0", "warmstart_steps=2",
+        "warmstart_batch_size=8", "lr=1e-3", "print_every=0", "reward=tests.rewards.text_hash",
+        f"tiny_model={json.dumps(tiny)}", "advantage=gae", "adv_norm=batch", "critic_lr=3e-3", "critic_warmup_steps=1"])
+    try:
+        history = loongsage.train(cfg)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    steps = [h for h in history if "critic/value_loss" in h]
+    assert len(steps) == 4
+    for h in steps:
+        assert all(math.isfinite(v) for k, v in h.items() if k.startswith(("critic/", "train/"))), h
+    assert "train/loss" not in steps[0] and all("train/loss" in h for h in steps[1:])  # warm-up: the critic alone
+    assert steps[0]["critic/values_mean"] == 0.0  # the zero head
+    losses = [h["critic/value_loss"] for h in steps]
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
 # ------------------------------------------------------------------------------------------------ the worker
 
 
@@ -126,59 +158,63 @@ def ray_session():
     ray.shutdown()
 
 
-# gamma = lam = 1, one mini-batch of the whole batch: the critic's target is each sample's reward on every model
-# token, and its first forward is V_old itself. kl_coef 0: no reference model. critic_lr large enough that a
-# few steps on one batch move the values visibly.
-GAE = dict(advantage="gae", adv_norm="batch", gamma=1.0, lam=1.0, kl_coef=0.0, critic_lr=1e-2, value_clip=0.2,
+# gamma 0.5, lam 1: the critic's target is the discounted return-to-go whatever V is. One mini-batch (up to 8
+# samples): the critic's first forward of a step is V_old itself. kl_coef 0: no reference model. critic_lr large
+# enough that a few steps on one batch move the values visibly.
+GAE = dict(advantage="gae", adv_norm="batch", gamma=0.5, lam=1.0, kl_coef=0.0, critic_lr=1e-2, value_clip=0.2,
            global_batch_size=8)
 
 
-def test_critic_starts_at_zero_learns_and_resumes_from_a_checkpoint(ray_session, tiny_model_dir, tmp_path):
-    batch = make_batch()  # 8 samples in 4 groups, rewards 0/1, tool tokens inside some responses
+@pytest.fixture(scope="module")
+def one(ray_session):
+    """One rank (TP=1, DP=1) with GAE, reused by the worker tests: each starts with a fresh load_hf."""
     ranks = Ranks(make_cfg(**GAE), 1)
-    try:
-        [info] = ranks.call("load_hf", tiny_model_dir)
-        assert info["critic"] and not info["reference"]
-        [v0] = ranks.call("compute_values", batch)
-        assert all(torch.equal(v, torch.zeros(len(s["response_ids"]))) for v, s in zip(v0, batch))  # zero head
-        # V = 0, gamma = lam = 1: R_t = r_i on every model token, and the loss is 1/2 sum_i n_i r_i^2 / sum_i n_i
-        n = [sum(s["loss_mask"]) for s in batch]
-        expect = 0.5 * sum(k * s["reward"] ** 2 for k, s in zip(n, batch)) / sum(n)
-        steps = [ranks.call("train_step", batch, i)[0] for i in range(5)]
-        first = steps[0]
-        assert first["critic/value_loss"] == pytest.approx(expect, abs=1e-6)
-        assert first["critic/values_mean"] == 0.0 and first["critic/vf_explained_var"] == pytest.approx(0.0)
-        assert first["critic/clipfrac"] == 0.0 and first["critic/grad_norm"] > 0 and first["critic/lr"] == 1e-2
-        assert first["train/optim_steps"] == 1 and math.isfinite(first["train/loss"])  # the policy trained too
-        losses = [m["critic/value_loss"] for m in steps]
-        assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.7 * losses[0], losses
-        assert steps[-1]["critic/vf_explained_var"] > 0.2, [m["critic/vf_explained_var"] for m in steps]
-        # V(s_t) is the value of the context BEFORE response token t: changing token 3 leaves V_0..V_3 as they
-        # were and changes what follows (a head read one position late would see token t in V(s_t))
-        s = max(batch, key=lambda x: len(x["response_ids"]))
-        edited = {**s, "response_ids": s["response_ids"][:3] + [(s["response_ids"][3] + 1) % 300 + 10]
-                  + s["response_ids"][4:]}
-        [(va, vb)] = [ranks.call("compute_values", [s, edited])[0]]
-        assert torch.equal(va[:4], vb[:4]) and not torch.equal(va[4:], vb[4:]), (va, vb)
-
-        ranks.call("save_checkpoint", str(tmp_path / "ckpt"))
-        [saved] = ranks.call("compute_values", batch)
-        ranks.call("train_step", batch, 5)  # moves the critic on
-        [moved] = ranks.call("compute_values", batch)
-        assert any(not torch.equal(a, b) for a, b in zip(saved, moved))
-        ranks.call("load_hf", tiny_model_dir)  # a fresh model, as after a restart: the critic is back at V = 0
-        ranks.call("load_checkpoint", str(tmp_path / "ckpt"))
-        [restored] = ranks.call("compute_values", batch)
-        assert all(torch.equal(a, b) for a, b in zip(saved, restored))
-        [again] = ranks.call("train_step", batch, 5)  # the critic's optimizer state came back too
-        [moved_again] = ranks.call("compute_values", batch)
-        assert all(torch.equal(a, b) for a, b in zip(moved, moved_again))
-        assert again["critic/value_loss"] == pytest.approx(steps[-1]["critic/value_loss"], rel=0.5)
-    finally:
-        ranks.close()
+    yield ranks
+    ranks.close()
 
 
-def test_critic_targets_of_segments_and_turn_rewards_by_hand(ray_session, tiny_model_dir):
+def test_critic_starts_at_zero_learns_and_resumes_from_a_checkpoint(one, tiny_model_dir, tmp_path):
+    batch = make_batch()  # 8 samples in 4 groups, rewards 0/1, tool tokens inside some responses
+    [info] = one.call("load_hf", tiny_model_dir)
+    assert info["critic"] and not info["reference"]
+    [v0] = one.call("compute_values", batch)
+    assert all(torch.equal(v, torch.zeros(len(s["response_ids"]))) for v, s in zip(v0, batch))  # zero head
+    # V = 0: the outcome r sits on the last model token, so the j-th model token from the end has R = r * 0.5^j
+    # (tool tokens are not steps); the loss is 1/2 sum R^2 / N over the batch's model tokens
+    n = [sum(s["loss_mask"]) for s in batch]
+    expect = 0.5 * sum(sum((s["reward"] * 0.5 ** j) ** 2 for j in range(k)) for k, s in zip(n, batch)) / sum(n)
+    steps = [one.call("train_step", batch, i)[0] for i in range(5)]
+    first = steps[0]
+    assert first["critic/value_loss"] == pytest.approx(expect, abs=1e-6)
+    assert first["critic/values_mean"] == 0.0 and first["critic/vf_explained_var"] == pytest.approx(0.0)
+    assert first["critic/clipfrac"] == 0.0 and first["critic/grad_norm"] > 0 and first["critic/lr"] == 1e-2
+    assert first["train/optim_steps"] == 1 and math.isfinite(first["train/loss"])  # the policy trained too
+    losses = [m["critic/value_loss"] for m in steps]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.7 * losses[0], losses
+    assert steps[-1]["critic/vf_explained_var"] > 0.2, [m["critic/vf_explained_var"] for m in steps]
+    # V(s_t) is the value of the context BEFORE response token t: changing token 3 leaves V_0..V_3 as they
+    # were and changes what follows (a head read one position late would see token t in V(s_t))
+    s = max(batch, key=lambda x: len(x["response_ids"]))
+    edited = {**s, "response_ids": s["response_ids"][:3] + [(s["response_ids"][3] + 1) % 300 + 10]
+              + s["response_ids"][4:]}
+    [(va, vb)] = [one.call("compute_values", [s, edited])[0]]
+    assert torch.equal(va[:4], vb[:4]) and not torch.equal(va[4:], vb[4:]), (va, vb)
+
+    one.call("save_checkpoint", str(tmp_path / "ckpt"))
+    [saved] = one.call("compute_values", batch)
+    [m5] = one.call("train_step", batch, 5)  # moves the critic on
+    [moved] = one.call("compute_values", batch)
+    assert any(not torch.equal(a, b) for a, b in zip(saved, moved))
+    one.call("load_hf", tiny_model_dir)  # a fresh model, as after a restart: the critic is back at V = 0
+    one.call("load_checkpoint", str(tmp_path / "ckpt"))
+    [restored] = one.call("compute_values", batch)
+    assert all(torch.equal(a, b) for a, b in zip(saved, restored))
+    [again] = one.call("train_step", batch, 5)  # the critic's optimizer state came back too: the same step again
+    [moved_again] = one.call("compute_values", batch)
+    assert all(torch.equal(a, b) for a, b in zip(moved, moved_again)) and again == m5
+
+
+def test_critic_targets_of_segments_and_turn_rewards_by_hand(one, tiny_model_dir):
     """A compacted trajectory (two segments) with per-turn rewards, gamma 0.5, lam 1, a fresh critic (V = 0): the
     first value loss is 1/2 sum R^2 / N over every trained row, R the discounted return-to-go of the rewards."""
     from test_segments import compacted, seg
@@ -190,52 +226,39 @@ def test_critic_targets_of_segments_and_turn_rewards_by_hand(ray_session, tiny_m
     #   on G0 = 0.375 (the return where the last segment starts), as it shares the advantage there
     # trajectory 1: reward 0 -> 0 on its 4 tokens; trajectory 2: outcome 1 on token 2 -> [0.25, 0.5, 1]; 3: zeros
     squares = (0.375 ** 2 + 0.75 ** 2 + 0.5 ** 2 + 1) + 3 * 0.375 ** 2 + (0.25 ** 2 + 0.5 ** 2 + 1)  # 3.6875
-    ranks = Ranks(make_cfg(**{**GAE, "gamma": 0.5, "global_batch_size": 4}), 1)
-    try:
-        ranks.call("load_hf", tiny_model_dir)
-        [m] = ranks.call("train_step", batch, 0)
-    finally:
-        ranks.close()
+    one.call("load_hf", tiny_model_dir)
+    [m] = one.call("train_step", batch, 0)
     assert m["train/rows"] == 5 and m["train/num_minibatches"] == 1
     assert m["critic/value_loss"] == pytest.approx(0.5 * squares / 17, abs=1e-6)  # 17 model tokens in 5 rows
     assert math.isfinite(m["train/loss"]) and m["critic/values_mean"] == 0.0
 
 
-def test_critic_on_tied_embeddings_and_moe(ray_session, tmp_path):
+def test_critic_on_tied_embeddings_and_moe(one, tmp_path):
     """The value head replaces a tied LM head (Llama, tie_word_embeddings) and sits on an MoE trunk (Qwen3-MoE,
     padding kept out of routing) alike: both start at V = 0 and learn."""
     from test_trainer import _tiny_family
     batch = make_batch(2, 2, seed=1, vocab=128)
-    ranks = Ranks(make_cfg(**{**GAE, "global_batch_size": 4}), 1)
-    try:
-        for kind in ("llama_tied", "qwen3_moe"):
-            [info] = ranks.call("load_hf", _tiny_family(kind, tmp_path))
-            assert info["critic"], kind
-            ms = [ranks.call("train_step", batch, i)[0] for i in range(3)]
-            [v] = ranks.call("compute_values", batch)
-            assert ms[0]["critic/values_mean"] == 0.0 and ms[0]["critic/grad_norm"] > 0, kind
-            assert all(math.isfinite(m["critic/value_loss"]) for m in ms), kind
-            assert all(bool(torch.isfinite(x).all()) for x in v) and any(bool((x != 0).any()) for x in v), kind
-    finally:
-        ranks.close()
+    for kind in ("llama_tied", "qwen3_moe"):
+        [info] = one.call("load_hf", _tiny_family(kind, tmp_path))
+        assert info["critic"], kind
+        ms = [one.call("train_step", batch, i)[0] for i in range(3)]
+        [v] = one.call("compute_values", batch)
+        assert ms[0]["critic/values_mean"] == 0.0 and ms[0]["critic/grad_norm"] > 0, kind
+        assert all(math.isfinite(m["critic/value_loss"]) for m in ms), kind
+        assert all(bool(torch.isfinite(x).all()) for x in v) and any(bool((x != 0).any()) for x in v), kind
 
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel=2, trainer_workers=2), dict(trainer_workers=2)],
                          ids=["tp2", "dp2"])
-def test_critic_step_with_tp2_and_dp2_matches_one_rank(ray_session, tiny_model_dir, layout):
-    # two mini-batches of two groups (global_batch_size 4): two critic optimizer steps; DP=2 deals one group of
-    # each to every rank, so a DP average instead of a sum would halve the critic's grad norm
+def test_critic_step_with_tp2_and_dp2_matches_one_rank(one, tiny_model_dir, layout):
+    # one mini-batch of four groups; DP=2 deals two groups to every rank, so a DP average instead of a sum would
+    # halve the critic's grad norm
     batch = make_batch()
-    cfg = {**GAE, "global_batch_size": 4}
-    one = Ranks(make_cfg(**cfg), 1)
-    try:
-        one.call("load_hf", tiny_model_dir)
-        one.call("train_step", batch, 0)  # a first step moves V off 0, so the second one has clipping and GAE work
-        [m1] = one.call("train_step", batch, 1)
-        [v1] = one.call("compute_values", batch)
-    finally:
-        one.close()
-    two = Ranks(make_cfg(**cfg, **layout), 2)
+    one.call("load_hf", tiny_model_dir)
+    one.call("train_step", batch, 0)  # a first step moves V off 0, so the second one has clipping and GAE work
+    [m1] = one.call("train_step", batch, 1)
+    [v1] = one.call("compute_values", batch)
+    two = Ranks(make_cfg(**GAE, **layout), 2)
     try:
         two.call("load_hf", tiny_model_dir)
         two.call("train_step", batch, 0)
@@ -249,34 +272,3 @@ def test_critic_step_with_tp2_and_dp2_matches_one_rank(ray_session, tiny_model_d
         assert m2a[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
     assert max(float((a - b).abs().max()) for a, b in zip(v1, v2)) < 1e-4
     assert all(torch.equal(a, b) for a, b in zip(v2, v2b))
-
-
-# ------------------------------------------------------------------------------------------------ end to end
-
-
-def test_end_to_end_gae_run_trains_the_critic(tmp_path, monkeypatch):
-    """A few steps of the tiny arithmetic recipe with `advantage: gae`: the real pipeline (Ray, Megatron-Core,
-    the CPU engine over HTTP, TransferMesh). The reward (tests.rewards.text_hash, in [0, 1)) differs between any
-    two responses, so each step has something to regress on; the critic starts at V = 0, so its first loss is
-    1/2 E[R^2] and it falls as the values find the rewards' level."""
-    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
-    tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                intermediate_size=128, norm_std=0.2)
-    cfg = loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
-        f"output_dir={tmp_path}/run", "num_steps=5", "prompts_per_step=4", "samples_per_prompt=4",
-        "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=6", "eval_every=0", "warmstart_steps=2",
-        "warmstart_batch_size=8", "lr=1e-3", "print_every=0", "reward=tests.rewards.text_hash",
-        f"tiny_model={json.dumps(tiny)}", "advantage=gae", "adv_norm=batch", "critic_lr=3e-3", "critic_warmup_steps=1"])
-    try:
-        history = loongsage.train(cfg)
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-    steps = [h for h in history if "critic/value_loss" in h]
-    assert len(steps) == 5
-    for h in steps:
-        assert all(math.isfinite(v) for k, v in h.items() if k.startswith(("critic/", "train/"))), h
-    assert "train/loss" not in steps[0] and all("train/loss" in h for h in steps[1:])  # warm-up: the critic alone
-    assert steps[0]["critic/values_mean"] == 0.0  # the zero head
-    losses = [h["critic/value_loss"] for h in steps]
-    assert losses[-1] < 0.6 * losses[0], losses
