@@ -7,9 +7,9 @@ family (`compute_advantages`, `_pg_token_loss`, `aggregate`, `kl_estimate`, `is_
 `shape_rewards`); `validate(cfg)` rejects unknown names and invalid combinations before anything runs.
 
 The trainer calls five entry points (fixed in the interface notes): `validate`, `compute_advantages`,
-`policy_loss`, `gap_metrics`, `sft_loss`; with `advantage: gae` also the critic's `gae_returns`, `value_loss` and
-`explained_variance` (the value model itself lives in trainer.py). The controller uses the reward shaping and group filters
-(`shape_rewards`, `filter_groups`, `groups_to_request`); the Teacher Manager's objective uses
+`policy_loss`, `gap_metrics`, `sft_loss`; with `advantage: gae` also the critic's `gae_returns`, `value_loss`
+and `explained_variance` (the value model itself lives in trainer.py). The controller uses the reward shaping
+and group filters (`shape_rewards`, `filter_groups`, `groups_to_request`); the Teacher Manager's objective uses
 `distill_advantage`, `distill_loss`, `opd_objective` (and `mixture_logp` for ensembles).
 
 Conventions (stated once here, repeated where a loss consumes them):

@@ -1065,8 +1065,9 @@ class TrainerWorker:
                                           int(cfg.max_new_tokens))  # (B_traj,)
             tok_r = turn_token_rewards(cfg, [local[j] for j in lasts], rewards, lb["loss_mask"])  # (B_traj, R) or None
             adv = algos.compute_advantages(cfg, rewards, lb["group_ids"], lb["loss_mask"],
-                                           old_logp=lb["old_logp"], ref_logp=lb.get("ref_logp"), values=lb.get("values"),
-                                           token_rewards=tok_r, dp_group=dp_group)  # (B_traj, R) 0 where loss_mask == 0
+                                           old_logp=lb["old_logp"], ref_logp=lb.get("ref_logp"),
+                                           values=lb.get("values"), token_rewards=tok_r,
+                                           dp_group=dp_group)  # (B_traj, R) 0 where loss_mask == 0
             if values is not None:  # CRITIC: its targets R = raw GAE + V_old, one row per trained segment
                 ret = algos.gae_returns(cfg, rewards, lb["group_ids"], lb["loss_mask"], lb["values"],
                                         old_logp=lb["old_logp"], ref_logp=lb.get("ref_logp"), token_rewards=tok_r)
@@ -1076,7 +1077,8 @@ class TrainerWorker:
                         shared_advantage(adv_of[s["traj"]], s["loss_mask"]) for s in local]
         else:
             algos.compute_advantages(cfg, torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 1),
-                                     old_logp=torch.zeros(0, 1), ref_logp=None, values=torch.zeros(0, 1), dp_group=dp_group)
+                                     old_logp=torch.zeros(0, 1), ref_logp=None, values=torch.zeros(0, 1),
+                                     dp_group=dp_group)
             adv_rows, returns = [], []
 
         # --- 3. mini-batches: micro-batch losses with global denominators, one optimizer step each
@@ -1120,7 +1122,8 @@ class TrainerWorker:
                     _add(sums, k, float(v))
             self._step_minibatch(sums, totals, n_mb)
         # CRITIC: the value model regresses on R over the same mini-batches (clipped value loss), own optimizer
-        critic_metrics = self._critic_update(batch, plan, row_of, local, values, returns, n_mb) if values is not None else {}
+        critic_metrics = {} if values is None else self._critic_update(batch, plan, row_of, local, values, returns,
+                                                                        n_mb)
 
         # --- 4. metrics: the train-inference gap under the step's starting weights, losses, norms
         if not cfg.use_rollout_logprobs:
@@ -1170,12 +1173,12 @@ class TrainerWorker:
                 for k, x in m.items():
                     _add(sums, k, float(x))
             self._step_minibatch(sums, totals, n_mb, critic=True)
-        lb = collate(local, {"old_values": old_values, "returns": returns}) if local else None  # (B_local, R)
-        dp_group = self.dp_group_gloo if self.dp_size > 1 else None
-        ev = algos.explained_variance(lb["old_values"] if lb else torch.zeros(0, 1), lb["returns"] if lb else
-                                      torch.zeros(0, 1), lb["loss_mask"] if lb else torch.zeros(0, 1), dp_group)
-        n = float(lb["loss_mask"].sum()) if lb else 0.0
-        vsum = self._dp_sum({"v": float((lb["old_values"] * lb["loss_mask"]).sum()) if lb else 0.0, "n": n})
+        # the values the advantages used (before this update) against their targets, over every DP rank's tokens
+        lb = collate(local, {"old_values": old_values, "returns": returns}) if local else \
+            {k: torch.zeros(0, 1) for k in ("old_values", "returns", "loss_mask")}  # (B_local, R)
+        ev = algos.explained_variance(lb["old_values"], lb["returns"], lb["loss_mask"],
+                                      self.dp_group_gloo if self.dp_size > 1 else None)
+        vsum = self._dp_sum({"v": float((lb["old_values"] * lb["loss_mask"]).sum()), "n": float(lb["loss_mask"].sum())})
         totals.update({"vf_explained_var": ev, "values_mean": vsum["v"] / max(vsum["n"], 1.0)})
         return {f"critic/{k}": v for k, v in totals.items()}
 
@@ -1259,7 +1262,8 @@ class TrainerWorker:
                         "train/samples": float(len(batch))})
         return metrics
 
-    def _step_minibatch(self, sums: dict[str, float], totals: dict[str, float], n_mb: int, critic: bool = False) -> None:
+    def _step_minibatch(self, sums: dict[str, float], totals: dict[str, float], n_mb: int,
+                        critic: bool = False) -> None:
         """End a mini-batch: one optimizer step (of the critic with `critic`), then its DP-summed metric sums and
         grad norm into the step's means over `n_mb` mini-batches (`totals`, updated in place; lr is the last one's)."""
         grad_norm, lr = self._optimizer_step(critic)
@@ -1376,8 +1380,9 @@ class TrainerWorker:
         """This rank's model shard, optimizer state, LR schedule position (optimizer steps taken), the critic's
         shard and optimizer state (advantage: gae) and python / numpy / torch RNG states, in one file per rank
         (call on all ranks). The frozen reference is not saved: load_hf() rebuilds it from the HF dir before
-        load_checkpoint. The file is written under a temporary name and renamed, so a rank file that exists is complete; the controller's
-        `latest` marker (loongsage.save_run_state) names the newest complete checkpoint directory."""
+        load_checkpoint. The file is written under a temporary name and renamed, so a rank file that exists is
+        complete; the controller's `latest` marker (loongsage.save_run_state) names the newest complete
+        checkpoint directory."""
         import numpy as np
         os.makedirs(directory, exist_ok=True)
         path = Path(directory) / f"rank_{self.rank:05d}.pt"
@@ -1415,8 +1420,9 @@ class TrainerWorker:
         self.lr_override = state.get("lr_override")
         if self.critic is not None:
             if "critic" not in state:
-                raise ValueError(f"checkpoint {directory} has no critic (it was saved by a run without advantage='gae'); "
-                                 "resume it with its own advantage, or start this gae run in a new output_dir")
+                raise ValueError(f"checkpoint {directory} has no critic (it was saved by a run without "
+                                 "advantage='gae'); resume it with its own advantage, or start this gae run in a new "
+                                 "output_dir")
             self.critic.module.load_state_dict(state["critic"])
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
             self.critic_steps = int(state["critic_steps"])

@@ -77,8 +77,8 @@ def test_gae_returns_hand_values_and_lambda_one_is_the_return_to_go():
     # the same for any V (the V terms telescope away)
     cfg.lam = 1.0
     for values in (v, torch.zeros(1, 4), t([[-3., 4., 0., 0.5]])):
-        torch.testing.assert_close(algos.gae_returns(cfg, t([0.]), torch.tensor([0]), mask, values, token_rewards=tok_r),
-                                   t([[2.5, 5.0, 0.0, 2.0]]))
+        ret = algos.gae_returns(cfg, t([0.]), torch.tensor([0]), mask, values, token_rewards=tok_r)
+        torch.testing.assert_close(ret, t([[2.5, 5.0, 0.0, 2.0]]))
 
 
 def test_explained_variance_hand_values():
