@@ -430,8 +430,8 @@ def gae_returns(cfg, rewards, group_ids, loss_mask, values, *, old_logp=None, re
 
 
 def value_loss(values, old_values, returns, loss_mask, value_clip: float, denom):
-    """PPO's clipped value loss (the clipped value objective of OpenAI baselines' ppo2, used by arXiv 2005.12729
-    §3 "value function clipping"), per token, then a token mean with the GLOBAL token count:
+    """PPO's clipped value loss ("value function clipping" of the PPO reference code, studied by Engstrom et al.,
+    arXiv 2005.12729 §3), per token, then a token mean with the GLOBAL token count:
       V_clip = V_old + clip(V - V_old, -value_clip, value_clip)
       L_t    = 1/2 * max((V - R)^2, (V_clip - R)^2)
       loss   = sum_{i,t} m_it L_it / N_tokens
