@@ -18,7 +18,6 @@ import json
 import math
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -69,8 +68,7 @@ def test_gae_returns_hand_values_and_lambda_one_is_the_return_to_go():
     #   R = A + V = [1.6875, 4.75, 0, 2.0]  whatever adv_norm says (the target is never normalised)
     mask, tok_r, v = t([[1, 1, 0, 1]]), t([[0., 1., 3., 2.]]), t([[1., 2., 9., 1.]])
     for norm in ("group", "batch", "none"):
-        cfg = types.SimpleNamespace(**{**algos.ALGO_DEFAULTS, "advantage": "gae", "adv_norm": norm, "gamma": 0.5,
-                                       "lam": 0.5})
+        cfg = loongsage.Config(advantage="gae", adv_norm=norm, gamma=0.5, lam=0.5)
         ret = algos.gae_returns(cfg, t([0.]), torch.tensor([0]), mask, v, token_rewards=tok_r)
         torch.testing.assert_close(ret, t([[1.6875, 4.75, 0.0, 2.0]]))
     # lam 1: the lambda-return is the discounted return-to-go G = [0 + 0.5*5, 1 + 3 + 0.5*2, 0, 2] = [2.5, 5, 0, 2],
