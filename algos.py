@@ -9,8 +9,9 @@ family (`compute_advantages`, `_pg_token_loss`, `aggregate`, `kl_estimate`, `is_
 "Extension points"), called from the same dispatch with the signature given there.
 
 The controller calls `validate` at config time. The trainer calls `shape_rewards` (reward shaping happens in
-the trainer, on the batch it trains), `compute_advantages`, `policy_loss`, `gap_metrics`, `sft_loss`, and for
-on-policy distillation `distill_advantage`, `distill_loss`, `opd_objective` (and `mixture_logp` for ensembles).
+the trainer, on the batch it trains), `compute_advantages`, `policy_loss`, `gap_metrics`, `sft_loss`; with
+`advantage: gae` also the critic's `gae_returns`, `value_loss` and `explained_variance` (the value model itself
+lives in trainer.py); and for on-policy distillation `distill_advantage`, `distill_loss`, `opd_objective` (and `mixture_logp` for ensembles).
 `filter_groups` / `groups_to_request` are DAPO's group filter and refill count as pure functions; the controller's
 producer applies the same equal-reward rule to each group it collects (`dynamic_sampling`).
 
@@ -29,8 +30,8 @@ Conventions (stated once here, repeated where a loss consumes them):
 
 Run the tests: `.venv/bin/pytest tests/test_algos.py -q` (about 20 s on 2 CPU cores; spawns 2 gloo procs).
 
-Left out on purpose: a critic/value loss (GAE takes values from whoever trains the critic), PPO-KL adaptive
-coefficients, and M2PO's mask across micro-batches (it is computed per `policy_loss` call, see `m2po_drop`).
+Left out on purpose: PPO-KL adaptive coefficients, and M2PO's mask across micro-batches (it is computed per
+`policy_loss` call, see `m2po_drop`).
 """
 from __future__ import annotations
 
@@ -93,9 +94,6 @@ def validate(cfg) -> None:
     need(cfg.dual_clip_c == 0 or cfg.policy_loss == "ppo_clip",
          f"algo.dual_clip_c={cfg.dual_clip_c!r} applies to policy_loss='ppo_clip' only, "
          f"not {cfg.policy_loss!r}; set dual_clip_c=0")
-    need(cfg.advantage != "gae", "algo.advantage='gae' needs a value model (critic) to give V(s_t), and this build "
-         "trains the policy only; use advantage='returns' (discounted return-to-go of the outcome, gamma) or "
-         "'reinforce_pp' (the same with KL in the reward and a batch z-score) instead")
     need(0 <= cfg.gamma <= 1, f"algo.gamma={cfg.gamma!r} must be in [0, 1]")
     need(0 <= cfg.lam <= 1, f"algo.lam={cfg.lam!r} must be in [0, 1]")
     need(cfg.is_low < cfg.is_high, f"algo.is_low={cfg.is_low!r} must be < algo.is_high={cfg.is_high!r}")
@@ -330,7 +328,7 @@ def turn_rewards_to_tokens(turn_rewards: list[list[float]], loss_mask: torch.Ten
 
 
 def compute_advantages(cfg, rewards, group_ids, loss_mask, *, old_logp=None, ref_logp=None, values=None,
-                       token_rewards=None, dp_group=None) -> torch.Tensor:
+                       token_rewards=None, dp_group=None, raw: bool = False) -> torch.Tensor:
     """Advantages (B, T), 0 where loss_mask == 0. The one dispatch over `cfg.advantage`:
 
       grpo          scalar reward, normalised by cfg.adv_norm (group z-score by default)
@@ -346,7 +344,8 @@ def compute_advantages(cfg, rewards, group_ids, loss_mask, *, old_logp=None, ref
     old_logp, ref_logp) (the unbiased variant reduces to k3 here: the current policy is the old one): the
     sequence estimators subtract kl_coef * sum_t KL_t from the scalar reward, the token estimators
     kl_coef * KL_t from each token's reward. Token-level normalisation treats each model token as one
-    value of its sequence's group.
+    value of its sequence's group. raw=True returns the token estimators' advantages before that normalisation
+    (the critic's target `gae_returns` needs the raw GAE).
     """
     mask = (loss_mask > 0)                                                # (B, T)
     maskf = mask.float()
@@ -390,10 +389,67 @@ def compute_advantages(cfg, rewards, group_ids, loss_mask, *, old_logp=None, ref
         adv, norm = gae(tok_r, torch.zeros_like(tok_r), mask, cfg.gamma, 1.0), "batch"
     else:
         raise _choice_error("advantage", name, ADVANTAGES)
+    if raw:
+        return torch.where(mask, adv, torch.zeros_like(adv))              # (B, T) 0 off the mask
     tok_groups = group_ids[:, None].expand_as(mask)[mask]                 # (N_tok,) group of each token
     out = torch.zeros_like(adv)
     out[mask] = normalize(adv[mask], tok_groups, norm, dp_group)          # (B, T) 0 off the mask
     return out
+
+
+def gae_returns(cfg, rewards, group_ids, loss_mask, values, *, old_logp=None, ref_logp=None, token_rewards=None):
+    """The critic's regression target, the lambda-return (Schulman et al., arXiv 1506.02438 §5), per token (B, T):
+      R_t = A_t + V_t        A_t = GAE(gamma, lam) from the same rewards as `compute_advantages` (shaping,
+                             per-turn rewards, KL in the reward), before any adv_norm
+    0 off the mask. With lam = 1 it is the discounted return-to-go G_t whatever V is; with lam < 1 it leans on V.
+    values (B, T): V(s_t) of the critic that rolled out the GAE, i.e. V_old of `value_loss`."""
+    adv = compute_advantages(cfg, rewards, group_ids, loss_mask, old_logp=old_logp, ref_logp=ref_logp,
+                             values=values, token_rewards=token_rewards, raw=True)  # (B, T) raw GAE
+    return torch.where(loss_mask > 0, adv + values.float(), torch.zeros_like(adv))  # (B, T)
+
+
+def value_loss(values, old_values, returns, loss_mask, value_clip: float, denom):
+    """PPO's clipped value loss ("value function clipping" of the PPO reference code, studied by Engstrom et al.,
+    arXiv 2005.12729 §3), per token, then a token mean with the GLOBAL token count:
+      V_clip = V_old + clip(V - V_old, -value_clip, value_clip)
+      L_t    = 1/2 * max((V - R)^2, (V_clip - R)^2)
+      loss   = sum_{i,t} m_it L_it / N_tokens
+    values (B, T) the critic's V(s_t) now (with grad); old_values (B, T) V_old, the critic's values when the batch's
+    advantages were computed; returns (B, T) R_t from `gae_returns`. value_clip = 0 turns the clip off (plain
+    squared error). Masked positions (loss_mask 0: tool tokens, padding) are 0 before the sum.
+    Returns (loss, {"value_loss", "clipfrac"}); clipfrac = token mean of "the clipped branch is larger",
+    both already divided by the global denominators (the trainer sums micro-batches)."""
+    mask = loss_mask > 0                                                  # (B, T) model tokens
+    zero = torch.zeros((), device=values.device)
+    v = torch.where(mask, values.float(), zero)                           # (B, T)
+    v_old = torch.where(mask, old_values.float(), zero)                   # (B, T)
+    ret = torch.where(mask, returns.float(), zero)                        # (B, T)
+    unclipped = (v - ret) ** 2                                            # (B, T)
+    if value_clip > 0:                                                    # ALGO: value clipping
+        v_clip = v_old + (v - v_old).clamp(-value_clip, value_clip)       # (B, T)
+        clipped = (v_clip - ret) ** 2                                     # (B, T)
+    else:
+        clipped = unclipped
+    loss = aggregate(0.5 * torch.maximum(unclipped, clipped), mask, "token_mean", denom)
+    clipfrac = aggregate((clipped > unclipped).float(), mask, "token_mean", denom)
+    return loss, {"value_loss": loss.detach(), "clipfrac": clipfrac.detach()}
+
+
+def explained_variance(values, returns, loss_mask, dp_group=None) -> float:
+    """How much of the returns' variance the critic explains, over the loss tokens of every DP rank:
+      ev = 1 - Var(R - V) / Var(R)        (population variances; 1 = perfect, 0 = no better than the mean,
+                                           < 0 worse). Var(R) = 0 (all returns equal) gives 0.
+    Every DP rank must call it (one all-reduce), even with no tokens."""
+    mask = loss_mask > 0                                                  # (B, T)
+    r = returns.double()[mask]                                            # (N,)
+    d = r - values.double()[mask]                                         # (N,) residual R - V
+    s = torch.stack([r.new_tensor(float(r.numel())), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()])  # (5,)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(s, group=dp_group)
+    n = max(float(s[0]), 1.0)
+    var_r = float(s[2]) / n - (float(s[1]) / n) ** 2
+    var_d = float(s[4]) / n - (float(s[3]) / n) ** 2
+    return 1.0 - var_d / var_r if var_r > 1e-12 else 0.0
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -159,7 +159,7 @@ class Config:
     grad_clip: float = 1.0  # global grad-norm clip; 0 = off
 
     # --- algo (see algos.py and ALGORITHMS.md; validated by algos.validate) ---
-    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns (gae: rejected until a value model exists)
+    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns | gae (trains a critic, see below)
     adv_norm: str = "group"  # grpo normaliser: group | group_mean | batch | none
     policy_loss: str = "ppo_clip"  # ppo_clip | gspo | cispo | reinforce | sft
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
@@ -172,6 +172,9 @@ class Config:
     entropy_coef: float = 0.0  # entropy bonus weight
     gamma: float = 1.0  # discount for token-level returns / GAE
     lam: float = 1.0  # GAE lambda
+    critic_lr: float = 1e-4  # advantage=gae: the value model's learning rate (constant; AdamW like the policy)
+    value_clip: float = 0.2  # advantage=gae: PPO value clip, V kept within V_old +- value_clip in the loss; 0 = off
+    critic_warmup_steps: int = 0  # advantage=gae: the first N RL steps train the critic only (the policy waits)
     use_rollout_logprobs: bool = False  # old_logp := engine logprobs (skip the recompute)
     recompute_old_logprobs: bool = False  # debug: a no-grad forward for mini-batch 0 too (by default it takes old
     # logprobs from its own training forward, detached: the same weights and numbers, one forward fewer)
@@ -371,7 +374,29 @@ def finalize(cfg: Config) -> Config:
         data.import_object(getattr(cfg, name))  # fail now, not after the model is built
     algos.validate(cfg)
     check_teachers(cfg)
+    check_critic(cfg)
     return cfg
+
+
+def check_critic(cfg: Config) -> None:
+    """advantage=gae trains a critic inside every trainer rank (trainer.py): its knobs, and the combinations it
+    cannot serve, fail here, at --check."""
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ValueError(msg)
+
+    if cfg.advantage != "gae":
+        need(cfg.critic_warmup_steps == 0, f"critic_warmup_steps={cfg.critic_warmup_steps} applies to advantage='gae' "
+             f"(the only estimator with a critic), not {cfg.advantage!r}; set critic_warmup_steps=0 or advantage=gae")
+        return
+    need(cfg.critic_lr > 0, f"critic_lr={cfg.critic_lr!r} must be > 0: advantage='gae' learns its values")
+    need(cfg.value_clip >= 0, f"value_clip={cfg.value_clip!r} must be >= 0 (0 = no value clipping)")
+    need(0 <= cfg.critic_warmup_steps < max(cfg.num_steps, 1), f"critic_warmup_steps={cfg.critic_warmup_steps} must be "
+         f">= 0 and below num_steps={cfg.num_steps}, or the policy is never trained")
+    need(cfg.gkd_ratio < 1, "advantage='gae' with gkd_ratio=1: pure distillation has no RL loss, so the critic's "
+         "values would feed nothing; set gkd_ratio < 1 or another advantage")
+    need(cfg.pipeline_parallel == 1, f"advantage='gae' with pipeline_parallel={cfg.pipeline_parallel}: the critic's "
+         "value head runs on a whole model in each rank; set pipeline_parallel=1 (tensor and data parallel work)")
 
 
 TEACHER_BUILD_KEYS = ("tiny_model", "warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
@@ -506,6 +531,7 @@ def describe(cfg: Config) -> str:
             f"optimizer step(s) per RL step, {cfg.global_batch_size // cfg.data_parallel // cfg.micro_batch_size} "
             f"micro-batch(es) per rank per optimizer step, device={cfg.device}, engine={cfg.engine}, "
             f"torch threads trainer/engine={cfg.trainer_threads}/{cfg.engine_threads}"
+            + (", critic (value model) in every trainer rank" if cfg.advantage == "gae" else "")
             + (f", async: capacity C={capacity(cfg)} groups, window={cfg.window}, max_version_lag="
                f"{cfg.max_version_lag} ({cfg.lag_policy})" if cfg.mode == "async" else ""))
 
@@ -1496,7 +1522,8 @@ def train(cfg: Config) -> list[dict]:
             bar.write(f"step {step}: no group has a token to train on (every group failed, was aborted or "
                       f"was filtered out){'; first error: ' + error[:500] if error else ''}; skipping the update")
         if not cfg.rollout_only and trajs:
-            # --- 2. old/ref logprobs, advantages, policy update (all inside the trainers; one call per rank)
+            # --- 2. old/ref logprobs, advantages, policy update (all inside the trainers; one call per rank); with
+            #        advantage=gae also the critic's values and its update (a second model in each trainer rank)
             t0 = time.perf_counter()
             batch_ref = ray.put(trajs)
             # TEACHERS (teacher.py): every teacher rank scores, rank 0's per-token targets go to the trainers

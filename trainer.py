@@ -11,7 +11,9 @@ What lives here, top to bottom:
 * the per-token log-probability / entropy forward, vocab-parallel aware (`vocab_parallel_logp_entropy`);
 * `TrainerWorker`: distributed init, load, `compute_logprobs`, `train_step` (RL), `sft_step`,
   weight export for TransferMesh, HF save, checkpoints; the student side of on-policy distillation
-  (`_opd_terms`, `distill_step`: teacher targets from teacher.py, algos' objective).
+  (`_opd_terms`, `distill_step`: teacher targets from teacher.py, algos' objective); with `advantage: gae`
+  the critic (`ValueHead`, `_critic_update`): a second GPTModel in the same rank, trunk from the policy's
+  checkpoint, a scalar head in place of the LM head, its own optimizer, saved in the same checkpoint file.
 
 Batches are padded, not packed: each micro-batch is a right-padded (B, T) tensor of prompt+response ids.
 With right padding a causal mask alone is exact (real tokens never see the pads after them), so the
@@ -28,7 +30,7 @@ against transformers, TP=2 and DP=2 equivalence, HF round trip, checkpoint resum
 Left out: pipeline parallelism (pipeline_parallel must be 1: the schedule that moves activations
 between stages is not wired in), sequence/context parallelism, packed sequences, expert parallelism
 greater than 1 for export (expert weights are converted per EP rank but only gathered with EP=1),
-a value model (GAE needs `values`; this worker trains the policy only).
+an HF export of the critic (it lives in the Megatron checkpoints only).
 """
 from __future__ import annotations
 
@@ -259,6 +261,25 @@ def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device):
                                     qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
     model = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=True, post_process=True, **model_kwargs)
     return model.to(device)
+
+
+class ValueHead(torch.nn.Module):
+    """The critic's head: V = w . h + b, one scalar per position, put in the place of GPTModel's output layer
+    (the LM head). GPTModel calls its output layer as `layer(hidden, weight=..., runtime_gather_output=...)`
+    on the final-normed hidden states (S, B, H) and returns the result batch-first, so the critic's forward
+    gives (B, S, 1) with no change to Megatron. Replicated on every TP rank (H is whole there, 1 output is
+    not worth splitting); zero-initialised, so a fresh critic says V = 0 and its first GAE is the
+    return-to-go."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1, dtype=dtype)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        # weight: the tied embedding GPTModel offers its LM head; a value head has its own
+        return self.linear(hidden_states), None  # (S, B, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -581,6 +602,19 @@ def shared_advantage(traj_adv: torch.Tensor, loss_mask: list[int]) -> torch.Tens
     return torch.tensor(loss_mask, dtype=torch.float) * value  # (R_seg,)
 
 
+def segment_returns(local: list[dict], lasts: list[int], ret: torch.Tensor) -> list[torch.Tensor]:
+    """CRITIC: the value target of every row of `local` (R_j,), from `ret` (B_traj, R), the targets of the
+    `lasts` rows (one per trajectory). An earlier segment regresses on its trajectory's target at the first model
+    token of the last segment on each of its model tokens, as `shared_advantage` gives it the advantage there."""
+    of = {}
+    for b, j in enumerate(lasts):
+        row = ret[b, :len(local[j]["response_ids"])]  # (R_j,)
+        first = [t for t, m in enumerate(local[j]["loss_mask"]) if m][:1]
+        of[local[j]["traj"]] = (row, float(row[first[0]]) if first else 0.0)
+    return [of[s["traj"]][0] if s["last"] else torch.tensor(s["loss_mask"], dtype=torch.float) * of[s["traj"]][1]
+            for s in local]
+
+
 def turn_token_rewards(cfg, rows: list[dict], rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor | None:
     """(B, R) token rewards for the token-level estimators (returns, gae, reinforce_pp) when some trajectory
     carries per-turn rewards (`turn_rewards`, one per model turn of its last segment, from its agent): each on
@@ -724,6 +758,8 @@ class TrainerWorker:
             tensor_parallel.model_parallel_cuda_manual_seed(int(cfg.seed))
         self.model = self.ref_model = self.optimizer = None
         self.optim_steps = 0  # optimizer steps taken (drives the lr schedule)
+        self.critic = self.critic_optimizer = None  # the value model (advantage: gae), see load_hf
+        self.critic_steps = 0  # critic optimizer steps taken
         self.lr_override: float | None = None  # constant lr given to load_hf (SFT warm start)
 
     # --- model, optimizer, reference ------------------------------------------------------------
@@ -733,11 +769,13 @@ class TrainerWorker:
 
         `lr` set: a constant learning rate instead of cfg's schedule (the SFT warm start uses it).
         Calling it again rebuilds everything from the new directory (optimizer state and step reset).
+        With `advantage: gae` (and no `lr`: the warm start trains the policy only) it also builds the critic.
         """
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        self.hf_path, self.lr_override, self.optim_steps = str(path), lr, 0
+        self.hf_path, self.lr_override, self.optim_steps, self.critic_steps = str(path), lr, 0, 0
         self.model = self.ref_model = self.optimizer = None  # free a previous model before building the next
+        self.critic = self.critic_optimizer = None
         self.hf_config = read_hf_config(path)
         self.tcfg, self.model_kwargs = megatron_config(self.hf_config, self.cfg, self.cpu)
         hf_state = load_hf_state(path)
@@ -754,8 +792,14 @@ class TrainerWorker:
             self.ref_model = build_gpt_model(self.tcfg, self.model_kwargs, self.device)
             self._load_full_state(self.ref_model, full)
             self.ref_model.requires_grad_(False).eval()
+        if self.cfg.advantage == "gae" and lr is None:  # CRITIC: the same trunk and weights, a value head
+            critic = build_gpt_model(self.tcfg, self.model_kwargs, self.device)
+            self._load_full_state(critic, full)  # the policy's checkpoint (LM head included, then replaced)
+            critic.output_layer = ValueHead(self.tcfg.hidden_size, self.tcfg.params_dtype).to(self.device)
+            self.critic = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_config, module=critic)
+            self.critic_optimizer = self._build_optimizer(self.critic, float(self.cfg.critic_lr))
         n_params = sum(p.numel() for p in gpt.parameters())
-        return {"params_this_rank": n_params, "reference": needs_ref}
+        return {"params_this_rank": n_params, "reference": needs_ref, "critic": self.critic is not None}
 
     def _expert_rank_info(self):
         from megatron.core import parallel_state
@@ -794,22 +838,25 @@ class TrainerWorker:
         if missing:
             raise KeyError(f"no HF weight for Megatron parameter(s) {sorted(missing)}")
 
-    def _build_optimizer(self):
-        """AdamW over the model. CUDA: Megatron's optimizer (fp32 master weights, clipping inside).
-        CPU (shim 3): torch.optim.AdamW; clipping is done by `_grad_norm_and_clip`. Norms and biases get no decay."""
+    def _build_optimizer(self, model=None, lr: float | None = None):
+        """AdamW over `model` (default: the policy) at `lr` (default cfg.lr). CUDA: Megatron's optimizer (fp32
+        master weights, clipping inside). CPU (shim 3): torch.optim.AdamW; clipping is done by
+        `_grad_norm_and_clip`. Norms and biases get no decay."""
         cfg = self.cfg
+        model = self.model if model is None else model
+        lr = cfg.lr if lr is None else lr
         if not self.cpu:
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-            ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+            ocfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min(cfg.min_lr, lr), weight_decay=cfg.weight_decay,
                                    adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
                                    clip_grad=float(cfg.grad_clip or 0.0), bf16=self.tcfg.bf16,
                                    params_dtype=self.tcfg.params_dtype)
-            return get_megatron_optimizer(ocfg, [self.model])
-        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
+            return get_megatron_optimizer(ocfg, [model])
+        decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
         return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                   {"params": no_decay, "weight_decay": 0.0}],
-                                 lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+                                 lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
 
     # --- forward ----------------------------------------------------------------------------------
 
@@ -830,6 +877,34 @@ class TrainerWorker:
             resp_logits = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.size(-1)))  # (B, R, V/tp)
             return logp.gather(1, pos), entropy.gather(1, pos), resp_logits
         return logp.gather(1, pos), entropy.gather(1, pos)  # (B, R), (B, R) on self.device
+
+    def _forward_values(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """CRITIC: V(s_t) (B, R) fp32 for each response token t: the value head at the position whose logits
+        predict token t (resp_pos), i.e. the value of the context before the model emits it."""
+        tokens = mb["tokens"].to(self.device)  # (B, T)
+        B, T = tokens.shape
+        position_ids = torch.arange(T, device=self.device).unsqueeze(0).expand(B, T)  # (B, T)
+        extra = {}
+        if self.tcfg.num_moe_experts:  # as in _forward_logp: padding stays out of expert routing
+            seq_len = (mb["resp_pos"][:, :1] + 1 + mb["resp_len"].unsqueeze(1)).to(self.device)  # (B, 1)
+            extra["padding_mask"] = position_ids >= seq_len  # (B, T)
+        values = self.critic(input_ids=tokens, position_ids=position_ids, attention_mask=None, **extra)  # (B, T, 1)
+        return values[..., 0].float().gather(1, mb["resp_pos"].to(self.device))  # (B, R)
+
+    @torch.no_grad()
+    def compute_values(self, samples: list[dict]) -> list[torch.Tensor]:
+        """CRITIC: per-sample 1-D V(s_t) of every response token, in micro-batches, no grad, eval mode (the
+        V_old of a step; also for tests)."""
+        was_training = self.critic.training
+        self.critic.eval()
+        out = []
+        mbs = int(self.cfg.micro_batch_size)
+        for start in range(0, len(samples), mbs):
+            chunk = samples[start:start + mbs]
+            values = self._forward_values(collate(chunk))  # (b, R)
+            out += [values[b, :len(s["response_ids"])].cpu() for b, s in enumerate(chunk)]
+        self.critic.train(was_training)
+        return out
 
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in mb.items()}
@@ -855,7 +930,7 @@ class TrainerWorker:
 
     # --- optimizer step ----------------------------------------------------------------------------
 
-    def _grad_norm_and_clip(self) -> float:
+    def _grad_norm_and_clip(self, model) -> float:
         """CPU path: total L2 norm of the (DP-summed) gradients across TP shards, then clip in place.
 
         Replicated parameters (norms, router) are counted once: only TP rank 0's copy, via Megatron's
@@ -864,7 +939,7 @@ class TrainerWorker:
         """
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in model.parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64)
         for p in params:
             if param_is_not_tensor_parallel_duplicate(p):
@@ -878,29 +953,38 @@ class TrainerWorker:
                 p.grad.mul_(clip / (norm + 1e-6))
         return norm
 
-    def _optimizer_step(self) -> tuple[float, float]:
-        """Finish the DP gradient sum, clip, step at the scheduled lr. Returns (grad_norm, lr)."""
+    def _optimizer_step(self, critic: bool = False) -> tuple[float, float]:
+        """Finish the DP gradient sum, clip, step at the scheduled lr (the critic: its constant critic_lr).
+        Returns (grad_norm, lr)."""
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads([self.model])  # DP all-reduce (SUM) + TP sum of qk-layernorm grads
-        lr = self.lr_override if self.lr_override is not None else lr_at(self.cfg, self.optim_steps)
-        for group in self.optimizer.param_groups:
+        model, optimizer = (self.critic, self.critic_optimizer) if critic else (self.model, self.optimizer)
+        finalize_model_grads([model])  # DP all-reduce (SUM) + TP sum of qk-layernorm grads
+        if critic:
+            lr = float(self.cfg.critic_lr)
+        else:
+            lr = self.lr_override if self.lr_override is not None else lr_at(self.cfg, self.optim_steps)
+        for group in optimizer.param_groups:
             group["lr"] = lr
         if self.cpu:
-            for p in self.model.parameters():
+            for p in model.parameters():
                 p.grad = p.main_grad if p.requires_grad else None  # DDP accumulated into main_grad
-            grad_norm = self._grad_norm_and_clip()
-            self.optimizer.step()
-            for p in self.model.parameters():
+            grad_norm = self._grad_norm_and_clip(model)
+            optimizer.step()
+            for p in model.parameters():
                 p.grad = None  # else DDP's hook would add the next grads into main_grad twice
         else:
-            ok, grad_norm, _ = self.optimizer.step()
+            ok, grad_norm, _ = optimizer.step()
             if not ok:
-                raise RuntimeError(f"optimizer step {self.optim_steps} skipped (inf/nan gradients)")
+                raise RuntimeError(f"{'critic ' if critic else ''}optimizer step "
+                                   f"{self.critic_steps if critic else self.optim_steps} skipped (inf/nan gradients)")
             grad_norm = float(grad_norm or 0.0)
-            self.optimizer.zero_grad()
-        self.model.zero_grad_buffer()
-        self.optim_steps += 1
+            optimizer.zero_grad()
+        model.zero_grad_buffer()
+        if critic:
+            self.critic_steps += 1
+        else:
+            self.optim_steps += 1
         return float(grad_norm), lr
 
     def _dp_sum(self, values: dict[str, float]) -> dict[str, float]:
@@ -966,6 +1050,7 @@ class TrainerWorker:
             computed = dict(zip(rest, self._logp_no_grad(self.model, [local[j] for j in rest])))
             old = [computed.get(j) for j in range(len(local))]  # None: filled by mini-batch 0's forward
         ref = self._logp_no_grad(self.ref_model, local) if self.ref_model is not None else None
+        values = self.compute_values(local) if self.critic is not None else None  # CRITIC: V_old(s_t) per row
 
         # --- 2. advantages over this rank's whole groups (every rank calls: batch norm all-reduces), one per
         #     trajectory (its last segment's row); earlier segments share their trajectory's advantage
@@ -974,22 +1059,28 @@ class TrainerWorker:
             lasts = [j for j, s in enumerate(local) if s["last"]]
             lb = collate([local[j] for j in lasts], {
                 "old_logp": [old[j] if old[j] is not None else zeros[j] for j in lasts],
-                **({"ref_logp": [ref[j] for j in lasts]} if ref is not None else {})})
+                **({"ref_logp": [ref[j] for j in lasts]} if ref is not None else {}),
+                **({"values": [values[j] for j in lasts]} if values is not None else {})})
             # reward shaping (DAPO overlong penalty, length penalties); identity with the defaults
             rewards = algos.shape_rewards(cfg, lb["rewards"], lb["loss_mask"].sum(1), lb["group_ids"],
                                           int(cfg.max_new_tokens))  # (B_traj,)
+            tok_r = turn_token_rewards(cfg, [local[j] for j in lasts], rewards, lb["loss_mask"])  # (B_traj, R) or None
             adv = algos.compute_advantages(cfg, rewards, lb["group_ids"], lb["loss_mask"],
                                            old_logp=lb["old_logp"], ref_logp=lb.get("ref_logp"),
-                                           token_rewards=turn_token_rewards(cfg, [local[j] for j in lasts],
-                                                                            rewards, lb["loss_mask"]),
+                                           values=lb.get("values"), token_rewards=tok_r,
                                            dp_group=dp_group)  # (B_traj, R) 0 where loss_mask == 0
+            if values is not None:  # CRITIC: its targets R = raw GAE + V_old, one row per trained segment
+                ret = algos.gae_returns(cfg, rewards, lb["group_ids"], lb["loss_mask"], lb["values"],
+                                        old_logp=lb["old_logp"], ref_logp=lb.get("ref_logp"), token_rewards=tok_r)
+                returns = segment_returns(local, lasts, ret)
             adv_of = {local[j]["traj"]: adv[b, :len(local[j]["response_ids"])] for b, j in enumerate(lasts)}
             adv_rows = [adv_of[s["traj"]] if s["last"] else
                         shared_advantage(adv_of[s["traj"]], s["loss_mask"]) for s in local]
         else:
             algos.compute_advantages(cfg, torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 1),
-                                     old_logp=torch.zeros(0, 1), ref_logp=None, dp_group=dp_group)
-            adv_rows = []
+                                     old_logp=torch.zeros(0, 1), ref_logp=None, values=torch.zeros(0, 1),
+                                     dp_group=dp_group)
+            adv_rows, returns = [], []
 
         # --- 3. mini-batches: micro-batch losses with global denominators, one optimizer step each
         totals: dict[str, float] = {}
@@ -997,7 +1088,8 @@ class TrainerWorker:
         mbs = int(cfg.micro_batch_size)
         newest = max(max(s.get("weight_versions") or [-1]) for s in batch)  # newest policy version in the batch
         self.model.train()
-        for mb_i, mine in enumerate(plan):
+        policy_trains = self.critic is None or step >= int(cfg.critic_warmup_steps)  # CRITIC: warm-up trains it alone
+        for mb_i, mine in enumerate(plan if policy_trains else []):
             denom = self._denominators(batch, n_mb, mb_i, by_group=True)
             sums: dict[str, float] = {}
             for start in range(0, len(mine), mbs):
@@ -1030,6 +1122,9 @@ class TrainerWorker:
                 for k, v in m.items():
                     _add(sums, k, float(v))
             self._step_minibatch(sums, totals, n_mb)
+        # CRITIC: the value model regresses on R over the same mini-batches (clipped value loss), own optimizer
+        critic_metrics = {} if values is None else self._critic_update(batch, plan, row_of, local, values, returns,
+                                                                        n_mb)
 
         # --- 4. metrics: the train-inference gap under the step's starting weights, losses, norms
         if not cfg.use_rollout_logprobs:
@@ -1054,8 +1149,39 @@ class TrainerWorker:
         if off.get("tokens", 0) > 0:
             metrics["train/offpolicy_k3"] = off["k3"] / off["tokens"]
         metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
-                        "train/samples": float(n_traj), "train/rows": float(len(batch))})
+                        "train/samples": float(n_traj), "train/rows": float(len(batch)), **critic_metrics})
         return metrics
+
+    def _critic_update(self, batch, plan, row_of, local, old_values, returns, n_mb) -> dict[str, float]:
+        """CRITIC: per mini-batch of the policy's plan, micro-batches of algos.value_loss (the clipped value loss
+        with the mini-batch's GLOBAL token count, so DP ranks and micro-batches add up), then one critic
+        optimizer step. `old_values` / `returns`: (R_j,) per row of `local`. Returns `critic/` metrics reduced over
+        DP ranks: value_loss, clipfrac, grad_norm, lr (means over mini-batches), and before the update
+        vf_explained_var and values_mean over every trained token."""
+        cfg, mbs, totals = self.cfg, int(self.cfg.micro_batch_size), {}
+        self.critic.train()
+        for mb_i, mine in enumerate(plan):
+            denom = self._denominators(batch, n_mb, mb_i, by_group=True)
+            sums: dict[str, float] = {}
+            for start in range(0, len(mine), mbs):
+                rows = [row_of[i] for i in mine[start:start + mbs]]
+                mb = self._to_device(collate([local[j] for j in rows], {"old_values": [old_values[j] for j in rows],
+                                                                        "returns": [returns[j] for j in rows]}))
+                v = self._forward_values(mb)  # (b, R) with grad
+                loss, m = algos.value_loss(v, mb["old_values"], mb["returns"], mb["loss_mask"], float(cfg.value_clip),
+                                           denom)
+                loss.backward()
+                for k, x in m.items():
+                    _add(sums, k, float(x))
+            self._step_minibatch(sums, totals, n_mb, critic=True)
+        # the values the advantages used (before this update) against their targets, over every DP rank's tokens
+        lb = collate(local, {"old_values": old_values, "returns": returns}) if local else \
+            {k: torch.zeros(0, 1) for k in ("old_values", "returns", "loss_mask")}  # (B_local, R)
+        ev = algos.explained_variance(lb["old_values"], lb["returns"], lb["loss_mask"],
+                                      self.dp_group_gloo if self.dp_size > 1 else None)
+        vsum = self._dp_sum({"v": float((lb["old_values"] * lb["loss_mask"]).sum()), "n": float(lb["loss_mask"].sum())})
+        totals.update({"vf_explained_var": ev, "values_mean": vsum["v"] / max(vsum["n"], 1.0)})
+        return {f"critic/{k}": v for k, v in totals.items()}
 
     # --- on-policy distillation (targets from teacher.py) ---------------------------------------------
 
@@ -1137,10 +1263,11 @@ class TrainerWorker:
                         "train/samples": float(len(batch))})
         return metrics
 
-    def _step_minibatch(self, sums: dict[str, float], totals: dict[str, float], n_mb: int) -> None:
-        """End a mini-batch: one optimizer step, then its DP-summed metric sums and grad norm into the step's
-        means over `n_mb` mini-batches (`totals`, updated in place; lr is the last one's)."""
-        grad_norm, lr = self._optimizer_step()
+    def _step_minibatch(self, sums: dict[str, float], totals: dict[str, float], n_mb: int,
+                        critic: bool = False) -> None:
+        """End a mini-batch: one optimizer step (of the critic with `critic`), then its DP-summed metric sums and
+        grad norm into the step's means over `n_mb` mini-batches (`totals`, updated in place; lr is the last one's)."""
+        grad_norm, lr = self._optimizer_step(critic)
         for k, v in self._dp_sum(sums).items():
             _add(totals, k, v / n_mb)
         _add(totals, "grad_norm", grad_norm / n_mb)
@@ -1251,20 +1378,24 @@ class TrainerWorker:
     # --- checkpoints --------------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str) -> str:
-        """This rank's model shard, optimizer state, LR schedule position (optimizer steps taken) and
-        python / numpy / torch RNG states, in one file per rank (call on all ranks). The frozen reference
-        is not saved: load_hf() rebuilds it from the HF dir before load_checkpoint. The file is written
-        under a temporary name and renamed, so a rank file that exists is complete; the controller's
-        `latest` marker (loongsage.save_run_state) names the newest complete checkpoint directory."""
+        """This rank's model shard, optimizer state, LR schedule position (optimizer steps taken), the critic's
+        shard and optimizer state (advantage: gae) and python / numpy / torch RNG states, in one file per rank
+        (call on all ranks). The frozen reference is not saved: load_hf() rebuilds it from the HF dir before
+        load_checkpoint. The file is written under a temporary name and renamed, so a rank file that exists is
+        complete; the controller's `latest` marker (loongsage.save_run_state) names the newest complete
+        checkpoint directory."""
         import numpy as np
         os.makedirs(directory, exist_ok=True)
         path = Path(directory) / f"rank_{self.rank:05d}.pt"
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
         if torch.cuda.is_available() and not self.cpu:
             rng["cuda"] = torch.cuda.get_rng_state()
+        critic = {} if self.critic is None else {  # CRITIC: its weights and optimizer travel in the same file
+            "critic": self.critic.module.state_dict(), "critic_optimizer": self.critic_optimizer.state_dict(),
+            "critic_steps": self.critic_steps}
         torch.save({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "optim_steps": self.optim_steps, "lr_override": self.lr_override, "rng": rng,
-                    "world_size": self.world_size, "tensor_parallel": self.tp_size}, str(path) + ".tmp")
+                    "world_size": self.world_size, "tensor_parallel": self.tp_size, **critic}, str(path) + ".tmp")
         os.replace(str(path) + ".tmp", path)
         torch.distributed.barrier()
         return str(path)
@@ -1288,6 +1419,14 @@ class TrainerWorker:
         self.optimizer.load_state_dict(state["optimizer"])
         self.optim_steps = int(state["optim_steps"])
         self.lr_override = state.get("lr_override")
+        if self.critic is not None:
+            if "critic" not in state:
+                raise ValueError(f"checkpoint {directory} has no critic (it was saved by a run without "
+                                 "advantage='gae'); resume it with its own advantage, or start this gae run in a new "
+                                 "output_dir")
+            self.critic.module.load_state_dict(state["critic"])
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+            self.critic_steps = int(state["critic_steps"])
         rng = state["rng"]
         if isinstance(rng, torch.Tensor):  # checkpoints written before python/numpy states were kept
             rng = {"torch": rng}

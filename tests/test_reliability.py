@@ -85,7 +85,7 @@ def test_rewards_must_be_finite_numbers(value, reward, error):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["advantage=gae"], "needs a value model"),
+    (["advantage=gae", "critic_lr=0"], "critic_lr=0.0 must be > 0"),
     (["transfer=carrier_pigeon"], "transfer='carrier_pigeon': choose one of"),
     (["transfer=cuda_ipc"], "transfer=cuda_ipc needs device=cuda"),
     (["sandbox=vm"], "sandbox='vm': choose 'local', 'docker' or 'auto'"),
@@ -108,10 +108,10 @@ def test_options_without_a_working_path_fail_check(overrides, message):
     assert message in str(e.value)
 
 
-def test_cli_check_rejects_gae_with_exit_code_2():
-    r = subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", "advantage=gae", "--check"],
+def test_cli_check_rejects_a_critic_knob_without_gae_with_exit_code_2():
+    r = subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", "critic_warmup_steps=2", "--check"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "config error" in r.stderr and "advantage='returns'" in r.stderr
+    assert r.returncode == 2 and "config error" in r.stderr and "advantage=gae" in r.stderr
 
 
 # ----------------------------------------------------------------------------------------------
