@@ -27,7 +27,7 @@ measured back to back in one process is far steadier than an absolute number.
 
     python bench.py sync [--quick] [--repeats 3]
         Weight sync: each CPU transport of transfermesh (shared memory, gloo broadcast, disk) moving 10 MB, 100 MB
-        and 1 GB of fp32 weights into another process that checks the CRC32s and copies them into its own tensors,
+        and 1 GB of fp32 weights into another process that checks the checksums and copies them into its own tensors,
         as GB/s and as a fraction of a memcpy of the same bytes, next to a one-parameter-per-request
         pickle-over-HTTP path; then the fixed cost of a sync (pause -> begin -> update -> end -> continue) into a
         real CPU engine on the tiny model, and that model's whole sync. Targets: shm >= 0.5x memcpy at >= 100 MB,
@@ -416,6 +416,7 @@ def bench_sync(args) -> dict:
     import tempfile
 
     import httpx
+    import numpy as np
     import rollout
     import transfermesh as tm
     from safetensors.torch import save_file
@@ -461,7 +462,7 @@ def bench_sync(args) -> dict:
         for pair in named:
             http.post(f"http://127.0.0.1:{http_port}/", content=pickle.dumps(pair)).raise_for_status()
 
-    print(f"sync: transports into another process (receiver copies into its own tensors; CRC32 checked), "
+    print(f"sync: transports into another process (receiver copies into its own tensors; XXH3 checksums checked), "
           f"torch threads {torch.get_num_threads()}")
     print(f"  {'size':>8s} {'memcpy':>8s} {'shm':>14s} {'broadcast':>14s} {'disk':>14s} {'pickle/HTTP':>12s} "
           f"{'shm/pickle':>10s}  (GB/s; x = fraction of memcpy)")
@@ -471,8 +472,12 @@ def bench_sync(args) -> dict:
         per = min(4 * 2**20, nbytes) // 4
         named = [(f"w{i}", torch.randn(per)) for i in range(nbytes // 4 // per)]  # 4 MB fp32 tensors
         src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+        src_np, dst_np = src.numpy(), dst.numpy()
         row = {}
-        for name, fn in (("memcpy", lambda _: dst.copy_(src)), ("shm", shm), ("broadcast", broadcast),
+        # the baseline is the faster memcpy of the two: torch's copy_ (its threads) or numpy's (one thread; torch's
+        # two threads copied slower than one here whenever the other core was busy)
+        for name, fn in (("memcpy_torch", lambda _: dst.copy_(src)), ("memcpy_numpy", lambda _: np.copyto(dst_np, src_np)),
+                         ("shm", shm), ("broadcast", broadcast),
                          ("disk", disk), ("pickle_http", pickle_http)):
             ask("clear")
             fn(named)  # warm-up: first-touch page faults on both sides, as a second sync would not pay them
@@ -482,7 +487,8 @@ def bench_sync(args) -> dict:
                 fn(named)
                 best = min(best, time.perf_counter() - t0)
             row[name] = nbytes / best / 1e9
-        del src, dst
+        row["memcpy"] = max(row.pop("memcpy_torch"), row.pop("memcpy_numpy"))
+        del src, dst, src_np, dst_np
         result[mb] = row
         frac = {k: row[k] / row["memcpy"] for k in row}
         print(f"  {mb:6d}MB {row['memcpy']:8.2f} " + " ".join(f"{row[k]:7.2f} ({frac[k]:.2f}x)"
