@@ -440,9 +440,15 @@ def bench_sync(args) -> dict:
     http = httpx.Client(timeout=600, transport=httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]))
     tmp = Path(tempfile.mkdtemp(prefix="loongsage_bench_sync_"))
 
-    def shm(named):
-        for bucket in tm.iter_buckets(named, bucket_bytes):
-            ask("shm", tm.write_shm_bucket(bucket)[0])
+    def shm(named):  # as transfermesh._push_shm: bucket i+1 is written while the receiver copies bucket i out
+        buckets = list(tm.iter_buckets(named, bucket_bytes))
+        tm.reserve_shm(max(tm.bucket_layout(b)[1] for b in buckets))
+        for i, bucket in enumerate(buckets):
+            desc = tm.write_shm_bucket(bucket, half=i % 2)[0]
+            if i:
+                assert conn.recv() == "ok"
+            conn.send(("shm", desc))
+        assert conn.recv() == "ok"
 
     def broadcast(named):
         for bucket in tm.iter_buckets(named, bucket_bytes):
@@ -473,20 +479,20 @@ def bench_sync(args) -> dict:
         named = [(f"w{i}", torch.randn(per)) for i in range(nbytes // 4 // per)]  # 4 MB fp32 tensors
         src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
         src_np, dst_np = src.numpy(), dst.numpy()
-        row = {}
         # the baseline is the faster memcpy of the two: torch's copy_ (its threads) or numpy's (one thread; torch's
         # two threads copied slower than one here whenever the other core was busy)
-        for name, fn in (("memcpy_torch", lambda _: dst.copy_(src)), ("memcpy_numpy", lambda _: np.copyto(dst_np, src_np)),
-                         ("shm", shm), ("broadcast", broadcast),
-                         ("disk", disk), ("pickle_http", pickle_http)):
-            ask("clear")
+        fns = {"memcpy_torch": lambda _: dst.copy_(src), "memcpy_numpy": lambda _: np.copyto(dst_np, src_np),
+               "shm": shm, "broadcast": broadcast, "disk": disk, "pickle_http": pickle_http}
+        ask("clear")
+        for fn in fns.values():
             fn(named)  # warm-up: first-touch page faults on both sides, as a second sync would not pay them
-            best = float("inf")
-            for _ in range(args.repeats):  # best of: the machine is shared, a spike of load is not the transport
+        best = dict.fromkeys(fns, float("inf"))
+        for _ in range(args.repeats):  # rounds in which the transports take turns, so a change of load hits all
+            for name, fn in fns.items():
                 t0 = time.perf_counter()
                 fn(named)
-                best = min(best, time.perf_counter() - t0)
-            row[name] = nbytes / best / 1e9
+                best[name] = min(best[name], time.perf_counter() - t0)  # best of: a spike of load is not the transport
+        row = {name: nbytes / t / 1e9 for name, t in best.items()}
         row["memcpy"] = max(row.pop("memcpy_torch"), row.pop("memcpy_numpy"))
         del src, dst, src_np, dst_np
         result[mb] = row

@@ -297,31 +297,40 @@ def _with_last(iterable):
     yield prev, True
 
 
-_SEGMENT: list = []  # [SharedMemory, numpy uint8 view of it]: one segment reused by every bucket of every sync
+_SEGMENT: list = []  # [SharedMemory, numpy uint8 view of it]: one segment of two halves, reused by every sync
 
 
-def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
-    """Write a bucket into this process's shared-memory segment in the packed layout; returns its JSON descriptor
-    and size in bytes. The segment and its mapping are reused (grown when a bucket needs more): fresh pages cost a
-    page fault each on first write, so a new segment per bucket ran several times slower than the copy itself;
-    after the first sync the copy runs at memcpy speed. Reuse is safe because every receiver has copied a bucket
-    out before its update request returns. The segment is unlinked at exit; one left by a killed process (Ray
-    kills actors at shutdown) is unlinked by the next one created."""
-    metas, total = bucket_layout(bucket)
-    if not _SEGMENT or _SEGMENT[0].size < total:
+def reserve_shm(nbytes: int) -> None:
+    """Make this process's segment hold two buckets of `nbytes` (a new segment if it is smaller). Growing unlinks
+    the old segment, so it must not happen while a receiver may still open it: `_push_shm` reserves for the
+    sync's largest bucket before sending any."""
+    if not _SEGMENT or _SEGMENT[0].size < 2 * nbytes:
         _unlink_segment()
         _unlink_orphans()
-        shm = shared_memory.SharedMemory(create=True, size=max(total, 1),
+        shm = shared_memory.SharedMemory(create=True, size=max(2 * nbytes, 2),
                                          name=f"loongsage_{os.getpid()}_{uuid.uuid4().hex[:8]}")
         _SEGMENT.extend([shm, np.frombuffer(shm.buf, dtype=np.uint8)])
+
+
+def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]], half: int = 0) -> tuple[str, int]:
+    """Write a bucket into one half (0 or 1) of this process's shared-memory segment in the packed layout; returns
+    its JSON descriptor and size in bytes. Two halves let the next bucket be written while receivers copy the
+    previous one out. The segment and its mapping are reused (grown when a bucket needs more): fresh pages cost a
+    page fault each on first write, so a new segment per bucket ran several times slower than the copy itself;
+    after the first sync the copy runs at memcpy speed. Reuse is safe because a half is written again only after
+    every receiver answered the update request that read it. The segment is unlinked at exit; one left by a killed
+    process (Ray kills actors at shutdown) is unlinked by the next one created."""
+    metas, total = bucket_layout(bucket)
+    reserve_shm(total)
     shm, seg = _SEGMENT
+    base = half * (shm.size // 2)  # byte offset of the half in the segment
     for (_, t), (*_, off) in zip(bucket, metas):
         src = t.detach().contiguous().view(-1).view(torch.uint8).numpy()  # (nbytes,) raw bytes of the tensor
         # numpy's copy, one thread: torch's copy_ with 2 threads into this MAP_SHARED mapping measured 0.2-0.6 GB/s
         # here (against ~7 GB/s for this), and a trainer's torch threads are not ours to change
-        np.copyto(seg[off:off + src.size], src)
-    flat = torch.from_numpy(seg[:total])
-    desc = json.dumps({"shm": shm.name, "size": total, "tensors": metas, "checksum": checksum(flat)})
+        np.copyto(seg[base + off:base + off + src.size], src)
+    flat = torch.from_numpy(seg[base:base + total])
+    desc = json.dumps({"shm": shm.name, "offset": base, "size": total, "tensors": metas, "checksum": checksum(flat)})
     return desc, total
 
 
@@ -355,15 +364,25 @@ def _unlink_segment() -> None:
 
 
 def _push_shm(tensors, engines, bucket_bytes, config_dir, version):
-    """Each bucket written once into shared memory, read by every local engine."""
+    """Each bucket written once into shared memory, read by every local engine. The two halves of the segment
+    alternate: bucket i+1 is written while the engines copy bucket i out (one update request in flight at a time,
+    so the buckets load in order and the version-carrying last one loads last)."""
+    buckets = list(iter_buckets(tensors, bucket_bytes))
+    reserve_shm(max((bucket_layout(b)[1] for b in buckets), default=0))
     n = nbytes = 0
-    for bucket, last in _with_last(iter_buckets(tensors, bucket_bytes)):
-        desc, total = write_shm_bucket(bucket)
-        fields = _update_fields(last, version)
-        # serialized_named_tensors is indexed by TP rank: every rank of a local engine reads the same segment
-        _each(lambda e: _post(e[0], "/update_weights_from_tensor", {
-            "serialized_named_tensors": [desc] * e[1], "load_format": "flattened_bucket", **fields}), engines)
-        n, nbytes = n + 1, nbytes + total
+    pending = None
+    with ThreadPoolExecutor(1, thread_name_prefix="shm-update") as pool:
+        for bucket, last in _with_last(buckets):
+            desc, total = write_shm_bucket(bucket, half=n % 2)
+            fields = _update_fields(last, version)
+            if pending is not None:
+                pending.result()  # bucket n-1 loaded everywhere; also frees the half bucket n+1 will overwrite
+            # serialized_named_tensors is indexed by TP rank: every rank of a local engine reads the same segment
+            pending = pool.submit(_each, lambda e, desc=desc, fields=fields: _post(e[0], "/update_weights_from_tensor", {
+                "serialized_named_tensors": [desc] * e[1], "load_format": "flattened_bucket", **fields}), engines)
+            n, nbytes = n + 1, nbytes + total
+        if pending is not None:
+            pending.result()
     return n, nbytes
 
 
@@ -499,17 +518,17 @@ def read_shm_bucket(descriptor: str) -> list[tuple[str, torch.Tensor]]:
     parameters is the only one. Raises ValueError on a bad descriptor or checksum."""
     try:
         d = json.loads(descriptor)
-        size, metas, name = int(d["size"]), d["tensors"], d["shm"]
+        size, metas, name, offset = int(d["size"]), d["tensors"], d["shm"], int(d.get("offset", 0))
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"a flattened_bucket entry for the CPU engine is a JSON descriptor of a shared-memory "
-                         f"segment with keys shm, size, tensors, checksum (as transfermesh writes it); got "
+                         f"segment with keys shm, offset, size, tensors, checksum (as transfermesh writes it); got "
                          f"{str(descriptor)[:120]!r} ({type(e).__name__}: {e})") from None
     expected, total = packed_layout([m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas])
     if [m[3] for m in metas] != [m[3] for m in expected] or total != size:
         raise ValueError(f"shared-memory bucket {name}: offsets/size do not follow the packed flattened_bucket layout "
                          f"(size {size}, offsets {[m[3] for m in metas][:8]}; the tensors need {total} bytes back "
                          f"to back at offsets {[m[3] for m in expected][:8]})")
-    flat = _map_segment(name, size) if size else torch.empty(0, dtype=torch.uint8)
+    flat = _map_segment(name, offset + size)[offset:] if size else torch.empty(0, dtype=torch.uint8)
     verify_checksum(flat, d.get("checksum"))
     return unflatten_bucket(flat, metas)
 

@@ -67,6 +67,12 @@ def test_shm_segment_is_reused_and_every_bucket_reads_back_its_own_bytes():
     for (n, t), (m, u), (_, v) in zip(first, got1, got2):
         assert n == m and torch.equal(u, t)
     assert all(torch.equal(t, v) for (_, t), (_, v) in zip(second, got2))
+    # the two halves: a bucket in half 1 leaves the one in half 0 intact (the sender writes the next bucket while
+    # receivers still read the previous one)
+    desc_h1, _ = tm.write_shm_bucket(first, half=1)
+    assert json.loads(desc_h1)["offset"] > 0
+    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(second, tm.read_shm_bucket(desc2)))
+    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(first, tm.read_shm_bucket(desc_h1)))
     grown = [("big", torch.randn(50_000))]                                # larger than the segment: a new one
     desc3, _ = tm.write_shm_bucket(grown)
     assert json.loads(desc3)["shm"] != json.loads(desc1)["shm"]
