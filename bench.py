@@ -17,7 +17,7 @@ measured back to back in one process is far steadier than an absolute number.
         back to back in pairs. Prints p50/p99 of the paired difference and its ratio to a 64-token generation.
 
     python bench.py async [--steps 16 --prompts 16 --stale-steps 1]
-        Fully async vs sync training on a long-tail task (responses of 2 to ~60 tokens), same everything else: the
+        Fully async vs sync training on a long-tail task (responses of 4 to 46 tokens), same everything else: the
         RL loop's trained samples per second of each, their ratio (target >= 1.7x) and both final eval accuracies
         (a matched learning curve: within +-0.05).
 
@@ -223,24 +223,29 @@ def bench_router(args) -> dict:
 
 
 def longtail_samples(n: int, seed: int) -> list[dict]:
-    """Single-digit a+b or a-b, answered k times over: "3+4 x5" -> "7 7 7 7 7". k is 1 for three prompts in four
-    and 8 to 24 for the rest, so responses run from 2 to 64 tokens: the long tail that makes a synchronous step
-    wait for its slowest trajectories while most of the engine's batch has finished."""
+    """Single-digit a+b or a-b with a letter: "3+4 e" is answered by counting down the alphabet from that letter,
+    then the sum: "e d c b a 7". The letter is "a" for three prompts in four and "h" to "z" for the rest, so
+    responses run from 4 to 46 tokens (mean ~11): the long tail that makes a synchronous step wait for its slowest
+    trajectories while most of the engine's batch has finished. Counting down is a rule the tiny model learns in
+    the warm start (each letter follows from the one before, the answer from "a"), where repeating the answer k
+    times was not: that model had to count, and its answers came out 6 tokens long on average, with no tail."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         s = data.arith_problem(rng, max_operand=9)
-        k = 1 if rng.random() < 0.75 else rng.randint(8, 24)
-        out.append({"messages": [{"role": "user", "content": f"{s['messages'][0]['content']} x{k}"}],
-                    "answer": s["answer"], "repeat": k})
+        k = 1 if rng.random() < 0.75 else rng.randint(8, 26)  # letters to count down
+        out.append({"messages": [{"role": "user", "content": f"{s['messages'][0]['content']} {chr(96 + k)}"}],
+                    "answer": s["answer"], "count": k})
     return out
 
 
 def longtail_sft(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dict:
-    """Warm-start example: the (possibly near-miss) answer, repeated `repeat` times, then end of turn."""
+    """Warm-start example: the letters from the prompt's down to "a", then the (possibly near-miss) answer, then
+    end of turn."""
     t = data.sft_trajectory(tok, sample, rng, label_noise)  # answer (maybe off by one) + <|im_end|>
     answer = tok.decode(t["response_ids"][:-1])
-    r = tok.encode(" ".join([answer] * sample["repeat"]), add_special_tokens=False) + t["response_ids"][-1:]
+    letters = [chr(96 + i) for i in range(sample["count"], 0, -1)]
+    r = tok.encode(" ".join(letters + [answer]), add_special_tokens=False) + t["response_ids"][-1:]
     return {**t, "response_ids": r, "loss_mask": [1] * len(r), "rollout_logprobs": [0.0] * len(r),
             "weight_versions": [-1] * len(r)}
 
