@@ -304,10 +304,11 @@ def reserve_shm(nbytes: int) -> None:
     """Make this process's segment hold two buckets of `nbytes` (a new segment if it is smaller). Growing unlinks
     the old segment, so it must not happen while a receiver may still open it: `_push_shm` reserves for the
     sync's largest bucket before sending any."""
-    if not _SEGMENT or _SEGMENT[0].size < 2 * nbytes:
+    half = -(-max(nbytes, 1) // 4096) * 4096  # whole pages: the second half starts aligned for any dtype's view
+    if not _SEGMENT or _SEGMENT[0].size < 2 * half:
         _unlink_segment()
         _unlink_orphans()
-        shm = shared_memory.SharedMemory(create=True, size=max(2 * nbytes, 2),
+        shm = shared_memory.SharedMemory(create=True, size=2 * half,
                                          name=f"loongsage_{os.getpid()}_{uuid.uuid4().hex[:8]}")
         _SEGMENT.extend([shm, np.frombuffer(shm.buf, dtype=np.uint8)])
 

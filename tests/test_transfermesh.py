@@ -70,15 +70,19 @@ def test_shm_segment_is_reused_and_every_bucket_reads_back_its_own_bytes():
     # the two halves: a bucket in half 1 leaves the one in half 0 intact (the sender writes the next bucket while
     # receivers still read the previous one)
     desc_h1, _ = tm.write_shm_bucket(first, half=1)
-    assert json.loads(desc_h1)["offset"] > 0
+    assert json.loads(desc_h1)["offset"] % 4096 == 0 and json.loads(desc_h1)["offset"] > 0
     assert all(torch.equal(t, v) for (_, t), (_, v) in zip(second, tm.read_shm_bucket(desc2)))
     assert all(torch.equal(t, v) for (_, t), (_, v) in zip(first, tm.read_shm_bucket(desc_h1)))
-    grown = [("big", torch.randn(50_000))]                                # larger than the segment: a new one
+    grown = [("big", torch.randn(50_001))]                                # larger than the segment: a new one
     desc3, _ = tm.write_shm_bucket(grown)
     assert json.loads(desc3)["shm"] != json.loads(desc1)["shm"]
     assert torch.equal(tm.read_shm_bucket(desc3)[0][1], grown[0][1])
+    # sized for a 200,004-byte bucket, the second half still starts where a float64 view may begin
+    odd = [("x", torch.randn(3, dtype=torch.float64)), ("y", torch.tensor([1], dtype=torch.uint8))]
+    desc_odd, _ = tm.write_shm_bucket(odd, half=1)
+    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(odd, tm.read_shm_bucket(desc_odd)))
     lying = json.loads(desc3)
-    lying["tensors"] = [["big", "float32", [10**7], 0]]
+    lying["tensors"], lying["offset"] = [["big", "float32", [10**7], 0]], 0
     lying["size"] = 4 * 10**7
     with pytest.raises(ValueError, match="holds .* bytes but the descriptor says 40000000"):
         tm.read_shm_bucket(json.dumps(lying))
