@@ -379,8 +379,9 @@ def _push_shm(tensors, engines, bucket_bytes, config_dir, version):
             if pending is not None:
                 pending.result()  # bucket n-1 loaded everywhere; also frees the half bucket n+1 will overwrite
             # serialized_named_tensors is indexed by TP rank: every rank of a local engine reads the same segment
-            pending = pool.submit(_each, lambda e, desc=desc, fields=fields: _post(e[0], "/update_weights_from_tensor", {
-                "serialized_named_tensors": [desc] * e[1], "load_format": "flattened_bucket", **fields}), engines)
+            body = {"load_format": "flattened_bucket", **fields}
+            pending = pool.submit(_each, lambda e, desc=desc, body=body: _post(e[0], "/update_weights_from_tensor", {
+                "serialized_named_tensors": [desc] * e[1], **body}), engines)
             n, nbytes = n + 1, nbytes + total
         if pending is not None:
             pending.result()
@@ -514,8 +515,8 @@ def _map_segment(name: str, size: int) -> torch.Tensor:
 
 def read_shm_bucket(descriptor: str) -> list[tuple[str, torch.Tensor]]:
     """Map one shared-memory bucket, verify its checksum, and return its tensors: read-only views of the sender's
-    segment, valid until the sender writes its next bucket, which it does only after this update request has
-    answered (copy them before answering, as the engine's load does). No copy here: the engine's own copy into its
+    segment, valid until the sender writes into the same half again, which it does only after this update request
+    has answered (copy them before answering, as the engine's load does). No copy here: the engine's own copy into its
     parameters is the only one. Raises ValueError on a bad descriptor or checksum."""
     try:
         d = json.loads(descriptor)
