@@ -17,7 +17,7 @@ measured back to back in one process is far steadier than an absolute number.
         back to back in pairs. Prints p50/p99 of the paired difference and its ratio to a 64-token generation.
 
     python bench.py async [--steps 16 --prompts 16 --stale-steps 1]
-        Fully async vs sync training on a long-tail task (responses of 2 to ~60 tokens), same everything else: the
+        Fully async vs sync training on a long-tail task (responses of 4 to 46 tokens), same everything else: the
         RL loop's trained samples per second of each, their ratio (target >= 1.7x) and both final eval accuracies
         (a matched learning curve: within +-0.05).
 
@@ -27,7 +27,7 @@ measured back to back in one process is far steadier than an absolute number.
 
     python bench.py sync [--quick] [--repeats 3]
         Weight sync: each CPU transport of transfermesh (shared memory, gloo broadcast, disk) moving 10 MB, 100 MB
-        and 1 GB of fp32 weights into another process that checks the CRC32s and copies them into its own tensors,
+        and 1 GB of fp32 weights into another process that checks the checksums and copies them into its own tensors,
         as GB/s and as a fraction of a memcpy of the same bytes, next to a one-parameter-per-request
         pickle-over-HTTP path; then the fixed cost of a sync (pause -> begin -> update -> end -> continue) into a
         real CPU engine on the tiny model, and that model's whole sync. Targets: shm >= 0.5x memcpy at >= 100 MB,
@@ -223,24 +223,29 @@ def bench_router(args) -> dict:
 
 
 def longtail_samples(n: int, seed: int) -> list[dict]:
-    """Single-digit a+b or a-b, answered k times over: "3+4 x5" -> "7 7 7 7 7". k is 1 for three prompts in four
-    and 8 to 24 for the rest, so responses run from 2 to 64 tokens: the long tail that makes a synchronous step
-    wait for its slowest trajectories while most of the engine's batch has finished."""
+    """Single-digit a+b or a-b with a letter: "3+4 e" is answered by counting down the alphabet from that letter,
+    then the sum: "e d c b a 7". The letter is "a" for three prompts in four and "h" to "z" for the rest, so
+    responses run from 4 to 46 tokens (mean ~11): the long tail that makes a synchronous step wait for its slowest
+    trajectories while most of the engine's batch has finished. Counting down is a rule the tiny model learns in
+    the warm start (each letter follows from the one before, the answer from "a"), where repeating the answer k
+    times was not: that model had to count, and its answers came out 6 tokens long on average, with no tail."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         s = data.arith_problem(rng, max_operand=9)
-        k = 1 if rng.random() < 0.75 else rng.randint(8, 24)
-        out.append({"messages": [{"role": "user", "content": f"{s['messages'][0]['content']} x{k}"}],
-                    "answer": s["answer"], "repeat": k})
+        k = 1 if rng.random() < 0.75 else rng.randint(8, 26)  # letters to count down
+        out.append({"messages": [{"role": "user", "content": f"{s['messages'][0]['content']} {chr(96 + k)}"}],
+                    "answer": s["answer"], "count": k})
     return out
 
 
 def longtail_sft(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dict:
-    """Warm-start example: the (possibly near-miss) answer, repeated `repeat` times, then end of turn."""
+    """Warm-start example: the letters from the prompt's down to "a", then the (possibly near-miss) answer, then
+    end of turn."""
     t = data.sft_trajectory(tok, sample, rng, label_noise)  # answer (maybe off by one) + <|im_end|>
     answer = tok.decode(t["response_ids"][:-1])
-    r = tok.encode(" ".join([answer] * sample["repeat"]), add_special_tokens=False) + t["response_ids"][-1:]
+    letters = [chr(96 + i) for i in range(sample["count"], 0, -1)]
+    r = tok.encode(" ".join(letters + [answer]), add_special_tokens=False) + t["response_ids"][-1:]
     return {**t, "response_ids": r, "loss_mask": [1] * len(r), "rollout_logprobs": [0.0] * len(r),
             "weight_versions": [-1] * len(r)}
 
@@ -416,6 +421,7 @@ def bench_sync(args) -> dict:
     import tempfile
 
     import httpx
+    import numpy as np
     import rollout
     import transfermesh as tm
     from safetensors.torch import save_file
@@ -439,9 +445,15 @@ def bench_sync(args) -> dict:
     http = httpx.Client(timeout=600, transport=httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]))
     tmp = Path(tempfile.mkdtemp(prefix="loongsage_bench_sync_"))
 
-    def shm(named):
-        for bucket in tm.iter_buckets(named, bucket_bytes):
-            ask("shm", tm.write_shm_bucket(bucket)[0])
+    def shm(named):  # as transfermesh._push_shm: bucket i+1 is written while the receiver copies bucket i out
+        buckets = list(tm.iter_buckets(named, bucket_bytes))
+        tm.reserve_shm(max(tm.bucket_layout(b)[1] for b in buckets))
+        for i, bucket in enumerate(buckets):
+            desc = tm.write_shm_bucket(bucket, half=i % 2)[0]
+            if i:
+                assert conn.recv() == "ok"
+            conn.send(("shm", desc))
+        assert conn.recv() == "ok"
 
     def broadcast(named):
         for bucket in tm.iter_buckets(named, bucket_bytes):
@@ -461,7 +473,7 @@ def bench_sync(args) -> dict:
         for pair in named:
             http.post(f"http://127.0.0.1:{http_port}/", content=pickle.dumps(pair)).raise_for_status()
 
-    print(f"sync: transports into another process (receiver copies into its own tensors; CRC32 checked), "
+    print(f"sync: transports into another process (receiver copies into its own tensors; XXH3 checksums checked), "
           f"torch threads {torch.get_num_threads()}")
     print(f"  {'size':>8s} {'memcpy':>8s} {'shm':>14s} {'broadcast':>14s} {'disk':>14s} {'pickle/HTTP':>12s} "
           f"{'shm/pickle':>10s}  (GB/s; x = fraction of memcpy)")
@@ -471,18 +483,23 @@ def bench_sync(args) -> dict:
         per = min(4 * 2**20, nbytes) // 4
         named = [(f"w{i}", torch.randn(per)) for i in range(nbytes // 4 // per)]  # 4 MB fp32 tensors
         src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
-        row = {}
-        for name, fn in (("memcpy", lambda _: dst.copy_(src)), ("shm", shm), ("broadcast", broadcast),
-                         ("disk", disk), ("pickle_http", pickle_http)):
-            ask("clear")
+        src_np, dst_np = src.numpy(), dst.numpy()
+        # the baseline is the faster memcpy of the two: torch's copy_ (its threads) or numpy's (one thread; torch's
+        # two threads copied slower than one here whenever the other core was busy)
+        fns = {"memcpy_torch": lambda _: dst.copy_(src), "memcpy_numpy": lambda _: np.copyto(dst_np, src_np),
+               "shm": shm, "broadcast": broadcast, "disk": disk, "pickle_http": pickle_http}
+        ask("clear")
+        for fn in fns.values():
             fn(named)  # warm-up: first-touch page faults on both sides, as a second sync would not pay them
-            best = float("inf")
-            for _ in range(args.repeats):  # best of: the machine is shared, a spike of load is not the transport
+        best = dict.fromkeys(fns, float("inf"))
+        for _ in range(args.repeats):  # rounds in which the transports take turns, so a change of load hits all
+            for name, fn in fns.items():
                 t0 = time.perf_counter()
                 fn(named)
-                best = min(best, time.perf_counter() - t0)
-            row[name] = nbytes / best / 1e9
-        del src, dst
+                best[name] = min(best[name], time.perf_counter() - t0)  # best of: a spike of load is not the transport
+        row = {name: nbytes / t / 1e9 for name, t in best.items()}
+        row["memcpy"] = max(row.pop("memcpy_torch"), row.pop("memcpy_numpy"))
+        del src, dst, src_np, dst_np
         result[mb] = row
         frac = {k: row[k] / row["memcpy"] for k in row}
         print(f"  {mb:6d}MB {row['memcpy']:8.2f} " + " ".join(f"{row[k]:7.2f} ({frac[k]:.2f}x)"

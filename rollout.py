@@ -20,7 +20,7 @@ so the same client lines drive either engine:
 * Weight updates follow SGLang 0.5.23: `/update_weights_from_tensor` and `/update_weights_from_distributed` are
   refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine reads
   `serialized_named_tensors[0]` (it is TP rank 0 of one), and takes `load_format: "flattened_bucket"` in SGLang's
-  packed layout (for tensor updates: a transfermesh shared-memory descriptor). A bucket whose CRC32 does not match
+  packed layout (for tensor updates: a transfermesh shared-memory descriptor). A bucket whose checksum does not match
   the sender's is refused (400) and the engine keeps its weights.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
 * client helpers shared by every caller: `generate` (async), `post` / `get` (sync, raise with the server's message).

@@ -56,3 +56,22 @@ def test_step_bench_reports_phases_within_the_step():
         # the phases are parts of the step (medians of each over the same steps: allow a little slack)
         assert ph["generate"] + ph["train"] + ph["sync"] <= ph["step"] * 1.05 + 0.05
     assert "trl" not in r or r["trl"] > 0
+
+
+def test_longtail_task_has_a_tail_and_its_labels_earn_the_reward(tiny_model_dir):
+    """bench async's long-tail task: three answers in four are short, the rest count down from the prompt's letter
+    (so the length follows a rule the warm start can teach), and every noise-free label ends with the answer, so
+    it earns the reward the RL runs use (data.last_number_match)."""
+    import data
+    tok = data.load_tokenizer(tiny_model_dir)
+    samples = bench.longtail_samples(400, seed=3)
+    lens = []
+    for s in samples:
+        t = bench.longtail_sft(tok, s, None, 0.0)
+        text = tok.decode(t["response_ids"][:-1])
+        letter = s["messages"][0]["content"].split()[-1]
+        assert text.split() == [chr(c) for c in range(ord(letter), ord("a") - 1, -1)] + [s["answer"]]
+        assert data.last_number_match(text, s) == 1.0 and t["loss_mask"] == [1] * len(t["response_ids"])
+        lens.append(len(t["response_ids"]))
+    short = sum(n <= 5 for n in lens) / len(lens)
+    assert 0.65 < short < 0.85 and max(lens) >= 35 and min(n for n in lens if n > 5) >= 15

@@ -47,10 +47,45 @@ def test_checksum_sees_flips_swaps_and_shifts():
     with pytest.raises(ValueError, match="checksum mismatch"):
         tm.verify_checksum(swapped, ref)
     tm.verify_checksum(flat.clone(), ref)
-    # big buffers: one CRC32 per chunk, in order, so swapping two whole chunks is caught as well
+    # big buffers: one checksum per chunk, in order, so swapping two whole chunks is caught as well
     big = torch.randint(0, 256, (2 * tm.CHECKSUM_CHUNK,), dtype=torch.uint8)
     big_swapped = torch.cat([big[tm.CHECKSUM_CHUNK:], big[:tm.CHECKSUM_CHUNK]])
     assert len(tm.checksum(big)) == 2 and tm.checksum(big_swapped) != tm.checksum(big)
+
+
+def test_shm_segment_is_reused_and_every_bucket_reads_back_its_own_bytes():
+    """The sender reuses one segment (and its mapping) for every bucket, the receiver keeps its mapping of it: each
+    read must still see the bucket just written, not a copy of an earlier one, and a grown segment (a new name)
+    must be mapped afresh. Also: a descriptor whose size exceeds the segment is refused with a clear error."""
+    first = [("a", torch.randn(1000)), ("b", torch.randn(10))]
+    second = [("a", torch.randn(1000)), ("b", torch.randn(10))]           # same layout, other bytes
+    desc1, _ = tm.write_shm_bucket(first)
+    got1 = [(n, t.clone()) for n, t in tm.read_shm_bucket(desc1)]
+    desc2, _ = tm.write_shm_bucket(second)
+    assert json.loads(desc2)["shm"] == json.loads(desc1)["shm"]          # the same segment, reused
+    got2 = tm.read_shm_bucket(desc2)
+    for (n, t), (m, u), (_, v) in zip(first, got1, got2):
+        assert n == m and torch.equal(u, t)
+    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(second, got2))
+    # the two halves: a bucket in half 1 leaves the one in half 0 intact (the sender writes the next bucket while
+    # receivers still read the previous one)
+    desc_h1, _ = tm.write_shm_bucket(first, half=1)
+    assert json.loads(desc_h1)["offset"] % 4096 == 0 and json.loads(desc_h1)["offset"] > 0
+    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(second, tm.read_shm_bucket(desc2)))
+    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(first, tm.read_shm_bucket(desc_h1)))
+    grown = [("big", torch.randn(50_001))]                                # larger than the segment: a new one
+    desc3, _ = tm.write_shm_bucket(grown)
+    assert json.loads(desc3)["shm"] != json.loads(desc1)["shm"]
+    assert torch.equal(tm.read_shm_bucket(desc3)[0][1], grown[0][1])
+    # sized for a 200,004-byte bucket, the second half still starts where a float64 view may begin
+    odd = [("x", torch.randn(3, dtype=torch.float64)), ("y", torch.tensor([1], dtype=torch.uint8))]
+    desc_odd, _ = tm.write_shm_bucket(odd, half=1)
+    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(odd, tm.read_shm_bucket(desc_odd)))
+    lying = json.loads(desc3)
+    lying["tensors"], lying["offset"] = [["big", "float32", [10**7], 0]], 0
+    lying["size"] = 4 * 10**7
+    with pytest.raises(ValueError, match="holds .* bytes but the descriptor says 40000000"):
+        tm.read_shm_bucket(json.dumps(lying))
 
 
 def test_broadcast_ranks_count_every_tp_rank():
@@ -252,7 +287,7 @@ def test_updates_outside_a_session_are_refused_as_sglang_does(engine, tiny_model
 
 @pytest.mark.parametrize("corruption", ["flipped_bit", "swapped_chunks", "shifted_buffer"])
 def test_engine_refuses_a_corrupted_bucket_and_keeps_its_weights(corruption, engine, other_model):
-    """The receiving side verifies the CRC32 the sender wrote: a bucket corrupted after it was checksummed is
+    """The receiving side verifies the checksum the sender wrote: a bucket corrupted after it was checksummed is
     refused with a clear error, and the engine keeps serving its old weights and version."""
     from safetensors.torch import load_file
     prompt = [5, 6, 7, 8, 9]
