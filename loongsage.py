@@ -26,8 +26,9 @@ trainers' whole state and the controller's data cursor and RNG, and `resume: tru
 
 Teachers (teacher.py) score every batch between "generate" and "train" when `teachers:` is set;
 `data_sources:` mixes several datasets (each with its agent, reward, teacher and eval set) by weight.
-Left out here (see the issues): multi-node launch scripts, and the colocated memory hand-off (engines releasing
-weights and KV cache while the trainers train: colocated actors share their GPUs but both stay resident).
+Colocated (`colocate: true`): engines release weights and KV cache while the trainers train, and the trainers offload
+optimizer state, grads and weights while the engines generate (`colocate_hand_off`, three visible lines in train()).
+Left out here (see the issues): multi-node launch scripts.
 """
 from __future__ import annotations
 
@@ -310,6 +311,9 @@ def finalize(cfg: Config) -> Config:
         need(cfg.num_engines * cfg.gpus_per_engine <= cfg.trainer_workers, f"colocate: {cfg.num_engines} engines x "
              f"gpus_per_engine={cfg.gpus_per_engine} GPUs must fit on the trainers' {cfg.trainer_workers} GPUs; lower "
              "num_engines or set colocate=false")
+    need(not (cfg.engine == "sglang" and cfg.colocate and cfg.sglang.get("enable_memory_saver") is False),
+         "colocate=true hands the engines' memory to the trainers with SGLang's release_memory_occupation, which needs "
+         "its memory saver; drop sglang.enable_memory_saver=false or set colocate=false")
     if cfg.engine == "sglang" and "tp_size" in cfg.sglang:
         need(int(cfg.sglang["tp_size"]) == cfg.gpus_per_engine, f"sglang.tp_size={cfg.sglang['tp_size']} but "
              f"gpus_per_engine={cfg.gpus_per_engine}: an engine's tensor parallel size is its GPU count; set them equal")
@@ -782,6 +786,7 @@ class Fleet:
     actors: list  # RolloutEngine actor handles, engine i at index i
     urls: list  # their HTTP URLs, same order (AgentFlow's pool routes over these)
     restarts: int = 0  # engines re-created in this run (metric engines/restarts)
+    released: bool = False  # colocated: the engines' KV cache is handed to the trainers (colocate_hand_off)
 
 
 def wait(refs, what: str, timeout: float, knob: str, every: float = 0.0, tick=None):
@@ -863,7 +868,8 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int) -> dic
                              f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
                              "weight_sync_timeout")[0]
             finally:
-                transfermesh.continue_engines(live)
+                if not fleet.released:  # colocated: they continue once their KV cache is back (colocate_hand_off)
+                    transfermesh.continue_engines(live)
             break
         except (ray.exceptions.RayTaskError, RuntimeError, httpx.HTTPError) as e:
             if attempt == 2 or not check_engines(cfg, fleet, flow):
@@ -872,6 +878,63 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int) -> dic
                   "pushing again to the others")
     check_engines(cfg, fleet, flow, trainers, version)
     return stats
+
+
+def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> dict:
+    """The colocated memory hand-off (`colocate: true`): engines and trainers share their GPUs, so each gives its
+    memory to the other between phases, in three stages (one line each in train()):
+
+      "train"   before the step: engines pause (retract: running requests give back their KV and wait) and
+                release weights + KV cache (SGLang's /release_memory_occupation); trainers onload everything
+      "sync"    after the step: trainers offload optimizer state + grads; engines resume their weights (zeroed until
+                sync_engines pushes the new ones)
+      "rollout" after the sync: trainers offload their weights; engines resume the KV cache, then continue
+
+    so at no point do both sides hold everything. Returns each side's memory after the stage (`memory/` metrics:
+    trainer rank 0's, and the largest engine's where the engine reports it, i.e. the CPU engine) and its seconds.
+    Does nothing (returns {}) unless cfg.colocate."""
+    if not cfg.colocate:
+        return {}
+    import httpx
+
+    import rollout
+    t0 = time.perf_counter()
+
+    def engines(path: str, payload: dict) -> list[dict]:
+        answers = []
+        for url in fleet.urls:
+            try:
+                answers.append(rollout.post(url, path, payload, timeout=cfg.weight_sync_timeout))
+            except (rollout.EngineError, httpx.HTTPError):
+                if url not in check_engines(cfg, fleet, flow):
+                    raise  # alive: the error is the hand-off's own
+                # dead: out of routing now; sync_engines re-creates it (with all its memory) after the next push
+        return answers
+
+    if stage == "train":
+        engines("/pause_generation", {"mode": "retract"})  # SGLang releases memory only with nothing running
+        answers = engines("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+        fleet.released = True
+        mem = wait([t.onload.remote() for t in trainers], "trainer onload", cfg.actor_timeout, "actor_timeout")
+    elif stage == "sync":
+        mem = wait([t.offload.remote(["optimizer", "grads"]) for t in trainers], "trainer offload", cfg.actor_timeout,
+                   "actor_timeout")
+        answers = engines("/resume_memory_occupation", {"tags": ["weights"]})
+    elif stage == "rollout":
+        mem = wait([t.offload.remote(["weights"]) for t in trainers], "trainer offload", cfg.actor_timeout,
+                   "actor_timeout")
+        answers = engines("/resume_memory_occupation", {"tags": ["kv_cache"]})
+        fleet.released = False
+        engines("/continue_generation", {})
+    else:
+        raise ValueError(f"colocate_hand_off stage {stage!r}: choose 'train', 'sync' or 'rollout'")
+    out = {f"memory/{stage}_trainer_mb": mem[0]["rss_bytes"] / 2**20, f"timing/hand_off_{stage}": time.perf_counter() - t0}
+    if "gpu_used_bytes" in mem[0]:
+        out[f"memory/{stage}_gpu_used_mb"] = mem[0]["gpu_used_bytes"] / 2**20
+    rss = [a["rss_bytes"] for a in answers if isinstance(a, dict) and "rss_bytes" in a]
+    if rss:
+        out[f"memory/{stage}_engine_mb"] = max(rss) / 2**20
+    return out
 
 
 # ================================================================================================
@@ -1477,6 +1540,7 @@ def train(cfg: Config) -> list[dict]:
                       f"was filtered out){'; first error: ' + error[:500] if error else ''}; skipping the update")
         if not cfg.rollout_only and trajs:
             # --- 2. old/ref logprobs, advantages, policy update (all inside the trainers; one call per rank)
+            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "train"))  # colocated: engines release memory
             t0 = time.perf_counter()
             batch_ref = ray.put(trajs)
             # TEACHERS (teacher.py): every teacher rank scores, rank 0's per-token targets go to the trainers
@@ -1496,9 +1560,11 @@ def train(cfg: Config) -> list[dict]:
 
             # --- 3. weights -> engines (TransferMesh); engines then report version step + 1. Requests in
             #        flight keep their tokens and continue on the new weights (partial rollouts).
+            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "sync"))  # trainers offload, engine weights back
             t0 = time.perf_counter()
             metrics.update(sync_engines(cfg, fleet, flow, trainers, step + 1))  # skips, then re-creates, dead engines
             metrics["timing/sync"] = time.perf_counter() - t0
+            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "rollout"))  # engine KV cache back, continue
 
         # --- 4. eval
         last = step == cfg.num_steps - 1

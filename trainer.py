@@ -722,6 +722,7 @@ class TrainerWorker:
             from megatron.core import tensor_parallel
             tensor_parallel.model_parallel_cuda_manual_seed(int(cfg.seed))
         self.model = self.ref_model = self.optimizer = None
+        self.offloaded: dict[str, tuple] = {}  # tag -> (freed storages, file) while offloaded (colocated hand-off)
         self.optim_steps = 0  # optimizer steps taken (drives the lr schedule)
         self.lr_override: float | None = None  # constant lr given to load_hf (SFT warm start)
 
@@ -737,6 +738,7 @@ class TrainerWorker:
 
         self.hf_path, self.lr_override, self.optim_steps = str(path), lr, 0
         self.model = self.ref_model = self.optimizer = None  # free a previous model before building the next
+        self.offloaded = {}
         self.hf_config = read_hf_config(path)
         self.tcfg, self.model_kwargs = megatron_config(self.hf_config, self.cfg, self.cpu)
         hf_state = load_hf_state(path)
@@ -810,6 +812,100 @@ class TrainerWorker:
                                   {"params": no_decay, "weight_decay": 0.0}],
                                  lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
 
+    # --- colocated memory hand-off ---------------------------------------------------------------------
+    # Between its phases a colocated trainer gives memory to the engines on the same GPUs (loongsage.colocate_hand_off):
+    # after the step its optimizer state and gradients, after the weight sync its weights; all come back before the
+    # next step. Tags: "weights" (the model's and the frozen reference's parameters), "optimizer" (Adam's moments and,
+    # on CUDA, Megatron's fp32 master weights), "grads" (DDP's gradient buffers: zero between steps, so nothing is
+    # kept, and their storage is resized to zero and back, so every param.main_grad view stays valid). Weights and
+    # optimizer tensors keep their identity (the optimizer and DDP hold them) and swap their `.data`: to pinned host
+    # memory on CUDA; on CPU to a file in output_dir/offload, so the bytes really leave this process.
+
+    OFFLOAD_TAGS = ("weights", "optimizer", "grads")
+
+    def _offload_tensors(self, tag: str) -> list[torch.Tensor]:
+        if tag == "weights":
+            tensors = list(self.model.parameters()) + list(self.ref_model.parameters() if self.ref_model else [])
+        elif tag == "optimizer":
+            tensors = []
+            for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                inner = getattr(o, "optimizer", o)  # Megatron wraps a torch optimizer; on CPU it is one
+                tensors += [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t)]
+                tensors += [p for group in getattr(o, "fp32_from_float16_groups", []) for p in group]  # bf16 masters
+        elif tag == "grads":
+            tensors = [b.grad_data for b in list(self.model.buffers) + list(self.model.expert_parallel_buffers)]
+        else:
+            raise ValueError(f"offload tag {tag!r}: choose from {self.OFFLOAD_TAGS}")
+        unique = {t.untyped_storage().data_ptr(): t for t in tensors if t.numel() > 0}
+        return list(unique.values())
+
+    def offload(self, tags: list[str]) -> dict:
+        """Free the memory of `tags` (see above); returns this rank's memory afterwards (`memory`)."""
+        import transfermesh
+        for tag in tags:
+            if tag in self.offloaded:
+                continue
+            tensors = self._offload_tensors(tag)
+            path = Path(self.cfg.output_dir) / "offload" / f"rank{self.rank}_{tag}.bin"
+            if tag == "grads":
+                entries = [(t, t.untyped_storage().nbytes()) for t in tensors]
+                for t, _ in entries:
+                    t.untyped_storage().resize_(0)
+            elif self.cpu:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                total = sum(t.numel() * t.element_size() for t in tensors)
+                dst = torch.from_file(str(path), shared=True, size=max(total, 1), dtype=torch.uint8)  # (total,) file
+                entries, off = [], 0
+                for t in tensors:
+                    n = t.numel() * t.element_size()
+                    dst[off:off + n].copy_(t.data.contiguous().view(-1).view(torch.uint8))
+                    entries.append((t, off, t.shape))
+                    off += n
+                    t.data = torch.empty(0, dtype=t.dtype)
+                del dst  # unmapped: the bytes live in the file only
+            else:
+                entries = []
+                for t in tensors:
+                    entries.append((t, torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.data)))
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            self.offloaded[tag] = (entries, path)
+        if not self.cpu:
+            torch.cuda.empty_cache()  # the caching allocator would keep the freed blocks from the engines
+        transfermesh.trim_freed_memory()
+        return self.memory()
+
+    def onload(self, tags: list[str] | None = None) -> dict:
+        """Bring back what `offload` freed (all tags by default); a no-op for tags that are resident."""
+        for tag in list(self.offloaded) if tags is None else [t for t in tags if t in self.offloaded]:
+            entries, path = self.offloaded.pop(tag)
+            if tag == "grads":
+                for t, nbytes in entries:
+                    t.untyped_storage().resize_(nbytes)
+                    t.zero_()
+            elif self.cpu:
+                src = torch.from_file(str(path), shared=False, size=max(path.stat().st_size, 1), dtype=torch.uint8)
+                for t, off, shape in entries:
+                    fresh = torch.empty(shape, dtype=t.dtype)
+                    n = fresh.numel() * fresh.element_size()
+                    fresh.view(-1).view(torch.uint8).copy_(src[off:off + n])
+                    t.data = fresh
+                del src
+                path.unlink(missing_ok=True)
+            else:
+                for t, host in entries:
+                    t.data = host.to(self.device, non_blocking=True)
+        return self.memory()
+
+    def memory(self) -> dict:
+        """This rank's memory: resident bytes of the process; on CUDA also the device memory torch holds and the
+        whole device's used memory (which shows colocated engines releasing theirs)."""
+        import transfermesh
+        out = {"rss_bytes": transfermesh.rss_bytes()}
+        if not self.cpu:
+            free, total = torch.cuda.mem_get_info()
+            out.update(cuda_allocated_bytes=torch.cuda.memory_allocated(), gpu_used_bytes=total - free)
+        return out
+
     # --- forward ----------------------------------------------------------------------------------
 
     def _forward_logp(self, model, mb: dict[str, torch.Tensor], return_logits: bool = False):
@@ -850,6 +946,7 @@ class TrainerWorker:
     def compute_logprobs(self, batch: list[dict]) -> list[list[float]]:
         """Per response token logprobs for every sample (every rank computes all samples; for parity
         tests and debugging, not the training hot path)."""
+        self.onload(["weights"])
         return [row.tolist() for row in self._logp_no_grad(self.model, batch)]
 
     # --- optimizer step ----------------------------------------------------------------------------
@@ -932,6 +1029,7 @@ class TrainerWorker:
         (same order), or None without teachers; see `_opd_terms`.
         """
         cfg = self.cfg
+        self.onload()  # colocated: whatever the hand-off offloaded comes back before the step
         if not batch:
             raise ValueError("train_step got an empty batch; the controller must skip steps with no trajectories")
         if targets is not None and float(cfg.gkd_ratio) == 1.0:  # TEACHERS: pure distillation, no RL forward
@@ -1205,6 +1303,7 @@ class TrainerWorker:
             raise NotImplementedError(f"export with expert_parallel={ep_size} is not wired in; "
                                       "use expert_parallel=1 (experts are then only tensor-parallel)")
         from megatron.core import parallel_state
+        self.onload(["weights"])  # colocated: a re-created engine may need them while they are offloaded
         gpt = self.model.module
         keep = self.rank == 0
         if self.dp_rank != 0:  # another replica: same weights, no need to gather
@@ -1256,6 +1355,7 @@ class TrainerWorker:
         under a temporary name and renamed, so a rank file that exists is complete; the controller's
         `latest` marker (loongsage.save_run_state) names the newest complete checkpoint directory."""
         import numpy as np
+        self.onload()
         os.makedirs(directory, exist_ok=True)
         path = Path(directory) / f"rank_{self.rank:05d}.pt"
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
@@ -1278,6 +1378,7 @@ class TrainerWorker:
                                     f"world size they were saved with")
         if self.model is None:
             raise RuntimeError("load_checkpoint needs the model built first: call load_hf(model dir) before it")
+        self.onload()
         state = torch.load(path, map_location=self.device, weights_only=False)
         if (state["world_size"], state["tensor_parallel"]) != (self.world_size, self.tp_size):
             raise ValueError(f"checkpoint {directory} was saved with world_size={state['world_size']}, "

@@ -460,6 +460,30 @@ def free_port() -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+# process memory, for the colocated hand-off (engines and trainers give memory back between phases)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory in bytes (Linux /proc; 0 where it is not available)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def trim_freed_memory() -> None:
+    """Return freed heap pages to the OS (glibc's malloc_trim): tensors of a few MB come from malloc's arenas,
+    and without a trim their pages stay in this process after a free, so the colocated peer would not get them."""
+    import ctypes
+    import ctypes.util
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the allocator decides
+
+
+# ----------------------------------------------------------------------------------------------
 # receiver side (used by the engine's HTTP handlers in rollout.py)
 
 
