@@ -101,6 +101,7 @@ class Config:
     tiny_model: dict = field(default_factory=dict)  # settings for data.build_tiny_model (model_path: tiny)
     megatron: dict = field(default_factory=dict)  # passed through to Megatron's TransformerConfig untouched
     sglang: dict = field(default_factory=dict)  # passed through to the SGLang server as --key value flags
+    fp32_lm_head: bool = False  # LM head (logits) in fp32 on both sides: trainer and engines (SGLang --enable-fp32-lm-head)
 
     # --- warm start (SFT through the same trainer, before RL; of the tiny model or any HF directory; cached) ---
     warmstart_steps: int = 0  # SFT optimizer steps; 0 = none

@@ -313,7 +313,7 @@ class CpuEngine:
 
     def __init__(self, model_path: str, *, max_batch: int = 64, max_len: int | None = None, seed: int = 0,
                  dtype: str = "float32", max_prefill_tokens: int = 8192,
-                 weight_version: str = "0"):
+                 weight_version: str = "0", fp32_lm_head: bool = False):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
@@ -333,6 +333,7 @@ class CpuEngine:
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.seed = int(seed)
         self.weight_version = str(weight_version)
+        self.fp32_lm_head = bool(fp32_lm_head)  # logits from an fp32 matmul (a no-op for fp32 weights), as SGLang's flag
 
         attn = self.model.model.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -686,7 +687,10 @@ class CpuEngine:
         last = x[torch.arange(B), lens - 1]                                               # (B, H) last real token
         for req, n in zip(reqs, lens.tolist()):
             req.kv_len += n
-        return self._linear(_rms_norm(last, m.norm), "lm_head").float()                   # (B, V)
+        h = _rms_norm(last, m.norm)                                                       # (B, H)
+        if self.fp32_lm_head and self.dtype != torch.float32:  # as SGLang's --enable-fp32-lm-head: upcast, then matmul
+            return F.linear(h.float(), self.model.lm_head.weight.float())                 # (B, V) fp32
+        return self._linear(h, "lm_head").float()                                         # (B, V)
 
     def _finish(self, req: Req, finish_reason: dict) -> None:
         if req in self._running:
@@ -1210,6 +1214,8 @@ def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
     opts.setdefault("tp_size", cfg.gpus_per_engine)
     opts.setdefault("random_seed", seed)
     opts.setdefault("weight_version", "0")  # versions count trainer steps; SGLang's own default is "default"
+    if getattr(cfg, "fp32_lm_head", False):  # SGLang 0.5.23: exec.features.enable_fp32_lm_head
+        opts.setdefault("enable_fp32_lm_head", True)
     if getattr(cfg, "colocate", False):  # release/resume_memory_occupation need SGLang's memory saver
         opts.setdefault("enable_memory_saver", True)
     # (a recipe drops any of these flags by setting it to null)
@@ -1249,7 +1255,8 @@ class RolloutEngine:
                 torch.set_num_threads(int(cfg.engine_threads))
             max_len = max(int(cfg.max_prompt_len) + int(cfg.max_new_tokens), int(cfg.max_context_len or 0))
             self._url, self.handle = serve(cfg.model_path, host=host, max_batch=int(cfg.engine_max_batch),
-                                           max_len=max_len, seed=seed, dtype=cfg.dtype)
+                                           max_len=max_len, seed=seed, dtype=cfg.dtype,
+                                           fp32_lm_head=bool(getattr(cfg, "fp32_lm_head", False)))
         elif engine == "sglang":
             if not torch.cuda.is_available():
                 raise RuntimeError("engine=sglang needs CUDA, and none is visible to this actor; use engine=cpu "

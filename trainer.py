@@ -248,8 +248,25 @@ def megatron_config(hf: dict, cfg, cpu: bool):
     return tcfg, model_kwargs
 
 
-def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device):
-    """A GPTModel on the local layer spec (CPU: its core attention is SDPACoreAttention via the shims)."""
+def fp32_output_layer(gpt) -> None:
+    """Compute `gpt`'s LM head (output layer) in fp32: hidden states and weight upcast for the final matmul, fp32
+    logits out. Megatron-Core 0.16 has no such option, so this wraps the output layer's matmul (Megatron's own
+    `_forward_impl`, which keeps its tensor-parallel gradient handling) with the casts; the weight gradient flows
+    back through the cast into the bf16 parameter. The engines do the same (SGLang's --enable-fp32-lm-head, the
+    CPU engine's fp32_lm_head), so bf16 rounding of the logits no longer separates trainer and engine logprobs.
+    With fp32 weights the casts are no-ops."""
+    layer = gpt.output_layer
+    matmul = layer._forward_impl
+
+    def fp32_matmul(input, weight, *args, **kwargs):
+        return matmul(input.float(), weight.float(), *args, **kwargs)  # (S, B, V/tp) fp32 logits
+
+    layer._forward_impl = fp32_matmul
+
+
+def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, fp32_lm_head: bool = False):
+    """A GPTModel on the local layer spec (CPU: its core attention is SDPACoreAttention via the shims);
+    `fp32_lm_head`: logits computed in fp32 (`fp32_output_layer`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -258,6 +275,8 @@ def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device):
     spec = get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
     model = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=True, post_process=True, **model_kwargs)
+    if fp32_lm_head:
+        fp32_output_layer(model)
     return model.to(device)
 
 
@@ -744,7 +763,7 @@ class TrainerWorker:
         hf_state = load_hf_state(path)
         full = hf_to_megatron(hf_state, self.hf_config)
         del hf_state
-        gpt = build_gpt_model(self.tcfg, self.model_kwargs, self.device)
+        gpt = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.cfg.fp32_lm_head)
         self._load_full_state(gpt, full)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)
@@ -752,7 +771,7 @@ class TrainerWorker:
         self.optimizer = self._build_optimizer()
         needs_ref = float(self.cfg.kl_coef) > 0 or bool(getattr(self.cfg, "kl_in_reward", False))
         if needs_ref:
-            self.ref_model = build_gpt_model(self.tcfg, self.model_kwargs, self.device)
+            self.ref_model = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.cfg.fp32_lm_head)
             self._load_full_state(self.ref_model, full)
             self.ref_model.requires_grad_(False).eval()
         n_params = sum(p.numel() for p in gpt.parameters())
