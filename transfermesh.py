@@ -367,17 +367,43 @@ def _push_shm(tensors, engines, bucket_bytes, config_dir, version):
     return n, nbytes
 
 
+def _device_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device `index` (CUDA only)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _reduce_tensor_with_device_uuid(t: torch.Tensor):
+    """torch's own reduction of a tensor for ForkingPickler, with a CUDA storage's device index replaced by the
+    device's UUID. SGLang 0.5.23's receiver (utils/patch_torch.py, applied by every TP rank before it deserializes)
+    maps a UUID back to its own index; a bare index would name another GPU there whenever the trainer's and the
+    engine's CUDA_VISIBLE_DEVICES differ, which Ray makes the rule. Argument 6 of torch's rebuild_cuda_tensor is the
+    storage device (SGLang patches the same position)."""
+    from torch.multiprocessing import reductions
+    rebuild, args = reductions.reduce_tensor(t)
+    if rebuild is reductions.rebuild_cuda_tensor:
+        args = (*args[:6], _device_uuid(args[6]), *args[7:])
+    return rebuild, args
+
+
 def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
-    """SGLang's serialized_named_tensors for one bucket: base64 of torch's ForkingPickler dump of
-    [(name, tensor), ...], one entry per TP rank (each rank deserializes entry tp_rank; with CUDA IPC every
-    rank maps the same handles). Works on CPU tensors too (then the handles are shared-memory file ones)."""
+    """SGLang's serialized_named_tensors for one bucket: base64 of a ForkingPickler dump of [(name, tensor), ...],
+    one per TP rank. Each rank deserializes only entry tp_rank, and each entry is its own dump: CUDA IPC counts
+    references per dump on the sender, so one dump read by two ranks would be released twice. CUDA devices travel
+    as UUIDs (`_reduce_tensor_with_device_uuid`). The dump holds only what SGLang's SafeUnpickler allows (lists,
+    tuples, str, torch's tensor rebuild functions, dtypes). Works on CPU tensors too (shared-memory handles)."""
     import io
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401 - registers torch's tensor reducers with ForkingPickler
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(bucket)
-    return [base64.b64encode(buf.getvalue()).decode()] * tp_size
+    out = []
+    for _ in range(tp_size):
+        buf = io.BytesIO()
+        pickler = ForkingPickler(buf)
+        pickler.dispatch_table[torch.Tensor] = _reduce_tensor_with_device_uuid
+        pickler.dispatch_table[torch.nn.Parameter] = _reduce_tensor_with_device_uuid
+        pickler.dump(bucket)
+        out.append(base64.b64encode(buf.getvalue()).decode())
+    return out
 
 
 def _push_cuda_ipc(tensors, engines, bucket_bytes, config_dir, version):
@@ -417,15 +443,19 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
             futs = [pool.submit(_post, u, "/init_weights_update_group", {
                 "master_address": addr, "master_port": port, "rank_offset": off, "world_size": world,
                 "group_name": "loongsage", "backend": backend}) for u, off in zip(urls, offsets)]
-            group = new_gloo_group(addr, port, 0, world)
+            group = new_gloo_group(addr, port, 0, world) if backend == "gloo" else \
+                new_sglang_group(addr, port, 0, world, "loongsage", backend)
             [f.result() for f in futs]
         _BROADCAST_GROUPS[key] = group
     group = _BROADCAST_GROUPS[key]
     n = nbytes = 0
     for bucket, last in _with_last(iter_buckets(tensors, bucket_bytes)):
         flat, metas = flatten_bucket(bucket)
+        crc = checksum(flat)
+        if torch.cuda.is_available():  # NCCL broadcasts device memory
+            flat = flat.cuda()
         payload = {"names": [m[0] for m in metas], "dtypes": [m[1] for m in metas], "shapes": [m[2] for m in metas],
-                   "group_name": "loongsage", "load_format": "flattened_bucket", "checksum": checksum(flat),
+                   "group_name": "loongsage", "load_format": "flattened_bucket", "checksum": crc,
                    **_update_fields(last, version)}
         with ThreadPoolExecutor(len(engines)) as pool:
             futs = [pool.submit(_post, u, "/update_weights_from_distributed", payload) for u, _ in engines]
@@ -529,6 +559,21 @@ def new_gloo_group(master_address: str, master_port: int, rank: int, world_size:
                           timeout=timedelta(seconds=timeout_s))
     return dist.ProcessGroupGloo(dist.PrefixStore("loongsage_weights", store), rank, world_size,
                                  timedelta(seconds=timeout_s))
+
+
+def new_sglang_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                     backend: str = "nccl", timeout_s: float = 300):
+    """The trainer's side of an SGLang weight-update group, built as SGLang 0.5.23 builds its side
+    (`init_custom_process_group` in sglang/srt/utils/common.py): a TCP store at master_address:master_port (rank 0,
+    the trainer, hosts it), prefixed with group_name, then torch's group constructor with that name, so both sides
+    use the same store keys. Registered with torch.distributed under group_name beside the default group."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, backend_options=None, timeout=timeout)
+    return pg
 
 
 def recv_broadcast(group, names: list[str], dtypes: list[str], shapes: list[list[int]],
