@@ -715,12 +715,23 @@ def start_engine(cfg: Config, pg, plan: dict, where: list, i: int):
     o = plan["engines"][i]
     return ray.remote(rollout.RolloutEngine).options(
         num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"])).remote(cfg, i, engine_gpu_ids(plan, where, i))
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"])).remote(cfg, i,
+                                                                                      engine_visible_gpus(plan, where, i))
 
 
 def engine_gpu_ids(plan: dict, where: list, i: int) -> list[str]:
     """The GPU ids engine i's server must see: those of every bundle it spans, in order."""
     return [g for b in plan["engines"][i]["gpu_bundles"] for g in where[b][1]]
+
+
+def engine_visible_gpus(plan: dict, where: list, i: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES for engine i's server: its own GPUs first (SGLang's TP rank r drives device r), then
+    trainer rank 0's GPU when it is on the same node and not among them. CUDA IPC weight updates carry handles of
+    rank 0's GPU (named by UUID, transfermesh.cuda_ipc_payloads), and a TP rank can map only a GPU it sees."""
+    own = engine_gpu_ids(plan, where, i)
+    node = where[plan["engines"][i]["gpu_bundles"][0]][0] if plan["engines"][i]["gpu_bundles"] else None
+    t_node, t_gpus = where[plan["trainers"][0]["bundle"]]
+    return own + [g for g in t_gpus if g not in own] if own and t_node == node else own
 
 
 def start_engines(cfg: Config, pg, plan: dict, where: list) -> list:
