@@ -9,8 +9,10 @@ What lives here, top to bottom:
 * HF <-> Megatron weight conversion (`hf_to_megatron`, `megatron_to_hf`) and the tensor-parallel
   split / gather of each parameter (`shard_for_rank`, `gather_full`);
 * the per-token log-probability / entropy forward, vocab-parallel aware (`vocab_parallel_logp_entropy`);
+* `fp32_output_layer`: the LM head's matmul in fp32 (`fp32_lm_head`), which Megatron-Core 0.16 has no option for;
 * `TrainerWorker`: distributed init, load, `compute_logprobs`, `train_step` (RL), `sft_step`,
-  weight export for TransferMesh, HF save, checkpoints; the student side of on-policy distillation
+  weight export for TransferMesh, HF save, checkpoints, `offload` / `onload` of weights, optimizer state and grads
+  for the colocated memory hand-off; the student side of on-policy distillation
   (`_opd_terms`, `distill_step`: teacher targets from teacher.py, algos' objective).
 
 Batches are padded, not packed: each micro-batch is a right-padded (B, T) tensor of prompt+response ids.

@@ -22,10 +22,11 @@ Transports (chosen per engine by `pick_transport`, or forced with `transfer=` in
 |           |                             | load_format "flattened_bucket", a JSON descriptor of the   |
 |           |                             | segment per TP rank); the CPU analogue of CUDA IPC         |
 | cuda_ipc  | same machine, SGLang on GPU | CUDA IPC handles of the trainer's tensors, serialised the  |
-|           |                             | way SGLang expects, one entry per TP rank                  |
-|           |                             | (`/update_weights_from_tensor`)                             |
+|           |                             | way SGLang expects: one dump per TP rank, devices named by |
+|           |                             | UUID (`/update_weights_from_tensor`)                        |
 | broadcast | any machine                 | one flattened bucket per collective over a gloo (CPU) or   |
-|           |                             | NCCL group of 1 + sum of the engines' TP sizes ranks       |
+|           |                             | NCCL group (built as SGLang builds its side) of            |
+|           |                             | 1 + sum of the engines' TP sizes ranks                     |
 |           |                             | (`/init_weights_update_group`,                              |
 |           |                             | `/update_weights_from_distributed`)                         |
 | disk      | anything that shares a disk | safetensors + config in a directory                        |
@@ -35,7 +36,8 @@ The flattened layout is SGLang's: the tensors' bytes back to back in one uint8 b
 tensor's offset a multiple of its dtype's size (`iter_buckets` starts a new bucket rather than misalign one).
 Every bucket carries a checksum, CRC32 of its bytes (order-sensitive: a flipped bit, swapped chunks or a
 shifted buffer all change it; a LoongSage field that SGLang ignores); the CPU engine verifies it before
-loading and refuses a bucket that does not match, keeping its old weights. `python bench.py sync` measures
+loading and refuses a bucket that does not match, keeping its old weights. `rss_bytes` and `trim_freed_memory`
+serve the colocated memory hand-off (engines and trainers measure and give back memory between phases). `python bench.py sync` measures
 each transport here against a memcpy.
 
 Left out: RDMA/NIXL transports, pipelining buckets over several collectives at once, and atomicity across

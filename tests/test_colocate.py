@@ -124,7 +124,7 @@ def test_trainer_offload_and_onload(mid_model, tmp_path):
         a, b = (actor.remote(cfg, 0, 1, "127.0.0.1", _free_port()) for _ in range(2))
         n_params = ray.get([w.load_hf.remote(mid_model) for w in (a, b)])[0]["params_this_rank"]
         losses = {a: [], b: []}
-        for step in range(3):
+        for step in range(2):
             batch = make_batch(n_groups=4, per_group=2, seed=step, vocab=384)
             for w in (a, b):
                 losses[w].append(ray.get(w.train_step.remote(batch, step))["train/loss"])
@@ -139,7 +139,7 @@ def test_trainer_offload_and_onload(mid_model, tmp_path):
             assert back - m2 > 0.8 * 4 * 4 * n_params
             assert not list((tmp_path / "offload").iterdir())
             ray.get(a.offload.remote(["optimizer", "grads", "weights"]))  # the next train_step onloads by itself
-        assert losses[a] == losses[b] and len(set(losses[a])) == 3
+        assert losses[a] == losses[b] and len(set(losses[a])) == 2
         wa, wb = ray.get(a.export_hf_weights.remote()), ray.get(b.export_hf_weights.remote())
         assert all(na == nb and torch.equal(x, y) for (na, x), (nb, y) in zip(wa, wb))
     finally:
