@@ -26,8 +26,9 @@ trainers' whole state and the controller's data cursor and RNG, and `resume: tru
 
 Teachers (teacher.py) score every batch between "generate" and "train" when `teachers:` is set;
 `data_sources:` mixes several datasets (each with its agent, reward, teacher and eval set) by weight.
-Left out here (see the issues): multi-node launch scripts, and the colocated memory hand-off (engines releasing
-weights and KV cache while the trainers train: colocated actors share their GPUs but both stay resident).
+Colocated (`colocate: true`): engines release weights and KV cache while the trainers train, and the trainers offload
+optimizer state, grads and weights while the engines generate (`colocate_hand_off`, three visible lines in train()).
+Left out here (see the issues): multi-node launch scripts.
 """
 from __future__ import annotations
 
@@ -102,6 +103,7 @@ class Config:
     tiny_model: dict = field(default_factory=dict)  # settings for data.build_tiny_model (model_path: tiny)
     megatron: dict = field(default_factory=dict)  # passed through to Megatron's TransformerConfig untouched
     sglang: dict = field(default_factory=dict)  # passed through to the SGLang server as --key value flags
+    fp32_lm_head: bool = False  # LM head (logits) in fp32 on both sides: trainer and engines (SGLang --enable-fp32-lm-head)
 
     # --- warm start (SFT through the same trainer, before RL; of the tiny model or any HF directory; cached) ---
     warmstart_steps: int = 0  # SFT optimizer steps; 0 = none
@@ -325,6 +327,9 @@ def finalize(cfg: Config) -> Config:
         need(cfg.num_engines * cfg.gpus_per_engine <= cfg.trainer_workers, f"colocate: {cfg.num_engines} engines x "
              f"gpus_per_engine={cfg.gpus_per_engine} GPUs must fit on the trainers' {cfg.trainer_workers} GPUs; lower "
              "num_engines or set colocate=false")
+    need(not (cfg.engine == "sglang" and cfg.colocate and cfg.sglang.get("enable_memory_saver") is False),
+         "colocate=true hands the engines' memory to the trainers with SGLang's release_memory_occupation, which needs "
+         "its memory saver; drop sglang.enable_memory_saver=false or set colocate=false")
     if cfg.engine == "sglang" and "tp_size" in cfg.sglang:
         need(int(cfg.sglang["tp_size"]) == cfg.gpus_per_engine, f"sglang.tp_size={cfg.sglang['tp_size']} but "
              f"gpus_per_engine={cfg.gpus_per_engine}: an engine's tensor parallel size is its GPU count; set them equal")
@@ -751,12 +756,23 @@ def start_engine(cfg: Config, pg, plan: dict, where: list, i: int):
     o = plan["engines"][i]
     return ray.remote(rollout.RolloutEngine).options(
         num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"])).remote(cfg, i, engine_gpu_ids(plan, where, i))
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"])).remote(cfg, i,
+                                                                                      engine_visible_gpus(plan, where, i))
 
 
 def engine_gpu_ids(plan: dict, where: list, i: int) -> list[str]:
     """The GPU ids engine i's server must see: those of every bundle it spans, in order."""
     return [g for b in plan["engines"][i]["gpu_bundles"] for g in where[b][1]]
+
+
+def engine_visible_gpus(plan: dict, where: list, i: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES for engine i's server: its own GPUs first (SGLang's TP rank r drives device r), then
+    trainer rank 0's GPU when it is on the same node and not among them. CUDA IPC weight updates carry handles of
+    rank 0's GPU (named by UUID, transfermesh.cuda_ipc_payloads), and a TP rank can map only a GPU it sees."""
+    own = engine_gpu_ids(plan, where, i)
+    node = where[plan["engines"][i]["gpu_bundles"][0]][0] if plan["engines"][i]["gpu_bundles"] else None
+    t_node, t_gpus = where[plan["trainers"][0]["bundle"]]
+    return own + [g for g in t_gpus if g not in own] if own and t_node == node else own
 
 
 def start_engines(cfg: Config, pg, plan: dict, where: list) -> list:
@@ -823,6 +839,7 @@ class Fleet:
     actors: list  # RolloutEngine actor handles, engine i at index i
     urls: list  # their HTTP URLs, same order (AgentFlow's pool routes over these)
     restarts: int = 0  # engines re-created in this run (metric engines/restarts)
+    released: bool = False  # colocated: the engines' KV cache is handed to the trainers (colocate_hand_off)
 
 
 def wait(refs, what: str, timeout: float, knob: str, every: float = 0.0, tick=None):
@@ -904,7 +921,8 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int) -> dic
                              f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
                              "weight_sync_timeout")[0]
             finally:
-                transfermesh.continue_engines(live)
+                if not fleet.released:  # colocated: they continue once their KV cache is back (colocate_hand_off)
+                    transfermesh.continue_engines(live)
             break
         except (ray.exceptions.RayTaskError, RuntimeError, httpx.HTTPError) as e:
             if attempt == 2 or not check_engines(cfg, fleet, flow):
@@ -913,6 +931,63 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int) -> dic
                   "pushing again to the others")
     check_engines(cfg, fleet, flow, trainers, version)
     return stats
+
+
+def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> dict:
+    """The colocated memory hand-off (`colocate: true`): engines and trainers share their GPUs, so each gives its
+    memory to the other between phases, in three stages (one line each in train()):
+
+      "train"   before the step: engines pause (retract: running requests give back their KV and wait) and
+                release weights + KV cache (SGLang's /release_memory_occupation); trainers onload everything
+      "sync"    after the step: trainers offload optimizer state + grads; engines resume their weights (zeroed until
+                sync_engines pushes the new ones)
+      "rollout" after the sync: trainers offload their weights; engines resume the KV cache, then continue
+
+    so at no point do both sides hold everything. Returns each side's memory after the stage (`memory/` metrics:
+    trainer rank 0's, and the largest engine's where the engine reports it, i.e. the CPU engine) and its seconds.
+    Does nothing (returns {}) unless cfg.colocate."""
+    if not cfg.colocate:
+        return {}
+    import httpx
+
+    import rollout
+    t0 = time.perf_counter()
+
+    def engines(path: str, payload: dict) -> list[dict]:
+        answers = []
+        for url in fleet.urls:
+            try:
+                answers.append(rollout.post(url, path, payload, timeout=cfg.weight_sync_timeout))
+            except (rollout.EngineError, httpx.HTTPError):
+                if url not in check_engines(cfg, fleet, flow):
+                    raise  # alive: the error is the hand-off's own
+                # dead: out of routing now; sync_engines re-creates it (with all its memory) after the next push
+        return answers
+
+    if stage == "train":
+        engines("/pause_generation", {"mode": "retract"})  # SGLang releases memory only with nothing running
+        answers = engines("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+        fleet.released = True
+        mem = wait([t.onload.remote() for t in trainers], "trainer onload", cfg.actor_timeout, "actor_timeout")
+    elif stage == "sync":
+        mem = wait([t.offload.remote(["optimizer", "grads"]) for t in trainers], "trainer offload", cfg.actor_timeout,
+                   "actor_timeout")
+        answers = engines("/resume_memory_occupation", {"tags": ["weights"]})
+    elif stage == "rollout":
+        mem = wait([t.offload.remote(["weights"]) for t in trainers], "trainer offload", cfg.actor_timeout,
+                   "actor_timeout")
+        answers = engines("/resume_memory_occupation", {"tags": ["kv_cache"]})
+        fleet.released = False
+        engines("/continue_generation", {})
+    else:
+        raise ValueError(f"colocate_hand_off stage {stage!r}: choose 'train', 'sync' or 'rollout'")
+    out = {f"memory/{stage}_trainer_mb": mem[0]["rss_bytes"] / 2**20, f"timing/hand_off_{stage}": time.perf_counter() - t0}
+    if "gpu_used_bytes" in mem[0]:
+        out[f"memory/{stage}_gpu_used_mb"] = mem[0]["gpu_used_bytes"] / 2**20
+    rss = [a["rss_bytes"] for a in answers if isinstance(a, dict) and "rss_bytes" in a]
+    if rss:
+        out[f"memory/{stage}_engine_mb"] = max(rss) / 2**20
+    return out
 
 
 # ================================================================================================
@@ -1524,6 +1599,7 @@ def train(cfg: Config) -> list[dict]:
         if not cfg.rollout_only and trajs:
             # --- 2. old/ref logprobs, advantages, policy update (all inside the trainers; one call per rank); with
             #        advantage=gae also the critic's values and its update (a second model in each trainer rank)
+            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "train"))  # colocated: engines release memory
             t0 = time.perf_counter()
             batch_ref = ray.put(trajs)
             # TEACHERS (teacher.py): every teacher rank scores, rank 0's per-token targets go to the trainers
@@ -1543,9 +1619,11 @@ def train(cfg: Config) -> list[dict]:
 
             # --- 3. weights -> engines (TransferMesh); engines then report version step + 1. Requests in
             #        flight keep their tokens and continue on the new weights (partial rollouts).
+            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "sync"))  # trainers offload, engine weights back
             t0 = time.perf_counter()
             metrics.update(sync_engines(cfg, fleet, flow, trainers, step + 1))  # skips, then re-creates, dead engines
             metrics["timing/sync"] = time.perf_counter() - t0
+            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "rollout"))  # engine KV cache back, continue
 
         # --- 4. eval
         last = step == cfg.num_steps - 1

@@ -36,6 +36,12 @@ applied by the scheduler thread between steps, so each token's logprob comes fro
 version, so a request that spans weight updates reports exactly which tokens each version produced;
 `meta_info.weight_version` is the version when the request finished, as in SGLang.
 
+Colocated memory hand-off. `/release_memory_occupation` and `/resume_memory_occupation` take SGLang's `tags`
+(["weights"], ["kv_cache"], none = both) and really free and re-allocate that memory (storages resized to zero and
+back, freed pages returned to the OS). As in SGLang without --enable-weights-cpu-backup, released weights are not kept
+anywhere: resume gives zeroed weights, and the next weight update restores them; nothing is generated while any
+memory is released (requests wait), and release is refused while requests run (pause with "retract" first).
+
 Pausing. `/pause_generation` with mode "abort" ends every request (finish_reason abort, partial output returned);
 "retract" frees their KV slots and requeues them, so on `/continue_generation` they are re-prefilled (prompt +
 tokens so far) under the then-current weights; "in_place" keeps their KV cache, so partial rollouts continue with
@@ -310,7 +316,7 @@ class CpuEngine:
 
     def __init__(self, model_path: str, *, max_batch: int = 64, max_len: int | None = None, seed: int = 0,
                  dtype: str = "float32", max_prefill_tokens: int = 8192,
-                 weight_version: str = "0"):
+                 weight_version: str = "0", fp32_lm_head: bool = False):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
@@ -330,6 +336,7 @@ class CpuEngine:
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.seed = int(seed)
         self.weight_version = str(weight_version)
+        self.fp32_lm_head = bool(fp32_lm_head)  # logits from an fp32 matmul (a no-op for fp32 weights), as SGLang's flag
 
         attn = self.model.model.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -346,6 +353,9 @@ class CpuEngine:
             self.qkv_b.append(_fuse_rows([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
                               if a.q_proj.bias is not None else None)  # Qwen2 has q/k/v biases
             self.gate_up_w.append(_fuse_rows([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        for p in self.model.parameters():  # weights mmap'd from the checkpoint: own them, so a release can free them
+            if not p.untyped_storage().resizable():
+                p.data = p.data.clone()
         # RoPE cos/sin for every position, computed once by the model's own rotary module (elementwise per
         # position, so a table lookup gives the very same values); rope types that rescale with the sequence
         # length ("dynamic", "longrope") are computed per step instead.
@@ -368,6 +378,7 @@ class CpuEngine:
         self._running: list[Req] = []
         self._free_slots = list(range(self.max_batch))
         self._paused = False
+        self._released: dict[str, list] = {}  # tag -> [(storage, nbytes)] handed back by release_memory_occupation
         self._arrivals = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -510,6 +521,14 @@ class CpuEngine:
         Returns the number of tensors loaded. Requests in flight keep their KV cache."""
         return self.call(self._load_weights, list(named_tensors), version).result()
 
+    def release_memory(self, tags: list[str] | None) -> None:
+        """SGLang's /release_memory_occupation: hand the memory of `tags` back (see _release_memory)."""
+        self.call(self._release_memory, _memory_tags(tags)).result()
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        """SGLang's /resume_memory_occupation: take the memory of `tags` again (see _resume_memory)."""
+        self.call(self._resume_memory, _memory_tags(tags)).result()
+
     def set_weight_version(self, version: str, abort_all: bool = False) -> None:
         def _set():
             if abort_all:
@@ -522,6 +541,7 @@ class CpuEngine:
         def _snap():
             return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
                     "paused": self._paused, "weight_version": self.weight_version, **self.stats,
+                    "released": sorted(self._released),
                     "running": [{"rid": r.rid, "completion_tokens": len(r.output_ids)} for r in self._running]}
         return self.call(_snap).result()
 
@@ -530,15 +550,15 @@ class CpuEngine:
     def _loop(self) -> None:
         with torch.no_grad():
             while not self._stopping:
-                busy = (self._running or self._waiting) and not self._paused
+                busy = (self._running or self._waiting) and not self._paused and not self._released
                 try:
                     self._handle(self._inbox.get(block=not busy, timeout=None if busy else 0.5))
                     while True:  # drain everything that arrived during the last step
                         self._handle(self._inbox.get_nowait())
                 except queue.Empty:
                     pass
-                if self._stopping or self._paused or not (self._running or self._waiting):
-                    continue
+                if self._stopping or self._paused or self._released or not (self._running or self._waiting):
+                    continue  # released memory: requests wait until resume_memory_occupation brings it back
                 try:
                     t0 = time.perf_counter()
                     self._step()
@@ -670,7 +690,10 @@ class CpuEngine:
         last = x[torch.arange(B), lens - 1]                                               # (B, H) last real token
         for req, n in zip(reqs, lens.tolist()):
             req.kv_len += n
-        return self._linear(_rms_norm(last, m.norm), "lm_head").float()                   # (B, V)
+        h = _rms_norm(last, m.norm)                                                       # (B, H)
+        if self.fp32_lm_head and self.dtype != torch.float32:  # as SGLang's --enable-fp32-lm-head: upcast, then matmul
+            return F.linear(h.float(), self.model.lm_head.weight.float())                 # (B, V) fp32
+        return self._linear(h, "lm_head").float()                                         # (B, V)
 
     def _finish(self, req: Req, finish_reason: dict) -> None:
         if req in self._running:
@@ -724,7 +747,43 @@ class CpuEngine:
     def _resume(self) -> None:
         self._paused = False
 
+    def _release_memory(self, tags: list[str]) -> None:
+        """Free the KV cache and/or the weights, as SGLang's memory saver does for a colocated trainer: the storages
+        are resized to zero (every view of them, e.g. the fused q|k|v rows, stays valid and is refilled on resume).
+        Weights are dropped, not copied out (SGLang's default, without --enable-weights-cpu-backup): resume gives
+        zeroed weights back and the next weight update fills them. Like SGLang, refused while requests run (pause
+        with mode "retract" or "abort" first: retracted requests wait and are re-prefilled after the resume)."""
+        if self._running or (self._waiting and not self._paused):
+            raise BadRequest(f"release_memory_occupation should be called only when the engine is idle; "
+                             f"{len(self._running)} request(s) running, {len(self._waiting)} waiting. Pause with "
+                             f"mode 'retract' (or 'abort') first")
+        for tag in tags:
+            if tag in self._released:
+                continue  # already released: SGLang's memory saver pauses a region once
+            tensors = [self.k_cache, self.v_cache] if tag == "kv_cache" else list(self.model.parameters())
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+            self._released[tag] = [(st, st.nbytes()) for st in storages.values()]
+            for st, _ in self._released[tag]:
+                st.resize_(0)
+            if tag == "weights":
+                self.packed.clear()  # MKL's packed copies are a second copy of the weights
+        import transfermesh
+        transfermesh.trim_freed_memory()
+
+    def _resume_memory(self, tags: list[str]) -> None:
+        """Re-allocate what `_release_memory` freed, zero-filled; weights are garbage until the next weight
+        update (the colocated sequence resumes weights, syncs, then resumes the KV cache)."""
+        for tag in tags:
+            for st, nbytes in self._released.pop(tag, []):
+                st.resize_(nbytes)
+                torch.empty(0, dtype=torch.uint8).set_(st, 0, (nbytes,), (1,)).zero_()
+            if tag == "weights":
+                self._pack_weights()
+
     def _load_weights(self, named_tensors: list, version) -> int:
+        if "weights" in self._released:
+            raise BadRequest("the engine's weights are released (release_memory_occupation); resume them with "
+                             "resume_memory_occupation tags=['weights'] before a weight update")
         params = self.model.state_dict()  # HF names -> tensors sharing storage with the live parameters
         for name, tensor in named_tensors:
             if name not in params:
@@ -741,6 +800,18 @@ class CpuEngine:
         if version is not None:
             self.weight_version = str(version)
         return len(named_tensors)
+
+
+MEMORY_TAGS = ("weights", "kv_cache")  # the tags SGLang's release/resume_memory_occupation take (besides cuda_graph)
+
+
+def _memory_tags(tags) -> list[str]:
+    """SGLang's `tags` field: None or [] means all; each must be one of MEMORY_TAGS."""
+    if tags is None or tags == []:
+        return list(MEMORY_TAGS)
+    if not isinstance(tags, list) or any(t not in MEMORY_TAGS + ("cuda_graph",) for t in tags):
+        raise BadRequest(f"tags must be a list of {list(MEMORY_TAGS)} (or none for all), got {tags!r}")
+    return [t for t in tags if t != "cuda_graph"]  # the CPU engine captures no CUDA graphs
 
 
 def weight_version_spans(versions: list[str], current: str) -> list[dict]:
@@ -920,6 +991,22 @@ def build_app(engine: CpuEngine):
     async def flush_cache():
         # There is no prefix cache to flush: each request's KV lives in its own slot and goes with it.
         return PlainTextResponse("Cache flushed.\n", status_code=200)
+
+    # Colocated memory hand-off (SGLang's names and `tags` field). The answers add rss_bytes, this process's
+    # resident memory afterwards (a LoongSage addition: SGLang answers {}), which the controller logs.
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        body = await _json_body(request)
+        await asyncio.to_thread(engine.release_memory, body.get("tags"))
+        import transfermesh
+        return {"success": True, "released": sorted(engine._released), "rss_bytes": transfermesh.rss_bytes()}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request):
+        body = await _json_body(request)
+        await asyncio.to_thread(engine.resume_memory, body.get("tags"))
+        import transfermesh
+        return {"success": True, "released": sorted(engine._released), "rss_bytes": transfermesh.rss_bytes()}
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
@@ -1130,6 +1217,10 @@ def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
     opts.setdefault("tp_size", cfg.gpus_per_engine)
     opts.setdefault("random_seed", seed)
     opts.setdefault("weight_version", "0")  # versions count trainer steps; SGLang's own default is "default"
+    if getattr(cfg, "fp32_lm_head", False):  # SGLang 0.5.23: exec.features.enable_fp32_lm_head
+        opts.setdefault("enable_fp32_lm_head", True)
+    if getattr(cfg, "colocate", False):  # release/resume_memory_occupation need SGLang's memory saver
+        opts.setdefault("enable_memory_saver", True)
     # (a recipe drops any of these flags by setting it to null)
     for key, value in opts.items():
         flag = "--" + str(key).replace("_", "-")
@@ -1167,7 +1258,8 @@ class RolloutEngine:
                 torch.set_num_threads(int(cfg.engine_threads))
             max_len = max(int(cfg.max_prompt_len) + int(cfg.max_new_tokens), int(cfg.max_context_len or 0))
             self._url, self.handle = serve(cfg.model_path, host=host, max_batch=int(cfg.engine_max_batch),
-                                           max_len=max_len, seed=seed, dtype=cfg.dtype)
+                                           max_len=max_len, seed=seed, dtype=cfg.dtype,
+                                           fp32_lm_head=bool(getattr(cfg, "fp32_lm_head", False)))
         elif engine == "sglang":
             if not torch.cuda.is_available():
                 raise RuntimeError("engine=sglang needs CUDA, and none is visible to this actor; use engine=cpu "

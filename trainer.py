@@ -9,8 +9,10 @@ What lives here, top to bottom:
 * HF <-> Megatron weight conversion (`hf_to_megatron`, `megatron_to_hf`) and the tensor-parallel
   split / gather of each parameter (`shard_for_rank`, `gather_full`);
 * the per-token log-probability / entropy forward, vocab-parallel aware (`vocab_parallel_logp_entropy`);
+* `fp32_output_layer`: the LM head's matmul in fp32 (`fp32_lm_head`), which Megatron-Core 0.16 has no option for;
 * `TrainerWorker`: distributed init, load, `compute_logprobs`, `train_step` (RL), `sft_step`,
-  weight export for TransferMesh, HF save, checkpoints; the student side of on-policy distillation
+  weight export for TransferMesh, HF save, checkpoints, `offload` / `onload` of weights,
+  optimizer state and grads for the colocated memory hand-off; the student side of on-policy distillation
   (`_opd_terms`, `distill_step`: teacher targets from teacher.py, algos' objective); with `advantage: gae`
   the critic (`ValueHead`, `_critic_update`): a second GPTModel in the same rank, trunk from the policy's
   checkpoint, a scalar head in place of the LM head, its own optimizer, saved in the same checkpoint file.
@@ -250,8 +252,25 @@ def megatron_config(hf: dict, cfg, cpu: bool):
     return tcfg, model_kwargs
 
 
-def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device):
-    """A GPTModel on the local layer spec (CPU: its core attention is SDPACoreAttention via the shims)."""
+def fp32_output_layer(gpt) -> None:
+    """Compute `gpt`'s LM head (output layer) in fp32: hidden states and weight upcast for the final matmul, fp32
+    logits out. Megatron-Core 0.16 has no such option, so this wraps the output layer's matmul (Megatron's own
+    `_forward_impl`, which keeps its tensor-parallel gradient handling) with the casts; the weight gradient flows
+    back through the cast into the bf16 parameter. The engines do the same (SGLang's --enable-fp32-lm-head, the
+    CPU engine's fp32_lm_head), so bf16 rounding of the logits no longer separates trainer and engine logprobs.
+    With fp32 weights the casts are no-ops."""
+    layer = gpt.output_layer
+    matmul = layer._forward_impl
+
+    def fp32_matmul(input, weight, *args, **kwargs):
+        return matmul(input.float(), weight.float(), *args, **kwargs)  # (S, B, V/tp) fp32 logits
+
+    layer._forward_impl = fp32_matmul
+
+
+def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, fp32_lm_head: bool = False):
+    """A GPTModel on the local layer spec (CPU: its core attention is SDPACoreAttention via the shims);
+    `fp32_lm_head`: logits computed in fp32 (`fp32_output_layer`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -260,6 +279,8 @@ def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device):
     spec = get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
     model = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=True, post_process=True, **model_kwargs)
+    if fp32_lm_head:
+        fp32_output_layer(model)
     return model.to(device)
 
 
@@ -757,6 +778,7 @@ class TrainerWorker:
             from megatron.core import tensor_parallel
             tensor_parallel.model_parallel_cuda_manual_seed(int(cfg.seed))
         self.model = self.ref_model = self.optimizer = None
+        self.offloaded: dict[str, tuple] = {}  # tag -> (freed storages, file) while offloaded (colocated hand-off)
         self.optim_steps = 0  # optimizer steps taken (drives the lr schedule)
         self.critic = self.critic_optimizer = None  # the value model (advantage: gae), see load_hf
         self.critic_steps = 0  # critic optimizer steps taken
@@ -776,12 +798,13 @@ class TrainerWorker:
         self.hf_path, self.lr_override, self.optim_steps, self.critic_steps = str(path), lr, 0, 0
         self.model = self.ref_model = self.optimizer = None  # free a previous model before building the next
         self.critic = self.critic_optimizer = None
+        self.offloaded = {}
         self.hf_config = read_hf_config(path)
         self.tcfg, self.model_kwargs = megatron_config(self.hf_config, self.cfg, self.cpu)
         hf_state = load_hf_state(path)
         full = hf_to_megatron(hf_state, self.hf_config)
         del hf_state
-        gpt = build_gpt_model(self.tcfg, self.model_kwargs, self.device)
+        gpt = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.cfg.fp32_lm_head)
         self._load_full_state(gpt, full)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)
@@ -789,7 +812,7 @@ class TrainerWorker:
         self.optimizer = self._build_optimizer()
         needs_ref = float(self.cfg.kl_coef) > 0 or bool(self.cfg.kl_in_reward)
         if needs_ref:
-            self.ref_model = build_gpt_model(self.tcfg, self.model_kwargs, self.device)
+            self.ref_model = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.cfg.fp32_lm_head)
             self._load_full_state(self.ref_model, full)
             self.ref_model.requires_grad_(False).eval()
         if self.cfg.advantage == "gae" and lr is None:  # CRITIC: the same trunk and weights, a value head
@@ -857,6 +880,102 @@ class TrainerWorker:
         return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                   {"params": no_decay, "weight_decay": 0.0}],
                                  lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+    # --- colocated memory hand-off ---------------------------------------------------------------------
+    # Between its phases a colocated trainer gives memory to the engines on the same GPUs (loongsage.colocate_hand_off):
+    # after the step its optimizer state and gradients, after the weight sync its weights; all come back before the
+    # next step. Tags: "weights" (the model's and the frozen reference's parameters), "optimizer" (Adam's moments and,
+    # on CUDA, Megatron's fp32 master weights), "grads" (DDP's gradient buffers: zero between steps, so nothing is
+    # kept, and their storage is resized to zero and back, so every param.main_grad view stays valid). Weights and
+    # optimizer tensors keep their identity (the optimizer and DDP hold them) and swap their `.data`: to pinned host
+    # memory on CUDA; on CPU to a file in output_dir/offload, so the bytes really leave this process.
+
+    OFFLOAD_TAGS = ("weights", "optimizer", "grads")
+
+    def _offload_tensors(self, tag: str) -> list[torch.Tensor]:
+        models = [m for m in (self.model, self.critic) if m is not None]  # the critic (advantage: gae) goes too
+        if tag == "weights":
+            tensors = [p for m in models + ([self.ref_model] if self.ref_model else []) for p in m.parameters()]
+        elif tag == "optimizer":
+            tensors = []
+            for opt in [o for o in (self.optimizer, self.critic_optimizer) if o is not None]:
+                for o in getattr(opt, "chained_optimizers", [opt]):
+                    inner = getattr(o, "optimizer", o)  # Megatron wraps a torch optimizer; on CPU it is one
+                    tensors += [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t)]
+                    tensors += [p for group in getattr(o, "fp32_from_float16_groups", []) for p in group]  # masters
+        elif tag == "grads":
+            tensors = [b.grad_data for m in models for b in list(m.buffers) + list(m.expert_parallel_buffers)]
+        else:
+            raise ValueError(f"offload tag {tag!r}: choose from {self.OFFLOAD_TAGS}")
+        unique = {t.untyped_storage().data_ptr(): t for t in tensors if t.numel() > 0}
+        return list(unique.values())
+
+    def offload(self, tags: list[str]) -> dict:
+        """Free the memory of `tags` (see above); returns this rank's memory afterwards (`memory`)."""
+        import transfermesh
+        for tag in tags:
+            if tag in self.offloaded:
+                continue
+            tensors = self._offload_tensors(tag)
+            path = Path(self.cfg.output_dir) / "offload" / f"rank{self.rank}_{tag}.bin"
+            if tag == "grads":
+                entries = [(t, t.untyped_storage().nbytes()) for t in tensors]
+                for t, _ in entries:
+                    t.untyped_storage().resize_(0)
+            elif self.cpu:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                total = sum(t.numel() * t.element_size() for t in tensors)
+                dst = torch.from_file(str(path), shared=True, size=max(total, 1), dtype=torch.uint8)  # (total,) file
+                entries, off = [], 0
+                for t in tensors:
+                    n = t.numel() * t.element_size()
+                    dst[off:off + n].copy_(t.data.contiguous().view(-1).view(torch.uint8))
+                    entries.append((t, off, t.shape))
+                    off += n
+                    t.data = torch.empty(0, dtype=t.dtype)
+                del dst  # unmapped: the bytes live in the file only
+            else:
+                entries = []
+                for t in tensors:
+                    entries.append((t, torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.data)))
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            self.offloaded[tag] = (entries, path)
+        if not self.cpu:
+            torch.cuda.empty_cache()  # the caching allocator would keep the freed blocks from the engines
+        transfermesh.trim_freed_memory()
+        return self.memory()
+
+    def onload(self, tags: list[str] | None = None) -> dict:
+        """Bring back what `offload` freed (all tags by default); a no-op for tags that are resident."""
+        for tag in list(self.offloaded) if tags is None else [t for t in tags if t in self.offloaded]:
+            entries, path = self.offloaded.pop(tag)
+            if tag == "grads":
+                for t, nbytes in entries:
+                    t.untyped_storage().resize_(nbytes)
+                    t.zero_()
+            elif self.cpu:
+                src = torch.from_file(str(path), shared=False, size=max(path.stat().st_size, 1), dtype=torch.uint8)
+                for t, off, shape in entries:
+                    fresh = torch.empty(shape, dtype=t.dtype)
+                    n = fresh.numel() * fresh.element_size()
+                    fresh.view(-1).view(torch.uint8).copy_(src[off:off + n])
+                    t.data = fresh
+                del src
+                path.unlink(missing_ok=True)
+            else:
+                for t, host in entries:
+                    t.data = host.to(self.device, non_blocking=True)
+        return self.memory()
+
+    def memory(self) -> dict:
+        """This rank's memory: resident bytes of the process; on CUDA also the device memory torch holds and the
+        whole device's used memory (which shows colocated engines releasing theirs)."""
+        import transfermesh
+        out = {"rss_bytes": transfermesh.rss_bytes()}
+        if not self.cpu:
+            free, total = torch.cuda.mem_get_info()
+            out.update(cuda_allocated_bytes=torch.cuda.memory_allocated(), gpu_used_bytes=total - free)
+        return out
 
     # --- forward ----------------------------------------------------------------------------------
 
@@ -926,6 +1045,7 @@ class TrainerWorker:
     def compute_logprobs(self, batch: list[dict]) -> list[list[float]]:
         """Per response token logprobs for every sample (every rank computes all samples; for parity
         tests and debugging, not the training hot path)."""
+        self.onload(["weights"])
         return [row.tolist() for row in self._logp_no_grad(self.model, batch)]
 
     # --- optimizer step ----------------------------------------------------------------------------
@@ -1017,6 +1137,7 @@ class TrainerWorker:
         (same order), or None without teachers; see `_opd_terms`.
         """
         cfg = self.cfg
+        self.onload()  # colocated: whatever the hand-off offloaded comes back before the step
         if not batch:
             raise ValueError("train_step got an empty batch; the controller must skip steps with no trajectories")
         if targets is not None and float(cfg.gkd_ratio) == 1.0:  # TEACHERS: pure distillation, no RL forward
@@ -1333,6 +1454,7 @@ class TrainerWorker:
             raise NotImplementedError(f"export with expert_parallel={ep_size} is not wired in; "
                                       "use expert_parallel=1 (experts are then only tensor-parallel)")
         from megatron.core import parallel_state
+        self.onload(["weights"])  # colocated: a re-created engine may need them while they are offloaded
         gpt = self.model.module
         keep = self.rank == 0
         if self.dp_rank != 0:  # another replica: same weights, no need to gather
@@ -1385,6 +1507,7 @@ class TrainerWorker:
         complete; the controller's `latest` marker (loongsage.save_run_state) names the newest complete
         checkpoint directory."""
         import numpy as np
+        self.onload()
         os.makedirs(directory, exist_ok=True)
         path = Path(directory) / f"rank_{self.rank:05d}.pt"
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
@@ -1410,6 +1533,7 @@ class TrainerWorker:
                                     f"world size they were saved with")
         if self.model is None:
             raise RuntimeError("load_checkpoint needs the model built first: call load_hf(model dir) before it")
+        self.onload()
         state = torch.load(path, map_location=self.device, weights_only=False)
         if (state["world_size"], state["tensor_parallel"]) != (self.world_size, self.tp_size):
             raise ValueError(f"checkpoint {directory} was saved with world_size={state['world_size']}, "

@@ -22,10 +22,11 @@ Transports (chosen per engine by `pick_transport`, or forced with `transfer=` in
 |           |                             | load_format "flattened_bucket", a JSON descriptor of the   |
 |           |                             | segment per TP rank); the CPU analogue of CUDA IPC         |
 | cuda_ipc  | same machine, SGLang on GPU | CUDA IPC handles of the trainer's tensors, serialised the  |
-|           |                             | way SGLang expects, one entry per TP rank                  |
-|           |                             | (`/update_weights_from_tensor`)                             |
+|           |                             | way SGLang expects: one dump per TP rank, devices named by |
+|           |                             | UUID (`/update_weights_from_tensor`)                        |
 | broadcast | any machine                 | one flattened bucket per collective over a gloo (CPU) or   |
-|           |                             | NCCL group of 1 + sum of the engines' TP sizes ranks       |
+|           |                             | NCCL group (built as SGLang builds its side) of            |
+|           |                             | 1 + sum of the engines' TP sizes ranks                     |
 |           |                             | (`/init_weights_update_group`,                              |
 |           |                             | `/update_weights_from_distributed`)                         |
 | disk      | anything that shares a disk | safetensors + config in a directory                        |
@@ -39,7 +40,9 @@ The flattened layout is SGLang's: the tensors' bytes back to back in one uint8 b
 tensor's offset a multiple of its dtype's size (`iter_buckets` starts a new bucket rather than misalign one).
 Every bucket carries a checksum, XXH3-64 of its bytes per 8 MB chunk (order-sensitive: a flipped bit, swapped
 chunks or a shifted buffer all change it; a LoongSage field that SGLang ignores); the CPU engine verifies it before
-loading and refuses a bucket that does not match, keeping its old weights. `python bench.py sync` measures
+loading and refuses a bucket that does not match, keeping its old weights. `rss_bytes` and `trim_freed_memory`
+serve the colocated memory hand-off (engines and trainers measure and give back memory between phases).
+`python bench.py sync` measures
 each transport here against a memcpy.
 
 Left out: RDMA/NIXL transports, pipelining buckets over several collectives at once, and atomicity across
@@ -400,17 +403,43 @@ def _push_shm(tensors, engines, bucket_bytes, config_dir, version):
     return n, nbytes
 
 
+def _device_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device `index` (CUDA only)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _reduce_tensor_with_device_uuid(t: torch.Tensor):
+    """torch's own reduction of a tensor for ForkingPickler, with a CUDA storage's device index replaced by the
+    device's UUID. SGLang 0.5.23's receiver (utils/patch_torch.py, applied by every TP rank before it deserializes)
+    maps a UUID back to its own index; a bare index would name another GPU there whenever the trainer's and the
+    engine's CUDA_VISIBLE_DEVICES differ, which Ray makes the rule. Argument 6 of torch's rebuild_cuda_tensor is the
+    storage device (SGLang patches the same position)."""
+    from torch.multiprocessing import reductions
+    rebuild, args = reductions.reduce_tensor(t)
+    if rebuild is reductions.rebuild_cuda_tensor:
+        args = (*args[:6], _device_uuid(args[6]), *args[7:])
+    return rebuild, args
+
+
 def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
-    """SGLang's serialized_named_tensors for one bucket: base64 of torch's ForkingPickler dump of
-    [(name, tensor), ...], one entry per TP rank (each rank deserializes entry tp_rank; with CUDA IPC every
-    rank maps the same handles). Works on CPU tensors too (then the handles are shared-memory file ones)."""
+    """SGLang's serialized_named_tensors for one bucket: base64 of a ForkingPickler dump of [(name, tensor), ...],
+    one per TP rank. Each rank deserializes only entry tp_rank, and each entry is its own dump: CUDA IPC counts
+    references per dump on the sender, so one dump read by two ranks would be released twice. CUDA devices travel
+    as UUIDs (`_reduce_tensor_with_device_uuid`). The dump holds only what SGLang's SafeUnpickler allows (lists,
+    tuples, str, torch's tensor rebuild functions, dtypes). Works on CPU tensors too (shared-memory handles)."""
     import io
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401 - registers torch's tensor reducers with ForkingPickler
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(bucket)
-    return [base64.b64encode(buf.getvalue()).decode()] * tp_size
+    out = []
+    for _ in range(tp_size):
+        buf = io.BytesIO()
+        pickler = ForkingPickler(buf)
+        pickler.dispatch_table[torch.Tensor] = _reduce_tensor_with_device_uuid
+        pickler.dispatch_table[torch.nn.Parameter] = _reduce_tensor_with_device_uuid
+        pickler.dump(bucket)
+        out.append(base64.b64encode(buf.getvalue()).decode())
+    return out
 
 
 def _push_cuda_ipc(tensors, engines, bucket_bytes, config_dir, version):
@@ -450,15 +479,19 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
             futs = [pool.submit(_post, u, "/init_weights_update_group", {
                 "master_address": addr, "master_port": port, "rank_offset": off, "world_size": world,
                 "group_name": "loongsage", "backend": backend}) for u, off in zip(urls, offsets)]
-            group = new_gloo_group(addr, port, 0, world)
+            group = new_gloo_group(addr, port, 0, world) if backend == "gloo" else \
+                new_sglang_group(addr, port, 0, world, "loongsage", backend)
             [f.result() for f in futs]
         _BROADCAST_GROUPS[key] = group
     group = _BROADCAST_GROUPS[key]
     n = nbytes = 0
     for bucket, last in _with_last(iter_buckets(tensors, bucket_bytes)):
         flat, metas = flatten_bucket(bucket)
+        crc = checksum(flat)
+        if torch.cuda.is_available():  # NCCL broadcasts device memory
+            flat = flat.cuda()
         payload = {"names": [m[0] for m in metas], "dtypes": [m[1] for m in metas], "shapes": [m[2] for m in metas],
-                   "group_name": "loongsage", "load_format": "flattened_bucket", "checksum": checksum(flat),
+                   "group_name": "loongsage", "load_format": "flattened_bucket", "checksum": crc,
                    **_update_fields(last, version)}
         with ThreadPoolExecutor(len(engines)) as pool:
             futs = [pool.submit(_post, u, "/update_weights_from_distributed", payload) for u, _ in engines]
@@ -490,6 +523,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# process memory, for the colocated hand-off (engines and trainers give memory back between phases)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory in bytes (Linux /proc; 0 where it is not available)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def trim_freed_memory() -> None:
+    """Return freed heap pages to the OS (glibc's malloc_trim): tensors of a few MB come from malloc's arenas,
+    and without a trim their pages stay in this process after a free, so the colocated peer would not get them."""
+    import ctypes
+    import ctypes.util
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the allocator decides
 
 
 # ----------------------------------------------------------------------------------------------
@@ -558,6 +615,21 @@ def new_gloo_group(master_address: str, master_port: int, rank: int, world_size:
                           timeout=timedelta(seconds=timeout_s))
     return dist.ProcessGroupGloo(dist.PrefixStore("loongsage_weights", store), rank, world_size,
                                  timedelta(seconds=timeout_s))
+
+
+def new_sglang_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                     backend: str = "nccl", timeout_s: float = 300):
+    """The trainer's side of an SGLang weight-update group, built as SGLang 0.5.23 builds its side
+    (`init_custom_process_group` in sglang/srt/utils/common.py): a TCP store at master_address:master_port (rank 0,
+    the trainer, hosts it), prefixed with group_name, then torch's group constructor with that name, so both sides
+    use the same store keys. Registered with torch.distributed under group_name beside the default group."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, backend_options=None, timeout=timeout)
+    return pg
 
 
 def recv_broadcast(group, names: list[str], dtypes: list[str], shapes: list[list[int]],

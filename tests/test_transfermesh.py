@@ -366,3 +366,94 @@ def test_a_partial_update_reaches_the_packed_weights(tiny_model_dir, other_model
     want = logp.gather(1, torch.tensor(out["output_ids"])[:, None])[:, 0]
     got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
     assert out["meta_info"]["weight_version"] == "2" and (got - want).abs().max() <= 1e-5
+
+
+# What SGLang 0.5.23's SafeUnpickler lets a serialized_named_tensors entry name (a subset of its ALLOWED_GLOBALS,
+# utils/common.py): anything else and every TP rank refuses the update.
+SGLANG_ALLOWED = {("builtins", "list"), ("builtins", "tuple"), ("builtins", "str"), ("torch", "Tensor"),
+                  ("torch", "Size"), ("torch", "float32"), ("torch", "bfloat16"), ("torch", "UntypedStorage"),
+                  ("torch.storage", "UntypedStorage"), ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")}
+
+
+def test_cuda_ipc_payloads_are_one_dump_per_rank_with_device_uuids(monkeypatch):
+    """The CUDA IPC payload as SGLang's TP ranks read it. Only torch's CUDA-only pieces are replaced (the CUDA
+    reduction of a tensor, which calls storage._share_cuda_(), and the device's UUID); the builder runs as is."""
+    import io
+    import pickle
+
+    from torch.multiprocessing import reductions
+    calls = []
+
+    def cuda_reduce(t):  # the shape of torch's reduction of a CUDA tensor: rebuild_cuda_tensor and 15 arguments
+        calls.append(t)
+        return reductions.rebuild_cuda_tensor, (torch.Tensor, t.shape, t.stride(), 0, torch.UntypedStorage, t.dtype,
+                                                0, b"ipc-handle", t.numel() * 4, 0, False, b"ref", 0, b"event", True)
+    monkeypatch.setattr(reductions, "reduce_tensor", cuda_reduce)
+    monkeypatch.setattr(tm, "_device_uuid", lambda index: f"GPU-uuid-of-{index}")
+    bucket = [("w", torch.randn(4, 3)), ("b", torch.randn(3).bfloat16())]
+    payload = tm.cuda_ipc_payloads(bucket, tp_size=2)
+    assert len(payload) == 2 and len(calls) == 4  # one dump per TP rank: each rank's handles are its own
+
+    class Recorder(pickle.Unpickler):
+        seen = set()
+
+        def find_class(self, module, name):
+            self.seen.add((module, name))
+            if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+                return lambda *args: args  # what SGLang's patched rebuild would get
+            return super().find_class(module, name)
+
+    for entry in payload:
+        got = Recorder(io.BytesIO(__import__("base64").b64decode(entry))).load()
+        assert [n for n, _ in got] == ["w", "b"]
+        for (_, args), (_, t) in zip(got, bucket):
+            assert args[6] == "GPU-uuid-of-0"  # the device travels as its UUID, not the sender's index
+            assert tuple(args[1]) == tuple(t.shape) and args[5] == t.dtype
+    assert Recorder.seen <= SGLANG_ALLOWED, Recorder.seen - SGLANG_ALLOWED
+
+
+_GROUP_RANK = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import transfermesh as tm
+rank = int(sys.argv[1])
+pg = tm.new_sglang_group("127.0.0.1", {port}, rank, 2, "loongsage", backend="gloo")
+t = torch.arange(6.0) if rank == 0 else torch.zeros(6)
+pg.broadcast(t, 0).wait()
+print(t.tolist())
+"""
+
+
+def test_sglang_group_construction_broadcasts():
+    """new_sglang_group (the trainer's NCCL side on GPU) built with gloo in two processes: the store, its
+    group_name prefix and torch's constructor meet, and rank 0's tensor arrives."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = _GROUP_RANK.format(root=str(Path(__file__).resolve().parents[1]), port=tm.free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outs]
+    assert [o[0].strip() for o in outs] == ["[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]"] * 2
+
+
+def test_sglang_servers_see_trainer_rank_0s_gpu_for_cuda_ipc():
+    """CUDA IPC handles name trainer rank 0's GPU: an engine on the same node sees its own GPUs first (its TP ranks
+    drive them) and then rank 0's; on another node it sees only its own (and gets broadcast, not cuda_ipc)."""
+    from pathlib import Path
+
+    import loongsage
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes/code_repair_gpu.yaml")
+    colocated = loongsage.load_config(recipe)  # 8 trainer ranks; 4 engines x 2 GPUs on the trainers' GPUs
+    one_node = [("n0", [str(b)]) for b in range(8)]
+    plan = loongsage.placement(colocated)
+    assert [loongsage.engine_visible_gpus(plan, one_node, i) for i in range(4)] == \
+        [["0", "1"], ["2", "3", "0"], ["4", "5", "0"], ["6", "7", "0"]]
+    disagg = loongsage.load_config(recipe, ["colocate=false", "trainer_workers=4", "num_engines=2",
+                                            "global_batch_size=128"])
+    plan = loongsage.placement(disagg)  # trainers on bundles 0-3, engines on 4-5 and 6-7
+    assert [loongsage.engine_visible_gpus(plan, one_node, i) for i in range(2)] == [["4", "5", "0"], ["6", "7", "0"]]
+    two_nodes = [("n0" if b < 4 else "n1", [str(b % 4)]) for b in range(8)]
+    assert [loongsage.engine_visible_gpus(plan, two_nodes, i) for i in range(2)] == [["0", "1"], ["2", "3"]]
+    assert loongsage.engine_gpu_ids(plan, two_nodes, 0) == ["0", "1"]  # the engine's own GPUs are unchanged
