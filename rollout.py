@@ -1217,9 +1217,9 @@ def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
     opts.setdefault("tp_size", cfg.gpus_per_engine)
     opts.setdefault("random_seed", seed)
     opts.setdefault("weight_version", "0")  # versions count trainer steps; SGLang's own default is "default"
-    if getattr(cfg, "fp32_lm_head", False):  # SGLang 0.5.23: exec.features.enable_fp32_lm_head
+    if cfg.fp32_lm_head:  # SGLang 0.5.23: exec.features.enable_fp32_lm_head
         opts.setdefault("enable_fp32_lm_head", True)
-    if getattr(cfg, "colocate", False):  # release/resume_memory_occupation need SGLang's memory saver
+    if cfg.colocate:  # release/resume_memory_occupation need SGLang's memory saver
         opts.setdefault("enable_memory_saver", True)
     # (a recipe drops any of these flags by setting it to null)
     for key, value in opts.items():
