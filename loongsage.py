@@ -149,6 +149,9 @@ class Config:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # global grad-norm clip; 0 = off
+    router_replay: bool = False  # R3, MoE models only: engines return every token's routed experts and the trainer's
+    # routers replay them in every forward over those trajectories (old logp and update), so training routes as
+    # inference did
 
     # --- algo (see algos.py and ALGORITHMS.md; validated by algos.validate) ---
     advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns (gae: rejected until a value model exists)
@@ -303,6 +306,13 @@ def finalize(cfg: Config) -> Config:
          "engines take cuda_ipc, broadcast or disk (or auto)")
     need(not (cfg.agent and cfg.agent_command), f"set either agent ({cfg.agent!r}, a Python function) or "
          f"agent_command ({cfg.agent_command!r}, a black-box program), not both")
+    if cfg.router_replay:
+        mt = _model_type(cfg.model_path, cfg.tiny_model)
+        need(mt in (None, "qwen3_moe", "mixtral"), f"router_replay=true needs an MoE model (qwen3_moe or mixtral), "
+             f"but {cfg.model_path!r} is {mt!r}, which has no router; set router_replay=false"
+             + (" or tiny_model.num_experts > 0" if cfg.model_path == "tiny" else ""))
+        need(cfg.engine != "cpu" or mt != "mixtral", "router_replay with engine=cpu: the CPU engine runs Qwen3-MoE "
+             "but not Mixtral; use a qwen3_moe model or engine=sglang")
     unknown = sorted(set(cfg.tiny_model) - set(data.TINY_DEFAULTS))
     need(cfg.model_path != "tiny" or not unknown, f"unknown tiny_model setting(s) {unknown}"
          f"{_closest(unknown[0], data.TINY_DEFAULTS) if unknown else ''}; valid: {sorted(data.TINY_DEFAULTS)}")
@@ -375,6 +385,14 @@ def _teacher_spec(name: str, spec) -> dict:
     if spec["path"] != "tiny" and len(spec) > 1:
         raise ValueError(f"teachers.{name}: build settings {sorted(set(spec) - {'path'})} apply to path: tiny only")
     return spec
+
+
+def _model_type(path: str, tiny_model: dict) -> str | None:
+    """config.json's model_type of `path` (the tiny builder's, for "tiny"); None where it cannot be read yet."""
+    if path == "tiny":
+        return "qwen3_moe" if int(tiny_model.get("num_experts", 0) or 0) > 0 else "qwen3"
+    cfg_file = Path(path) / "config.json"
+    return json.loads(cfg_file.read_text()).get("model_type") if cfg_file.exists() else None
 
 
 def _vocab_of(path: str, tiny_model: dict) -> tuple | None:

@@ -238,6 +238,10 @@ def megatron_config(hf: dict, cfg, cpu: bool):
         use_cpu_initialization=cpu,
         **_moe_settings(hf) if mt in ("qwen3_moe", "mixtral") else {},
     )
+    if getattr(cfg, "router_replay", False):
+        if mt not in ("qwen3_moe", "mixtral"):
+            raise ValueError(f"router_replay=true needs an MoE model; {mt} has no router. Set router_replay=false")
+        base["moe_enable_routing_replay"] = True  # each TopKRouter gets a RouterReplay (see replay_routing)
     base.update(dict(getattr(cfg, "megatron", None) or {}))
     tcfg = TransformerConfig(**base)
     rotary_base, rope_scaling, rope_factor = _rope(hf)
@@ -246,6 +250,32 @@ def megatron_config(hf: dict, cfg, cpu: bool):
                         position_embedding_type="rope", rotary_percent=1.0, rotary_base=rotary_base,
                         rope_scaling=rope_scaling, rope_scaling_factor=rope_factor, parallel_output=True)
     return tcfg, model_kwargs
+
+
+def replay_routing(model, routed: torch.Tensor | None) -> None:
+    """R3 (rollout routing replay): make every MoE router of `model` route the next forward with the engine's
+    experts instead of its own top-k. routed: (B, T, L, K) global expert ids per token and layer (collate), or
+    None to switch replay off (the routers choose their own experts again).
+
+    Megatron-Core 0.16 has the mechanism (`moe_enable_routing_replay` gives each TopKRouter a RouterReplay whose
+    REPLAY_FORWARD action takes the top-k indices as given and gathers the router's own scores at them, so the
+    gating weights keep their gradient). Its class-level helpers address every router built in the process, the
+    frozen reference's included; this sets each router's own instance instead, by the router's global layer
+    number (so a pipeline stage reads its own layers). Megatron flattens tokens sequence-first: row s*B + b is
+    token s of sample b."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    for m in model.modules():
+        if not isinstance(m, TopKRouter) or m.router_replay is None:
+            continue
+        m.router_replay.clear_indices()  # also drops the backward-replay list, which grows at every set
+        if routed is None:
+            m.router_replay.clear_router_replay_action()
+            continue
+        B, T, _, K = routed.shape
+        layer = routed[:, :, m.layer_number - 1]  # (B, T, K) this router's layer (layer_number is 1-based, global)
+        m.router_replay.set_target_indices(layer.transpose(0, 1).reshape(T * B, K))  # (T*B, K) sequence-first
+        m.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
 def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device):
@@ -505,7 +535,20 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_g
 # batches: trajectory dicts -> padded tensors
 
 
-def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+def decode_routed_experts(b64: str, layers: int, topk: int) -> torch.Tensor:
+    """An engine's `meta_info.routed_experts` (SGLang's encoding: base64 of little-endian int32) as a (n, layers,
+    topk) long tensor: row i is the experts each layer chose for token i of prompt + response."""
+    import base64
+    import numpy as np
+    flat = np.frombuffer(base64.b64decode(b64), dtype="<i4")
+    if flat.size % (layers * topk):
+        raise ValueError(f"routed_experts holds {flat.size} int32 values, not a whole number of ({layers} layers x "
+                         f"top-{topk}) rows; the engine served another model than the trainer's")
+    return torch.from_numpy(flat.astype(np.int64)).view(-1, layers, topk)  # (n, L, K)
+
+
+def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None = None,
+            routed_shape: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """Right-padded tensors for a list of trajectory dicts.
 
     Returns tokens (B, T) prompt+response ids; resp_pos (B, R): index into the shifted logp row
@@ -517,6 +560,11 @@ def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None
     A trajectory that failed before its first model call has no response tokens: it becomes a row of
     padding with loss_mask all 0 (it stays in its group, reward 0, and adds nothing to the loss).
     R and T are at least 1 and 2, so even a micro-batch of only such rows has a position to gather.
+
+    `routed_shape` = (layers, top_k) with router replay: routed_experts (B, T, L, K), each sample's engine routing
+    (decode_routed_experts) on its tokens; positions the engine never ran on (the last token, padding, tool tokens
+    after the last call) hold experts 0..K-1. No real token attends to them (causal mask, right padding), so they
+    cannot change any loss token.
     """
     B = len(samples)
     plen = [len(s["prompt_ids"]) for s in samples]
@@ -549,6 +597,20 @@ def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None
             t[b, :row.numel()] = row
         out[key] = t  # (B, R)
     out["rollout_logp"] = torch.where(out["loss_mask"] > 0, out["rollout_logp"], 0.0)  # (B, R) 0 where loss_mask == 0
+    if routed_shape is not None and any(s.get("routed_experts") for s in samples):
+        L, K = routed_shape
+        routed = torch.arange(K).expand(B, T, L, K).clone()  # (B, T, L, K) filler: experts 0..K-1
+        for b, s in enumerate(samples):
+            if not s.get("routed_experts"):
+                raise ValueError(f"router_replay: sample group_id={s.get('group_id')} sample_index="
+                                 f"{s.get('sample_index')} has no routed_experts while others in its batch do; every "
+                                 "trajectory must come from an engine asked for return_routed_experts")
+            rows = decode_routed_experts(s["routed_experts"], L, K)  # (n, L, K)
+            if rows.size(0) > plen[b] + rlen[b]:
+                raise ValueError(f"routed_experts has {rows.size(0)} rows for {plen[b] + rlen[b]} tokens (group_id="
+                                 f"{s.get('group_id')}); it must cover prompt + response ids from position 0")
+            routed[b, :rows.size(0)] = rows
+        out["routed_experts"] = routed
     return dict(tokens=tokens, resp_pos=resp_pos, weight_versions=versions,
                 rewards=torch.tensor([float(s.get("reward", 0.0)) for s in samples]),
                 group_ids=torch.tensor([int(s.get("group_id", i)) for i, s in enumerate(samples)]),
@@ -739,6 +801,12 @@ class TrainerWorker:
         self.model = self.ref_model = self.optimizer = None  # free a previous model before building the next
         self.hf_config = read_hf_config(path)
         self.tcfg, self.model_kwargs = megatron_config(self.hf_config, self.cfg, self.cpu)
+        # R3: (layers, top_k) of the routed_experts rows that collate decodes; None without router replay
+        self.routed_shape = ((self.tcfg.num_layers, self.tcfg.moe_router_topk)
+                             if self.tcfg.moe_enable_routing_replay else None)
+        if self.routed_shape is not None:  # Megatron keeps every RouterReplay ever built in a class-level list:
+            from megatron.core.transformer.moe.router_replay import RouterReplay  # forget the previous models'
+            RouterReplay.clear_global_router_replay_instances()
         hf_state = load_hf_state(path)
         full = hf_to_megatron(hf_state, self.hf_config)
         del hf_state
@@ -822,7 +890,14 @@ class TrainerWorker:
         if self.tcfg.num_moe_experts:
             seq_len = (mb["resp_pos"][:, :1] + 1 + mb["resp_len"].unsqueeze(1)).to(self.device)  # (B, 1) real tokens
             extra["padding_mask"] = position_ids >= seq_len  # (B, T) True on padding: kept out of expert routing
-        logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **extra)  # (B, T, V/tp)
+        replay = mb.get("routed_experts")  # (B, T, L, K) R3: route as the engine did (cfg.router_replay)
+        if replay is not None:
+            replay_routing(model, replay.to(self.device))
+        try:
+            logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **extra)  # (B, T, V/tp)
+        finally:
+            if replay is not None:  # the indices were used in the forward; backward needs no re-routing
+                replay_routing(model, None)
         logp, entropy = vocab_parallel_logp_entropy(logits[:, :-1], tokens[:, 1:], self.tp_group)  # (B, T-1)
         pos = mb["resp_pos"].to(self.device)  # (B, R)
         if return_logits:
@@ -842,10 +917,37 @@ class TrainerWorker:
         mbs = int(self.cfg.micro_batch_size)
         for start in range(0, len(samples), mbs):
             chunk = samples[start:start + mbs]
-            logp, _ = self._forward_logp(model, collate(chunk))  # (b, R)
+            logp, _ = self._forward_logp(model, collate(chunk, routed_shape=self.routed_shape))  # (b, R)
             out += [logp[b, :len(s["response_ids"])].cpu() for b, s in enumerate(chunk)]
         model.train(was_training)
         return out
+
+    @torch.no_grad()
+    def routing_used(self, batch: list[dict]) -> list[torch.Tensor]:
+        """The experts every router actually dispatched each token to, per sample a (P+R, L, K) long tensor, sorted
+        within each token (a routing map has no order): read from the routers' outputs in a no-grad forward, with
+        replay when the batch carries routed_experts and router_replay is on. For the R3 tests."""
+        from megatron.core.transformer.moe.router import TopKRouter
+        maps = {}
+        hooks = [m.register_forward_hook(lambda mod, inp, out: maps.__setitem__(mod.layer_number, out[1]))
+                 for m in self.model.modules() if isinstance(m, TopKRouter)]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            mb = collate(batch, routed_shape=self.routed_shape)
+            self._forward_logp(self.model, mb)
+        finally:
+            for h in hooks:
+                h.remove()
+            self.model.train(was_training)
+        B, T = mb["tokens"].shape
+        K = self.tcfg.moe_router_topk
+        per_layer = []
+        for n in sorted(maps):  # routing_map (T*B, E) bool, sequence-first rows
+            idx = maps[n].float().topk(K, dim=-1).indices.sort(-1).values  # (T*B, K) the K chosen experts, ascending
+            per_layer.append(idx.view(T, B, K).transpose(0, 1))  # (B, T, K)
+        used = torch.stack(per_layer, 2).cpu()  # (B, T, L, K)
+        return [used[b, :len(s["prompt_ids"]) + len(s["response_ids"])] for b, s in enumerate(batch)]
 
     def compute_logprobs(self, batch: list[dict]) -> list[list[float]]:
         """Per response token logprobs for every sample (every rank computes all samples; for parity
@@ -1005,7 +1107,7 @@ class TrainerWorker:
                           "adv": [adv_rows[j] for j in rows]}
                 if ref is not None:
                     extras["ref_logp"] = [ref[j] for j in rows]
-                mb = self._to_device(collate([local[j] for j in rows], extras))
+                mb = self._to_device(collate([local[j] for j in rows], extras, routed_shape=self.routed_shape))
                 logp, entropy, *logits = self._forward_logp(self.model, mb, return_logits=targets is not None)
                 if mb_i == 0:  # still the step's starting weights: this forward IS the old policy's
                     for b, j in enumerate(rows):
@@ -1120,7 +1222,8 @@ class TrainerWorker:
             for start in range(0, len(mine), mbs):
                 idx = mine[start:start + mbs]
                 mb = self._to_device(collate([batch[i] for i in idx], {"adv": [torch.zeros(len(batch[i]["response_ids"]))
-                                                                              for i in idx]}))
+                                                                              for i in idx]},
+                                             routed_shape=self.routed_shape))
                 logp, entropy, logits = self._forward_logp(self.model, mb, return_logits=True)  # (b, R), (b, R, V/tp)
                 opd = self._opd_terms(mb, logp, logits, [targets[i] for i in idx], denom)
                 opd.pop("adv")
