@@ -85,7 +85,8 @@ class Config:
     trainer_workers: int = 1  # trainer ranks = tensor_parallel * pipeline_parallel * data_parallel
     tensor_parallel: int = 1  # Megatron TP size
     pipeline_parallel: int = 1  # Megatron PP size
-    expert_parallel: int = 1  # Megatron EP size (MoE models)
+    expert_parallel: int = 1  # Megatron EP size (MoE models): each rank holds num_experts / EP experts; divides
+    # trainer_workers / (tensor_parallel * pipeline_parallel)
     data_parallel: int = 1  # derived: trainer_workers // (tensor_parallel * pipeline_parallel)
     num_engines: int = 1  # rollout engines (each one SGLang server or CPU engine)
     colocate: bool = False  # engines share the trainers' placement bundles (GPUs), instead of their own
@@ -277,8 +278,6 @@ def finalize(cfg: Config) -> Config:
     need(cfg.dtype in ("float32", "bfloat16"), f"dtype={cfg.dtype!r}: choose 'float32' or 'bfloat16'")
     need(cfg.pipeline_parallel == 1, f"pipeline_parallel={cfg.pipeline_parallel}: the trainer runs tensor and data "
          "parallelism only for now; set pipeline_parallel=1 and use tensor_parallel/trainer_workers")
-    need(cfg.expert_parallel == 1, f"expert_parallel={cfg.expert_parallel}: MoE weights cannot yet be exported "
-         "from several expert ranks to the engines; set expert_parallel=1 (MoE models train with TP/DP)")
     # counts and budgets: a zero or negative value here would divide by zero below or hang/do nothing later
     for name in ("trainer_workers", "tensor_parallel", "num_engines", "prompts_per_step", "samples_per_prompt",
                  "global_batch_size", "micro_batch_size", "max_new_tokens", "max_prompt_len", "max_context_len",
@@ -323,6 +322,18 @@ def finalize(cfg: Config) -> Config:
     if cfg.engine == "sglang" and "tp_size" in cfg.sglang:
         need(int(cfg.sglang["tp_size"]) == cfg.gpus_per_engine, f"sglang.tp_size={cfg.sglang['tp_size']} but "
              f"gpus_per_engine={cfg.gpus_per_engine}: an engine's tensor parallel size is its GPU count; set them equal")
+    if cfg.expert_parallel != 1:
+        need(isinstance(cfg.expert_parallel, int) and cfg.expert_parallel > 1,
+             f"expert_parallel={cfg.expert_parallel!r} must be a positive integer")
+        mt = _model_type(cfg.model_path, cfg.tiny_model)
+        need(mt in (None, "qwen3_moe", "mixtral"), f"expert_parallel={cfg.expert_parallel} needs an MoE model, but "
+             f"{cfg.model_path!r} is {mt!r}; set expert_parallel=1")
+        experts = _num_experts(cfg.model_path, cfg.tiny_model)
+        need(not experts or experts % cfg.expert_parallel == 0, f"expert_parallel={cfg.expert_parallel} does not "
+             f"divide the model's {experts} experts; choose a divisor of {experts}")
+        ranks = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.expert_parallel  # Megatron's expert grid
+        need(cfg.trainer_workers % ranks == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
+             f"tensor_parallel*pipeline_parallel*expert_parallel={ranks}; use {ranks * max(1, cfg.trainer_workers // ranks)}")
     mp = cfg.tensor_parallel * cfg.pipeline_parallel
     need(cfg.trainer_workers % mp == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
          f"tensor_parallel*pipeline_parallel={mp}; use {mp * max(1, cfg.trainer_workers // mp)}")
@@ -393,6 +404,17 @@ def _model_type(path: str, tiny_model: dict) -> str | None:
         return "qwen3_moe" if int(tiny_model.get("num_experts", 0) or 0) > 0 else "qwen3"
     cfg_file = Path(path) / "config.json"
     return json.loads(cfg_file.read_text()).get("model_type") if cfg_file.exists() else None
+
+
+def _num_experts(path: str, tiny_model: dict) -> int | None:
+    """Routed experts per layer of `path` (the tiny builder's for "tiny"); None where unknown yet."""
+    if path == "tiny":
+        return int({**data.TINY_DEFAULTS, **tiny_model}["num_experts"])
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        return None
+    hf = json.loads(cfg_file.read_text())
+    return hf.get("num_experts") or hf.get("num_local_experts")
 
 
 def _vocab_of(path: str, tiny_model: dict) -> tuple | None:

@@ -779,6 +779,10 @@ class TrainerWorker:
         self.dp_group_gloo = parallel_state.get_data_parallel_group_gloo()  # for python-object collectives
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        # EP > 1: Megatron's allgather token dispatcher all-gathers every expert rank's (T*B, H) tokens, so those ranks
+        # (data-parallel replicas of the dense layers, each with its own samples) must run the same number of forwards
+        # with the same shapes; `_ep_micro_starts` and `_forward_logp` pad them to that (None: no padding needed)
+        self.ep_group = parallel_state.get_expert_tensor_and_model_parallel_group() if ep > 1 else None
         torch.manual_seed(int(cfg.seed))
         if not self.cpu:
             from megatron.core import tensor_parallel
@@ -884,13 +888,24 @@ class TrainerWorker:
         """(logp, entropy), both (B, R) fp32, of each response token under `model`; with `return_logits`
         also the logits that predict each response token, (B, R, V/tp) (distillation needs them)."""
         tokens = mb["tokens"].to(self.device)  # (B, T)
+        B0, T0 = tokens.shape
+        replay = mb.get("routed_experts")  # (B, T, L, K) R3: route as the engine did (cfg.router_replay)
+        if self.ep_group is not None:  # the same (B, T) on every expert rank: pad with rows/columns of padding
+            size = torch.tensor([B0, T0])
+            torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
+            B, T = size.tolist()
+            tokens = F.pad(tokens, (0, T - T0, 0, B - B0))  # (B, T) zeros after each row / as extra rows
+            if replay is not None:  # padded positions route to experts 0..K-1 (never a loss token)
+                fill = torch.arange(replay.size(-1), device=replay.device).expand(B, T, *replay.shape[2:]).clone()
+                fill[:B0, :T0] = replay
+                replay = fill  # (B, T, L, K)
         B, T = tokens.shape
         position_ids = torch.arange(T, device=self.device).unsqueeze(0).expand(B, T)  # (B, T)
         extra = {}
         if self.tcfg.num_moe_experts:
-            seq_len = (mb["resp_pos"][:, :1] + 1 + mb["resp_len"].unsqueeze(1)).to(self.device)  # (B, 1) real tokens
+            seq_len = (mb["resp_pos"][:, :1] + 1 + mb["resp_len"].unsqueeze(1)).to(self.device)  # (B0, 1) real tokens
+            seq_len = F.pad(seq_len, (0, 0, 0, B - B0))  # (B, 1) EP padding rows: no real token
             extra["padding_mask"] = position_ids >= seq_len  # (B, T) True on padding: kept out of expert routing
-        replay = mb.get("routed_experts")  # (B, T, L, K) R3: route as the engine did (cfg.router_replay)
         if replay is not None:
             replay_routing(model, replay.to(self.device))
         try:
@@ -898,12 +913,31 @@ class TrainerWorker:
         finally:
             if replay is not None:  # the indices were used in the forward; backward needs no re-routing
                 replay_routing(model, None)
+        logits = logits[:B0, :T0]  # (B0, T0, V/tp) this rank's own rows and columns
+        tokens = tokens[:B0, :T0]  # (B0, T0)
         logp, entropy = vocab_parallel_logp_entropy(logits[:, :-1], tokens[:, 1:], self.tp_group)  # (B, T-1)
         pos = mb["resp_pos"].to(self.device)  # (B, R)
         if return_logits:
             resp_logits = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.size(-1)))  # (B, R, V/tp)
             return logp.gather(1, pos), entropy.gather(1, pos), resp_logits
         return logp.gather(1, pos), entropy.gather(1, pos)  # (B, R), (B, R) on self.device
+
+    def _ep_micro_starts(self, n: int, mbs: int) -> list[int]:
+        """Start offsets of the micro-batches over `n` local samples. With EP > 1 every expert rank runs as many
+        as the busiest one: the extra starts lie at or past `n`, and the caller runs `_ep_idle_microbatch` there."""
+        count = -(-n // mbs)  # ceil
+        if self.ep_group is not None:
+            t = torch.tensor([count])
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
+            count = int(t)
+        return [i * mbs for i in range(count)]
+
+    def _ep_idle_microbatch(self, model, backward: bool) -> None:
+        """A forward (and backward, with zero gradient) of padding only, so this expert rank joins the token
+        dispatcher's collectives of a micro-batch another expert rank runs."""
+        logp, _ = self._forward_logp(model, collate([]))  # (0, 1): no rows of this rank's own
+        if backward:
+            (logp.sum() * 0.0).backward()
 
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in mb.items()}
@@ -915,8 +949,11 @@ class TrainerWorker:
         model.eval()
         out = []
         mbs = int(self.cfg.micro_batch_size)
-        for start in range(0, len(samples), mbs):
+        for start in self._ep_micro_starts(len(samples), mbs):
             chunk = samples[start:start + mbs]
+            if not chunk:  # EP: another expert rank has a micro-batch more
+                self._ep_idle_microbatch(model, backward=False)
+                continue
             logp, _ = self._forward_logp(model, collate(chunk, routed_shape=self.routed_shape))  # (b, R)
             out += [logp[b, :len(s["response_ids"])].cpu() for b, s in enumerate(chunk)]
         model.train(was_training)
@@ -967,11 +1004,20 @@ class TrainerWorker:
 
         params = [p for p in self.model.parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64)
+        sq_experts = torch.zeros((), dtype=torch.float64)  # expert weights: each EP rank holds other experts
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if not getattr(p, "allreduce", True):  # Megatron marks expert parameters allreduce=False
+                sq_experts += p.grad.double().pow(2).sum()  # expert TP shards are split, never duplicated
+            elif param_is_not_tensor_parallel_duplicate(p):
                 sq += p.grad.double().pow(2).sum()
         if self.tp_size > 1:
             torch.distributed.all_reduce(sq, group=self.tp_group)
+        if self.tcfg.num_moe_experts:  # over every rank holding a different expert shard (EP x expert TP)
+            from megatron.core import parallel_state
+            group = parallel_state.get_expert_tensor_and_model_parallel_group()
+            if torch.distributed.get_world_size(group) > 1:
+                torch.distributed.all_reduce(sq_experts, group=group)
+        sq = sq + sq_experts
         norm = float(sq.sqrt())
         clip = float(self.cfg.grad_clip or 0.0)
         if clip > 0 and norm > clip:
@@ -1101,7 +1147,10 @@ class TrainerWorker:
         for mb_i, mine in enumerate(plan):
             denom = self._denominators(batch, n_mb, mb_i, by_group=True)
             sums: dict[str, float] = {}
-            for start in range(0, len(mine), mbs):
+            for start in self._ep_micro_starts(len(mine), mbs):
+                if start >= len(mine):  # EP: another expert rank has a micro-batch more
+                    self._ep_idle_microbatch(self.model, backward=True)
+                    continue
                 rows = [row_of[i] for i in mine[start:start + mbs]]
                 extras = {"old_logp": [old[j] if old[j] is not None else zeros[j] for j in rows],
                           "adv": [adv_rows[j] for j in rows]}
@@ -1219,7 +1268,10 @@ class TrainerWorker:
         for mb_i, mine in enumerate(plan):
             denom = self._denominators(batch, n_mb, mb_i, by_group=True)
             sums: dict[str, float] = {}
-            for start in range(0, len(mine), mbs):
+            for start in self._ep_micro_starts(len(mine), mbs):
+                if start >= len(mine):  # EP: another expert rank has a micro-batch more
+                    self._ep_idle_microbatch(self.model, backward=True)
+                    continue
                 idx = mine[start:start + mbs]
                 mb = self._to_device(collate([batch[i] for i in idx], {"adv": [torch.zeros(len(batch[i]["response_ids"]))
                                                                               for i in idx]},
@@ -1286,7 +1338,10 @@ class TrainerWorker:
         sums: dict[str, float] = {}
         mbs = int(self.cfg.micro_batch_size)
         self.model.train()
-        for start in range(0, len(plan), mbs):
+        for start in self._ep_micro_starts(len(plan), mbs):
+            if start >= len(plan):  # EP: another expert rank has a micro-batch more
+                self._ep_idle_microbatch(self.model, backward=True)
+                continue
             mb = self._to_device(collate([batch[i] for i in plan[start:start + mbs]]))
             logp, entropy = self._forward_logp(self.model, mb)  # (b, R) each
             loss = algos.sft_loss(logp, mb["loss_mask"], denom)
@@ -1302,24 +1357,37 @@ class TrainerWorker:
 
     def export_hf_weights(self) -> list[tuple[str, torch.Tensor]]:
         """HF-named full tensors (CPU) on rank 0, [] elsewhere. Every rank must call it: TP shards are
-        all-gathered within each TP group (only data-parallel replica 0's result is kept)."""
-        ep_rank, ep_size, _, _ = self._expert_rank_info()
-        if ep_size > 1:
-            raise NotImplementedError(f"export with expert_parallel={ep_size} is not wired in; "
-                                      "use expert_parallel=1 (experts are then only tensor-parallel)")
+        all-gathered within each TP group (only data-parallel replica 0's result is kept); with expert
+        parallelism each rank holds num_experts / EP experts, so expert tensors are first gathered within the
+        expert-tensor-parallel group, then all-gathered across the expert-parallel group (whose ranks are
+        different data-parallel replicas of the dense layers, so then every rank takes part)."""
         from megatron.core import parallel_state
+        ep_rank, ep_size, _, etp_size = self._expert_rank_info()
         gpt = self.model.module
         keep = self.rank == 0
-        if self.dp_rank != 0:  # another replica: same weights, no need to gather
+        if self.dp_rank != 0 and ep_size == 1:  # another replica: same weights, no need to gather
             return []
         full = {}
         etp_group = parallel_state.get_expert_tensor_parallel_group() if self.tcfg.num_moe_experts else None
+        ep_group = parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None
+        n_local = (self.tcfg.num_moe_experts or 0) // ep_size
         with torch.no_grad():
             for name, p in gpt.named_parameters():
-                group = etp_group if ".local_experts." in name else self.tp_group
-                t = gather_full(name, p.detach(), group if self.tp_size > 1 else None)
+                if ".local_experts." not in name:
+                    t = gather_full(name, p.detach(), self.tp_group if self.tp_size > 1 else None)
+                    if keep:
+                        full[name] = t.cpu()
+                    continue
+                t = gather_full(name, p.detach(), etp_group if etp_size > 1 else None)
+                head, rest = name.split(".local_experts.")
+                local_e, tail = rest.split(".", 1)
+                parts = [t]
+                if ep_group is not None:  # EP rank r holds global experts r*n_local .. (r+1)*n_local - 1
+                    parts = [torch.empty_like(t) for _ in range(ep_size)]
+                    torch.distributed.all_gather(parts, t.contiguous(), group=ep_group)
                 if keep:
-                    full[name] = t.cpu()
+                    for r, part in enumerate(parts):
+                        full[f"{head}.local_experts.{r * n_local + int(local_e)}.{tail}"] = part.cpu()
         return megatron_to_hf(full, self.hf_config) if keep else []
 
     def sync_weights(self, engine_urls: list[str], version: int) -> dict:

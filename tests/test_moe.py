@@ -213,3 +213,96 @@ def test_check_rejects_router_replay_without_moe(tmp_path):
         loongsage.finalize(loongsage.Config(router_replay=True, device="cpu"))
     cfg = loongsage.finalize(loongsage.Config(router_replay=True, device="cpu", tiny_model={"num_experts": 4}))
     assert cfg.router_replay
+
+
+# ----------------------------------------------------------------------------------------------
+# expert parallelism: EP=2 over gloo against one rank
+
+
+class Ranks:
+    """`n` TrainerWorker actors forming one torch.distributed world; `call` runs a method on all of them."""
+
+    def __init__(self, cfg: loongsage.Config, n: int):
+        actor = ray.remote(num_cpus=1)(trainer.TrainerWorker)
+        port = _free_port()
+        self.workers = [actor.remote(cfg, r, n, "127.0.0.1", port) for r in range(n)]
+
+    def call(self, method: str, *args):
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def close(self):
+        self.call("shutdown")
+        for w in self.workers:
+            ray.kill(w)
+
+
+def token_batch(n_groups=4, per_group=2, seed=0, vocab=384) -> list[dict]:
+    """Random prompt/response ids with 0/1 rewards (a gradient on every group) and a masked tool span."""
+    import random
+    rng = random.Random(seed)
+    batch = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(10, vocab) for _ in range(rng.randint(3, 7))]
+        for k in range(per_group):
+            resp = [rng.randrange(10, vocab) for _ in range(rng.randint(3, 8))]
+            mask = [1] * len(resp)
+            mask[1] = 0
+            batch.append(dict(prompt_ids=prompt, response_ids=resp, loss_mask=mask, rollout_logprobs=[0.0] * len(resp),
+                              weight_versions=[0] * len(resp), reward=float(k % 2), status="ok", group_id=g,
+                              sample_index=k))
+    return batch
+
+
+def one_step(moe_dir: str, n: int, batch: list[dict], **over) -> tuple[dict, dict, list]:
+    """load_hf, one train_step, export: (metrics, exported weights, logprobs before the step) on `n` ranks."""
+    ranks = Ranks(train_cfg(trainer_workers=n, prompts_per_step=4, samples_per_prompt=2, global_batch_size=8,
+                            micro_batch_size=2, lr=1e-2, min_lr=1e-2, adam_eps=1e-2, grad_clip=0.5, **over), n)
+    try:
+        ranks.call("load_hf", moe_dir)
+        logp = ranks.call("compute_logprobs", batch)[0]
+        metrics = ranks.call("train_step", batch, 0)[0]
+        exported = dict(ranks.call("export_hf_weights")[0])
+    finally:
+        ranks.close()
+    return metrics, exported, logp
+
+
+def test_expert_parallel_2_matches_one_rank(ray_session, moe_dir):
+    """EP=2 (two ranks, 4 of the 8 experts each, the dense layers data-parallel) takes the same step as one rank
+    (`--check` accepts it now):
+    same logprobs, loss and grad norm (the clip at 0.5 is active, so the experts' share of the norm must be summed
+    over EP ranks), and the export gathers all 8 experts of every layer to the same weights."""
+    batch = token_batch()
+    # one trajectory with an earlier segment (a compacted history): its rank trains one row more, so one micro-batch
+    # more than the other expert rank, which must join that micro-batch's dispatch with a padding-only one
+    first = batch[0]
+    batch[0] = dict(first, segments=[dict(prompt_ids=first["prompt_ids"][:3], response_ids=[11, 12, 13, 14],
+                                          loss_mask=[1, 1, 1, 1], rollout_logprobs=[0.0] * 4, weight_versions=[0] * 4),
+                                     {k: first[k] for k in ("prompt_ids", "response_ids", "loss_mask",
+                                                            "rollout_logprobs", "weight_versions")}])
+    m1, w1, lp1 = one_step(moe_dir, 1, batch)
+    m2, w2, lp2 = one_step(moe_dir, 2, batch, expert_parallel=2)
+    assert max(abs(a - b) for x, y in zip(lp1, lp2) for a, b in zip(x, y)) <= 1e-5
+    assert m1["train/grad_norm"] > 0.5  # the clip acts
+    for key in ("train/loss", "train/grad_norm", "train/pg_loss"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+    assert set(w1) == set(w2) == set(trainer.load_hf_state(moe_dir))
+    before = trainer.load_hf_state(moe_dir)
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-5, msg=name)
+    moved = [n for n in w1 if ".experts." in n and not torch.equal(w1[n], before[n])]
+    assert any(".experts.7." in n for n in moved) and any(".experts.0." in n for n in moved)  # both EP ranks' experts
+    assert m2["train/rows"] == m1["train/rows"] == 9.0
+
+
+def test_check_expert_parallel(moe_dir, tiny_model_dir):
+    ok = loongsage.finalize(loongsage.Config(device="cpu", model_path=moe_dir, expert_parallel=2, trainer_workers=2,
+                                             global_batch_size=256))
+    assert ok.expert_parallel == 2 and ok.data_parallel == 2
+    with pytest.raises(ValueError, match="expert_parallel=2 needs an MoE model, but .* is 'qwen3'"):
+        loongsage.finalize(loongsage.Config(device="cpu", model_path=tiny_model_dir, expert_parallel=2,
+                                            trainer_workers=2))
+    with pytest.raises(ValueError, match="expert_parallel=3 does not divide the model's 8 experts"):
+        loongsage.finalize(loongsage.Config(device="cpu", model_path=moe_dir, expert_parallel=3, trainer_workers=3))
+    with pytest.raises(ValueError, match=r"trainer_workers=1 is not a multiple of .*expert_parallel=2; use 2"):
+        loongsage.finalize(loongsage.Config(device="cpu", model_path=moe_dir, expert_parallel=2))
