@@ -84,7 +84,7 @@ class Config:
     ray_address: str = ""  # "" starts a local Ray; else an existing cluster ("auto" or host:port)
     trainer_workers: int = 1  # trainer ranks = tensor_parallel * pipeline_parallel * data_parallel
     tensor_parallel: int = 1  # Megatron TP size
-    pipeline_parallel: int = 1  # Megatron PP size
+    pipeline_parallel: int = 1  # Megatron PP size: each stage a contiguous share of the layers (divides their number)
     expert_parallel: int = 1  # Megatron EP size (MoE models): each rank holds num_experts / EP experts; divides
     # trainer_workers / (tensor_parallel * pipeline_parallel)
     data_parallel: int = 1  # derived: trainer_workers // (tensor_parallel * pipeline_parallel)
@@ -276,8 +276,16 @@ def finalize(cfg: Config) -> Config:
     need(cfg.engine != "sglang" or cfg.device == "cuda", "engine=sglang runs on CUDA only; set device=cuda or engine=cpu")
     need(cfg.mode in ("sync", "async"), f"mode={cfg.mode!r}: choose 'sync' or 'async'")
     need(cfg.dtype in ("float32", "bfloat16"), f"dtype={cfg.dtype!r}: choose 'float32' or 'bfloat16'")
-    need(cfg.pipeline_parallel == 1, f"pipeline_parallel={cfg.pipeline_parallel}: the trainer runs tensor and data "
-         "parallelism only for now; set pipeline_parallel=1 and use tensor_parallel/trainer_workers")
+    need(isinstance(cfg.pipeline_parallel, int) and cfg.pipeline_parallel >= 1,
+         f"pipeline_parallel={cfg.pipeline_parallel!r} must be a positive integer")
+    if cfg.pipeline_parallel > 1:
+        layers, tied = _layers_and_tied(cfg.model_path, cfg.tiny_model)
+        need(layers is None or layers % cfg.pipeline_parallel == 0, f"pipeline_parallel={cfg.pipeline_parallel} "
+             f"does not divide the model's {layers} layers; choose a divisor of {layers}")
+        need(not tied, f"pipeline_parallel={cfg.pipeline_parallel} with tied input/output embeddings "
+             f"({cfg.model_path!r}) is not supported; use pipeline_parallel=1 for this model")
+        need(cfg.expert_parallel == 1, f"pipeline_parallel={cfg.pipeline_parallel} with expert_parallel="
+             f"{cfg.expert_parallel} is not wired in; use one of them")
     # counts and budgets: a zero or negative value here would divide by zero below or hang/do nothing later
     for name in ("trainer_workers", "tensor_parallel", "num_engines", "prompts_per_step", "samples_per_prompt",
                  "global_batch_size", "micro_batch_size", "max_new_tokens", "max_prompt_len", "max_context_len",
@@ -404,6 +412,19 @@ def _model_type(path: str, tiny_model: dict) -> str | None:
         return "qwen3_moe" if int(tiny_model.get("num_experts", 0) or 0) > 0 else "qwen3"
     cfg_file = Path(path) / "config.json"
     return json.loads(cfg_file.read_text()).get("model_type") if cfg_file.exists() else None
+
+
+def _layers_and_tied(path: str, tiny_model: dict) -> tuple[int | None, bool]:
+    """(num_hidden_layers, tie_word_embeddings) of `path` (the tiny builder's for "tiny"); (None, False) where
+    unknown yet."""
+    if path == "tiny":
+        s = {**data.TINY_DEFAULTS, **tiny_model}
+        return int(s["num_hidden_layers"]), bool(s["tie_word_embeddings"])
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        return None, False
+    hf = json.loads(cfg_file.read_text())
+    return hf.get("num_hidden_layers"), bool(hf.get("tie_word_embeddings", False))
 
 
 def _num_experts(path: str, tiny_model: dict) -> int | None:

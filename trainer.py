@@ -95,13 +95,27 @@ class SDPACoreAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # (Sq, B, Nq * D)
 
 
+class _TorchOnCpu:
+    """`torch` as Megatron's schedules module sees it after shim 4: everything delegates to torch, except that
+    `zeros(..., device="cuda")` allocates on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
 _SHIMS_APPLIED = False
 
 
 def apply_cpu_shims() -> bool:
     """Make Megatron-Core run on CPU; a no-op (returning False) when CUDA is present.
 
-    The three shims (measured necessary and sufficient here, see DESIGN.md):
+    The shims (measured necessary and sufficient here, see DESIGN.md):
     1. `torch.cuda.current_device()` yields the CPU device: Megatron places its grad buffers, rotary
        tables and a few scratch tensors on "the current CUDA device".
     2. the local layer spec's core attention becomes `SDPACoreAttention` (Megatron's
@@ -109,6 +123,10 @@ def apply_cpu_shims() -> bool:
     3. the optimizer is `torch.optim.AdamW` with a small TP-aware grad-norm clip
        (`TrainerWorker._build_optimizer`), because Megatron's optimizer wrappers and grad clipping
        allocate CUDA tensors. This function only reports that the shims are on; the worker reads it.
+    4. (pipeline parallelism) the 1F1B schedule's token counter, `torch.zeros([], dtype=torch.int,
+       device="cuda")` in `forward_backward_pipelining_without_interleaving` (schedules.py of Megatron-Core
+       0.16), is made on the CPU: the schedules module sees a `torch` whose `zeros` maps device="cuda" to the
+       CPU. Harmless elsewhere; the rest of the schedule (gloo isend/irecv between stages) runs as it is.
     Also: models are built with `use_cpu_initialization=True` (megatron_config), which avoids
     `model_parallel_cuda_manual_seed`, another CUDA-only call.
     Returns True when the shims are active.
@@ -120,6 +138,8 @@ def apply_cpu_shims() -> bool:
         torch.cuda.current_device = lambda: torch.device("cpu")  # shim 1
         from megatron.core.models.backends import LocalSpecProvider
         LocalSpecProvider.core_attention = lambda self: SDPACoreAttention  # shim 2
+        from megatron.core.pipeline_parallel import schedules
+        schedules.torch = _TorchOnCpu()  # shim 4
         _SHIMS_APPLIED = True
     return True
 
@@ -238,6 +258,17 @@ def megatron_config(hf: dict, cfg, cpu: bool):
         use_cpu_initialization=cpu,
         **_moe_settings(hf) if mt in ("qwen3_moe", "mixtral") else {},
     )
+    if int(cfg.pipeline_parallel) > 1:
+        if hf.get("tie_word_embeddings", False):
+            raise ValueError("pipeline_parallel > 1 with tie_word_embeddings=true is not supported (the first and the "
+                             "last stage would each hold the shared matrix); use pipeline_parallel=1 for this model")
+        if hf["num_hidden_layers"] % int(cfg.pipeline_parallel):
+            raise ValueError(f"pipeline_parallel={cfg.pipeline_parallel} does not divide num_hidden_layers="
+                             f"{hf['num_hidden_layers']}; choose a divisor")
+        # Stages exchange activations of one fixed (T, B, H) shape per schedule run (_forward_backward pads every
+        # micro-batch to it), through plain isend/irecv pairs (gloo has no batched p2p). Not variable_seq_lengths:
+        # Megatron refuses it with the allgather token dispatcher, and its alltoall dispatcher makes a CUDA stream.
+        base.update(batch_p2p_comm=False)
     if getattr(cfg, "router_replay", False):
         if mt not in ("qwen3_moe", "mixtral"):
             raise ValueError(f"router_replay=true needs an MoE model; {mt} has no router. Set router_replay=false")
@@ -278,8 +309,11 @@ def replay_routing(model, routed: torch.Tensor | None) -> None:
         m.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
-def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device):
-    """A GPTModel on the local layer spec (CPU: its core attention is SDPACoreAttention via the shims)."""
+def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, pre_process: bool = True,
+                    post_process: bool = True):
+    """A GPTModel on the local layer spec (CPU: its core attention is SDPACoreAttention via the shims). With
+    pipeline parallelism: one stage, its share of the layers (+ embedding on the first, final norm and output
+    layer on the last: `pre_process` / `post_process`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -287,7 +321,8 @@ def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device):
         _moe_router_without_te()
     spec = get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
-    model = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=True, post_process=True, **model_kwargs)
+    model = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
+                     **model_kwargs)
     return model.to(device)
 
 
@@ -756,9 +791,9 @@ class TrainerWorker:
             torch.set_num_threads(int(cfg.trainer_threads))
         tp, pp = int(cfg.tensor_parallel), int(cfg.pipeline_parallel)
         ep = int(getattr(cfg, "expert_parallel", 1) or 1)
-        if pp != 1:
-            raise ValueError(f"pipeline_parallel={pp} is not supported by trainer.py yet; set pipeline_parallel=1 "
-                             "and use tensor_parallel / data parallelism")
+        if pp > 1 and ep > 1:
+            raise ValueError(f"pipeline_parallel={pp} with expert_parallel={ep} is not wired in (the padding that keeps "
+                             "expert ranks in step runs outside the pipeline schedule); use one of them")
         if world_size % (tp * pp):
             raise ValueError(f"world_size={world_size} is not a multiple of tensor_parallel*pipeline_parallel="
                              f"{tp * pp}; use a world size of k*{tp * pp}")
@@ -783,6 +818,11 @@ class TrainerWorker:
         # (data-parallel replicas of the dense layers, each with its own samples) must run the same number of forwards
         # with the same shapes; `_ep_micro_starts` and `_forward_logp` pad them to that (None: no padding needed)
         self.ep_group = parallel_state.get_expert_tensor_and_model_parallel_group() if ep > 1 else None
+        self.pp_size, self.pp_group = pp, parallel_state.get_pipeline_model_parallel_group()
+        self.pre_process = parallel_state.is_pipeline_first_stage()   # this stage holds the embedding
+        self.post_process = parallel_state.is_pipeline_last_stage()   # ... the final norm, output layer, logp
+        self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()  # global rank of that stage
+        self.pad_to = (0, 0)  # (B, T) every micro-batch is padded to at least (set per pipeline schedule run)
         torch.manual_seed(int(cfg.seed))
         if not self.cpu:
             from megatron.core import tensor_parallel
@@ -814,7 +854,10 @@ class TrainerWorker:
         hf_state = load_hf_state(path)
         full = hf_to_megatron(hf_state, self.hf_config)
         del hf_state
-        gpt = build_gpt_model(self.tcfg, self.model_kwargs, self.device)
+        gpt = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.pre_process, self.post_process)
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        self.layer_offset = get_transformer_layer_offset(self.tcfg) if self.pp_size > 1 else 0  # first global layer
+        self.n_local_layers = len(gpt.decoder.layers)
         self._load_full_state(gpt, full)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)
@@ -822,7 +865,8 @@ class TrainerWorker:
         self.optimizer = self._build_optimizer()
         needs_ref = float(self.cfg.kl_coef) > 0 or bool(getattr(self.cfg, "kl_in_reward", False))
         if needs_ref:
-            self.ref_model = build_gpt_model(self.tcfg, self.model_kwargs, self.device)
+            self.ref_model = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.pre_process,
+                                             self.post_process)
             self._load_full_state(self.ref_model, full)
             self.ref_model.requires_grad_(False).eval()
         n_params = sum(p.numel() for p in gpt.parameters())
@@ -837,6 +881,26 @@ class TrainerWorker:
                 parallel_state.get_expert_tensor_parallel_rank(),
                 parallel_state.get_expert_tensor_parallel_world_size())
 
+    def _stage_name(self, name: str) -> str | None:
+        """A full-model Megatron name as this pipeline stage names it (its layers count from 0), or None when
+        another stage holds the tensor. PP=1: the name itself."""
+        if self.pp_size == 1:
+            return name
+        if name.startswith("embedding."):
+            return name if self.pre_process else None
+        if name.startswith(("decoder.final_layernorm.", "output_layer.")):
+            return name if self.post_process else None
+        _, _, layer, rest = name.split(".", 3)  # decoder.layers.<L>.<rest>
+        local = int(layer) - self.layer_offset
+        return f"decoder.layers.{local}.{rest}" if 0 <= local < self.n_local_layers else None
+
+    def _global_name(self, name: str) -> str:
+        """Inverse of _stage_name: this stage's parameter name as the full model names it."""
+        if self.pp_size == 1 or not name.startswith("decoder.layers."):
+            return name
+        _, _, layer, rest = name.split(".", 3)
+        return f"decoder.layers.{int(layer) + self.layer_offset}.{rest}"
+
     def _load_full_state(self, gpt, full: dict[str, torch.Tensor]) -> None:
         """Copy this rank's shard of every full Megatron tensor into `gpt` (and check nothing is missing)."""
         ep_rank, ep_size, etp_rank, etp_size = self._expert_rank_info()
@@ -844,6 +908,9 @@ class TrainerWorker:
         params = dict(gpt.named_parameters())
         missing = set(params)
         for name, tensor in full.items():
+            name = self._stage_name(name)
+            if name is None:  # another pipeline stage's
+                continue
             local_name, rank, size = name, self.tp_rank, self.tp_size
             if ".local_experts." in name:
                 head, rest = name.split(".local_experts.")
@@ -886,14 +953,23 @@ class TrainerWorker:
 
     def _forward_logp(self, model, mb: dict[str, torch.Tensor], return_logits: bool = False):
         """(logp, entropy), both (B, R) fp32, of each response token under `model`; with `return_logits`
-        also the logits that predict each response token, (B, R, V/tp) (distillation needs them)."""
+        also the logits that predict each response token, (B, R, V/tp) (distillation needs them). One whole model
+        (PP=1); pipeline stages go through `_forward_backward`."""
+        output, shape = self._model_output(model, mb)
+        return self._logp_from_logits(mb, output, shape, return_logits)
+
+    def _model_output(self, model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[int, int]]:
+        """The model's output for a micro-batch: logits (B, T, V/tp) on the last pipeline stage, the hidden states
+        handed to the next stage elsewhere; and (B0, T0), the micro-batch's own shape before any EP padding."""
         tokens = mb["tokens"].to(self.device)  # (B, T)
         B0, T0 = tokens.shape
         replay = mb.get("routed_experts")  # (B, T, L, K) R3: route as the engine did (cfg.router_replay)
-        if self.ep_group is not None:  # the same (B, T) on every expert rank: pad with rows/columns of padding
-            size = torch.tensor([B0, T0])
+        B, T = max(B0, self.pad_to[0]), max(T0, self.pad_to[1])  # PP: one activation shape for the whole schedule
+        if self.ep_group is not None:  # the same (B, T) on every expert rank
+            size = torch.tensor([B, T])
             torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
             B, T = size.tolist()
+        if (B, T) != (B0, T0):  # pad with rows / columns of padding
             tokens = F.pad(tokens, (0, T - T0, 0, B - B0))  # (B, T) zeros after each row / as extra rows
             if replay is not None:  # padded positions route to experts 0..K-1 (never a loss token)
                 fill = torch.arange(replay.size(-1), device=replay.device).expand(B, T, *replay.shape[2:]).clone()
@@ -909,18 +985,77 @@ class TrainerWorker:
         if replay is not None:
             replay_routing(model, replay.to(self.device))
         try:
-            logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **extra)  # (B, T, V/tp)
+            output = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **extra)  # (B, T, V/tp)
         finally:
             if replay is not None:  # the indices were used in the forward; backward needs no re-routing
                 replay_routing(model, None)
+        return output, (B0, T0)
+
+    def _logp_from_logits(self, mb: dict[str, torch.Tensor], logits: torch.Tensor, shape: tuple[int, int],
+                          return_logits: bool):
+        """(logp, entropy) (B0, R) [, response logits (B0, R, V/tp)] from a last stage's logits (B, T, V/tp)."""
+        B0, T0 = shape
         logits = logits[:B0, :T0]  # (B0, T0, V/tp) this rank's own rows and columns
-        tokens = tokens[:B0, :T0]  # (B0, T0)
+        tokens = mb["tokens"].to(self.device)  # (B0, T0)
         logp, entropy = vocab_parallel_logp_entropy(logits[:, :-1], tokens[:, 1:], self.tp_group)  # (B, T-1)
         pos = mb["resp_pos"].to(self.device)  # (B, R)
         if return_logits:
             resp_logits = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.size(-1)))  # (B, R, V/tp)
             return logp.gather(1, pos), entropy.gather(1, pos), resp_logits
         return logp.gather(1, pos), entropy.gather(1, pos)  # (B, R), (B, R) on self.device
+
+    def _forward_backward(self, model, mbs: list[dict], on_output, forward_only: bool,
+                          return_logits: bool = False) -> None:
+        """Run collated micro-batches `mbs` through `model`: for micro-batch i, forward, then
+        `on_output(i, mb, logp, entropy, logits)` (logits None unless return_logits) returns its loss, a scalar
+        tensor (anything when forward_only), and the loss's backward accumulates gradients.
+
+        PP = 1: one micro-batch after another, here. PP > 1: Megatron-Core's non-interleaved 1F1B schedule
+        (`get_forward_backward_func`) over the pipeline group, gloo p2p on CPU; `on_output` runs on the last stage
+        only (its side effects, e.g. metric sums, exist there alone: `_from_last_stage` hands them to the others).
+        The loss goes back unscaled: calculate_per_token_loss=True, and every loss is already divided by global
+        counts, as without pipelining."""
+        if self.pp_size == 1:
+            for i, mb in enumerate(mbs):
+                logp, entropy, *logits = self._forward_logp(model, mb, return_logits)
+                loss = on_output(i, mb, logp, entropy, logits[0] if logits else None)
+                if not forward_only:
+                    loss.backward()
+            return
+        if not mbs:  # every stage of a pipeline holds the same samples: all skip together
+            return
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, stage_model):
+            i, mb = next(data_iterator)
+            output, shape = self._model_output(stage_model, mb)  # logits on the last stage, hidden states elsewhere
+
+            def loss_func(logits):  # last stage only
+                logp, entropy, *resp_logits = self._logp_from_logits(mb, logits, shape, return_logits)
+                loss = on_output(i, mb, logp, entropy, resp_logits[0] if resp_logits else None)
+                if not isinstance(loss, torch.Tensor):
+                    loss = torch.zeros((), device=self.device)
+                return loss, torch.tensor(1), {}  # (loss, tokens: unused with pre-divided losses, reported: none)
+            return output, loss_func
+
+        # one (B, T) for every micro-batch of this run: the shape the stages send each other (same on every stage:
+        # they hold the same samples)
+        self.pad_to = (max(mb["tokens"].size(0) for mb in mbs), max(mb["tokens"].size(1) for mb in mbs))
+        try:
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))), model=[model],
+                num_microbatches=len(mbs), seq_length=self.pad_to[1], micro_batch_size=self.pad_to[0],
+                forward_only=forward_only)
+        finally:
+            self.pad_to = (0, 0)
+
+    def _from_last_stage(self, obj):
+        """`obj` as the last pipeline stage holds it, on every stage of this rank's pipeline (PP=1: obj)."""
+        if self.pp_size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=self.pp_last_rank, group=self.pp_group)
+        return box[0]
 
     def _ep_micro_starts(self, n: int, mbs: int) -> list[int]:
         """Start offsets of the micro-batches over `n` local samples. With EP > 1 every expert rank runs as many
@@ -947,17 +1082,20 @@ class TrainerWorker:
         """Per-sample 1-D logp of every response token, in micro-batches, no grad, eval mode."""
         was_training = model.training
         model.eval()
-        out = []
         mbs = int(self.cfg.micro_batch_size)
-        for start in self._ep_micro_starts(len(samples), mbs):
-            chunk = samples[start:start + mbs]
-            if not chunk:  # EP: another expert rank has a micro-batch more
-                self._ep_idle_microbatch(model, backward=False)
-                continue
-            logp, _ = self._forward_logp(model, collate(chunk, routed_shape=self.routed_shape))  # (b, R)
-            out += [logp[b, :len(s["response_ids"])].cpu() for b, s in enumerate(chunk)]
+        starts = self._ep_micro_starts(len(samples), mbs)
+        chunks = [samples[start:start + mbs] for start in starts if start < len(samples)]
+        rows: dict[int, list[torch.Tensor]] = {}
+
+        def keep(i, mb, logp, entropy, logits):  # logp (b, R)
+            rows[i] = [logp[b, :len(s["response_ids"])].cpu() for b, s in enumerate(chunks[i])]
+        self._forward_backward(model, [collate(c, routed_shape=self.routed_shape) for c in chunks], keep,
+                               forward_only=True)
+        for _ in range(len(starts) - len(chunks)):  # EP: another expert rank has micro-batches more
+            self._ep_idle_microbatch(model, backward=False)
+        rows = self._from_last_stage(rows)
         model.train(was_training)
-        return out
+        return [r for i in range(len(chunks)) for r in rows[i]]
 
     @torch.no_grad()
     def routing_used(self, batch: list[dict]) -> list[torch.Tensor]:
@@ -965,6 +1103,8 @@ class TrainerWorker:
         within each token (a routing map has no order): read from the routers' outputs in a no-grad forward, with
         replay when the batch carries routed_experts and router_replay is on. For the R3 tests."""
         from megatron.core.transformer.moe.router import TopKRouter
+        if self.pp_size > 1:
+            raise NotImplementedError("routing_used reads one whole model; call it with pipeline_parallel=1")
         maps = {}
         hooks = [m.register_forward_hook(lambda mod, inp, out: maps.__setitem__(mod.layer_number, out[1]))
                  for m in self.model.modules() if isinstance(m, TopKRouter)]
@@ -1018,6 +1158,8 @@ class TrainerWorker:
             if torch.distributed.get_world_size(group) > 1:
                 torch.distributed.all_reduce(sq_experts, group=group)
         sq = sq + sq_experts
+        if self.pp_size > 1:  # each stage holds other layers (embeddings are never tied under PP: megatron_config)
+            torch.distributed.all_reduce(sq, group=self.pp_group)
         norm = float(sq.sqrt())
         clip = float(self.cfg.grad_clip or 0.0)
         if clip > 0 and norm > clip:
@@ -1147,17 +1289,19 @@ class TrainerWorker:
         for mb_i, mine in enumerate(plan):
             denom = self._denominators(batch, n_mb, mb_i, by_group=True)
             sums: dict[str, float] = {}
-            for start in self._ep_micro_starts(len(mine), mbs):
-                if start >= len(mine):  # EP: another expert rank has a micro-batch more
-                    self._ep_idle_microbatch(self.model, backward=True)
-                    continue
-                rows = [row_of[i] for i in mine[start:start + mbs]]
+            starts = self._ep_micro_starts(len(mine), mbs)
+            parts = [mine[start:start + mbs] for start in starts if start < len(mine)]  # batch indices per micro-batch
+            mb_rows = [[row_of[i] for i in part] for part in parts]  # rows of `local` per micro-batch
+            micro = []
+            for rows in mb_rows:
                 extras = {"old_logp": [old[j] if old[j] is not None else zeros[j] for j in rows],
                           "adv": [adv_rows[j] for j in rows]}
                 if ref is not None:
                     extras["ref_logp"] = [ref[j] for j in rows]
-                mb = self._to_device(collate([local[j] for j in rows], extras, routed_shape=self.routed_shape))
-                logp, entropy, *logits = self._forward_logp(self.model, mb, return_logits=targets is not None)
+                micro.append(self._to_device(collate([local[j] for j in rows], extras, routed_shape=self.routed_shape)))
+
+            def micro_loss(i, mb, logp, entropy, logits):  # logp, entropy (b, R); on the last pipeline stage
+                rows = mb_rows[i]
                 if mb_i == 0:  # still the step's starting weights: this forward IS the old policy's
                     for b, j in enumerate(rows):
                         before_update[j] = logp.detach()[b, :len(local[j]["response_ids"])].cpu()
@@ -1165,7 +1309,7 @@ class TrainerWorker:
                 # TEACHERS (teacher.py): A' = A - pg_ratio * KL_token, and the GKD term; off without teachers
                 opd = None
                 if targets is not None:
-                    opd = self._opd_terms(mb, logp, logits[0], [targets[i] for i in mine[start:start + mbs]], denom)
+                    opd = self._opd_terms(mb, logp, logits, [targets[i] for i in parts[i]], denom)
                     mb["adv"] = opd.pop("adv")
                 stale = (mb["weight_versions"] >= 0) & (mb["weight_versions"] < newest)  # (b, R) older weights
                 loss, m = algos.policy_loss(cfg, logp, old_logp, mb["adv"], mb["loss_mask"],
@@ -1175,11 +1319,15 @@ class TrainerWorker:
                 if opd is not None:  # TEACHERS: L = (1 - gkd_ratio) * L_RL + gkd_ratio * L_GKD
                     loss = algos.opd_objective(cfg, loss, opd.pop("gkd_loss"))
                     m.update(opd)
-                loss.backward()
                 _add(sums, "loss", float(loss.detach()))
                 for k, v in m.items():
                     _add(sums, k, float(v))
-            self._step_minibatch(sums, totals, n_mb)
+                return loss  # backward: _forward_backward
+            self._forward_backward(self.model, micro, micro_loss, forward_only=False, return_logits=targets is not None)
+            for _ in range(len(starts) - len(parts)):  # EP: another expert rank has micro-batches more
+                self._ep_idle_microbatch(self.model, backward=True)
+            self._step_minibatch(self._from_last_stage(sums), totals, n_mb)
+        before_update = self._from_last_stage(before_update)
 
         # --- 4. metrics: the train-inference gap under the step's starting weights, losses, norms
         if not cfg.use_rollout_logprobs:
@@ -1268,24 +1416,25 @@ class TrainerWorker:
         for mb_i, mine in enumerate(plan):
             denom = self._denominators(batch, n_mb, mb_i, by_group=True)
             sums: dict[str, float] = {}
-            for start in self._ep_micro_starts(len(mine), mbs):
-                if start >= len(mine):  # EP: another expert rank has a micro-batch more
-                    self._ep_idle_microbatch(self.model, backward=True)
-                    continue
-                idx = mine[start:start + mbs]
-                mb = self._to_device(collate([batch[i] for i in idx], {"adv": [torch.zeros(len(batch[i]["response_ids"]))
+            starts = self._ep_micro_starts(len(mine), mbs)
+            parts = [mine[start:start + mbs] for start in starts if start < len(mine)]  # batch indices per micro-batch
+            micro = [self._to_device(collate([batch[i] for i in idx], {"adv": [torch.zeros(len(batch[i]["response_ids"]))
                                                                               for i in idx]},
-                                             routed_shape=self.routed_shape))
-                logp, entropy, logits = self._forward_logp(self.model, mb, return_logits=True)  # (b, R), (b, R, V/tp)
-                opd = self._opd_terms(mb, logp, logits, [targets[i] for i in idx], denom)
+                                             routed_shape=self.routed_shape)) for idx in parts]
+
+            def micro_loss(i, mb, logp, entropy, logits):  # (b, R), (b, R), (b, R, V/tp); last pipeline stage
+                opd = self._opd_terms(mb, logp, logits, [targets[j] for j in parts[i]], denom)
                 opd.pop("adv")
                 loss = opd.pop("gkd_loss")
-                loss.backward()
                 _add(sums, "loss", float(loss.detach()))
                 _add(sums, "entropy", float(algos.aggregate(entropy.detach(), mb["loss_mask"], "token_mean", denom)))
                 for k, v in opd.items():
                     _add(sums, k, float(v))
-            self._step_minibatch(sums, totals, n_mb)
+                return loss
+            self._forward_backward(self.model, micro, micro_loss, forward_only=False, return_logits=True)
+            for _ in range(len(starts) - len(parts)):  # EP: another expert rank has micro-batches more
+                self._ep_idle_microbatch(self.model, backward=True)
+            self._step_minibatch(self._from_last_stage(sums), totals, n_mb)
         metrics = {f"train/{k}": v for k, v in totals.items()}
         metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
                         "train/samples": float(len(batch))})
@@ -1338,18 +1487,20 @@ class TrainerWorker:
         sums: dict[str, float] = {}
         mbs = int(self.cfg.micro_batch_size)
         self.model.train()
-        for start in self._ep_micro_starts(len(plan), mbs):
-            if start >= len(plan):  # EP: another expert rank has a micro-batch more
-                self._ep_idle_microbatch(self.model, backward=True)
-                continue
-            mb = self._to_device(collate([batch[i] for i in plan[start:start + mbs]]))
-            logp, entropy = self._forward_logp(self.model, mb)  # (b, R) each
+        starts = self._ep_micro_starts(len(plan), mbs)
+        micro = [self._to_device(collate([batch[i] for i in plan[start:start + mbs]])) for start in starts
+                 if start < len(plan)]
+
+        def micro_loss(i, mb, logp, entropy, logits):  # (b, R) each; last pipeline stage
             loss = algos.sft_loss(logp, mb["loss_mask"], denom)
-            loss.backward()
             _add(sums, "sft_loss", float(loss.detach()))
             _add(sums, "entropy", float((entropy.detach() * mb["loss_mask"]).sum()) / denom["tokens"])
+            return loss
+        self._forward_backward(self.model, micro, micro_loss, forward_only=False)
+        for _ in range(len(starts) - len(micro)):  # EP: another expert rank has micro-batches more
+            self._ep_idle_microbatch(self.model, backward=True)
         grad_norm, lr = self._optimizer_step()
-        metrics = {f"train/{k}": v for k, v in self._dp_sum(sums).items()}
+        metrics = {f"train/{k}": v for k, v in self._dp_sum(self._from_last_stage(sums)).items()}
         metrics.update({"train/grad_norm": grad_norm, "train/lr": lr})
         return metrics
 
@@ -1360,11 +1511,13 @@ class TrainerWorker:
         all-gathered within each TP group (only data-parallel replica 0's result is kept); with expert
         parallelism each rank holds num_experts / EP experts, so expert tensors are first gathered within the
         expert-tensor-parallel group, then all-gathered across the expert-parallel group (whose ranks are
-        different data-parallel replicas of the dense layers, so then every rank takes part)."""
+        different data-parallel replicas of the dense layers, so then every rank takes part). With pipeline
+        parallelism each stage's TP rank 0 gathers its layers (named as in the full model) and the stages'
+        tensors meet on rank 0 (the first stage's) through the pipeline group."""
         from megatron.core import parallel_state
         ep_rank, ep_size, _, etp_size = self._expert_rank_info()
         gpt = self.model.module
-        keep = self.rank == 0
+        keep = self.rank == 0 if self.pp_size == 1 else self.tp_rank == 0  # dp_rank is 0 from here on
         if self.dp_rank != 0 and ep_size == 1:  # another replica: same weights, no need to gather
             return []
         full = {}
@@ -1376,7 +1529,7 @@ class TrainerWorker:
                 if ".local_experts." not in name:
                     t = gather_full(name, p.detach(), self.tp_group if self.tp_size > 1 else None)
                     if keep:
-                        full[name] = t.cpu()
+                        full[self._global_name(name)] = t.cpu()
                     continue
                 t = gather_full(name, p.detach(), etp_group if etp_size > 1 else None)
                 head, rest = name.split(".local_experts.")
@@ -1387,7 +1540,12 @@ class TrainerWorker:
                     torch.distributed.all_gather(parts, t.contiguous(), group=ep_group)
                 if keep:
                     for r, part in enumerate(parts):
-                        full[f"{head}.local_experts.{r * n_local + int(local_e)}.{tail}"] = part.cpu()
+                        full[self._global_name(f"{head}.local_experts.{r * n_local + int(local_e)}.{tail}")] = part.cpu()
+        if self.pp_size > 1:  # every stage of this TP rank's pipeline sends its layers; rank 0 merges them
+            stages = [None] * self.pp_size
+            torch.distributed.all_gather_object(stages, full, group=self.pp_group)
+            full = {k: v for stage in stages for k, v in stage.items()}
+            keep = self.rank == 0
         return megatron_to_hf(full, self.hf_config) if keep else []
 
     def sync_weights(self, engine_urls: list[str], version: int) -> dict:
