@@ -23,12 +23,16 @@ Gradients across data-parallel ranks are SUMMED, never averaged: the Transformer
 micro-batch loss is already divided by GLOBAL mini-batch counts (`denom`), so a batch yields the same
 gradient on 1 data-parallel rank or N.
 
+Parallel layouts: TP, DP, PP (each stage its share of the layers; every micro-batch loop goes through
+`_forward_backward`, which is Megatron-Core's 1F1B schedule when PP > 1), EP (experts split over ranks that
+are data-parallel for the dense layers). MoE routing replay (R3, `replay_routing`): trajectories that carry
+the engine's routed experts are routed by them in every forward.
+
 Test: `.venv/bin/pytest tests/test_trainer.py` (real Ray actors, real Megatron-Core over gloo; parity
-against transformers, TP=2 and DP=2 equivalence, HF round trip, checkpoint resume).
-Left out: pipeline parallelism (pipeline_parallel must be 1: the schedule that moves activations
-between stages is not wired in), sequence/context parallelism, packed sequences, expert parallelism
-greater than 1 for export (expert weights are converted per EP rank but only gathered with EP=1),
-a value model (GAE needs `values`; this worker trains the policy only).
+against transformers, TP=2 and DP=2 equivalence, HF round trip, checkpoint resume), tests/test_pipeline.py
+(PP=2 against one rank), tests/test_moe.py (EP=2 against one rank, R3).
+Left out: sequence/context parallelism, virtual pipeline stages, PP together with EP, PP with tied
+embeddings, packed sequences, a value model (GAE needs `values`; this worker trains the policy only).
 """
 from __future__ import annotations
 
@@ -778,8 +782,9 @@ class TrainerWorker:
     """One Megatron-Core rank. The controller creates world_size of them (`ray.remote(TrainerWorker)`),
     and calls every method on all ranks at once; collectives inside pair them up.
 
-    Rank layout is Megatron's default order: TP varies fastest, then DP. Rank 0 returns the gathered
-    weights and writes HF files; metrics are identical on every rank.
+    Rank layout is Megatron's default order: TP varies fastest, then DP (EP within it), then PP. Rank 0 returns
+    the gathered weights and writes HF files; metrics are identical on every rank (pipeline stages get the last
+    stage's).
     """
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):

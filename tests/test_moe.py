@@ -306,3 +306,10 @@ def test_check_expert_parallel(moe_dir, tiny_model_dir):
         loongsage.finalize(loongsage.Config(device="cpu", model_path=moe_dir, expert_parallel=3, trainer_workers=3))
     with pytest.raises(ValueError, match=r"trainer_workers=1 is not a multiple of .*expert_parallel=2; use 2"):
         loongsage.finalize(loongsage.Config(device="cpu", model_path=moe_dir, expert_parallel=2))
+
+
+def test_sglang_launch_asks_for_routed_experts_with_router_replay(moe_dir):
+    cmd = rollout.sglang_command(loongsage.Config(model_path=moe_dir, router_replay=True), "127.0.0.1", 30000, 0)
+    assert "--enable-return-routed-experts" in cmd  # SGLang 0.5.23 captures routing only with this server flag
+    assert "--enable-return-routed-experts" not in rollout.sglang_command(loongsage.Config(model_path=moe_dir),
+                                                                         "127.0.0.1", 30000, 0)
