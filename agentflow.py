@@ -1117,7 +1117,8 @@ class Session:
         return Trajectory(
             prompt_ids=list(seg.prompt_ids), response_ids=list(seg.response_ids), loss_mask=list(mask),
             rollout_logprobs=list(seg.rollout_logprobs), weight_versions=list(seg.weight_versions),
-            routed_experts=seg.routed_experts, segments=[s.as_dict() for s in self.segments], reward=float(reward) if status != "failed" else 0.0,
+            routed_experts=seg.routed_experts,
+            segments=[s.as_dict() for s in self.segments], reward=float(reward) if status != "failed" else 0.0,
             status=status, prompt_text=self.chat.decode(seg.prompt_ids, skip_special_tokens=False),
             metadata={"turns": self.turns, "finish_reasons": self.finish_reasons, "engine": self.engine,
                       "num_segments": len(self.segments)})

@@ -341,7 +341,8 @@ def finalize(cfg: Config) -> Config:
              f"divide the model's {experts} experts; choose a divisor of {experts}")
         ranks = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.expert_parallel  # Megatron's expert grid
         need(cfg.trainer_workers % ranks == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
-             f"tensor_parallel*pipeline_parallel*expert_parallel={ranks}; use {ranks * max(1, cfg.trainer_workers // ranks)}")
+             f"tensor_parallel*pipeline_parallel*expert_parallel={ranks}; "
+             f"use {ranks * max(1, cfg.trainer_workers // ranks)}")
     mp = cfg.tensor_parallel * cfg.pipeline_parallel
     need(cfg.trainer_workers % mp == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
          f"tensor_parallel*pipeline_parallel={mp}; use {mp * max(1, cfg.trainer_workers // mp)}")

@@ -641,9 +641,12 @@ def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None
         routed = torch.arange(K).expand(B, T, L, K).clone()  # (B, T, L, K) filler: experts 0..K-1
         for b, s in enumerate(samples):
             if not s.get("routed_experts"):
-                raise ValueError(f"router_replay: sample group_id={s.get('group_id')} sample_index="
-                                 f"{s.get('sample_index')} has no routed_experts while others in its batch do; every "
-                                 "trajectory must come from an engine asked for return_routed_experts")
+                if any(s["loss_mask"]):  # else (a trajectory that failed before any model call) it trains nothing
+                    raise ValueError(f"router_replay: sample group_id={s.get('group_id')} sample_index="
+                                     f"{s.get('sample_index')} has model tokens but no routed_experts while others in "
+                                     "its batch do; every trajectory must come from an engine asked for "
+                                     "return_routed_experts")
+                continue
             rows = decode_routed_experts(s["routed_experts"], L, K)  # (n, L, K)
             if rows.size(0) > plen[b] + rlen[b]:
                 raise ValueError(f"routed_experts has {rows.size(0)} rows for {plen[b] + rlen[b]} tokens (group_id="
@@ -797,8 +800,8 @@ class TrainerWorker:
         tp, pp = int(cfg.tensor_parallel), int(cfg.pipeline_parallel)
         ep = int(getattr(cfg, "expert_parallel", 1) or 1)
         if pp > 1 and ep > 1:
-            raise ValueError(f"pipeline_parallel={pp} with expert_parallel={ep} is not wired in (the padding that keeps "
-                             "expert ranks in step runs outside the pipeline schedule); use one of them")
+            raise ValueError(f"pipeline_parallel={pp} with expert_parallel={ep} is not wired in (the padding that "
+                             "keeps expert ranks in step runs outside the pipeline schedule); use one of them")
         if world_size % (tp * pp):
             raise ValueError(f"world_size={world_size} is not a multiple of tensor_parallel*pipeline_parallel="
                              f"{tp * pp}; use a world size of k*{tp * pp}")
@@ -1423,9 +1426,9 @@ class TrainerWorker:
             sums: dict[str, float] = {}
             starts = self._ep_micro_starts(len(mine), mbs)
             parts = [mine[start:start + mbs] for start in starts if start < len(mine)]  # batch indices per micro-batch
-            micro = [self._to_device(collate([batch[i] for i in idx], {"adv": [torch.zeros(len(batch[i]["response_ids"]))
-                                                                              for i in idx]},
-                                             routed_shape=self.routed_shape)) for idx in parts]
+            zero_adv = [[torch.zeros(len(batch[i]["response_ids"])) for i in idx] for idx in parts]  # unused by GKD
+            micro = [self._to_device(collate([batch[i] for i in idx], {"adv": adv}, routed_shape=self.routed_shape))
+                     for idx, adv in zip(parts, zero_adv)]
 
             def micro_loss(i, mb, logp, entropy, logits):  # (b, R), (b, R), (b, R, V/tp); last pipeline stage
                 opd = self._opd_terms(mb, logp, logits, [targets[j] for j in parts[i]], denom)
@@ -1545,7 +1548,8 @@ class TrainerWorker:
                     torch.distributed.all_gather(parts, t.contiguous(), group=ep_group)
                 if keep:
                     for r, part in enumerate(parts):
-                        full[self._global_name(f"{head}.local_experts.{r * n_local + int(local_e)}.{tail}")] = part.cpu()
+                        global_e = r * n_local + int(local_e)
+                        full[self._global_name(f"{head}.local_experts.{global_e}.{tail}")] = part.cpu()
         if self.pp_size > 1:  # every stage of this TP rank's pipeline sends its layers; rank 0 merges them
             stages = [None] * self.pp_size
             torch.distributed.all_gather_object(stages, full, group=self.pp_group)
