@@ -14,8 +14,9 @@ so the same client lines drive either engine:
   parameters (embeddings, norms, q/k norms, rotary embedding, o/down projections, activation, lm_head), with q|k|v
   and gate|up each run as one matmul over fused weights that the modules' parameters are views of, and its own
   attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama, Mistral and Qwen3-MoE layouts work.
-  Decode-step costs that need not recur are paid once: weight matrices are kept in MKL's packed-GEMM form (repacked when a
-  weight update touches them), RoPE cos/sin come from a table, K/V land in the cache with one index_copy_.
+  Decode-step costs that need not recur are paid once: weight matrices are kept in MKL's packed-GEMM form
+  (repacked when a weight update touches them), RoPE cos/sin come from a table, K/V land in the cache with one
+  index_copy_.
 * Weight updates follow SGLang 0.5.23: `/update_weights_from_tensor` and `/update_weights_from_distributed` are
   refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine reads
   `serialized_named_tensors[0]` (it is TP rank 0 of one), and takes `load_format: "flattened_bucket"` in SGLang's
@@ -351,8 +352,9 @@ class CpuEngine:
         self.moe = cfg.model_type == "qwen3_moe"
         if self.moe:
             if getattr(cfg, "mlp_only_layers", None) or getattr(cfg, "decoder_sparse_step", 1) != 1:
-                raise ValueError(f"{self.model_path}: the CPU engine runs all-MoE Qwen3-MoE models only (mlp_only_layers="
-                                 f"{cfg.mlp_only_layers}, decoder_sparse_step={cfg.decoder_sparse_step})")
+                raise ValueError(f"{self.model_path}: the CPU engine runs all-MoE Qwen3-MoE models only "
+                                 f"(mlp_only_layers={cfg.mlp_only_layers}, "
+                                 f"decoder_sparse_step={cfg.decoder_sparse_step})")
             self.num_experts, self.topk = cfg.num_experts, cfg.num_experts_per_tok
             self.norm_topk_prob = bool(cfg.norm_topk_prob)
         # transformers keeps each layer's experts as two 3-D parameters (gate|up and down, expert-major); checkpoints

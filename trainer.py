@@ -1306,7 +1306,8 @@ class TrainerWorker:
                           "adv": [adv_rows[j] for j in rows]}
                 if ref is not None:
                     extras["ref_logp"] = [ref[j] for j in rows]
-                micro.append(self._to_device(collate([local[j] for j in rows], extras, routed_shape=self.routed_shape)))
+                micro.append(self._to_device(collate([local[j] for j in rows], extras,
+                                                     routed_shape=self.routed_shape)))
 
             def micro_loss(i, mb, logp, entropy, logits):  # logp, entropy (b, R); on the last pipeline stage
                 rows = mb_rows[i]
@@ -1317,7 +1318,7 @@ class TrainerWorker:
                 # TEACHERS (teacher.py): A' = A - pg_ratio * KL_token, and the GKD term; off without teachers
                 opd = None
                 if targets is not None:
-                    opd = self._opd_terms(mb, logp, logits, [targets[i] for i in parts[i]], denom)
+                    opd = self._opd_terms(mb, logp, logits, [targets[k] for k in parts[i]], denom)
                     mb["adv"] = opd.pop("adv")
                 stale = (mb["weight_versions"] >= 0) & (mb["weight_versions"] < newest)  # (b, R) older weights
                 loss, m = algos.policy_loss(cfg, logp, old_logp, mb["adv"], mb["loss_mask"],
