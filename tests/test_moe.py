@@ -8,7 +8,11 @@ What each test proves:
   Megatron-Core) replaying it dispatches every token of every layer to exactly the engine's experts, routes some
   token differently without replay (a bf16 engine against an fp32 trainer), and has a smaller train-inference
   logprob gap with replay than without on the same rollout; a train step with replay is finite;
-* `--check` refuses router_replay on a dense model.
+* a multi-turn trajectory (an agent through the router) carries the routing of every token it holds;
+* EP=2 (two actors, 4 experts each) takes the same step and exports the same weights as one rank, also when one
+  expert rank has a micro-batch more than the other;
+* `--check` refuses router_replay on a dense model and an expert_parallel that does not fit; SGLang is launched
+  with --enable-return-routed-experts under router_replay.
 """
 import asyncio
 import base64
@@ -133,6 +137,43 @@ def _hf_from(model_dir: str, state: dict):
     shutil.copy(Path(model_dir) / "config.json", tmp / "config.json")
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32).eval()
+
+
+async def two_turn_agent(client, sample):
+    """Two model turns through the router (official openai client), a user turn in between."""
+    msgs = list(sample["messages"])
+    r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=5)
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "sure?"}]
+    r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=5)
+    return r.choices[0].message.content
+
+
+def test_multi_turn_trajectory_carries_the_routing_of_every_token(moe_dir):
+    """A 2-turn agent: the trajectory's routed_experts cover prompt + both turns + the template and user tokens
+    between them (the second call ran on all of them), each row what transformers' router picks for that token."""
+    from transformers import AutoModelForCausalLM
+    url, handle = rollout.serve(moe_dir, max_batch=8, max_len=256, seed=0)
+    cfg = dataclasses.replace(loongsage.Config(), reward="data.exact_match", agent="test_moe.two_turn_agent",
+                              agent_command="", max_context_len=256, max_prompt_len=128, router_replay=True)
+
+    async def body():
+        flow = agentflow.AgentFlow(cfg, [url], moe_dir)
+        out = await flow.generate(data.arith_samples(2, seed=3), 2, {"max_new_tokens": 5, "temperature": 1.0},
+                                  step=0)
+        await flow.close()
+        return out
+    try:
+        trajs = asyncio.run(asyncio.wait_for(body(), 120))
+    finally:
+        handle.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    for t in trajs:
+        assert t["status"] == "ok" and t["metadata"]["turns"] == 2 and 0 in t["loss_mask"]  # user turn inside
+        ids = t["prompt_ids"] + t["response_ids"]
+        routed = _decode(t["routed_experts"])
+        assert routed.shape == (len(ids) - 1, LAYERS, TOPK)
+        assert (routed == hf_routing_and_logp(hf, ids)[0][:-1]).all()
+        assert t["segments"][-1]["routed_experts"] == t["routed_experts"]
 
 
 # ----------------------------------------------------------------------------------------------
