@@ -20,7 +20,6 @@ import dataclasses
 import socket
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import ray
