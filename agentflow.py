@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import ctypes
 import dataclasses
@@ -118,6 +119,9 @@ class Trajectory:
     loss_mask: list[int]           # 1 on tokens the model generated, 0 on tokens the template or tools inserted
     rollout_logprobs: list[float]  # engine logprob of each response token; 0.0 where loss_mask == 0
     weight_versions: list[int]     # engine weight version that sampled each token; -1 where loss_mask == 0
+    routed_experts: str = ""       # router_replay: the engine's meta_info.routed_experts of the last call, base64 int32
+    #                                (tokens, layers, top_k) over prompt_ids + response_ids from position 0 (the tokens
+    #                                no call ran on, at the end, are absent); "" otherwise. The trainer replays it (R3)
     segments: list[dict] = field(default_factory=list)  # one dict per context segment (same keys as above);
     #                                the last one is the top-level fields; earlier ones exist when the agent
     #                                compacted/edited its history, so a forker can train on them too
@@ -166,6 +170,18 @@ def _token_versions(meta: dict, n: int) -> list[int]:
         if len(out) == n:
             return out
     return [_version(meta.get("weight_version"))] * n
+
+
+def _routed_prefix(b64: str, rows: int, keep: int) -> str:
+    """The first `keep` of the `rows` token rows of an engine's base64 `routed_experts` (a stop string cut the
+    turn short: the ids after the cut are dropped, so is their routing). Rows are equal-sized int32 blocks."""
+    if not b64 or keep >= rows:
+        return b64
+    raw = base64.b64decode(b64)
+    if rows <= 0 or len(raw) % rows:
+        raise RuntimeError(f"routed_experts holds {len(raw)} bytes, not a whole number of rows for {rows} tokens; "
+                           "the engine's answer does not follow SGLang's (tokens, layers, top_k) int32 layout")
+    return base64.b64encode(raw[:len(raw) // rows * max(keep, 0)]).decode()
 
 
 def sampling_seed(*key) -> int:
@@ -218,7 +234,8 @@ class EnginePool:
     """
 
     def __init__(self, urls: list[str], *, timeout_s: float = 600.0, cooldown_s: float = 5.0,
-                 health_timeout_s: float = 10.0, check_every_s: float = 5.0, wait_s: float = 300.0):
+                 health_timeout_s: float = 10.0, check_every_s: float = 5.0, wait_s: float = 300.0,
+                 return_routed_experts: bool = False):
         if not urls:
             raise ValueError("EnginePool needs at least one engine URL (got an empty list); start the rollout "
                              "engines first and pass their URLs")
@@ -229,6 +246,7 @@ class EnginePool:
         self.timeout_s, self.cooldown_s = timeout_s, cooldown_s
         self.health_timeout_s, self.check_every_s, self.wait_s = health_timeout_s, check_every_s, wait_s
         self.retried = 0  # requests moved to another engine after their engine failed (rollout/retried)
+        self.return_routed_experts = return_routed_experts  # ask every /generate for meta_info.routed_experts (R3)
         self._rotate = 0
         self._http: httpx.AsyncClient | None = None
         self.running: dict[str, str] = {}  # rid -> engine url of every request this pool has in flight
@@ -380,7 +398,7 @@ class EnginePool:
             return
         try:
             out = await rollout.generate(self.http, url, [b[0] for b in batch], [b[1] for b in batch],
-                                         rid=[b[2] for b in batch])
+                                         rid=[b[2] for b in batch], return_routed_experts=self.return_routed_experts)
             for (*_, fut), answer in zip(batch, out):
                 if not fut.done():
                     fut.set_result(answer)
@@ -398,7 +416,8 @@ class EnginePool:
     async def _send_one(self, url: str, item) -> None:
         input_ids, sampling_params, rid, fut = item
         try:
-            answer = await rollout.generate(self.http, url, input_ids, sampling_params, rid=rid)
+            answer = await rollout.generate(self.http, url, input_ids, sampling_params, rid=rid,
+                                            return_routed_experts=self.return_routed_experts)
             if not fut.done():
                 fut.set_result(answer)
         except BaseException as e:
@@ -544,13 +563,15 @@ class Segment:
     rollout_logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
     pending_close: list[int] = field(default_factory=list)  # ids that close the last assistant turn
+    routed_experts: str = ""     # base64 routing of the segment's ids from position 0 (see Trajectory.routed_experts)
 
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
     def as_dict(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "loss_mask": self.loss_mask,
-                "rollout_logprobs": self.rollout_logprobs, "weight_versions": self.weight_versions}
+                "rollout_logprobs": self.rollout_logprobs, "weight_versions": self.weight_versions,
+                "routed_experts": self.routed_experts}
 
 
 @dataclass
@@ -575,6 +596,7 @@ class Turn:
     prompt_tokens: int
     engine: str
     stop_sequence: str | None = None  # the stop string that ended the turn, if one did
+    routed_experts: str = ""      # the engine's routing of input + output ids (minus the last), base64; "" if none
 
 
 class Session:
@@ -633,6 +655,8 @@ class Session:
         seg.rollout_logprobs += turn.logprobs
         seg.weight_versions += turn.versions
         seg.pending_close = self.chat.close_turn_ids(turn.output_ids)
+        if turn.routed_experts:  # the call ran on the whole segment from its prompt: its routing replaces the last
+            seg.routed_experts = turn.routed_experts
         assistant = {"role": "assistant", "content": turn.content}
         if turn.tool_calls:
             assistant["tool_calls"] = turn.tool_calls
@@ -700,7 +724,10 @@ class Session:
                 text, finish = text[:text.find(matched)], "stop"
             names = {t["function"]["name"] for t in tools or ()}
             content, calls = self.chat.parse_tool_calls(text, names) if (parse_tools and tools) else (text.strip(), [])
-            turn = Turn(output_ids, logprobs, versions, finish, content, calls, len(plan.input_ids), url, matched)
+            routed = _routed_prefix(meta.get("routed_experts") or "", len(plan.input_ids) + len(lps) - 1,
+                                    len(plan.input_ids) + len(output_ids) - 1)
+            turn = Turn(output_ids, logprobs, versions, finish, content, calls, len(plan.input_ids), url, matched,
+                        routed)
             self.commit(plan, turn)
             if finish == "length" and len(self.segments[-1].ids()) >= self.max_context_len:
                 self.status = "truncated"
@@ -734,6 +761,7 @@ class Session:
         return Trajectory(
             prompt_ids=list(seg.prompt_ids), response_ids=list(seg.response_ids), loss_mask=list(mask),
             rollout_logprobs=list(seg.rollout_logprobs), weight_versions=list(seg.weight_versions),
+            routed_experts=seg.routed_experts,
             segments=[s.as_dict() if status != "failed" else {**s.as_dict(), "loss_mask": [0] * len(s.loss_mask)}
                       for s in self.segments], reward=float(reward) if status != "failed" else 0.0,
             status=status, prompt_text=self.chat.decode(seg.prompt_ids, skip_special_tokens=False),
@@ -1318,7 +1346,8 @@ class AgentFlow:
         self.cfg = cfg
         self.chat = ChatFormat(tokenizer_path, cfg.chat_template, cfg.tool_parser)
         self.pool = EnginePool(engine_urls, health_timeout_s=cfg.engine_health_timeout,
-                               check_every_s=cfg.engine_check_every, wait_s=cfg.engine_wait)
+                               check_every_s=cfg.engine_check_every, wait_s=cfg.engine_wait,
+                               return_routed_experts=bool(cfg.router_replay))
         self.reward_fn = data.import_object(cfg.reward)
         self.agent_fn = data.import_object(cfg.agent) if cfg.agent else None
         # data_sources: a source's own reward / agent, looked up by sample["source"]; else the ones above

@@ -8,7 +8,8 @@ Nothing here can be downloaded on an offline laptop, so the tiny recipes build t
   single tokens so arithmetic is learnable.
 * `build_tiny_model(dir, ...)`: a randomly initialised Qwen3-architecture causal LM (HF config +
   safetensors) on that tokenizer, cached and rebuilt when its settings change (`norm_std > 0`
-  randomises the norm weights too, as the test models do).
+  randomises the norm weights too, as the test models do; `num_experts > 0` builds a Qwen3-MoE, every
+  layer sparse, for expert parallelism and routed-expert replay).
 * `arith_samples(n, seed)`: the synthetic arithmetic task of the default CPU recipe.
 * rewards: plain functions `reward(response_text, sample) -> float` named in recipes by dotted path.
 * `load_dataset(spec)`: jsonl / parquet files or `synthetic:<task>:<n>:<seed>`.
@@ -33,7 +34,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (AutoConfig, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -145,11 +147,16 @@ def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 384) -> N
 
 TINY_DEFAULTS = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=32, intermediate_size=384, max_position_embeddings=512, vocab_multiple=64,
-                     tie_word_embeddings=False, seed=0, tokenizer_vocab=384, norm_std=0.0)
+                     tie_word_embeddings=False, seed=0, tokenizer_vocab=384, norm_std=0.0,
+                     num_experts=0, num_experts_per_tok=2, moe_intermediate_size=96)
+# MoE settings count only when num_experts > 0: a dense model's cache stamp (and so every cached dense model and its
+# SFT warm start) stays what it was before these keys existed.
+TINY_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
-    """Build (or reuse) a random Qwen3 causal LM + tokenizer in HF format at `out_dir`.
+    """Build (or reuse) a random Qwen3 causal LM + tokenizer in HF format at `out_dir` (a Qwen3-MoE with
+    `num_experts` experts of width `moe_intermediate_size`, top-`num_experts_per_tok` routing, when num_experts > 0).
 
     The directory holds `loongsage_tiny.json` with the settings it was built from; a directory built
     from other settings is rebuilt. Returns the path as a string.
@@ -159,6 +166,12 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
     unknown = set(settings) - set(TINY_DEFAULTS)
     if unknown:
         raise ValueError(f"unknown tiny-model setting(s) {sorted(unknown)}; valid: {sorted(TINY_DEFAULTS)}")
+    moe = int(s["num_experts"]) > 0
+    if moe and not 1 <= s["num_experts_per_tok"] <= s["num_experts"]:
+        raise ValueError(f"num_experts_per_tok={s['num_experts_per_tok']} must be in [1, num_experts="
+                         f"{s['num_experts']}]")
+    if not moe:
+        s = {k: v for k, v in s.items() if k not in TINY_MOE_KEYS}
     out = Path(out_dir)
     stamp = out / "loongsage_tiny.json"
     if stamp.exists() and json.loads(stamp.read_text()) == s and (out / "model.safetensors").exists():
@@ -169,16 +182,21 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
     build_tiny_tokenizer(out, s["tokenizer_vocab"])
     tok = AutoTokenizer.from_pretrained(str(out))
     m = s["vocab_multiple"]
-    config = Qwen3Config(
+    common = dict(
         vocab_size=(len(tok) + m - 1) // m * m, hidden_size=s["hidden_size"],
         intermediate_size=s["intermediate_size"], num_hidden_layers=s["num_hidden_layers"],
         num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"],
         head_dim=s["head_dim"], max_position_embeddings=s["max_position_embeddings"], rms_norm_eps=1e-6,
         tie_word_embeddings=s["tie_word_embeddings"], bos_token_id=None,
-        eos_token_id=tok.convert_tokens_to_ids(EOS_TOKEN), pad_token_id=tok.pad_token_id,
-        architectures=["Qwen3ForCausalLM"])
+        eos_token_id=tok.convert_tokens_to_ids(EOS_TOKEN), pad_token_id=tok.pad_token_id)
+    if moe:  # every layer sparse (mlp_only_layers=[]), top-k probabilities renormalised as Qwen3-MoE ships
+        config = Qwen3MoeConfig(**common, num_experts=s["num_experts"], num_experts_per_tok=s["num_experts_per_tok"],
+                                moe_intermediate_size=s["moe_intermediate_size"], norm_topk_prob=True,
+                                decoder_sparse_step=1, mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"])
+    else:
+        config = Qwen3Config(**common, architectures=["Qwen3ForCausalLM"])
     torch.manual_seed(s["seed"])
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config).to(torch.float32)
     if s["norm_std"]:
         # Tests: norm weights (RMSNorm, q_norm/k_norm) initialise to exactly 1, so a conversion or engine that
         # dropped or swapped one would give the same outputs. Drawing them as 1 + norm_std * N(0, 1) makes

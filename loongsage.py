@@ -87,8 +87,9 @@ class Config:
     ray_address: str = ""  # "" starts a local Ray; else an existing cluster ("auto" or host:port)
     trainer_workers: int = 1  # trainer ranks = tensor_parallel * pipeline_parallel * data_parallel
     tensor_parallel: int = 1  # Megatron TP size
-    pipeline_parallel: int = 1  # Megatron PP size
-    expert_parallel: int = 1  # Megatron EP size (MoE models)
+    pipeline_parallel: int = 1  # Megatron PP size: each stage a contiguous share of the layers (divides their number)
+    expert_parallel: int = 1  # Megatron EP size (MoE models): each rank holds num_experts / EP experts; divides
+    # trainer_workers / (tensor_parallel * pipeline_parallel)
     data_parallel: int = 1  # derived: trainer_workers // (tensor_parallel * pipeline_parallel)
     num_engines: int = 1  # rollout engines (each one SGLang server or CPU engine)
     colocate: bool = False  # engines share the trainers' placement bundles (GPUs), instead of their own
@@ -159,6 +160,9 @@ class Config:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # global grad-norm clip; 0 = off
+    router_replay: bool = False  # R3, MoE models only: engines return every token's routed experts and the trainer's
+    # routers replay them in every forward over those trajectories (old logp and update), so training routes as
+    # inference did
 
     # --- algo (see algos.py and ALGORITHMS.md; validated by algos.validate) ---
     advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns | gae (trains a critic, see below)
@@ -287,10 +291,16 @@ def finalize(cfg: Config) -> Config:
     need(cfg.engine != "sglang" or cfg.device == "cuda", "engine=sglang runs on CUDA only; set device=cuda or engine=cpu")
     need(cfg.mode in ("sync", "async"), f"mode={cfg.mode!r}: choose 'sync' or 'async'")
     need(cfg.dtype in ("float32", "bfloat16"), f"dtype={cfg.dtype!r}: choose 'float32' or 'bfloat16'")
-    need(cfg.pipeline_parallel == 1, f"pipeline_parallel={cfg.pipeline_parallel}: the trainer runs tensor and data "
-         "parallelism only for now; set pipeline_parallel=1 and use tensor_parallel/trainer_workers")
-    need(cfg.expert_parallel == 1, f"expert_parallel={cfg.expert_parallel}: MoE weights cannot yet be exported "
-         "from several expert ranks to the engines; set expert_parallel=1 (MoE models train with TP/DP)")
+    need(isinstance(cfg.pipeline_parallel, int) and cfg.pipeline_parallel >= 1,
+         f"pipeline_parallel={cfg.pipeline_parallel!r} must be a positive integer")
+    if cfg.pipeline_parallel > 1:
+        layers, tied = _layers_and_tied(cfg.model_path, cfg.tiny_model)
+        need(layers is None or layers % cfg.pipeline_parallel == 0, f"pipeline_parallel={cfg.pipeline_parallel} "
+             f"does not divide the model's {layers} layers; choose a divisor of {layers}")
+        need(not tied, f"pipeline_parallel={cfg.pipeline_parallel} with tied input/output embeddings "
+             f"({cfg.model_path!r}) is not supported; use pipeline_parallel=1 for this model")
+        need(cfg.expert_parallel == 1, f"pipeline_parallel={cfg.pipeline_parallel} with expert_parallel="
+             f"{cfg.expert_parallel} is not wired in; use one of them")
     # counts and budgets: a zero or negative value here would divide by zero below or hang/do nothing later
     for name in ("trainer_workers", "tensor_parallel", "num_engines", "prompts_per_step", "samples_per_prompt",
                  "global_batch_size", "micro_batch_size", "max_new_tokens", "max_prompt_len", "max_context_len",
@@ -320,6 +330,13 @@ def finalize(cfg: Config) -> Config:
          "engines take cuda_ipc, broadcast or disk (or auto)")
     need(not (cfg.agent and cfg.agent_command), f"set either agent ({cfg.agent!r}, a Python function) or "
          f"agent_command ({cfg.agent_command!r}, a black-box program), not both")
+    if cfg.router_replay:
+        mt = _model_type(cfg.model_path, cfg.tiny_model)
+        need(mt in (None, "qwen3_moe", "mixtral"), f"router_replay=true needs an MoE model (qwen3_moe or mixtral), "
+             f"but {cfg.model_path!r} is {mt!r}, which has no router; set router_replay=false"
+             + (" or tiny_model.num_experts > 0" if cfg.model_path == "tiny" else ""))
+        need(cfg.engine != "cpu" or mt != "mixtral", "router_replay with engine=cpu: the CPU engine runs Qwen3-MoE "
+             "but not Mixtral; use a qwen3_moe model or engine=sglang")
     unknown = sorted(set(cfg.tiny_model) - set(data.TINY_DEFAULTS))
     need(cfg.model_path != "tiny" or not unknown, f"unknown tiny_model setting(s) {unknown}"
          f"{_closest(unknown[0], data.TINY_DEFAULTS) if unknown else ''}; valid: {sorted(data.TINY_DEFAULTS)}")
@@ -333,6 +350,19 @@ def finalize(cfg: Config) -> Config:
     if cfg.engine == "sglang" and "tp_size" in cfg.sglang:
         need(int(cfg.sglang["tp_size"]) == cfg.gpus_per_engine, f"sglang.tp_size={cfg.sglang['tp_size']} but "
              f"gpus_per_engine={cfg.gpus_per_engine}: an engine's tensor parallel size is its GPU count; set them equal")
+    if cfg.expert_parallel != 1:
+        need(isinstance(cfg.expert_parallel, int) and cfg.expert_parallel > 1,
+             f"expert_parallel={cfg.expert_parallel!r} must be a positive integer")
+        mt = _model_type(cfg.model_path, cfg.tiny_model)
+        need(mt in (None, "qwen3_moe", "mixtral"), f"expert_parallel={cfg.expert_parallel} needs an MoE model, but "
+             f"{cfg.model_path!r} is {mt!r}; set expert_parallel=1")
+        experts = _num_experts(cfg.model_path, cfg.tiny_model)
+        need(not experts or experts % cfg.expert_parallel == 0, f"expert_parallel={cfg.expert_parallel} does not "
+             f"divide the model's {experts} experts; choose a divisor of {experts}")
+        ranks = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.expert_parallel  # Megatron's expert grid
+        need(cfg.trainer_workers % ranks == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
+             f"tensor_parallel*pipeline_parallel*expert_parallel={ranks}; "
+             f"use {ranks * max(1, cfg.trainer_workers // ranks)}")
     mp = cfg.tensor_parallel * cfg.pipeline_parallel
     need(cfg.trainer_workers % mp == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
          f"tensor_parallel*pipeline_parallel={mp}; use {mp * max(1, cfg.trainer_workers // mp)}")
@@ -402,6 +432,8 @@ def check_critic(cfg: Config) -> None:
          "values would feed nothing; set gkd_ratio < 1 or another advantage")
     need(cfg.pipeline_parallel == 1, f"advantage='gae' with pipeline_parallel={cfg.pipeline_parallel}: the critic's "
          "value head runs on a whole model in each rank; set pipeline_parallel=1 (tensor and data parallel work)")
+    need(cfg.expert_parallel == 1, f"advantage='gae' with expert_parallel={cfg.expert_parallel}: the critic's forward "
+         "does not keep expert ranks in step (no idle micro-batches); set expert_parallel=1")
 
 
 TEACHER_BUILD_KEYS = ("tiny_model", "warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
@@ -420,6 +452,38 @@ def _teacher_spec(name: str, spec) -> dict:
     if spec["path"] != "tiny" and len(spec) > 1:
         raise ValueError(f"teachers.{name}: build settings {sorted(set(spec) - {'path'})} apply to path: tiny only")
     return spec
+
+
+def _model_type(path: str, tiny_model: dict) -> str | None:
+    """config.json's model_type of `path` (the tiny builder's, for "tiny"); None where it cannot be read yet."""
+    if path == "tiny":
+        return "qwen3_moe" if int(tiny_model.get("num_experts", 0) or 0) > 0 else "qwen3"
+    cfg_file = Path(path) / "config.json"
+    return json.loads(cfg_file.read_text()).get("model_type") if cfg_file.exists() else None
+
+
+def _layers_and_tied(path: str, tiny_model: dict) -> tuple[int | None, bool]:
+    """(num_hidden_layers, tie_word_embeddings) of `path` (the tiny builder's for "tiny"); (None, False) where
+    unknown yet."""
+    if path == "tiny":
+        s = {**data.TINY_DEFAULTS, **tiny_model}
+        return int(s["num_hidden_layers"]), bool(s["tie_word_embeddings"])
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        return None, False
+    hf = json.loads(cfg_file.read_text())
+    return hf.get("num_hidden_layers"), bool(hf.get("tie_word_embeddings", False))
+
+
+def _num_experts(path: str, tiny_model: dict) -> int | None:
+    """Routed experts per layer of `path` (the tiny builder's for "tiny"); None where unknown yet."""
+    if path == "tiny":
+        return int({**data.TINY_DEFAULTS, **tiny_model}["num_experts"])
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        return None
+    hf = json.loads(cfg_file.read_text())
+    return hf.get("num_experts") or hf.get("num_local_experts")
 
 
 def _vocab_of(path: str, tiny_model: dict) -> tuple | None:

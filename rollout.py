@@ -14,9 +14,10 @@ so the same client lines drive either engine:
   (layers, slots, kv_heads, max_len, head_dim). The forward pass reuses the transformers model's own modules and
   parameters (embeddings, norms, q/k norms, rotary embedding, o/down projections, activation, lm_head), with q|k|v
   and gate|up each run as one matmul over fused weights that the modules' parameters are views of, and its own
-  attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama and Mistral layouts work. Decode-step
-  costs that need not recur are paid once: weight matrices are kept in MKL's packed-GEMM form (repacked when a
-  weight update touches them), RoPE cos/sin come from a table, K/V land in the cache with one index_copy_.
+  attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama, Mistral and Qwen3-MoE layouts work.
+  Decode-step costs that need not recur are paid once: weight matrices are kept in MKL's packed-GEMM form
+  (repacked when a weight update touches them), RoPE cos/sin come from a table, K/V land in the cache with one
+  index_copy_.
 * Weight updates follow SGLang 0.5.23: `/update_weights_from_tensor` and `/update_weights_from_distributed` are
   refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine reads
   `serialized_named_tensors[0]` (it is TP rank 0 of one), and takes `load_format: "flattened_bucket"` in SGLang's
@@ -42,6 +43,12 @@ back, freed pages returned to the OS). As in SGLang without --enable-weights-cpu
 anywhere: resume gives zeroed weights, and the next weight update restores them; nothing is generated while any
 memory is released (requests wait), and release is refused while requests run (pause with "retract" first).
 
+Routed experts (Qwen3-MoE). A request with `return_routed_experts: true` (SGLang 0.5.23's field; SGLang also needs
+its server flag `--enable-return-routed-experts`) gets `meta_info.routed_experts`: base64 of the little-endian int32
+array (tokens, layers, top_k) of the experts each layer's router chose for every token the model ran on, i.e.
+positions [routed_experts_start_len, prompt + output - 1) (the last sampled token is never fed back), as SGLang
+encodes it. The trainer replays them (R3, trainer.py) so training routes every token as inference did.
+
 Pausing. `/pause_generation` with mode "abort" ends every request (finish_reason abort, partial output returned);
 "retract" frees their KV slots and requeues them, so on `/continue_generation` they are re-prefilled (prompt +
 tokens so far) under the then-current weights; "in_place" keeps their KV cache, so partial rollouts continue with
@@ -60,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import concurrent.futures
 import dataclasses
@@ -86,7 +94,7 @@ from fastapi import Request  # at module level: FastAPI resolves handler annotat
 
 import data
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")  # dense layouts the CPU forward pass handles
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe")  # layouts the CPU forward pass handles
 SGLANG_STARTUP_TIMEOUT_S = 1200.0  # loading a large checkpoint and capturing CUDA graphs can take minutes
 
 
@@ -136,10 +144,13 @@ def get(url: str, path: str, timeout: float = 30.0):
 
 async def generate(client: httpx.AsyncClient, url: str, input_ids: list[int] | list[list[int]],
                    sampling_params: dict, *, rid: str | list[str] | None = None, return_logprob: bool = True,
-                   timeout: float | None = None) -> dict | list[dict]:
+                   return_routed_experts: bool = False, timeout: float | None = None) -> dict | list[dict]:
     """POST /generate with token ids; returns SGLang's answer: {"text", "output_ids", "meta_info": {...}}
-    (a list of those for a batch of input_ids). Raises EngineError on a non-2xx answer."""
+    (a list of those for a batch of input_ids). Raises EngineError on a non-2xx answer. `return_routed_experts`:
+    meta_info.routed_experts of every position from 0 (MoE models; see the module docstring)."""
     payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+    if return_routed_experts:
+        payload["return_routed_experts"] = True
     if rid is not None:
         payload["rid"] = rid
     resp = await client.post(f"{url}/generate", json=payload, timeout=timeout)
@@ -258,6 +269,9 @@ class Req:
     output_ids: list = dataclasses.field(default_factory=list)
     output_logprobs: list = dataclasses.field(default_factory=list)
     output_versions: list = dataclasses.field(default_factory=list)  # weight version that produced each token
+    return_routed_experts: bool = False   # answer with meta_info.routed_experts (MoE models)
+    routed_experts_start_len: int = 0     # first position whose routing is returned (SGLang's field)
+    routed: list = dataclasses.field(default_factory=list)  # (n, layers, top_k) int32 per forward chunk, in order
     slot: int = -1                        # KV-cache slot while running, -1 while waiting
     kv_len: int = 0                       # tokens whose K/V sit in the slot
 
@@ -345,17 +359,36 @@ class CpuEngine:
         # The transformers modules' parameters become views of the fused tensors, so loading weights into the
         # model by name (load_weights) updates what the forward pass reads.
         self.qkv_w, self.qkv_b, self.gate_up_w = [], [], []
+        self.moe = cfg.model_type == "qwen3_moe"
+        if self.moe:
+            hf = cfg.to_dict()  # the HF config: older ones lack these keys
+            if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+                raise ValueError(f"{self.model_path}: the CPU engine runs all-MoE Qwen3-MoE models only "
+                                 f"(mlp_only_layers={hf.get('mlp_only_layers')}, "
+                                 f"decoder_sparse_step={hf.get('decoder_sparse_step')})")
+            self.num_experts, self.topk = cfg.num_experts, cfg.num_experts_per_tok
+            self.norm_topk_prob = bool(cfg.norm_topk_prob)
+        for p in self.model.parameters():  # weights mmap'd from the checkpoint: own them, so a release can free them
+            if not p.untyped_storage().resizable():
+                p.data = p.data.clone()
+        # transformers keeps each layer's experts as two 3-D parameters (gate|up and down, expert-major); checkpoints
+        # and weight updates name every expert's matrix on its own, so map those names onto views of the 3-D tensors
+        self.expert_views = {}
+        for li, layer in enumerate(self.model.model.layers if self.moe else []):
+            ex, F_ = layer.mlp.experts, cfg.moe_intermediate_size
+            for e in range(self.num_experts):
+                p = f"model.layers.{li}.mlp.experts.{e}."
+                self.expert_views.update({p + "gate_proj.weight": ex.gate_up_proj.data[e, :F_],
+                                          p + "up_proj.weight": ex.gate_up_proj.data[e, F_:],
+                                          p + "down_proj.weight": ex.down_proj.data[e]})
         for layer in self.model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
-            if getattr(mlp.gate_proj, "bias", None) is not None:
+            if not self.moe and getattr(mlp.gate_proj, "bias", None) is not None:
                 raise ValueError(f"{self.model_path}: MLP biases are not supported by the CPU engine")
             self.qkv_w.append(_fuse_rows([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
             self.qkv_b.append(_fuse_rows([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
                               if a.q_proj.bias is not None else None)  # Qwen2 has q/k/v biases
-            self.gate_up_w.append(_fuse_rows([mlp.gate_proj.weight, mlp.up_proj.weight]))
-        for p in self.model.parameters():  # weights mmap'd from the checkpoint: own them, so a release can free them
-            if not p.untyped_storage().resizable():
-                p.data = p.data.clone()
+            self.gate_up_w.append(None if self.moe else _fuse_rows([mlp.gate_proj.weight, mlp.up_proj.weight]))
         # RoPE cos/sin for every position, computed once by the model's own rotary module (elementwise per
         # position, so a table lookup gives the very same values); rope types that rescale with the sequence
         # length ("dynamic", "longrope") are computed per step instead.
@@ -410,8 +443,9 @@ class CpuEngine:
         mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear") and self.dtype == torch.float32
         weights = {"lm_head": self.model.lm_head.weight}
         for li, layer in enumerate(self.model.model.layers):
-            weights.update({("qkv", li): self.qkv_w[li], ("o", li): layer.self_attn.o_proj.weight,
-                            ("gate_up", li): self.gate_up_w[li], ("down", li): layer.mlp.down_proj.weight})
+            weights.update({("qkv", li): self.qkv_w[li], ("o", li): layer.self_attn.o_proj.weight})
+            if not self.moe:  # experts run as small per-expert matmuls (_moe_mlp): nothing to pack
+                weights.update({("gate_up", li): self.gate_up_w[li], ("down", li): layer.mlp.down_proj.weight})
         if names is None:
             self.packed = {}
             # HF parameter name -> the packed weights it lives in (by storage: fused views and tied embeddings too)
@@ -466,7 +500,8 @@ class CpuEngine:
         return fut
 
     def make_request(self, input_ids, sampling_params: dict | None = None, *, rid: str | None = None,
-                     return_logprob: bool = True, return_text_in_logprobs: bool = False) -> Req:
+                     return_logprob: bool = True, return_text_in_logprobs: bool = False,
+                     return_routed_experts: bool = False, routed_experts_start_len: int = 0) -> Req:
         """Validate one prompt into a Req (raises BadRequest); `submit` it to run it."""
         if not isinstance(input_ids, list) or not input_ids:
             raise BadRequest(f"input_ids must be a non-empty list of token ids, got {str(input_ids)[:80]}")
@@ -479,6 +514,12 @@ class CpuEngine:
             raise BadRequest(f"the prompt has {len(input_ids)} tokens but the engine's context is {self.max_len} "
                              f"tokens (prompt + output); shorten the prompt or raise max_len")
         params = parse_sampling_params(sampling_params, self.vocab_size)
+        if return_routed_experts and not self.moe:
+            raise BadRequest(f"return_routed_experts=true but {self.model_path} is a dense "
+                             f"{self.model.config.model_type} model with no router; ask for it with MoE models only")
+        if not isinstance(routed_experts_start_len, int) or not 0 <= routed_experts_start_len <= len(input_ids):
+            raise BadRequest(f"routed_experts_start_len={routed_experts_start_len!r} must be an integer in "
+                             f"[0, {len(input_ids)}] (the number of input tokens)")
         max_new = min(params.max_new_tokens, self.max_len - len(input_ids))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seed = params.sampling_seed
@@ -490,7 +531,8 @@ class CpuEngine:
         return Req(rid=rid or uuid.uuid4().hex, prompt_ids=list(input_ids),
                    params=params, return_logprob=bool(return_logprob), future=concurrent.futures.Future(),
                    max_new=max_new, stop_ids=stop_ids, uniforms=uniforms,
-                   return_text_in_logprobs=bool(return_text_in_logprobs))
+                   return_text_in_logprobs=bool(return_text_in_logprobs),
+                   return_routed_experts=bool(return_routed_experts), routed_experts_start_len=routed_experts_start_len)
 
     def submit(self, *reqs: Req) -> list[concurrent.futures.Future]:
         """Queue requests (one message, so a batch is admitted together); returns their futures."""
@@ -602,6 +644,7 @@ class CpuEngine:
                 continue
             req.slot = self._free_slots.pop(0)
             req.kv_len = 0
+            req.routed = []  # a retracted request is prefilled again: its routing is recomputed with it
             self.uniforms[req.slot, :req.max_new] = req.uniforms
             admitted.append(req)
             self._running.append(req)
@@ -658,6 +701,7 @@ class CpuEngine:
         s0 = int(slots.min())
         contiguous = bool((slots == torch.arange(s0, s0 + B)).all())  # then read the cache as a view, no gather
 
+        routed = []  # MoE: per layer, (n_valid, top_k) experts chosen for each real token
         x = m.embed_tokens(ids)                                                           # (B, T, H)
         if self.rope_table is not None:
             cos, sin = self.rope_table[0][pos], self.rope_table[1][pos]                  # (B, T, D) each
@@ -685,15 +729,47 @@ class CpuEngine:
                 keys, values = self.k_cache[li, slots, :, :S], self.v_cache[li, slots, :, :S]  # (B, KV, S, D)
             out = _attention(q, keys, values, mask_add, attn.scaling)                     # (B, T, Hq, D)
             x = x + self._linear(out.reshape(B, T, Hq * D), ("o", li), attn.o_proj.bias)  # (B, T, H)
+            if self.moe:
+                x = x + self._moe_mlp(_rms_norm(x, layer.post_attention_layernorm), mlp, valid, routed)  # (B, T, H)
+                continue
             gate, up = self._linear(_rms_norm(x, layer.post_attention_layernorm), ("gate_up", li)).chunk(2, dim=-1)
             x = x + self._linear(mlp.act_fn(gate) * up, ("down", li))                     # (B, T, H)
         last = x[torch.arange(B), lens - 1]                                               # (B, H) last real token
+        if routed and any(r.return_routed_experts for r in reqs):
+            per_token = torch.stack(routed, dim=1).to(torch.int32)                        # (n_valid, L, top_k)
+            for req, rows in zip(reqs, per_token.split(lens.tolist())):                   # row-major order of `valid`
+                if req.return_routed_experts:
+                    req.routed.append(rows)
         for req, n in zip(reqs, lens.tolist()):
             req.kv_len += n
         h = _rms_norm(last, m.norm)                                                       # (B, H)
         if self.fp32_lm_head and self.dtype != torch.float32:  # as SGLang's --enable-fp32-lm-head: upcast, then matmul
             return F.linear(h.float(), self.model.lm_head.weight.float())                 # (B, V) fp32
         return self._linear(h, "lm_head").float()                                         # (B, V)
+
+    def _moe_mlp(self, h: torch.Tensor, mlp, valid: torch.Tensor, routed: list) -> torch.Tensor:
+        """Qwen3-MoE sparse block on the real tokens of h (B, T, H), as transformers computes it: softmax over the
+        router logits, top-k, the k probabilities renormalised when norm_topk_prob, each expert a SwiGLU MLP over the
+        tokens routed to it, outputs summed with those weights. Appends this layer's (n_valid, top_k) expert ids to
+        `routed` (what `return_routed_experts` reports)."""
+        B, T, H = h.shape
+        tokens = h[valid]                                                                  # (N, H) real tokens only
+        probs = torch.softmax(F.linear(tokens, mlp.gate.weight), dim=-1, dtype=torch.float)  # (N, E)
+        top_p, top_i = torch.topk(probs, self.topk, dim=-1)                               # (N, K) each
+        if self.norm_topk_prob:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)                               # (N, K)
+        top_p = top_p.to(h.dtype)
+        routed.append(top_i)
+        ex = mlp.experts
+        out = torch.zeros_like(tokens)                                                     # (N, H)
+        for e in top_i.unique().tolist():
+            tok, slot = torch.where(top_i == e)                                            # tokens routed to e
+            gate, up = F.linear(tokens[tok], ex.gate_up_proj[e]).chunk(2, dim=-1)         # (n_e, F) each
+            y = F.linear(ex.act_fn(gate) * up, ex.down_proj[e])                            # (n_e, H)
+            out.index_add_(0, tok, y * top_p[tok, slot, None])
+        full = torch.zeros(B, T, H, dtype=h.dtype)                                         # (B, T, H) 0 on padding
+        full[valid] = out
+        return full
 
     def _finish(self, req: Req, finish_reason: dict) -> None:
         if req in self._running:
@@ -716,6 +792,13 @@ class CpuEngine:
                 "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.weight_version,
                 "weight_versions": weight_version_spans(req.output_versions, self.weight_version),
                 "e2e_latency": time.perf_counter() - req.arrival}
+        if req.return_routed_experts:
+            # SGLang's layout: rows [start_len, prompt + output - 1), i.e. every position the model ran on; a request
+            # cut short before running at all (aborted while waiting) has none
+            rows = torch.cat(req.routed) if req.routed else torch.zeros(0, self.model.config.num_hidden_layers,
+                                                                        self.topk, dtype=torch.int32)
+            rows = rows[req.routed_experts_start_len:len(req.prompt_ids) + len(ids) - 1]   # (n, L, top_k) int32
+            meta["routed_experts"] = base64.b64encode(rows.contiguous().numpy().astype("<i4").tobytes()).decode()
         if req.return_logprob:
             with_text = req.return_text_in_logprobs and self.tokenizer is not None
             meta["output_token_logprobs"] = [[lp, t, self.tokenizer.decode([t]) if with_text else None]
@@ -784,7 +867,8 @@ class CpuEngine:
         if "weights" in self._released:
             raise BadRequest("the engine's weights are released (release_memory_occupation); resume them with "
                              "resume_memory_occupation tags=['weights'] before a weight update")
-        params = self.model.state_dict()  # HF names -> tensors sharing storage with the live parameters
+        # HF names -> tensors sharing storage with the live parameters (per-expert checkpoint names: views)
+        params = {**self.model.state_dict(), **self.expert_views}
         for name, tensor in named_tensors:
             if name not in params:
                 close = difflib.get_close_matches(name, list(params), n=3)
@@ -964,8 +1048,11 @@ def build_app(engine: CpuEngine):
             rids = _per_item(rid, n, "rid")
         sps = _per_item(body.get("sampling_params"), n, "sampling_params")
         lps = _per_item(body.get("return_logprob", False), n, "return_logprob")
+        # one value for the whole batch, as SGLang's GenerateReqInput holds them
+        routed = (bool(body.get("return_routed_experts", False)), body.get("routed_experts_start_len", 0))
         reqs = [engine.make_request(p, sp, rid=r, return_logprob=bool(lp),
-                                    return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)))
+                                    return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+                                    return_routed_experts=routed[0], routed_experts_start_len=routed[1])
                 for p, sp, r, lp in zip(prompts, sps, rids, lps)]
         outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in engine.submit(*reqs)))
         return outs if batched else outs[0]
@@ -1221,6 +1308,8 @@ def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
         opts.setdefault("enable_fp32_lm_head", True)
     if cfg.colocate:  # release/resume_memory_occupation need SGLang's memory saver
         opts.setdefault("enable_memory_saver", True)
+    if cfg.router_replay:  # R3: the server captures routed experts only with this flag
+        opts.setdefault("enable_return_routed_experts", True)
     # (a recipe drops any of these flags by setting it to null)
     for key, value in opts.items():
         flag = "--" + str(key).replace("_", "-")

@@ -64,6 +64,7 @@ def teacher_cfg(cfg):
     """The Config a teacher group runs with: the teachers' own tensor parallelism, no PP/EP, no optimizer."""
     t = copy.copy(cfg)
     t.tensor_parallel, t.pipeline_parallel, t.expert_parallel = int(cfg.teacher_tp), 1, 1
+    t.router_replay = False  # the routed experts in a trajectory are the student's routing, not a teacher's
     t.trainer_workers = int(cfg.teacher_tp)
     t.micro_batch_size = int(cfg.teacher_micro_batch)
     return t

@@ -27,12 +27,17 @@ Gradients across data-parallel ranks are SUMMED, never averaged: the Transformer
 micro-batch loss is already divided by GLOBAL mini-batch counts (`denom`), so a batch yields the same
 gradient on 1 data-parallel rank or N.
 
+Parallel layouts: TP, DP, PP (each stage its share of the layers; every micro-batch loop goes through
+`_forward_backward`, which is Megatron-Core's 1F1B schedule when PP > 1), EP (experts split over ranks that
+are data-parallel for the dense layers). MoE routing replay (R3, `replay_routing`): trajectories that carry
+the engine's routed experts are routed by them in every forward.
+
 Test: `.venv/bin/pytest tests/test_trainer.py` (real Ray actors, real Megatron-Core over gloo; parity
-against transformers, TP=2 and DP=2 equivalence, HF round trip, checkpoint resume).
-Left out: pipeline parallelism (pipeline_parallel must be 1: the schedule that moves activations
-between stages is not wired in), sequence/context parallelism, packed sequences, expert parallelism
-greater than 1 for export (expert weights are converted per EP rank but only gathered with EP=1),
-an HF export of the critic (it lives in the Megatron checkpoints only).
+against transformers, TP=2 and DP=2 equivalence, HF round trip, checkpoint resume), tests/test_pipeline.py
+(PP=2 against one rank), tests/test_moe.py (EP=2 against one rank, R3).
+Left out: sequence/context parallelism, virtual pipeline stages, PP together with EP, PP with tied
+embeddings, packed sequences, an HF export of the critic (it lives in the Megatron checkpoints only), the critic with
+pipeline or expert parallelism (rejected at `--check`).
 """
 from __future__ import annotations
 
@@ -99,13 +104,27 @@ class SDPACoreAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # (Sq, B, Nq * D)
 
 
+class _TorchOnCpu:
+    """`torch` as Megatron's schedules module sees it after shim 4: everything delegates to torch, except that
+    `zeros(..., device="cuda")` allocates on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
 _SHIMS_APPLIED = False
 
 
 def apply_cpu_shims() -> bool:
     """Make Megatron-Core run on CPU; a no-op (returning False) when CUDA is present.
 
-    The three shims (each one found necessary on a CPU-only machine; together they are enough):
+    The shims (measured necessary and sufficient here, see DESIGN.md):
     1. `torch.cuda.current_device()` yields the CPU device: Megatron places its grad buffers, rotary
        tables and a few scratch tensors on "the current CUDA device".
     2. the local layer spec's core attention becomes `SDPACoreAttention` (Megatron's
@@ -113,6 +132,10 @@ def apply_cpu_shims() -> bool:
     3. the optimizer is `torch.optim.AdamW` with a small TP-aware grad-norm clip
        (`TrainerWorker._build_optimizer`), because Megatron's optimizer wrappers and grad clipping
        allocate CUDA tensors. This function only reports that the shims are on; the worker reads it.
+    4. (pipeline parallelism) the 1F1B schedule's token counter, `torch.zeros([], dtype=torch.int,
+       device="cuda")` in `forward_backward_pipelining_without_interleaving` (schedules.py of Megatron-Core
+       0.16), is made on the CPU: the schedules module sees a `torch` whose `zeros` maps device="cuda" to the
+       CPU. Harmless elsewhere; the rest of the schedule (gloo isend/irecv between stages) runs as it is.
     Also: models are built with `use_cpu_initialization=True` (megatron_config), which avoids
     `model_parallel_cuda_manual_seed`, another CUDA-only call.
     Returns True when the shims are active.
@@ -124,6 +147,8 @@ def apply_cpu_shims() -> bool:
         torch.cuda.current_device = lambda: torch.device("cpu")  # shim 1
         from megatron.core.models.backends import LocalSpecProvider
         LocalSpecProvider.core_attention = lambda self: SDPACoreAttention  # shim 2
+        from megatron.core.pipeline_parallel import schedules
+        schedules.torch = _TorchOnCpu()  # shim 4
         _SHIMS_APPLIED = True
     return True
 
@@ -242,6 +267,21 @@ def megatron_config(hf: dict, cfg, cpu: bool):
         use_cpu_initialization=cpu,
         **_moe_settings(hf) if mt in ("qwen3_moe", "mixtral") else {},
     )
+    if int(cfg.pipeline_parallel) > 1:
+        if hf.get("tie_word_embeddings", False):
+            raise ValueError("pipeline_parallel > 1 with tie_word_embeddings=true is not supported (the first and the "
+                             "last stage would each hold the shared matrix); use pipeline_parallel=1 for this model")
+        if hf["num_hidden_layers"] % int(cfg.pipeline_parallel):
+            raise ValueError(f"pipeline_parallel={cfg.pipeline_parallel} does not divide num_hidden_layers="
+                             f"{hf['num_hidden_layers']}; choose a divisor")
+        # Stages exchange activations of one fixed (T, B, H) shape per schedule run (_forward_backward pads every
+        # micro-batch to it), through plain isend/irecv pairs (gloo has no batched p2p). Not variable_seq_lengths:
+        # Megatron refuses it with the allgather token dispatcher, and its alltoall dispatcher makes a CUDA stream.
+        base.update(batch_p2p_comm=False)
+    if cfg.router_replay:
+        if mt not in ("qwen3_moe", "mixtral"):
+            raise ValueError(f"router_replay=true needs an MoE model; {mt} has no router. Set router_replay=false")
+        base["moe_enable_routing_replay"] = True  # each TopKRouter gets a RouterReplay (see replay_routing)
     base.update(dict(cfg.megatron))
     tcfg = TransformerConfig(**base)
     rotary_base, rope_scaling, rope_factor = _rope(hf)
@@ -268,9 +308,38 @@ def fp32_output_layer(gpt) -> None:
     layer._forward_impl = fp32_matmul
 
 
-def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, fp32_lm_head: bool = False):
-    """A GPTModel on the local layer spec (CPU: its core attention is SDPACoreAttention via the shims);
-    `fp32_lm_head`: logits computed in fp32 (`fp32_output_layer`)."""
+def replay_routing(model, routed: torch.Tensor | None) -> None:
+    """R3 (rollout routing replay): make every MoE router of `model` route the next forward with the engine's
+    experts instead of its own top-k. routed: (B, T, L, K) global expert ids per token and layer (collate), or
+    None to switch replay off (the routers choose their own experts again).
+
+    Megatron-Core 0.16 has the mechanism (`moe_enable_routing_replay` gives each TopKRouter a RouterReplay whose
+    REPLAY_FORWARD action takes the top-k indices as given and gathers the router's own scores at them, so the
+    gating weights keep their gradient). Its class-level helpers address every router built in the process, the
+    frozen reference's included; this sets each router's own instance instead, by the router's global layer
+    number (so a pipeline stage reads its own layers). Megatron flattens tokens sequence-first: row s*B + b is
+    token s of sample b."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    for m in model.modules():
+        if not isinstance(m, TopKRouter) or m.router_replay is None:
+            continue
+        m.router_replay.clear_indices()  # also drops the backward-replay list, which grows at every set
+        if routed is None:
+            m.router_replay.clear_router_replay_action()
+            continue
+        B, T, _, K = routed.shape
+        layer = routed[:, :, m.layer_number - 1]  # (B, T, K) this router's layer (layer_number is 1-based, global)
+        m.router_replay.set_target_indices(layer.transpose(0, 1).reshape(T * B, K))  # (T*B, K) sequence-first
+        m.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, pre_process: bool = True,
+                    post_process: bool = True, fp32_lm_head: bool = False):
+    """A GPTModel on the local layer spec (CPU: its core attention is SDPACoreAttention via the shims). With
+    pipeline parallelism: one stage, its share of the layers (+ embedding on the first, final norm and output
+    layer on the last: `pre_process` / `post_process`). `fp32_lm_head`: logits computed in fp32
+    (`fp32_output_layer`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -278,8 +347,9 @@ def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, fp32_lm_head
         _moe_router_without_te()
     spec = get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
-    model = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=True, post_process=True, **model_kwargs)
-    if fp32_lm_head:
+    model = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
+                     **model_kwargs)
+    if fp32_lm_head and post_process:
         fp32_output_layer(model)
     return model.to(device)
 
@@ -547,7 +617,20 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_g
 # batches: trajectory dicts -> padded tensors
 
 
-def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+def decode_routed_experts(b64: str, layers: int, topk: int) -> torch.Tensor:
+    """An engine's `meta_info.routed_experts` (SGLang's encoding: base64 of little-endian int32) as a (n, layers,
+    topk) long tensor: row i is the experts each layer chose for token i of prompt + response."""
+    import base64
+    import numpy as np
+    flat = np.frombuffer(base64.b64decode(b64), dtype="<i4")
+    if flat.size % (layers * topk):
+        raise ValueError(f"routed_experts holds {flat.size} int32 values, not a whole number of ({layers} layers x "
+                         f"top-{topk}) rows; the engine served another model than the trainer's")
+    return torch.from_numpy(flat.astype(np.int64)).view(-1, layers, topk)  # (n, L, K)
+
+
+def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None = None,
+            routed_shape: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """Right-padded tensors for a list of trajectory dicts.
 
     Returns tokens (B, T) prompt+response ids; resp_pos (B, R): index into the shifted logp row
@@ -559,6 +642,11 @@ def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None
     A trajectory that failed before its first model call has no response tokens: it becomes a row of
     padding with loss_mask all 0 (it stays in its group, reward 0, and adds nothing to the loss).
     R and T are at least 1 and 2, so even a micro-batch of only such rows has a position to gather.
+
+    `routed_shape` = (layers, top_k) with router replay: routed_experts (B, T, L, K), each sample's engine routing
+    (decode_routed_experts) on its tokens; positions the engine never ran on (the last token, padding, tool tokens
+    after the last call) hold experts 0..K-1. No real token attends to them (causal mask, right padding), so they
+    cannot change any loss token.
     """
     B = len(samples)
     plen = [len(s["prompt_ids"]) for s in samples]
@@ -591,6 +679,23 @@ def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None
             t[b, :row.numel()] = row
         out[key] = t  # (B, R)
     out["rollout_logp"] = torch.where(out["loss_mask"] > 0, out["rollout_logp"], 0.0)  # (B, R) 0 where loss_mask == 0
+    if routed_shape is not None and any(s.get("routed_experts") for s in samples):
+        L, K = routed_shape
+        routed = torch.arange(K).expand(B, T, L, K).clone()  # (B, T, L, K) filler: experts 0..K-1
+        for b, s in enumerate(samples):
+            if not s.get("routed_experts"):
+                if any(s["loss_mask"]):  # else (a trajectory that failed before any model call) it trains nothing
+                    raise ValueError(f"router_replay: sample group_id={s.get('group_id')} sample_index="
+                                     f"{s.get('sample_index')} has model tokens but no routed_experts while others in "
+                                     "its batch do; every trajectory must come from an engine asked for "
+                                     "return_routed_experts")
+                continue
+            rows = decode_routed_experts(s["routed_experts"], L, K)  # (n, L, K)
+            if rows.size(0) > plen[b] + rlen[b]:
+                raise ValueError(f"routed_experts has {rows.size(0)} rows for {plen[b] + rlen[b]} tokens (group_id="
+                                 f"{s.get('group_id')}); it must cover prompt + response ids from position 0")
+            routed[b, :rows.size(0)] = rows
+        out["routed_experts"] = routed
     return dict(tokens=tokens, resp_pos=resp_pos, weight_versions=versions,
                 rewards=torch.tensor([float(s.get("reward", 0.0)) for s in samples]),
                 group_ids=torch.tensor([int(s.get("group_id", i)) for i, s in enumerate(samples)]),
@@ -737,8 +842,9 @@ class TrainerWorker:
     """One Megatron-Core rank. The controller creates world_size of them (`ray.remote(TrainerWorker)`),
     and calls every method on all ranks at once; collectives inside pair them up.
 
-    Rank layout is Megatron's default order: TP varies fastest, then DP. Rank 0 returns the gathered
-    weights and writes HF files; metrics are identical on every rank.
+    Rank layout is Megatron's default order: TP varies fastest, then DP (EP within it), then PP. Rank 0 returns
+    the gathered weights and writes HF files; metrics are identical on every rank (pipeline stages get the last
+    stage's).
     """
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
@@ -750,9 +856,9 @@ class TrainerWorker:
             torch.set_num_threads(int(cfg.trainer_threads))
         tp, pp = int(cfg.tensor_parallel), int(cfg.pipeline_parallel)
         ep = int(cfg.expert_parallel)
-        if pp != 1:
-            raise ValueError(f"pipeline_parallel={pp} is not supported by trainer.py yet; set pipeline_parallel=1 "
-                             "and use tensor_parallel / data parallelism")
+        if pp > 1 and ep > 1:
+            raise ValueError(f"pipeline_parallel={pp} with expert_parallel={ep} is not wired in (the padding that "
+                             "keeps expert ranks in step runs outside the pipeline schedule); use one of them")
         if world_size % (tp * pp):
             raise ValueError(f"world_size={world_size} is not a multiple of tensor_parallel*pipeline_parallel="
                              f"{tp * pp}; use a world size of k*{tp * pp}")
@@ -773,6 +879,15 @@ class TrainerWorker:
         self.dp_group_gloo = parallel_state.get_data_parallel_group_gloo()  # for python-object collectives
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        # EP > 1: Megatron's allgather token dispatcher all-gathers every expert rank's (T*B, H) tokens, so those ranks
+        # (data-parallel replicas of the dense layers, each with its own samples) must run the same number of forwards
+        # with the same shapes; `_ep_micro_starts` and `_forward_logp` pad them to that (None: no padding needed)
+        self.ep_group = parallel_state.get_expert_tensor_and_model_parallel_group() if ep > 1 else None
+        self.pp_size, self.pp_group = pp, parallel_state.get_pipeline_model_parallel_group()
+        self.pre_process = parallel_state.is_pipeline_first_stage()   # this stage holds the embedding
+        self.post_process = parallel_state.is_pipeline_last_stage()   # ... the final norm, output layer, logp
+        self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()  # global rank of that stage
+        self.pad_to = (0, 0)  # (B, T) every micro-batch is padded to at least (set per pipeline schedule run)
         torch.manual_seed(int(cfg.seed))
         if not self.cpu:
             from megatron.core import tensor_parallel
@@ -801,10 +916,20 @@ class TrainerWorker:
         self.offloaded = {}
         self.hf_config = read_hf_config(path)
         self.tcfg, self.model_kwargs = megatron_config(self.hf_config, self.cfg, self.cpu)
+        # R3: (layers, top_k) of the routed_experts rows that collate decodes; None without router replay
+        self.routed_shape = ((self.tcfg.num_layers, self.tcfg.moe_router_topk)
+                             if self.tcfg.moe_enable_routing_replay else None)
+        if self.routed_shape is not None:  # Megatron keeps every RouterReplay ever built in a class-level list:
+            from megatron.core.transformer.moe.router_replay import RouterReplay  # forget the previous models'
+            RouterReplay.clear_global_router_replay_instances()
         hf_state = load_hf_state(path)
         full = hf_to_megatron(hf_state, self.hf_config)
         del hf_state
-        gpt = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.cfg.fp32_lm_head)
+        gpt = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.pre_process, self.post_process,
+                              fp32_lm_head=self.cfg.fp32_lm_head)
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        self.layer_offset = get_transformer_layer_offset(self.tcfg) if self.pp_size > 1 else 0  # first global layer
+        self.n_local_layers = len(gpt.decoder.layers)
         self._load_full_state(gpt, full)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)
@@ -812,7 +937,9 @@ class TrainerWorker:
         self.optimizer = self._build_optimizer()
         needs_ref = float(self.cfg.kl_coef) > 0 or bool(self.cfg.kl_in_reward)
         if needs_ref:
-            self.ref_model = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.cfg.fp32_lm_head)
+            self.ref_model = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.pre_process,
+                                             self.post_process,
+                                             fp32_lm_head=self.cfg.fp32_lm_head)
             self._load_full_state(self.ref_model, full)
             self.ref_model.requires_grad_(False).eval()
         if self.cfg.advantage == "gae" and lr is None:  # CRITIC: the same trunk and weights, a value head
@@ -833,6 +960,26 @@ class TrainerWorker:
                 parallel_state.get_expert_tensor_parallel_rank(),
                 parallel_state.get_expert_tensor_parallel_world_size())
 
+    def _stage_name(self, name: str) -> str | None:
+        """A full-model Megatron name as this pipeline stage names it (its layers count from 0), or None when
+        another stage holds the tensor. PP=1: the name itself."""
+        if self.pp_size == 1:
+            return name
+        if name.startswith("embedding."):
+            return name if self.pre_process else None
+        if name.startswith(("decoder.final_layernorm.", "output_layer.")):
+            return name if self.post_process else None
+        _, _, layer, rest = name.split(".", 3)  # decoder.layers.<L>.<rest>
+        local = int(layer) - self.layer_offset
+        return f"decoder.layers.{local}.{rest}" if 0 <= local < self.n_local_layers else None
+
+    def _global_name(self, name: str) -> str:
+        """Inverse of _stage_name: this stage's parameter name as the full model names it."""
+        if self.pp_size == 1 or not name.startswith("decoder.layers."):
+            return name
+        _, _, layer, rest = name.split(".", 3)
+        return f"decoder.layers.{int(layer) + self.layer_offset}.{rest}"
+
     def _load_full_state(self, gpt, full: dict[str, torch.Tensor]) -> None:
         """Copy this rank's shard of every full Megatron tensor into `gpt` (and check nothing is missing)."""
         ep_rank, ep_size, etp_rank, etp_size = self._expert_rank_info()
@@ -840,6 +987,9 @@ class TrainerWorker:
         params = dict(gpt.named_parameters())
         missing = set(params)
         for name, tensor in full.items():
+            name = self._stage_name(name)
+            if name is None:  # another pipeline stage's
+                continue
             local_name, rank, size = name, self.tp_rank, self.tp_size
             if ".local_experts." in name:
                 head, rest = name.split(".local_experts.")
@@ -981,15 +1131,50 @@ class TrainerWorker:
 
     def _forward_logp(self, model, mb: dict[str, torch.Tensor], return_logits: bool = False):
         """(logp, entropy), both (B, R) fp32, of each response token under `model`; with `return_logits`
-        also the logits that predict each response token, (B, R, V/tp) (distillation needs them)."""
+        also the logits that predict each response token, (B, R, V/tp) (distillation needs them). One whole model
+        (PP=1); pipeline stages go through `_forward_backward`."""
+        output, shape = self._model_output(model, mb)
+        return self._logp_from_logits(mb, output, shape, return_logits)
+
+    def _model_output(self, model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[int, int]]:
+        """The model's output for a micro-batch: logits (B, T, V/tp) on the last pipeline stage, the hidden states
+        handed to the next stage elsewhere; and (B0, T0), the micro-batch's own shape before any EP padding."""
         tokens = mb["tokens"].to(self.device)  # (B, T)
+        B0, T0 = tokens.shape
+        replay = mb.get("routed_experts")  # (B, T, L, K) R3: route as the engine did (cfg.router_replay)
+        B, T = max(B0, self.pad_to[0]), max(T0, self.pad_to[1])  # PP: one activation shape for the whole schedule
+        if self.ep_group is not None:  # the same (B, T) on every expert rank
+            size = torch.tensor([B, T])
+            torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
+            B, T = size.tolist()
+        if (B, T) != (B0, T0):  # pad with rows / columns of padding
+            tokens = F.pad(tokens, (0, T - T0, 0, B - B0))  # (B, T) zeros after each row / as extra rows
+            if replay is not None:  # padded positions route to experts 0..K-1 (never a loss token)
+                fill = torch.arange(replay.size(-1), device=replay.device).expand(B, T, *replay.shape[2:]).clone()
+                fill[:B0, :T0] = replay
+                replay = fill  # (B, T, L, K)
         B, T = tokens.shape
         position_ids = torch.arange(T, device=self.device).unsqueeze(0).expand(B, T)  # (B, T)
         extra = {}
         if self.tcfg.num_moe_experts:
-            seq_len = (mb["resp_pos"][:, :1] + 1 + mb["resp_len"].unsqueeze(1)).to(self.device)  # (B, 1) real tokens
+            seq_len = (mb["resp_pos"][:, :1] + 1 + mb["resp_len"].unsqueeze(1)).to(self.device)  # (B0, 1) real tokens
+            seq_len = F.pad(seq_len, (0, 0, 0, B - B0))  # (B, 1) EP padding rows: no real token
             extra["padding_mask"] = position_ids >= seq_len  # (B, T) True on padding: kept out of expert routing
-        logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **extra)  # (B, T, V/tp)
+        if replay is not None:
+            replay_routing(model, replay.to(self.device))
+        try:
+            output = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, **extra)  # (B, T, V/tp)
+        finally:
+            if replay is not None:  # the indices were used in the forward; backward needs no re-routing
+                replay_routing(model, None)
+        return output, (B0, T0)
+
+    def _logp_from_logits(self, mb: dict[str, torch.Tensor], logits: torch.Tensor, shape: tuple[int, int],
+                          return_logits: bool):
+        """(logp, entropy) (B0, R) [, response logits (B0, R, V/tp)] from a last stage's logits (B, T, V/tp)."""
+        B0, T0 = shape
+        logits = logits[:B0, :T0]  # (B0, T0, V/tp) this rank's own rows and columns
+        tokens = mb["tokens"].to(self.device)  # (B0, T0)
         logp, entropy = vocab_parallel_logp_entropy(logits[:, :-1], tokens[:, 1:], self.tp_group)  # (B, T-1)
         pos = mb["resp_pos"].to(self.device)  # (B, R)
         if return_logits:
@@ -1025,6 +1210,76 @@ class TrainerWorker:
         self.critic.train(was_training)
         return out
 
+    def _forward_backward(self, model, mbs: list[dict], on_output, forward_only: bool,
+                          return_logits: bool = False) -> None:
+        """Run collated micro-batches `mbs` through `model`: for micro-batch i, forward, then
+        `on_output(i, mb, logp, entropy, logits)` (logits None unless return_logits) returns its loss, a scalar
+        tensor (anything when forward_only), and the loss's backward accumulates gradients.
+
+        PP = 1: one micro-batch after another, here. PP > 1: Megatron-Core's non-interleaved 1F1B schedule
+        (`get_forward_backward_func`) over the pipeline group, gloo p2p on CPU; `on_output` runs on the last stage
+        only (its side effects, e.g. metric sums, exist there alone: `_from_last_stage` hands them to the others).
+        The loss goes back unscaled: calculate_per_token_loss=True, and every loss is already divided by global
+        counts, as without pipelining."""
+        if self.pp_size == 1:
+            for i, mb in enumerate(mbs):
+                logp, entropy, *logits = self._forward_logp(model, mb, return_logits)
+                loss = on_output(i, mb, logp, entropy, logits[0] if logits else None)
+                if not forward_only:
+                    loss.backward()
+            return
+        if not mbs:  # every stage of a pipeline holds the same samples: all skip together
+            return
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, stage_model):
+            i, mb = next(data_iterator)
+            output, shape = self._model_output(stage_model, mb)  # logits on the last stage, hidden states elsewhere
+
+            def loss_func(logits):  # last stage only
+                logp, entropy, *resp_logits = self._logp_from_logits(mb, logits, shape, return_logits)
+                loss = on_output(i, mb, logp, entropy, resp_logits[0] if resp_logits else None)
+                if not isinstance(loss, torch.Tensor):
+                    loss = torch.zeros((), device=self.device)
+                return loss, torch.tensor(1), {}  # (loss, tokens: unused with pre-divided losses, reported: none)
+            return output, loss_func
+
+        # one (B, T) for every micro-batch of this run: the shape the stages send each other (same on every stage:
+        # they hold the same samples)
+        self.pad_to = (max(mb["tokens"].size(0) for mb in mbs), max(mb["tokens"].size(1) for mb in mbs))
+        try:
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))), model=[model],
+                num_microbatches=len(mbs), seq_length=self.pad_to[1], micro_batch_size=self.pad_to[0],
+                forward_only=forward_only)
+        finally:
+            self.pad_to = (0, 0)
+
+    def _from_last_stage(self, obj):
+        """`obj` as the last pipeline stage holds it, on every stage of this rank's pipeline (PP=1: obj)."""
+        if self.pp_size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=self.pp_last_rank, group=self.pp_group)
+        return box[0]
+
+    def _ep_micro_starts(self, n: int, mbs: int) -> list[int]:
+        """Start offsets of the micro-batches over `n` local samples. With EP > 1 every expert rank runs as many
+        as the busiest one: the extra starts lie at or past `n`, and the caller runs `_ep_idle_microbatch` there."""
+        count = -(-n // mbs)  # ceil
+        if self.ep_group is not None:
+            t = torch.tensor([count])
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
+            count = int(t)
+        return [i * mbs for i in range(count)]
+
+    def _ep_idle_microbatch(self, model, backward: bool) -> None:
+        """A forward (and backward, with zero gradient) of padding only, so this expert rank joins the token
+        dispatcher's collectives of a micro-batch another expert rank runs."""
+        logp, _ = self._forward_logp(model, collate([]))  # (0, 1): no rows of this rank's own
+        if backward:
+            (logp.sum() * 0.0).backward()
+
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in mb.items()}
 
@@ -1033,14 +1288,49 @@ class TrainerWorker:
         """Per-sample 1-D logp of every response token, in micro-batches, no grad, eval mode."""
         was_training = model.training
         model.eval()
-        out = []
         mbs = int(self.cfg.micro_batch_size)
-        for start in range(0, len(samples), mbs):
-            chunk = samples[start:start + mbs]
-            logp, _ = self._forward_logp(model, collate(chunk))  # (b, R)
-            out += [logp[b, :len(s["response_ids"])].cpu() for b, s in enumerate(chunk)]
+        starts = self._ep_micro_starts(len(samples), mbs)
+        chunks = [samples[start:start + mbs] for start in starts if start < len(samples)]
+        rows: dict[int, list[torch.Tensor]] = {}
+
+        def keep(i, mb, logp, entropy, logits):  # logp (b, R)
+            rows[i] = [logp[b, :len(s["response_ids"])].cpu() for b, s in enumerate(chunks[i])]
+        self._forward_backward(model, [collate(c, routed_shape=self.routed_shape) for c in chunks], keep,
+                               forward_only=True)
+        for _ in range(len(starts) - len(chunks)):  # EP: another expert rank has micro-batches more
+            self._ep_idle_microbatch(model, backward=False)
+        rows = self._from_last_stage(rows)
         model.train(was_training)
-        return out
+        return [r for i in range(len(chunks)) for r in rows[i]]
+
+    @torch.no_grad()
+    def routing_used(self, batch: list[dict]) -> list[torch.Tensor]:
+        """The experts every router actually dispatched each token to, per sample a (P+R, L, K) long tensor, sorted
+        within each token (a routing map has no order): read from the routers' outputs in a no-grad forward, with
+        replay when the batch carries routed_experts and router_replay is on. For the R3 tests."""
+        from megatron.core.transformer.moe.router import TopKRouter
+        if self.pp_size > 1:
+            raise NotImplementedError("routing_used reads one whole model; call it with pipeline_parallel=1")
+        maps = {}
+        hooks = [m.register_forward_hook(lambda mod, inp, out: maps.__setitem__(mod.layer_number, out[1]))
+                 for m in self.model.modules() if isinstance(m, TopKRouter)]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            mb = collate(batch, routed_shape=self.routed_shape)
+            self._forward_logp(self.model, mb)
+        finally:
+            for h in hooks:
+                h.remove()
+            self.model.train(was_training)
+        B, T = mb["tokens"].shape
+        K = self.tcfg.moe_router_topk
+        per_layer = []
+        for n in sorted(maps):  # routing_map (T*B, E) bool, sequence-first rows
+            idx = maps[n].float().topk(K, dim=-1).indices.sort(-1).values  # (T*B, K) the K chosen experts, ascending
+            per_layer.append(idx.view(T, B, K).transpose(0, 1))  # (B, T, K)
+        used = torch.stack(per_layer, 2).cpu()  # (B, T, L, K)
+        return [used[b, :len(s["prompt_ids"]) + len(s["response_ids"])] for b, s in enumerate(batch)]
 
     def compute_logprobs(self, batch: list[dict]) -> list[list[float]]:
         """Per response token logprobs for every sample (every rank computes all samples; for parity
@@ -1061,11 +1351,22 @@ class TrainerWorker:
 
         params = [p for p in model.parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64)
+        sq_experts = torch.zeros((), dtype=torch.float64)  # expert weights: each EP rank holds other experts
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if not getattr(p, "allreduce", True):  # Megatron marks expert parameters allreduce=False
+                sq_experts += p.grad.double().pow(2).sum()  # expert TP shards are split, never duplicated
+            elif param_is_not_tensor_parallel_duplicate(p):
                 sq += p.grad.double().pow(2).sum()
         if self.tp_size > 1:
             torch.distributed.all_reduce(sq, group=self.tp_group)
+        if self.tcfg.num_moe_experts:  # over every rank holding a different expert shard (EP x expert TP)
+            from megatron.core import parallel_state
+            group = parallel_state.get_expert_tensor_and_model_parallel_group()
+            if torch.distributed.get_world_size(group) > 1:
+                torch.distributed.all_reduce(sq_experts, group=group)
+        sq = sq + sq_experts
+        if self.pp_size > 1:  # each stage holds other layers (embeddings are never tied under PP: megatron_config)
+            torch.distributed.all_reduce(sq, group=self.pp_group)
         norm = float(sq.sqrt())
         clip = float(self.cfg.grad_clip or 0.0)
         if clip > 0 and norm > clip:
@@ -1213,14 +1514,20 @@ class TrainerWorker:
         for mb_i, mine in enumerate(plan if policy_trains else []):
             denom = self._denominators(batch, n_mb, mb_i, by_group=True)
             sums: dict[str, float] = {}
-            for start in range(0, len(mine), mbs):
-                rows = [row_of[i] for i in mine[start:start + mbs]]
+            starts = self._ep_micro_starts(len(mine), mbs)
+            parts = [mine[start:start + mbs] for start in starts if start < len(mine)]  # batch indices per micro-batch
+            mb_rows = [[row_of[i] for i in part] for part in parts]  # rows of `local` per micro-batch
+            micro = []
+            for rows in mb_rows:
                 extras = {"old_logp": [old[j] if old[j] is not None else zeros[j] for j in rows],
                           "adv": [adv_rows[j] for j in rows]}
                 if ref is not None:
                     extras["ref_logp"] = [ref[j] for j in rows]
-                mb = self._to_device(collate([local[j] for j in rows], extras))
-                logp, entropy, *logits = self._forward_logp(self.model, mb, return_logits=targets is not None)
+                micro.append(self._to_device(collate([local[j] for j in rows], extras,
+                                                     routed_shape=self.routed_shape)))
+
+            def micro_loss(i, mb, logp, entropy, logits):  # logp, entropy (b, R); on the last pipeline stage
+                rows = mb_rows[i]
                 if mb_i == 0:  # still the step's starting weights: this forward IS the old policy's
                     for b, j in enumerate(rows):
                         before_update[j] = logp.detach()[b, :len(local[j]["response_ids"])].cpu()
@@ -1228,7 +1535,7 @@ class TrainerWorker:
                 # TEACHERS (teacher.py): A' = A - pg_ratio * KL_token, and the GKD term; off without teachers
                 opd = None
                 if targets is not None:
-                    opd = self._opd_terms(mb, logp, logits[0], [targets[i] for i in mine[start:start + mbs]], denom)
+                    opd = self._opd_terms(mb, logp, logits, [targets[k] for k in parts[i]], denom)
                     mb["adv"] = opd.pop("adv")
                 stale = (mb["weight_versions"] >= 0) & (mb["weight_versions"] < newest)  # (b, R) older weights
                 loss, m = algos.policy_loss(cfg, logp, old_logp, mb["adv"], mb["loss_mask"],
@@ -1238,11 +1545,15 @@ class TrainerWorker:
                 if opd is not None:  # TEACHERS: L = (1 - gkd_ratio) * L_RL + gkd_ratio * L_GKD
                     loss = algos.opd_objective(cfg, loss, opd.pop("gkd_loss"))
                     m.update(opd)
-                loss.backward()
                 _add(sums, "loss", float(loss.detach()))
                 for k, v in m.items():
                     _add(sums, k, float(v))
-            self._step_minibatch(sums, totals, n_mb)
+                return loss  # backward: _forward_backward
+            self._forward_backward(self.model, micro, micro_loss, forward_only=False, return_logits=targets is not None)
+            for _ in range(len(starts) - len(parts)):  # EP: another expert rank has micro-batches more
+                self._ep_idle_microbatch(self.model, backward=True)
+            self._step_minibatch(self._from_last_stage(sums), totals, n_mb)
+        before_update = self._from_last_stage(before_update)
         # CRITIC: the value model regresses on R over the same mini-batches (clipped value loss), own optimizer
         critic_metrics = {} if values is None else self._critic_update(batch, plan, row_of, local, values, returns,
                                                                         n_mb)
@@ -1365,20 +1676,25 @@ class TrainerWorker:
         for mb_i, mine in enumerate(plan):
             denom = self._denominators(batch, n_mb, mb_i, by_group=True)
             sums: dict[str, float] = {}
-            for start in range(0, len(mine), mbs):
-                idx = mine[start:start + mbs]
-                mb = self._to_device(collate([batch[i] for i in idx], {"adv": [torch.zeros(len(batch[i]["response_ids"]))
-                                                                              for i in idx]}))
-                logp, entropy, logits = self._forward_logp(self.model, mb, return_logits=True)  # (b, R), (b, R, V/tp)
-                opd = self._opd_terms(mb, logp, logits, [targets[i] for i in idx], denom)
+            starts = self._ep_micro_starts(len(mine), mbs)
+            parts = [mine[start:start + mbs] for start in starts if start < len(mine)]  # batch indices per micro-batch
+            zero_adv = [[torch.zeros(len(batch[i]["response_ids"])) for i in idx] for idx in parts]  # unused by GKD
+            micro = [self._to_device(collate([batch[i] for i in idx], {"adv": adv}, routed_shape=self.routed_shape))
+                     for idx, adv in zip(parts, zero_adv)]
+
+            def micro_loss(i, mb, logp, entropy, logits):  # (b, R), (b, R), (b, R, V/tp); last pipeline stage
+                opd = self._opd_terms(mb, logp, logits, [targets[j] for j in parts[i]], denom)
                 opd.pop("adv")
                 loss = opd.pop("gkd_loss")
-                loss.backward()
                 _add(sums, "loss", float(loss.detach()))
                 _add(sums, "entropy", float(algos.aggregate(entropy.detach(), mb["loss_mask"], "token_mean", denom)))
                 for k, v in opd.items():
                     _add(sums, k, float(v))
-            self._step_minibatch(sums, totals, n_mb)
+                return loss
+            self._forward_backward(self.model, micro, micro_loss, forward_only=False, return_logits=True)
+            for _ in range(len(starts) - len(parts)):  # EP: another expert rank has micro-batches more
+                self._ep_idle_microbatch(self.model, backward=True)
+            self._step_minibatch(self._from_last_stage(sums), totals, n_mb)
         metrics = {f"train/{k}": v for k, v in totals.items()}
         metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
                         "train/samples": float(len(batch))})
@@ -1432,15 +1748,20 @@ class TrainerWorker:
         sums: dict[str, float] = {}
         mbs = int(self.cfg.micro_batch_size)
         self.model.train()
-        for start in range(0, len(plan), mbs):
-            mb = self._to_device(collate([batch[i] for i in plan[start:start + mbs]]))
-            logp, entropy = self._forward_logp(self.model, mb)  # (b, R) each
+        starts = self._ep_micro_starts(len(plan), mbs)
+        micro = [self._to_device(collate([batch[i] for i in plan[start:start + mbs]])) for start in starts
+                 if start < len(plan)]
+
+        def micro_loss(i, mb, logp, entropy, logits):  # (b, R) each; last pipeline stage
             loss = algos.sft_loss(logp, mb["loss_mask"], denom)
-            loss.backward()
             _add(sums, "sft_loss", float(loss.detach()))
             _add(sums, "entropy", float((entropy.detach() * mb["loss_mask"]).sum()) / denom["tokens"])
+            return loss
+        self._forward_backward(self.model, micro, micro_loss, forward_only=False)
+        for _ in range(len(starts) - len(micro)):  # EP: another expert rank has micro-batches more
+            self._ep_idle_microbatch(self.model, backward=True)
         grad_norm, lr = self._optimizer_step()
-        metrics = {f"train/{k}": v for k, v in self._dp_sum(sums).items()}
+        metrics = {f"train/{k}": v for k, v in self._dp_sum(self._from_last_stage(sums)).items()}
         metrics.update({"train/grad_norm": grad_norm, "train/lr": lr})
         return metrics
 
@@ -1448,25 +1769,46 @@ class TrainerWorker:
 
     def export_hf_weights(self) -> list[tuple[str, torch.Tensor]]:
         """HF-named full tensors (CPU) on rank 0, [] elsewhere. Every rank must call it: TP shards are
-        all-gathered within each TP group (only data-parallel replica 0's result is kept)."""
-        ep_rank, ep_size, _, _ = self._expert_rank_info()
-        if ep_size > 1:
-            raise NotImplementedError(f"export with expert_parallel={ep_size} is not wired in; "
-                                      "use expert_parallel=1 (experts are then only tensor-parallel)")
+        all-gathered within each TP group (only data-parallel replica 0's result is kept); with expert
+        parallelism each rank holds num_experts / EP experts, so expert tensors are first gathered within the
+        expert-tensor-parallel group, then all-gathered across the expert-parallel group (whose ranks are
+        different data-parallel replicas of the dense layers, so then every rank takes part). With pipeline
+        parallelism each stage's TP rank 0 gathers its layers (named as in the full model) and the stages'
+        tensors meet on rank 0 (the first stage's) through the pipeline group."""
         from megatron.core import parallel_state
         self.onload(["weights"])  # colocated: a re-created engine may need them while they are offloaded
+        ep_rank, ep_size, _, etp_size = self._expert_rank_info()
         gpt = self.model.module
-        keep = self.rank == 0
-        if self.dp_rank != 0:  # another replica: same weights, no need to gather
+        keep = self.rank == 0 if self.pp_size == 1 else self.tp_rank == 0  # dp_rank is 0 from here on
+        if self.dp_rank != 0 and ep_size == 1:  # another replica: same weights, no need to gather
             return []
         full = {}
         etp_group = parallel_state.get_expert_tensor_parallel_group() if self.tcfg.num_moe_experts else None
+        ep_group = parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None
+        n_local = (self.tcfg.num_moe_experts or 0) // ep_size
         with torch.no_grad():
             for name, p in gpt.named_parameters():
-                group = etp_group if ".local_experts." in name else self.tp_group
-                t = gather_full(name, p.detach(), group if self.tp_size > 1 else None)
+                if ".local_experts." not in name:
+                    t = gather_full(name, p.detach(), self.tp_group if self.tp_size > 1 else None)
+                    if keep:
+                        full[self._global_name(name)] = t.cpu()
+                    continue
+                t = gather_full(name, p.detach(), etp_group if etp_size > 1 else None)
+                head, rest = name.split(".local_experts.")
+                local_e, tail = rest.split(".", 1)
+                parts = [t]
+                if ep_group is not None:  # EP rank r holds global experts r*n_local .. (r+1)*n_local - 1
+                    parts = [torch.empty_like(t) for _ in range(ep_size)]
+                    torch.distributed.all_gather(parts, t.contiguous(), group=ep_group)
                 if keep:
-                    full[name] = t.cpu()
+                    for r, part in enumerate(parts):
+                        global_e = r * n_local + int(local_e)
+                        full[self._global_name(f"{head}.local_experts.{global_e}.{tail}")] = part.cpu()
+        if self.pp_size > 1:  # every stage of this TP rank's pipeline sends its layers; rank 0 merges them
+            stages = [None] * self.pp_size
+            torch.distributed.all_gather_object(stages, full, group=self.pp_group)
+            full = {k: v for stage in stages for k, v in stage.items()}
+            keep = self.rank == 0
         return megatron_to_hf(full, self.hf_config) if keep else []
 
     def sync_weights(self, engine_urls: list[str], version: int) -> dict:

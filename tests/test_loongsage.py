@@ -41,7 +41,7 @@ def test_overrides_are_typed_and_pass_through():
      "must split evenly over data_parallel=2"),
     (["global_batch_size=64", "micro_batch_size=48", "prompts_per_step=8", "samples_per_prompt=8"], "multiple of micro_batch_size=48"),
     (["engine=sglang"], "CUDA only"),
-    (["pipeline_parallel=2", "trainer_workers=2"], "set pipeline_parallel=1"),
+    (["pipeline_parallel=3", "trainer_workers=3"], "pipeline_parallel=3 does not divide the model's 4 layers"),
     (["mode=fast"], "choose 'sync' or 'async'"),
     (["reward=data.nope"], "cannot load 'data.nope'"),
     (["advantage=ppo2"], "ppo2"),
