@@ -851,6 +851,8 @@ class CpuEngine:
             if tag == "weights":
                 self.packed.clear()  # MKL's packed copies are a second copy of the weights
         import transfermesh
+        if "weights" in tags:
+            transfermesh.release_shm()  # the mapping of the trainer's staging segment: a third copy
         transfermesh.trim_freed_memory()
 
     def _resume_memory(self, tags: list[str]) -> None:

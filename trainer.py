@@ -1090,6 +1090,8 @@ class TrainerWorker:
                     entries.append((t, torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.data)))
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
             self.offloaded[tag] = (entries, path)
+        if "weights" in tags:
+            transfermesh.release_shm()  # the weight-sync staging segment is a further copy of the weights
         if not self.cpu:
             torch.cuda.empty_cache()  # the caching allocator would keep the freed blocks from the engines
         transfermesh.trim_freed_memory()

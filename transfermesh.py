@@ -379,6 +379,13 @@ def _unlink_segment() -> None:
             pass
 
 
+def release_shm() -> None:
+    """Give back this process's shared-memory staging (colocated hand-off): the sender's kept segment and the
+    receiver's kept mappings of one. The next sync creates / maps them again (first-touch page faults once)."""
+    _unlink_segment()
+    _MAPPED.clear()
+
+
 def _push_shm(tensors, engines, bucket_bytes, config_dir, version):
     """Each bucket written once into shared memory, read by every local engine. The two halves of the segment
     alternate: bucket i+1 is written while the engines copy bucket i out (one update request in flight at a time,
