@@ -53,7 +53,10 @@ from __future__ import annotations
 
 import atexit
 import base64
+import ctypes
+import ctypes.util
 import glob
+import io
 import json
 import mmap
 import os
@@ -66,13 +69,18 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from multiprocessing import shared_memory
+from multiprocessing.reduction import ForkingPickler
 from typing import Iterable
 from urllib.parse import urlparse
 
 import httpx
 import numpy as np
 import torch
+import torch.distributed as dist
 import xxhash
+from safetensors.torch import save_file
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
+from torch.multiprocessing import reductions  # importing it also registers torch's tensor reducers with ForkingPickler
 
 import data
 
@@ -421,7 +429,6 @@ def _reduce_tensor_with_device_uuid(t: torch.Tensor):
     maps a UUID back to its own index; a bare index would name another GPU there whenever the trainer's and the
     engine's CUDA_VISIBLE_DEVICES differ, which Ray makes the rule. Argument 6 of torch's rebuild_cuda_tensor is the
     storage device (SGLang patches the same position)."""
-    from torch.multiprocessing import reductions
     rebuild, args = reductions.reduce_tensor(t)
     if rebuild is reductions.rebuild_cuda_tensor:
         args = (*args[:6], _device_uuid(args[6]), *args[7:])
@@ -434,10 +441,6 @@ def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]], tp_size: int) -> l
     references per dump on the sender, so one dump read by two ranks would be released twice. CUDA devices travel
     as UUIDs (`_reduce_tensor_with_device_uuid`). The dump holds only what SGLang's SafeUnpickler allows (lists,
     tuples, str, torch's tensor rebuild functions, dtypes). Works on CPU tensors too (shared-memory handles)."""
-    import io
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401 - registers torch's tensor reducers with ForkingPickler
     out = []
     for _ in range(tp_size):
         buf = io.BytesIO()
@@ -510,7 +513,6 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
 
 def _push_disk(tensors, engines, bucket_bytes, config_dir, version):
     """Write an HF directory (safetensors + the source config/tokenizer files) and point engines at it."""
-    from safetensors.torch import save_file
     out = tempfile.mkdtemp(prefix="loongsage_weights_")
     try:
         if config_dir:
@@ -548,8 +550,6 @@ def rss_bytes() -> int:
 def trim_freed_memory() -> None:
     """Return freed heap pages to the OS (glibc's malloc_trim): tensors of a few MB come from malloc's arenas,
     and without a trim their pages stay in this process after a free, so the colocated peer would not get them."""
-    import ctypes
-    import ctypes.util
     try:
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     except (OSError, AttributeError):
@@ -617,7 +617,6 @@ def new_gloo_group(master_address: str, master_port: int, rank: int, world_size:
     Built from a TCPStore directly, so it lives beside whatever default group the process has
     (Megatron's, in the trainer). On GPU, SGLang builds its own NCCL group from the same fields.
     """
-    import torch.distributed as dist
     store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0),
                           timeout=timedelta(seconds=timeout_s))
     return dist.ProcessGroupGloo(dist.PrefixStore("loongsage_weights", store), rank, world_size,
@@ -630,8 +629,6 @@ def new_sglang_group(master_address: str, master_port: int, rank: int, world_siz
     (`init_custom_process_group` in sglang/srt/utils/common.py): a TCP store at master_address:master_port (rank 0,
     the trainer, hosts it), prefixed with group_name, then torch's group constructor with that name, so both sides
     use the same store keys. Registered with torch.distributed under group_name beside the default group."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
