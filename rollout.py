@@ -70,6 +70,7 @@ import asyncio
 import base64
 import collections
 import concurrent.futures
+import ctypes
 import dataclasses
 import difflib
 import glob
@@ -88,11 +89,18 @@ import uuid
 from pathlib import Path
 
 import httpx
+import ray
 import torch
 import torch.nn.functional as F
-from fastapi import Request  # at module level: FastAPI resolves handler annotations by name
+import uvicorn
+from fastapi import FastAPI, Request  # Request at module level: FastAPI resolves handler annotations by name
+from fastapi.responses import JSONResponse, PlainTextResponse
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 import data
+import transfermesh
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe")  # layouts the CPU forward pass handles
 SGLANG_STARTUP_TIMEOUT_S = 1200.0  # loading a large checkpoint and capturing CUDA graphs can take minutes
@@ -331,8 +339,6 @@ class CpuEngine:
     def __init__(self, model_path: str, *, max_batch: int = 64, max_len: int | None = None, seed: int = 0,
                  dtype: str = "float32", max_prefill_tokens: int = 8192,
                  weight_version: str = "0", fp32_lm_head: bool = False):
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
         self.model_path = str(model_path)
         self.dtype = getattr(torch, dtype)
@@ -424,7 +430,6 @@ class CpuEngine:
         files = ("tokenizer.json", "tokenizer_config.json")
         if not any(os.path.exists(os.path.join(self.model_path, f)) for f in files):
             return None  # no tokenizer: responses carry ids only, "text" stays ""
-        from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(self.model_path)
 
     def _eos_ids(self) -> frozenset:
@@ -850,7 +855,6 @@ class CpuEngine:
                 st.resize_(0)
             if tag == "weights":
                 self.packed.clear()  # MKL's packed copies are a second copy of the weights
-        import transfermesh
         if "weights" in tags:
             transfermesh.release_shm()  # the mapping of the trainer's staging segment: a third copy
         transfermesh.trim_freed_memory()
@@ -948,7 +952,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) 
 
 
 def _bad(message: str):
-    from fastapi.responses import JSONResponse
     return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": 400}}, status_code=400)
 
 
@@ -976,9 +979,6 @@ def _per_item(value, n: int, name: str) -> list:
 
 def build_app(engine: CpuEngine):
     """The FastAPI app serving `engine` under SGLang's native endpoint names."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, PlainTextResponse
-
     app = FastAPI(title="LoongSage CPU rollout engine")
     groups: dict = {}  # group_name -> torch.distributed ProcessGroup for /update_weights_from_distributed
 
@@ -1087,14 +1087,12 @@ def build_app(engine: CpuEngine):
     async def release_memory_occupation(request: Request):
         body = await _json_body(request)
         await asyncio.to_thread(engine.release_memory, body.get("tags"))
-        import transfermesh
         return {"success": True, "released": sorted(engine._released), "rss_bytes": transfermesh.rss_bytes()}
 
     @app.post("/resume_memory_occupation")
     async def resume_memory_occupation(request: Request):
         body = await _json_body(request)
         await asyncio.to_thread(engine.resume_memory, body.get("tags"))
-        import transfermesh
         return {"success": True, "released": sorted(engine._released), "rss_bytes": transfermesh.rss_bytes()}
 
     @app.post("/update_weight_version")
@@ -1161,7 +1159,6 @@ def build_app(engine: CpuEngine):
         if body.get("load_format") != "flattened_bucket":
             raise BadRequest(f"the CPU engine takes load_format 'flattened_bucket' (a shared-memory descriptor from "
                              f"transfermesh per TP rank), got {body.get('load_format')!r}")
-        import transfermesh
         try:  # the CPU engine is one TP rank: it reads entry 0, as SGLang's rank 0 does
             named = await asyncio.to_thread(transfermesh.read_shm_bucket, items[0])
         except ValueError as e:  # a bad descriptor or checksum: refuse the bucket, keep the old weights
@@ -1176,7 +1173,6 @@ def build_app(engine: CpuEngine):
             raise BadRequest(f"init_weights_update_group is missing {missing}")
         if body.get("backend", "gloo") not in ("gloo", "nccl"):
             raise BadRequest(f"backend {body['backend']!r}: the CPU engine joins with gloo")
-        import transfermesh
         # Blocks until the trainer joins the rendezvous, so it runs off the event loop (and off the scheduler).
         # The CPU engine is TP rank 0 of itself: it joins at rank_offset + 0.
         groups[body.get("group_name", "weight_update_group")] = await asyncio.to_thread(
@@ -1195,7 +1191,6 @@ def build_app(engine: CpuEngine):
                              f"(known: {sorted(groups)})")
         if not all(isinstance(body.get(k), list) for k in ("names", "dtypes", "shapes")):
             raise BadRequest("update_weights_from_distributed needs lists names, dtypes and shapes")
-        import transfermesh
         # Receive while generation goes on; only the copy into the model waits for a step boundary.
         try:
             named = await asyncio.to_thread(transfermesh.recv_broadcast, groups[name], body["names"], body["dtypes"],
@@ -1217,7 +1212,6 @@ def build_app(engine: CpuEngine):
 
 def read_safetensors_dir(path: str) -> list:
     """All (hf_name, tensor) pairs of the *.safetensors files in an HF directory."""
-    from safetensors.torch import load_file
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise BadRequest(f"no *.safetensors files in {path!r}; give an HF model directory")
@@ -1241,7 +1235,6 @@ class ServerHandle:
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 0, **engine_opts) -> tuple[str, ServerHandle]:
     """Start a CPU engine and its HTTP server on a background thread; returns (url, handle).
     port=0 picks a free port. engine_opts go to CpuEngine (max_batch, max_len, seed, dtype, ...)."""
-    import uvicorn
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # TCP_NODELAY (inherited by accepted connections): a JSON answer goes out as two writes, headers then body, and
@@ -1273,12 +1266,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 0, **engine_opts
 
 def _serve_host() -> str:
     """Loopback on one machine; this node's address when the Ray cluster spans several."""
-    try:
-        import ray
-        if ray.is_initialized() and sum(n["Alive"] for n in ray.nodes()) > 1:
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
+    if ray.is_initialized() and sum(n["Alive"] for n in ray.nodes()) > 1:
+        return ray.util.get_node_ip_address()
     return "127.0.0.1"
 
 
@@ -1292,7 +1281,6 @@ def _die_with_parent() -> None:
     """In the SGLang child, before exec: on Linux, get SIGTERM when the engine actor's process dies, even by
     SIGKILL (Ray killing the actor), so no server is left holding GPUs. Elsewhere shutdown() is the only stop."""
     if sys.platform.startswith("linux"):
-        import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
