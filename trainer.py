@@ -41,6 +41,7 @@ pipeline or expert parallelism (rejected at `--check`).
 """
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
@@ -50,10 +51,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 import algos
+import transfermesh
+# Megatron-Core is imported inside the functions that use it (`# Megatron: late`): it takes ~2 s to import, a cost
+# for the trainer actors only, while the controller imports this module (loongsage, teacher) and builds no model.
 
 # Megatron-Core warns on import that Transformer Engine / Apex are absent and it falls back to plain torch:
 # that fallback is exactly what this worker uses (local layer spec), so the warning carries no news.
@@ -145,9 +151,9 @@ def apply_cpu_shims() -> bool:
         return False
     if not _SHIMS_APPLIED:
         torch.cuda.current_device = lambda: torch.device("cpu")  # shim 1
-        from megatron.core.models.backends import LocalSpecProvider
+        from megatron.core.models.backends import LocalSpecProvider  # Megatron: late
         LocalSpecProvider.core_attention = lambda self: SDPACoreAttention  # shim 2
-        from megatron.core.pipeline_parallel import schedules
+        from megatron.core.pipeline_parallel import schedules  # Megatron: late
         schedules.torch = _TorchOnCpu()  # shim 4
         _SHIMS_APPLIED = True
     return True
@@ -157,7 +163,7 @@ def _moe_router_without_te() -> None:
     """Megatron-Core 0.16's MoE router gating refers to Transformer Engine's GEMM by name even when TE
     is not installed (a NameError at the first MoE forward). Define the name as None so the plain
     torch matmul branch runs. Needed wherever TE is absent, CPU or GPU; a no-op when TE is there."""
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils  # Megatron: late
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
@@ -223,7 +229,7 @@ def megatron_config(hf: dict, cfg, cpu: bool):
     `cfg.megatron` (a dict) is passed through last, so any TransformerConfig field can be overridden
     from a recipe.
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig  # Megatron: late
 
     mt, tp = hf["model_type"], int(cfg.tensor_parallel)
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
@@ -319,8 +325,8 @@ def replay_routing(model, routed: torch.Tensor | None) -> None:
     frozen reference's included; this sets each router's own instance instead, by the router's global layer
     number (so a pipeline stage reads its own layers). Megatron flattens tokens sequence-first: row s*B + b is
     token s of sample b."""
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    from megatron.core.transformer.moe.router import TopKRouter  # Megatron: late
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction  # Megatron: late
     for m in model.modules():
         if not isinstance(m, TopKRouter) or m.router_replay is None:
             continue
@@ -340,8 +346,8 @@ def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, pre_process:
     pipeline parallelism: one stage, its share of the layers (+ embedding on the first, final norm and output
     layer on the last: `pre_process` / `post_process`). `fp32_lm_head`: logits computed in fp32
     (`fp32_output_layer`)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt import GPTModel  # Megatron: late
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # Megatron: late
 
     if tcfg.num_moe_experts:
         _moe_router_without_te()
@@ -397,8 +403,6 @@ class ValueHead(torch.nn.Module):
 
 def load_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of an HF safetensors checkpoint (single file or sharded with an index)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -589,7 +593,7 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_g
     `reduce_from_tensor_model_parallel_region` (its backward is the identity, which is the right
     gradient because every TP rank computes the same replicated loss). TP=1: the reductions vanish.
     """
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region  # Megatron: late
 
     tp = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
     rank = torch.distributed.get_rank(tp_group) if tp_group is not None else 0
@@ -620,8 +624,6 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_g
 def decode_routed_experts(b64: str, layers: int, topk: int) -> torch.Tensor:
     """An engine's `meta_info.routed_experts` (SGLang's encoding: base64 of little-endian int32) as a (n, layers,
     topk) long tensor: row i is the experts each layer chose for token i of prompt + response."""
-    import base64
-    import numpy as np
     flat = np.frombuffer(base64.b64decode(b64), dtype="<i4")
     if flat.size % (layers * topk):
         raise ValueError(f"routed_experts holds {flat.size} int32 values, not a whole number of ({layers} layers x "
@@ -848,7 +850,7 @@ class TrainerWorker:
     """
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # Megatron: late
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.cpu = apply_cpu_shims()
@@ -890,7 +892,7 @@ class TrainerWorker:
         self.pad_to = (0, 0)  # (B, T) every micro-batch is padded to at least (set per pipeline schedule run)
         torch.manual_seed(int(cfg.seed))
         if not self.cpu:
-            from megatron.core import tensor_parallel
+            from megatron.core import tensor_parallel  # Megatron: late
             tensor_parallel.model_parallel_cuda_manual_seed(int(cfg.seed))
         self.model = self.ref_model = self.optimizer = None
         self.offloaded: dict[str, tuple] = {}  # tag -> (freed storages, file) while offloaded (colocated hand-off)
@@ -908,7 +910,7 @@ class TrainerWorker:
         Calling it again rebuilds everything from the new directory (optimizer state and step reset).
         With `advantage: gae` (and no `lr`: the warm start trains the policy only) it also builds the critic.
         """
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # Megatron: late
 
         self.hf_path, self.lr_override, self.optim_steps, self.critic_steps = str(path), lr, 0, 0
         self.model = self.ref_model = self.optimizer = None  # free a previous model before building the next
@@ -927,7 +929,7 @@ class TrainerWorker:
         del hf_state
         gpt = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.pre_process, self.post_process,
                               fp32_lm_head=self.cfg.fp32_lm_head)
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # Megatron: late
         self.layer_offset = get_transformer_layer_offset(self.tcfg) if self.pp_size > 1 else 0  # first global layer
         self.n_local_layers = len(gpt.decoder.layers)
         self._load_full_state(gpt, full)
@@ -952,7 +954,7 @@ class TrainerWorker:
         return {"params_this_rank": n_params, "reference": needs_ref, "critic": self.critic is not None}
 
     def _expert_rank_info(self):
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # Megatron: late
         if not self.tcfg.num_moe_experts:
             return 0, 1, 0, 1
         return (parallel_state.get_expert_model_parallel_rank(),
@@ -1019,7 +1021,7 @@ class TrainerWorker:
         model = self.model if model is None else model
         lr = cfg.lr if lr is None else lr
         if not self.cpu:
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # Megatron: late
             ocfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min(cfg.min_lr, lr), weight_decay=cfg.weight_decay,
                                    adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
                                    clip_grad=float(cfg.grad_clip or 0.0), bf16=self.tcfg.bf16,
@@ -1062,7 +1064,6 @@ class TrainerWorker:
 
     def offload(self, tags: list[str]) -> dict:
         """Free the memory of `tags` (see above); returns this rank's memory afterwards (`memory`)."""
-        import transfermesh
         for tag in tags:
             if tag in self.offloaded:
                 continue
@@ -1122,7 +1123,6 @@ class TrainerWorker:
     def memory(self) -> dict:
         """This rank's memory: resident bytes of the process; on CUDA also the device memory torch holds and the
         whole device's used memory (which shows colocated engines releasing theirs)."""
-        import transfermesh
         out = {"rss_bytes": transfermesh.rss_bytes()}
         if not self.cpu:
             free, total = torch.cuda.mem_get_info()
@@ -1232,7 +1232,7 @@ class TrainerWorker:
             return
         if not mbs:  # every stage of a pipeline holds the same samples: all skip together
             return
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel import get_forward_backward_func  # Megatron: late
 
         def forward_step(data_iterator, stage_model):
             i, mb = next(data_iterator)
@@ -1310,7 +1310,7 @@ class TrainerWorker:
         """The experts every router actually dispatched each token to, per sample a (P+R, L, K) long tensor, sorted
         within each token (a routing map has no order): read from the routers' outputs in a no-grad forward, with
         replay when the batch carries routed_experts and router_replay is on. For the R3 tests."""
-        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.moe.router import TopKRouter  # Megatron: late
         if self.pp_size > 1:
             raise NotImplementedError("routing_used reads one whole model; call it with pipeline_parallel=1")
         maps = {}
@@ -1349,7 +1349,7 @@ class TrainerWorker:
         `param_is_not_tensor_parallel_duplicate`. Gradients are equal on every DP rank after the
         all-reduce, so no DP reduction is needed.
         """
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate  # Megatron: late
 
         params = [p for p in model.parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64)
@@ -1362,7 +1362,7 @@ class TrainerWorker:
         if self.tp_size > 1:
             torch.distributed.all_reduce(sq, group=self.tp_group)
         if self.tcfg.num_moe_experts:  # over every rank holding a different expert shard (EP x expert TP)
-            from megatron.core import parallel_state
+            from megatron.core import parallel_state  # Megatron: late
             group = parallel_state.get_expert_tensor_and_model_parallel_group()
             if torch.distributed.get_world_size(group) > 1:
                 torch.distributed.all_reduce(sq_experts, group=group)
@@ -1379,7 +1379,7 @@ class TrainerWorker:
     def _optimizer_step(self, critic: bool = False) -> tuple[float, float]:
         """Finish the DP gradient sum, clip, step at the scheduled lr (the critic: its constant critic_lr).
         Returns (grad_norm, lr)."""
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import finalize_model_grads  # Megatron: late
 
         model, optimizer = (self.critic, self.critic_optimizer) if critic else (self.model, self.optimizer)
         finalize_model_grads([model])  # DP all-reduce (SUM) + TP sum of qk-layernorm grads
@@ -1639,6 +1639,7 @@ class TrainerWorker:
              for k, v in t.items()}
         mask = mb["loss_mask"] * t["teacher_mask"]  # (b, R) distilled tokens
         if self.tp_size > 1:  # full-vocabulary divergences need the whole row: gather the vocab shards
+            # Megatron: late
             from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
             logits = gather_from_tensor_model_parallel_region(logits, group=self.tp_group)  # (b, R, V)
         logits = logits.float()
@@ -1777,7 +1778,7 @@ class TrainerWorker:
         different data-parallel replicas of the dense layers, so then every rank takes part). With pipeline
         parallelism each stage's TP rank 0 gathers its layers (named as in the full model) and the stages'
         tensors meet on rank 0 (the first stage's) through the pipeline group."""
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # Megatron: late
         self.onload(["weights"])  # colocated: a re-created engine may need them while they are offloaded
         ep_rank, ep_size, _, etp_size = self._expert_rank_info()
         gpt = self.model.module
@@ -1818,7 +1819,6 @@ class TrainerWorker:
         named = self.export_hf_weights()
         if self.rank != 0:
             return {}
-        import transfermesh
         # SGLang engines run with tensor parallel size tp_size (cfg.gpus_per_engine unless cfg.sglang sets it);
         # the CPU engine is one rank
         sglang = self.cfg.engine == "sglang" or (self.cfg.engine == "auto" and torch.cuda.is_available())
@@ -1828,8 +1828,6 @@ class TrainerWorker:
 
     def save_hf(self, path: str) -> str:
         """Write an HF model directory (safetensors + the source dir's config and tokenizer files)."""
-        from safetensors.torch import save_file
-
         named = self.export_hf_weights()
         if self.rank == 0:
             out = Path(path)
@@ -1850,7 +1848,6 @@ class TrainerWorker:
         load_checkpoint. The file is written under a temporary name and renamed, so a rank file that exists is
         complete; the controller's `latest` marker (loongsage.save_run_state) names the newest complete
         checkpoint directory."""
-        import numpy as np
         self.onload()
         os.makedirs(directory, exist_ok=True)
         path = Path(directory) / f"rank_{self.rank:05d}.pt"
@@ -1870,7 +1867,6 @@ class TrainerWorker:
     def load_checkpoint(self, directory: str) -> int:
         """Restore what save_checkpoint wrote (same world size and TP), after load_hf() built the model.
         Returns the optimizer step count (the LR schedule continues from it)."""
-        import numpy as np
         path = Path(directory) / f"rank_{self.rank:05d}.pt"
         if not path.exists():
             raise FileNotFoundError(f"{path} does not exist; checkpoints are per rank, so resume with the "
@@ -1907,7 +1903,7 @@ class TrainerWorker:
         return self.optim_steps
 
     def shutdown(self) -> None:
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # Megatron: late
         parallel_state.destroy_model_parallel()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
