@@ -34,20 +34,32 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import itertools
 import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+import numpy as np
+import ray
+import torch
 import yaml
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tqdm import tqdm
 
+import algos
 import data
+import trainer  # cheap: Megatron loads inside the trainer actors, not here
+import transfermesh
 
 
 # ================================================================================================
@@ -271,18 +283,13 @@ def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
 
 def finalize(cfg: Config) -> Config:
     """Derived values and the batch algebra, with messages that say what to change."""
-    import algos
 
     def need(ok: bool, msg: str):
         if not ok:
             raise ValueError(msg)
 
     if cfg.device == "auto":
-        try:
-            import torch
-            cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-        except ImportError:
-            cfg.device = "cpu"
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     need(cfg.device in ("cpu", "cuda"), f"device={cfg.device!r}: choose 'auto', 'cpu' or 'cuda'")
     if cfg.engine == "auto":
         cfg.engine = "sglang" if cfg.device == "cuda" else "cpu"
@@ -321,7 +328,6 @@ def finalize(cfg: Config) -> Config:
          "nor train; set one of them")
     need(cfg.sandbox in ("local", "docker", "auto") or data.is_dotted(cfg.sandbox),
          f"sandbox={cfg.sandbox!r}: choose 'local', 'docker', 'auto' or a dotted path 'module.function'")
-    import transfermesh
     need(cfg.transfer in transfermesh.TRANSPORTS or data.is_dotted(cfg.transfer),
          f"transfer={cfg.transfer!r}: choose one of {transfermesh.TRANSPORTS} or a dotted path 'module.function'")
     need(cfg.transfer != "cuda_ipc" or cfg.device == "cuda", "transfer=cuda_ipc needs device=cuda (CUDA IPC handles "
@@ -608,14 +614,13 @@ def describe(cfg: Config) -> str:
 def check_runtime(cfg: Config) -> None:
     """What only this machine can say: the device exists, the model and data are there."""
     if cfg.device == "cuda":
-        import torch
         if not torch.cuda.is_available():
             raise ValueError("device=cuda but no CUDA device is visible; run on a GPU machine or set device=cpu engine=cpu")
     if cfg.model_path != "tiny" and not Path(cfg.model_path).is_dir():
         raise FileNotFoundError(f"model_path={cfg.model_path!r} is not a directory; give a local HF model directory "
                                 "(config.json + safetensors + tokenizer) or model_path=tiny")
     if cfg.agent_command and cfg.sandbox == "docker":
-        import agentflow
+        import agentflow  # late: ~1 s (OpenAI client, FastAPI server), paid only when --check needs it
         if not agentflow.docker_available():
             raise ValueError("sandbox=docker but no Docker engine answers `docker info` on this machine; start "
                              "dockerd, or set sandbox=local (LocalSandbox.contained says what it contains here)")
@@ -631,7 +636,6 @@ def check_runtime(cfg: Config) -> None:
 def checkpoint_fingerprint(path: str) -> str:
     """A fast hash of an HF model directory: every file's name and size, plus the first and last MiB of each
     weight file (a changed checkpoint almost always changes one of these; hashing GBs in full would not pay)."""
-    import hashlib
     h = hashlib.sha256()
     for f in sorted(Path(path).iterdir()):
         if f.is_file():
@@ -648,7 +652,6 @@ def prepare_model(cfg: Config, trainers) -> str:
     """Resolve cfg.model_path: "tiny" builds (and caches) the tiny Qwen3 of data.py, anything else is an HF
     directory. With `warmstart_steps`, SFT it on `warmstart_dataset` through the same Megatron trainers first,
     save it as HF, and cache it by the base checkpoint's fingerprint and the SFT settings."""
-    import ray
     if cfg.model_path == "tiny":
         base = data.build_tiny_model(data.default_cache_dir() / f"tiny-{data.settings_hash(cfg.tiny_model)}",
                                      **cfg.tiny_model)
@@ -668,7 +671,6 @@ def prepare_model(cfg: Config, trainers) -> str:
     samples = data.load_dataset(cfg.warmstart_dataset)
     rng = random.Random(cfg.seed)
     ray.get([t.load_hf.remote(base, lr=cfg.warmstart_lr) for t in trainers])
-    from tqdm import tqdm
     bar = tqdm(range(cfg.warmstart_steps), desc="warm start (SFT)", file=sys.stdout, mininterval=2)
     for step in bar:
         batch = [example(tok, s, rng, cfg.warmstart_label_noise)
@@ -738,16 +740,12 @@ def placement_table(cfg: Config, plan: dict, where: list | None = None) -> str:
 
 def where_am_i() -> tuple[str, list[str]]:
     """(Ray node id, GPU ids Ray assigned) of the calling task or actor."""
-    import ray
     return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
 
 
 def bundle_gpus(pg, n: int) -> list[tuple[str, list[str]]]:
     """(node id, GPU ids) of each of the n bundles, asked of Ray by a tiny task on each (before any actor
     holds them). Engines spanning several bundles pass these ids to their server as CUDA_VISIBLE_DEVICES."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     has_gpu = ray.available_resources().get("GPU", 0) > 0 or ray.cluster_resources().get("GPU", 0) > 0
     probe = ray.remote(where_am_i)
     return ray.get([probe.options(num_cpus=0, num_gpus=0.01 if has_gpu else 0,
@@ -758,12 +756,6 @@ def bundle_gpus(pg, n: int) -> list[tuple[str, list[str]]]:
 def launch(cfg: Config):
     """Start Ray, reserve the placement bundles (see `placement`), create the trainer ranks.
     Returns (placement group, trainer actors, the placement plan, each bundle's (node, GPU ids))."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    import trainer
-
     if not ray.is_initialized():
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, log_to_driver=True)
@@ -813,10 +805,7 @@ def launch(cfg: Config):
 def start_engine(cfg: Config, pg, plan: dict, where: list, i: int):
     """Engine i's RolloutEngine actor on its bundle; an SGLang server sees the GPUs of all its bundles.
     Always the same bundle for the same i, so a re-created engine takes its predecessor's place."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    import rollout
+    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
     o = plan["engines"][i]
     return ray.remote(rollout.RolloutEngine).options(
         num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
@@ -861,11 +850,7 @@ def prepare_teachers(cfg: Config, trainers) -> dict[str, str]:
 def start_teachers(cfg: Config, pg, paths: dict[str, str]) -> list:
     """The teacher group: `teacher_tp` TeacherWorker ranks in their own placement group ("own") or on the
     trainers' bundles ("trainer": they compute while the trainers wait), every teacher registered."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    import teacher
+    import teacher  # import cycle: teacher imports loongsage
     gpu = cfg.device == "cuda"
     if cfg.teacher_placement == "own":
         bundle = {"GPU": 1, "CPU": cfg.cpus_per_teacher} if gpu else {"CPU": cfg.cpus_per_teacher}
@@ -885,8 +870,6 @@ def start_teachers(cfg: Config, pg, paths: dict[str, str]) -> list:
 
 
 def _addr_and_port():
-    import transfermesh
-    import ray
     return ray.util.get_node_ip_address(), transfermesh.free_port()
 
 
@@ -912,7 +895,6 @@ def wait(refs, what: str, timeout: float, knob: str, every: float = 0.0, tick=No
     TimeoutError naming `what` and the config `knob` that sets the limit (a bare ray.get would wait
     forever on a hung actor). `tick()` runs every `every` seconds meanwhile (the engine health check
     while a rollout batch is generated)."""
-    import ray
     order = list(refs) if isinstance(refs, list) else [refs]
     pending, results = list(order), {}
     start = time.monotonic()
@@ -935,7 +917,6 @@ def wait(refs, what: str, timeout: float, knob: str, every: float = 0.0, tick=No
 def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: int) -> str:
     """Re-create dead engine i on its bundle, load the trainers' current weights (labelled `version`)
     into it, and route to it again. The trainers must be idle and hold weight version `version`."""
-    import ray
     if fleet.restarts >= cfg.max_engine_restarts:
         raise RuntimeError(f"rollout engine {i} ({fleet.urls[i]}) is dead, and {fleet.restarts} engines were already "
                            f"re-created in this run (max_engine_restarts={cfg.max_engine_restarts}); the engines' logs "
@@ -971,10 +952,6 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int) -> dic
     flight keep their KV cache and tokens), take every bucket, then continue on the new weights. A dead engine
     is skipped and re-created on these weights afterwards; one that dies during the push fails it, so probe
     and push once more to the engines left (a push is idempotent). Returns the trainers' `weights/` metrics."""
-    import httpx
-    import ray
-
-    import transfermesh
     for attempt in (1, 2):
         dead = check_engines(cfg, fleet, flow)
         live = [u for u in fleet.urls if u not in dead]
@@ -1012,9 +989,7 @@ def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> 
     Does nothing (returns {}) unless cfg.colocate."""
     if not cfg.colocate:
         return {}
-    import httpx
-
-    import rollout
+    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
     t0 = time.perf_counter()
 
     def engines(path: str, payload: dict) -> list[dict]:
@@ -1066,14 +1041,12 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def rng_state() -> dict:
     """The controller's python and numpy global RNG states, as JSON."""
-    import numpy as np
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
 
 
 def set_rng_state(state: dict) -> None:
-    import numpy as np
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
@@ -1086,7 +1059,6 @@ def save_run_state(cfg: Config, trainers, step: int, controller_state: dict) -> 
     `controller_state` train() hands over (JSON: data cursor, RNG, ...) and config.yaml. Then, last,
     `checkpoints/latest` is rewritten (atomically) to name it: a crash anywhere in a save leaves
     `latest` naming the previous checkpoint, complete."""
-    import shutil
     root = Path(cfg.output_dir) / "checkpoints"
     path = root / f"step_{step:05d}"
     marker = root / "latest"
@@ -1147,7 +1119,7 @@ class Logger:
             _atomic_write(path, "".join(json.dumps(r) + "\n" for r in self.history))
         self.jsonl = open(path, "a" if resume_step is not None else "w")
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # here: tensorboard may be absent (below)
             # purge_step: TensorBoard hides this run's earlier events from resume_step on (the redone steps)
             self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=resume_step)
         except ImportError:  # tensorboard is optional
@@ -1180,13 +1152,12 @@ class Logger:
                     self.tb.add_scalar(k, v, step)
             for k, v in hists.items():
                 if v:
-                    import numpy as np
                     self.tb.add_histogram(k, np.asarray(v), step)
         scalars = {k: v for k, v in metrics.items() if k != "step"}
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
         if self.mlflow is not None:  # MLflow metric names allow no '@': eval/pass@4 -> eval/pass_at_4
-            import mlflow
+            import mlflow  # optional dependency, imported only when on
             mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in scalars.items()}, step=step)
 
     def line(self, step: int, m: dict) -> str:
@@ -1199,9 +1170,9 @@ class Logger:
         return line
 
     def plot(self) -> Path | None:
-        import matplotlib
+        import matplotlib  # late: ~0.5 s, only for the plot at the end of a run
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use("Agg"): pyplot picks its backend on import
         fig, ax = plt.subplots(figsize=(7, 4))
         for key, style in (("rollout/reward_mean", "-"), ("eval/accuracy", "o-")):
             pts = [(h["step"], h[key]) for h in self.history if key in h]
@@ -1233,7 +1204,7 @@ class Logger:
         if self.wandb is not None:
             self.wandb.finish()
         if self.mlflow is not None:
-            import mlflow
+            import mlflow  # optional dependency, imported only when on
             mlflow.end_run()
 
 
@@ -1480,7 +1451,6 @@ def dump(trajs: list[dict], path: Path):
 def eval_metrics(trajs: list[dict], k: int, prefix: str = "eval/") -> dict:
     """mean@k (`accuracy`: the mean reward of k samples per prompt) and the unbiased pass@j for j = 1, 2, 4, ..
     up to k (a sample passes when its reward is >= 1), from complete groups of k."""
-    import algos
     groups: dict[int, list[float]] = {}
     for t in trajs:
         groups.setdefault(t["group_id"], []).append(t["reward"])
@@ -1515,7 +1485,7 @@ def evaluate(cfg: Config, flow, eval_sets: dict[str, list[dict]], step: int) -> 
 
 def engine_busy_seconds(engine_urls: list[str]) -> float:
     """Seconds CPU engines have spent computing so far (their /get_server_info); 0 for other engines."""
-    import rollout
+    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
     try:
         return sum(rollout.get(u, "/get_server_info")["internal_states"][0].get("busy_s", 0.0) for u in engine_urls)
     except (rollout.EngineError, KeyError, IndexError, OSError):
@@ -1545,10 +1515,7 @@ def evaluate_teachers(cfg: Config, trainers, flow, engine_urls, paths: dict[str,
     architecture is loaded into the trainers, pushed to the engines and evaluated like the student; then
     the student's weights go back (version 0). Other architectures cannot be served by the student's
     engines and are skipped."""
-    import ray
-
-    import trainer
-    import teacher
+    import teacher  # import cycle: teacher imports loongsage
     mine = teacher.arch_key(trainer.read_hf_config(cfg.model_path))
     out = {}
     for name, path in paths.items():
@@ -1567,9 +1534,6 @@ def evaluate_teachers(cfg: Config, trainers, flow, engine_urls, paths: dict[str,
 def train(cfg: Config) -> list[dict]:
     """The whole system: launch actors, then per step: rollout (a producer keeps up to C prompt groups in
     flight or buffered), train on B complete groups, sync weights, eval, checkpoint."""
-    import ray
-    from tqdm import tqdm
-
     check_runtime(cfg)
     print("config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     print(f"derived: {describe(cfg)}")
@@ -1581,7 +1545,7 @@ def train(cfg: Config) -> list[dict]:
     samples, eval_samples = load_data(cfg)  # before any actor: a bad teacher name in the data fails here
 
     # --- actors: trainers first (they also warm-start the tiny model and build tiny teachers), then engines
-    import agentflow
+    import agentflow  # late: ~1 s (OpenAI client, FastAPI server), which --check does not need
     pg, trainers, plan, where = launch(cfg)
     teacher_paths = prepare_teachers(cfg, trainers) if cfg.teachers else {}
     cfg.model_path = prepare_model(cfg, trainers)
@@ -1742,7 +1706,6 @@ def main(argv: list[str]) -> int:
         print("run failed:\n" + traceback.format_exc(), file=sys.stderr)
         return 1
     finally:
-        import ray
         if ray.is_initialized():
             ray.shutdown()
     return 0
