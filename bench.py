@@ -46,15 +46,33 @@ Left out: GPU benchmarks (SGLang has its own) and multi-process setups.
 from __future__ import annotations
 
 import argparse
-import random
+import asyncio
+import json
+import multiprocessing as mp
 import os
+import pickle
+import random
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
+import numpy as np
+import ray
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, TrainerCallback
 
 import data
+import loongsage
+import rollout
+import transfermesh as tm
 
 
 def _interleaved(fns: list, repeats: int) -> list[float]:
@@ -73,9 +91,6 @@ def bench_rollout(args) -> dict:
     """Tokens/s of the CPU engine vs transformers generate, same model, batch, lengths and sampling, for two
     workloads: every request `new_tokens` long, and request lengths spread uniformly over [1, 2*new_tokens)
     (the RL case: responses end at different times). Same total of useful tokens on both sides."""
-    import rollout
-    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
-
     path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -139,20 +154,13 @@ def bench_rollout(args) -> dict:
 def bench_router(args) -> dict:
     """Router overhead per request (agentflow: official OpenAI client -> router -> engine) vs the same request
     sent straight to the engine's /generate, as p50/p99 seconds and as a fraction of a 64-token generation."""
-    import asyncio
-
-    import agentflow
-    import loongsage
-    import openai
-    import rollout
+    import agentflow  # late: ~0.7 s (the OpenAI client), which only this subcommand needs
+    import openai  # likewise: only this subcommand talks through the official client
 
     path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
     # The engine runs in its own process, as engines do in a run (an in-process one would share the GIL
     # with the router and the clients being timed).
-    import socket
-    import subprocess
-    import sys
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -254,12 +262,6 @@ def bench_async(args) -> dict:
     """Async vs sync on the long-tail task, same model, data, seed, algorithm and number of trained samples:
     trained samples per second of the RL loop (warm start and eval excluded) and the final eval accuracy of
     each (a matched learning curve means within +-0.05). Target: async >= 1.7x sync."""
-    import json
-    import tempfile
-
-    import ray
-
-    import loongsage
     out = Path(tempfile.mkdtemp(prefix="loongsage_bench_async_"))
     (out / "train.jsonl").write_text("\n".join(json.dumps(s) for s in longtail_samples(4096, 1)))
     (out / "eval.jsonl").write_text("\n".join(json.dumps(s) for s in longtail_samples(64, 2)))
@@ -303,11 +305,6 @@ def bench_modes(args) -> dict:
     """The default recipe (recipes/arith_cpu.yaml) in sync and in async mode, same seed and steps: eval accuracy
     by step and by wall-clock time, both curves in one PNG (runs/bench_modes/modes.png), final accuracies and
     wall times printed. The bar: async ends within 0.05 of sync's accuracy in less wall time."""
-    import json
-
-    import ray
-
-    import loongsage
     res = {}
     for name, extra in {"sync": ["mode=sync"],
                         "async": ["mode=async", f"stale_steps={args.stale_steps}", "max_version_lag=2"]}.items():
@@ -326,9 +323,9 @@ def bench_modes(args) -> dict:
         evals = [(h["step"], h["eval/accuracy"]) for h in hist if "eval/accuracy" in h]
         res[name] = {"evals": evals, "clock": clock, "rl_s": rl, "total_s": total,
                      "lag_max": max(h.get("rollout/lag_max", 0) for h in steps)}
-    import matplotlib
+    import matplotlib  # late: ~0.5 s, for this subcommand's plot only
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot picks its backend on import
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in res.items():
         steps_, acc = zip(*r["evals"])
@@ -362,12 +359,6 @@ def bench_modes(args) -> dict:
 def _sync_receiver(conn) -> None:
     """The receiving process of `bench sync`: what an engine does with each transport, down to copying the
     weights into tensors it owns (checksums verified as the engine verifies them). Commands arrive on `conn`."""
-    import pickle
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    import transfermesh as tm
-    from safetensors.torch import load_file
     torch.set_num_threads(1)  # the sender keeps the other core, as an engine actor and a trainer would
     group, dest = None, {}
 
@@ -413,19 +404,6 @@ def bench_sync(args) -> dict:
     bytes and a one-parameter-per-request pickle-over-HTTP path, on 10 MB, 100 MB and 1 GB of fp32 weights (4 MB
     tensors, 64 MB buckets, checksums on; best of --repeats after a warm-up); then the fixed cost of a sync (pause -> begin -> update -> end ->
     continue) into a real CPU engine serving the tiny model, and that model's whole sync."""
-    import multiprocessing as mp
-    import pickle
-    import socket
-    import subprocess
-    import sys
-    import tempfile
-
-    import httpx
-    import numpy as np
-    import rollout
-    import transfermesh as tm
-    from safetensors.torch import save_file
-
     sizes_mb = [1, 4] if args.quick else [10, 100, 1000]
     bucket_bytes = 64 * 2**20
     ctx = mp.get_context("spawn")
@@ -511,7 +489,6 @@ def bench_sync(args) -> dict:
     http.close()
 
     # the fixed cost: a real CPU engine in its own process, synced the way train() does it
-    from safetensors.torch import load_file
     path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
     with socket.socket() as sock:
@@ -557,11 +534,6 @@ def bench_step(args) -> dict:
     """Seconds per RL step of LoongSage (mode=sync and mode=async, through loongsage.train) and, where TRL is
     installed, TRL's GRPOTrainer: same model dir, prompts, batch (8 prompts x 8 samples), max new tokens,
     learning rate and one optimizer update per step; no eval. Prints LoongSage's phases and the ratios."""
-    import tempfile
-
-    import loongsage
-    import ray
-
     path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
     prompts, samples, new_tokens = (2, 4, 8) if args.quick else (8, 8, 32)
@@ -602,9 +574,8 @@ def bench_step(args) -> dict:
 def _trl_step_time(path, dataset, prompts, samples, new_tokens, lr, steps, out):
     """Median seconds per step of TRL's GRPOTrainer on the same setup, or a string saying why it did not run."""
     try:
-        from datasets import Dataset
-        from transformers import TrainerCallback
-        from trl import GRPOConfig, GRPOTrainer
+        from datasets import Dataset  # optional: the [bench] extra, with TRL
+        from trl import GRPOConfig, GRPOTrainer  # optional: the [bench] extra
     except ImportError:
         return "TRL is not installed: `.venv/bin/pip install -e '.[bench]'` (keeps torch as it is)"
     rows = [{"prompt": s["messages"], "answer": str(s.get("answer", ""))} for s in data.load_dataset(dataset)]
