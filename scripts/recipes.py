@@ -2,6 +2,7 @@
 """Do the CPU recipes learn on any seed? Run each one on N seeds, each from an empty cache, and print the table.
 
     .venv/bin/python scripts/recipes.py [--recipes arith_cpu calc_cpu blackbox_cpu] [--seeds 1 2 3] [--out runs/recipes]
+                                        [--set key=value ...]
 
 For every (recipe, seed) it runs `loongsage.py recipes/<recipe>.yaml seed=<s> tiny_model.seed=<s>` as a new user
 would, in its own process, with LOONGSAGE_CACHE pointing at a new empty directory: the tiny model and tokenizer
@@ -100,7 +101,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--recipes", nargs="+", default=list(BARS), help="recipe names under recipes/ (no .yaml)")
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--out", default="runs/recipes", help="run directories, recipes.md and recipes.json go here")
-    p.add_argument("overrides", nargs="*", help="key=value passed to every run (e.g. num_steps=5 for a smoke run)")
+    p.add_argument("--set", nargs="*", default=[], dest="overrides", metavar="KEY=VALUE",
+                   help="overrides passed to every run (e.g. --set num_steps=2 warmstart_steps=20 for a smoke run)")
     a = p.parse_args(argv)
     unknown = [r for r in a.recipes if not (ROOT / "recipes" / f"{r}.yaml").exists()]
     if unknown:
