@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,6 +58,7 @@ def run_one(recipe: str, seed: int, out: Path, extra: list[str]) -> dict:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     minutes = (time.perf_counter() - t0) / 60
     load1 = os.getloadavg()[0]
+    shutil.rmtree(cache, ignore_errors=True)  # the trained model is in <run_dir>/final_hf; the cache was scratch
     if rc != 0:
         raise SystemExit(f"{recipe} seed {seed} failed (exit {rc}); its log: {run_dir / 'stdout.log'}")
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
@@ -66,7 +68,7 @@ def run_one(recipe: str, seed: int, out: Path, extra: list[str]) -> dict:
                          "needs eval_every > 0")
     return {"recipe": recipe, "seed": seed, "start": evals[0]["eval/accuracy"], "end": evals[-1]["eval/accuracy"],
             "tool_call_frac": evals[0].get("eval/multi_turn_frac"), "minutes": minutes,
-            "load_before": load0, "load_after": load1, "cache": str(cache)}
+            "load_before": load0, "load_after": load1}
 
 
 def summarize(recipe: str, runs: list[dict]) -> dict:
