@@ -1455,7 +1455,10 @@ def eval_metrics(trajs: list[dict], k: int, prefix: str = "eval/") -> dict:
     for t in trajs:
         groups.setdefault(t["group_id"], []).append(t["reward"])
     out = {f"{prefix}accuracy": sum(t["reward"] for t in trajs) / max(len(trajs), 1),
-           f"{prefix}response_len": sum(len(t["response_ids"]) for t in trajs) / max(len(trajs), 1)}
+           f"{prefix}response_len": sum(len(t["response_ids"]) for t in trajs) / max(len(trajs), 1),
+           # agents: samples whose model spoke more than once (calc: the first turn was a tool call)
+           f"{prefix}multi_turn_frac": sum((t.get("metadata") or {}).get("turns", 1) > 1 for t in trajs)
+           / max(len(trajs), 1)}
     j = 1
     while j <= k and k > 1:
         out[f"{prefix}pass@{j}"] = sum(algos.pass_at_k(len(r), sum(x >= 1 for x in r), j)

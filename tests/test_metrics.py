@@ -33,6 +33,10 @@ def test_eval_metrics_mean_and_pass_at_k():
     assert m["eval/x/pass@4"] == pytest.approx(2 / 3)
     assert set(k for k in m if "pass@" in k) == {"eval/x/pass@1", "eval/x/pass@2", "eval/x/pass@4"}
     assert "eval/pass@1" not in loongsage.eval_metrics(trajs[:1], 1)  # k = 1: mean only
+    assert m["eval/x/multi_turn_frac"] == 0.0  # no metadata: one turn each
+    for t, turns in zip(trajs, [2, 1, 3] + [1] * 9):  # an agent's samples: 2 of 12 spoke more than once
+        t["metadata"] = {"turns": turns}
+    assert loongsage.eval_metrics(trajs, 4)["eval/multi_turn_frac"] == pytest.approx(2 / 12)
 
 
 def read_wandb_offline(path: str) -> list[dict]:

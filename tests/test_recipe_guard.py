@@ -1,0 +1,108 @@
+"""CI guard for the tiny CPU recipes (issue 14): each warm start teaches its protocol, and a few RL steps move the
+reward the right way, on the recipes' own model and settings, shortened (the full recipes on 3 seeds are
+`scripts/recipes.py`, minutes each; this costs about a minute on 2 cores).
+
+* arith (arith_cpu, and blackbox_cpu, which warm-starts the same way): after the warm start every answer is a
+  number followed by <|im_end|>, and 10 GRPO steps (40 optimizer steps) raise the eval accuracy on a fixed seed.
+* calc: after the warm start the first turn is a well-formed calculator call (JSON arguments with a string
+  `expression`) in at least 90% of samples, on the real engine through the router.
+Fewer warm-start steps than the recipes: the format is learned within ~100 steps (what is checked here; calc
+measured 28 of 32 well-formed first turns after 60 steps, seed 7); copying the numbers right takes the rest
+of the recipe's steps.
+"""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import loongsage
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def ray_session():
+    import ray
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_arith_warm_start_answers_numbers_and_rl_raises_accuracy(tmp_path, monkeypatch, ray_session):
+    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))  # the warm start runs here, not from a cache
+    dump = tmp_path / "dump"
+    cfg = loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
+        f"output_dir={tmp_path}/run", "seed=7", "warmstart_steps=120", "num_steps=10", "min_lr=1e-3",
+        "eval_every=10", "eval_samples=2",
+        "eval_dataset=synthetic:arith:128:2:9", "print_every=0", f"dump_rollouts={dump}"])
+    history = loongsage.train(cfg)
+    first = _rows(dump / "step_00000.jsonl")  # sampled by the warm-started weights (version 0)
+    numbers = [re.fullmatch(r"-?\d+", t["response_text"]) is not None for t in first]
+    assert sum(numbers) / len(numbers) >= 0.95, [t["response_text"] for t in first][:20]
+    ended = [t["status"] == "ok" and t["loss_mask"] and t["metadata"]["finish_reasons"][-1] == "stop" for t in first]
+    assert sum(ended) / len(ended) >= 0.95  # each answer ends in <|im_end|>, not at max_new_tokens
+    evals = [h["eval/accuracy"] for h in history if "eval/accuracy" in h]
+    reward = [h["rollout/reward_mean"] for h in history if "rollout/reward_mean" in h]
+    assert len(evals) == 2 and len(reward) == 10
+    # 40 optimizer steps at the recipe's lr 1e-3 (at 3e-3 this policy collapsed: rollout reward 0.19 -> 0.01 in
+    # 8 steps, eval 0.14 -> 0.07): eval and rollout reward both rise
+    assert evals[1] >= evals[0] + 0.05, evals
+    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3, reward
+
+
+def test_calc_warm_start_first_turn_is_a_well_formed_tool_call(tmp_path, monkeypatch, ray_session):
+    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
+    dump = tmp_path / "dump"
+    cfg = loongsage.load_config(str(ROOT / "recipes/calc_cpu.yaml"), [
+        f"output_dir={tmp_path}/run", "seed=7", "warmstart_steps=100", "rollout_only=true", "num_steps=1",
+        "eval_every=0", "prompts_per_step=16", "samples_per_prompt=2", "global_batch_size=32", "print_every=0",
+        f"dump_rollouts={dump}"])
+    loongsage.train(cfg)
+    import data
+    tok = data.load_tokenizer(cfg.model_path)
+    trajs = _rows(dump / "step_00000.jsonl")
+    assert len(trajs) == 32
+    good, texts = [], []
+    for t in trajs:
+        first_turn = []  # the model's first turn: the masked-in tokens up to the first masked-out one
+        for tid, m in zip(t["response_ids"], t["loss_mask"]):
+            if not m:
+                break
+            first_turn.append(tid)
+        text = tok.decode(first_turn, skip_special_tokens=False)
+        texts.append(text)
+        m = re.fullmatch(r"<tool_call>\n(.*)\n</tool_call><\|im_end\|>", text, re.S)
+        try:
+            call = json.loads(m.group(1)) if m else None
+        except json.JSONDecodeError:
+            call = None
+        good.append(isinstance(call, dict) and call.get("name") == "calculator"
+                    and isinstance(call.get("arguments"), dict) and isinstance(call["arguments"].get("expression"), str)
+                    and t["metadata"]["turns"] >= 2)  # the router parsed it and the agent answered the call
+    assert sum(good) / len(good) >= 0.9, [x for x, g in zip(texts, good) if not g]
+
+
+def test_recipes_script_judges_each_recipe_by_its_bar():
+    """scripts/recipes.py's verdict, on made-up runs: every seed must rise by the recipe's bar (0.3 arith/calc,
+    0.2 black-box), calc must also call the tool in >= 90% of step-0 samples; spread and smallest rise by hand."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("recipes_script", ROOT / "scripts" / "recipes.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def run(recipe, start, end, tool=None):
+        return {"recipe": recipe, "seed": 0, "start": start, "end": end, "tool_call_frac": tool, "minutes": 3.0,
+                "load_before": 1.0, "load_after": 1.0}
+    s = script.summarize("arith_cpu", [run("arith_cpu", 0.4, 0.75), run("arith_cpu", 0.35, 0.8)])
+    assert s["ok"] and s["min_rise"] == pytest.approx(0.35) and s["end_spread"] == pytest.approx(0.05)
+    assert not script.summarize("arith_cpu", [run("arith_cpu", 0.4, 0.75), run("arith_cpu", 0.4, 0.65)])["ok"]
+    assert script.summarize("blackbox_cpu", [run("blackbox_cpu", 0.4, 0.62)])["ok"]  # 0.22 >= 0.2
+    assert script.summarize("calc_cpu", [run("calc_cpu", 0.3, 0.7, tool=0.95)])["ok"]
+    assert not script.summarize("calc_cpu", [run("calc_cpu", 0.3, 0.7, tool=0.85)])["ok"]  # protocol not followed
+    table = script.table([run("calc_cpu", 0.3, 0.7, tool=0.95)], [script.summarize("calc_cpu", [run("calc_cpu", 0.3, 0.7, tool=0.95)])])
+    assert "| calc_cpu | 0 | 0.300 -> 0.700 | +0.400 | 0.95 | 3.0 |" in table and table.rstrip().endswith("yes |")
