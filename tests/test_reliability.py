@@ -88,7 +88,7 @@ def test_rewards_must_be_finite_numbers(value, reward, error):
     (["advantage=gae", "critic_lr=0"], "critic_lr=0.0 must be > 0"),
     (["transfer=carrier_pigeon"], "transfer='carrier_pigeon': choose one of"),
     (["transfer=cuda_ipc"], "transfer=cuda_ipc needs device=cuda"),
-    (["sandbox=vm"], "sandbox='vm': choose 'local', 'docker' or 'auto'"),
+    (["sandbox=vm"], "sandbox='vm': choose 'local', 'docker', 'auto' or a dotted path"),
     (["num_engines=0"], "num_engines=0 must be a positive integer"),
     (["samples_per_prompt=0"], "samples_per_prompt=0 must be a positive integer"),
     (["micro_batch_size=0"], "micro_batch_size=0 must be a positive integer"),
