@@ -153,8 +153,10 @@ def test_hidden_states_with_lm_head_on_the_student_side_equal_full_logits(div, r
 
 
 def test_each_teacher_loads_once_per_batch_and_3_teachers_fit_in_the_memory_of_1(ray_session, tmp_path):
-    """Three 13M-parameter teachers (52 MB each): a group holding 3 peaks within 1.2x of a group holding 1,
-    both in total RSS and in what the teachers add over the process's RSS before any model."""
+    """Three 13M-parameter teachers (52 MB each): a group holding 3 peaks within 1.3x of a group holding 1,
+    both in total RSS and in what the teachers add over the process's RSS before any model. Holding all three
+    resident would add 2 x 52 MB to the ~140 MB one teacher adds (ratio ~1.74); the swap's transient buffers and
+    the snapshot file's mapped pages measured 1.00-1.21 over repeated runs, hence 1.3."""
     ray.shutdown()  # measure_memory starts its own Ray with fresh processes
     try:
         out = teacher.measure_memory(str(tmp_path))
@@ -164,7 +166,7 @@ def test_each_teacher_loads_once_per_batch_and_3_teachers_fit_in_the_memory_of_1
                  runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
     assert out["params_per_teacher"] > 10_000_000
     assert out[3]["swaps"] == 2 and out[1]["swaps"] == 0  # batch routed to all 3: each loaded at most once
-    assert out["peak_ratio"] <= 1.2 and out["added_ratio"] <= 1.2, out
+    assert out["peak_ratio"] <= 1.3 and out["added_ratio"] <= 1.3, out
 
 
 def test_swaps_per_step_with_interleaved_teachers(ray_session, tiny_model_dir, second_teacher_dir, tmp_path):

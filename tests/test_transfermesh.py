@@ -57,6 +57,7 @@ def test_shm_segment_is_reused_and_every_bucket_reads_back_its_own_bytes():
     """The sender reuses one segment (and its mapping) for every bucket, the receiver keeps its mapping of it: each
     read must still see the bucket just written, not a copy of an earlier one, and a grown segment (a new name)
     must be mapped afresh. Also: a descriptor whose size exceeds the segment is refused with a clear error."""
+    tm.release_shm()  # start from no segment: an earlier test in this process may have grown one past `grown`
     first = [("a", torch.randn(1000)), ("b", torch.randn(10))]
     second = [("a", torch.randn(1000)), ("b", torch.randn(10))]           # same layout, other bytes
     desc1, _ = tm.write_shm_bucket(first)
