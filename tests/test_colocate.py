@@ -11,7 +11,6 @@ What each test proves:
   (engines low while the trainers train, trainers low while the engines generate) and the run trains and syncs.
 """
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -101,11 +100,6 @@ def test_engine_releases_and_resumes_weights_and_kv_cache(mid_model):
         handle.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_trainer_offload_and_onload(mid_model, tmp_path):
     """Offload frees memory for real and onload restores it bit-exactly: two trainers on the same batches, one
@@ -121,7 +115,7 @@ def test_trainer_offload_and_onload(mid_model, tmp_path):
                      global_batch_size=8, micro_batch_size=4, lr=1e-3, min_lr=1e-3, output_dir=str(tmp_path),
                      trainer_threads=1)
         actor = ray.remote(num_cpus=1)(trainer.TrainerWorker)
-        a, b = (actor.remote(cfg, 0, 1, "127.0.0.1", _free_port()) for _ in range(2))
+        a, b = (actor.remote(cfg, 0, 1, "127.0.0.1", tm.free_port()) for _ in range(2))
         n_params = ray.get([w.load_hf.remote(mid_model) for w in (a, b)])[0]["params_this_rank"]
         losses = {a: [], b: []}
         for step in range(2):

@@ -5,7 +5,6 @@ matmul; the train-inference gap (mean |trainer logp - engine logp| over the engi
 on both sides is smaller than without it, and smaller than with the flag on one side only (an engine that ignored
 it); with fp32 weights the flag changes nothing; SGLang gets --enable-fp32-lm-head.
 """
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,12 @@ import torch
 import data
 import rollout
 import trainer
+import transfermesh
 from loongsage import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _bf16_trainer(model_dir: str, fp32_lm_head: bool):
@@ -32,7 +27,7 @@ def _bf16_trainer(model_dir: str, fp32_lm_head: bool):
     master weights), so the test casts the loaded model; the forward is the trainer's own."""
     cfg = Config(device="cpu", dtype="float32", seed=0, trainer_workers=1, micro_batch_size=8, trainer_threads=1,
                  fp32_lm_head=fp32_lm_head)
-    w = ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(cfg, 0, 1, "127.0.0.1", _free_port())
+    w = ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(cfg, 0, 1, "127.0.0.1", transfermesh.free_port())
     ray.get(w.load_hf.remote(model_dir))
     ray.get(w.__ray_call__.remote(lambda self: self.model.module.to(torch.bfloat16) and None))
     return w

@@ -17,7 +17,6 @@ What each test proves:
 import asyncio
 import base64
 import dataclasses
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +29,7 @@ import data
 import loongsage
 import rollout
 import trainer
+import transfermesh
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)
@@ -187,11 +187,6 @@ def ray_session():
     ray.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def train_cfg(**over) -> loongsage.Config:
     base = dict(device="cpu", dtype="float32", seed=0, tensor_parallel=1, pipeline_parallel=1, trainer_workers=1,
@@ -229,7 +224,7 @@ def test_router_replay_routes_as_the_engine_and_narrows_the_gap(ray_session, moe
     results = {}
     for replay in (False, True):
         worker = ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(train_cfg(router_replay=replay), 0, 1,
-                                                                     "127.0.0.1", _free_port())
+                                                                     "127.0.0.1", transfermesh.free_port())
         ray.get(worker.load_hf.remote(moe_dir))
         used = ray.get(worker.routing_used.remote(batch))  # per sample (P+R, L, K), sorted per token
         same = sum(int((u[:len(e)] == e).all(-1).all(-1).sum()) for u, e in zip(used, engine))
@@ -264,7 +259,7 @@ class Ranks:
 
     def __init__(self, cfg: loongsage.Config, n: int):
         actor = ray.remote(num_cpus=1)(trainer.TrainerWorker)
-        port = _free_port()
+        port = transfermesh.free_port()
         self.workers = [actor.remote(cfg, r, n, "127.0.0.1", port) for r in range(n)]
 
     def call(self, method: str, *args):
