@@ -19,10 +19,17 @@ DISAGG = ["colocate=false", "trainer_workers=4", "num_engines=2", "gpus_per_engi
           "global_batch_size=128"]
 
 
-@ray.remote(num_cpus=0)
-class StandIn:
-    def where(self):
-        return loongsage.where_am_i()
+def stand_in():
+    """The stand-in actor class: it answers what `loongsage.where_am_i` answers (node id, GPU ids Ray assigned),
+    asking Ray itself. Built inside a function, so cloudpickle ships it by value and its process imports only ray:
+    one that imported this module would import loongsage, hence torch and transformers (~5 s of CPU per actor, and
+    this file starts 72 of them). `check` compares every answer with `loongsage.bundle_gpus`, which does call
+    `where_am_i`, so a stand-in that answered differently would fail the test."""
+    @ray.remote(num_cpus=0)
+    class StandIn:
+        def where(self):
+            return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+    return StandIn
 
 
 def place(cfg):
@@ -33,6 +40,7 @@ def place(cfg):
     ray.get(pg.ready(), timeout=60)
     try:
         where = loongsage.bundle_gpus(pg, len(plan["bundles"]))
+        StandIn = stand_in()
         actors = {kind: [StandIn.options(num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
                                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"])).remote()
                          for o in plan[kind]] for kind in ("trainers", "engines")}
