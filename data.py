@@ -34,8 +34,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoConfig, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+# transformers is imported inside the functions that use it: its model classes pull in torch._dynamo and
+# torch.distributed.tensor (~2-3 s per process on 2 cores), and every process that imports loongsage or trainer
+# (Ray actors, `loongsage.py --check`) imports this module, mostly without building a model.
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -130,6 +131,7 @@ def _corpus(seed: int = 0) -> list[str]:
 
 def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 384) -> None:
     """Train a byte-level BPE tokenizer on `_corpus()` and save it in HF format with the chat template."""
+    from transformers import PreTrainedTokenizerFast  # late: see the note at the top
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -161,6 +163,9 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
     The directory holds `loongsage_tiny.json` with the settings it was built from; a directory built
     from other settings is rebuilt. Returns the path as a string.
     """
+
+    # late: see the note at the top (transformers' model classes cost seconds to import)
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     s = {**TINY_DEFAULTS, **settings}
     unknown = set(settings) - set(TINY_DEFAULTS)
@@ -219,6 +224,7 @@ def settings_hash(obj) -> str:
 
 
 def load_tokenizer(path: str):
+    from transformers import AutoTokenizer  # late: see the note at the top
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -361,5 +367,6 @@ def import_object(dotted: str):
 
 
 if __name__ == "__main__":
+    from transformers import AutoConfig  # late: see the note at the top
     path = build_tiny_model(sys.argv[1] if len(sys.argv) > 1 else default_cache_dir() / "tiny-test")
     print(path, AutoConfig.from_pretrained(path))
