@@ -1,9 +1,10 @@
-"""Shared fixtures: the tiny model every test runs against (built once, cached on disk)."""
+"""Shared fixtures: the tiny model every test runs against (built once, cached on disk), and a Ray per test module."""
 import os
 import sys
 from pathlib import Path
 
 import pytest
+import ray
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -24,3 +25,14 @@ def tiny_model_dir() -> str:
                     intermediate_size=128, norm_std=0.2)
     # named by its settings: checkouts with other settings sharing the cache never rebuild it under each other
     return data.build_tiny_model(data.default_cache_dir() / f"tiny-test-{data.settings_hash(settings)}", **settings)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray for one test module's actors, shut down after the module (tests that start a Ray of their own,
+    e.g. through loongsage.train, run before or without it). 4 logical CPUs: every actor asks for 1 and sets its own
+    torch threads, so this bounds how many run at once, not how fast. Workers import the repo's modules."""
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
+    yield
+    ray.shutdown()

@@ -148,14 +148,6 @@ def test_end_to_end_gae_run_trains_the_critic(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------ the worker
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
-
-
 # gamma 0.5, lam 1: the critic's target is the discounted return-to-go whatever V is. One mini-batch (up to 8
 # samples): the critic's first forward of a step is V_old itself. kl_coef 0: no reference model. critic_lr large
 # enough that a few steps on one batch move the values visibly.

@@ -179,14 +179,6 @@ def test_multi_turn_trajectory_carries_the_routing_of_every_token(moe_dir):
 # R3: engine routing -> AgentFlow trajectory -> trainer collate -> Megatron's routers
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
-
-
 
 def train_cfg(**over) -> loongsage.Config:
     base = dict(device="cpu", dtype="float32", seed=0, tensor_parallel=1, pipeline_parallel=1, trainer_workers=1,

@@ -11,7 +11,6 @@ What each test proves:
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 import loongsage
@@ -20,14 +19,6 @@ from test_moe import Ranks, moe_dir, token_batch, train_cfg  # noqa: F401 (moe_d
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
 
 
 def run_steps(model_dir: str, pp: int, batch: list[dict], sft: bool = False) -> tuple[list, dict, dict]:

@@ -38,14 +38,6 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def second_teacher_dir() -> str:
     """Same architecture and tokenizer as `tiny_model_dir`, other random weights (seed 1)."""
     return data.build_tiny_model(data.default_cache_dir() / "tiny-test-seed1", **TINY, seed=1)

@@ -29,14 +29,6 @@ from loongsage import Config  # noqa: E402
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
