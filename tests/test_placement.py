@@ -22,9 +22,9 @@ DISAGG = ["colocate=false", "trainer_workers=4", "num_engines=2", "gpus_per_engi
 def stand_in():
     """The stand-in actor class: it answers what `loongsage.where_am_i` answers (node id, GPU ids Ray assigned),
     asking Ray itself. Built inside a function, so cloudpickle ships it by value and its process imports only ray:
-    one that imported this module would import loongsage, hence torch and transformers (~5 s of CPU per actor, and
-    this file starts 72 of them). `check` compares every answer with `loongsage.bundle_gpus`, which does call
-    `where_am_i`, so a stand-in that answered differently would fail the test."""
+    one that imported this module would import loongsage and torch, seconds of CPU each (72 actors here; on a
+    loaded machine 8 such actors starting at once missed place()'s 60-s timeout). `check` compares every answer
+    with `loongsage.bundle_gpus`, which does call `where_am_i`, so a stand-in that answered otherwise would fail."""
     @ray.remote(num_cpus=0)
     class StandIn:
         def where(self):
