@@ -336,7 +336,7 @@ def reserve_shm(nbytes: int) -> None:
         _SEGMENT.extend([shm, np.frombuffer(shm.buf, dtype=np.uint8)])
 
 
-HASH_STEP = 2**20  # bytes copied into the segment, then hashed while they are still in L2 (1 MB; 2 MB per core here)
+HASH_STEP = 2**20  # bytes copied into the segment, then hashed while they are still in L2 (1 MB; L2 is 2 MB per core here)
 
 
 def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]], half: int = 0) -> tuple[str, int]:
