@@ -540,8 +540,9 @@ def bench_step(args) -> dict:
     steps = 2 if args.quick else (args.steps or 6)
     lr, dataset = 1e-5, "synthetic:arith:512:1"
     out = Path(tempfile.mkdtemp(prefix="loongsage_bench_step_"))
-    result = {}
+    result, wall = {}, {}  # wall: seconds of each whole run, start-up included (the command's own length)
     for mode in ("sync", "async"):
+        t0 = time.perf_counter()
         cfg = loongsage.load_config(None, [
             f"model_path={path}", f"output_dir={out / mode}", f"mode={mode}", f"num_steps={steps}", "eval_every=0",
             f"prompts_per_step={prompts}", f"samples_per_prompt={samples}", f"global_batch_size={prompts * samples}",
@@ -555,7 +556,10 @@ def bench_step(args) -> dict:
         phases = {k: statistics.median(h.get(f"timing/{k}", 0.0) for h in timed) for k in
                   ("generate", "train", "sync", "step")}
         result[mode] = phases
+        wall[mode] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     trl = _trl_step_time(path, dataset, prompts, samples, new_tokens, lr, steps, out / "trl")
+    wall["trl"] = time.perf_counter() - t0
     print(f"step: model {path}, {prompts} prompts x {samples} samples, up to {new_tokens} new tokens, lr {lr}, "
           f"{steps} steps (median over steps after the first)")
     for mode, ph in result.items():
@@ -568,6 +572,9 @@ def bench_step(args) -> dict:
               f"{trl / result['async']['step']:.2f}x samples/s (target >= 1.5)")
     else:
         print(f"  TRL GRPOTrainer: not measured ({trl})")
+    print("  wall time of each run: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()) +
+          f"; total {sum(wall.values()):.0f} s")
+    result["wall_s"] = wall
     return result
 
 

@@ -55,7 +55,9 @@ def test_step_bench_reports_phases_within_the_step():
         assert ph["step"] > 0 and ph["train"] > 0 and ph["sync"] > 0
         # the phases are parts of the step (medians of each over the same steps: allow a little slack)
         assert ph["generate"] + ph["train"] + ph["sync"] <= ph["step"] * 1.05 + 0.05
+        assert r["wall_s"][mode] > ph["step"]  # the run's wall time holds its steps and its start-up
     assert "trl" not in r or r["trl"] > 0
+    assert set(r["wall_s"]) == {"sync", "async", "trl"}  # TRL's run is timed even when it only says why it did not run
 
 
 def test_longtail_task_has_a_tail_and_its_labels_earn_the_reward(tiny_model_dir):

@@ -89,6 +89,26 @@ def test_shm_segment_is_reused_and_every_bucket_reads_back_its_own_bytes():
         tm.read_shm_bucket(json.dumps(lying))
 
 
+def test_shm_checksum_hashed_while_copying_equals_the_checksum_of_the_bytes():
+    """write_shm_bucket hashes each piece right after copying it (one pass over memory). Its checksum list must be
+    exactly checksum() of the bucket's bytes: tensors that straddle HASH_STEP and CHECKSUM_CHUNK boundaries, a
+    bucket whose last chunk is partial, one that ends exactly on a chunk boundary, one tiny tensor, mixed dtypes."""
+    step, chunk = tm.HASH_STEP, tm.CHECKSUM_CHUNK
+    assert chunk % step == 0  # a piece never crosses a chunk boundary only if chunks are whole steps
+    torch.manual_seed(0)
+    buckets = [
+        [("a", torch.randn(step // 4 + 3)), ("b", torch.randn(chunk // 4)), ("c", torch.randn(5).bfloat16())],
+        [("a", torch.randn(chunk // 4)), ("b", torch.randn(chunk // 4))],               # ends on a chunk boundary
+        [("a", torch.randn(3, 1)), ("b", torch.randint(0, 9, (7,), dtype=torch.int16))],  # far below one step
+    ]
+    for bucket in buckets:
+        desc, total = tm.write_shm_bucket(bucket, half=1)
+        sums = json.loads(desc)["checksum"]
+        assert sums == tm.checksum(tm.flatten_bucket(bucket)[0])
+        assert len(sums) == max(1, -(-total // chunk))
+        assert all(torch.equal(t, u) for (_, t), (_, u) in zip(bucket, tm.read_shm_bucket(desc)))
+
+
 def test_broadcast_ranks_count_every_tp_rank():
     # trainer = rank 0; engine A (tp 2) holds ranks 1-2, engine B (tp 1) rank 3, engine C (tp 4) ranks 4-7
     assert tm.broadcast_ranks([("a", 2), ("b", 1), ("c", 4)]) == ([1, 3, 4], 8)
