@@ -250,7 +250,8 @@ class EnginePool:
         self._rotate = 0
         self._http: httpx.AsyncClient | None = None
         self.running: dict[str, str] = {}  # rid -> engine url of every request this pool has in flight
-        self._pending: dict[str, list] = {}  # engine url -> requests of this loop tick, sent as one batch
+        self._pending: dict[tuple[str, str], list] = {}  # (engine url, batch key) -> requests of this loop tick,
+        #                                                   sent as one batch
         self._sent: dict[str, set] = {}  # engine url -> futures of requests sent to it and not answered yet
         self._watcher: asyncio.Task | None = None
 
@@ -293,9 +294,10 @@ class EnginePool:
             await asyncio.sleep(0.2)
 
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
-                       prefer: str | None = None) -> tuple[str, dict]:
+                       prefer: str | None = None, batch: str = "") -> tuple[str, dict]:
         """POST /generate on one engine (rollout.generate); returns (engine url, the engine's answer).
-        A failed engine is probed and the request moves to another; at most two tries per engine."""
+        A failed engine is probed and the request moves to another; at most two tries per engine.
+        `batch`: requests of one loop tick with the same key travel together (see `_coalesced`)."""
         if self._watcher is None and self.check_every_s > 0:
             self._watcher = asyncio.ensure_future(self._watch())
         last_error: Exception | None = None
@@ -306,7 +308,7 @@ class EnginePool:
             self.inflight[url] += 1
             self.running[rid] = url
             try:
-                return url, await self._coalesced(url, input_ids, sampling_params, rid)
+                return url, await self._coalesced(url, input_ids, sampling_params, rid, batch)
             except rollout.EngineError as e:
                 status = _http_status(e)
                 if status is not None and status < 500:
@@ -343,7 +345,8 @@ class EnginePool:
         self.dead.add(url)
         log.warning("engine %s is out of routing: %s", url, why)
         error = EngineUnavailable(f"engine {url} left routing: {why}")
-        self._fail(self._pending.pop(url, []), error)
+        for key in [k for k in self._pending if k[0] == url]:
+            self._fail(self._pending.pop(key), error)
         for fut in list(self._sent.pop(url, ())):
             if not fut.done():
                 fut.set_exception(error)
@@ -375,16 +378,19 @@ class EnginePool:
             if self.running:
                 await self.check()
 
-    async def _coalesced(self, url: str, input_ids: list[int], sampling_params: dict, rid: str) -> dict:
-        """Requests for one engine made in the same event-loop tick travel as ONE batched /generate
-        (SGLang takes lists of input_ids, sampling_params and rids). A step starts hundreds of
-        trajectories at once; sent one by one, they would spend most of their time in the HTTP client's
-        connection pool (quadratic in open connections) rather than in the engine."""
+    async def _coalesced(self, url: str, input_ids: list[int], sampling_params: dict, rid: str,
+                         batch: str = "") -> dict:
+        """Requests for one engine made in the same event-loop tick with the same `batch` key travel as ONE
+        batched /generate (SGLang takes lists of input_ids, sampling_params and rids). A step starts hundreds
+        of trajectories at once; sent one by one, they would spend most of their time in the HTTP client's
+        connection pool (quadratic in open connections) rather than in the engine. A batched /generate
+        answers when its LAST request ends, so AgentFlow keys by prompt group: a group is complete only
+        when all its samples are anyway, and one group's long tail then never holds back another's."""
         fut = asyncio.get_running_loop().create_future()
-        pending = self._pending.setdefault(url, [])
+        pending = self._pending.setdefault((url, batch), [])
         pending.append((input_ids, sampling_params, rid, fut))
         if len(pending) == 1:  # the first of this tick schedules the send, after everyone else has queued
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_batch(url)))
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_batch(url, batch)))
         sent = self._sent.setdefault(url, set())
         sent.add(fut)
         try:
@@ -392,8 +398,8 @@ class EnginePool:
         finally:
             sent.discard(fut)
 
-    async def _send_batch(self, url: str) -> None:
-        batch = self._pending.pop(url, [])
+    async def _send_batch(self, url: str, key: str) -> None:
+        batch = self._pending.pop((url, key), [])
         if not batch:  # mark_dead() already failed them over
             return
         try:
@@ -607,7 +613,7 @@ class Session:
     """
 
     def __init__(self, chat: ChatFormat, *, sampling: dict, max_context_len: int, max_turns: int,
-                 sample: dict | None = None):
+                 sample: dict | None = None, batch: str = ""):
         self.id = secrets.token_urlsafe(18)       # the unguessable part of the session URL
         self.api_key = "ls-" + secrets.token_urlsafe(18)
         self.chat, self.sampling, self.sample = chat, dict(sampling), sample or {}
@@ -623,6 +629,7 @@ class Session:
         self.finish_reasons: list[str] = []
         self.responses: dict[str, list[dict]] = {}  # Responses API: id -> the conversation up to it
         self.generate_s = 0.0
+        self.batch = batch                        # EnginePool batch key: the prompt group (see _coalesced)
 
     def plan(self, messages: list[dict], tools: list[dict] | None) -> TurnPlan:
         """The input ids for a turn: extend the last segment if the history extends it, else start a new one."""
@@ -696,7 +703,7 @@ class Session:
             self.inflight_rid = rid
             t0 = time.perf_counter()
             try:
-                url, out = await pool.generate(plan.input_ids, sp, rid, prefer=self.engine)
+                url, out = await pool.generate(plan.input_ids, sp, rid, prefer=self.engine, batch=self.batch)
             finally:
                 self.inflight_rid = None
                 self.generate_s += time.perf_counter() - t0
@@ -787,9 +794,9 @@ class Router:
     # --- sessions
 
     def open_session(self, *, sampling: dict, max_context_len: int, max_turns: int,
-                     sample: dict | None = None) -> Session:
+                     sample: dict | None = None, batch: str = "") -> Session:
         s = Session(self.chat, sampling=sampling, max_context_len=max_context_len, max_turns=max_turns,
-                    sample=sample)
+                    sample=sample, batch=batch)
         self.sessions[s.id] = s
         return s
 
@@ -1472,11 +1479,11 @@ class AgentFlow:
         for attempt in range(1, attempts + 1):
             sampling = {**sampling, "sampling_seed": sampling_seed(self.cfg.seed, group_id, index, attempt)}
             if self.cfg.agent_command:
-                traj = await self._blackbox(sample, sampling)
+                traj = await self._blackbox(sample, sampling, group_id)
             elif self.agent_fn is not None or sample.get("source") in self.source_agent:
-                traj = await self._whitebox(sample, sampling)
+                traj = await self._whitebox(sample, sampling, group_id)
             else:
-                traj = await self._single_turn(sample, sampling)
+                traj = await self._single_turn(sample, sampling, group_id)
             if traj.status != "failed":
                 break
             log.warning("trajectory of group %d sample %d failed (attempt %d/%d): %s", group_id, index, attempt,
@@ -1488,8 +1495,9 @@ class AgentFlow:
         traj.timings["total_s"] = time.perf_counter() - t0
         return traj
 
-    def _session_args(self, sampling: dict, sample: dict, max_turns: int) -> dict:
-        return dict(sampling=sampling, max_context_len=self.cfg.max_context_len, max_turns=max_turns, sample=sample)
+    def _session_args(self, sampling: dict, sample: dict, max_turns: int, group_id: int) -> dict:
+        return dict(sampling=sampling, max_context_len=self.cfg.max_context_len, max_turns=max_turns, sample=sample,
+                    batch=str(group_id))
 
     async def _finish(self, s: Session, sample: dict, *, status: str | None = None, error: str | None = None,
                       reward: float | None = None, response_text: str | None = None) -> Trajectory:
@@ -1518,9 +1526,9 @@ class AgentFlow:
 
     # --- the three ways a trajectory is made
 
-    async def _single_turn(self, sample: dict, sampling: dict) -> Trajectory:
+    async def _single_turn(self, sample: dict, sampling: dict, group_id: int) -> Trajectory:
         """Fast path: the sample's messages, rendered once, straight to an engine (no router)."""
-        s = Session(self.chat, **self._session_args(sampling, sample, max_turns=1))
+        s = Session(self.chat, **self._session_args(sampling, sample, 1, group_id))
         try:
             messages, tools = openai_messages(sample.get("messages")), openai_tools(sample.get("tools"))
             plan = s.plan(messages, tools)
@@ -1536,9 +1544,9 @@ class AgentFlow:
         return await self._finish(s, sample, status=status,
                                   response_text=self.chat.decode(turn.output_ids, skip_special_tokens=True))
 
-    async def _whitebox(self, sample: dict, sampling: dict) -> Trajectory:
+    async def _whitebox(self, sample: dict, sampling: dict, group_id: int) -> Trajectory:
         """`await agent(client, sample)` with an official AsyncOpenAI client bound to a fresh session."""
-        s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns))
+        s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns, group_id))
         client = openai.AsyncOpenAI(base_url=self.router.base_url(s), api_key=s.api_key, max_retries=0,
                                     timeout=self.cfg.agent_timeout,
                                     http_client=openai_http_client())
@@ -1579,10 +1587,10 @@ class AgentFlow:
             traj.metadata["agent_result"] = result if isinstance(result, dict) else result[:2000]
         return traj
 
-    async def _blackbox(self, sample: dict, sampling: dict) -> Trajectory:
+    async def _blackbox(self, sample: dict, sampling: dict, group_id: int) -> Trajectory:
         """Run `cfg.agent_command` in a sandbox pointed at a fresh session; its stdout is its answer."""
         async with self._sandbox_slots:
-            s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns))
+            s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns, group_id))
             box = make_sandbox(self.cfg.sandbox)
             status, error, answer = None, None, None
             try:

@@ -60,8 +60,8 @@ def record_engine_calls(pool: agentflow.EnginePool) -> list:
     """Observe (engine url, input ids, engine answer) of every /generate call; the engine stays real."""
     calls, real = [], pool.generate
 
-    async def recording(input_ids, sampling_params, rid, prefer=None):
-        url, out = await real(input_ids, sampling_params, rid, prefer)
+    async def recording(input_ids, sampling_params, rid, prefer=None, batch=""):
+        url, out = await real(input_ids, sampling_params, rid, prefer, batch)
         calls.append((url, list(input_ids), out))
         return url, out
     pool.generate = recording
@@ -72,7 +72,7 @@ def crafted_engine(pool: agentflow.EnginePool, chat: agentflow.ChatFormat, repli
     """TEST DOUBLE (tool-call parsing only): answer /generate with the tokens of crafted replies, in order."""
     seen = []
 
-    async def fake(input_ids, sampling_params, rid, prefer=None):
+    async def fake(input_ids, sampling_params, rid, prefer=None, batch=""):
         text = replies[min(len(seen), len(replies) - 1)]
         ids = chat.encode(text) + [chat.eos_id]
         seen.append(list(input_ids))

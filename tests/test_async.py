@@ -167,6 +167,34 @@ def test_agentflow_records_exact_versions_across_an_update(tiny_model_dir):
     assert spanning >= 1  # at least one trajectory was generating across the update (the case under test)
 
 
+def test_a_short_group_streams_back_while_a_long_one_generates(tiny_model_dir):
+    """Groups started in the same loop tick reach completed() one by one as each finishes: a batched /generate
+    answers only when its last request ends, so if AgentFlow sent the whole tick as one batch (as it once did),
+    the 1-token group would wait for the 300-token one and async would degrade to batch-at-a-time."""
+    url, handle = rollout.serve(tiny_model_dir, max_batch=8, max_len=600, seed=1)
+    try:
+        cfg = cfg_with(max_context_len=600)
+        prompt = {"messages": [{"role": "user", "content": "1+2"}], "answer": "3"}
+
+        async def body():
+            flow = agentflow.AgentFlow(cfg, [url], tiny_model_dir)
+            await flow.submit([(0, prompt)], 2, dict(temperature=1.0, max_new_tokens=1), 0)  # same tick:
+            await flow.submit([(1, prompt)], 2, dict(temperature=1.0, max_new_tokens=300, ignore_eos=True), 0)
+            first = await flow.completed()
+            still_running, tokens_then = flow._producing, handle.engine.state()["generated_tokens"]
+            second = await flow.completed()
+            tokens_end = handle.engine.state()["generated_tokens"]
+            await flow.close()
+            return first, still_running, tokens_then, second, tokens_end
+        first, still_running, tokens_then, second, tokens_end = asyncio.run(body())
+    finally:
+        handle.shutdown()
+    assert [g["seq"] for g in first] == [0] and still_running == 1
+    assert [g["seq"] for g in second] == [1]
+    long = [len(t["response_ids"]) for t in second[0]["trajs"]]  # up to 300 (<|im_end|> still stops a row)
+    assert max(long) > 1 and tokens_then < tokens_end  # the long group was still generating at the first answer
+
+
 def test_token_versions_from_spans():
     meta = {"weight_version": "3", "weight_versions": [{"version": "1", "start": 0, "end": 2},
                                                        {"version": "3", "start": 2, "end": 5}]}
