@@ -205,6 +205,45 @@ def test_token_versions_from_spans():
         {"version": "0", "start": 0, "end": 0}]}, 0) == []
 
 
+# --- cores: async trainer and engine on disjoint cores, torch threads = their cores ---------------------------
+
+def test_actor_cores_are_disjoint_and_only_for_async_on_a_local_cpu(monkeypatch):
+    import os
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    cfg = cfg_with(num_engines=2, engine_threads=2)
+    cores = [loongsage.actor_cores(cfg, "trainer", 0), loongsage.actor_cores(cfg, "engine", 0),
+             loongsage.actor_cores(cfg, "engine", 1)]
+    assert cores == [[0], [1, 2], [3, 4]]  # trainer_threads derives to its 1 Ray CPU; engines asked for 2 each
+    assert loongsage.actor_cores(cfg_with(mode="sync"), "engine", 0) == []  # sync: a phase may use every core
+    assert loongsage.actor_cores(cfg_with(num_engines=4, engine_threads=2), "engine", 3) == []  # 1 + 8 > 8 cores
+    assert loongsage.actor_cores(cfg_with(colocate=True), "trainer", 0) == []
+
+
+def test_async_trainer_and_engine_are_pinned_to_their_own_cores(tiny_model_dir, tmp_path):
+    """launch() and start_engine() in async mode on this CPU: every thread of the trainer rank sits on one core,
+    every thread of the engine on another, and each computes with as many torch threads as it has cores."""
+    import os
+    import ray
+    import torch
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path))
+
+    def probe(_):  # runs inside the actor
+        threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+        return threads, torch.get_num_threads()
+    try:
+        pg, trainers, plan, where = loongsage.launch(cfg)
+        engine = loongsage.start_engine(cfg, pg, plan, where, 0)
+        trainer_threads, trainer_torch = ray.get(trainers[0].__ray_call__.remote(probe))
+        engine_threads, engine_torch = ray.get(engine.__ray_call__.remote(probe))
+    finally:
+        ray.shutdown()
+    assert trainer_threads == {(cores[0],)} and engine_threads == {(cores[1],)}
+    assert trainer_torch == 1 == engine_torch
+
+
 # --- old-policy consistency: mini-batch 0's old logprobs come from its own training forward -----------------
 
 def test_first_minibatch_old_logprobs_from_the_training_forward(tiny_model_dir):
