@@ -1414,6 +1414,13 @@ class Producer:
                 self.stats["masked"] += over
             self.batch.append(group)
 
+    def refill(self) -> list[tuple[int, dict]]:
+        """Right after pop_batch, async only: the groups the window now has room for, dispatched before the step
+        trains so the engines generate while the trainers train (else they idle once the groups in flight are
+        done, until the next rollout phase). Sync (stale_steps=0) dispatches nothing here: its next groups must
+        wait for the new weights."""
+        return self.dispatch() if self.cfg.stale_steps > 0 else []
+
     def full(self) -> bool:
         """B groups are ready (or dynamic sampling found too few informative ones: train on what there is)."""
         gave_up = (self.cfg.dynamic_sampling or self.cfg.group_filter) and self.stats["dropped"] >= 4 * self.B
@@ -1519,12 +1526,18 @@ def evaluate(cfg: Config, flow, eval_sets: dict[str, list[dict]], step: int) -> 
     return out
 
 
+_STATS_HTTP: httpx.Client | None = None  # engine_busy_seconds' client, kept: a new one builds an SSL context each time
+# (~40 ms here, half of the controller's busy time in an async step, py-spy)
+
+
 def engine_busy_seconds(engine_urls: list[str]) -> float:
     """Seconds CPU engines have spent computing so far (their /get_server_info); 0 for other engines."""
-    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
+    global _STATS_HTTP
+    _STATS_HTTP = _STATS_HTTP or httpx.Client(timeout=30.0)
     try:
-        return sum(rollout.get(u, "/get_server_info")["internal_states"][0].get("busy_s", 0.0) for u in engine_urls)
-    except (rollout.EngineError, KeyError, IndexError, OSError):
+        return sum(_STATS_HTTP.get(f"{u}/get_server_info").raise_for_status().json()["internal_states"][0]
+                   .get("busy_s", 0.0) for u in engine_urls)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError, OSError):
         return 0.0
 
 
@@ -1646,6 +1659,8 @@ def train(cfg: Config) -> list[dict]:
                                                                  0 if cfg.rollout_only else step)), version=step)
             trajs, m = producer.pop_batch()
             metrics.update(m)
+            wait(flow.submit.remote(producer.refill(), N, sampling, step), "AgentFlow.submit", cfg.actor_timeout,
+                 "actor_timeout")  # async: top the window up now, so the engines generate while this step trains
         metrics["timing/generate"] = time.perf_counter() - t0  # the trainer's wait for rollouts
         metrics.update(rollout_metrics(trajs, step))
         metrics["perf/rollout_tokens_per_s"] = metrics["rollout/generated_tokens"] / max(metrics["timing/generate"], 1e-9)

@@ -61,6 +61,22 @@ def test_lag_mask_and_count():
     assert group[0]["loss_mask"] == [0, 0, 0, 1, 1] and group[0]["rollout_logprobs"] == [0, 0.0, 0.0, -3., -4.]
 
 
+def test_async_refills_the_window_before_training_and_sync_does_not():
+    """After a batch is taken, async dispatches the groups the window has room for at once (they generate while
+    the step trains); sync dispatches nothing until the next rollout phase (its groups need the new weights)."""
+    samples = [{"messages": [], "answer": str(i)} for i in range(100)]
+    for mode, refilled in (("async", [8, 9, 10, 11]), ("sync", [])):
+        prod = loongsage.Producer(cfg_with(mode=mode, stale_steps=1) if mode == "async" else cfg_with(mode=mode),
+                                  samples)
+        seqs = [seq for seq, _ in prod.dispatch()]  # C = 8 (async) or 4 (sync)
+        prod.receive([{"seq": s, "aborted": False, "trajs": [{"weight_versions": [0], "loss_mask": [1],
+                                                              "rollout_logprobs": [-1.0], "reward": 1.0}] * 2}
+                      for s in seqs[:4]], version=0)
+        assert prod.full()
+        prod.pop_batch()
+        assert [seq for seq, _ in prod.refill()] == refilled
+
+
 # --- the producer under random timing: the invariants ------------------------------------------------------
 
 def simulate(cfg, rng, steps=12, max_len=40):
@@ -91,6 +107,14 @@ def simulate(cfg, rng, steps=12, max_len=40):
                         del running[seq]
             prod.receive(done, version)
         trajs, metrics = prod.pop_batch()
+        for seq, sample in prod.refill():  # as train() does: async tops the window up before training
+            n = rng.choice([1, 2, 3, max_len]) if rng.random() < 0.3 else rng.randint(1, 6)
+            running[seq] = [{"left": rng.randint(1, n), "versions": []} for _ in range(cfg.samples_per_prompt)]
+        max_rq = max(max_rq, len(prod.running) + len(prod.buffer) + len(prod.batch))
+        for _ in range(rng.randint(0, 5)):  # the engine generates on the old weights while the step trains
+            for t in (t for trajs_ in running.values() for t in trajs_ if t["left"] > 0):
+                t["versions"].append(version)
+                t["left"] -= 1
         events.append(metrics)
         trained += [(t["group_id"], version, t) for t in trajs]
         version += 1  # train step + sync: in-flight tokens from here on carry the new version
@@ -193,6 +217,20 @@ def test_a_short_group_streams_back_while_a_long_one_generates(tiny_model_dir):
     assert [g["seq"] for g in second] == [1]
     long = [len(t["response_ids"]) for t in second[0]["trajs"]]  # up to 300 (<|im_end|> still stops a row)
     assert max(long) > 1 and tokens_then < tokens_end  # the long group was still generating at the first answer
+
+
+def test_engine_busy_seconds_reads_the_engines_compute_time(tiny_model_dir):
+    """perf/engine_idle_frac's input: the CPU engine's busy seconds grow with generation, and an engine that does
+    not answer counts as 0 instead of failing the step."""
+    url, handle = rollout.serve(tiny_model_dir, max_batch=4, max_len=128, seed=0)
+    try:
+        before = loongsage.engine_busy_seconds([url])
+        handle.engine.generate([[1, 2, 3]] * 4, {"max_new_tokens": 32, "ignore_eos": True})
+        after = loongsage.engine_busy_seconds([url])
+        assert loongsage.engine_busy_seconds([url, "http://127.0.0.1:9"]) == 0.0
+    finally:
+        handle.shutdown()
+    assert before == 0.0 < after == handle.engine.state()["busy_s"]
 
 
 def test_token_versions_from_spans():
