@@ -1515,8 +1515,12 @@ class AgentFlow:
         return traj
 
     def _session_args(self, sampling: dict, sample: dict, max_turns: int, group_id: int) -> dict:
+        # async: one engine batch per group, so groups come back one by one (EnginePool._coalesced). Sync keeps
+        # one batch per loop tick: the engine then admits a step's rows together, whatever the HTTP timing, and
+        # its batch composition (which can move a logit's last bits) is the same in every run: bit for bit
+        streaming = self.cfg.mode == "async" and self.cfg.stale_steps > 0
         return dict(sampling=sampling, max_context_len=self.cfg.max_context_len, max_turns=max_turns, sample=sample,
-                    batch=str(group_id))
+                    batch=str(group_id) if streaming else "")
 
     async def _finish(self, s: Session, sample: dict, *, status: str | None = None, error: str | None = None,
                       reward: float | None = None, response_text: str | None = None) -> Trajectory:
