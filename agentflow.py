@@ -250,7 +250,8 @@ class EnginePool:
         self._rotate = 0
         self._http: httpx.AsyncClient | None = None
         self.running: dict[str, str] = {}  # rid -> engine url of every request this pool has in flight
-        self._pending: dict[str, list] = {}  # engine url -> requests of this loop tick, sent as one batch
+        self._pending: dict[tuple[str, str], list] = {}  # (engine url, batch key) -> requests of this loop tick,
+        #                                                   sent as one batch
         self._sent: dict[str, set] = {}  # engine url -> futures of requests sent to it and not answered yet
         self._watcher: asyncio.Task | None = None
 
@@ -258,7 +259,10 @@ class EnginePool:
     def http(self) -> httpx.AsyncClient:
         # Created lazily so it binds to the event loop that uses it (a Ray async actor's loop).
         if self._http is None:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            # Few idle connections kept: httpcore scans every connection (and, for each idle one, counts them all
+            # again) on each request and each response, so 60 kept-alive connections cost 3-4x the client CPU of 8
+            # per group request (measured: 7 vs 2 ms); a new local connection is far cheaper than that scan.
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=8)
             self._http = httpx.AsyncClient(timeout=self.timeout_s, transport=nodelay_transport(limits=limits))
         return self._http
 
@@ -293,9 +297,10 @@ class EnginePool:
             await asyncio.sleep(0.2)
 
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
-                       prefer: str | None = None) -> tuple[str, dict]:
+                       prefer: str | None = None, batch: str = "") -> tuple[str, dict]:
         """POST /generate on one engine (rollout.generate); returns (engine url, the engine's answer).
-        A failed engine is probed and the request moves to another; at most two tries per engine."""
+        A failed engine is probed and the request moves to another; at most two tries per engine.
+        `batch`: requests of one loop tick with the same key travel together (see `_coalesced`)."""
         if self._watcher is None and self.check_every_s > 0:
             self._watcher = asyncio.ensure_future(self._watch())
         last_error: Exception | None = None
@@ -306,7 +311,7 @@ class EnginePool:
             self.inflight[url] += 1
             self.running[rid] = url
             try:
-                return url, await self._coalesced(url, input_ids, sampling_params, rid)
+                return url, await self._coalesced(url, input_ids, sampling_params, rid, batch)
             except rollout.EngineError as e:
                 status = _http_status(e)
                 if status is not None and status < 500:
@@ -343,7 +348,8 @@ class EnginePool:
         self.dead.add(url)
         log.warning("engine %s is out of routing: %s", url, why)
         error = EngineUnavailable(f"engine {url} left routing: {why}")
-        self._fail(self._pending.pop(url, []), error)
+        for key in [k for k in self._pending if k[0] == url]:
+            self._fail(self._pending.pop(key), error)
         for fut in list(self._sent.pop(url, ())):
             if not fut.done():
                 fut.set_exception(error)
@@ -375,16 +381,19 @@ class EnginePool:
             if self.running:
                 await self.check()
 
-    async def _coalesced(self, url: str, input_ids: list[int], sampling_params: dict, rid: str) -> dict:
-        """Requests for one engine made in the same event-loop tick travel as ONE batched /generate
-        (SGLang takes lists of input_ids, sampling_params and rids). A step starts hundreds of
-        trajectories at once; sent one by one, they would spend most of their time in the HTTP client's
-        connection pool (quadratic in open connections) rather than in the engine."""
+    async def _coalesced(self, url: str, input_ids: list[int], sampling_params: dict, rid: str,
+                         batch: str = "") -> dict:
+        """Requests for one engine made in the same event-loop tick with the same `batch` key travel as ONE
+        batched /generate (SGLang takes lists of input_ids, sampling_params and rids). A step starts hundreds
+        of trajectories at once; sent one by one, they would spend most of their time in the HTTP client's
+        connection pool (quadratic in open connections) rather than in the engine. A batched /generate
+        answers when its LAST request ends, so AgentFlow keys by prompt group: a group is complete only
+        when all its samples are anyway, and one group's long tail then never holds back another's."""
         fut = asyncio.get_running_loop().create_future()
-        pending = self._pending.setdefault(url, [])
+        pending = self._pending.setdefault((url, batch), [])
         pending.append((input_ids, sampling_params, rid, fut))
         if len(pending) == 1:  # the first of this tick schedules the send, after everyone else has queued
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_batch(url)))
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_batch(url, batch)))
         sent = self._sent.setdefault(url, set())
         sent.add(fut)
         try:
@@ -392,8 +401,8 @@ class EnginePool:
         finally:
             sent.discard(fut)
 
-    async def _send_batch(self, url: str) -> None:
-        batch = self._pending.pop(url, [])
+    async def _send_batch(self, url: str, key: str) -> None:
+        batch = self._pending.pop((url, key), [])
         if not batch:  # mark_dead() already failed them over
             return
         try:
@@ -509,6 +518,22 @@ class ChatFormat:
         probe = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}])
         self.assistant_suffix = probe[probe.rindex(mark) + len(mark):]
         self.eos_text = self.tok.convert_ids_to_tokens(self.eos_id)
+        # close_turn_ids' two answers, tokenized once (they were 7% of AgentFlow's busy time, encoded per turn)
+        after_eos = self.assistant_suffix[len(self.eos_text):] if self.assistant_suffix.startswith(self.eos_text) \
+            else self.assistant_suffix
+        self._close_ids = {True: self.encode(after_eos), False: self.encode(self.assistant_suffix)}
+        self._prompts: dict[str, list[int]] = {}  # prompt_ids' cache: JSON of (messages, tools) -> ids
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The ids of a chat rendered with the generation prompt, cached by content: the N samples of a group
+        render the same first prompt, and the Jinja render was the largest per-trajectory cost of a step
+        (15% of AgentFlow's busy time, py-spy). Rendering is a pure function of (messages, tools)."""
+        key = json.dumps([messages, tools], sort_keys=True, default=str)
+        if key not in self._prompts:
+            if len(self._prompts) >= 4096:  # a bound, not an LRU: the next groups' prompts refill it
+                self._prompts.clear()
+            self._prompts[key] = self.encode(self.render(messages, tools, add_generation_prompt=True))
+        return list(self._prompts[key])
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
                add_generation_prompt: bool = False) -> str:
@@ -534,10 +559,7 @@ class ChatFormat:
         The model normally ends with the eos token, which is the suffix's first token; then only the
         rest ("\\n") is added. A turn cut by max_tokens gets the whole suffix. The model's ids stay as sampled.
         """
-        suffix = self.assistant_suffix
-        if output_ids and output_ids[-1] == self.eos_id and suffix.startswith(self.eos_text):
-            suffix = suffix[len(self.eos_text):]
-        return self.encode(suffix)
+        return list(self._close_ids[bool(output_ids) and output_ids[-1] == self.eos_id])
 
 
 def _message_key(m: dict) -> tuple:
@@ -607,7 +629,7 @@ class Session:
     """
 
     def __init__(self, chat: ChatFormat, *, sampling: dict, max_context_len: int, max_turns: int,
-                 sample: dict | None = None):
+                 sample: dict | None = None, batch: str = ""):
         self.id = secrets.token_urlsafe(18)       # the unguessable part of the session URL
         self.api_key = "ls-" + secrets.token_urlsafe(18)
         self.chat, self.sampling, self.sample = chat, dict(sampling), sample or {}
@@ -623,6 +645,7 @@ class Session:
         self.finish_reasons: list[str] = []
         self.responses: dict[str, list[dict]] = {}  # Responses API: id -> the conversation up to it
         self.generate_s = 0.0
+        self.batch = batch                        # EnginePool batch key: the prompt group (see _coalesced)
 
     def plan(self, messages: list[dict], tools: list[dict] | None) -> TurnPlan:
         """The input ids for a turn: extend the last segment if the history extends it, else start a new one."""
@@ -634,7 +657,7 @@ class Session:
                 # Reuse the segment's ids verbatim; only the new messages and the template glue are tokenized.
                 new_ids = seg.pending_close + self.chat.encode(full[len(seg.text):])
                 return TurnPlan(seg, new_ids, seg.ids() + new_ids, messages, tools)
-        prompt = self.chat.encode(self.chat.render(messages, tools, add_generation_prompt=True))
+        prompt = self.chat.prompt_ids(messages, tools)
         return TurnPlan(None, prompt, prompt, messages, tools)
 
     def commit(self, plan: TurnPlan, turn: Turn) -> None:
@@ -696,7 +719,7 @@ class Session:
             self.inflight_rid = rid
             t0 = time.perf_counter()
             try:
-                url, out = await pool.generate(plan.input_ids, sp, rid, prefer=self.engine)
+                url, out = await pool.generate(plan.input_ids, sp, rid, prefer=self.engine, batch=self.batch)
             finally:
                 self.inflight_rid = None
                 self.generate_s += time.perf_counter() - t0
@@ -787,9 +810,9 @@ class Router:
     # --- sessions
 
     def open_session(self, *, sampling: dict, max_context_len: int, max_turns: int,
-                     sample: dict | None = None) -> Session:
+                     sample: dict | None = None, batch: str = "") -> Session:
         s = Session(self.chat, sampling=sampling, max_context_len=max_context_len, max_turns=max_turns,
-                    sample=sample)
+                    sample=sample, batch=batch)
         self.sessions[s.id] = s
         return s
 
@@ -1416,10 +1439,13 @@ class AgentFlow:
             raise errors[0]
         aborted = any(isinstance(r, BaseException) or r.status == "aborted" for r in results)
         # an aborted group is incomplete: group-relative advantages over it would be biased
-        return {"seq": seq, "aborted": aborted, "trajs": [] if aborted else [dataclasses.asdict(r) for r in results]}
+        # vars(), not dataclasses.asdict: asdict deep-copies every token list element by element (~0.5-2 ms a
+        # trajectory on these CPUs, the largest per-trajectory cost of a step); the lists are already this
+        # trajectory's own (Session.trajectory copies them), so a shallow dict is the same data
+        return {"seq": seq, "aborted": aborted, "trajs": [] if aborted else [dict(vars(r)) for r in results]}
 
     async def generate(self, samples: list[dict], n: int, sampling: dict, step: int) -> list[dict]:
-        """n trajectories per sample, rewarded, as `dataclasses.asdict` dicts, complete groups only (eval).
+        """n trajectories per sample, rewarded, as dicts of the Trajectory fields, complete groups only (eval).
 
         `sampling`: temperature, top_p, top_k, max_new_tokens. Failed trajectories stay in their group
         (status "failed", reward 0, loss_mask all 0) so the step goes on; groups cut by abort() are dropped.
@@ -1472,11 +1498,11 @@ class AgentFlow:
         for attempt in range(1, attempts + 1):
             sampling = {**sampling, "sampling_seed": sampling_seed(self.cfg.seed, group_id, index, attempt)}
             if self.cfg.agent_command:
-                traj = await self._blackbox(sample, sampling)
+                traj = await self._blackbox(sample, sampling, group_id)
             elif self.agent_fn is not None or sample.get("source") in self.source_agent:
-                traj = await self._whitebox(sample, sampling)
+                traj = await self._whitebox(sample, sampling, group_id)
             else:
-                traj = await self._single_turn(sample, sampling)
+                traj = await self._single_turn(sample, sampling, group_id)
             if traj.status != "failed":
                 break
             log.warning("trajectory of group %d sample %d failed (attempt %d/%d): %s", group_id, index, attempt,
@@ -1488,8 +1514,13 @@ class AgentFlow:
         traj.timings["total_s"] = time.perf_counter() - t0
         return traj
 
-    def _session_args(self, sampling: dict, sample: dict, max_turns: int) -> dict:
-        return dict(sampling=sampling, max_context_len=self.cfg.max_context_len, max_turns=max_turns, sample=sample)
+    def _session_args(self, sampling: dict, sample: dict, max_turns: int, group_id: int) -> dict:
+        # async: one engine batch per group, so groups come back one by one (EnginePool._coalesced). Sync keeps
+        # one batch per loop tick: the engine then admits a step's rows together, whatever the HTTP timing, and
+        # its batch composition (which can move a logit's last bits) is the same in every run: bit for bit
+        streaming = self.cfg.mode == "async" and self.cfg.stale_steps > 0
+        return dict(sampling=sampling, max_context_len=self.cfg.max_context_len, max_turns=max_turns, sample=sample,
+                    batch=str(group_id) if streaming else "")
 
     async def _finish(self, s: Session, sample: dict, *, status: str | None = None, error: str | None = None,
                       reward: float | None = None, response_text: str | None = None) -> Trajectory:
@@ -1518,9 +1549,9 @@ class AgentFlow:
 
     # --- the three ways a trajectory is made
 
-    async def _single_turn(self, sample: dict, sampling: dict) -> Trajectory:
+    async def _single_turn(self, sample: dict, sampling: dict, group_id: int) -> Trajectory:
         """Fast path: the sample's messages, rendered once, straight to an engine (no router)."""
-        s = Session(self.chat, **self._session_args(sampling, sample, max_turns=1))
+        s = Session(self.chat, **self._session_args(sampling, sample, 1, group_id))
         try:
             messages, tools = openai_messages(sample.get("messages")), openai_tools(sample.get("tools"))
             plan = s.plan(messages, tools)
@@ -1536,9 +1567,9 @@ class AgentFlow:
         return await self._finish(s, sample, status=status,
                                   response_text=self.chat.decode(turn.output_ids, skip_special_tokens=True))
 
-    async def _whitebox(self, sample: dict, sampling: dict) -> Trajectory:
+    async def _whitebox(self, sample: dict, sampling: dict, group_id: int) -> Trajectory:
         """`await agent(client, sample)` with an official AsyncOpenAI client bound to a fresh session."""
-        s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns))
+        s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns, group_id))
         client = openai.AsyncOpenAI(base_url=self.router.base_url(s), api_key=s.api_key, max_retries=0,
                                     timeout=self.cfg.agent_timeout,
                                     http_client=openai_http_client())
@@ -1579,10 +1610,10 @@ class AgentFlow:
             traj.metadata["agent_result"] = result if isinstance(result, dict) else result[:2000]
         return traj
 
-    async def _blackbox(self, sample: dict, sampling: dict) -> Trajectory:
+    async def _blackbox(self, sample: dict, sampling: dict, group_id: int) -> Trajectory:
         """Run `cfg.agent_command` in a sandbox pointed at a fresh session; its stdout is its answer."""
         async with self._sandbox_slots:
-            s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns))
+            s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns, group_id))
             box = make_sandbox(self.cfg.sandbox)
             status, error, answer = None, None, None
             try:

@@ -606,6 +606,8 @@ def describe(cfg: Config) -> str:
             f"optimizer step(s) per RL step, {cfg.global_batch_size // cfg.data_parallel // cfg.micro_batch_size} "
             f"micro-batch(es) per rank per optimizer step, device={cfg.device}, engine={cfg.engine}, "
             f"torch threads trainer/engine={cfg.trainer_threads}/{cfg.engine_threads}"
+            + (f", cores trainer 0 / engine 0: {actor_cores(cfg, 'trainer', 0)} / {actor_cores(cfg, 'engine', 0)}"
+               if actor_cores(cfg, "engine", 0) else "")
             + (", critic (value model) in every trainer rank" if cfg.advantage == "gae" else "")
             + (f", async: capacity C={capacity(cfg)} groups, window={cfg.window}, max_version_lag="
                f"{cfg.max_version_lag} ({cfg.lag_policy})" if cfg.mode == "async" else ""))
@@ -753,6 +755,31 @@ def bundle_gpus(pg, n: int) -> list[tuple[str, list[str]]]:
                     for b in range(n)])
 
 
+def actor_cores(cfg: Config, kind: str, i: int) -> list[int]:
+    """The cores trainer rank i (kind "trainer") or engine i ("engine") is pinned to: in async mode on a local CPU
+    node, trainers take trainer_threads cores each from the first, engines engine_threads each after them, so a
+    training step and the engine's decoding never share a core (Ray reserves CPUs as a count; it pins nothing).
+    The controller and AgentFlow stay unpinned (mostly waiting). [] = no pinning: sync (each phase may use every
+    core), GPUs, a Ray cluster, colocated actors, or more threads asked for than this machine has cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    T, E, tt, te = cfg.trainer_workers, cfg.num_engines, int(cfg.trainer_threads), int(cfg.engine_threads)
+    if cfg.mode != "async" or cfg.device != "cpu" or cfg.ray_address or cfg.colocate or T * tt + E * te > len(cores):
+        return []
+    first, n = (i * tt, tt) if kind == "trainer" else (T * tt + i * te, te)
+    return cores[first:first + n]
+
+
+def pin_process(cores: list[int]) -> list[int]:
+    """Pin every thread of this process to `cores` (threads started later inherit it); runs inside an actor
+    (`actor.__ray_call__`). Best effort: a thread that ended meanwhile is skipped. Returns the cores it has."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+    return sorted(os.sched_getaffinity(0))
+
+
 def launch(cfg: Config):
     """Start Ray, reserve the placement bundles (see `placement`), create the trainer ranks.
     Returns (placement group, trainer actors, the placement plan, each bundle's (node, GPU ids))."""
@@ -791,6 +818,9 @@ def launch(cfg: Config):
         try:
             wait([t.__ray_ready__.remote() for t in trainers], "starting the trainer ranks", cfg.actor_timeout,
                  "actor_timeout")
+            for r, t in enumerate(trainers):  # async on CPU: each rank on cores of its own (see actor_cores)
+                if actor_cores(cfg, "trainer", r):
+                    t.__ray_call__.remote(lambda _, c: pin_process(c), actor_cores(cfg, "trainer", r))
             return pg, trainers, plan, where
         except ray.exceptions.RayActorError as e:
             # The port was free when picked, but rank 0 binds it only once its actor has started
@@ -807,10 +837,13 @@ def start_engine(cfg: Config, pg, plan: dict, where: list, i: int):
     Always the same bundle for the same i, so a re-created engine takes its predecessor's place."""
     import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
     o = plan["engines"][i]
-    return ray.remote(rollout.RolloutEngine).options(
+    engine = ray.remote(rollout.RolloutEngine).options(
         num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"])).remote(cfg, i,
                                                                                       engine_visible_gpus(plan, where, i))
+    if actor_cores(cfg, "engine", i):  # async on CPU: cores no trainer uses; runs after __init__, before any request
+        engine.__ray_call__.remote(lambda _, c: pin_process(c), actor_cores(cfg, "engine", i))
+    return engine
 
 
 def engine_gpu_ids(plan: dict, where: list, i: int) -> list[str]:
@@ -1381,6 +1414,13 @@ class Producer:
                 self.stats["masked"] += over
             self.batch.append(group)
 
+    def refill(self) -> list[tuple[int, dict]]:
+        """Right after pop_batch, async only: the groups the window now has room for, dispatched before the step
+        trains so the engines generate while the trainers train (else they idle once the groups in flight are
+        done, until the next rollout phase). Sync (stale_steps=0) dispatches nothing here: its next groups must
+        wait for the new weights."""
+        return self.dispatch() if self.cfg.stale_steps > 0 else []
+
     def full(self) -> bool:
         """B groups are ready (or dynamic sampling found too few informative ones: train on what there is)."""
         gave_up = (self.cfg.dynamic_sampling or self.cfg.group_filter) and self.stats["dropped"] >= 4 * self.B
@@ -1486,12 +1526,18 @@ def evaluate(cfg: Config, flow, eval_sets: dict[str, list[dict]], step: int) -> 
     return out
 
 
+_STATS_HTTP: httpx.Client | None = None  # engine_busy_seconds' client, kept: a new one builds an SSL context each time
+# (~40 ms here, half of the controller's busy time in an async step, py-spy)
+
+
 def engine_busy_seconds(engine_urls: list[str]) -> float:
     """Seconds CPU engines have spent computing so far (their /get_server_info); 0 for other engines."""
-    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
+    global _STATS_HTTP
+    _STATS_HTTP = _STATS_HTTP or httpx.Client(timeout=30.0)
     try:
-        return sum(rollout.get(u, "/get_server_info")["internal_states"][0].get("busy_s", 0.0) for u in engine_urls)
-    except (rollout.EngineError, KeyError, IndexError, OSError):
+        return sum(_STATS_HTTP.get(f"{u}/get_server_info").raise_for_status().json()["internal_states"][0]
+                   .get("busy_s", 0.0) for u in engine_urls)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError, OSError):
         return 0.0
 
 
@@ -1613,6 +1659,8 @@ def train(cfg: Config) -> list[dict]:
                                                                  0 if cfg.rollout_only else step)), version=step)
             trajs, m = producer.pop_batch()
             metrics.update(m)
+            wait(flow.submit.remote(producer.refill(), N, sampling, step), "AgentFlow.submit", cfg.actor_timeout,
+                 "actor_timeout")  # async: top the window up now, so the engines generate while this step trains
         metrics["timing/generate"] = time.perf_counter() - t0  # the trainer's wait for rollouts
         metrics.update(rollout_metrics(trajs, step))
         metrics["perf/rollout_tokens_per_s"] = metrics["rollout/generated_tokens"] / max(metrics["timing/generate"], 1e-9)

@@ -60,8 +60,8 @@ def record_engine_calls(pool: agentflow.EnginePool) -> list:
     """Observe (engine url, input ids, engine answer) of every /generate call; the engine stays real."""
     calls, real = [], pool.generate
 
-    async def recording(input_ids, sampling_params, rid, prefer=None):
-        url, out = await real(input_ids, sampling_params, rid, prefer)
+    async def recording(input_ids, sampling_params, rid, prefer=None, batch=""):
+        url, out = await real(input_ids, sampling_params, rid, prefer, batch)
         calls.append((url, list(input_ids), out))
         return url, out
     pool.generate = recording
@@ -72,7 +72,7 @@ def crafted_engine(pool: agentflow.EnginePool, chat: agentflow.ChatFormat, repli
     """TEST DOUBLE (tool-call parsing only): answer /generate with the tokens of crafted replies, in order."""
     seen = []
 
-    async def fake(input_ids, sampling_params, rid, prefer=None):
+    async def fake(input_ids, sampling_params, rid, prefer=None, batch=""):
         text = replies[min(len(seen), len(replies) - 1)]
         ids = chat.encode(text) + [chat.eos_id]
         seen.append(list(input_ids))
@@ -111,6 +111,21 @@ def test_parse_tool_calls_valid_malformed_and_unknown():
                 '<tool_call>{"name": "calculator", "arguments": {}}',                         # unclosed
                 '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>']:                 # unknown tool
         assert agentflow.parse_tool_calls(bad, {"calculator"}) == (bad.strip(), [])
+
+
+def test_prompt_ids_are_rendered_once_per_distinct_chat(tiny_model_dir):
+    """A group's N samples share one render of their first prompt; a different chat or tool list is its own."""
+    chat = agentflow.ChatFormat(tiny_model_dir)
+    renders, real = [], chat.render
+    chat.render = lambda *a, **kw: renders.append(a) or real(*a, **kw)
+    msgs = [{"role": "user", "content": "3+4 e"}]
+    want = chat.encode(real(msgs, None, add_generation_prompt=True))
+    with_tools = chat.encode(real(msgs, wire.openai_tools([CALC_TOOL]), add_generation_prompt=True))
+    assert [chat.prompt_ids(msgs) for _ in range(8)] == [want] * 8 and len(renders) == 1
+    assert chat.prompt_ids(msgs, wire.openai_tools([CALC_TOOL])) == with_tools != want and len(renders) == 2
+    assert chat.prompt_ids([{"role": "user", "content": "3+4 f"}]) != want and len(renders) == 3
+    chat.prompt_ids(msgs).append(0)  # a caller's list is its own: the cached ids are unchanged
+    assert chat.prompt_ids(msgs) == want
 
 
 def test_tool_history_renders_the_same_from_openai_and_anthropic(tiny_model_dir):

@@ -61,6 +61,22 @@ def test_lag_mask_and_count():
     assert group[0]["loss_mask"] == [0, 0, 0, 1, 1] and group[0]["rollout_logprobs"] == [0, 0.0, 0.0, -3., -4.]
 
 
+def test_async_refills_the_window_before_training_and_sync_does_not():
+    """After a batch is taken, async dispatches the groups the window has room for at once (they generate while
+    the step trains); sync dispatches nothing until the next rollout phase (its groups need the new weights)."""
+    samples = [{"messages": [], "answer": str(i)} for i in range(100)]
+    for mode, refilled in (("async", [8, 9, 10, 11]), ("sync", [])):
+        prod = loongsage.Producer(cfg_with(mode=mode, stale_steps=1) if mode == "async" else cfg_with(mode=mode),
+                                  samples)
+        seqs = [seq for seq, _ in prod.dispatch()]  # C = 8 (async) or 4 (sync)
+        prod.receive([{"seq": s, "aborted": False, "trajs": [{"weight_versions": [0], "loss_mask": [1],
+                                                              "rollout_logprobs": [-1.0], "reward": 1.0}] * 2}
+                      for s in seqs[:4]], version=0)
+        assert prod.full()
+        prod.pop_batch()
+        assert [seq for seq, _ in prod.refill()] == refilled
+
+
 # --- the producer under random timing: the invariants ------------------------------------------------------
 
 def simulate(cfg, rng, steps=12, max_len=40):
@@ -91,6 +107,14 @@ def simulate(cfg, rng, steps=12, max_len=40):
                         del running[seq]
             prod.receive(done, version)
         trajs, metrics = prod.pop_batch()
+        for seq, sample in prod.refill():  # as train() does: async tops the window up before training
+            n = rng.choice([1, 2, 3, max_len]) if rng.random() < 0.3 else rng.randint(1, 6)
+            running[seq] = [{"left": rng.randint(1, n), "versions": []} for _ in range(cfg.samples_per_prompt)]
+        max_rq = max(max_rq, len(prod.running) + len(prod.buffer) + len(prod.batch))
+        for _ in range(rng.randint(0, 5)):  # the engine generates on the old weights while the step trains
+            for t in (t for trajs_ in running.values() for t in trajs_ if t["left"] > 0):
+                t["versions"].append(version)
+                t["left"] -= 1
         events.append(metrics)
         trained += [(t["group_id"], version, t) for t in trajs]
         version += 1  # train step + sync: in-flight tokens from here on carry the new version
@@ -167,6 +191,48 @@ def test_agentflow_records_exact_versions_across_an_update(tiny_model_dir):
     assert spanning >= 1  # at least one trajectory was generating across the update (the case under test)
 
 
+def test_a_short_group_streams_back_while_a_long_one_generates(tiny_model_dir):
+    """Groups started in the same loop tick reach completed() one by one as each finishes: a batched /generate
+    answers only when its last request ends, so if AgentFlow sent the whole tick as one batch (as it once did),
+    the 1-token group would wait for the 300-token one and async would degrade to batch-at-a-time."""
+    url, handle = rollout.serve(tiny_model_dir, max_batch=8, max_len=600, seed=1)
+    try:
+        cfg = cfg_with(max_context_len=600)
+        prompt = {"messages": [{"role": "user", "content": "1+2"}], "answer": "3"}
+
+        async def body():
+            flow = agentflow.AgentFlow(cfg, [url], tiny_model_dir)
+            await flow.submit([(0, prompt)], 2, dict(temperature=1.0, max_new_tokens=1), 0)  # same tick:
+            await flow.submit([(1, prompt)], 2, dict(temperature=1.0, max_new_tokens=300, ignore_eos=True), 0)
+            first = await flow.completed()
+            still_running, tokens_then = flow._producing, handle.engine.state()["generated_tokens"]
+            second = await flow.completed()
+            tokens_end = handle.engine.state()["generated_tokens"]
+            await flow.close()
+            return first, still_running, tokens_then, second, tokens_end
+        first, still_running, tokens_then, second, tokens_end = asyncio.run(body())
+    finally:
+        handle.shutdown()
+    assert [g["seq"] for g in first] == [0] and still_running == 1
+    assert [g["seq"] for g in second] == [1]
+    long = [len(t["response_ids"]) for t in second[0]["trajs"]]  # up to 300 (<|im_end|> still stops a row)
+    assert max(long) > 1 and tokens_then < tokens_end  # the long group was still generating at the first answer
+
+
+def test_engine_busy_seconds_reads_the_engines_compute_time(tiny_model_dir):
+    """perf/engine_idle_frac's input: the CPU engine's busy seconds grow with generation, and an engine that does
+    not answer counts as 0 instead of failing the step."""
+    url, handle = rollout.serve(tiny_model_dir, max_batch=4, max_len=128, seed=0)
+    try:
+        before = loongsage.engine_busy_seconds([url])
+        handle.engine.generate([[1, 2, 3]] * 4, {"max_new_tokens": 32, "ignore_eos": True})
+        after = loongsage.engine_busy_seconds([url])
+        assert loongsage.engine_busy_seconds([url, "http://127.0.0.1:9"]) == 0.0
+    finally:
+        handle.shutdown()
+    assert before == 0.0 < after == handle.engine.state()["busy_s"]
+
+
 def test_token_versions_from_spans():
     meta = {"weight_version": "3", "weight_versions": [{"version": "1", "start": 0, "end": 2},
                                                        {"version": "3", "start": 2, "end": 5}]}
@@ -175,6 +241,45 @@ def test_token_versions_from_spans():
     assert agentflow._token_versions({"weight_version": "3"}, 2) == [3, 3]
     assert agentflow._token_versions({"weight_version": "0", "weight_versions": [
         {"version": "0", "start": 0, "end": 0}]}, 0) == []
+
+
+# --- cores: async trainer and engine on disjoint cores, torch threads = their cores ---------------------------
+
+def test_actor_cores_are_disjoint_and_only_for_async_on_a_local_cpu(monkeypatch):
+    import os
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    cfg = cfg_with(num_engines=2, engine_threads=2)
+    cores = [loongsage.actor_cores(cfg, "trainer", 0), loongsage.actor_cores(cfg, "engine", 0),
+             loongsage.actor_cores(cfg, "engine", 1)]
+    assert cores == [[0], [1, 2], [3, 4]]  # trainer_threads derives to its 1 Ray CPU; engines asked for 2 each
+    assert loongsage.actor_cores(cfg_with(mode="sync"), "engine", 0) == []  # sync: a phase may use every core
+    assert loongsage.actor_cores(cfg_with(num_engines=4, engine_threads=2), "engine", 3) == []  # 1 + 8 > 8 cores
+    assert loongsage.actor_cores(cfg_with(colocate=True), "trainer", 0) == []
+
+
+def test_async_trainer_and_engine_are_pinned_to_their_own_cores(tiny_model_dir, tmp_path):
+    """launch() and start_engine() in async mode on this CPU: every thread of the trainer rank sits on one core,
+    every thread of the engine on another, and each computes with as many torch threads as it has cores."""
+    import os
+    import ray
+    import torch
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path))
+
+    def probe(_):  # runs inside the actor
+        threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+        return threads, torch.get_num_threads()
+    try:
+        pg, trainers, plan, where = loongsage.launch(cfg)
+        engine = loongsage.start_engine(cfg, pg, plan, where, 0)
+        trainer_threads, trainer_torch = ray.get(trainers[0].__ray_call__.remote(probe))
+        engine_threads, engine_torch = ray.get(engine.__ray_call__.remote(probe))
+    finally:
+        ray.shutdown()
+    assert trainer_threads == {(cores[0],)} and engine_threads == {(cores[1],)}
+    assert trainer_torch == 1 == engine_torch
 
 
 # --- old-policy consistency: mini-batch 0's old logprobs come from its own training forward -----------------
