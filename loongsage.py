@@ -125,6 +125,8 @@ class Config:
     warmstart_lr: float = 1e-3  # SFT learning rate (constant)
     warmstart_label_noise: float = 0.0  # fraction of SFT answers replaced by a near-miss (see data.sft_trajectory)
     warmstart_example: str = "data.sft_trajectory"  # fn(tokenizer, sample, rng, label_noise) -> trajectory dict
+    warmstart_stop_loss: float = 0.0  # stop SFT once its loss averaged over the last 20 steps is below this; then
+    #                                   warmstart_steps is a cap (0 = run all warmstart_steps)
 
     # --- data ---
     dataset: str = "synthetic:arith:4096:1"  # training prompts (data.load_dataset spec)
@@ -315,7 +317,7 @@ def finalize(cfg: Config) -> Config:
         need(isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 1,
              f"{name}={getattr(cfg, name)!r} must be a positive integer")
     for name in ("num_steps", "eval_every", "save_every", "print_every", "agent_retries", "warmstart_steps",
-                 "lr_warmup_steps"):
+                 "lr_warmup_steps", "warmstart_stop_loss"):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = off / none)")
     for name in ("agent_timeout", "cpus_per_trainer", "cpus_per_engine", "bucket_mb"):
         need(getattr(cfg, name) > 0, f"{name}={getattr(cfg, name)!r} must be > 0")
@@ -443,7 +445,7 @@ def check_critic(cfg: Config) -> None:
 
 
 TEACHER_BUILD_KEYS = ("tiny_model", "warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
-                      "warmstart_label_noise", "warmstart_example", "seed")
+                      "warmstart_label_noise", "warmstart_example", "warmstart_stop_loss", "seed")
 SOURCE_KEYS = ("name", "dataset", "weight", "eval_dataset", "reward", "agent", "teacher")
 
 
@@ -662,7 +664,7 @@ def prepare_model(cfg: Config, trainers) -> str:
     if cfg.warmstart_steps == 0:
         return base
     keys = ("warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
-            "warmstart_label_noise", "warmstart_example", "seed")
+            "warmstart_label_noise", "warmstart_example", "warmstart_stop_loss", "seed")
     settings = {k: getattr(cfg, k) for k in keys} | {"base": checkpoint_fingerprint(base)}
     out = data.default_cache_dir() / f"{Path(base).name}-sft-{data.settings_hash(settings)}"
     if (out / "model.safetensors").exists():
@@ -674,11 +676,27 @@ def prepare_model(cfg: Config, trainers) -> str:
     rng = random.Random(cfg.seed)
     ray.get([t.load_hf.remote(base, lr=cfg.warmstart_lr) for t in trainers])
     bar = tqdm(range(cfg.warmstart_steps), desc="warm start (SFT)", file=sys.stdout, mininterval=2)
+    losses = []
     for step in bar:
         batch = [example(tok, s, rng, cfg.warmstart_label_noise)
                  for s in rng.sample(samples, cfg.warmstart_batch_size)]
         m = ray.get([t.sft_step.remote(batch) for t in trainers])[0]
         bar.set_postfix(loss=f"{m['train/sft_loss']:.3f}", refresh=False)
+        # a skill a tiny model learns in a sudden, seed-dependent transition (calc's copying of digits) needs a
+        # stop on the loss, not a fixed count; 20 steps average out one small batch's noise
+        losses.append(m["train/sft_loss"])
+        recent = sum(losses[-20:]) / 20
+        if cfg.warmstart_stop_loss > 0 and len(losses) >= 20 and recent < cfg.warmstart_stop_loss:
+            bar.close()
+            print(f"warm start: SFT loss {recent:.3f} (mean of the last 20 steps) < warmstart_stop_loss "
+                  f"{cfg.warmstart_stop_loss} after {step + 1} steps")
+            break
+    else:
+        if cfg.warmstart_stop_loss > 0:
+            print(f"warm start: WARNING: SFT loss {sum(losses[-20:]) / len(losses[-20:]):.3f} (mean of the last "
+                  f"20 steps) is still above warmstart_stop_loss {cfg.warmstart_stop_loss} after all "
+                  f"{cfg.warmstart_steps} warmstart_steps: the policy may not have learned the task's protocol; "
+                  f"raise warmstart_steps")
     tmp = out.with_name(out.name + ".tmp")
     ray.get([t.save_hf.remote(str(tmp)) for t in trainers])
     tmp.rename(out)

@@ -1570,7 +1570,12 @@ class TrainerWorker:
         if has_rollout and before_update:
             rows = sorted(before_update)
             lb = collate([local[j] for j in rows], {"logp": [before_update[j] for j in rows]})
-            on_policy = lb["loss_mask"] * (lb["weight_versions"] == step)  # (b, R) 1 on this version's tokens
+            versions = lb["weight_versions"]  # (b, R), -1 on padding
+            first = torch.where(lb["loss_mask"] > 0, versions, torch.full_like(versions, 2 ** 30)).amin(
+                dim=1, keepdim=True)  # (b, 1) the version of each row's first model token
+            # a request that spanned an update went on over a KV cache that older weights computed (paused
+            # "in_place", as SGLang does), so its newer tokens are not numerics only: rows sampled from the start
+            on_policy = lb["loss_mask"] * (versions == step) * (first == step)  # (b, R)
             gap_local = self._gap_sums(lb["logp"], lb["rollout_logp"], on_policy)
             off_local = self._gap_sums(lb["logp"], lb["rollout_logp"], lb["loss_mask"])
         metrics = {f"train/{k}": v for k, v in totals.items()}

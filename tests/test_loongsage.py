@@ -135,17 +135,21 @@ def test_end_to_end_async_run_records_versions(tmp_path, monkeypatch, ray_sessio
     for key in ("eval/pass@1", "eval/pass@2", "eval/greedy_accuracy", "eval/b/accuracy", "eval/b/pass@2"):
         assert all(0 <= h[key] <= 1 for h in evals) and len(evals) == 3, key  # before, step 1, last
     assert len(steps) == 3 and all(math.isfinite(h["train/loss"]) for h in steps)
-    stale_steps = 0
+    stale_steps = measured = 0
     for i, h in enumerate(steps):
         assert i - 1 <= h["rollout/weight_version_min"] <= h["rollout/weight_version_max"] <= i
         assert h["rollout/lag_max"] <= 1 and h["rollout/running_groups"] + h["rollout/buffer_groups"] <= 8
         assert h["weights/version"] - 1 == i  # the trainer's weights (old logprobs) were version i
-        if h["rollout/on_policy_frac"] > 0:  # the gap is measured on the tokens version i sampled: numerics only
-            assert h["train/gap_k3"] < 1e-6 and h["train/gap_max"] < 1e-4, (i, h)
+        # the gap is measured on rows version i sampled from their first token: numerics only (a row that spanned an
+        # update went on over a KV cache of the older weights, in place, and measured 4e-4 here when it was counted)
+        if "train/gap_k3" in h:
+            measured += 1
+            assert h["rollout/on_policy_frac"] > 0 and h["train/gap_k3"] < 1e-6 and h["train/gap_max"] < 1e-4, (i, h)
         if h["rollout/lag_max"] > 0:  # tokens one version behind: the policy's drift shows off-policy
             stale_steps += 1  # measured here: ~1e-3 after one update; a stale or random sync gives more
             assert 1e-6 < h["train/offpolicy_k3"] < 0.02, (i, h)
     assert steps[1]["rollout/lag_max"] == 1 and stale_steps >= 1  # generation overlapped training
+    assert measured >= 1  # step 0 at least: every row sampled by the initial weights
 
 
 def _loss_weights(trajs: list[dict], advantage: str, loss_agg: str, max_new_tokens: int) -> list[float]:

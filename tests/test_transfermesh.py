@@ -434,14 +434,18 @@ def test_cuda_ipc_payloads_are_one_dump_per_rank_with_device_uuids(monkeypatch):
 
 
 _GROUP_RANK = """
-import sys, torch
+import os, sys, torch
 sys.path.insert(0, {root!r})
 import transfermesh as tm
 rank = int(sys.argv[1])
 pg = tm.new_sglang_group("127.0.0.1", {port}, rank, 2, "loongsage", backend="gloo")
 t = torch.arange(6.0) if rank == 0 else torch.zeros(6)
 pg.broadcast(t, 0).wait()
-print(t.tolist())
+print(t.tolist(), flush=True)
+# leave without tearing the group down: the trainer keeps its group for the run, and gloo's destructor at interpreter
+# exit, racing the other rank's, sometimes aborts ("terminate called without an active exception", seen under load)
+pg.barrier().wait()
+os._exit(0)
 """
 
 

@@ -44,3 +44,34 @@ def test_warm_start_an_hf_directory_and_cache_it(tiny_model_dir, tmp_path, monke
         ranks.close()
     finally:
         ray.shutdown()
+
+
+def test_warm_start_stops_on_its_loss_and_warns_when_the_cap_comes_first(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """`warmstart_stop_loss`: SFT stops once the mean loss of the last 20 steps is below it (warmstart_steps is then
+    a cap), and says so; a run that reaches the cap above it finishes with a warning. The stop is part of the cache
+    key, so the two runs below are two warm starts."""
+    from test_trainer import Ranks
+
+    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
+    overrides = [f"model_path={tiny_model_dir}", "warmstart_steps=30", "warmstart_batch_size=4", "micro_batch_size=8",
+                 "global_batch_size=8", "prompts_per_step=1", "samples_per_prompt=8", "warmstart_lr=1e-3"]
+    with pytest.raises(ValueError, match="warmstart_stop_loss=-1"):
+        loongsage.load_config(None, overrides + ["warmstart_stop_loss=-1"])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    try:
+        ranks = Ranks(loongsage.load_config(None, overrides), 1)
+        # any loss is below 1e3: the stop comes as soon as there are 20 steps to average
+        early = loongsage.prepare_model(loongsage.load_config(None, overrides + ["warmstart_stop_loss=1e3"]),
+                                        ranks.workers)
+        out = capsys.readouterr().out
+        assert "< warmstart_stop_loss 1000.0 after 20 steps" in out and "WARNING" not in out
+        # no loss of this model is below 1e-6: all 30 steps run, then the warning
+        capped = loongsage.prepare_model(loongsage.load_config(None, overrides + ["warmstart_stop_loss=1e-6"]),
+                                         ranks.workers)
+        out = capsys.readouterr().out
+        assert "WARNING" in out and "after all 30 warmstart_steps" in out and "< warmstart_stop_loss" not in out
+        assert early != capped
+        ranks.close()
+    finally:
+        ray.shutdown()
