@@ -685,18 +685,18 @@ def prepare_model(cfg: Config, trainers) -> str:
         # a skill a tiny model learns in a sudden, seed-dependent transition (calc's copying of digits) needs a
         # stop on the loss, not a fixed count; 20 steps average out one small batch's noise
         losses.append(m["train/sft_loss"])
-        recent = sum(losses[-20:]) / 20
-        if cfg.warmstart_stop_loss > 0 and len(losses) >= 20 and recent < cfg.warmstart_stop_loss:
-            bar.close()
-            print(f"warm start: SFT loss {recent:.3f} (mean of the last 20 steps) < warmstart_stop_loss "
-                  f"{cfg.warmstart_stop_loss} after {step + 1} steps")
+        if cfg.warmstart_stop_loss > 0 and len(losses) >= 20 and sum(losses[-20:]) / 20 < cfg.warmstart_stop_loss:
             break
-    else:
-        if cfg.warmstart_stop_loss > 0:
-            print(f"warm start: WARNING: SFT loss {sum(losses[-20:]) / len(losses[-20:]):.3f} (mean of the last "
-                  f"20 steps) is still above warmstart_stop_loss {cfg.warmstart_stop_loss} after all "
-                  f"{cfg.warmstart_steps} warmstart_steps: the policy may not have learned the task's protocol; "
-                  f"raise warmstart_steps")
+    bar.close()
+    if cfg.warmstart_stop_loss > 0:
+        recent = sum(losses[-20:]) / len(losses[-20:])
+        if len(losses) >= 20 and recent < cfg.warmstart_stop_loss:
+            print(f"warm start: SFT loss {recent:.3f} (mean of the last 20 steps) < warmstart_stop_loss "
+                  f"{cfg.warmstart_stop_loss} after {len(losses)} steps")
+        else:
+            print(f"warm start: WARNING: SFT loss {recent:.3f} (mean of the last 20 steps) is still above "
+                  f"warmstart_stop_loss {cfg.warmstart_stop_loss} after all {cfg.warmstart_steps} warmstart_steps: "
+                  f"the policy may not have learned the task's protocol; raise warmstart_steps")
     tmp = out.with_name(out.name + ".tmp")
     ray.get([t.save_hf.remote(str(tmp)) for t in trainers])
     tmp.rename(out)
@@ -793,7 +793,7 @@ def pin_process(cores: list[int]) -> list[int]:
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cores)
-        except (ProcessLookupError, PermissionError, OSError):
+        except OSError:  # the thread ended meanwhile, or may not be moved
             pass
     return sorted(os.sched_getaffinity(0))
 
@@ -837,8 +837,8 @@ def launch(cfg: Config):
             wait([t.__ray_ready__.remote() for t in trainers], "starting the trainer ranks", cfg.actor_timeout,
                  "actor_timeout")
             for r, t in enumerate(trainers):  # async on CPU: each rank on cores of its own (see actor_cores)
-                if actor_cores(cfg, "trainer", r):
-                    t.__ray_call__.remote(lambda _, c: pin_process(c), actor_cores(cfg, "trainer", r))
+                if cores := actor_cores(cfg, "trainer", r):
+                    t.__ray_call__.remote(lambda _, c: pin_process(c), cores)
             return pg, trainers, plan, where
         except ray.exceptions.RayActorError as e:
             # The port was free when picked, but rank 0 binds it only once its actor has started
@@ -859,8 +859,8 @@ def start_engine(cfg: Config, pg, plan: dict, where: list, i: int):
         num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"])).remote(cfg, i,
                                                                                       engine_visible_gpus(plan, where, i))
-    if actor_cores(cfg, "engine", i):  # async on CPU: cores no trainer uses; runs after __init__, before any request
-        engine.__ray_call__.remote(lambda _, c: pin_process(c), actor_cores(cfg, "engine", i))
+    if cores := actor_cores(cfg, "engine", i):  # async on CPU: cores no trainer uses; after __init__, before requests
+        engine.__ray_call__.remote(lambda _, c: pin_process(c), cores)
     return engine
 
 
