@@ -43,17 +43,15 @@ and appends only the tokens of the new messages (loss_mask 0). Generated text is
 so the trainer sees exactly the ids — and logprobs, and weight versions — the engine sampled. A
 history that does not extend (compacted or edited) starts a new segment; all segments are kept.
 
-Sandboxes (`LocalSandbox`, `DockerSandbox`) run black-box agents and code-test rewards with CPU-time,
-memory, file-size and wall-clock limits, and kill every process they started at the end. Where the OS
-allows (root or user namespaces, a writable cgroup), the local one also makes everything outside its
-directory read-only, cuts the network when asked (code tests; agents keep loopback for the router) and
-caps its process count and total memory; `LocalSandbox.contained` says what holds on this machine.
+Black-box agents and code-test rewards run in sandboxes (sandbox.py: limits, containment where the OS allows,
+every process killed at the end). With `cfg.agent_preload` (e.g. ["openai"]) a Python agent command is forked
+from one warm interpreter that has imported those modules, instead of starting Python per trajectory.
 
 Reading order (top to bottom): `Trajectory`, what the trainer reads; `EnginePool`, the engines behind the
 router; `ChatFormat` and `parse_tool_calls`, the chat template and the tool-call parser; `Session`, where TITO
 happens (render, check that the history extends, generate, append exactly the sampled ids); `Router`, the HTTP
 endpoints, which call wire.py at their edges only (request parsing, response and stream shapes, error bodies);
-the sandboxes; `AgentFlow`, the actor the controller calls. wire.py holds the OpenAI / Anthropic / Responses
+the code-test reward; `AgentFlow`, the actor the controller calls. wire.py holds the OpenAI / Anthropic / Responses
 formats and nothing else, so this file is the system and that one the protocol.
 
 Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
@@ -69,24 +67,18 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import ctypes
 import dataclasses
+import functools
 import hashlib
 import importlib
 import inspect
 import json
 import logging
 import math
-import os
 import re
-import resource
 import secrets
-import shutil
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -100,6 +92,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 import data
 import rollout
+import sandbox
 from wire import (ApiError, anthropic_error_body, anthropic_request, anthropic_response, anthropic_stream,
                   openai_error_body, openai_messages, openai_request, openai_response, openai_stream, openai_tools,
                   responses_output, responses_request, responses_response, responses_stream)
@@ -966,345 +959,6 @@ class Router:
             self._server = None
 
 
-# ----------------------------------------------------------------------------------------------
-# sandboxes: create / execute / delete, with limits, killed whole
-
-
-@dataclass
-class ExecResult:
-    exit_code: int          # the process's exit code; -9 etc. when killed by a signal
-    stdout: str
-    stderr: str
-    timed_out: bool         # the wall-clock limit hit and the process group was killed
-    wall_s: float
-
-
-# What a LocalSandbox can contain depends on the OS and the user, so it is probed once per process:
-#   writes outside the sandbox dir + network: a new mount namespace (everything else remounted
-#     read-only, a private /dev/shm) and, when network=False, a new network namespace (no interface up,
-#     not even loopback). Needs root, or unprivileged user namespaces.
-#   the number of processes and the total memory: a pids + memory cgroup per sandbox. Needs write access
-#     to a cgroup hierarchy (root, usually). RLIMIT_NPROC is no substitute: the kernel ignores it for
-#     root, and for other users it counts every process of the user, not the sandbox's.
-# Whatever is unavailable is not contained; `LocalSandbox.contained` says which, and a warning says so once.
-# The namespaces are entered with raw syscalls in the forked child, before exec: the `unshare`/`mount`
-# programs cost a process per mount point (~0.5 s per command measured here, against ~1 ms this way).
-_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
-_MS = {"ro": 1, "nosuid": 2, "nodev": 4, "noexec": 8, "remount": 32, "noatime": 1024, "nodiratime": 2048,
-       "bind": 4096, "rec": 16384, "private": 1 << 18, "relatime": 1 << 21, "strictatime": 1 << 24}
-_LIBC = None
-_ISOLATION: bool | None = None  # probed once: can a child enter the namespaces here?
-
-
-def _syscall(name: str, *args) -> None:
-    if getattr(_LIBC, name)(*args) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{name}{args!r}: {os.strerror(err)}")
-
-
-def _isolate(root_dir: str, network: bool) -> None:
-    """In the child between fork and exec: new mount (+ user, + network) namespaces; every mount but
-    `root_dir` becomes read-only (keeping its nosuid/nodev/noexec flags, which a user namespace may not
-    drop), /dev/shm becomes a private tmpfs, and the cwd moves onto the new bind mount of root_dir."""
-    uid, gid = os.getuid(), os.getgid()
-    flags = _CLONE_NEWNS | (0 if network else _CLONE_NEWNET) | (_CLONE_NEWUSER if uid != 0 else 0)
-    _syscall("unshare", flags)
-    if uid != 0:  # map ourselves to root inside, so the mounts below are allowed
-        for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"0 {uid} 1"),
-                           ("/proc/self/gid_map", f"0 {gid} 1")):
-            with open(path, "w") as f:
-                f.write(text)
-    d = root_dir.encode()
-    _syscall("mount", None, b"/", None, _MS["rec"] | _MS["private"], None)  # nothing propagates to the host
-    _syscall("mount", d, d, None, _MS["bind"], None)
-    with contextlib.suppress(OSError):
-        _syscall("mount", b"tmpfs", b"/dev/shm", b"tmpfs", _MS["nosuid"] | _MS["nodev"], b"size=64m")
-    with open("/proc/self/mountinfo") as f:
-        mounts = [(line.split()[4], line.split()[5].split(",")) for line in f]
-    for point, opts in reversed(mounts):  # mountinfo escapes spaces as \040; such mounts stay as they are
-        if point in (root_dir, "/dev/shm"):
-            continue
-        keep = sum(_MS.get(o, 0) for o in opts if o in ("nosuid", "nodev", "noexec", "noatime", "nodiratime",
-                                                         "relatime", "strictatime"))
-        with contextlib.suppress(OSError):
-            _syscall("mount", None, point.encode(), None, _MS["remount"] | _MS["bind"] | _MS["ro"] | keep, None)
-    os.chdir(root_dir)  # the old cwd is the directory under the new mount, which is now read-only
-
-
-def _isolation_available() -> bool:
-    """Whether a child can enter the namespaces here (probed once, in a throwaway child)."""
-    global _ISOLATION, _LIBC
-    if _ISOLATION is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here, not in the forked child
-        probe = tempfile.mkdtemp(prefix="loongsage-probe-")
-        try:
-            _ISOLATION = subprocess.run(["sh", "-c", "! touch /loongsage-probe 2>/dev/null && touch ok"], cwd=probe,
-                                        preexec_fn=lambda: _isolate(probe, False), capture_output=True,
-                                        timeout=30).returncode == 0 and os.path.exists(f"{probe}/ok")
-        except (OSError, subprocess.SubprocessError):
-            _ISOLATION = False
-        finally:
-            shutil.rmtree(probe, ignore_errors=True)
-    return _ISOLATION
-
-
-def _cgroup(controller: str, name: str) -> Path | None:
-    """Create cgroup `name` with `controller` (v1 hierarchy /sys/fs/cgroup/<controller>, or v2
-    /sys/fs/cgroup with the controller enabled for children); None where neither is writable."""
-    limit_file = {"pids": "pids.max", "memory": "memory.limit_in_bytes"}[controller]
-    for base, limit in ((Path("/sys/fs/cgroup") / controller, limit_file), (Path("/sys/fs/cgroup"),
-                                                                           f"{controller}.max")):
-        path = base / name
-        try:
-            path.mkdir(exist_ok=False)
-        except OSError:
-            continue
-        if (path / limit).exists():
-            return path
-        with contextlib.suppress(OSError):
-            path.rmdir()
-    return None
-
-
-def _cgroup_kill(path: Path) -> None:
-    """SIGKILL every process left in the cgroup (even ones that left the process group with setsid).
-    Orphans are reaped by init: until then they still count against pids.max (on this machine's init,
-    for up to seconds) and the cgroup cannot be removed."""
-    for _ in range(100):
-        try:
-            pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
-        except OSError:
-            return
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
-
-
-_WARNED: set[str] = set()
-
-
-class LocalSandbox:
-    """A temp directory + a process group with rlimits, and where this machine allows it, namespaces and
-    cgroups (see `_isolate` above): writes outside the directory fail (read-only filesystem),
-    `network=False` cuts every connection (black-box agents keep it: they reach the router on loopback),
-    and the sandbox's processes are counted and their total memory capped together. Always: CPU time,
-    address space and file size per process, the wall clock, and every process killed at the end.
-
-    Not a security boundary: the same kernel, and the same user (root stays root inside, with a
-    read-only view). Measured here (root, cgroup v1): all five containment cases hold (tests/test_reliability.py)."""
-
-    def __init__(self, *, cpu_s: int = 60, memory_mb: int = 4096, file_mb: int = 64, max_procs: int = 256,
-                 network: bool = True):
-        self.cpu_s, self.memory_mb, self.file_mb, self.max_procs = cpu_s, memory_mb, file_mb, max_procs
-        self.network = network
-        self.dir: str | None = None
-        self._pgids: set[int] = set()
-        self._cgroups: list[Path] = []
-        self.contained: dict[str, bool] = {}  # what this sandbox really enforces (writes, network, procs,
-        #                                       total_memory), filled by create()
-
-    async def create(self) -> "LocalSandbox":
-        self.dir = tempfile.mkdtemp(prefix="loongsage-sbx-")
-        name = Path(self.dir).name
-        pids, mem = _cgroup("pids", name), _cgroup("memory", name)
-        if pids is not None:
-            (pids / "pids.max").write_text(str(self.max_procs))
-        if mem is not None:
-            limit = "memory.limit_in_bytes" if (mem / "memory.limit_in_bytes").exists() else "memory.max"
-            (mem / limit).write_text(str(self.memory_mb * 2 ** 20))
-        self._cgroups = [c for c in (pids, mem) if c is not None]
-        isolate = _isolation_available()
-        # network: cut (only asked for with network=False; black-box agents need loopback to the router)
-        self.contained = {"writes": isolate, "network": isolate and not self.network, "procs": pids is not None,
-                          "total_memory": mem is not None}
-        missing = sorted(k for k, v in self.contained.items() if not v and (k != "network" or not self.network))
-        if missing and ",".join(missing) not in _WARNED:
-            _WARNED.add(",".join(missing))
-            log.warning("LocalSandbox cannot contain %s on this machine (needs root or user namespaces, and a "
-                        "writable pids/memory cgroup); use sandbox: docker for those", missing)
-        return self
-
-    def _limits(self) -> None:  # runs in the child between fork and exec
-        for cg in self._cgroups:  # join first: every process forked from here on is counted
-            (cg / "cgroup.procs").write_text(str(os.getpid()))
-        if self.contained.get("writes"):
-            _isolate(self.dir, self.network)
-        resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s))
-        mem = self.memory_mb * 2 ** 20
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        fsize = self.file_mb * 2 ** 20
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    def write(self, name: str, text: str) -> str:
-        path = Path(self.dir) / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        return str(path)
-
-    async def execute(self, command: str, *, stdin: str = "", env: dict | None = None,
-                      timeout_s: float = 30.0) -> ExecResult:
-        """Run `bash -c command` in the sandbox dir; at the wall-clock limit kill its whole process group."""
-        if self.dir is None:
-            raise RuntimeError("LocalSandbox.execute before create(); call `await sandbox.create()` first")
-        base = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": self.dir,
-                "TMPDIR": self.dir, "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT), "LOONGSAGE_ROOT": str(ROOT)}
-        t0 = time.perf_counter()
-        proc = await asyncio.create_subprocess_exec(
-            "bash", "-c", command, cwd=self.dir, env={**base, **(env or {})}, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self._limits)
-        self._pgids.add(proc.pid)  # start_new_session: the pid is the process group id
-        timed_out = False
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
-        except asyncio.TimeoutError:
-            timed_out = True
-            self._kill(proc.pid)
-            out, err = await proc.communicate()
-        finally:
-            self._kill(proc.pid)  # background children of a finished command die with it too,
-            for cg in self._cgroups[:1]:  # and so do those that left its process group (setsid, daemons)
-                _cgroup_kill(cg)
-        return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
-                          timed_out, time.perf_counter() - t0)
-
-    def _kill(self, pgid: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-
-    async def delete(self) -> None:
-        for pgid in self._pgids:
-            self._kill(pgid)
-        self._pgids.clear()
-        for cg in self._cgroups:
-            _cgroup_kill(cg)
-        for _ in range(100):  # removable once init has reaped the killed processes
-            for cg in list(self._cgroups):
-                with contextlib.suppress(OSError):
-                    cg.rmdir()
-                    self._cgroups.remove(cg)
-            if not self._cgroups:
-                break
-            await asyncio.sleep(0.05)
-        if self._cgroups:
-            log.warning("sandbox cgroups %s still hold unreaped processes; left in place", self._cgroups)
-        self._cgroups = []
-        if self.dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
-
-
-class DockerSandbox:
-    """One container per sandbox (docker CLI), `docker exec` per command, `docker rm -f` at the end.
-
-    The container: memory (no extra swap), CPUs, pids, per-process CPU time and file size limits; a
-    read-only root filesystem with a small /tmp tmpfs; the work dir mounted read-write at /work and
-    LoongSage read-only at /loongsage; no capabilities, no privilege gain. `network=True` shares the
-    host network so an agent reaches the router on loopback; `network=False` gives it none.
-    """
-
-    def __init__(self, *, image: str | None = None, cpus: float = 1.0, cpu_s: int = 60, memory_mb: int = 4096,
-                 file_mb: int = 64, max_procs: int = 256, network: bool = True):
-        self.image = image or os.environ.get("LOONGSAGE_SANDBOX_IMAGE", "python:3.11-slim")
-        self.cpus, self.cpu_s, self.memory_mb, self.file_mb = cpus, cpu_s, memory_mb, file_mb
-        self.max_procs, self.network = max_procs, network
-        self.name: str | None = None
-        self.dir: str | None = None
-
-    async def _docker(self, *args: str, stdin: str = "", timeout_s: float = 120.0) -> ExecResult:
-        t0 = time.perf_counter()
-        proc = await asyncio.create_subprocess_exec("docker", *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                    stderr=subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
-            return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
-                              False, time.perf_counter() - t0)
-        except asyncio.TimeoutError:
-            proc.kill()
-            out, err = await proc.communicate()
-            return ExecResult(-9, out.decode(errors="replace"), err.decode(errors="replace"), True,
-                              time.perf_counter() - t0)
-
-    def run_args(self) -> list[str]:
-        """The `docker run` arguments that start this sandbox's container (after create() named it)."""
-        fsize = self.file_mb * 2 ** 20  # docker passes ulimit values to setrlimit as they are: bytes, seconds
-        return ["run", "-d", "--rm", "--name", self.name, "--network", "host" if self.network else "none",
-                "--memory", f"{self.memory_mb}m", "--memory-swap", f"{self.memory_mb}m", "--cpus", str(self.cpus),
-                "--pids-limit", str(self.max_procs), "--ulimit", f"cpu={self.cpu_s}:{self.cpu_s}",
-                "--ulimit", f"fsize={fsize}:{fsize}", "--read-only", "--tmpfs", "/tmp:rw,size=64m",
-                "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-                "-v", f"{self.dir}:/work", "-v", f"{ROOT}:/loongsage:ro", "-w", "/work",
-                self.image, "sleep", "infinity"]
-
-    async def create(self) -> "DockerSandbox":
-        self.dir = tempfile.mkdtemp(prefix="loongsage-sbx-")
-        os.chmod(self.dir, 0o777)  # the image's user may not be ours
-        self.name = "loongsage-" + uuid.uuid4().hex[:12]
-        r = await self._docker(*self.run_args())
-        if r.exit_code != 0:
-            raise RuntimeError(f"docker run {self.image} failed ({r.exit_code}): {r.stderr.strip()[:500]}")
-        return self
-
-    def write(self, name: str, text: str) -> str:
-        path = Path(self.dir) / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        return f"/work/{name}"
-
-    async def execute(self, command: str, *, stdin: str = "", env: dict | None = None,
-                      timeout_s: float = 30.0) -> ExecResult:
-        envs = [a for k, v in {"PYTHONPATH": "/loongsage", "LOONGSAGE_ROOT": "/loongsage", **(env or {})}.items()
-                for a in ("-e", f"{k}={v}")]
-        # `timeout -s KILL` inside the container kills the command; the container (and any stragglers)
-        # goes away at delete().
-        r = await self._docker("exec", "-i", *envs, self.name, "timeout", "-s", "KILL", str(int(timeout_s) + 1),
-                               "bash", "-c", command, stdin=stdin, timeout_s=timeout_s + 10)
-        r.timed_out = r.timed_out or r.exit_code in (124, 137)
-        return r
-
-    async def delete(self) -> None:
-        if self.name:
-            await self._docker("rm", "-f", self.name, timeout_s=60)
-            self.name = None
-        if self.dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
-
-
-_DOCKER_OK: bool | None = None
-
-
-def docker_available() -> bool:
-    """True when a Docker engine answers (`docker info`), checked once per process."""
-    global _DOCKER_OK
-    if _DOCKER_OK is None:
-        try:
-            _DOCKER_OK = shutil.which("docker") is not None and subprocess.run(
-                ["docker", "info"], capture_output=True, timeout=10).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            _DOCKER_OK = False
-    return _DOCKER_OK
-
-
-def make_sandbox(kind: str = "local", **limits):
-    """"local" | "docker" | "auto" (docker where an engine answers, else local)."""
-    if kind == "auto":
-        kind = "docker" if docker_available() else "local"
-    if kind == "local":
-        return LocalSandbox(**limits)
-    if kind == "docker":
-        if not docker_available():
-            raise RuntimeError("sandbox='docker' but no Docker engine answers `docker info`; start dockerd "
-                               "or set sandbox: local")
-        return DockerSandbox(**limits)
-    if data.is_dotted(kind):  # EXT: a user's sandbox, fn(**limits) -> an object with this file's sandbox methods
-        return data.import_object(kind)(**limits)
-    raise ValueError(f"unknown sandbox {kind!r}; valid: local, docker, auto, or a dotted path 'module.function'")
-
-
 _CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
 
@@ -1317,7 +971,7 @@ async def code_tests(response: str, sample: dict) -> float:
     """
     blocks = _CODE_BLOCK_RE.findall(response)
     code = blocks[-1] if blocks else response
-    box = await make_sandbox("auto", cpu_s=int(sample.get("timeout", 10)) + 1, network=False).create()
+    box = await sandbox.make_sandbox("auto", cpu_s=int(sample.get("timeout", 10)) + 1, network=False).create()
     try:
         box.write("solution.py", code)
         test = box.write("test_solution.py", "from solution import *\n" + str(sample["tests"]))
@@ -1383,7 +1037,9 @@ class AgentFlow:
         if self.agent_fn is not None and not callable(self.agent_fn):
             raise ValueError(f"agent {cfg.agent!r} is not callable; it must be `async def agent(client, sample)`")
         if cfg.agent_command:
-            make_sandbox(cfg.sandbox)  # fail now, not at the first trajectory, on a bad/unavailable sandbox
+            sandbox.make_sandbox(cfg.sandbox)  # fail now, not at the first trajectory, on a bad/unavailable sandbox
+        # agent_preload: Python agent commands fork from one warm interpreter (started at the first trajectory)
+        self._warm = sandbox.WarmPython(cfg.agent_preload) if cfg.agent_command and cfg.agent_preload else None
         # Loopback by default: agents run on this node. Set cfg.router_host to serve sandboxes elsewhere.
         self.router = Router(self.pool, self.chat, model_name=Path(tokenizer_path).name or "loongsage",
                              host=cfg.router_host)
@@ -1489,6 +1145,8 @@ class AgentFlow:
         await self.abort()
         await self.router.stop()
         await self.pool.close()
+        if self._warm is not None:
+            await self._warm.close()
 
     # --- one trajectory, with retries
 
@@ -1614,7 +1272,7 @@ class AgentFlow:
         """Run `cfg.agent_command` in a sandbox pointed at a fresh session; its stdout is its answer."""
         async with self._sandbox_slots:
             s = self.router.open_session(**self._session_args(sampling, sample, self.cfg.max_turns, group_id))
-            box = make_sandbox(self.cfg.sandbox)
+            box = sandbox.make_sandbox(self.cfg.sandbox)
             status, error, answer = None, None, None
             try:
                 await box.create()
@@ -1625,8 +1283,8 @@ class AgentFlow:
                        "LOONGSAGE_TASK": task,
                        # a file, not a variable: samples (tests, repos) can exceed the environment's size limit
                        "LOONGSAGE_SAMPLE_FILE": box.write("sample.json", json.dumps(sample, default=str))}
-                r = await box.execute(self.cfg.agent_command, stdin=task, env=env,
-                                      timeout_s=self.cfg.agent_timeout)
+                run = box.execute if self._warm is None else functools.partial(box.execute_warm, self._warm)
+                r = await run(self.cfg.agent_command, stdin=task, env=env, timeout_s=self.cfg.agent_timeout)
                 answer = r.stdout.strip()
                 if r.timed_out:
                     status, error = "truncated", f"agent command timed out after {self.cfg.agent_timeout}s"

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import importlib.util
 import itertools
 import json
 import math
@@ -58,6 +59,7 @@ from tqdm import tqdm
 
 import algos
 import data
+import sandbox
 import trainer  # cheap: Megatron loads inside the trainer actors, not here
 import transfermesh
 
@@ -138,6 +140,8 @@ class Config:
     sandbox: str = "local"  # "local" | "docker" | "auto" (docker where a Docker engine answers) | a dotted path to
     # fn(**limits) -> a sandbox with LocalSandbox's methods (create, write, execute, delete)
     max_parallel_sandboxes: int = 32  # black-box agents / code-test rewards running at once
+    agent_preload: list = field(default_factory=list)  # modules a Python agent_command imports (e.g. [openai]):
+    # each trajectory forks from one interpreter that imported them, not a new Python (sandbox: local only)
     router_host: str = "127.0.0.1"  # where the AgentFlow router listens (0.0.0.0 for agents on other machines)
     max_turns: int = 8  # agent turns per trajectory
     agent_timeout: float = 120.0  # seconds per trajectory
@@ -338,6 +342,14 @@ def finalize(cfg: Config) -> Config:
          "engines take cuda_ipc, broadcast or disk (or auto)")
     need(not (cfg.agent and cfg.agent_command), f"set either agent ({cfg.agent!r}, a Python function) or "
          f"agent_command ({cfg.agent_command!r}, a black-box program), not both")
+    if cfg.agent_preload:
+        need(bool(cfg.agent_command), f"agent_preload={cfg.agent_preload} preloads modules for agent_command, which "
+             "is empty; set agent_command or remove agent_preload")
+        need(cfg.sandbox == "local", f"agent_preload forks agents from a warm interpreter on this machine, which "
+             f"sandbox={cfg.sandbox!r} cannot take; set sandbox=local or remove agent_preload")
+        need(sandbox.python_command(cfg.agent_command) is not None, f"agent_preload runs Python agents only: "
+             f"agent_command must read `[VAR=value ...] python SCRIPT [ARGS]` or `python -m MODULE [ARGS]` (no shell "
+             f"operators), got {cfg.agent_command!r}; remove agent_preload to run it through bash")
     if cfg.router_replay:
         mt = _model_type(cfg.model_path, cfg.tiny_model)
         need(mt in (None, "qwen3_moe", "mixtral"), f"router_replay=true needs an MoE model (qwen3_moe or mixtral), "
@@ -624,10 +636,12 @@ def check_runtime(cfg: Config) -> None:
         raise FileNotFoundError(f"model_path={cfg.model_path!r} is not a directory; give a local HF model directory "
                                 "(config.json + safetensors + tokenizer) or model_path=tiny")
     if cfg.agent_command and cfg.sandbox == "docker":
-        import agentflow  # late: ~1 s (OpenAI client, FastAPI server), paid only when --check needs it
-        if not agentflow.docker_available():
+        if not sandbox.docker_available():
             raise ValueError("sandbox=docker but no Docker engine answers `docker info` on this machine; start "
                              "dockerd, or set sandbox=local (LocalSandbox.contained says what it contains here)")
+    for name in cfg.agent_preload:
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(f"agent_preload: no module {name!r} here; install it, or drop it from agent_preload")
     for spec in (cfg.dataset, cfg.eval_dataset, *cfg.eval_sets.values()):
         if spec and not spec.startswith("synthetic:") and not Path(spec).exists():
             raise FileNotFoundError(f"dataset {spec!r} not found; give a .jsonl/.parquet path or 'synthetic:arith:<n>:<seed>'")
@@ -697,9 +711,14 @@ def prepare_model(cfg: Config, trainers) -> str:
             print(f"warm start: WARNING: SFT loss {recent:.3f} (mean of the last 20 steps) is still above "
                   f"warmstart_stop_loss {cfg.warmstart_stop_loss} after all {cfg.warmstart_steps} warmstart_steps: "
                   f"the policy may not have learned the task's protocol; raise warmstart_steps")
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # two runs warm-starting the same model do not share it
     ray.get([t.save_hf.remote(str(tmp)) for t in trainers])
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # the other run saved first: same settings, so the same model; keep its copy
+        if not (out / "model.safetensors").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 
-import agentflow
+import sandbox
 
 RUN_TESTS_TOOL = {"type": "function", "function": {
     "name": "run_tests", "description": "Run the task's tests against a candidate solution.py; returns the output",
@@ -27,7 +27,7 @@ _BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.S)
 
 async def run_tests(code: str, sample: dict) -> str:
     """The tool: write `code` as solution.py next to the tests, run them, report pass/fail and output."""
-    box = await agentflow.make_sandbox("auto", cpu_s=int(sample.get("timeout", 10)) + 1, network=False).create()
+    box = await sandbox.make_sandbox("auto", cpu_s=int(sample.get("timeout", 10)) + 1, network=False).create()
     try:
         box.write("solution.py", code)
         test = box.write("test_solution.py", "from solution import *\n" + str(sample["tests"]))

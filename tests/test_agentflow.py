@@ -22,6 +22,7 @@ import pytest
 import agentflow
 import data
 import loongsage
+import sandbox
 import rollout
 import wire
 
@@ -516,10 +517,11 @@ def test_whitebox_agents_ok_crash_reward_budget_timeout(engines, tiny_model_dir)
     assert [(t["group_id"], t["sample_index"]) for t in crashed] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-def test_blackbox_agent_program_trains_through_env_vars(engines, tiny_model_dir):
+@pytest.mark.parametrize("preload", [[], ["openai"]])  # a new interpreter per trajectory, or forked warm
+def test_blackbox_agent_program_trains_through_env_vars(engines, tiny_model_dir, preload):
     async def body():
         cmd = "AGENT_MAX_TOKENS=3 python $LOONGSAGE_ROOT/recipes/blackbox_agent.py"
-        flow = agentflow.AgentFlow(make_cfg(agent_command=cmd), engines, tiny_model_dir)
+        flow = agentflow.AgentFlow(make_cfg(agent_command=cmd, agent_preload=preload), engines, tiny_model_dir)
         calls = record_engine_calls(flow.pool)
         out = await flow.generate(data.arith_samples(1, seed=4), 2, SAMPLING, step=0)
         await flow.close()
@@ -606,7 +608,7 @@ def _alive(pid: int) -> bool:
 
 def test_local_sandbox_limits_and_cleanup():
     async def body():
-        box = await agentflow.LocalSandbox(cpu_s=1, memory_mb=256, file_mb=1).create()
+        box = await sandbox.LocalSandbox(cpu_s=1, memory_mb=256, file_mb=1).create()
         root = box.dir
         wall = await box.execute("sleep 30 & echo $! > child.pid; sleep 30", timeout_s=1.0)
         child = int(Path(root, "child.pid").read_text())
@@ -625,11 +627,11 @@ def test_local_sandbox_limits_and_cleanup():
     assert not os.path.exists(root)
 
 
-@pytest.mark.skipif(not agentflow.docker_available(), reason="no Docker engine answers `docker info` here")
+@pytest.mark.skipif(not sandbox.docker_available(), reason="no Docker engine answers `docker info` here")
 def test_docker_sandbox_runs_and_is_removed():
     async def body():
         image = os.environ.get("LOONGSAGE_SANDBOX_IMAGE", "python:3.11-slim")
-        box = await agentflow.DockerSandbox(image=image).create()
+        box = await sandbox.DockerSandbox(image=image).create()
         r = await box.execute("echo hi", timeout_s=30)
         slow = await box.execute("sleep 30", timeout_s=1)
         await box.delete()

@@ -106,9 +106,9 @@ def test_agent_by_dotted_path(engines, tiny_model_dir, tmp_path, monkeypatch):
 def test_sandbox_by_dotted_path(engines, tiny_model_dir, tmp_path, monkeypatch):
     mod = plug(tmp_path, monkeypatch, "userext_sandbox", """
         import dataclasses
-        import agentflow
+        import sandbox
 
-        class Tagged(agentflow.LocalSandbox):
+        class Tagged(sandbox.LocalSandbox):
             async def execute(self, command, **kw):
                 r = await super().execute(command, **kw)
                 return dataclasses.replace(r, stdout="boxed:" + r.stdout)

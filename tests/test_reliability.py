@@ -23,6 +23,7 @@ import torch
 
 import agentflow
 import loongsage
+import sandbox
 import trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +102,9 @@ def test_rewards_must_be_finite_numbers(value, reward, error):
     (["train_only=true", "rollout_only=true", "load_rollouts=x"], "would neither generate nor train"),
     (["tiny_model.hiden_size=8"], "did you mean 'hidden_size'"),
     (["agent=recipes.calc.agent", "agent_command=python x.py"], "not both"),
+    (["agent_preload=[openai]"], "agent_command, which is empty"),
+    (["agent_preload=[openai]", "agent_command=python x.py", "sandbox=docker"], "set sandbox=local"),
+    (["agent_preload=[openai]", "agent_command=python x.py | tee log"], "Python agents only"),
 ])
 def test_options_without_a_working_path_fail_check(overrides, message):
     with pytest.raises(ValueError) as e:
@@ -174,11 +178,11 @@ def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_ne
     async def body():
         # the bomb gets a sandbox of its own: the children it leaves count against its pids cap until
         # init reaps them, which on some machines (this one) takes seconds
-        bomb_box = await agentflow.LocalSandbox(max_procs=32).create()
+        bomb_box = await sandbox.LocalSandbox(max_procs=32).create()
         bomb_box.write("bomb.py", FORK_BOMB)
         bomb = await bomb_box.execute("python bomb.py", timeout_s=30)
         await bomb_box.delete()
-        box = await agentflow.LocalSandbox(cpu_s=20, memory_mb=300, max_procs=32, network=False).create()
+        box = await sandbox.LocalSandbox(cpu_s=20, memory_mb=300, max_procs=32, network=False).create()
         box.write("hog.py", MEMORY_HOG)
         hog = await box.execute("python hog.py", timeout_s=30)
         writes = await box.execute(f"echo x > inside.txt; cat inside.txt; echo x > {outside}; "
@@ -189,7 +193,7 @@ def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_ne
         escaped = int(Path(box.dir, "escaped.pid").read_text())  # (output read before a timeout is lost)
         escaped_alive = _alive(escaped)  # after the command, before delete()
         offline = await box.execute(connect, timeout_s=10)
-        online_box = await agentflow.LocalSandbox(network=True).create()
+        online_box = await sandbox.LocalSandbox(network=True).create()
         online = await online_box.execute(connect, timeout_s=10)
         contained, home = box.contained, box.dir
         await box.delete()
@@ -229,11 +233,11 @@ def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_ne
 
 def test_local_sandbox_states_what_it_cannot_contain(monkeypatch):
     """Where neither namespaces nor cgroups are available, `contained` says so (and the command still runs)."""
-    monkeypatch.setattr(agentflow, "_ISOLATION", False)
-    monkeypatch.setattr(agentflow, "_cgroup", lambda controller, name: None)
+    monkeypatch.setattr(sandbox, "_ISOLATION", False)
+    monkeypatch.setattr(sandbox, "_cgroup", lambda controller, name: None)
 
     async def body():
-        box = await agentflow.LocalSandbox(network=False).create()
+        box = await sandbox.LocalSandbox(network=False).create()
         r = await box.execute("echo ran")
         await box.delete()
         return box.contained, r
@@ -244,7 +248,7 @@ def test_local_sandbox_states_what_it_cannot_contain(monkeypatch):
 
 def test_docker_sandbox_builds_the_exact_docker_run_command():
     """No daemon needed: the limits the issue lists are in the command, with docker's units."""
-    box = agentflow.DockerSandbox(image="img:1", cpus=1.5, cpu_s=11, memory_mb=512,
+    box = sandbox.DockerSandbox(image="img:1", cpus=1.5, cpu_s=11, memory_mb=512,
                                                                file_mb=2, max_procs=64, network=False)
     box.name, box.dir = "loongsage-x", "/tmp/loongsage-sbx-x"
     assert box.run_args() == [
@@ -253,24 +257,24 @@ def test_docker_sandbox_builds_the_exact_docker_run_command():
         "--ulimit", "cpu=11:11", "--ulimit", f"fsize={2 * 2 ** 20}:{2 * 2 ** 20}", "--read-only",
         "--tmpfs", "/tmp:rw,size=64m", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
         "-v", "/tmp/loongsage-sbx-x:/work", "-v", f"{ROOT}:/loongsage:ro", "-w", "/work", "img:1", "sleep", "infinity"]
-    assert agentflow.DockerSandbox(network=True).run_args()[5:7] == ["--network", "host"]  # agents reach the router
+    assert sandbox.DockerSandbox(network=True).run_args()[5:7] == ["--network", "host"]  # agents reach the router
 
 
 def test_make_sandbox_passes_the_same_limits_to_both_kinds(monkeypatch):
     """The code-test reward and the code-repair tool call make_sandbox("auto", cpu_s=..., network=False):
     with a daemon answering that builds a DockerSandbox, which must take the same keywords."""
-    monkeypatch.setattr(agentflow, "_DOCKER_OK", True)
-    box = agentflow.make_sandbox("auto", cpu_s=11, network=False)
-    assert isinstance(box, agentflow.DockerSandbox) and box.cpu_s == 11 and not box.network
-    monkeypatch.setattr(agentflow, "_DOCKER_OK", False)
-    box = agentflow.make_sandbox("auto", cpu_s=11, network=False)
-    assert isinstance(box, agentflow.LocalSandbox) and box.cpu_s == 11 and not box.network
+    monkeypatch.setattr(sandbox, "_DOCKER_OK", True)
+    box = sandbox.make_sandbox("auto", cpu_s=11, network=False)
+    assert isinstance(box, sandbox.DockerSandbox) and box.cpu_s == 11 and not box.network
+    monkeypatch.setattr(sandbox, "_DOCKER_OK", False)
+    box = sandbox.make_sandbox("auto", cpu_s=11, network=False)
+    assert isinstance(box, sandbox.LocalSandbox) and box.cpu_s == 11 and not box.network
 
 
-@pytest.mark.skipif(not agentflow.docker_available(), reason="no Docker engine answers `docker info` here")
+@pytest.mark.skipif(not sandbox.docker_available(), reason="no Docker engine answers `docker info` here")
 def test_docker_sandbox_contains_the_same_cases():
     async def body():
-        box = await agentflow.DockerSandbox(memory_mb=300, max_procs=32, network=False).create()
+        box = await sandbox.DockerSandbox(memory_mb=300, max_procs=32, network=False).create()
         box.write("bomb.py", FORK_BOMB)
         bomb = await box.execute("python bomb.py", timeout_s=30)
         writes = await box.execute("echo x > /work/in.txt && echo in; echo x > /usr/escape.txt", timeout_s=10)
@@ -520,8 +524,14 @@ def test_each_kind_of_failure_stays_in_its_group(engine, tiny_model_dir):
         assert t["status"] == "truncated" and t["metadata"]["turns"] == 2 and any(t["loss_mask"])
 
 
-@pytest.mark.skipif(agentflow.docker_available(), reason="a Docker engine answers here")
+@pytest.mark.skipif(sandbox.docker_available(), reason="a Docker engine answers here")
 def test_docker_sandbox_without_a_daemon_is_refused_before_any_actor_starts():
-    cfg = loongsage.load_config(str(ROOT / "recipes/blackbox_cpu.yaml"), ["sandbox=docker"])
+    cfg = loongsage.load_config(str(ROOT / "recipes/blackbox_cpu.yaml"), ["sandbox=docker", "agent_preload=[]"])
     with pytest.raises(ValueError, match="no Docker engine answers"):
+        loongsage.check_runtime(cfg)
+
+
+def test_agent_preload_of_a_missing_module_is_refused_at_check():
+    cfg = loongsage.load_config(str(ROOT / "recipes/blackbox_cpu.yaml"), ["agent_preload=[openai,no_such_sdk_here]"])
+    with pytest.raises(ValueError, match="agent_preload: no module 'no_such_sdk_here' here"):
         loongsage.check_runtime(cfg)
