@@ -291,19 +291,24 @@ def test_first_minibatch_old_logprobs_from_the_training_forward(tiny_model_dir):
     import ray
     import torch
     from test_trainer import Ranks, make_batch, make_cfg
+    # a Ray of its own, not the module-scoped ray_session: the train() test after this one starts its own Ray
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
     try:
-        runs = []
-        for recompute in (True, False):
-            ranks = Ranks(make_cfg(kl_coef=0.0, recompute_old_logprobs=recompute), 1)
-            try:
+        # both trainers start at once (an actor's start-up is one core's work: two overlap on two cores); each is
+        # its own world of one rank computing with one torch thread, so side by side changes none of their sums
+        both = [Ranks(make_cfg(kl_coef=0.0, recompute_old_logprobs=recompute), 1) for recompute in (True, False)]
+        try:
+            batch = make_batch(n_groups=4, per_group=2)
+            runs = []
+            for ranks in both:
                 ranks.call("load_hf", tiny_model_dir)
-                [m] = ranks.call("train_step", make_batch(n_groups=4, per_group=2), 0)
+                [m] = ranks.call("train_step", batch, 0)
                 [w] = ranks.call("export_hf_weights")
-            finally:
+                runs.append((m, dict(w)))
+        finally:
+            for ranks in both:
                 ranks.close()
-            runs.append((m, dict(w)))
     finally:
         ray.shutdown()
     (m_sep, w_sep), (m_reuse, w_reuse) = runs
