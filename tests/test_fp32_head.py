@@ -22,15 +22,16 @@ pytestmark = pytest.mark.timeout(600)
 
 
 
-def _bf16_trainer(model_dir: str, fp32_lm_head: bool):
-    """One trainer rank whose model runs in bf16. The CPU trainer trains in fp32 only (its optimizer keeps no fp32
-    master weights), so the test casts the loaded model; the forward is the trainer's own."""
-    cfg = Config(device="cpu", dtype="float32", seed=0, trainer_workers=1, micro_batch_size=8, trainer_threads=1,
-                 fp32_lm_head=fp32_lm_head)
-    w = ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(cfg, 0, 1, "127.0.0.1", transfermesh.free_port())
-    ray.get(w.load_hf.remote(model_dir))
-    ray.get(w.__ray_call__.remote(lambda self: self.model.module.to(torch.bfloat16) and None))
-    return w
+def _bf16_trainers(model_dir: str, flags: tuple) -> list:
+    """One trainer rank per fp32_lm_head flag, each running its model in bf16. The CPU trainer trains in fp32 only
+    (its optimizer keeps no fp32 master weights), so the test casts the loaded model; the forward is the trainer's
+    own. The ranks start together (an actor's start-up is one core's work: two overlap on two cores)."""
+    workers = [ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(
+        Config(device="cpu", dtype="float32", seed=0, trainer_workers=1, micro_batch_size=8, trainer_threads=1,
+               fp32_lm_head=flag), 0, 1, "127.0.0.1", transfermesh.free_port()) for flag in flags]
+    ray.get([w.load_hf.remote(model_dir) for w in workers])
+    ray.get([w.__ray_call__.remote(lambda self: self.model.module.to(torch.bfloat16) and None) for w in workers])
+    return workers
 
 
 def _logits_dtype(w, batch):
@@ -61,7 +62,7 @@ def test_fp32_lm_head_narrows_the_bf16_train_inference_gap(tiny_model_dir):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
     try:
-        plain, fp32 = _bf16_trainer(tiny_model_dir, False), _bf16_trainer(tiny_model_dir, True)
+        plain, fp32 = _bf16_trainers(tiny_model_dir, (False, True))
         off, on = _engine_rollouts(tiny_model_dir, prompts, False), _engine_rollouts(tiny_model_dir, prompts, True)
         assert _logits_dtype(plain, off[:2]) == torch.bfloat16 and _logits_dtype(fp32, on[:2]) == torch.float32
         gap_off, gap_on, gap_one_side = _gap(plain, off), _gap(fp32, on), _gap(fp32, off)
