@@ -67,15 +67,15 @@ def test_compacted_trajectory_trains_every_segment(tiny_model_dir):
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
         out = []
-        for b in (batch, without):
-            ranks = Ranks(make_cfg(kl_coef=0.0, global_batch_size=4, micro_batch_size=2), 1)
-            try:
+        ranks = Ranks(make_cfg(kl_coef=0.0, global_batch_size=4, micro_batch_size=2), 1)
+        try:
+            for b in (batch, without):  # one rank for both: each load_hf starts a fresh model and optimizer
                 ranks.call("load_hf", tiny_model_dir)
                 [m] = ranks.call("train_step", b, 0)
                 [w] = ranks.call("export_hf_weights")
-            finally:
-                ranks.close()
-            out.append((m, dict(w)))
+                out.append((m, dict(w)))
+        finally:
+            ranks.close()
     finally:
         ray.shutdown()
     (m, w), (m0, w0) = out
