@@ -21,24 +21,30 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)
 
 
-def run_steps(model_dir: str, pp: int, batch: list[dict], sft: bool = False) -> tuple[list, dict, dict]:
-    """(logprobs before, metrics of one RL step [and one SFT step], exported weights) on `pp` pipeline stages."""
-    cfg = train_cfg(trainer_workers=pp, pipeline_parallel=pp, prompts_per_step=4, samples_per_prompt=2,
-                    global_batch_size=4, micro_batch_size=2, lr=1e-2, min_lr=1e-2, adam_eps=1e-2, grad_clip=1.0,
-                    kl_coef=0.05)  # two mini-batches of two micro-batches; a reference model for the KL term
-    ranks = Ranks(cfg, pp)
-    try:
-        ranks.call("load_hf", model_dir)
-        logp = ranks.call("compute_logprobs", batch)
-        assert all(lp == logp[0] for lp in logp)  # every stage returns the last stage's numbers
-        metrics = ranks.call("train_step", batch, 0)
-        assert all(m == metrics[0] for m in metrics)
-        metrics = dict(metrics[0])
-        if sft:
-            metrics.update({f"sft/{k}": v for k, v in ranks.call("sft_step", batch)[0].items()})
-        exported = dict(ranks.call("export_hf_weights")[0])
-    finally:
+@pytest.fixture(scope="module")
+def stages(ray_session):
+    """{1: one rank, 2: two pipeline stages}, started together and reused by both tests (each run_steps begins with a
+    fresh load_hf: model, reference, optimizer and step rebuilt from the directory it names). Two mini-batches of
+    two micro-batches; a reference model for the KL term."""
+    worlds = {pp: Ranks(train_cfg(trainer_workers=pp, pipeline_parallel=pp, prompts_per_step=4, samples_per_prompt=2,
+                                  global_batch_size=4, micro_batch_size=2, lr=1e-2, min_lr=1e-2, adam_eps=1e-2,
+                                  grad_clip=1.0, kl_coef=0.05), pp) for pp in (1, 2)}
+    yield worlds
+    for ranks in worlds.values():
         ranks.close()
+
+
+def run_steps(ranks, model_dir: str, batch: list[dict], sft: bool = False) -> tuple[list, dict, dict]:
+    """(logprobs before, metrics of one RL step [and one SFT step], exported weights) on the stages of `ranks`."""
+    ranks.call("load_hf", model_dir)
+    logp = ranks.call("compute_logprobs", batch)
+    assert all(lp == logp[0] for lp in logp)  # every stage returns the last stage's numbers
+    metrics = ranks.call("train_step", batch, 0)
+    assert all(m == metrics[0] for m in metrics)
+    metrics = dict(metrics[0])
+    if sft:
+        metrics.update({f"sft/{k}": v for k, v in ranks.call("sft_step", batch)[0].items()})
+    exported = dict(ranks.call("export_hf_weights")[0])
     return logp[0], metrics, exported
 
 
@@ -53,10 +59,10 @@ def assert_same_step(one, two):
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-6, msg=name)
 
 
-def test_pipeline_2_matches_one_rank(ray_session, tiny_model_dir):
+def test_pipeline_2_matches_one_rank(stages, tiny_model_dir):
     batch = token_batch()
-    one = run_steps(tiny_model_dir, 1, batch, sft=True)
-    two = run_steps(tiny_model_dir, 2, batch, sft=True)
+    one = run_steps(stages[1], tiny_model_dir, batch, sft=True)
+    two = run_steps(stages[2], tiny_model_dir, batch, sft=True)
     assert one[1]["train/grad_norm"] > 0 and one[1]["train/kl"] > 0  # a real step, with its KL term
     assert_same_step(one, two)
     before = trainer.load_hf_state(tiny_model_dir)
@@ -66,9 +72,9 @@ def test_pipeline_2_matches_one_rank(ray_session, tiny_model_dir):
         assert not torch.equal(two[2][name], before[name]), name  # each stage's weights moved and came back
 
 
-def test_pipeline_2_moe_matches_one_rank(ray_session, moe_dir):  # noqa: F811
+def test_pipeline_2_moe_matches_one_rank(stages, moe_dir):  # noqa: F811
     batch = token_batch(seed=1)
-    assert_same_step(run_steps(moe_dir, 1, batch), run_steps(moe_dir, 2, batch))
+    assert_same_step(run_steps(stages[1], moe_dir, batch), run_steps(stages[2], moe_dir, batch))
 
 
 def test_check_pipeline_parallel(tiny_model_dir, moe_dir):  # noqa: F811
