@@ -280,10 +280,14 @@ def token_batch(n_groups=4, per_group=2, seed=0, vocab=384) -> list[dict]:
     return batch
 
 
-def one_step(moe_dir: str, n: int, batch: list[dict], **over) -> tuple[dict, dict, list]:
-    """load_hf, one train_step, export: (metrics, exported weights, logprobs before the step) on `n` ranks."""
-    ranks = Ranks(train_cfg(trainer_workers=n, prompts_per_step=4, samples_per_prompt=2, global_batch_size=8,
-                            micro_batch_size=2, lr=1e-2, min_lr=1e-2, adam_eps=1e-2, grad_clip=0.5, **over), n)
+def start_ranks(n: int, **over) -> Ranks:
+    """`n` ranks for one_step; they start in the background (the first call waits for them)."""
+    return Ranks(train_cfg(trainer_workers=n, prompts_per_step=4, samples_per_prompt=2, global_batch_size=8,
+                           micro_batch_size=2, lr=1e-2, min_lr=1e-2, adam_eps=1e-2, grad_clip=0.5, **over), n)
+
+
+def one_step(ranks: Ranks, moe_dir: str, batch: list[dict]) -> tuple[dict, dict, list]:
+    """load_hf, one train_step, export: (metrics, exported weights, logprobs before the step) on `ranks`; closes them."""
     try:
         ranks.call("load_hf", moe_dir)
         logp = ranks.call("compute_logprobs", batch)[0]
@@ -307,8 +311,9 @@ def test_expert_parallel_2_matches_one_rank(ray_session, moe_dir):
                                           loss_mask=[1, 1, 1, 1], rollout_logprobs=[0.0] * 4, weight_versions=[0] * 4),
                                      {k: first[k] for k in ("prompt_ids", "response_ids", "loss_mask",
                                                             "rollout_logprobs", "weight_versions")}])
-    m1, w1, lp1 = one_step(moe_dir, 1, batch)
-    m2, w2, lp2 = one_step(moe_dir, 2, batch, expert_parallel=2)
+    one, two = start_ranks(1), start_ranks(2, expert_parallel=2)  # both worlds start together (3 actors)
+    m1, w1, lp1 = one_step(one, moe_dir, batch)
+    m2, w2, lp2 = one_step(two, moe_dir, batch)
     assert max(abs(a - b) for x, y in zip(lp1, lp2) for a, b in zip(x, y)) <= 1e-5
     assert m1["train/grad_norm"] > 0.5  # the clip acts
     for key in ("train/loss", "train/grad_norm", "train/pg_loss"):
