@@ -160,3 +160,11 @@ def test_preload_takes_the_required_packages_not_the_extras():
     assert {"pydantic", "anyio", "jiter"} <= set(deps)  # openai's own requirements, imported lazily by it
     assert "numpy" not in deps and "websockets" not in deps  # extras (datalib, realtime) are not requirements
     assert sandbox._requirements(["json"]) == []  # the standard library has no distribution
+
+
+def test_preload_takes_every_submodule_but_main():
+    import openai  # noqa: F401  (_submodules walks imported packages)
+    subs = sandbox._submodules(["openai"])
+    assert "openai.resources.chat.completions" in subs  # what the client imports at its first chat call
+    assert not any(m.endswith("__main__") for m in subs)  # importing it would run the SDK's command line
+    assert sandbox._submodules(["json"]) == ["json.decoder", "json.encoder", "json.scanner", "json.tool"]
