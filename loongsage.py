@@ -1395,11 +1395,11 @@ class Producer:
         pending = [[self.prompt_of[seq], seq in self.second_try] for seq in sorted(self.prompt_of)]
         return {"next_seq": self.next_seq, "cursor": self.cursor, "pending": pending + [list(r) for r in self.redo]}
 
-    def dispatch(self) -> list[tuple[int, dict]]:
-        """New (seq, prompt) groups to start now, as many as the window allows."""
+    def dispatch(self, capacity: int | None = None) -> list[tuple[int, dict]]:
+        """New (seq, prompt) groups to start now, as many as the window allows (`capacity`: C unless given)."""
         queued = len(self.buffer) + len(self.batch)  # Q: collected and not yet trained on
-        n = groups_to_dispatch(self.cfg.window, self.C, len(self.running), queued, self.next_seq,
-                               min(self.running, default=self.next_seq))
+        n = groups_to_dispatch(self.cfg.window, self.C if capacity is None else capacity, len(self.running), queued,
+                               self.next_seq, min(self.running, default=self.next_seq))
         new = []
         for _ in range(n):
             if self.redo:
@@ -1452,11 +1452,13 @@ class Producer:
             self.batch.append(group)
 
     def refill(self) -> list[tuple[int, dict]]:
-        """Right after pop_batch, async only: the groups the window now has room for, dispatched before the step
-        trains so the engines generate while the trainers train (else they idle once the groups in flight are
-        done, until the next rollout phase). Sync (stale_steps=0) dispatches nothing here: its next groups must
-        wait for the new weights."""
-        return self.dispatch() if self.cfg.stale_steps > 0 else []
+        """Right after pop_batch, async only: groups dispatched before the step trains, so the engines generate
+        while the trainers train. They start on weights one version older than groups dispatched after the sync,
+        so the window keeps a batch's room here (R + Q <= C - B): with C - B groups ahead of them, they are
+        trained within stale_steps versions, as if dispatched after the sync (filling to C here put every refilled
+        group one version past stale_steps, and past max_version_lag = stale_steps, where the lag bound then
+        masked whole batches). Sync (stale_steps=0) dispatches nothing here: its next groups need the new weights."""
+        return self.dispatch(self.C - self.B) if self.cfg.stale_steps > 0 else []
 
     def full(self) -> bool:
         """B groups are ready (or dynamic sampling found too few informative ones: train on what there is)."""

@@ -61,20 +61,23 @@ def test_lag_mask_and_count():
     assert group[0]["loss_mask"] == [0, 0, 0, 1, 1] and group[0]["rollout_logprobs"] == [0, 0.0, 0.0, -3., -4.]
 
 
-def test_async_refills_the_window_before_training_and_sync_does_not():
-    """After a batch is taken, async dispatches the groups the window has room for at once (they generate while
-    the step trains); sync dispatches nothing until the next rollout phase (its groups need the new weights)."""
+def test_async_refills_the_window_before_training_up_to_c_minus_b_and_sync_does_not():
+    """After a batch is taken, async dispatches at once what the window has room for, keeping a batch's room
+    (R + Q <= C - B: these groups start on the old weights); sync dispatches nothing until the next rollout phase
+    (its groups need the new weights)."""
     samples = [{"messages": [], "answer": str(i)} for i in range(100)]
-    for mode, refilled in (("async", [8, 9, 10, 11]), ("sync", [])):
+    done = [{"weight_versions": [0], "loss_mask": [1], "rollout_logprobs": [-1.0], "reward": 1.0}] * 2
+    for mode, refilled in (("async", [8, 9]), ("sync", [])):
         prod = loongsage.Producer(cfg_with(mode=mode, stale_steps=1) if mode == "async" else cfg_with(mode=mode),
                                   samples)
         seqs = [seq for seq, _ in prod.dispatch()]  # C = 8 (async) or 4 (sync)
-        prod.receive([{"seq": s, "aborted": False, "trajs": [{"weight_versions": [0], "loss_mask": [1],
-                                                              "rollout_logprobs": [-1.0], "reward": 1.0}] * 2}
-                      for s in seqs[:4]], version=0)
+        prod.receive([{"seq": s, "aborted": False, "trajs": done} for s in seqs[:4]], version=0)
         assert prod.full()
         prod.pop_batch()
-        assert [seq for seq, _ in prod.refill()] == refilled
+        if mode == "async":
+            assert prod.refill() == []  # 4 groups still running: exactly C - B, the next step's batch
+            prod.receive([{"seq": s, "aborted": True, "trajs": []} for s in seqs[4:6]], version=0)  # engine cut
+        assert [seq for seq, _ in prod.refill()] == refilled  # the two cut prompts go again, first
 
 
 # --- the producer under random timing: the invariants ------------------------------------------------------
