@@ -245,9 +245,7 @@ class LocalSandbox:
             self._kill(proc.pid)
             out, err = await proc.communicate()
         finally:
-            self._kill(proc.pid)  # background children of a finished command die with it too,
-            for cg in self._cgroups[:1]:  # and so do those that left its process group (setsid, daemons)
-                _cgroup_kill(cg)
+            self._end(proc.pid)
         return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
                           timed_out, time.perf_counter() - t0)
 
@@ -270,6 +268,13 @@ class LocalSandbox:
     def _kill(self, pgid: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
+
+    def _end(self, pgid: int) -> None:
+        """After a command: its background children die with it, and so do those that left its process group
+        (setsid, daemons) but not the sandbox's cgroup."""
+        self._kill(pgid)
+        for cg in self._cgroups[:1]:
+            _cgroup_kill(cg)
 
     async def delete(self) -> None:
         for pgid in self._pgids:
@@ -422,7 +427,7 @@ def python_command(command: str) -> tuple[dict, list[str]] | None:
     if len(words) < 2 or not re.fullmatch(r"(.*/)?python(3(\.\d+)?)?", words[0]):
         return None
     args = words[1:]
-    if args[0] == "-m" and len(args) >= 2 or not args[0].startswith("-"):
+    if (args[0] == "-m" and len(args) >= 2) or not args[0].startswith("-"):
         return assigned, args
     return None
 
@@ -484,9 +489,7 @@ class WarmPython:
                 timed_out = True
         finally:
             if pid is not None:
-                box._kill(pid)  # background children of a finished command die with it too, as in execute()
-                for cg in box._cgroups[:1]:
-                    _cgroup_kill(cg)
+                box._end(pid)
             conn.close()
         for f in stdio:
             f.seek(0)
@@ -591,11 +594,12 @@ def _requirements(modules: list[str]) -> list[str]:
     """The top-level packages of every distribution that the distributions providing `modules` require,
     recursively (extras left out). Libraries import some of their dependencies lazily (openai imports its HTTP
     transport at the first client: 30 ms in every child otherwise), so the warm interpreter imports them all."""
+    dists_of = importlib.metadata.packages_distributions()  # top-level package -> the distributions providing it
     provided: dict[str, list[str]] = {}  # normalized distribution name -> its top-level packages
-    for module, dists in importlib.metadata.packages_distributions().items():
+    for module, dists in dists_of.items():
         for dist in dists:
             provided.setdefault(re.sub(r"[-_.]+", "-", dist).lower(), []).append(module)
-    todo = [dist for m in modules for dist in importlib.metadata.packages_distributions().get(m, [])]
+    todo = [dist for m in modules for dist in dists_of.get(m, [])]
     seen: set[str] = set()
     while todo:
         try:
@@ -641,10 +645,12 @@ def _warm_child(request: dict, fds: list[int], conn: socket.socket) -> None:
                 sys.path[0] = os.path.dirname(script)
                 runpy.run_path(script, run_name="__main__")
             code = 0
-        except SystemExit as e:  # sys.exit(n), sys.exit("message") and sys.exit() as a fresh interpreter reads them
-            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-            if not isinstance(e.code, (int, type(None))):
+        except SystemExit as e:  # sys.exit(n), sys.exit() and sys.exit("message") as a fresh interpreter reads them
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
                 print(e.code, file=sys.stderr)
+                code = 1
         except BaseException:
             traceback.print_exc()
     finally:
