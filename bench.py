@@ -284,8 +284,8 @@ def bench_async(args) -> dict:
               f"warmstart_dataset={where / 'train.jsonl'}", f"warmstart_steps={args.warmstart_steps}",
               "lr=1e-3", "min_lr=1e-3", "print_every=0", "max_context_len=256",
               "is_correction=token"]  # both modes: the IS weight corrects async's lag (and is ~1 in sync)
-    modes = {"sync": ["mode=sync"], "async": ["mode=async", f"stale_steps={args.stale_steps}",
-                                               "max_version_lag=2", "window=window-gated"]}
+    modes = {"sync": ["mode=sync", *args.sync_set], "async": ["mode=async", f"stale_steps={args.stale_steps}",
+                                                              "max_version_lag=2", "window=window-gated", *args.async_set]}
     res = {}
     for name, extra in modes.items():
         cfg = loongsage.load_config("recipes/arith_cpu.yaml", common + extra + [f"output_dir={out / name}"])
@@ -648,6 +648,8 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="sync/step: tiny sizes, a smoke test")
     p.add_argument("--prompts", type=int, default=16, help="async bench: prompts per step (8 samples each)")
     p.add_argument("--stale-steps", type=float, default=1.0, help="async bench: the async run's stale_steps")
+    p.add_argument("--sync-set", nargs="*", default=[], metavar="KEY=VALUE", help="async bench: overrides for the sync run")
+    p.add_argument("--async-set", nargs="*", default=[], metavar="KEY=VALUE", help="async bench: overrides for the async run")
     p.add_argument("--warmstart-steps", type=int, default=400, help="async bench: SFT steps of the warm start")
     p.add_argument("--recipe", default="recipes/arith_cpu.yaml", help="modes bench: the recipe run in both modes")
     p.add_argument("--seed", type=int, default=1234, help="modes bench: the run seed")

@@ -666,15 +666,20 @@ def checkpoint_fingerprint(path: str) -> str:
     return h.hexdigest()[:12]
 
 
+def base_model(cfg: Config) -> str:
+    """The checkpoint a run starts from, before any warm start: "tiny" builds (and caches) the tiny Qwen3 of
+    data.py; anything else is an HF directory."""
+    if cfg.model_path != "tiny":
+        return cfg.model_path
+    return data.build_tiny_model(data.default_cache_dir() / f"tiny-{data.settings_hash(cfg.tiny_model)}",
+                                 **cfg.tiny_model)
+
+
 def prepare_model(cfg: Config, trainers) -> str:
     """Resolve cfg.model_path: "tiny" builds (and caches) the tiny Qwen3 of data.py, anything else is an HF
     directory. With `warmstart_steps`, SFT it on `warmstart_dataset` through the same Megatron trainers first,
     save it as HF, and cache it by the base checkpoint's fingerprint and the SFT settings."""
-    if cfg.model_path == "tiny":
-        base = data.build_tiny_model(data.default_cache_dir() / f"tiny-{data.settings_hash(cfg.tiny_model)}",
-                                     **cfg.tiny_model)
-    else:
-        base = cfg.model_path
+    base = base_model(cfg)
     if cfg.warmstart_steps == 0:
         return base
     keys = ("warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
@@ -727,7 +732,7 @@ def prepare_model(cfg: Config, trainers) -> str:
 
 
 def placement(cfg: Config) -> dict:
-    """Where every actor goes, as data (launch() follows it; `--check` prints it; tests place it on simulated GPUs).
+    """Where every actor goes, as data (reserve() and start_* follow it; `--check` prints it; tests place it on simulated GPUs).
 
     GPU: one {"GPU": 1} bundle per GPU. Trainer rank r holds bundle r. Engine i (an SGLang server with
     tensor parallel size k = gpus_per_engine) spans k consecutive bundles and its actor sits on the first:
@@ -764,7 +769,7 @@ def placement(cfg: Config) -> dict:
 
 
 def placement_table(cfg: Config, plan: dict, where: list | None = None) -> str:
-    """One line per actor: bundle, Ray resources, and (after launch) node and GPU ids."""
+    """One line per actor: bundle, Ray resources, and (once reserved) node and GPU ids."""
     rows = [f"{'actor':12s} {'bundle':>6s} {'GPU':>5s} {'CPU':>5s}  " + ("node / GPU ids" if where else "")]
     for kind, opts in (("trainer", plan["trainers"]), ("engine", plan["engines"])):
         for i, o in enumerate(opts):
@@ -817,9 +822,9 @@ def pin_process(cores: list[int]) -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def launch(cfg: Config):
-    """Start Ray, reserve the placement bundles (see `placement`), create the trainer ranks.
-    Returns (placement group, trainer actors, the placement plan, each bundle's (node, GPU ids))."""
+def reserve(cfg: Config):
+    """Start Ray and reserve the placement bundles (see `placement`).
+    Returns (placement group, the placement plan, each bundle's (node, GPU ids))."""
     if not ray.is_initialized():
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, log_to_driver=True)
@@ -845,6 +850,11 @@ def launch(cfg: Config):
             raise RuntimeError(f"engine {i} spans bundles {e['gpu_bundles']} on several nodes {sorted(nodes)}; an "
                                "SGLang server needs its GPUs on one node: make gpus_per_engine divide GPUs per node")
     print("placement:\n" + placement_table(cfg, plan, where))
+    return pg, plan, where
+
+
+def start_trainers(cfg: Config, pg, plan: dict) -> list:
+    """The trainer ranks on their bundles, started and (async on CPU) pinned to their cores."""
     TrainerActor = ray.remote(trainer.TrainerWorker)
     for attempt in range(1, 4):
         addr, port = ray.get(ray.remote(_addr_and_port).options(
@@ -858,7 +868,7 @@ def launch(cfg: Config):
             for r, t in enumerate(trainers):  # async on CPU: each rank on cores of its own (see actor_cores)
                 if cores := actor_cores(cfg, "trainer", r):
                     t.__ray_call__.remote(lambda _, c: pin_process(c), cores)
-            return pg, trainers, plan, where
+            return trainers
         except ray.exceptions.RayActorError as e:
             # The port was free when picked, but rank 0 binds it only once its actor has started
             # (seconds later): another process may take it meanwhile. Pick another; other errors are real.
@@ -1632,15 +1642,22 @@ def train(cfg: Config) -> list[dict]:
 
     samples, eval_samples = load_data(cfg)  # before any actor: a bad teacher name in the data fails here
 
-    # --- actors: trainers first (they also warm-start the tiny model and build tiny teachers), then engines
+    # --- actors: the engines load the base model while the trainers start (and warm-start it, and build tiny
+    #     teachers); a warm start reaches the engines as weight version 0, below. Colocated on GPUs with a warm
+    #     start, the engines start after it: its training needs the memory an SGLang server holds.
     import agentflow  # late: ~1 s (OpenAI client, FastAPI server), which --check does not need
-    pg, trainers, plan, where = launch(cfg)
+    pg, plan, where = reserve(cfg)
+    base = base_model(cfg)
+    late = cfg.colocate and cfg.device == "cuda" and cfg.warmstart_steps > 0
+    engines = [] if late else start_engines(dataclasses.replace(cfg, model_path=base), pg, plan, where)
+    trainers = start_trainers(cfg, pg, plan)
     teacher_paths = prepare_teachers(cfg, trainers) if cfg.teachers else {}
-    cfg.model_path = prepare_model(cfg, trainers)
+    cfg.model_path = prepare_model(cfg, trainers)  # base, or its warm start (a re-created engine loads this one)
     check_teacher_vocab(cfg.model_path, teacher_paths)  # the built dirs, before any teacher starts
     ray.get([t.load_hf.remote(cfg.model_path) for t in trainers])
-    engines = start_engines(cfg, pg, plan, where)  # they load cfg.model_path: version 0 == the trainers' weights
-    engine_urls = ray.get([e.url.remote() for e in engines])
+    engines = engines or start_engines(cfg, pg, plan, where)
+    engine_urls = wait([e.url.remote() for e in engines], "starting the rollout engines", cfg.actor_timeout,
+                       "actor_timeout")
     flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, engine_urls, cfg.model_path)
     fleet = Fleet(pg, plan, where, engines, engine_urls)  # the engines, re-created when they die
     print(f"engines: {engine_urls}")
@@ -1655,6 +1672,8 @@ def train(cfg: Config) -> list[dict]:
         set_rng_state(state["rng"])
         sync_engines(cfg, fleet, flow, trainers, start_step)  # the engines get the checkpoint's weights
         print(f"resumed after step {start_step - 1}")
+    elif cfg.model_path != base and not late:
+        sync_engines(cfg, fleet, flow, trainers, 0)  # the warm start: version 0 == the trainers' weights
     logger = Logger(cfg, resume_step=start_step if state else None)
 
     eval_sets = {name: data.load_dataset(spec) for name, spec in cfg.eval_sets.items()}

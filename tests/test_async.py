@@ -261,7 +261,7 @@ def test_actor_cores_are_disjoint_and_only_for_async_on_a_local_cpu(monkeypatch)
 
 
 def test_async_trainer_and_engine_are_pinned_to_their_own_cores(tiny_model_dir, tmp_path):
-    """launch() and start_engine() in async mode on this CPU: every thread of the trainer rank sits on one core,
+    """start_trainers() and start_engine() in async mode on this CPU: every thread of the trainer rank sits on one core,
     every thread of the engine on another, and each computes with as many torch threads as it has cores."""
     import os
     import ray
@@ -275,8 +275,9 @@ def test_async_trainer_and_engine_are_pinned_to_their_own_cores(tiny_model_dir, 
         threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
         return threads, torch.get_num_threads()
     try:
-        pg, trainers, plan, where = loongsage.launch(cfg)
+        pg, plan, where = loongsage.reserve(cfg)
         engine = loongsage.start_engine(cfg, pg, plan, where, 0)
+        trainers = loongsage.start_trainers(cfg, pg, plan)
         trainer_threads, trainer_torch = ray.get(trainers[0].__ray_call__.remote(probe))
         engine_threads, engine_torch = ray.get(engine.__ray_call__.remote(probe))
     finally:
