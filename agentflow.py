@@ -1019,8 +1019,13 @@ class AgentFlow:
     """Turns prompts into rewarded trajectory groups. The controller wraps it with `ray.remote` as an
     async actor; every method runs on that actor's event loop, as does the router it starts."""
 
-    def __init__(self, cfg, engine_urls: list[str], tokenizer_path: str):
+    def __init__(self, cfg, engine_urls: list, tokenizer_path: str):
+        """`engine_urls`: the engines' URLs, or (the controller) Ray refs of them, so this actor starts while the
+        engines are still loading."""
         self.cfg = cfg
+        if not all(isinstance(u, str) for u in engine_urls):
+            import ray  # late: AgentFlow also runs without Ray
+            engine_urls = ray.get(engine_urls, timeout=cfg.actor_timeout)
         self.chat = ChatFormat(tokenizer_path, cfg.chat_template, cfg.tool_parser)
         self.pool = EnginePool(engine_urls, health_timeout_s=cfg.engine_health_timeout,
                                check_every_s=cfg.engine_check_every, wait_s=cfg.engine_wait,

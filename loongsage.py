@@ -32,6 +32,7 @@ Left out here (see the issues): multi-node launch scripts.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import difflib
 import hashlib
@@ -782,14 +783,13 @@ def placement_table(cfg: Config, plan: dict, where: list | None = None) -> str:
     return "\n".join(rows)
 
 
-def where_am_i() -> tuple[str, list[str]]:
-    """(Ray node id, GPU ids Ray assigned) of the calling task or actor."""
-    return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
-
-
 def bundle_gpus(pg, n: int) -> list[tuple[str, list[str]]]:
     """(node id, GPU ids) of each of the n bundles, asked of Ray by a tiny task on each (before any actor
     holds them). Engines spanning several bundles pass these ids to their server as CUDA_VISIBLE_DEVICES."""
+    def where_am_i() -> tuple[str, list[str]]:  # defined in here, so Ray ships it by value and the task's worker
+        # imports only Ray (a module-level function would import this module and torch: ~1.3 s of every start)
+        return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+
     has_gpu = ray.available_resources().get("GPU", 0) > 0 or ray.cluster_resources().get("GPU", 0) > 0
     probe = ray.remote(where_am_i)
     return ray.get([probe.options(num_cpus=0, num_gpus=0.01 if has_gpu else 0,
@@ -910,6 +910,14 @@ def engine_visible_gpus(plan: dict, where: list, i: int) -> list[str]:
 
 def start_engines(cfg: Config, pg, plan: dict, where: list) -> list:
     return [start_engine(cfg, pg, plan, where, i) for i in range(cfg.num_engines)]
+
+
+def start_flow(cfg: Config, engines: list, tokenizer_path: str):
+    """The AgentFlow actor (rollouts, agents, rewards, the router), given the engines' URLs as refs: it starts
+    while they load."""
+    import agentflow  # late: ~1 s (OpenAI client, FastAPI server), which --check does not need
+    return ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, [e.url.remote() for e in engines],
+                                                                       tokenizer_path)
 
 
 def prepare_teachers(cfg: Config, trainers) -> dict[str, str]:
@@ -1645,20 +1653,23 @@ def train(cfg: Config) -> list[dict]:
     # --- actors: the engines load the base model while the trainers start (and warm-start it, and build tiny
     #     teachers); a warm start reaches the engines as weight version 0, below. Colocated on GPUs with a warm
     #     start, the engines start after it: its training needs the memory an SGLang server holds.
-    import agentflow  # late: ~1 s (OpenAI client, FastAPI server), which --check does not need
-    pg, plan, where = reserve(cfg)
-    base = base_model(cfg)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        base = pool.submit(base_model, cfg)  # the tiny model is built while Ray starts (which mostly waits)
+        pg, plan, where = reserve(cfg)
+        base = base.result()
     late = cfg.colocate and cfg.device == "cuda" and cfg.warmstart_steps > 0
     engines = [] if late else start_engines(dataclasses.replace(cfg, model_path=base), pg, plan, where)
+    flow = None if late else start_flow(cfg, engines, base)
     trainers = start_trainers(cfg, pg, plan)
     teacher_paths = prepare_teachers(cfg, trainers) if cfg.teachers else {}
     cfg.model_path = prepare_model(cfg, trainers)  # base, or its warm start (a re-created engine loads this one)
     check_teacher_vocab(cfg.model_path, teacher_paths)  # the built dirs, before any teacher starts
     ray.get([t.load_hf.remote(cfg.model_path) for t in trainers])
-    engines = engines or start_engines(cfg, pg, plan, where)
+    if late:
+        engines = start_engines(cfg, pg, plan, where)
+        flow = start_flow(cfg, engines, base)
     engine_urls = wait([e.url.remote() for e in engines], "starting the rollout engines", cfg.actor_timeout,
                        "actor_timeout")
-    flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, engine_urls, cfg.model_path)
     fleet = Fleet(pg, plan, where, engines, engine_urls)  # the engines, re-created when they die
     print(f"engines: {engine_urls}")
     teachers = start_teachers(cfg, pg, teacher_paths) if cfg.teachers else []  # teacher.py, scores each batch

@@ -142,6 +142,11 @@ def apply_cpu_shims() -> bool:
        device="cuda")` in `forward_backward_pipelining_without_interleaving` (schedules.py of Megatron-Core
        0.16), is made on the CPU: the schedules module sees a `torch` whose `zeros` maps device="cuda" to the
        CPU. Harmless elsewhere; the rest of the schedule (gloo isend/irecv between stages) runs as it is.
+    5. (start-up time) Megatron-Core is imported with `torch.compile` as a plain decorator. As it imports, it wraps
+       ~30 fusion helpers in torch.compile, which imports dynamo and inductor: ~2.3 s of every trainer actor's
+       start on these cores. On CPU the helpers then run as plain functions, like the rest of the CPU path (the
+       fusions are off in megatron_config, so the model calls none of them). Where Megatron was already imported,
+       this shim changes nothing.
     Also: models are built with `use_cpu_initialization=True` (megatron_config), which avoids
     `model_parallel_cuda_manual_seed`, another CUDA-only call.
     Returns True when the shims are active.
@@ -150,6 +155,12 @@ def apply_cpu_shims() -> bool:
     if torch.cuda.is_available():
         return False
     if not _SHIMS_APPLIED:
+        compile_ = torch.compile  # shim 5
+        torch.compile = lambda model=None, **_: model if model is not None else (lambda fn: fn)
+        try:
+            import megatron.core  # noqa: F401  Megatron: late
+        finally:
+            torch.compile = compile_
         torch.cuda.current_device = lambda: torch.device("cpu")  # shim 1
         from megatron.core.models.backends import LocalSpecProvider  # Megatron: late
         LocalSpecProvider.core_attention = lambda self: SDPACoreAttention  # shim 2
@@ -850,10 +861,9 @@ class TrainerWorker:
     """
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
-        from megatron.core import parallel_state  # Megatron: late
-
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.cpu = apply_cpu_shims()
+        self.cpu = apply_cpu_shims()  # first: it imports Megatron on CPU
+        from megatron.core import parallel_state  # Megatron: late
         if cfg.trainer_threads > 0:  # see Config.trainer_threads: sync uses every core
             torch.set_num_threads(int(cfg.trainer_threads))
         tp, pp = int(cfg.tensor_parallel), int(cfg.pipeline_parallel)

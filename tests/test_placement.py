@@ -20,11 +20,11 @@ DISAGG = ["colocate=false", "trainer_workers=4", "num_engines=2", "gpus_per_engi
 
 
 def stand_in():
-    """The stand-in actor class: it answers what `loongsage.where_am_i` answers (node id, GPU ids Ray assigned),
-    asking Ray itself. Built inside a function, so cloudpickle ships it by value and its process imports only ray:
+    """The stand-in actor class: it answers what `loongsage.bundle_gpus`'s probe answers (node id, GPU ids Ray
+    assigned), asking Ray itself. Built inside a function, so cloudpickle ships it by value and its process imports only ray:
     one that imported this module would import loongsage and torch, seconds of CPU each (72 actors here; on a
     loaded machine 8 such actors starting at once missed place()'s 60-s timeout). `check` compares every answer
-    with `loongsage.bundle_gpus`, which does call `where_am_i`, so a stand-in that answered otherwise would fail."""
+    with `loongsage.bundle_gpus`, so a stand-in that answered otherwise would fail."""
     @ray.remote(num_cpus=0)
     class StandIn:
         def where(self):
