@@ -805,6 +805,11 @@ def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_siz
     groups of each mini-batch are dealt round-robin to the DP ranks. The global mini-batches do not
     depend on dp_size, so 1 rank and N ranks step on the same samples. A rank may get an empty share
     (fewer groups than ranks); it still joins the gradient all-reduce.
+
+    Each share is ordered by length (prompt + response tokens; ties keep batch order), so its micro-batches,
+    consecutive slices of it, hold samples of similar length and pad little: on a long-tail batch where every
+    slice in batch order held one long sample, that is most of the padding. The losses are sums over samples with
+    global denominators, so the order changes only the order of floating-point additions.
     """
     groups: dict[Any, list[int]] = {}
     for i, s in enumerate(batch):
@@ -815,7 +820,8 @@ def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_siz
     for n in per:
         mb_groups = order[start:start + n]
         start += n
-        out.append([i for g in mb_groups[dp_rank::dp_size] for i in g])
+        share = [i for g in mb_groups[dp_rank::dp_size] for i in g]
+        out.append(sorted(share, key=lambda i: len(batch[i].get("prompt_ids", ())) + len(batch[i].get("response_ids", ()))))
     return out
 
 

@@ -145,6 +145,11 @@ def test_minibatch_plan_keeps_groups_whole_and_ignores_dp_size():
     assert ranks[0] == [[0, 1, 4, 5], [6, 7]] and ranks[1] == [[2, 3], [8, 9]]
     for i in range(2):  # every mini-batch is the same set of samples however many DP ranks share it
         assert sorted(ranks[0][i] + ranks[1][i]) == whole[i]
+    # each share in order of length (prompt + response), ties in batch order: micro-batches of similar lengths
+    lengths = [(1, 9), (1, 2), (2, 2), (1, 1), (3, 0), (1, 5)]
+    batch = [dict(group_id=i // 2, prompt_ids=[0] * p, response_ids=[0] * r) for i, (p, r) in enumerate(lengths)]
+    assert trainer.plan_minibatches(batch, 1, 0, 1, by_group=True) == [[3, 1, 4, 2, 5, 0]]
+    assert trainer.plan_minibatches(batch, 1, 0, 2, by_group=True) == [[1, 4, 5, 0]]  # groups 0 and 2
 
 
 def test_lr_schedule():
