@@ -16,12 +16,13 @@ measured back to back in one process is far steadier than an absolute number.
         template, TITO bookkeeping, tool-call parsing, response shaping) vs the same greedy /generate sent directly,
         back to back in pairs. Prints p50/p99 of the paired difference and its ratio to a 64-token generation.
 
-    python bench.py async [--steps 24 --prompts 16 --stale-steps 1]
+    python bench.py async [--steps 24 --prompts 16 --stale-steps 1] [--sync-set K=V ...] [--async-set K=V ...]
         Fully async vs sync training on a long-tail task (responses of 4 to 46 tokens), same everything else: the
         RL loop's wall time and trained samples per second of each, their ratio (target >= 1.7x), both final eval
         accuracies (a matched learning curve: within +-0.05), the lag of the trained tokens (mean, max, on-policy
         share, partial rollouts, tokens masked by the bound), the trainer's wait and the engine's idle share.
-        The first run also builds the warm start (400 SFT steps), cached for the next ones.
+        The first run also builds the warm start (400 SFT steps), cached for the next ones. --sync-set and
+        --async-set add config overrides to one run (e.g. --async-set trainer_threads=2 engine_threads=1).
 
     python bench.py modes [--recipe recipes/arith_cpu.yaml --stale-steps 1 --seed 1234]
         The default recipe in sync and in async mode: eval accuracy by step and by wall time in one PNG
