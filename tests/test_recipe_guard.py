@@ -10,8 +10,9 @@ Fewer warm-start steps than the recipes: the format is learned within ~100 steps
 the numbers right takes the rest of the recipe's steps. The share of well-formed first turns is not monotonic in
 the steps, and moves with the order of floating-point additions: seed 7 measured 28 of 32 after 60 steps once;
 after micro-batches were ordered by length, 27 of 32 after 100 steps, 29 after 150 and after 200, and 9 after 250
-(the digit-copying transition, where the SFT loss drops, garbles the calls for a while). A protocol mismatch
-between warm start and router gives none; hence 150 steps and a bar of 80%, three samples of margin.
+(near the sudden SFT-loss drop where calc learns to copy digits, seen at steps 225-350; not examined further). A
+protocol mismatch between warm start and router gives none; hence 150 steps and a bar of 80%, three samples of
+margin.
 """
 import json
 import re
