@@ -285,8 +285,9 @@ def bench_async(args) -> dict:
               f"warmstart_dataset={where / 'train.jsonl'}", f"warmstart_steps={args.warmstart_steps}",
               "lr=1e-3", "min_lr=1e-3", "print_every=0", "max_context_len=256",
               "is_correction=token"]  # both modes: the IS weight corrects async's lag (and is ~1 in sync)
-    modes = {"sync": ["mode=sync", *args.sync_set], "async": ["mode=async", f"stale_steps={args.stale_steps}",
-                                                              "max_version_lag=2", "window=window-gated", *args.async_set]}
+    modes = {"sync": ["mode=sync", *args.sync_set],
+             "async": ["mode=async", f"stale_steps={args.stale_steps}", "max_version_lag=2", "window=window-gated",
+                       *args.async_set]}
     res = {}
     for name, extra in modes.items():
         cfg = loongsage.load_config("recipes/arith_cpu.yaml", common + extra + [f"output_dir={out / name}"])

@@ -912,12 +912,13 @@ def start_engines(cfg: Config, pg, plan: dict, where: list) -> list:
     return [start_engine(cfg, pg, plan, where, i) for i in range(cfg.num_engines)]
 
 
-def start_flow(cfg: Config, engines: list, tokenizer_path: str):
-    """The AgentFlow actor (rollouts, agents, rewards, the router), given the engines' URLs as refs: it starts
-    while they load."""
+def start_rollout(cfg: Config, pg, plan: dict, where: list, model: str) -> tuple[list, object]:
+    """The engines, loading `model`, and the AgentFlow actor (rollouts, agents, rewards, the router), which gets
+    their URLs as refs and so starts while they load. Returns (engine actors, AgentFlow actor)."""
     import agentflow  # late: ~1 s (OpenAI client, FastAPI server), which --check does not need
-    return ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, [e.url.remote() for e in engines],
-                                                                       tokenizer_path)
+    engines = start_engines(dataclasses.replace(cfg, model_path=model), pg, plan, where)
+    flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, [e.url.remote() for e in engines], model)
+    return engines, flow
 
 
 def prepare_teachers(cfg: Config, trainers) -> dict[str, str]:
@@ -1654,20 +1655,21 @@ def train(cfg: Config) -> list[dict]:
     #     teachers); a warm start reaches the engines as weight version 0, below. Colocated on GPUs with a warm
     #     start, the engines start after it: its training needs the memory an SGLang server holds.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        base = pool.submit(base_model, cfg)  # the tiny model is built while Ray starts (which mostly waits)
+        built = pool.submit(base_model, cfg)  # the tiny model is built while Ray starts (which mostly waits)
         pg, plan, where = reserve(cfg)
-        base = base.result()
+        base = built.result()
     late = cfg.colocate and cfg.device == "cuda" and cfg.warmstart_steps > 0
-    engines = [] if late else start_engines(dataclasses.replace(cfg, model_path=base), pg, plan, where)
-    flow = None if late else start_flow(cfg, engines, base)
+    engine_model = None if late else base
+    if engine_model:
+        engines, flow = start_rollout(cfg, pg, plan, where, engine_model)
     trainers = start_trainers(cfg, pg, plan)
     teacher_paths = prepare_teachers(cfg, trainers) if cfg.teachers else {}
     cfg.model_path = prepare_model(cfg, trainers)  # base, or its warm start (a re-created engine loads this one)
     check_teacher_vocab(cfg.model_path, teacher_paths)  # the built dirs, before any teacher starts
     ray.get([t.load_hf.remote(cfg.model_path) for t in trainers])
-    if late:
-        engines = start_engines(cfg, pg, plan, where)
-        flow = start_flow(cfg, engines, base)
+    if not engine_model:
+        engine_model = cfg.model_path
+        engines, flow = start_rollout(cfg, pg, plan, where, engine_model)
     engine_urls = wait([e.url.remote() for e in engines], "starting the rollout engines", cfg.actor_timeout,
                        "actor_timeout")
     fleet = Fleet(pg, plan, where, engines, engine_urls)  # the engines, re-created when they die
@@ -1683,7 +1685,7 @@ def train(cfg: Config) -> list[dict]:
         set_rng_state(state["rng"])
         sync_engines(cfg, fleet, flow, trainers, start_step)  # the engines get the checkpoint's weights
         print(f"resumed after step {start_step - 1}")
-    elif cfg.model_path != base and not late:
+    elif engine_model != cfg.model_path:
         sync_engines(cfg, fleet, flow, trainers, 0)  # the warm start: version 0 == the trainers' weights
     logger = Logger(cfg, resume_step=start_step if state else None)
 

@@ -816,12 +816,12 @@ def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_siz
         groups.setdefault(s.get("group_id", i) if by_group else i, []).append(i)
     order = list(groups.values())
     per = [len(c) for c in _split_evenly(len(order), n_minibatches)]
+    length = [len(s.get("prompt_ids", ())) + len(s.get("response_ids", ())) for s in batch]
     out, start = [], 0
     for n in per:
         mb_groups = order[start:start + n]
         start += n
-        share = [i for g in mb_groups[dp_rank::dp_size] for i in g]
-        out.append(sorted(share, key=lambda i: len(batch[i].get("prompt_ids", ())) + len(batch[i].get("response_ids", ()))))
+        out.append(sorted((i for g in mb_groups[dp_rank::dp_size] for i in g), key=length.__getitem__))
     return out
 
 
