@@ -36,11 +36,12 @@ measured back to back in one process is far steadier than an absolute number.
         real CPU engine on the tiny model, and that model's whole sync. Targets: shm >= 0.5x memcpy at >= 100 MB,
         >= 10x pickle/HTTP, fixed cost <= 20 ms. `--quick`: 1 and 4 MB (a smoke test).
 
-    python bench.py step [--steps 6] [--quick]
+    python bench.py step [--steps 10] [--quick]
         Seconds per RL step of LoongSage (`loongsage.train` with mode=sync, then mode=async; phases from its
         timing/* metrics) and, where TRL is installed (`pip install -e '.[bench]'`), TRL's GRPOTrainer on the same
         model dir, prompts (8 x 8 samples), up to 32 new tokens, lr, one update per step, fp32. Prints the ratios
-        (targets: sync <= 1.0x TRL's s/step; async >= 1.5x TRL's samples/s). `--quick`: 2 x 4 samples, 2 steps.
+        (targets: sync <= 1.0x TRL's s/step; async >= 1.5x TRL's samples/s). Medians leave out each run's first 3
+        steps (warm-up). `--quick`: 2 x 4 samples, 2 steps.
 
 Each benchmark is one function `bench_<name>(args)`; `main` dispatches on the subcommand with if/elif and returns
 its result dict.
@@ -555,6 +556,12 @@ def bench_sync(args) -> dict:
 # one RL step: LoongSage sync and async vs TRL's GRPOTrainer
 
 
+# Steps `bench.py step` leaves out of its medians, for every framework alike: a trainer's first steps are slower while
+# its allocator settles (measured on the tiny model: 0.70, 0.56, 0.52 s, then 0.52-0.55 s; each early step pays
+# 65-185k first-touch page faults where a settled one pays 5-25k) and the first also pays first-call costs.
+STEP_WARMUP = 3
+
+
 def bench_step(args) -> dict:
     """Seconds per RL step of LoongSage (mode=sync and mode=async, through loongsage.train) and, where TRL is
     installed, TRL's GRPOTrainer: same model dir, prompts, batch (8 prompts x 8 samples), max new tokens,
@@ -562,7 +569,8 @@ def bench_step(args) -> dict:
     path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
     prompts, samples, new_tokens = (2, 4, 8) if args.quick else (8, 8, 32)
-    steps = 2 if args.quick else (args.steps or 6)
+    steps = 2 if args.quick else (args.steps or 10)
+    warm = 1 if args.quick else STEP_WARMUP  # steps left out of every median, TRL's too
     lr, dataset = 1e-5, "synthetic:arith:512:1"
     out = Path(tempfile.mkdtemp(prefix="loongsage_bench_step_"))
     result, wall = {}, {}  # wall: seconds of each whole run, start-up included (the command's own length)
@@ -577,16 +585,16 @@ def bench_step(args) -> dict:
             history = loongsage.train(cfg)
         finally:
             ray.shutdown()
-        timed = history[1:] or history  # step 0 pays one-time costs (first forward, connections)
+        timed = history[warm:] or history
         phases = {k: statistics.median(h.get(f"timing/{k}", 0.0) for h in timed) for k in
                   ("generate", "train", "sync", "step")}
         result[mode] = phases
         wall[mode] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    trl = _trl_step_time(path, dataset, prompts, samples, new_tokens, lr, steps, out / "trl")
+    trl = _trl_step_time(path, dataset, prompts, samples, new_tokens, lr, steps, out / "trl", warm)
     wall["trl"] = time.perf_counter() - t0
     print(f"step: model {path}, {prompts} prompts x {samples} samples, up to {new_tokens} new tokens, lr {lr}, "
-          f"{steps} steps (median over steps after the first)")
+          f"{steps} steps (median over steps after the first {warm})")
     for mode, ph in result.items():
         print(f"  LoongSage {mode:5s}: {ph['step']:.2f} s/step (generate {ph['generate']:.2f}, train {ph['train']:.2f}, "
               f"sync {ph['sync']:.2f})")
@@ -603,8 +611,9 @@ def bench_step(args) -> dict:
     return result
 
 
-def _trl_step_time(path, dataset, prompts, samples, new_tokens, lr, steps, out):
-    """Median seconds per step of TRL's GRPOTrainer on the same setup, or a string saying why it did not run."""
+def _trl_step_time(path, dataset, prompts, samples, new_tokens, lr, steps, out, warm):
+    """Median seconds per step of TRL's GRPOTrainer on the same setup after `warm` steps, or a string saying why
+    it did not run."""
     try:
         from datasets import Dataset  # optional: the [bench] extra, with TRL
         from trl import GRPOConfig, GRPOTrainer  # optional: the [bench] extra
@@ -635,7 +644,7 @@ def _trl_step_time(path, dataset, prompts, samples, new_tokens, lr, steps, out):
     except Exception as e:  # noqa: BLE001 - report and still print LoongSage's numbers
         return f"TRL failed: {type(e).__name__}: {e}"
     deltas = [b - a for a, b in zip(clock.ticks, clock.ticks[1:])]
-    return statistics.median(deltas[1:] or deltas)
+    return statistics.median(deltas[warm:] or deltas)
 
 
 def main(argv=None) -> dict:
@@ -646,7 +655,7 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests", type=int, default=100, help="router bench: requests of each kind")
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (step: 6, async: 24)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (step: 10, async: 24)")
     p.add_argument("--quick", action="store_true", help="sync/step: tiny sizes, a smoke test")
     p.add_argument("--prompts", type=int, default=16, help="async bench: prompts per step (8 samples each)")
     p.add_argument("--stale-steps", type=float, default=1.0, help="async bench: the async run's stale_steps")
