@@ -152,6 +152,33 @@ def test_minibatch_plan_keeps_groups_whole_and_ignores_dp_size():
     assert trainer.plan_minibatches(batch, 1, 0, 2, by_group=True) == [[1, 4, 5, 0]]  # groups 0 and 2
 
 
+def test_core_attention_written_out_equals_the_fused_kernel(monkeypatch):
+    """SDPACoreAttention's two paths (the written-out one for short micro-batches, torch's fused kernel for long
+    ones) compute the same causal GQA attention: outputs and the gradients of q, k and v agree to float rounding."""
+    import types
+    torch.manual_seed(0)
+    S, B, Hq, KV, D = 7, 3, 4, 2, 16
+    attn = trainer.SDPACoreAttention(types.SimpleNamespace(attention_dropout=0.0), 1, None, "self")
+    inputs = [torch.randn(S, B, n, D, requires_grad=True) for n in (Hq, KV, KV)]  # Megatron's (S, B, N, D)
+    grad_out = torch.randn(S, B, Hq * D)
+    results = []
+    for limit in (trainer.EXPLICIT_ATTENTION_MAX_SCORES, 0):  # 0: every micro-batch takes the fused kernel
+        monkeypatch.setattr(trainer, "EXPLICIT_ATTENTION_MAX_SCORES", limit)
+        out = attn(*inputs, attention_mask=None)
+        grads = torch.autograd.grad(out, inputs, grad_out)
+        results.append((out, grads))
+    (out_a, grads_a), (out_b, grads_b) = results
+    assert out_a.shape == (S, B, Hq * D)
+    torch.testing.assert_close(out_a, out_b, rtol=0, atol=1e-6)
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb, rtol=0, atol=1e-5)
+    monkeypatch.setattr(trainer, "EXPLICIT_ATTENTION_MAX_SCORES", 2 ** 24)
+    q, k, v = (t.detach().clone() for t in inputs)
+    k[-1] += 1.0  # a later key moves no earlier position's output (causal), and does move the last one's
+    moved = attn(q, k, v, attention_mask=None)
+    assert torch.equal(moved[:-1], out_a[:-1].detach()) and not torch.allclose(moved[-1], out_a[-1].detach())
+
+
 def test_lr_schedule():
     cfg = make_cfg(lr=1.0, min_lr=0.1, lr_warmup_steps=2, num_steps=3, prompts_per_step=4, samples_per_prompt=2,
                    global_batch_size=4)  # 2 optimizer steps per RL step: 6 in all
