@@ -282,20 +282,20 @@ class Req:
     routed: list = dataclasses.field(default_factory=list)  # (n, layers, top_k) int32 per forward chunk, in order
     slot: int = -1                        # KV-cache slot while running, -1 while waiting
     kv_len: int = 0                       # tokens whose K/V sit in the slot
+    cached_tokens: int = 0                # context tokens whose K/V another request's prefill made (SGLang's field)
 
 
 # ----------------------------------------------------------------------------------------------
 # the CPU engine
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-    """A transformers RMSNorm module's computation as one op (bit-identical in fp32 on this CPU)."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Qwen3RMSNorm, LlamaRMSNorm, ...) written as it computes, so bit-identical to it: in
+    fp32, then the weight times the result in x's dtype. `weight` broadcasts over x's last dim ((D,) or (heads, D)).
+    Six ops; torch's fused rms_norm decomposes into ~10 on CPU."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_add: torch.Tensor,
@@ -403,7 +403,8 @@ class CpuEngine:
         if "dynamic" not in str(getattr(rope, "rope_type", "")) and getattr(rope, "rope_type", "") != "longrope":
             probe = torch.zeros(1, dtype=self.dtype)
             cos, sin = rope(probe, torch.arange(self.max_len)[None])                     # (1, max_len, D) each
-            self.rope_table = (cos[0], sin[0])                                            # (max_len, D) each
+            h = self.head_dim // 2
+            self.rope_table = (cos[0], torch.cat((-sin[0, :, :h], sin[0, :, h:]), dim=-1))  # (max_len, D) each
         self._pack_weights()
         # kv heads before positions: a slot's keys for one head are one (S, D) block, so attention reads a
         # batch of slots as a strided view and the matmuls need no copy
@@ -460,6 +461,17 @@ class CpuEngine:
             self._packed_keys = {name: by_storage[p.untyped_storage().data_ptr()]
                                  for name, p in self.model.named_parameters(remove_duplicate=False)
                                  if p.untyped_storage().data_ptr() in by_storage}
+        # per layer, the (weight, eps) of its norms: input, q|k (Qwen3: q_norm's weight on every query head and
+        # k_norm's on every key head, one (Hq+KV, D) tensor, so one norm serves both; None without), post-attention
+        self.norms = []
+        for layer in self.model.model.layers:
+            a, qk = layer.self_attn, None
+            if hasattr(a, "q_norm"):
+                assert a.q_norm.variance_epsilon == a.k_norm.variance_epsilon, "q_norm and k_norm eps differ"
+                heads = [a.q_norm.weight.expand(self.n_heads, -1), a.k_norm.weight.expand(self.n_kv_heads, -1)]
+                qk = (torch.cat(heads), a.q_norm.variance_epsilon)                    # (Hq+KV, D), eps
+            pre, post = layer.input_layernorm, layer.post_attention_layernorm
+            self.norms.append(((pre.weight, pre.variance_epsilon), qk, (post.weight, post.variance_epsilon)))
         keys = weights if names is None else {self._packed_keys[n] for n in names if n in self._packed_keys}
         for key in keys:  # a weight update repacks only what it touched
             w = weights[key]
@@ -595,7 +607,9 @@ class CpuEngine:
     # --- scheduler thread
 
     def _loop(self) -> None:
-        with torch.no_grad():
+        # inference mode, not just no_grad: no version counters or view tracking on any tensor the steps make (6-15%
+        # of a decode step at 1-64 rows here); in-place updates of the weights and caches inside it stay allowed
+        with torch.inference_mode():
             while not self._stopping:
                 busy = (self._running or self._waiting) and not self._paused and not self._released
                 try:
@@ -630,9 +644,9 @@ class CpuEngine:
         admitted = self._admit()
         self.stats["max_running"] = max(self.stats["max_running"], len(self._running))
         if admitted:
-            self._forward_and_sample(admitted, [r.prompt_ids + r.output_ids for r in admitted])
+            self._prefill(admitted)
         if decoding:
-            self._forward_and_sample(decoding, [[r.output_ids[-1]] for r in decoding])
+            self._sample(decoding, self._forward(decoding, [[r.output_ids[-1]] for r in decoding]))
         self.stats["steps"] += 1
 
     def _admit(self) -> list[Req]:
@@ -656,10 +670,26 @@ class CpuEngine:
             budget -= n
         return admitted
 
-    def _forward_and_sample(self, reqs: list[Req], chunks: list[list[int]]) -> None:
-        """Feed each request its next chunk of tokens (its whole context on prefill, its last token on decode),
-        then sample one token per request from the logits at the chunk's last position."""
-        logits = self._forward(reqs, chunks)                                             # (B, V)
+    def _prefill(self, reqs: list[Req]) -> None:
+        """Feed the admitted requests their whole context and sample each one's next token. Requests with the same
+        context (the N samples of one prompt group arrive together) share one prefill: the first one's K/V is
+        computed and copied into the others' slots, and each samples from its logits with its own draw."""
+        contexts = [r.prompt_ids + r.output_ids for r in reqs]
+        first: dict[tuple, int] = {}
+        src = [first.setdefault(tuple(c), i) for i, c in enumerate(contexts)]  # request whose prefill i shares
+        own = sorted(first.values())
+        logits = self._forward([reqs[i] for i in own], [contexts[i] for i in own])       # (U, V)
+        for r, j in zip(reqs, src):
+            s = reqs[j]
+            if s is not r:  # one op per cache for every layer: K/V rows [0, kv_len) of the source's slot
+                self.k_cache[:, r.slot, :, :s.kv_len] = self.k_cache[:, s.slot, :, :s.kv_len]
+                self.v_cache[:, r.slot, :, :s.kv_len] = self.v_cache[:, s.slot, :, :s.kv_len]
+                r.kv_len, r.routed, r.cached_tokens = s.kv_len, list(s.routed), r.cached_tokens + s.kv_len
+        row = {i: k for k, i in enumerate(own)}
+        self._sample(reqs, logits[[row[j] for j in src]] if len(own) < len(reqs) else logits)
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Sample one token per request from its logits (B, V) (at its context's last position) and append it."""
         n_out = torch.tensor([len(r.output_ids) for r in reqs])
         u = self.uniforms[torch.tensor([r.slot for r in reqs]), n_out]                   # (B,)
         tokens, logp = sample(logits, [r.params for r in reqs], u)                      # (B,), (B,)
@@ -709,19 +739,22 @@ class CpuEngine:
         routed = []  # MoE: per layer, (n_valid, top_k) experts chosen for each real token
         x = m.embed_tokens(ids)                                                           # (B, T, H)
         if self.rope_table is not None:
-            cos, sin = self.rope_table[0][pos], self.rope_table[1][pos]                  # (B, T, D) each
+            cos, sin = self.rope_table[0][pos], self.rope_table[1][pos]                  # (B, T, D) each, sin signed
         else:
             cos, sin = m.rotary_emb(x, pos)                                               # (B, T, D) each
+            sin = torch.cat((-sin[..., :D // 2], sin[..., D // 2:]), dim=-1)              # (B, T, D) (-sin1 | sin2)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]                                 # (B, T, 1, D)
         for li, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            h = _rms_norm(x, layer.input_layernorm)                                       # (B, T, H)
+            h = _rms_norm(x, *self.norms[li][0])                                          # (B, T, H)
             qkv = self._linear(h, ("qkv", li), self.qkv_b[li]).view(B, T, Hq + 2 * KV, D)
-            q, k, v = qkv.split([Hq, KV, KV], dim=2)                                      # (B, T, Hq|KV|KV, D)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
-                q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qk, v = qkv[:, :, :Hq + KV], qkv[:, :, Hq + KV:]                              # (B, T, Hq+KV|KV, D)
+            if self.norms[li][1]:  # Qwen3: RMSNorm over each head before RoPE (q_norm's weight on q, k_norm's on k)
+                qk = _rms_norm(qk, *self.norms[li][1])                                    # (B, T, Hq+KV, D)
+            # RoPE on q and k at once, as transformers computes it: x * cos + rotate_half(x) * sin, where
+            # rotate_half(x) * sin == roll(x, D/2) * (-sin1 | sin2) exactly (a sign moved between two factors)
+            qk = qk * cos + qk.roll(D // 2, dims=-1) * sin                               # (B, T, Hq+KV, D)
+            q, k = qk[:, :, :Hq], qk[:, :, Hq:]                                           # (B, T, Hq|KV, D)
             if all_valid:
                 k_new, v_new = k.reshape(B * T, KV, D), v.reshape(B * T, KV, D)          # (n_valid, KV, D)
             else:
@@ -735,9 +768,9 @@ class CpuEngine:
             out = _attention(q, keys, values, mask_add, attn.scaling)                     # (B, T, Hq, D)
             x = x + self._linear(out.reshape(B, T, Hq * D), ("o", li), attn.o_proj.bias)  # (B, T, H)
             if self.moe:
-                x = x + self._moe_mlp(_rms_norm(x, layer.post_attention_layernorm), mlp, valid, routed)  # (B, T, H)
+                x = x + self._moe_mlp(_rms_norm(x, *self.norms[li][2]), mlp, valid, routed)  # (B, T, H)
                 continue
-            gate, up = self._linear(_rms_norm(x, layer.post_attention_layernorm), ("gate_up", li)).chunk(2, dim=-1)
+            gate, up = self._linear(_rms_norm(x, *self.norms[li][2]), ("gate_up", li)).chunk(2, dim=-1)
             x = x + self._linear(mlp.act_fn(gate) * up, ("down", li))                     # (B, T, H)
         last = x[torch.arange(B), lens - 1]                                               # (B, H) last real token
         if routed and any(r.return_routed_experts for r in reqs):
@@ -747,7 +780,7 @@ class CpuEngine:
                     req.routed.append(rows)
         for req, n in zip(reqs, lens.tolist()):
             req.kv_len += n
-        h = _rms_norm(last, m.norm)                                                       # (B, H)
+        h = _rms_norm(last, m.norm.weight, m.norm.variance_epsilon)                       # (B, H)
         if self.fp32_lm_head and self.dtype != torch.float32:  # as SGLang's --enable-fp32-lm-head: upcast, then matmul
             return F.linear(h.float(), self.model.lm_head.weight.float())                 # (B, V) fp32
         return self._linear(h, "lm_head").float()                                         # (B, V)
@@ -794,7 +827,8 @@ class CpuEngine:
             trim = finish_reason.get("type") == "stop" and not req.params.no_stop_trim
             text = self.tokenizer.decode(ids[:-1] if trim else ids, skip_special_tokens=req.params.skip_special_tokens)
         meta = {"id": req.rid, "finish_reason": finish_reason, "prompt_tokens": len(req.prompt_ids),
-                "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.weight_version,
+                "completion_tokens": len(ids), "cached_tokens": req.cached_tokens,
+                "weight_version": self.weight_version,
                 "weight_versions": weight_version_spans(req.output_versions, self.weight_version),
                 "e2e_latency": time.perf_counter() - req.arrival}
         if req.return_routed_experts:

@@ -111,6 +111,44 @@ def background(fn, *args, **kw):
     return fut
 
 
+def test_a_groups_samples_share_one_prefill_and_keep_their_own_draws(tiny_model_dir, hf_a):
+    """Requests with the same prompt admitted together (a group's N samples) prefill it once: the others get its K/V
+    copied into their slots (SGLang's `cached_tokens` says so). Each still samples with its own draws, and every
+    logprob is transformers' (<= 1e-5), the first token's too."""
+    engine = rollout.CpuEngine(tiny_model_dir, max_batch=8, max_len=MAX_LEN, seed=3).start()
+    p, q = PROMPTS[0], PROMPTS[2]
+    try:
+        reqs = [engine.make_request(x, {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True})
+                for x in [p, q, p, p, p]]
+        outs = [f.result() for f in engine.submit(*reqs)]
+    finally:
+        engine.stop()
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 0, len(p), len(p), len(p)]
+    assert len({tuple(o["output_ids"]) for o in outs[2:] + outs[:1]}) > 1  # the four samples of p differ
+    for x, o in zip([p, q, p, p, p], outs):
+        assert (engine_logprobs(o) - hf_logprobs(hf_a, x, o["output_ids"])).abs().max() <= 1e-5
+
+
+def test_engine_norm_and_rope_are_transformers_bit_for_bit():
+    """The CPU engine's RMSNorm (one weight per head for q|k together) and its RoPE (roll times a signed sin, q and
+    k at once) are exactly transformers' Qwen3 computations, not just close."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 5, 4, 16, generator=g), torch.randn(3, 5, 2, 16, generator=g)  # (B, T, heads, D)
+    qn, kn = Qwen3RMSNorm(16, eps=1e-6), Qwen3RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        qn.weight.copy_(torch.randn(16, generator=g))
+        kn.weight.copy_(torch.randn(16, generator=g))
+        w = torch.cat([qn.weight.expand(4, -1), kn.weight.expand(2, -1)])  # (6, D) as the engine packs it
+        qk = rollout._rms_norm(torch.cat([q, k], dim=2), w, 1e-6)                 # (B, T, 6, D)
+        assert torch.equal(qk[:, :, :4], qn(q)) and torch.equal(qk[:, :, 4:], kn(k))
+        cos, sin = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 16, generator=g)
+        hq, hk = apply_rotary_pos_emb(qn(q), kn(k), cos, sin, unsqueeze_dim=2)
+        signed = torch.cat([-sin[..., :8], sin[..., 8:]], dim=-1)[:, :, None]      # as the engine's table holds it
+        ours = qk * cos[:, :, None] + qk.roll(8, dims=-1) * signed
+    assert torch.equal(ours[:, :, :4], hq) and torch.equal(ours[:, :, 4:], hk)
+
+
 def test_greedy_matches_transformers_generate_and_logprobs(server, hf_a):
     url, _ = server
     for prompt in PROMPTS:
