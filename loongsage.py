@@ -44,6 +44,7 @@ import os
 import random
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -112,6 +113,9 @@ class Config:
     cpus_per_engine: float = 1.0  # Ray CPU resources per engine
     trainer_threads: int = 0  # torch threads per trainer rank; 0 = derive (async: its Ray CPUs; sync: a share of the node)
     engine_threads: int = 0  # torch threads per CPU engine; 0 = derive (likewise)
+    borrow_engine_cores: bool = True  # async on a local CPU node: a trainer rank also computes on an engine's cores
+    # while that engine has nothing to generate (a shared-memory flag per engine, read at every transformer layer)
+    engine_busy_file: str = ""  # derived at start: the file where each CPU engine publishes whether it is computing
     gpus_per_engine: int = 1  # GPUs per SGLang engine (its tensor parallel size); CUDA only
 
     # --- model ---
@@ -623,6 +627,8 @@ def describe(cfg: Config) -> str:
             f"torch threads trainer/engine={cfg.trainer_threads}/{cfg.engine_threads}"
             + (f", cores trainer 0 / engine 0: {actor_cores(cfg, 'trainer', 0)} / {actor_cores(cfg, 'engine', 0)}"
                if actor_cores(cfg, "engine", 0) else "")
+            + (f" (trainer 0 also on {[c for _, cs in lent_cores(cfg, 0) for c in cs]} while its engines idle)"
+               if lent_cores(cfg, 0) else "")
             + (", critic (value model) in every trainer rank" if cfg.advantage == "gae" else "")
             + (f", async: capacity C={capacity(cfg)} groups, window={cfg.window}, max_version_lag="
                f"{cfg.max_version_lag} ({cfg.lag_policy})" if cfg.mode == "async" else ""))
@@ -811,6 +817,27 @@ def actor_cores(cfg: Config, kind: str, i: int) -> list[int]:
     return cores[first:first + n]
 
 
+def lent_cores(cfg: Config, r: int) -> list[tuple[int, list[int]]]:
+    """(engine i, its cores) for every engine whose cores trainer rank r also computes on while that engine is idle
+    (`borrow_engine_cores`): engine i lends to rank i % trainer_workers. Only where actors are pinned (async on a
+    local CPU node, see actor_cores): elsewhere [] (in sync mode the running phase has every core anyway)."""
+    if not cfg.borrow_engine_cores or not actor_cores(cfg, "trainer", r):
+        return []
+    return [(i, actor_cores(cfg, "engine", i)) for i in range(cfg.num_engines) if i % cfg.trainer_workers == r]
+
+
+def engine_busy_file(cfg: Config) -> str:
+    """A fresh file of one byte per engine (in /dev/shm where there is one: memory, never written back), where CPU
+    engine i keeps byte i at 1 while it has requests to compute and the trainer ranks that borrow its cores read it;
+    "" where no trainer borrows (see lent_cores). train() removes it at the end."""
+    if not any(lent_cores(cfg, r) for r in range(cfg.trainer_workers)):
+        return ""
+    fd, path = tempfile.mkstemp(prefix="loongsage-busy-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.write(fd, bytes(cfg.num_engines))
+    os.close(fd)
+    return path
+
+
 def pin_process(cores: list[int]) -> list[int]:
     """Pin every thread of this process to `cores` (threads started later inherit it); runs inside an actor
     (`actor.__ray_call__`). Best effort: a thread that ended meanwhile is skipped. Returns the cores it has."""
@@ -868,6 +895,8 @@ def start_trainers(cfg: Config, pg, plan: dict) -> list:
             for r, t in enumerate(trainers):  # async on CPU: each rank on cores of its own (see actor_cores)
                 if cores := actor_cores(cfg, "trainer", r):
                     t.__ray_call__.remote(lambda _, c: pin_process(c), cores)
+                if (lent := lent_cores(cfg, r)) and cfg.engine_busy_file:  # ... and on its engines' while they idle
+                    t.borrow_cores.remote(cfg.engine_busy_file, lent)
             return trainers
         except ray.exceptions.RayActorError as e:
             # The port was free when picked, but rank 0 binds it only once its actor has started
@@ -1659,6 +1688,7 @@ def train(cfg: Config) -> list[dict]:
         pg, plan, where = reserve(cfg)
         base = built.result()
     late = cfg.colocate and cfg.device == "cuda" and cfg.warmstart_steps > 0
+    cfg.engine_busy_file = engine_busy_file(cfg)  # async on CPU: trainers compute on idle engines' cores
     engine_model = None if late else base
     if engine_model:
         engines, flow = start_rollout(cfg, pg, plan, where, engine_model)
@@ -1804,6 +1834,8 @@ def train(cfg: Config) -> list[dict]:
     png = logger.plot()
     print(f"reward curve: {png}\nmetrics: {out / 'metrics.jsonl'}")
     logger.close()
+    if cfg.engine_busy_file:
+        os.unlink(cfg.engine_busy_file)
     return logger.history
 
 

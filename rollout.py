@@ -75,6 +75,7 @@ import dataclasses
 import difflib
 import glob
 import json
+import mmap
 import os
 import queue
 import signal
@@ -338,7 +339,9 @@ class CpuEngine:
 
     def __init__(self, model_path: str, *, max_batch: int = 64, max_len: int | None = None, seed: int = 0,
                  dtype: str = "float32", max_prefill_tokens: int = 8192,
-                 weight_version: str = "0", fp32_lm_head: bool = False):
+                 weight_version: str = "0", fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None):
+        """`busy_flag` (file, i): keep byte i of that file at 1 while there are requests to compute, 0 otherwise, for
+        trainer ranks that borrow this engine's cores while it idles (loongsage.lent_cores)."""
         hf_logging.disable_progress_bar()
         self.model_path = str(model_path)
         self.dtype = getattr(torch, dtype)
@@ -422,6 +425,10 @@ class CpuEngine:
         self._arrivals = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._busy_flag = None  # (shared mapping, byte index), see __init__'s busy_flag
+        if busy_flag:
+            with open(busy_flag[0], "r+b") as f:
+                self._busy_flag = (mmap.mmap(f.fileno(), 0), int(busy_flag[1]))
         self.stats = {"steps": 0, "max_running": 0, "generated_tokens": 0, "finished": 0,
                       "busy_s": 0.0}  # busy_s: seconds spent in forward steps (the controller's engine idle fraction)
 
@@ -612,6 +619,8 @@ class CpuEngine:
         with torch.inference_mode():
             while not self._stopping:
                 busy = (self._running or self._waiting) and not self._paused and not self._released
+                if self._busy_flag:  # what a trainer that borrows this engine's cores reads at every layer
+                    self._busy_flag[0][self._busy_flag[1]] = 1 if busy else 0
                 try:
                     self._handle(self._inbox.get(block=not busy, timeout=None if busy else 0.5))
                     while True:  # drain everything that arrived during the last step
@@ -1372,7 +1381,9 @@ class RolloutEngine:
             max_len = max(int(cfg.max_prompt_len) + int(cfg.max_new_tokens), int(cfg.max_context_len or 0))
             self._url, self.handle = serve(cfg.model_path, host=host, max_batch=int(cfg.engine_max_batch),
                                            max_len=max_len, seed=seed, dtype=cfg.dtype,
-                                           fp32_lm_head=bool(getattr(cfg, "fp32_lm_head", False)))
+                                           fp32_lm_head=bool(getattr(cfg, "fp32_lm_head", False)),
+                                           busy_flag=(cfg.engine_busy_file, rank) if getattr(
+                                               cfg, "engine_busy_file", "") else None)
         elif engine == "sglang":
             if not torch.cuda.is_available():
                 raise RuntimeError("engine=sglang needs CUDA, and none is visible to this actor; use engine=cpu "

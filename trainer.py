@@ -42,11 +42,14 @@ pipeline or expert parallelism (rejected at `--check`).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
+import mmap
 import os
 import random
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -132,6 +135,21 @@ class SDPACoreAttention(torch.nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
                                              dropout_p=dropout)  # (B, Nq, Sq, D)
         return out.permute(2, 0, 1, 3).reshape(S, B, -1)  # (Sq, B, Nq * D)
+
+
+class _CallInBackward(torch.autograd.Function):
+    """The identity, whose backward first calls `fn()`: a hook at one point of the backward pass (TrainerWorker
+    puts one at every transformer layer's input, see borrow_cores)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return grad, None
 
 
 class _TorchOnCpu:
@@ -940,6 +958,7 @@ class TrainerWorker:
         self.critic = self.critic_optimizer = None  # the value model (advantage: gae), see load_hf
         self.critic_steps = 0  # critic optimizer steps taken
         self.lr_override: float | None = None  # constant lr given to load_hf (SFT warm start)
+        self.lent = None  # borrow_cores: (the engines' busy flags, [(engine, its core count)])
 
     # --- model, optimizer, reference ------------------------------------------------------------
 
@@ -990,8 +1009,63 @@ class TrainerWorker:
             critic.output_layer = ValueHead(self.tcfg.hidden_size, self.tcfg.params_dtype).to(self.device)
             self.critic = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_config, module=critic)
             self.critic_optimizer = self._build_optimizer(self.critic, float(self.cfg.critic_lr))
+        for model in (self.model, self.ref_model, self.critic):
+            self._hook_layers(model)
         n_params = sum(p.numel() for p in gpt.parameters())
         return {"params_this_rank": n_params, "reference": needs_ref, "critic": self.critic is not None}
+
+    # --- borrowed cores (async on a local CPU node: cfg.borrow_engine_cores) ------------------------------
+
+    def borrow_cores(self, busy_file: str, lent: list[tuple[int, list[int]]]) -> list[int]:
+        """Also compute on the cores of the engines in `lent` ((engine, its cores), from loongsage.lent_cores) while
+        they have nothing to generate. Every thread of this rank may then run on them, and before each transformer
+        layer, in the forward and the backward pass, the torch thread count becomes this rank's own plus the cores of
+        the lending engines whose byte in `busy_file` is 0 (rollout.CpuEngine keeps its byte at 1 while it has
+        requests). A layer is the grain: an engine that gets work waits at most one layer's pass for its core.
+        Returns the cores this rank may run on."""
+        with open(busy_file, "rb") as f:
+            self.lent = (mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), [(i, len(cores)) for i, cores in lent])
+        self.borrow_seconds, self._last_adapt = [0.0, 0.0], None  # a train step's seconds: [own threads, borrowing]
+        cores = os.sched_getaffinity(0) | {c for _, cs in lent for c in cs}
+        for tid in os.listdir("/proc/self/task"):  # threads started later (torch's pool) inherit it
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(tid), cores)
+        for model in (self.model, self.ref_model, self.critic):
+            self._hook_layers(model)
+        return sorted(cores)
+
+    def _adapt_threads(self) -> None:
+        """borrow_cores: torch threads = this rank's own + the cores of its lending engines that are idle now.
+        Also adds the seconds since the last call to `borrow_seconds` under the thread count they ran with."""
+        flags, lent = self.lent
+        now, was = time.perf_counter(), torch.get_num_threads()
+        if self._last_adapt is not None:  # None: the first layer of a train step
+            self.borrow_seconds[was > int(self.cfg.trainer_threads)] += now - self._last_adapt
+        self._last_adapt = now
+        n = int(self.cfg.trainer_threads) + sum(k for i, k in lent if not flags[i])
+        if n != was:
+            torch.set_num_threads(n)
+
+    def _borrowed_metrics(self) -> dict[str, float]:
+        """borrow_cores: the share of this train step's layer passes that ran on borrowed cores ({} without)."""
+        if self.lent is None:
+            return {}
+        own, borrowed = self.borrow_seconds
+        return {"perf/trainer_borrowed_frac": borrowed / max(own + borrowed, 1e-9)}
+
+    def _hook_layers(self, model) -> None:
+        """borrow_cores: `_adapt_threads` before every transformer layer of `model`, forward and backward (once)."""
+        if self.lent is None or model is None or getattr(model, "_adapts_threads", False):
+            return
+
+        def before_layer(layer, args, kwargs):
+            self._adapt_threads()
+            if torch.is_grad_enabled() and "hidden_states" in kwargs and kwargs["hidden_states"].requires_grad:
+                kwargs["hidden_states"] = _CallInBackward.apply(kwargs["hidden_states"], self._adapt_threads)
+            return args, kwargs
+        for layer in getattr(model, "module", model).decoder.layers:  # DDP wraps the GPTModel
+            layer.register_forward_pre_hook(before_layer, with_kwargs=True)
+        model._adapts_threads = True
 
     def _expert_rank_info(self):
         from megatron.core import parallel_state  # Megatron: late
@@ -1482,6 +1556,8 @@ class TrainerWorker:
         self.onload()  # colocated: whatever the hand-off offloaded comes back before the step
         if not batch:
             raise ValueError("train_step got an empty batch; the controller must skip steps with no trajectories")
+        if self.lent is not None:  # borrow_cores: count this step's layer passes from its first one
+            self.borrow_seconds, self._last_adapt = [0.0, 0.0], None
         if targets is not None and float(cfg.gkd_ratio) == 1.0:  # TEACHERS: pure distillation, no RL forward
             return self.distill_step(batch, targets)
         n_groups = len({s.get("group_id", i) for i, s in enumerate(batch)})
@@ -1626,6 +1702,7 @@ class TrainerWorker:
         off = self._dp_sum({k: v for k, v in off_local.items() if k != "max"})
         if off.get("tokens", 0) > 0:
             metrics["train/offpolicy_k3"] = off["k3"] / off["tokens"]
+        metrics.update(self._borrowed_metrics())
         metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
                         "train/samples": float(n_traj), "train/rows": float(len(batch)), **critic_metrics})
         return metrics
@@ -1743,6 +1820,7 @@ class TrainerWorker:
                 self._ep_idle_microbatch(self.model, backward=True)
             self._step_minibatch(self._from_last_stage(sums), totals, n_mb)
         metrics = {f"train/{k}": v for k, v in totals.items()}
+        metrics.update(self._borrowed_metrics())
         metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
                         "train/samples": float(len(batch))})
         return metrics

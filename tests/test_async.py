@@ -260,6 +260,77 @@ def test_actor_cores_are_disjoint_and_only_for_async_on_a_local_cpu(monkeypatch)
     assert loongsage.actor_cores(cfg_with(colocate=True), "trainer", 0) == []
 
 
+def test_lent_cores_only_where_actors_are_pinned(monkeypatch):
+    import os
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    assert loongsage.lent_cores(cfg_with(num_engines=2, engine_threads=2), 0) == [(0, [1, 2]), (1, [3, 4])]
+    # two trainer ranks: engine i lends to rank i % 2
+    two = cfg_with(num_engines=2, trainer_workers=2, global_batch_size=8, micro_batch_size=4)
+    assert loongsage.lent_cores(two, 0) == [(0, [2])] and loongsage.lent_cores(two, 1) == [(1, [3])]
+    for cfg in (cfg_with(mode="sync"), cfg_with(borrow_engine_cores=False), cfg_with(colocate=True)):
+        assert loongsage.lent_cores(cfg, 0) == [] and loongsage.engine_busy_file(cfg) == ""
+    path = loongsage.engine_busy_file(cfg_with(num_engines=3))
+    try:
+        assert open(path, "rb").read() == bytes(3)  # one byte per engine, all idle
+    finally:
+        os.unlink(path)
+
+
+def test_engine_keeps_its_busy_flag_while_it_computes(tiny_model_dir, tmp_path):
+    """The CPU engine's byte in the busy file is 1 while it has a request to compute and 0 once it is done (what a
+    trainer that borrows its cores reads)."""
+    import time
+    flag = tmp_path / "busy"
+    flag.write_bytes(bytes(2))
+    engine = rollout.CpuEngine(tiny_model_dir, max_batch=4, max_len=400, busy_flag=(str(flag), 1)).start()
+    try:
+        future = engine.submit(engine.make_request([5, 6, 7], {"max_new_tokens": 300, "ignore_eos": True}))[0]
+        seen = set()
+        while not future.done():
+            seen.add(flag.read_bytes()[1])
+        deadline = time.monotonic() + 5
+        while flag.read_bytes()[1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert 1 in seen and flag.read_bytes() == bytes(2)  # byte 0 (another engine's) never touched
+
+
+def test_trainer_computes_on_an_idle_engines_core(tiny_model_dir, tmp_path):
+    """Async on this CPU: trainer rank 0 is pinned to its core and borrows engine 0's. While the engine's byte says
+    busy, every layer pass runs on the trainer's one thread; once it says idle, on two threads over both cores."""
+    import os
+    import ray
+    import torch
+    from test_trainer import make_batch
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path))
+    cfg.engine_busy_file = loongsage.engine_busy_file(cfg)
+
+    def probe(_):  # runs inside the actor
+        affinity = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+        return affinity, torch.get_num_threads()
+    steps = []
+    try:
+        pg, plan, where = loongsage.reserve(cfg)
+        [rank] = loongsage.start_trainers(cfg, pg, plan)
+        ray.get(rank.load_hf.remote(tiny_model_dir))
+        for busy in (1, 0):
+            with open(cfg.engine_busy_file, "r+b") as f:
+                f.write(bytes([busy]))
+            m = ray.get(rank.train_step.remote(make_batch(n_groups=4, per_group=2), 0))
+            steps.append((m["perf/trainer_borrowed_frac"], *ray.get(rank.__ray_call__.remote(probe))))
+    finally:
+        ray.shutdown()
+        os.unlink(cfg.engine_busy_file)
+    (busy_frac, busy_affinity, busy_threads), (idle_frac, idle_affinity, idle_threads) = steps
+    assert busy_affinity == idle_affinity == {tuple(cores[:2])}  # every thread may run on both cores
+    assert busy_frac == 0.0 and busy_threads == 1
+    assert idle_frac == 1.0 and idle_threads == 2
+
+
 def test_async_trainer_and_engine_are_pinned_to_their_own_cores(tiny_model_dir, tmp_path):
     """start_trainers() and start_engine() in async mode on this CPU: every thread of the trainer rank sits on one core,
     every thread of the engine on another, and each computes with as many torch threads as it has cores."""
