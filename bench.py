@@ -20,7 +20,10 @@ measured back to back in one process is far steadier than an absolute number.
         Fully async vs sync training on a long-tail task (responses of 4 to 46 tokens), same everything else: the
         RL loop's wall time and trained samples per second of each, their ratio (target >= 1.7x), both final eval
         accuracies (a matched learning curve: within +-0.05), the lag of the trained tokens (mean, max, on-policy
-        share, partial rollouts, tokens masked by the bound), the trainer's wait and the engine's idle share.
+        share, partial rollouts, tokens masked by the bound), the trainer's wait and the engine's idle share, how busy
+        the cores were in each, and the ratio async's own work would give with every core busy all the time. Each
+        mode in its fastest CPU layout: sync with one engine per core (`sync_engines`), async with one trainer and
+        one engine on cores of their own (the trainer also on the engine's core while it idles).
         The first run also builds the warm start (400 SFT steps), cached for the next ones. --sync-set and
         --async-set add config overrides to one run (e.g. --async-set trainer_threads=2 engine_threads=1).
 
@@ -36,10 +39,11 @@ measured back to back in one process is far steadier than an absolute number.
         real CPU engine on the tiny model, and that model's whole sync. Targets: shm >= 0.5x memcpy at >= 100 MB,
         >= 10x pickle/HTTP, fixed cost <= 20 ms. `--quick`: 1 and 4 MB (a smoke test).
 
-    python bench.py step [--steps 10] [--quick]
+    python bench.py step [--steps 10] [--quick] [--sync-set K=V ...] [--async-set K=V ...]
         Seconds per RL step of LoongSage (`loongsage.train` with mode=sync, then mode=async; phases from its
         timing/* metrics) and, where TRL is installed (`pip install -e '.[bench]'`), TRL's GRPOTrainer on the same
-        model dir, prompts (8 x 8 samples), up to 32 new tokens, lr, one update per step, fp32. Prints the ratios
+        model dir, prompts (8 x 8 samples), up to 32 new tokens, lr, one update per step, fp32 (sync with one
+        engine per core, as bench async's sync; async with one trainer and one engine). Prints the ratios
         (targets: sync <= 1.0x TRL's s/step; async >= 1.5x TRL's samples/s). Medians leave out each run's first 3
         steps (warm-up). `--quick`: 2 x 4 samples, 2 steps.
 
@@ -77,6 +81,15 @@ import data
 import loongsage
 import rollout
 import transfermesh as tm
+
+
+def sync_engines() -> list[str]:
+    """The fastest sync layout on a CPU node: one engine per core, one torch thread each. A sync step's generation
+    then runs as request-level parallelism (each engine decodes its share of the groups), where one engine on every
+    core splits each small decode matmul across threads; measured here on bench step's generation (64 samples of ~30
+    tokens, 2 cores): 2 engines x 1 thread 0.72 s, 1 engine x 1 thread 0.85 s, 1 engine x 2 threads 1.15 s. The
+    trainer still gets every core in its phase (sync)."""
+    return [f"num_engines={len(os.sched_getaffinity(0))}", "engine_threads=1"]
 
 
 def _interleaved(fns: list, repeats: int) -> list[float]:
@@ -286,7 +299,7 @@ def bench_async(args) -> dict:
               f"warmstart_dataset={where / 'train.jsonl'}", f"warmstart_steps={args.warmstart_steps}",
               "lr=1e-3", "min_lr=1e-3", "print_every=0", "max_context_len=256",
               "is_correction=token"]  # both modes: the IS weight corrects async's lag (and is ~1 in sync)
-    modes = {"sync": ["mode=sync", *args.sync_set],
+    modes = {"sync": ["mode=sync", *sync_engines(), *args.sync_set],
              "async": ["mode=async", f"stale_steps={args.stale_steps}", "max_version_lag=2", "window=window-gated",
                        *args.async_set]}
     res = {}
@@ -310,6 +323,9 @@ def bench_async(args) -> dict:
                      "partial": statistics.mean(h["rollout/partial_frac"] for h in steps),
                      "masked": sum(h.get("rollout/lag_masked_tokens", 0) for h in steps),
                      "wait": statistics.mean(h["perf/trainer_wait_frac"] for h in steps),
+                     # share of the machine's CPU time busy over the steps without an eval (/proc/stat)
+                     "cpu_busy": statistics.mean([h.get("perf/node_cpu_busy_frac", float("nan"))
+                                                  for h in steps if "timing/eval" not in h] or [float("nan")]),
                      "idle": statistics.mean(h["perf/engine_idle_frac"] for h in steps),
                      "response_len": statistics.mean(h["rollout/response_len"] for h in steps)}
     ratio = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
@@ -324,6 +340,10 @@ def bench_async(args) -> dict:
               f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound {r['masked']:.0f}")
     print(f"  async / sync trained samples per second: {ratio:.2f}x (target >= 1.7x); final eval async - sync "
           f"{diff:+.3f} (matched within +-0.05: {abs(diff) <= 0.05})")
+    busy = res["async"]["cpu_busy"]
+    print(f"  the cores were busy {res['sync']['cpu_busy']:.0%} of sync's steps and {busy:.0%} of async's: async's own "
+          f"work, with every core busy all the time, would give at most {ratio / busy:.2f}x")
+    res["ceiling"] = ratio / busy
     return {"ratio": ratio, **res}
 
 
@@ -576,11 +596,12 @@ def bench_step(args) -> dict:
     result, wall = {}, {}  # wall: seconds of each whole run, start-up included (the command's own length)
     for mode in ("sync", "async"):
         t0 = time.perf_counter()
-        cfg = loongsage.load_config(None, [
+        layout = sync_engines() if mode == "sync" else []  # async: one trainer and one engine, each on its core
+        cfg = loongsage.load_config(None, [*layout,
             f"model_path={path}", f"output_dir={out / mode}", f"mode={mode}", f"num_steps={steps}", "eval_every=0",
             f"prompts_per_step={prompts}", f"samples_per_prompt={samples}", f"global_batch_size={prompts * samples}",
             f"micro_batch_size={prompts * samples}", f"max_new_tokens={new_tokens}", f"lr={lr}", f"min_lr={lr}",
-            f"dataset={dataset}", "print_every=0"])
+            f"dataset={dataset}", "print_every=0", *(args.sync_set if mode == "sync" else args.async_set)])
         try:
             history = loongsage.train(cfg)
         finally:
@@ -659,8 +680,8 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="sync/step: tiny sizes, a smoke test")
     p.add_argument("--prompts", type=int, default=16, help="async bench: prompts per step (8 samples each)")
     p.add_argument("--stale-steps", type=float, default=1.0, help="async bench: the async run's stale_steps")
-    p.add_argument("--sync-set", nargs="*", default=[], metavar="KEY=VALUE", help="async bench: overrides for the sync run")
-    p.add_argument("--async-set", nargs="*", default=[], metavar="KEY=VALUE", help="async bench: overrides for the async run")
+    p.add_argument("--sync-set", nargs="*", default=[], metavar="KEY=VALUE", help="async, step: sync run overrides")
+    p.add_argument("--async-set", nargs="*", default=[], metavar="KEY=VALUE", help="async, step: async run overrides")
     p.add_argument("--warmstart-steps", type=int, default=400, help="async bench: SFT steps of the warm start")
     p.add_argument("--recipe", default="recipes/arith_cpu.yaml", help="modes bench: the recipe run in both modes")
     p.add_argument("--seed", type=int, default=1234, help="modes bench: the run seed")

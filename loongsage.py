@@ -1628,6 +1628,17 @@ def engine_busy_seconds(engine_urls: list[str]) -> float:
         return 0.0
 
 
+def node_cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of this machine so far, in jiffies, from /proc/stat (Linux); (0, 0) elsewhere. Busy:
+    user, nice, system, irq and softirq time; the rest is idle, waiting on I/O or stolen by a hypervisor."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return 0, 0
+    return v[0] + v[1] + v[2] + v[5] + v[6], sum(v)
+
+
 def warn_off_policy(cfg: Config) -> None:
     if cfg.mode == "async" and cfg.stale_steps > 0 and cfg.max_version_lag != 0 and not (
             cfg.is_correction or cfg.m2po_threshold > 0 or cfg.opsm_delta > 0 or cfg.mask_stale_tokens):
@@ -1734,7 +1745,7 @@ def train(cfg: Config) -> list[dict]:
         print("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items() if "accuracy" in k))
 
     producer = Producer(cfg, samples, state["producer"] if state else None)
-    busy0, wall0 = engine_busy_seconds(fleet.urls), time.perf_counter()
+    busy0, wall0, cpu0 = engine_busy_seconds(fleet.urls), time.perf_counter(), node_cpu_jiffies()
     bar = tqdm(range(start_step, cfg.num_steps), desc="RL", file=sys.stdout, mininterval=5)
     for step in bar:
         t_step = time.perf_counter()
@@ -1812,13 +1823,15 @@ def train(cfg: Config) -> list[dict]:
             metrics.update(evaluate(cfg, flow, eval_sets, step + 1))
             metrics["timing/eval"] = time.perf_counter() - t0
 
-        busy, wall = engine_busy_seconds(fleet.urls), time.perf_counter()
+        busy, wall, cpu = engine_busy_seconds(fleet.urls), time.perf_counter(), node_cpu_jiffies()
         metrics.update({"timing/step": wall - t_step, "perf/trainer_wait_frac": metrics["timing/generate"] / (wall - t_step),
                         "perf/engine_idle_frac": max(0.0, 1 - (busy - busy0) / len(fleet.urls) / (wall - wall0)),
                         "engines/restarts": fleet.restarts,
                         **wait(flow.engine_metrics.remote(), "AgentFlow.engine_metrics", cfg.actor_timeout,
                                "actor_timeout")})
-        busy0, wall0 = busy, wall
+        if cpu[1] > cpu0[1] and not cfg.ray_address:  # a local run: every actor is on this machine
+            metrics["perf/node_cpu_busy_frac"] = (cpu[0] - cpu0[0]) / (cpu[1] - cpu0[1])
+        busy0, wall0, cpu0 = busy, wall, cpu
         logger.log(step, metrics)
         bar.write(logger.line(step, metrics))
 
