@@ -9,7 +9,8 @@ measured back to back in one process is far steadier than an absolute number.
         prompts and the same per-request lengths, both sampling at temperature 1 with no top-k/top-p. Two
         workloads: all requests new_tokens long, and lengths spread over [1, 2*new_tokens) as RL responses are
         (generate keeps finished rows in its batch until the longest is done; the engine frees their slots and
-        stops computing them). Prints tokens/s of each and the ratios; the target is >= 2.0x on both.
+        stops computing them). Each side runs in a process of its own, taking turns (in one process, two OpenMP
+        thread pools slowed both). Prints tokens/s of each and the ratios; the target is >= 2.0x on both.
 
     python bench.py router [--requests 100]
         Router overhead per request: an official OpenAI client through agentflow's router (session lookup, chat
@@ -84,11 +85,11 @@ import transfermesh as tm
 
 
 def sync_engines() -> list[str]:
-    """The fastest sync layout on a CPU node: one engine per core, one torch thread each. A sync step's generation
-    then runs as request-level parallelism (each engine decodes its share of the groups), where one engine on every
-    core splits each small decode matmul across threads; measured here on bench step's generation (64 samples of ~30
-    tokens, 2 cores): 2 engines x 1 thread 0.72 s, 1 engine x 1 thread 0.85 s, 1 engine x 2 threads 1.15 s. The
-    trainer still gets every core in its phase (sync)."""
+    """A sync layout on a CPU node: one engine per core, one torch thread each, so a sync step's generation runs as
+    request-level parallelism (each engine decodes its share of the groups). On bench step's generation (64 samples
+    of ~30 tokens, 2 cores), alternated: 2 engines x 1 thread 0.56-0.58 s, 1 engine x 2 threads 0.60-0.63 s, whole
+    steps 1.65-1.66 s against 1.61-1.65 s: the same within noise. (Before the engine built its model on a thread of
+    its own, a 2-thread engine took 1.15 s; see CpuEngine.) The trainer gets every core in its phase either way."""
     return [f"num_engines={len(os.sched_getaffinity(0))}", "engine_threads=1"]
 
 
@@ -104,66 +105,110 @@ def _interleaved(fns: list, repeats: int) -> list[float]:
     return [statistics.median(ts) for ts in times]
 
 
+def _rollout_worker(kind: str, conn, path: str, prompts: list, workloads: dict, threads: int) -> None:
+    """One side of `bench rollout` in a process of its own, as each runs in practice (the engine as its server's
+    process, generate in its trainer's): "hf" (transformers generate) or "engine" (rollout.CpuEngine). Runs the
+    workload named by each message on `conn` and answers its seconds. Both sides in one process measured wrongly
+    here: while the engine's thread was alive, generate in the main thread ran 1.8-2.0x slower (two OpenMP thread
+    pools in one process on 2 cores), and the engine ran slower beside generate's pool too."""
+    torch.set_num_threads(threads)
+    prompt_len = len(prompts[0])
+    eos = 1  # any id works: the random model is stopped by length, never by chance (ids < 10 are never sampled)
+    if kind == "hf":
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ids = torch.tensor(prompts)  # (B, P), no padding needed
+
+        class EndAt(LogitsProcessor):
+            """Force `eos` at each row's own length, so generate ends row b after lengths[b] tokens, as the engine
+            does; like any batch of generate, the batch still runs until its longest row is done."""
+            def __init__(self, lengths):
+                self.lengths = torch.tensor(lengths)
+
+            def __call__(self, input_ids, scores):
+                done = (input_ids.shape[1] - prompt_len + 1) >= self.lengths          # (B,) last token now
+                scores[done] = float("-inf")
+                scores[done, eos] = 0.0
+                scores[~done, :10] = float("-inf")  # no early stop by chance: lengths are exactly as planned
+                return scores
+
+        def run(lengths):
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                                  top_p=1.0, max_new_tokens=max(lengths), min_new_tokens=0,
+                                  logits_processor=LogitsProcessorList([EndAt(lengths)]), eos_token_id=eos,
+                                  pad_token_id=0)
+            got = [(row[prompt_len:] != 0).sum().item() for row in out]  # tokens up to and incl. eos
+            assert got == lengths, (got[:8], lengths[:8])
+    else:
+        longest = max(max(v) for v in workloads.values())
+        engine = rollout.CpuEngine(path, max_batch=len(prompts), max_len=prompt_len + longest + 1).start()
+
+        def run(lengths):
+            reqs = [engine.make_request(p, {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": n,
+                                            "ignore_eos": True}) for p, n in zip(prompts, lengths)]
+            outs = [f.result() for f in engine.submit(*reqs)]
+            assert [len(o["output_ids"]) for o in outs] == lengths
+
+    conn.send("ready")
+    while (name := conn.recv()) is not None:
+        t0 = time.perf_counter()
+        run(workloads[name])
+        conn.send(time.perf_counter() - t0)
+
+
 def bench_rollout(args) -> dict:
     """Tokens/s of the CPU engine vs transformers generate, same model, batch, lengths and sampling, for two
     workloads: every request `new_tokens` long, and request lengths spread uniformly over [1, 2*new_tokens)
-    (the RL case: responses end at different times). Same total of useful tokens on both sides."""
+    (the RL case: responses end at different times). Same total of useful tokens on both sides. Each side runs in a
+    process of its own (`_rollout_worker`), the two taking turns: one computes while the other waits."""
     path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    n_params = sum(p.numel() for p in hf.parameters())
-    vocab = hf.config.vocab_size
+    n_params = sum(t.numel() for t in load_file(f"{path}/model.safetensors").values())
+    vocab = json.loads(Path(path, "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, vocab, (args.batch, args.prompt_len), generator=g)  # (B, P), no padding needed
-    eos = 1  # any id works: the random model is stopped by length, never by chance (ids < 10 are never sampled)
-
-    class EndAt(LogitsProcessor):
-        """Force `eos` at each row's own length, so generate ends row b after lengths[b] tokens, as the engine
-        does; like any batch of generate, the batch still runs until its longest row is done."""
-        def __init__(self, lengths):
-            self.lengths = torch.tensor(lengths)
-
-        def __call__(self, input_ids, scores):
-            done = (input_ids.shape[1] - args.prompt_len + 1) >= self.lengths          # (B,) last token now
-            scores[done] = float("-inf")
-            scores[done, eos] = 0.0
-            scores[~done, :10] = float("-inf")  # no early stop by chance: lengths are exactly as planned
-            return scores
-
-    def run_hf(lengths):
-        with torch.no_grad():
-            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
-                              top_k=0, top_p=1.0, max_new_tokens=max(lengths), min_new_tokens=0,
-                              logits_processor=LogitsProcessorList([EndAt(lengths)]),
-                              eos_token_id=eos, pad_token_id=0)
-        got = [(row[args.prompt_len:] != 0).sum().item() for row in out]  # tokens up to and incl. eos
-        assert got == lengths, (got[:8], lengths[:8])
-
-    engine = rollout.CpuEngine(path, max_batch=args.batch, max_len=args.prompt_len + 2 * args.new_tokens + 1).start()
-
-    def run_engine(lengths):
-        reqs = [engine.make_request(p, {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": n,
-                                        "ignore_eos": True}) for p, n in zip(prompts.tolist(), lengths)]
-        outs = [f.result() for f in engine.submit(*reqs)]
-        assert [len(o["output_ids"]) for o in outs] == lengths
-
+    prompts = torch.randint(10, vocab, (args.batch, args.prompt_len), generator=g).tolist()
     rng = torch.Generator().manual_seed(1)
     workloads = {"fixed": [args.new_tokens] * args.batch,
                  "varied": torch.randint(1, 2 * args.new_tokens, (args.batch,), generator=rng).tolist()}
+    threads = torch.get_num_threads()
     print(f"rollout: model {n_params / 1e6:.2f}M params, batch {args.batch}, prompt {args.prompt_len}, "
-          f"new tokens {args.new_tokens}, torch threads {torch.get_num_threads()}")
-    result = {"params": n_params}
+          f"new tokens {args.new_tokens}, torch threads {threads}, each side in its own process")
+    ctx = mp.get_context("spawn")
+    sides = {}
     try:
+        for kind in ("hf", "engine"):
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_rollout_worker, args=(kind, child, path, prompts, workloads, threads), daemon=True)
+            proc.start()
+            sides[kind] = (conn, proc)
+        for kind, (conn, proc) in sides.items():
+            if not conn.poll(300) or conn.recv() != "ready":
+                raise RuntimeError(f"bench rollout: the {kind} process did not start (exit code {proc.exitcode})")
+
+        def turn(kind, name):
+            def fn():
+                sides[kind][0].send(name)
+                if not sides[kind][0].poll(600):
+                    raise RuntimeError(f"bench rollout: the {kind} process gave no answer for {name!r}")
+                return sides[kind][0].recv()
+            return fn
+
+        result = {"params": n_params}
         for name, lengths in workloads.items():
             n_tokens = sum(lengths)
-            run_hf(lengths), run_engine(lengths)  # warm-up
-            t_hf, t_engine = _interleaved([lambda: run_hf(lengths), lambda: run_engine(lengths)], args.repeats)
+            turn("hf", name)(), turn("engine", name)()  # warm-up
+            t_hf, t_engine = _interleaved([turn("hf", name), turn("engine", name)], args.repeats)
             result[name] = {"hf_tok_s": n_tokens / t_hf, "engine_tok_s": n_tokens / t_engine, "ratio": t_hf / t_engine}
             print(f"  {name:6s} lengths ({min(lengths)}-{max(lengths)} tokens): transformers generate "
                   f"{n_tokens / t_hf:7.0f} tok/s, CPU engine {n_tokens / t_engine:7.0f} tok/s, "
                   f"ratio {t_hf / t_engine:.2f}x")
     finally:
-        engine.stop()
+        for conn, proc in sides.values():
+            if proc.is_alive():
+                conn.send(None)
+                proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
     print(f"  target: >= 2.0x on both workloads")
     return result
 

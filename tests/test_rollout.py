@@ -571,3 +571,34 @@ def test_sglang_child_dies_with_the_engine_process():
             break
         time.sleep(0.1)
     assert state in ("Z", "X", "gone"), state
+
+
+THREADS_SCRIPT = """
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+import rollout
+torch.set_num_threads(2)
+if sys.argv[3] == "caller":  # the model built on this thread, which lives on
+    engine = rollout.CpuEngine.__new__(rollout.CpuEngine)
+    engine._build(sys.argv[2], 8, 64, 0, "float32", 8192, "0", False, None)
+else:
+    engine = rollout.CpuEngine(sys.argv[2], max_batch=8, max_len=64)
+engine.start()
+engine.generate([[5, 6, 7, 8]] * 8, {"max_new_tokens": 4, "ignore_eos": True})
+print(len(os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_engine_scheduler_keeps_the_only_openmp_pool(tiny_model_dir):
+    """CpuEngine builds its model on a thread that ends, so that its scheduler thread is the only one in the
+    process to keep an OpenMP pool (with two pools on 2 cores libgomp makes every waiting thread sleep, and a
+    2-thread engine generated ~2x slower). Built on the lasting caller's thread instead, that thread keeps a pool
+    worker of its own: one thread more, in a fresh process each (2 torch threads)."""
+    counts = {}
+    for where in ("own thread", "caller"):
+        out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(ROOT), tiny_model_dir, where],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        counts[where] = int(out.stdout.split()[-1])
+    assert counts["caller"] == counts["own thread"] + 1, counts
