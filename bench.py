@@ -1,7 +1,7 @@
-"""LoongSage benchmarks: each prints a ratio against a baseline measured in the same process and run.
+"""LoongSage benchmarks: each prints a ratio against a baseline measured in the same run.
 
 Speed targets live here, never in timed tests, because the machines these run on are shared and noisy: a ratio
-measured back to back in one process is far steadier than an absolute number.
+measured back to back in one run is far steadier than an absolute number.
 
     python bench.py rollout [--batch 64 --new-tokens 64 --prompt-len 32 --repeats 3]
         CPU engine (rollout.CpuEngine, continuous batching over a slot KV cache) vs transformers
