@@ -299,6 +299,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """RoPE's sin (..., D) as (-sin1 | sin2), its halves' signs set so that rotate_half(x) * sin == roll(x, D/2) *
+    _signed_sin(sin) exactly (a sign moved between two factors)."""
+    h = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
+
+
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_add: torch.Tensor,
                scale: float) -> torch.Tensor:
     """Grouped-query attention of q (B, T, Hq, D) over keys/values (B, KV, S, D); mask_add (B*KV, G*T, S) holds 0
@@ -337,35 +344,23 @@ class CpuEngine:
     between two forward steps.
     """
 
-    def __init__(self, model_path: str, *, max_batch: int = 64, max_len: int | None = None, seed: int = 0,
-                 dtype: str = "float32", max_prefill_tokens: int = 8192,
-                 weight_version: str = "0", fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None):
-        """`busy_flag` (file, i): keep byte i of that file at 1 while there are requests to compute, 0 otherwise, for
-        trainer ranks that borrow this engine's cores while it idles (loongsage.lent_cores).
+    def __init__(self, model_path: str, **opts):
+        """`opts`: the keyword arguments of `_build` (max_batch, max_len, seed, dtype, ...).
 
-        The model is loaded and packed on a thread of its own that ends before this returns, so that the scheduler
-        thread is the only one in the process to keep an OpenMP thread pool. libgomp keeps one pool per thread that
+        The model is loaded and packed (`_build`) on a thread of its own that ends before this returns, so that the
+        scheduler thread is the only one in the process to keep an OpenMP thread pool. libgomp keeps one pool per thread that
         ran a parallel region, and once the process's pools hold more threads than there are cores it makes every
         waiting thread sleep almost at once: each parallel region then pays a wake-up. Built on the caller's thread
         (which lives on: an actor's, a server's main thread), a 2-thread engine generated at 1,950-2,410 tok/s on
         2 cores here; built this way, 4,080-4,500 (bench rollout's fixed workload; 1 thread: 2,920)."""
-        error: list[BaseException] = []
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cpu-engine-build") as pool:
+            pool.submit(self._build, model_path, **opts).result()  # the pool's thread has ended when `with` exits
 
-        def build():
-            try:
-                self._build(model_path, max_batch, max_len, seed, dtype, max_prefill_tokens, weight_version,
-                            fp32_lm_head, busy_flag)
-            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below
-                error.append(e)
-
-        thread = threading.Thread(target=build, name="cpu-engine-build")
-        thread.start()
-        thread.join()
-        if error:
-            raise error[0]
-
-    def _build(self, model_path, max_batch, max_len, seed, dtype, max_prefill_tokens, weight_version, fp32_lm_head,
-               busy_flag) -> None:
+    def _build(self, model_path: str, *, max_batch: int = 64, max_len: int | None = None, seed: int = 0,
+               dtype: str = "float32", max_prefill_tokens: int = 8192, weight_version: str = "0",
+               fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None) -> None:
+        """`busy_flag` (file, i): keep byte i of that file at 1 while there are requests to compute, 0 otherwise, for
+        trainer ranks that borrow this engine's cores while it idles (loongsage.lent_cores)."""
         hf_logging.disable_progress_bar()
         self.model_path = str(model_path)
         self.dtype = getattr(torch, dtype)
@@ -430,8 +425,7 @@ class CpuEngine:
         if "dynamic" not in str(getattr(rope, "rope_type", "")) and getattr(rope, "rope_type", "") != "longrope":
             probe = torch.zeros(1, dtype=self.dtype)
             cos, sin = rope(probe, torch.arange(self.max_len)[None])                     # (1, max_len, D) each
-            h = self.head_dim // 2
-            self.rope_table = (cos[0], torch.cat((-sin[0, :, :h], sin[0, :, h:]), dim=-1))  # (max_len, D) each
+            self.rope_table = (cos[0], _signed_sin(sin[0]))                               # (max_len, D) each
         self._pack_weights()
         # kv heads before positions: a slot's keys for one head are one (S, D) block, so attention reads a
         # batch of slots as a strided view and the matmuls need no copy
@@ -449,7 +443,7 @@ class CpuEngine:
         self._arrivals = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._busy_flag = None  # (shared mapping, byte index), see __init__'s busy_flag
+        self._busy_flag = None  # (shared mapping, byte index), see busy_flag above
         if busy_flag:
             with open(busy_flag[0], "r+b") as f:
                 self._busy_flag = (mmap.mmap(f.fileno(), 0), int(busy_flag[1]))
@@ -775,7 +769,7 @@ class CpuEngine:
             cos, sin = self.rope_table[0][pos], self.rope_table[1][pos]                  # (B, T, D) each, sin signed
         else:
             cos, sin = m.rotary_emb(x, pos)                                               # (B, T, D) each
-            sin = torch.cat((-sin[..., :D // 2], sin[..., D // 2:]), dim=-1)              # (B, T, D) (-sin1 | sin2)
+            sin = _signed_sin(sin)                                                        # (B, T, D)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]                                 # (B, T, 1, D)
         for li, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -784,8 +778,7 @@ class CpuEngine:
             qk, v = qkv[:, :, :Hq + KV], qkv[:, :, Hq + KV:]                              # (B, T, Hq+KV|KV, D)
             if self.norms[li][1]:  # Qwen3: RMSNorm over each head before RoPE (q_norm's weight on q, k_norm's on k)
                 qk = _rms_norm(qk, *self.norms[li][1])                                    # (B, T, Hq+KV, D)
-            # RoPE on q and k at once, as transformers computes it: x * cos + rotate_half(x) * sin, where
-            # rotate_half(x) * sin == roll(x, D/2) * (-sin1 | sin2) exactly (a sign moved between two factors)
+            # RoPE on q and k at once, as transformers computes it: x * cos + rotate_half(x) * sin (see _signed_sin)
             qk = qk * cos + qk.roll(D // 2, dims=-1) * sin                               # (B, T, Hq+KV, D)
             q, k = qk[:, :, :Hq], qk[:, :, Hq:]                                           # (B, T, Hq|KV, D)
             if all_valid:

@@ -105,7 +105,7 @@ class SDPACoreAttention(torch.nn.Module):
         self.config = config
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim), as Megatron and HF use
-        self._causal: dict[int, torch.Tensor] = {}  # T -> (T, T) additive causal mask (0 / -inf)
+        self._causal: dict[int, torch.Tensor] = {}  # T -> (G*T, T) additive causal mask (0 / -inf), per query head
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -119,9 +119,10 @@ class SDPACoreAttention(torch.nn.Module):
         dropout = self.dropout_p if self.training else 0.0
         if dropout == 0.0 and B * Hq * S * S <= EXPLICIT_ATTENTION_MAX_SCORES and key.size(0) == S:
             scale = self.softmax_scale if self.softmax_scale is not None else D ** -0.5
-            if S not in self._causal:
-                self._causal[S] = torch.full((S, S), float("-inf"), dtype=query.dtype, device=query.device).triu(1)
-            mask = self._causal[S].repeat(G, 1)                                              # (G*S, S)
+            if S not in self._causal:  # the G query heads of a kv head are stacked: the mask repeats per head
+                causal = torch.full((S, S), float("-inf"), dtype=query.dtype, device=query.device).triu(1)
+                self._causal[S] = causal.repeat(G, 1)                                        # (G*S, S)
+            mask = self._causal[S]                                                           # (G*S, S)
             q = query.view(S, B, KV, G, D).permute(1, 2, 3, 0, 4).reshape(B * KV, G * S, D)  # (B*KV, G*S, D)
             k = key.permute(1, 2, 0, 3).reshape(B * KV, S, D)                                  # (B*KV, S, D)
             v = value.permute(1, 2, 0, 3).reshape(B * KV, S, D)                                # (B*KV, S, D)

@@ -144,8 +144,7 @@ def test_engine_norm_and_rope_are_transformers_bit_for_bit():
         assert torch.equal(qk[:, :, :4], qn(q)) and torch.equal(qk[:, :, 4:], kn(k))
         cos, sin = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 16, generator=g)
         hq, hk = apply_rotary_pos_emb(qn(q), kn(k), cos, sin, unsqueeze_dim=2)
-        signed = torch.cat([-sin[..., :8], sin[..., 8:]], dim=-1)[:, :, None]      # as the engine's table holds it
-        ours = qk * cos[:, :, None] + qk.roll(8, dims=-1) * signed
+        ours = qk * cos[:, :, None] + qk.roll(8, dims=-1) * rollout._signed_sin(sin)[:, :, None]  # as the engine
     assert torch.equal(ours[:, :, :4], hq) and torch.equal(ours[:, :, 4:], hk)
 
 
@@ -580,7 +579,7 @@ import rollout
 torch.set_num_threads(2)
 if sys.argv[3] == "caller":  # the model built on this thread, which lives on
     engine = rollout.CpuEngine.__new__(rollout.CpuEngine)
-    engine._build(sys.argv[2], 8, 64, 0, "float32", 8192, "0", False, None)
+    engine._build(sys.argv[2], max_batch=8, max_len=64)
 else:
     engine = rollout.CpuEngine(sys.argv[2], max_batch=8, max_len=64)
 engine.start()
