@@ -53,10 +53,12 @@ def browse(exe: str, page: Path, tmp: Path, hash_: str = "", screenshot: bool = 
     p = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                         "--window-size=1200,900", "--enable-logging=stderr", "--v=0",
                         f"--user-data-dir={tmp / 'chromium-profile'}",
-                        # a screenshot waits until the page is idle (up to 5 s of virtual time), not just loaded: one
-                        # CI run's shot of the real run counted 610 trained and 9,190 tool pixels where runs here
-                        # count 7,068 and 24,900 (whether that shot came early is not established)
-                        *(["--virtual-time-budget=5000"] if screenshot else []),
+                        # a screenshot waits until the page is idle (up to 5 s of virtual time), not just loaded, and
+                        # every tile is rastered before the frame is drawn: without the second flag a loaded machine
+                        # could shoot the page with tiles still blank (the real run's mask shot counted 610 trained
+                        # and 9,190 tool pixels twice, in CI and in a full suite here, where whole frames count 7,068
+                        # and 24,900; 1 shot in 18 came out partial with both cores busy, 0 in 40 with the flag)
+                        *(["--virtual-time-budget=5000", "--run-all-compositor-stages-before-draw"] if screenshot else []),
                         f"--screenshot={shot}" if screenshot else "--dump-dom", page.as_uri() + hash_],
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
