@@ -60,6 +60,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm import tqdm
 
 import algos
+import convert
 import data
 import sandbox
 import trainer  # cheap: Megatron loads inside the trainer actors, not here
@@ -1663,10 +1664,10 @@ def evaluate_teachers(cfg: Config, trainers, flow, engine_urls, paths: dict[str,
     the student's weights go back (version 0). Other architectures cannot be served by the student's
     engines and are skipped."""
     import teacher  # import cycle: teacher imports loongsage
-    mine = teacher.arch_key(trainer.read_hf_config(cfg.model_path))
+    mine = teacher.arch_key(convert.read_hf_config(cfg.model_path))
     out = {}
     for name, path in paths.items():
-        if teacher.arch_key(trainer.read_hf_config(path)) != mine:
+        if teacher.arch_key(convert.read_hf_config(path)) != mine:
             print(f"teacher {name}: another architecture than the student, not evaluated")
             continue
         ray.get([t.load_hf.remote(path) for t in trainers])

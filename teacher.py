@@ -50,6 +50,7 @@ import torch
 from safetensors.torch import save_file
 
 import algos
+import convert
 import data
 import loongsage
 import trainer
@@ -186,22 +187,22 @@ class TeacherWorker(trainer.TrainerWorker):
         snap_dir = Path(snapshot_dir)
         snap_dir.mkdir(parents=True, exist_ok=True)
         for name, path in paths.items():
-            hf = trainer.read_hf_config(path)
+            hf = convert.read_hf_config(path)
             arch = arch_key(hf)
-            tcfg, kwargs = trainer.megatron_config(hf, self.cfg, self.cpu)
+            tcfg, kwargs = convert.megatron_config(hf, self.cfg, self.cpu)
             self.tcfg = tcfg  # the trainer's helpers read the current model's TransformerConfig from here
             if arch not in self.skeletons:
-                gpt = trainer.build_gpt_model(tcfg, kwargs, self.device).requires_grad_(False).eval()
+                gpt = convert.build_gpt_model(tcfg, kwargs, self.device).requires_grad_(False).eval()
                 self.skeletons[arch] = (gpt, tcfg)
             gpt = self.skeletons[arch][0]
-            full = trainer.hf_to_megatron(trainer.load_hf_state(path), hf)
+            full = convert.hf_to_megatron(convert.load_hf_state(path), hf)
             self._load_full_state(gpt, full)
             del full
             if needs_hidden(self.cfg):
                 tied = gpt.share_embeddings_and_output_weights
                 head_name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
                 w = gpt.embedding.word_embeddings.weight if tied else gpt.output_layer.weight  # (V/tp, H)
-                head = trainer.gather_full(head_name, w.detach(), self.tp_group if self.tp_size > 1 else None)  # (V, H)
+                head = convert.gather_full(head_name, w.detach(), self.tp_group if self.tp_size > 1 else None)  # (V, H)
                 self.heads[name] = head.cpu().clone()
             local = {n: p.detach() for n, p in gpt.named_parameters()}
             if self.cpu:  # CPU: a file, read back into the parameters at swap time (page cache, not this heap)
@@ -370,7 +371,7 @@ def measure_memory(workdir: str, hidden_size: int = 512, layers: int = 4) -> dic
         out[k] = {"peak_rss_mb": mem["peak_rss_mb"], "added_mb": mem["peak_rss_mb"] - mem["base_rss_mb"],
                   "swaps": m["teacher/swaps"]}
         ray.kill(a)
-    out["params_per_teacher"] = sum(t.numel() for t in trainer.load_hf_state(paths["t0"]).values())
+    out["params_per_teacher"] = sum(t.numel() for t in convert.load_hf_state(paths["t0"]).values())
     out["peak_ratio"] = out[3]["peak_rss_mb"] / out[1]["peak_rss_mb"]
     out["added_ratio"] = out[3]["added_mb"] / out[1]["added_mb"]
     return out

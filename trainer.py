@@ -2,14 +2,8 @@
 
 What lives here, top to bottom:
 
-* the CPU shims (`apply_cpu_shims`): the three changes that let Megatron-Core's GPTModel, its
-  DistributedDataParallel and its tensor-parallel layers run on a laptop CPU over gloo;
-* `megatron_config`: an HF `config.json` (Qwen3, Qwen2, Llama/Mistral, Qwen3-MoE, Mixtral) turned into a
-  Megatron `TransformerConfig` plus the GPTModel arguments, built on the local layer spec;
-* HF <-> Megatron weight conversion (`hf_to_megatron`, `megatron_to_hf`) and the tensor-parallel
-  split / gather of each parameter (`shard_for_rank`, `gather_full`);
+* (elsewhere: HF <-> Megatron conversion and model building in convert.py; what only CPU needs in cpu.py)
 * the per-token log-probability / entropy forward, vocab-parallel aware (`vocab_parallel_logp_entropy`);
-* `fp32_output_layer`: the LM head's matmul in fp32 (`fp32_lm_head`), which Megatron-Core 0.16 has no option for;
 * `TrainerWorker`: distributed init, load, `compute_logprobs`, `train_step` (RL), `sft_step`,
   weight export for TransferMesh, HF save, checkpoints, `offload` / `onload` of weights,
   optimizer state and grads for the colocated memory hand-off; the student side of on-policy distillation
@@ -42,14 +36,9 @@ pipeline or expert parallelism (rejected at `--check`).
 from __future__ import annotations
 
 import base64
-import contextlib
-import json
 import math
-import mmap
 import os
 import random
-import shutil
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -57,9 +46,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 import algos
+import convert
+import cpu
 import transfermesh
 # Megatron-Core is imported inside the functions that use it (`# Megatron: late`): it takes ~2 s to import, a cost
 # for the trainer actors only, while the controller imports this module (loongsage, teacher) and builds no model.
@@ -67,305 +57,6 @@ import transfermesh
 # Megatron-Core warns on import that Transformer Engine / Apex are absent and it falls back to plain torch:
 # that fallback is exactly what this worker uses (local layer spec), so the warning carries no news.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-
-# Files copied next to the weights by `save_hf` so transformers (and the engines) can load the directory.
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja",
-                 "added_tokens.json")
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral")
-
-
-# ----------------------------------------------------------------------------------------------
-# CPU shims: everything Megatron-Core needs to run without CUDA, in one place
-
-
-# Scores of at most this many elements (B * heads * T * T) take the explicit path of SDPACoreAttention; longer
-# micro-batches go through torch's fused kernel, which never materialises them (2**24 fp32 scores: 64 MB).
-EXPLICIT_ATTENTION_MAX_SCORES = 2 ** 24
-
-
-class SDPACoreAttention(torch.nn.Module):
-    """Core attention (softmax(QK^T/sqrt(d)) V, causal, GQA) on CPU, in place of Megatron's DotProductAttention.
-
-    Megatron's own `DotProductAttention` preallocates its score buffer on the CUDA device; this module takes the
-    same constructor and forward arguments as the layer spec passes to it. Two ways to the same math:
-    * short micro-batches (the RL case on CPU): written out as the CPU engine computes it (rollout._attention),
-      the query heads of each kv head stacked into one matrix, the causal mask and the scale folded into one
-      baddbmm, a softmax and a bmm. No kv-head copies for GQA, and at the tiny recipes' shapes (64 rows of ~50
-      tokens) forward + backward took 0.54x the time of torch's CPU flash kernel (1 thread; 0.53x on 2);
-      logprobs differ from the fused kernel's by float rounding (~1e-7).
-    * longer ones: kv heads repeated, then torch's scaled_dot_product_attention (its CPU flash kernel keeps
-      memory linear in T), which is what transformers' "sdpa" attention does.
-    """
-
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
-        super().__init__()
-        self.config = config
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim), as Megatron and HF use
-        self._causal: dict[int, torch.Tensor] = {}  # T -> (G*T, T) additive causal mask (0 / -inf), per query head
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPACoreAttention supports padded causal batches only (no packed sequences, "
-                             "no attention bias); feed right-padded (B, T) micro-batches")
-        # query (Sq, B, Nq, D); key/value (Sk, B, Nkv, D), Megatron's sequence-first layout.
-        S, B, Hq, D = query.shape
-        KV = key.size(2)
-        G = Hq // KV  # GQA: query head h reads kv head h // G
-        dropout = self.dropout_p if self.training else 0.0
-        if dropout == 0.0 and B * Hq * S * S <= EXPLICIT_ATTENTION_MAX_SCORES and key.size(0) == S:
-            scale = self.softmax_scale if self.softmax_scale is not None else D ** -0.5
-            if S not in self._causal:  # the G query heads of a kv head are stacked: the mask repeats per head
-                causal = torch.full((S, S), float("-inf"), dtype=query.dtype, device=query.device).triu(1)
-                self._causal[S] = causal.repeat(G, 1)                                        # (G*S, S)
-            mask = self._causal[S]                                                           # (G*S, S)
-            q = query.view(S, B, KV, G, D).permute(1, 2, 3, 0, 4).reshape(B * KV, G * S, D)  # (B*KV, G*S, D)
-            k = key.permute(1, 2, 0, 3).reshape(B * KV, S, D)                                  # (B*KV, S, D)
-            v = value.permute(1, 2, 0, 3).reshape(B * KV, S, D)                                # (B*KV, S, D)
-            scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)                 # (B*KV, G*S, S)
-            out = torch.bmm(torch.softmax(scores, dim=-1), v)                                 # (B*KV, G*S, D)
-            return out.view(B, KV, G, S, D).permute(3, 0, 1, 2, 4).reshape(S, B, Hq * D)      # (S, B, Nq*D)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (B, N, S, D)
-        if G > 1:  # GQA: each kv head serves G consecutive query heads
-            k = k.repeat_interleave(G, dim=1)  # (B, Nq, Sk, D)
-            v = v.repeat_interleave(G, dim=1)  # (B, Nq, Sk, D)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                             dropout_p=dropout)  # (B, Nq, Sq, D)
-        return out.permute(2, 0, 1, 3).reshape(S, B, -1)  # (Sq, B, Nq * D)
-
-
-class _CallInBackward(torch.autograd.Function):
-    """The identity, whose backward first calls `fn()`: a hook at one point of the backward pass (TrainerWorker
-    puts one at every transformer layer's input, see borrow_cores)."""
-
-    @staticmethod
-    def forward(ctx, x, fn):
-        ctx.fn = fn
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.fn()
-        return grad, None
-
-
-class _TorchOnCpu:
-    """`torch` as Megatron's schedules module sees it after shim 4: everything delegates to torch, except that
-    `zeros(..., device="cuda")` allocates on the CPU."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args, **kwargs):
-        if str(kwargs.get("device", "")).startswith("cuda"):
-            kwargs["device"] = "cpu"
-        return torch.zeros(*args, **kwargs)
-
-
-_SHIMS_APPLIED = False
-
-
-def apply_cpu_shims() -> bool:
-    """Make Megatron-Core run on CPU; a no-op (returning False) when CUDA is present.
-
-    The shims (measured necessary and sufficient here, see DESIGN.md):
-    1. `torch.cuda.current_device()` yields the CPU device: Megatron places its grad buffers, rotary
-       tables and a few scratch tensors on "the current CUDA device".
-    2. the local layer spec's core attention becomes `SDPACoreAttention` (Megatron's
-       DotProductAttention allocates a CUDA buffer).
-    3. the optimizer is `torch.optim.AdamW` with a small TP-aware grad-norm clip
-       (`TrainerWorker._build_optimizer`), because Megatron's optimizer wrappers and grad clipping
-       allocate CUDA tensors. This function only reports that the shims are on; the worker reads it.
-    4. (pipeline parallelism) the 1F1B schedule's token counter, `torch.zeros([], dtype=torch.int,
-       device="cuda")` in `forward_backward_pipelining_without_interleaving` (schedules.py of Megatron-Core
-       0.16), is made on the CPU: the schedules module sees a `torch` whose `zeros` maps device="cuda" to the
-       CPU. Harmless elsewhere; the rest of the schedule (gloo isend/irecv between stages) runs as it is.
-    5. (start-up time) Megatron-Core is imported with `torch.compile` as a plain decorator. As it imports, it wraps
-       ~30 fusion helpers in torch.compile, which imports dynamo and inductor: ~2.3 s of every trainer actor's
-       start on these cores. On CPU the helpers then run as plain functions, like the rest of the CPU path (the
-       fusions are off in megatron_config, so the model calls none of them). Where Megatron was already imported,
-       this shim changes nothing.
-    Also: models are built with `use_cpu_initialization=True` (megatron_config), which avoids
-    `model_parallel_cuda_manual_seed`, another CUDA-only call.
-    Returns True when the shims are active.
-    """
-    global _SHIMS_APPLIED
-    if torch.cuda.is_available():
-        return False
-    if not _SHIMS_APPLIED:
-        compile_ = torch.compile  # shim 5
-        torch.compile = lambda model=None, **_: model if model is not None else (lambda fn: fn)
-        try:
-            import megatron.core  # noqa: F401  Megatron: late
-        finally:
-            torch.compile = compile_
-        torch.cuda.current_device = lambda: torch.device("cpu")  # shim 1
-        from megatron.core.models.backends import LocalSpecProvider  # Megatron: late
-        LocalSpecProvider.core_attention = lambda self: SDPACoreAttention  # shim 2
-        from megatron.core.pipeline_parallel import schedules  # Megatron: late
-        schedules.torch = _TorchOnCpu()  # shim 4
-        _SHIMS_APPLIED = True
-    return True
-
-
-def _moe_router_without_te() -> None:
-    """Megatron-Core 0.16's MoE router gating refers to Transformer Engine's GEMM by name even when TE
-    is not installed (a NameError at the first MoE forward). Define the name as None so the plain
-    torch matmul branch runs. Needed wherever TE is absent, CPU or GPU; a no-op when TE is there."""
-    from megatron.core.transformer.moe import moe_utils  # Megatron: late
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-# ----------------------------------------------------------------------------------------------
-# HF config -> Megatron TransformerConfig + GPTModel arguments
-
-
-def read_hf_config(path: str | os.PathLike) -> dict:
-    """config.json of an HF model directory as a dict, with the model family checked."""
-    cfg_path = Path(path) / "config.json"
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"{cfg_path} does not exist; model_path must be an HF model directory")
-    hf = json.loads(cfg_path.read_text())
-    if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type={hf.get('model_type')!r} in {cfg_path} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    return hf
-
-
-def _rope(hf: dict) -> tuple[float, bool, float]:
-    """(rotary_base, rope_scaling, rope_scaling_factor) from either transformers 4 or 5 config keys."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type == "default":
-        return theta, False, 1.0
-    if rope_type == "llama3":
-        # Megatron's llama3 scaling hard-codes low/high freq factors 1 and 4 and 8192 original positions.
-        expect = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        got = {k: params.get(k) for k in expect}
-        if any(got[k] != v for k, v in expect.items()):
-            raise ValueError(f"llama3 rope scaling {got} differs from Megatron's built-in {expect}; "
-                             "only the standard Llama-3.1 settings are supported")
-        return theta, True, float(params.get("factor", 8.0))
-    raise ValueError(f"rope_type={rope_type!r} is not supported; use a model with default or llama3 rope")
-
-
-def _moe_settings(hf: dict) -> dict:
-    """TransformerConfig MoE fields for Qwen3-MoE / Mixtral. Aux losses are off (RL fine-tuning of a
-    trained router); turn them on through cfg.megatron (moe_router_load_balancing_type, moe_aux_loss_coeff)."""
-    mt = hf["model_type"]
-    if mt == "qwen3_moe":
-        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-            raise ValueError(f"qwen3_moe with mlp_only_layers={hf.get('mlp_only_layers')} / decoder_sparse_step="
-                             f"{hf.get('decoder_sparse_step')} mixes dense and MoE layers; only all-MoE models "
-                             "(mlp_only_layers=[] and decoder_sparse_step=1) are supported")
-        n_exp, topk, ffn = _num_experts(hf), hf["num_experts_per_tok"], hf["moe_intermediate_size"]
-        # norm_topk_prob: softmax over the top-k logits (= renormalised top-k probs); else top-k of the
-        # softmax over all experts, which is Megatron's "pre_softmax" router.
-        pre_softmax = not hf.get("norm_topk_prob", False)
-    else:  # mixtral: softmax over the top-k logits
-        n_exp, topk, ffn, pre_softmax = _num_experts(hf), hf["num_experts_per_tok"], hf["intermediate_size"], False
-    return dict(num_moe_experts=n_exp, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
-                moe_router_pre_softmax=pre_softmax, moe_router_load_balancing_type="none",
-                moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
-                moe_router_dtype="fp32")
-
-
-def megatron_config(hf: dict, cfg, cpu: bool):
-    """(TransformerConfig, GPTModel kwargs) for an HF config dict, with cfg's parallel sizes and dtype.
-
-    `cfg.megatron` (a dict) is passed through last, so any TransformerConfig field can be overridden
-    from a recipe.
-    """
-    from megatron.core.transformer.transformer_config import TransformerConfig  # Megatron: late
-
-    mt, tp = hf["model_type"], int(cfg.tensor_parallel)
-    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
-    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                    ("vocab_size", hf["vocab_size"])):
-        if n % tp:
-            divisors = [d for d in range(1, n + 1) if n % d == 0 and d <= 16]
-            raise ValueError(f"tensor_parallel={tp} does not divide {what}={n}; choose one of {divisors}")
-    if hf.get("attention_bias") and mt != "qwen2" or hf.get("mlp_bias"):
-        raise ValueError(f"{mt} with attention_bias={hf.get('attention_bias')} / mlp_bias={hf.get('mlp_bias')} has "
-                         "biases on o_proj or the MLP, which the conversion does not map; only Qwen2-style qkv "
-                         "biases are supported")
-    # Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not applied: results are
-    # exact for sequences shorter than the window, which RL rollouts on these models usually are.
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf.get('hidden_act')!r} is not supported; only SwiGLU (silu) MLPs are")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype)
-    if dtype is None:
-        raise ValueError(f"dtype={cfg.dtype!r} is not supported; use 'float32' or 'bfloat16'")
-    if cpu and dtype != torch.float32:
-        raise ValueError(f"dtype={cfg.dtype!r} needs CUDA (Megatron's mixed-precision optimizer keeps fp32 "
-                         "master weights); on CPU use dtype=float32")
-    base = dict(
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
-        num_query_groups=kv_heads, ffn_hidden_size=hf["intermediate_size"],
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-        normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=mt == "qwen2" or bool(hf.get("attention_bias", False)),
-        qk_layernorm=mt in ("qwen3", "qwen3_moe"),
-        hidden_dropout=0.0, attention_dropout=0.0,
-        bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        # Each micro-batch loss is pre-divided by global counts: DDP must SUM gradients over DP ranks.
-        calculate_per_token_loss=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=int(cfg.pipeline_parallel),
-        expert_model_parallel_size=int(cfg.expert_parallel), sequence_parallel=False,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
-        # perform_initialization stays on although the HF weights overwrite the init: it is also what marks
-        # TP-sharded parameters (`tensor_model_parallel`), which grad-norm and clipping rely on.
-        use_cpu_initialization=cpu,
-        **_moe_settings(hf) if mt in ("qwen3_moe", "mixtral") else {},
-    )
-    if int(cfg.pipeline_parallel) > 1:
-        if hf.get("tie_word_embeddings", False):
-            raise ValueError("pipeline_parallel > 1 with tie_word_embeddings=true is not supported (the first and the "
-                             "last stage would each hold the shared matrix); use pipeline_parallel=1 for this model")
-        if hf["num_hidden_layers"] % int(cfg.pipeline_parallel):
-            raise ValueError(f"pipeline_parallel={cfg.pipeline_parallel} does not divide num_hidden_layers="
-                             f"{hf['num_hidden_layers']}; choose a divisor")
-        # Stages exchange activations of one fixed (T, B, H) shape per schedule run (_forward_backward pads every
-        # micro-batch to it), through plain isend/irecv pairs (gloo has no batched p2p). Not variable_seq_lengths:
-        # Megatron refuses it with the allgather token dispatcher, and its alltoall dispatcher makes a CUDA stream.
-        base.update(batch_p2p_comm=False)
-    if cfg.router_replay:
-        if mt not in ("qwen3_moe", "mixtral"):
-            raise ValueError(f"router_replay=true needs an MoE model; {mt} has no router. Set router_replay=false")
-        base["moe_enable_routing_replay"] = True  # each TopKRouter gets a RouterReplay (see replay_routing)
-    base.update(dict(cfg.megatron))
-    tcfg = TransformerConfig(**base)
-    rotary_base, rope_scaling, rope_factor = _rope(hf)
-    model_kwargs = dict(vocab_size=hf["vocab_size"], max_sequence_length=hf.get("max_position_embeddings", 4096),
-                        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-                        position_embedding_type="rope", rotary_percent=1.0, rotary_base=rotary_base,
-                        rope_scaling=rope_scaling, rope_scaling_factor=rope_factor, parallel_output=True)
-    return tcfg, model_kwargs
-
-
-def fp32_output_layer(gpt) -> None:
-    """Compute `gpt`'s LM head (output layer) in fp32: hidden states and weight upcast for the final matmul, fp32
-    logits out. Megatron-Core 0.16 has no such option, so this wraps the output layer's matmul (Megatron's own
-    `_forward_impl`, which keeps its tensor-parallel gradient handling) with the casts; the weight gradient flows
-    back through the cast into the bf16 parameter. The engines do the same (SGLang's --enable-fp32-lm-head, the
-    CPU engine's fp32_lm_head), so bf16 rounding of the logits no longer separates trainer and engine logprobs.
-    With fp32 weights the casts are no-ops."""
-    layer = gpt.output_layer
-    matmul = layer._forward_impl
-
-    def fp32_matmul(input, weight, *args, **kwargs):
-        return matmul(input.float(), weight.float(), *args, **kwargs)  # (S, B, V/tp) fp32 logits
-
-    layer._forward_impl = fp32_matmul
 
 
 def replay_routing(model, routed: torch.Tensor | None) -> None:
@@ -394,25 +85,6 @@ def replay_routing(model, routed: torch.Tensor | None) -> None:
         m.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
-def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, pre_process: bool = True,
-                    post_process: bool = True, fp32_lm_head: bool = False):
-    """A GPTModel on the local layer spec (CPU: its core attention is SDPACoreAttention via the shims). With
-    pipeline parallelism: one stage, its share of the layers (+ embedding on the first, final norm and output
-    layer on the last: `pre_process` / `post_process`). `fp32_lm_head`: logits computed in fp32
-    (`fp32_output_layer`)."""
-    from megatron.core.models.gpt import GPTModel  # Megatron: late
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # Megatron: late
-
-    if tcfg.num_moe_experts:
-        _moe_router_without_te()
-    spec = get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
-    model = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
-                     **model_kwargs)
-    if fp32_lm_head and post_process:
-        fp32_output_layer(model)
-    return model.to(device)
-
 
 class ValueHead(torch.nn.Module):
     """The critic's head: V = w . h + b, one scalar per position, put in the place of GPTModel's output layer
@@ -433,205 +105,6 @@ class ValueHead(torch.nn.Module):
         return self.linear(hidden_states), None  # (S, B, 1)
 
 
-# ----------------------------------------------------------------------------------------------
-# HF <-> Megatron weights
-#
-# Megatron names (local spec, TP=1 layout; `L` is a layer index, `E` an expert index):
-#   embedding.word_embeddings.weight            <- model.embed_tokens.weight
-#   decoder.layers.L.input_layernorm.weight     <- model.layers.L.input_layernorm.weight (not fused with
-#                                                  linear_qkv in the local spec)
-#   decoder.layers.L.self_attention.linear_qkv.{weight,bias}
-#                                               <- q/k/v_proj, interleaved per query group:
-#                                                  [group 0: its q heads, its k head, its v head][group 1: ...]
-#   decoder.layers.L.self_attention.{q,k}_layernorm.weight <- self_attn.{q,k}_norm.weight
-#   decoder.layers.L.self_attention.linear_proj.weight     <- self_attn.o_proj.weight
-#   decoder.layers.L.pre_mlp_layernorm.weight   <- post_attention_layernorm.weight
-#   decoder.layers.L.mlp.linear_fc1.weight      <- [gate_proj; up_proj] (rows stacked)
-#   decoder.layers.L.mlp.linear_fc2.weight      <- down_proj
-#   decoder.layers.L.mlp.router.weight          <- mlp.gate.weight (Qwen3-MoE) / block_sparse_moe.gate (Mixtral)
-#   decoder.layers.L.mlp.experts.local_experts.E.linear_fc{1,2}.weight <- experts.E.{gate,up,down}_proj
-#                                                  (Mixtral: w1 = gate, w3 = up, w2 = down)
-#   decoder.final_layernorm.weight              <- model.norm.weight
-#   output_layer.weight                         <- lm_head.weight (absent when embeddings are tied)
-
-
-def load_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of an HF safetensors checkpoint (single file or sharded with an index)."""
-    path = Path(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}; save the HF model with safe_serialization=True")
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
-
-
-def _dims(hf: dict) -> tuple[int, int, int]:
-    heads = hf["num_attention_heads"]
-    kv = hf.get("num_key_value_heads", heads)
-    return heads, kv, hf.get("head_dim") or hf["hidden_size"] // heads
-
-
-def _expert_names(hf: dict, layer: int, e: int) -> tuple[str, str, str]:
-    """HF (gate, up, down) weight names of expert `e` in `layer`."""
-    if hf["model_type"] == "mixtral":
-        p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
-        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
-    p = f"model.layers.{layer}.mlp.experts.{e}"
-    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
-
-
-def _router_name(hf: dict, layer: int) -> str:
-    if hf["model_type"] == "mixtral":
-        return f"model.layers.{layer}.block_sparse_moe.gate.weight"
-    return f"model.layers.{layer}.mlp.gate.weight"
-
-
-def _is_moe(hf: dict) -> bool:
-    return hf["model_type"] in ("qwen3_moe", "mixtral")
-
-
-def _num_experts(hf: dict) -> int:
-    return hf.get("num_experts") or hf.get("num_local_experts") or 0
-
-
-class _Tracked(dict):
-    """A dict view of an HF state dict that records which names were read (to catch unmapped weights)."""
-
-    def __init__(self, state: dict, unused: set):
-        super().__init__(state)
-        self.unused = unused
-
-    def __getitem__(self, name):
-        self.unused.discard(name)
-        return super().__getitem__(name)
-
-
-def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
-    """Full (unsharded, TP=1 layout) Megatron state dict from an HF state dict; all experts included."""
-    heads, kv, d = _dims(hf)
-    q_per_group = heads // kv
-    unused = set(hf_state)
-    hf_state = _Tracked(hf_state, unused)
-    out = {"embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf_state["model.norm.weight"]}
-    if not hf.get("tie_word_embeddings", False):
-        out["output_layer.weight"] = hf_state["lm_head.weight"]
-    for L in range(hf["num_hidden_layers"]):
-        h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
-        q = hf_state[h + "self_attn.q_proj.weight"].view(kv, q_per_group, d, -1)  # (G, Nq/G, D, H)
-        k = hf_state[h + "self_attn.k_proj.weight"].view(kv, 1, d, -1)  # (G, 1, D, H)
-        v = hf_state[h + "self_attn.v_proj.weight"].view(kv, 1, d, -1)  # (G, 1, D, H)
-        qkv = torch.cat([q, k, v], 1)  # (G, Nq/G + 2, D, H): per group its q heads, its k head, its v head
-        out[m + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, qkv.size(-1))  # (G*(Nq/G+2)*D, H)
-        if h + "self_attn.q_proj.bias" in hf_state:
-            qb = hf_state[h + "self_attn.q_proj.bias"].view(kv, q_per_group, d)  # (G, Nq/G, D)
-            kb = hf_state[h + "self_attn.k_proj.bias"].view(kv, 1, d)
-            vb = hf_state[h + "self_attn.v_proj.bias"].view(kv, 1, d)
-            out[m + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], 1).reshape(-1)  # (G*(Nq/G+2)*D,)
-        out[m + "self_attention.linear_proj.weight"] = hf_state[h + "self_attn.o_proj.weight"]
-        if h + "self_attn.q_norm.weight" in hf_state:
-            out[m + "self_attention.q_layernorm.weight"] = hf_state[h + "self_attn.q_norm.weight"]
-            out[m + "self_attention.k_layernorm.weight"] = hf_state[h + "self_attn.k_norm.weight"]
-        out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
-        if _is_moe(hf):
-            out[m + "mlp.router.weight"] = hf_state[_router_name(hf, L)]
-            for e in range(_num_experts(hf)):
-                g, u, dn = _expert_names(hf, L, e)
-                x = f"{m}mlp.experts.local_experts.{e}."
-                out[x + "linear_fc1.weight"] = torch.cat([hf_state[g], hf_state[u]], 0)  # (2F, H)
-                out[x + "linear_fc2.weight"] = hf_state[dn]  # (H, F)
-        else:
-            out[m + "mlp.linear_fc1.weight"] = torch.cat([hf_state[h + "mlp.gate_proj.weight"],
-                                                          hf_state[h + "mlp.up_proj.weight"]], 0)  # (2F, H)
-            out[m + "mlp.linear_fc2.weight"] = hf_state[h + "mlp.down_proj.weight"]
-    if hf.get("tie_word_embeddings", False):
-        unused.discard("lm_head.weight")  # some tied checkpoints still store the shared matrix twice
-    unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
-    if unused:
-        raise ValueError(f"HF weights with no Megatron counterpart: {sorted(unused)[:8]} ({len(unused)} in all); "
-                         "this architecture variant is not supported by the conversion")
-    return out
-
-
-def megatron_to_hf(meg: dict[str, torch.Tensor], hf: dict) -> list[tuple[str, torch.Tensor]]:
-    """HF-named tensors from a full (gathered, TP=1 layout) Megatron state dict; inverse of hf_to_megatron."""
-    heads, kv, d = _dims(hf)
-    q_per_group = heads // kv
-    out = [("model.embed_tokens.weight", meg["embedding.word_embeddings.weight"])]
-    for L in range(hf["num_hidden_layers"]):
-        h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
-        qkv = meg[m + "self_attention.linear_qkv.weight"]
-        qkv = qkv.view(kv, q_per_group + 2, d, qkv.size(-1))  # (G, Nq/G+2, D, H)
-        out += [(h + "self_attn.q_proj.weight", qkv[:, :q_per_group].reshape(heads * d, -1)),
-                (h + "self_attn.k_proj.weight", qkv[:, q_per_group].reshape(kv * d, -1)),
-                (h + "self_attn.v_proj.weight", qkv[:, q_per_group + 1].reshape(kv * d, -1))]
-        if m + "self_attention.linear_qkv.bias" in meg:
-            b = meg[m + "self_attention.linear_qkv.bias"].view(kv, q_per_group + 2, d)  # (G, Nq/G+2, D)
-            out += [(h + "self_attn.q_proj.bias", b[:, :q_per_group].reshape(-1)),
-                    (h + "self_attn.k_proj.bias", b[:, q_per_group].reshape(-1)),
-                    (h + "self_attn.v_proj.bias", b[:, q_per_group + 1].reshape(-1))]
-        out.append((h + "self_attn.o_proj.weight", meg[m + "self_attention.linear_proj.weight"]))
-        if m + "self_attention.q_layernorm.weight" in meg:
-            out += [(h + "self_attn.q_norm.weight", meg[m + "self_attention.q_layernorm.weight"]),
-                    (h + "self_attn.k_norm.weight", meg[m + "self_attention.k_layernorm.weight"])]
-        out += [(h + "input_layernorm.weight", meg[m + "input_layernorm.weight"]),
-                (h + "post_attention_layernorm.weight", meg[m + "pre_mlp_layernorm.weight"])]
-        if _is_moe(hf):
-            out.append((_router_name(hf, L), meg[m + "mlp.router.weight"]))
-            for e in range(_num_experts(hf)):
-                g, u, dn = _expert_names(hf, L, e)
-                gate, up = meg[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"].chunk(2, 0)
-                out += [(g, gate), (u, up), (dn, meg[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"])]
-        else:
-            gate, up = meg[m + "mlp.linear_fc1.weight"].chunk(2, 0)
-            out += [(h + "mlp.gate_proj.weight", gate), (h + "mlp.up_proj.weight", up),
-                    (h + "mlp.down_proj.weight", meg[m + "mlp.linear_fc2.weight"])]
-    out.append(("model.norm.weight", meg["decoder.final_layernorm.weight"]))
-    if "output_layer.weight" in meg:
-        out.append(("lm_head.weight", meg["output_layer.weight"]))
-    return [(n, t.contiguous()) for n, t in out]
-
-
-def tp_split_dim(name: str) -> int | None:
-    """The dim a parameter is split on across tensor-parallel ranks (None: replicated)."""
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight",
-                      "output_layer.weight")):
-        return 0  # column-parallel (and vocab-parallel) layers: output rows split
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return 1  # row-parallel layers: input columns split
-    return None  # norms, router
-
-
-def shard_for_rank(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """This TP rank's slice of a full Megatron tensor.
-
-    linear_fc1 holds [gate; up]; each rank holds [its gate slice; its up slice], so split the halves
-    separately. linear_qkv is interleaved per query group, so a plain row split keeps whole groups.
-    """
-    dim = tp_split_dim(name)
-    if dim is None or size == 1:
-        return full
-    if name.endswith("linear_fc1.weight"):
-        gate, up = full.chunk(2, 0)
-        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], 0)
-    return full.chunk(size, dim)[rank]
-
-
-def gather_full(name: str, local: torch.Tensor, group) -> torch.Tensor:
-    """The full tensor from every TP rank's slice (all ranks of `group` must call this); inverse of shard_for_rank."""
-    size = torch.distributed.get_world_size(group) if group is not None else 1
-    dim = tp_split_dim(name)
-    if dim is None or size == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(size)]
-    torch.distributed.all_gather(parts, local.contiguous(), group=group)
-    if name.endswith("linear_fc1.weight"):
-        halves = [p.chunk(2, 0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
-    return torch.cat(parts, dim)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -911,7 +384,7 @@ class TrainerWorker:
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.cpu = apply_cpu_shims()  # first: it imports Megatron on CPU
+        self.cpu = cpu.apply_cpu_shims()  # first: it imports Megatron on CPU
         from megatron.core import parallel_state  # Megatron: late
         if cfg.trainer_threads > 0:  # see Config.trainer_threads: sync uses every core
             torch.set_num_threads(int(cfg.trainer_threads))
@@ -976,18 +449,18 @@ class TrainerWorker:
         self.model = self.ref_model = self.optimizer = None  # free a previous model before building the next
         self.critic = self.critic_optimizer = None
         self.offloaded = {}
-        self.hf_config = read_hf_config(path)
-        self.tcfg, self.model_kwargs = megatron_config(self.hf_config, self.cfg, self.cpu)
+        self.hf_config = convert.read_hf_config(path)
+        self.tcfg, self.model_kwargs = convert.megatron_config(self.hf_config, self.cfg, self.cpu)
         # R3: (layers, top_k) of the routed_experts rows that collate decodes; None without router replay
         self.routed_shape = ((self.tcfg.num_layers, self.tcfg.moe_router_topk)
                              if self.tcfg.moe_enable_routing_replay else None)
         if self.routed_shape is not None:  # Megatron keeps every RouterReplay ever built in a class-level list:
             from megatron.core.transformer.moe.router_replay import RouterReplay  # forget the previous models'
             RouterReplay.clear_global_router_replay_instances()
-        hf_state = load_hf_state(path)
-        full = hf_to_megatron(hf_state, self.hf_config)
+        hf_state = convert.load_hf_state(path)
+        full = convert.hf_to_megatron(hf_state, self.hf_config)
         del hf_state
-        gpt = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.pre_process, self.post_process,
+        gpt = convert.build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.pre_process, self.post_process,
                               fp32_lm_head=self.cfg.fp32_lm_head)
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # Megatron: late
         self.layer_offset = get_transformer_layer_offset(self.tcfg) if self.pp_size > 1 else 0  # first global layer
@@ -999,13 +472,13 @@ class TrainerWorker:
         self.optimizer = self._build_optimizer()
         needs_ref = float(self.cfg.kl_coef) > 0 or bool(self.cfg.kl_in_reward)
         if needs_ref:
-            self.ref_model = build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.pre_process,
+            self.ref_model = convert.build_gpt_model(self.tcfg, self.model_kwargs, self.device, self.pre_process,
                                              self.post_process,
                                              fp32_lm_head=self.cfg.fp32_lm_head)
             self._load_full_state(self.ref_model, full)
             self.ref_model.requires_grad_(False).eval()
         if self.cfg.advantage == "gae" and lr is None:  # CRITIC: the same trunk and weights, a value head
-            critic = build_gpt_model(self.tcfg, self.model_kwargs, self.device)
+            critic = convert.build_gpt_model(self.tcfg, self.model_kwargs, self.device)
             self._load_full_state(critic, full)  # the policy's checkpoint (LM head included, then replaced)
             critic.output_layer = ValueHead(self.tcfg.hidden_size, self.tcfg.params_dtype).to(self.device)
             self.critic = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_config, module=critic)
@@ -1015,58 +488,19 @@ class TrainerWorker:
         n_params = sum(p.numel() for p in gpt.parameters())
         return {"params_this_rank": n_params, "reference": needs_ref, "critic": self.critic is not None}
 
-    # --- borrowed cores (async on a local CPU node: cfg.borrow_engine_cores) ------------------------------
+    # --- borrowed cores (async on a local CPU node: cfg.borrow_engine_cores; cpu.BorrowedCores) ------------------
 
     def borrow_cores(self, busy_file: str, lent: list[tuple[int, list[int]]]) -> list[int]:
         """Also compute on the cores of the engines in `lent` ((engine, its cores), from loongsage.lent_cores) while
-        they have nothing to generate. Every thread of this rank may then run on them, and before each transformer
-        layer, in the forward and the backward pass, the torch thread count becomes this rank's own plus the cores of
-        the lending engines whose byte in `busy_file` is 0 (rollout.CpuEngine keeps its byte at 1 while it has
-        requests). A layer is the grain: an engine that gets work waits at most one layer's pass for its core.
-        Returns the cores this rank may run on."""
-        with open(busy_file, "rb") as f:
-            self.lent = (mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), [(i, len(cores)) for i, cores in lent])
-        self.borrow_seconds, self._last_adapt = [0.0, 0.0], None  # a train step's seconds: [own threads, borrowing]
-        cores = os.sched_getaffinity(0) | {c for _, cs in lent for c in cs}
-        for tid in os.listdir("/proc/self/task"):  # threads started later (torch's pool) inherit it
-            with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                os.sched_setaffinity(int(tid), cores)
+        they have nothing to generate (cpu.BorrowedCores). Returns the cores this rank may run on."""
+        self.lent = cpu.BorrowedCores(busy_file, lent, int(self.cfg.trainer_threads))
         for model in (self.model, self.ref_model, self.critic):
             self._hook_layers(model)
-        return sorted(cores)
-
-    def _adapt_threads(self) -> None:
-        """borrow_cores: torch threads = this rank's own + the cores of its lending engines that are idle now.
-        Also adds the seconds since the last call to `borrow_seconds` under the thread count they ran with."""
-        flags, lent = self.lent
-        now, was = time.perf_counter(), torch.get_num_threads()
-        if self._last_adapt is not None:  # None: the first layer of a train step
-            self.borrow_seconds[was > int(self.cfg.trainer_threads)] += now - self._last_adapt
-        self._last_adapt = now
-        n = int(self.cfg.trainer_threads) + sum(k for i, k in lent if not flags[i])
-        if n != was:
-            torch.set_num_threads(n)
-
-    def _borrowed_metrics(self) -> dict[str, float]:
-        """borrow_cores: the share of this train step's layer passes that ran on borrowed cores ({} without)."""
-        if self.lent is None:
-            return {}
-        own, borrowed = self.borrow_seconds
-        return {"perf/trainer_borrowed_frac": borrowed / max(own + borrowed, 1e-9)}
+        return sorted(self.lent.cores)
 
     def _hook_layers(self, model) -> None:
-        """borrow_cores: `_adapt_threads` before every transformer layer of `model`, forward and backward (once)."""
-        if self.lent is None or model is None or getattr(model, "_adapts_threads", False):
-            return
-
-        def before_layer(layer, args, kwargs):
-            self._adapt_threads()
-            if torch.is_grad_enabled() and "hidden_states" in kwargs and kwargs["hidden_states"].requires_grad:
-                kwargs["hidden_states"] = _CallInBackward.apply(kwargs["hidden_states"], self._adapt_threads)
-            return args, kwargs
-        for layer in getattr(model, "module", model).decoder.layers:  # DDP wraps the GPTModel
-            layer.register_forward_pre_hook(before_layer, with_kwargs=True)
-        model._adapts_threads = True
+        if self.lent is not None and model is not None:
+            self.lent.hook_layers(getattr(model, "module", model))  # DDP wraps the GPTModel
 
     def _expert_rank_info(self):
         from megatron.core import parallel_state  # Megatron: late
@@ -1118,7 +552,7 @@ class TrainerWorker:
             if local_name not in params:
                 raise KeyError(f"converted weight {name!r} has no Megatron parameter {local_name!r}; the "
                                "HF config and the built model disagree")
-            shard = shard_for_rank(local_name, tensor, rank, size)
+            shard = convert.shard_for_rank(local_name, tensor, rank, size)
             p = params[local_name]
             if p.shape != shard.shape:
                 raise ValueError(f"{local_name}: HF-converted shard {tuple(shard.shape)} != parameter {tuple(p.shape)}")
@@ -1142,11 +576,7 @@ class TrainerWorker:
                                    clip_grad=float(cfg.grad_clip or 0.0), bf16=self.tcfg.bf16,
                                    params_dtype=self.tcfg.params_dtype)
             return get_megatron_optimizer(ocfg, [model])
-        decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}],
-                                 lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        return cpu.adamw(model, cfg, lr)
 
     # --- colocated memory hand-off ---------------------------------------------------------------------
     # Between its phases a colocated trainer gives memory to the engines on the same GPUs (loongsage.colocate_hand_off):
@@ -1456,40 +886,6 @@ class TrainerWorker:
 
     # --- optimizer step ----------------------------------------------------------------------------
 
-    def _grad_norm_and_clip(self, model) -> float:
-        """CPU path: total L2 norm of the (DP-summed) gradients across TP shards, then clip in place.
-
-        Replicated parameters (norms, router) are counted once: only TP rank 0's copy, via Megatron's
-        `param_is_not_tensor_parallel_duplicate`. Gradients are equal on every DP rank after the
-        all-reduce, so no DP reduction is needed.
-        """
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate  # Megatron: late
-
-        params = [p for p in model.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64)
-        sq_experts = torch.zeros((), dtype=torch.float64)  # expert weights: each EP rank holds other experts
-        for p in params:
-            if not getattr(p, "allreduce", True):  # Megatron marks expert parameters allreduce=False
-                sq_experts += p.grad.double().pow(2).sum()  # expert TP shards are split, never duplicated
-            elif param_is_not_tensor_parallel_duplicate(p):
-                sq += p.grad.double().pow(2).sum()
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(sq, group=self.tp_group)
-        if self.tcfg.num_moe_experts:  # over every rank holding a different expert shard (EP x expert TP)
-            from megatron.core import parallel_state  # Megatron: late
-            group = parallel_state.get_expert_tensor_and_model_parallel_group()
-            if torch.distributed.get_world_size(group) > 1:
-                torch.distributed.all_reduce(sq_experts, group=group)
-        sq = sq + sq_experts
-        if self.pp_size > 1:  # each stage holds other layers (embeddings are never tied under PP: megatron_config)
-            torch.distributed.all_reduce(sq, group=self.pp_group)
-        norm = float(sq.sqrt())
-        clip = float(self.cfg.grad_clip or 0.0)
-        if clip > 0 and norm > clip:
-            for p in params:
-                p.grad.mul_(clip / (norm + 1e-6))
-        return norm
-
     def _optimizer_step(self, critic: bool = False) -> tuple[float, float]:
         """Finish the DP gradient sum, clip, step at the scheduled lr (the critic: its constant critic_lr).
         Returns (grad_norm, lr)."""
@@ -1506,7 +902,9 @@ class TrainerWorker:
         if self.cpu:
             for p in model.parameters():
                 p.grad = p.main_grad if p.requires_grad else None  # DDP accumulated into main_grad
-            grad_norm = self._grad_norm_and_clip(model)
+            grad_norm = cpu.clip_grad_norm(model, float(self.cfg.grad_clip or 0.0),
+                                           self.tp_group if self.tp_size > 1 else None,
+                                           self.pp_group if self.pp_size > 1 else None, bool(self.tcfg.num_moe_experts))
             optimizer.step()
             for p in model.parameters():
                 p.grad = None  # else DDP's hook would add the next grads into main_grad twice
@@ -1558,7 +956,7 @@ class TrainerWorker:
         if not batch:
             raise ValueError("train_step got an empty batch; the controller must skip steps with no trajectories")
         if self.lent is not None:  # borrow_cores: count this step's layer passes from its first one
-            self.borrow_seconds, self._last_adapt = [0.0, 0.0], None
+            self.lent.new_step()
         if targets is not None and float(cfg.gkd_ratio) == 1.0:  # TEACHERS: pure distillation, no RL forward
             return self.distill_step(batch, targets)
         n_groups = len({s.get("group_id", i) for i, s in enumerate(batch)})
@@ -1703,7 +1101,7 @@ class TrainerWorker:
         off = self._dp_sum({k: v for k, v in off_local.items() if k != "max"})
         if off.get("tokens", 0) > 0:
             metrics["train/offpolicy_k3"] = off["k3"] / off["tokens"]
-        metrics.update(self._borrowed_metrics())
+        metrics.update(self.lent.metrics() if self.lent else {})
         metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
                         "train/samples": float(n_traj), "train/rows": float(len(batch)), **critic_metrics})
         return metrics
@@ -1821,7 +1219,7 @@ class TrainerWorker:
                 self._ep_idle_microbatch(self.model, backward=True)
             self._step_minibatch(self._from_last_stage(sums), totals, n_mb)
         metrics = {f"train/{k}": v for k, v in totals.items()}
-        metrics.update(self._borrowed_metrics())
+        metrics.update(self.lent.metrics() if self.lent else {})
         metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim_steps),
                         "train/samples": float(len(batch))})
         return metrics
@@ -1915,11 +1313,11 @@ class TrainerWorker:
         with torch.no_grad():
             for name, p in gpt.named_parameters():
                 if ".local_experts." not in name:
-                    t = gather_full(name, p.detach(), self.tp_group if self.tp_size > 1 else None)
+                    t = convert.gather_full(name, p.detach(), self.tp_group if self.tp_size > 1 else None)
                     if keep:
                         full[self._global_name(name)] = t.cpu()
                     continue
-                t = gather_full(name, p.detach(), etp_group if etp_size > 1 else None)
+                t = convert.gather_full(name, p.detach(), etp_group if etp_size > 1 else None)
                 head, rest = name.split(".local_experts.")
                 local_e, tail = rest.split(".", 1)
                 parts = [t]
@@ -1935,7 +1333,7 @@ class TrainerWorker:
             torch.distributed.all_gather_object(stages, full, group=self.pp_group)
             full = {k: v for stage in stages for k, v in stage.items()}
             keep = self.rank == 0
-        return megatron_to_hf(full, self.hf_config) if keep else []
+        return convert.megatron_to_hf(full, self.hf_config) if keep else []
 
     def sync_weights(self, engine_urls: list[str], version: int) -> dict:
         """Push the current weights to the rollout engines (rank 0 sends; the others join the gather)."""
@@ -1953,12 +1351,7 @@ class TrainerWorker:
         """Write an HF model directory (safetensors + the source dir's config and tokenizer files)."""
         named = self.export_hf_weights()
         if self.rank == 0:
-            out = Path(path)
-            out.mkdir(parents=True, exist_ok=True)
-            save_file({n: t.contiguous() for n, t in named}, str(out / "model.safetensors"), metadata={"format": "pt"})
-            for f in HF_SIDE_FILES:
-                if (Path(self.hf_path) / f).exists():
-                    shutil.copy(Path(self.hf_path) / f, out / f)
+            convert.save_hf_dir(named, path, self.hf_path)
         torch.distributed.barrier()
         return str(path)
 

@@ -25,6 +25,7 @@ import ray
 import torch
 
 import agentflow
+import convert
 import data
 import loongsage
 import rollout
@@ -110,7 +111,7 @@ def test_cpu_engine_moe_matches_transformers_and_reports_routed_experts(moe_dir,
                                                   "return_routed_experts": True})
         # a weight update by per-expert checkpoint names (what TransferMesh sends) reaches the expert tensors
         torch.manual_seed(1)
-        new = {n: p.detach().clone() for n, p in trainer.load_hf_state(moe_dir).items()}
+        new = {n: p.detach().clone() for n, p in convert.load_hf_state(moe_dir).items()}
         for name in [n for n in new if ".experts." in n or ".mlp.gate." in n]:
             new[name] += 0.2 * torch.randn_like(new[name])
         handle.engine.load_weights(list(new.items()), version=1)
@@ -318,8 +319,8 @@ def test_expert_parallel_2_matches_one_rank(ray_session, moe_dir):
     assert m1["train/grad_norm"] > 0.5  # the clip acts
     for key in ("train/loss", "train/grad_norm", "train/pg_loss"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
-    assert set(w1) == set(w2) == set(trainer.load_hf_state(moe_dir))
-    before = trainer.load_hf_state(moe_dir)
+    assert set(w1) == set(w2) == set(convert.load_hf_state(moe_dir))
+    before = convert.load_hf_state(moe_dir)
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-5, msg=name)
     moved = [n for n in w1 if ".experts." in n and not torch.equal(w1[n], before[n])]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import convert
 import loongsage
-import trainer
 from test_moe import Ranks, moe_dir, token_batch, train_cfg  # noqa: F401 (moe_dir: fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def test_pipeline_2_matches_one_rank(stages, tiny_model_dir):
     two = run_steps(stages[2], tiny_model_dir, batch, sft=True)
     assert one[1]["train/grad_norm"] > 0 and one[1]["train/kl"] > 0  # a real step, with its KL term
     assert_same_step(one, two)
-    before = trainer.load_hf_state(tiny_model_dir)
+    before = convert.load_hf_state(tiny_model_dir)
     assert set(two[2]) == set(before)  # both stages' layers, the embedding, the final norm and the LM head
     for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight",
                  "model.layers.1.self_attn.o_proj.weight", "lm_head.weight"):

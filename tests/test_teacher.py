@@ -25,6 +25,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 import algos  # noqa: E402
+import convert  # noqa: E402
 import data  # noqa: E402
 import loongsage  # noqa: E402
 import teacher  # noqa: E402
@@ -115,7 +116,7 @@ def test_teacher_logprobs_equal_the_trainers(ray_session, tiny_model_dir, tmp_pa
 
 @pytest.mark.parametrize("div", ["forward_kl", "reverse_kl", "jsd"])
 def test_hidden_states_with_lm_head_on_the_student_side_equal_full_logits(div, ray_session, tiny_model_dir, tmp_path):
-    V = trainer.read_hf_config(tiny_model_dir)["vocab_size"]
+    V = convert.read_hf_config(tiny_model_dir)["vocab_size"]
     cfg = make_cfg(teachers={"t0": tiny_model_dir}, gkd_ratio=1.0, distill_type=div, teacher_topk=V)
     batch = make_batch(data.load_tokenizer(tiny_model_dir))
     te = start_teacher(cfg, {"t0": tiny_model_dir}, tmp_path)

@@ -23,6 +23,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+import convert  # noqa: E402
+import cpu  # noqa: E402
 import trainer  # noqa: E402
 from loongsage import Config  # noqa: E402
 
@@ -158,12 +160,12 @@ def test_core_attention_written_out_equals_the_fused_kernel(monkeypatch):
     import types
     torch.manual_seed(0)
     S, B, Hq, KV, D = 7, 3, 4, 2, 16
-    attn = trainer.SDPACoreAttention(types.SimpleNamespace(attention_dropout=0.0), 1, None, "self")
+    attn = cpu.SDPACoreAttention(types.SimpleNamespace(attention_dropout=0.0), 1, None, "self")
     inputs = [torch.randn(S, B, n, D, requires_grad=True) for n in (Hq, KV, KV)]  # Megatron's (S, B, N, D)
     grad_out = torch.randn(S, B, Hq * D)
     results = []
-    for limit in (trainer.EXPLICIT_ATTENTION_MAX_SCORES, 0):  # 0: every micro-batch takes the fused kernel
-        monkeypatch.setattr(trainer, "EXPLICIT_ATTENTION_MAX_SCORES", limit)
+    for limit in (cpu.EXPLICIT_ATTENTION_MAX_SCORES, 0):  # 0: every micro-batch takes the fused kernel
+        monkeypatch.setattr(cpu, "EXPLICIT_ATTENTION_MAX_SCORES", limit)
         out = attn(*inputs, attention_mask=None)
         grads = torch.autograd.grad(out, inputs, grad_out)
         results.append((out, grads))
@@ -172,7 +174,7 @@ def test_core_attention_written_out_equals_the_fused_kernel(monkeypatch):
     torch.testing.assert_close(out_a, out_b, rtol=0, atol=1e-6)
     for ga, gb in zip(grads_a, grads_b):
         torch.testing.assert_close(ga, gb, rtol=0, atol=1e-5)
-    monkeypatch.setattr(trainer, "EXPLICIT_ATTENTION_MAX_SCORES", 2 ** 24)
+    monkeypatch.setattr(cpu, "EXPLICIT_ATTENTION_MAX_SCORES", 2 ** 24)
     q, k, v = (t.detach().clone() for t in inputs)
     k[-1] += 1.0  # a later key moves no earlier position's output (causal), and does move the last one's
     moved = attn(q, k, v, attention_mask=None)
@@ -193,10 +195,10 @@ def test_lr_schedule():
 
 
 def test_bad_tensor_parallel_is_explained(tiny_model_dir):
-    hf = trainer.read_hf_config(tiny_model_dir)
+    hf = convert.read_hf_config(tiny_model_dir)
     msg = r"tensor_parallel=3 does not divide num_attention_heads=4; choose one of \[1, 2, 4\]"
     with pytest.raises(ValueError, match=msg):
-        trainer.megatron_config(hf, make_cfg(tensor_parallel=3), cpu=True)
+        convert.megatron_config(hf, make_cfg(tensor_parallel=3), cpu=True)
 
 
 def _tiny_family(kind: str, out: Path) -> str:

@@ -1,0 +1,420 @@
+"""HF <-> Megatron-Core: an HF model directory turned into a Megatron GPTModel and its weights, and back.
+
+What lives here, top to bottom:
+
+* `read_hf_config` and `megatron_config`: an HF `config.json` (Qwen3, Qwen2, Llama/Mistral, Qwen3-MoE, Mixtral)
+  turned into a Megatron `TransformerConfig` plus the GPTModel arguments (`_rope`, `_moe_settings`);
+* `build_gpt_model`: a GPTModel on the local layer spec, one pipeline stage of it, with the LM head in fp32 on
+  request (`fp32_output_layer`, which Megatron-Core 0.16 has no option for);
+* the weights: `load_hf_state`, `hf_to_megatron`, `megatron_to_hf` (full, TP=1 layout, every expert; the name
+  map is written out above them) and the tensor-parallel split / gather of one parameter (`shard_for_rank`,
+  `gather_full`); `save_hf_dir` writes an HF directory the engines and transformers load.
+
+Which shard of a full tensor a rank holds under TP / EP / PP is the trainer's `Model.load` / `Model.gather`;
+this file knows one tensor's TP split only.
+
+Megatron-Core and transformers agree bit for bit on these conversions: a Qwen3 checkpoint loaded here gives
+transformers' fp32 logprobs with max abs diff 0.0 on CPU (DESIGN.md), so the tests that use them are strict.
+
+Test: `.venv/bin/pytest tests/test_trainer.py -k "parity or tensor_parallel or save_hf"` (against transformers,
+other families, TP=2, the HF round trip), tests/test_moe.py (experts and routers, EP=2), tests/test_pipeline.py.
+Left out: sliding-window attention (exact below the window), biases other than Qwen2's qkv biases, activations
+other than SwiGLU, rope scalings other than Llama-3.1's, models that mix dense and MoE layers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+import cpu
+# Megatron-Core is imported inside the functions that use it (`# Megatron: late`): it takes ~2 s to import, and the
+# controller reads HF configs here without building a model.
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral")
+# Files copied next to the weights by `save_hf_dir` so transformers (and the engines) can load the directory.
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja",
+                 "added_tokens.json")
+
+# ----------------------------------------------------------------------------------------------
+# HF config -> Megatron TransformerConfig + GPTModel arguments
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """config.json of an HF model directory as a dict, with the model family checked."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{cfg_path} does not exist; model_path must be an HF model directory")
+    hf = json.loads(cfg_path.read_text())
+    if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type={hf.get('model_type')!r} in {cfg_path} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return hf
+
+
+def _rope(hf: dict) -> tuple[float, bool, float]:
+    """(rotary_base, rope_scaling, rope_scaling_factor) from either transformers 4 or 5 config keys."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "default":
+        return theta, False, 1.0
+    if rope_type == "llama3":
+        # Megatron's llama3 scaling hard-codes low/high freq factors 1 and 4 and 8192 original positions.
+        expect = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        got = {k: params.get(k) for k in expect}
+        if any(got[k] != v for k, v in expect.items()):
+            raise ValueError(f"llama3 rope scaling {got} differs from Megatron's built-in {expect}; "
+                             "only the standard Llama-3.1 settings are supported")
+        return theta, True, float(params.get("factor", 8.0))
+    raise ValueError(f"rope_type={rope_type!r} is not supported; use a model with default or llama3 rope")
+
+
+def _moe_settings(hf: dict) -> dict:
+    """TransformerConfig MoE fields for Qwen3-MoE / Mixtral. Aux losses are off (RL fine-tuning of a
+    trained router); turn them on through cfg.megatron (moe_router_load_balancing_type, moe_aux_loss_coeff)."""
+    mt = hf["model_type"]
+    if mt == "qwen3_moe":
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(f"qwen3_moe with mlp_only_layers={hf.get('mlp_only_layers')} / decoder_sparse_step="
+                             f"{hf.get('decoder_sparse_step')} mixes dense and MoE layers; only all-MoE models "
+                             "(mlp_only_layers=[] and decoder_sparse_step=1) are supported")
+        n_exp, topk, ffn = _num_experts(hf), hf["num_experts_per_tok"], hf["moe_intermediate_size"]
+        # norm_topk_prob: softmax over the top-k logits (= renormalised top-k probs); else top-k of the
+        # softmax over all experts, which is Megatron's "pre_softmax" router.
+        pre_softmax = not hf.get("norm_topk_prob", False)
+    else:  # mixtral: softmax over the top-k logits
+        n_exp, topk, ffn, pre_softmax = _num_experts(hf), hf["num_experts_per_tok"], hf["intermediate_size"], False
+    return dict(num_moe_experts=n_exp, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
+                moe_router_pre_softmax=pre_softmax, moe_router_load_balancing_type="none",
+                moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+                moe_router_dtype="fp32")
+
+
+def megatron_config(hf: dict, cfg, cpu: bool):
+    """(TransformerConfig, GPTModel kwargs) for an HF config dict, with cfg's parallel sizes and dtype.
+
+    `cfg.megatron` (a dict) is passed through last, so any TransformerConfig field can be overridden
+    from a recipe.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig  # Megatron: late
+
+    mt, tp = hf["model_type"], int(cfg.tensor_parallel)
+    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                    ("vocab_size", hf["vocab_size"])):
+        if n % tp:
+            divisors = [d for d in range(1, n + 1) if n % d == 0 and d <= 16]
+            raise ValueError(f"tensor_parallel={tp} does not divide {what}={n}; choose one of {divisors}")
+    if hf.get("attention_bias") and mt != "qwen2" or hf.get("mlp_bias"):
+        raise ValueError(f"{mt} with attention_bias={hf.get('attention_bias')} / mlp_bias={hf.get('mlp_bias')} has "
+                         "biases on o_proj or the MLP, which the conversion does not map; only Qwen2-style qkv "
+                         "biases are supported")
+    # Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not applied: results are
+    # exact for sequences shorter than the window, which RL rollouts on these models usually are.
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf.get('hidden_act')!r} is not supported; only SwiGLU (silu) MLPs are")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype)
+    if dtype is None:
+        raise ValueError(f"dtype={cfg.dtype!r} is not supported; use 'float32' or 'bfloat16'")
+    if cpu and dtype != torch.float32:
+        raise ValueError(f"dtype={cfg.dtype!r} needs CUDA (Megatron's mixed-precision optimizer keeps fp32 "
+                         "master weights); on CPU use dtype=float32")
+    base = dict(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+        num_query_groups=kv_heads, ffn_hidden_size=hf["intermediate_size"],
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=mt == "qwen2" or bool(hf.get("attention_bias", False)),
+        qk_layernorm=mt in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0, attention_dropout=0.0,
+        bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        # Each micro-batch loss is pre-divided by global counts: DDP must SUM gradients over DP ranks.
+        calculate_per_token_loss=True,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=int(cfg.pipeline_parallel),
+        expert_model_parallel_size=int(cfg.expert_parallel), sequence_parallel=False,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
+        # perform_initialization stays on although the HF weights overwrite the init: it is also what marks
+        # TP-sharded parameters (`tensor_model_parallel`), which grad-norm and clipping rely on.
+        use_cpu_initialization=cpu,
+        **_moe_settings(hf) if mt in ("qwen3_moe", "mixtral") else {},
+    )
+    if int(cfg.pipeline_parallel) > 1:
+        if hf.get("tie_word_embeddings", False):
+            raise ValueError("pipeline_parallel > 1 with tie_word_embeddings=true is not supported (the first and the "
+                             "last stage would each hold the shared matrix); use pipeline_parallel=1 for this model")
+        if hf["num_hidden_layers"] % int(cfg.pipeline_parallel):
+            raise ValueError(f"pipeline_parallel={cfg.pipeline_parallel} does not divide num_hidden_layers="
+                             f"{hf['num_hidden_layers']}; choose a divisor")
+        # Stages exchange activations of one fixed (T, B, H) shape per schedule run (_forward_backward pads every
+        # micro-batch to it), through plain isend/irecv pairs (gloo has no batched p2p). Not variable_seq_lengths:
+        # Megatron refuses it with the allgather token dispatcher, and its alltoall dispatcher makes a CUDA stream.
+        base.update(batch_p2p_comm=False)
+    if cfg.router_replay:
+        if mt not in ("qwen3_moe", "mixtral"):
+            raise ValueError(f"router_replay=true needs an MoE model; {mt} has no router. Set router_replay=false")
+        base["moe_enable_routing_replay"] = True  # each TopKRouter gets a RouterReplay (see replay_routing)
+    base.update(dict(cfg.megatron))
+    tcfg = TransformerConfig(**base)
+    rotary_base, rope_scaling, rope_factor = _rope(hf)
+    model_kwargs = dict(vocab_size=hf["vocab_size"], max_sequence_length=hf.get("max_position_embeddings", 4096),
+                        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+                        position_embedding_type="rope", rotary_percent=1.0, rotary_base=rotary_base,
+                        rope_scaling=rope_scaling, rope_scaling_factor=rope_factor, parallel_output=True)
+    return tcfg, model_kwargs
+
+
+def fp32_output_layer(gpt) -> None:
+    """Compute `gpt`'s LM head (output layer) in fp32: hidden states and weight upcast for the final matmul, fp32
+    logits out. Megatron-Core 0.16 has no such option, so this wraps the output layer's matmul (Megatron's own
+    `_forward_impl`, which keeps its tensor-parallel gradient handling) with the casts; the weight gradient flows
+    back through the cast into the bf16 parameter. The engines do the same (SGLang's --enable-fp32-lm-head, the
+    CPU engine's fp32_lm_head), so bf16 rounding of the logits no longer separates trainer and engine logprobs.
+    With fp32 weights the casts are no-ops."""
+    layer = gpt.output_layer
+    matmul = layer._forward_impl
+
+    def fp32_matmul(input, weight, *args, **kwargs):
+        return matmul(input.float(), weight.float(), *args, **kwargs)  # (S, B, V/tp) fp32 logits
+
+    layer._forward_impl = fp32_matmul
+
+
+def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, pre_process: bool = True,
+                    post_process: bool = True, fp32_lm_head: bool = False):
+    """A GPTModel on the local layer spec (CPU: its core attention is cpu.SDPACoreAttention via the shims). With
+    pipeline parallelism: one stage, its share of the layers (+ embedding on the first, final norm and output
+    layer on the last: `pre_process` / `post_process`). `fp32_lm_head`: logits computed in fp32
+    (`fp32_output_layer`)."""
+    from megatron.core.models.gpt import GPTModel  # Megatron: late
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # Megatron: late
+
+    if tcfg.num_moe_experts:
+        cpu.moe_router_without_te()
+    spec = get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
+    model = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
+                     **model_kwargs)
+    if fp32_lm_head and post_process:
+        fp32_output_layer(model)
+    return model.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# HF <-> Megatron weights
+#
+# Megatron names (local spec, TP=1 layout; `L` is a layer index, `E` an expert index):
+#   embedding.word_embeddings.weight            <- model.embed_tokens.weight
+#   decoder.layers.L.input_layernorm.weight     <- model.layers.L.input_layernorm.weight (not fused with
+#                                                  linear_qkv in the local spec)
+#   decoder.layers.L.self_attention.linear_qkv.{weight,bias}
+#                                               <- q/k/v_proj, interleaved per query group:
+#                                                  [group 0: its q heads, its k head, its v head][group 1: ...]
+#   decoder.layers.L.self_attention.{q,k}_layernorm.weight <- self_attn.{q,k}_norm.weight
+#   decoder.layers.L.self_attention.linear_proj.weight     <- self_attn.o_proj.weight
+#   decoder.layers.L.pre_mlp_layernorm.weight   <- post_attention_layernorm.weight
+#   decoder.layers.L.mlp.linear_fc1.weight      <- [gate_proj; up_proj] (rows stacked)
+#   decoder.layers.L.mlp.linear_fc2.weight      <- down_proj
+#   decoder.layers.L.mlp.router.weight          <- mlp.gate.weight (Qwen3-MoE) / block_sparse_moe.gate (Mixtral)
+#   decoder.layers.L.mlp.experts.local_experts.E.linear_fc{1,2}.weight <- experts.E.{gate,up,down}_proj
+#                                                  (Mixtral: w1 = gate, w3 = up, w2 = down)
+#   decoder.final_layernorm.weight              <- model.norm.weight
+#   output_layer.weight                         <- lm_head.weight (absent when embeddings are tied)
+
+
+def load_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint (single file or sharded with an index)."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}; save the HF model with safe_serialization=True")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _dims(hf: dict) -> tuple[int, int, int]:
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads", heads)
+    return heads, kv, hf.get("head_dim") or hf["hidden_size"] // heads
+
+
+def _expert_names(hf: dict, layer: int, e: int) -> tuple[str, str, str]:
+    """HF (gate, up, down) weight names of expert `e` in `layer`."""
+    if hf["model_type"] == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
+    p = f"model.layers.{layer}.mlp.experts.{e}"
+    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+
+
+def _router_name(hf: dict, layer: int) -> str:
+    if hf["model_type"] == "mixtral":
+        return f"model.layers.{layer}.block_sparse_moe.gate.weight"
+    return f"model.layers.{layer}.mlp.gate.weight"
+
+
+def _is_moe(hf: dict) -> bool:
+    return hf["model_type"] in ("qwen3_moe", "mixtral")
+
+
+def _num_experts(hf: dict) -> int:
+    return hf.get("num_experts") or hf.get("num_local_experts") or 0
+
+
+class _Tracked(dict):
+    """A dict view of an HF state dict that records which names were read (to catch unmapped weights)."""
+
+    def __init__(self, state: dict, unused: set):
+        super().__init__(state)
+        self.unused = unused
+
+    def __getitem__(self, name):
+        self.unused.discard(name)
+        return super().__getitem__(name)
+
+
+def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
+    """Full (unsharded, TP=1 layout) Megatron state dict from an HF state dict; all experts included."""
+    heads, kv, d = _dims(hf)
+    q_per_group = heads // kv
+    unused = set(hf_state)
+    hf_state = _Tracked(hf_state, unused)
+    out = {"embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf_state["model.norm.weight"]}
+    if not hf.get("tie_word_embeddings", False):
+        out["output_layer.weight"] = hf_state["lm_head.weight"]
+    for L in range(hf["num_hidden_layers"]):
+        h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
+        q = hf_state[h + "self_attn.q_proj.weight"].view(kv, q_per_group, d, -1)  # (G, Nq/G, D, H)
+        k = hf_state[h + "self_attn.k_proj.weight"].view(kv, 1, d, -1)  # (G, 1, D, H)
+        v = hf_state[h + "self_attn.v_proj.weight"].view(kv, 1, d, -1)  # (G, 1, D, H)
+        qkv = torch.cat([q, k, v], 1)  # (G, Nq/G + 2, D, H): per group its q heads, its k head, its v head
+        out[m + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, qkv.size(-1))  # (G*(Nq/G+2)*D, H)
+        if h + "self_attn.q_proj.bias" in hf_state:
+            qb = hf_state[h + "self_attn.q_proj.bias"].view(kv, q_per_group, d)  # (G, Nq/G, D)
+            kb = hf_state[h + "self_attn.k_proj.bias"].view(kv, 1, d)
+            vb = hf_state[h + "self_attn.v_proj.bias"].view(kv, 1, d)
+            out[m + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], 1).reshape(-1)  # (G*(Nq/G+2)*D,)
+        out[m + "self_attention.linear_proj.weight"] = hf_state[h + "self_attn.o_proj.weight"]
+        if h + "self_attn.q_norm.weight" in hf_state:
+            out[m + "self_attention.q_layernorm.weight"] = hf_state[h + "self_attn.q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf_state[h + "self_attn.k_norm.weight"]
+        out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
+        if _is_moe(hf):
+            out[m + "mlp.router.weight"] = hf_state[_router_name(hf, L)]
+            for e in range(_num_experts(hf)):
+                g, u, dn = _expert_names(hf, L, e)
+                x = f"{m}mlp.experts.local_experts.{e}."
+                out[x + "linear_fc1.weight"] = torch.cat([hf_state[g], hf_state[u]], 0)  # (2F, H)
+                out[x + "linear_fc2.weight"] = hf_state[dn]  # (H, F)
+        else:
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([hf_state[h + "mlp.gate_proj.weight"],
+                                                          hf_state[h + "mlp.up_proj.weight"]], 0)  # (2F, H)
+            out[m + "mlp.linear_fc2.weight"] = hf_state[h + "mlp.down_proj.weight"]
+    if hf.get("tie_word_embeddings", False):
+        unused.discard("lm_head.weight")  # some tied checkpoints still store the shared matrix twice
+    unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
+    if unused:
+        raise ValueError(f"HF weights with no Megatron counterpart: {sorted(unused)[:8]} ({len(unused)} in all); "
+                         "this architecture variant is not supported by the conversion")
+    return out
+
+
+def megatron_to_hf(meg: dict[str, torch.Tensor], hf: dict) -> list[tuple[str, torch.Tensor]]:
+    """HF-named tensors from a full (gathered, TP=1 layout) Megatron state dict; inverse of hf_to_megatron."""
+    heads, kv, d = _dims(hf)
+    q_per_group = heads // kv
+    out = [("model.embed_tokens.weight", meg["embedding.word_embeddings.weight"])]
+    for L in range(hf["num_hidden_layers"]):
+        h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
+        qkv = meg[m + "self_attention.linear_qkv.weight"]
+        qkv = qkv.view(kv, q_per_group + 2, d, qkv.size(-1))  # (G, Nq/G+2, D, H)
+        out += [(h + "self_attn.q_proj.weight", qkv[:, :q_per_group].reshape(heads * d, -1)),
+                (h + "self_attn.k_proj.weight", qkv[:, q_per_group].reshape(kv * d, -1)),
+                (h + "self_attn.v_proj.weight", qkv[:, q_per_group + 1].reshape(kv * d, -1))]
+        if m + "self_attention.linear_qkv.bias" in meg:
+            b = meg[m + "self_attention.linear_qkv.bias"].view(kv, q_per_group + 2, d)  # (G, Nq/G+2, D)
+            out += [(h + "self_attn.q_proj.bias", b[:, :q_per_group].reshape(-1)),
+                    (h + "self_attn.k_proj.bias", b[:, q_per_group].reshape(-1)),
+                    (h + "self_attn.v_proj.bias", b[:, q_per_group + 1].reshape(-1))]
+        out.append((h + "self_attn.o_proj.weight", meg[m + "self_attention.linear_proj.weight"]))
+        if m + "self_attention.q_layernorm.weight" in meg:
+            out += [(h + "self_attn.q_norm.weight", meg[m + "self_attention.q_layernorm.weight"]),
+                    (h + "self_attn.k_norm.weight", meg[m + "self_attention.k_layernorm.weight"])]
+        out += [(h + "input_layernorm.weight", meg[m + "input_layernorm.weight"]),
+                (h + "post_attention_layernorm.weight", meg[m + "pre_mlp_layernorm.weight"])]
+        if _is_moe(hf):
+            out.append((_router_name(hf, L), meg[m + "mlp.router.weight"]))
+            for e in range(_num_experts(hf)):
+                g, u, dn = _expert_names(hf, L, e)
+                gate, up = meg[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"].chunk(2, 0)
+                out += [(g, gate), (u, up), (dn, meg[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"])]
+        else:
+            gate, up = meg[m + "mlp.linear_fc1.weight"].chunk(2, 0)
+            out += [(h + "mlp.gate_proj.weight", gate), (h + "mlp.up_proj.weight", up),
+                    (h + "mlp.down_proj.weight", meg[m + "mlp.linear_fc2.weight"])]
+    out.append(("model.norm.weight", meg["decoder.final_layernorm.weight"]))
+    if "output_layer.weight" in meg:
+        out.append(("lm_head.weight", meg["output_layer.weight"]))
+    return [(n, t.contiguous()) for n, t in out]
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dim a parameter is split on across tensor-parallel ranks (None: replicated)."""
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight",
+                      "output_layer.weight")):
+        return 0  # column-parallel (and vocab-parallel) layers: output rows split
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1  # row-parallel layers: input columns split
+    return None  # norms, router
+
+
+def shard_for_rank(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's slice of a full Megatron tensor.
+
+    linear_fc1 holds [gate; up]; each rank holds [its gate slice; its up slice], so split the halves
+    separately. linear_qkv is interleaved per query group, so a plain row split keeps whole groups.
+    """
+    dim = tp_split_dim(name)
+    if dim is None or size == 1:
+        return full
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2, 0)
+        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], 0)
+    return full.chunk(size, dim)[rank]
+
+
+def gather_full(name: str, local: torch.Tensor, group) -> torch.Tensor:
+    """The full tensor from every TP rank's slice (all ranks of `group` must call this); inverse of shard_for_rank."""
+    size = torch.distributed.get_world_size(group) if group is not None else 1
+    dim = tp_split_dim(name)
+    if dim is None or size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(size)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=group)
+    if name.endswith("linear_fc1.weight"):
+        halves = [p.chunk(2, 0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    return torch.cat(parts, dim)
+
+
+def save_hf_dir(named: list[tuple[str, torch.Tensor]], path: str | os.PathLike, source: str | os.PathLike) -> None:
+    """An HF model directory at `path`: `named` (HF names, full tensors) as model.safetensors, and the config and
+    tokenizer files of the HF directory `source` the model was loaded from."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in named}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in HF_SIDE_FILES:
+        if (Path(source) / f).exists():
+            shutil.copy(Path(source) / f, out / f)

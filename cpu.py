@@ -1,0 +1,272 @@
+"""What exists only because there is no GPU: the code that makes Megatron-Core train on a laptop CPU, and fast there.
+
+A reader who runs on GPUs can skip this file: on CUDA `apply_cpu_shims` returns False and nothing below is used
+(except `moe_router_without_te`, which any machine without Transformer Engine needs; every CPU machine is one).
+
+* `apply_cpu_shims`: the changes that let Megatron-Core's GPTModel, its DistributedDataParallel, its
+  tensor-parallel layers and its 1F1B pipeline schedule run on CPU over gloo (`SDPACoreAttention`, `_TorchOnCpu`);
+* `adamw`, `clip_grad_norm`: the optimizer and its TP/EP/PP-aware gradient clipping, because Megatron's
+  optimizer wrappers allocate CUDA tensors;
+* `BorrowedCores`: a trainer rank computing on the cores of CPU engines while they have nothing to generate
+  (the thread count adapted before every transformer layer, forward and backward).
+
+Test: `.venv/bin/pytest tests/test_trainer.py -k "core_attention or parity"` (the attention against torch's kernel
+and the whole model against transformers); every trainer test on CPU runs through the shims, and
+tests/test_async.py runs the borrowed cores.
+Left out: Megatron's fused kernels and Transformer Engine on CPU (the fusions are switched off in
+convert.megatron_config), mixed precision on CPU (bf16 is rejected there), pinning actors to cores (the
+controller's side).
+"""
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+# --- Megatron on CPU ---
+
+# Scores of at most this many elements (B * heads * T * T) take the explicit path of SDPACoreAttention; longer
+# micro-batches go through torch's fused kernel, which never materialises them (2**24 fp32 scores: 64 MB).
+EXPLICIT_ATTENTION_MAX_SCORES = 2 ** 24
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Core attention (softmax(QK^T/sqrt(d)) V, causal, GQA) on CPU, in place of Megatron's DotProductAttention.
+
+    Megatron's own `DotProductAttention` preallocates its score buffer on the CUDA device; this module takes the
+    same constructor and forward arguments as the layer spec passes to it. Two ways to the same math:
+    * short micro-batches (the RL case on CPU): written out as the CPU engine computes it (rollout._attention),
+      the query heads of each kv head stacked into one matrix, the causal mask and the scale folded into one
+      baddbmm, a softmax and a bmm. No kv-head copies for GQA, and at the tiny recipes' shapes (64 rows of ~50
+      tokens) forward + backward took 0.54x the time of torch's CPU flash kernel (1 thread; 0.53x on 2);
+      logprobs differ from the fused kernel's by float rounding (~1e-7).
+    * longer ones: kv heads repeated, then torch's scaled_dot_product_attention (its CPU flash kernel keeps
+      memory linear in T), which is what transformers' "sdpa" attention does.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__()
+        self.config = config
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim), as Megatron and HF use
+        self._causal: dict[int, torch.Tensor] = {}  # T -> (G*T, T) additive causal mask (0 / -inf), per query head
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPACoreAttention supports padded causal batches only (no packed sequences, "
+                             "no attention bias); feed right-padded (B, T) micro-batches")
+        # query (Sq, B, Nq, D); key/value (Sk, B, Nkv, D), Megatron's sequence-first layout.
+        S, B, Hq, D = query.shape
+        KV = key.size(2)
+        G = Hq // KV  # GQA: query head h reads kv head h // G
+        dropout = self.dropout_p if self.training else 0.0
+        if dropout == 0.0 and B * Hq * S * S <= EXPLICIT_ATTENTION_MAX_SCORES and key.size(0) == S:
+            scale = self.softmax_scale if self.softmax_scale is not None else D ** -0.5
+            if S not in self._causal:  # the G query heads of a kv head are stacked: the mask repeats per head
+                causal = torch.full((S, S), float("-inf"), dtype=query.dtype, device=query.device).triu(1)
+                self._causal[S] = causal.repeat(G, 1)                                        # (G*S, S)
+            mask = self._causal[S]                                                           # (G*S, S)
+            q = query.view(S, B, KV, G, D).permute(1, 2, 3, 0, 4).reshape(B * KV, G * S, D)  # (B*KV, G*S, D)
+            k = key.permute(1, 2, 0, 3).reshape(B * KV, S, D)                                  # (B*KV, S, D)
+            v = value.permute(1, 2, 0, 3).reshape(B * KV, S, D)                                # (B*KV, S, D)
+            scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)                 # (B*KV, G*S, S)
+            out = torch.bmm(torch.softmax(scores, dim=-1), v)                                 # (B*KV, G*S, D)
+            return out.view(B, KV, G, S, D).permute(3, 0, 1, 2, 4).reshape(S, B, Hq * D)      # (S, B, Nq*D)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (B, N, S, D)
+        if G > 1:  # GQA: each kv head serves G consecutive query heads
+            k = k.repeat_interleave(G, dim=1)  # (B, Nq, Sk, D)
+            v = v.repeat_interleave(G, dim=1)  # (B, Nq, Sk, D)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                             dropout_p=dropout)  # (B, Nq, Sq, D)
+        return out.permute(2, 0, 1, 3).reshape(S, B, -1)  # (Sq, B, Nq * D)
+
+
+class _TorchOnCpu:
+    """`torch` as Megatron's schedules module sees it after shim 4: everything delegates to torch, except that
+    `zeros(..., device="cuda")` allocates on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
+_SHIMS_APPLIED = False
+
+
+def apply_cpu_shims() -> bool:
+    """Make Megatron-Core run on CPU; a no-op (returning False) when CUDA is present.
+
+    The shims (measured necessary and sufficient here, see DESIGN.md):
+    1. `torch.cuda.current_device()` yields the CPU device: Megatron places its grad buffers, rotary
+       tables and a few scratch tensors on "the current CUDA device".
+    2. the local layer spec's core attention becomes `SDPACoreAttention` (Megatron's
+       DotProductAttention allocates a CUDA buffer).
+    3. the optimizer is `torch.optim.AdamW` (`adamw`) with a small TP-aware grad-norm clip (`clip_grad_norm`),
+       because Megatron's optimizer wrappers and grad clipping allocate CUDA tensors. This function only reports
+       that the shims are on; the trainer reads it.
+    4. (pipeline parallelism) the 1F1B schedule's token counter, `torch.zeros([], dtype=torch.int,
+       device="cuda")` in `forward_backward_pipelining_without_interleaving` (schedules.py of Megatron-Core
+       0.16), is made on the CPU: the schedules module sees a `torch` whose `zeros` maps device="cuda" to the
+       CPU. Harmless elsewhere; the rest of the schedule (gloo isend/irecv between stages) runs as it is.
+    5. (start-up time) Megatron-Core is imported with `torch.compile` as a plain decorator. As it imports, it wraps
+       ~30 fusion helpers in torch.compile, which imports dynamo and inductor: ~2.3 s of every trainer actor's
+       start on these cores. On CPU the helpers then run as plain functions, like the rest of the CPU path (the
+       fusions are off in convert.megatron_config, so the model calls none of them). Where Megatron was already
+       imported, this shim changes nothing.
+    Also: models are built with `use_cpu_initialization=True` (convert.megatron_config), which avoids
+    `model_parallel_cuda_manual_seed`, another CUDA-only call.
+    Returns True when the shims are active.
+    """
+    global _SHIMS_APPLIED
+    if torch.cuda.is_available():
+        return False
+    if not _SHIMS_APPLIED:
+        compile_ = torch.compile  # shim 5
+        torch.compile = lambda model=None, **_: model if model is not None else (lambda fn: fn)
+        try:
+            import megatron.core  # noqa: F401  Megatron: late, and only under shim 5
+        finally:
+            torch.compile = compile_
+        torch.cuda.current_device = lambda: torch.device("cpu")  # shim 1
+        from megatron.core.models.backends import LocalSpecProvider  # Megatron: late
+        LocalSpecProvider.core_attention = lambda self: SDPACoreAttention  # shim 2
+        from megatron.core.pipeline_parallel import schedules  # Megatron: late
+        schedules.torch = _TorchOnCpu()  # shim 4
+        _SHIMS_APPLIED = True
+    return True
+
+
+def moe_router_without_te() -> None:
+    """Megatron-Core 0.16's MoE router gating refers to Transformer Engine's GEMM by name even when TE
+    is not installed (a NameError at the first MoE forward). Define the name as None so the plain
+    torch matmul branch runs. Needed wherever TE is absent, CPU or GPU; a no-op when TE is there."""
+    from megatron.core.transformer.moe import moe_utils  # Megatron: late
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def adamw(model, cfg, lr: float) -> torch.optim.AdamW:
+    """Shim 3: torch's AdamW over `model` at `lr`, with cfg's betas, eps and weight decay; norms and biases get no
+    decay (as Megatron's optimizer has it). Clipping is `clip_grad_norm`'s."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+
+def clip_grad_norm(model, clip: float, tp_group=None, pp_group=None, experts: bool = False) -> float:
+    """Shim 3: total L2 norm of `model`'s (DP-summed) gradients across TP shards, EP ranks and pipeline stages,
+    then clip in place when `clip` > 0. Groups are None where their size is 1; `experts`: the model has MoE layers.
+
+    Replicated parameters (norms, router) are counted once: only TP rank 0's copy, via Megatron's
+    `param_is_not_tensor_parallel_duplicate`. Gradients are equal on every DP rank after the
+    all-reduce, so no DP reduction is needed.
+    """
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate  # Megatron: late
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64)
+    sq_experts = torch.zeros((), dtype=torch.float64)  # expert weights: each EP rank holds other experts
+    for p in params:
+        if not getattr(p, "allreduce", True):  # Megatron marks expert parameters allreduce=False
+            sq_experts += p.grad.double().pow(2).sum()  # expert TP shards are split, never duplicated
+        elif param_is_not_tensor_parallel_duplicate(p):
+            sq += p.grad.double().pow(2).sum()
+    if tp_group is not None:
+        torch.distributed.all_reduce(sq, group=tp_group)
+    if experts:  # over every rank holding a different expert shard (EP x expert TP)
+        from megatron.core import parallel_state  # Megatron: late
+        group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        if torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(sq_experts, group=group)
+    sq = sq + sq_experts
+    if pp_group is not None:  # each stage holds other layers (embeddings are never tied under PP: megatron_config)
+        torch.distributed.all_reduce(sq, group=pp_group)
+    norm = float(sq.sqrt())
+    if clip > 0 and norm > clip:
+        for p in params:
+            p.grad.mul_(clip / (norm + 1e-6))
+    return norm
+
+
+class _CallInBackward(torch.autograd.Function):
+    """The identity, whose backward first calls `fn()`: a hook at one point of the backward pass (BorrowedCores
+    puts one at every transformer layer's input)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return grad, None
+
+
+class BorrowedCores:
+    """A trainer rank that also computes on the cores of the engines in `lent` ((engine, its cores), from the
+    controller's core placement) while they have nothing to generate (async on a local CPU node:
+    cfg.borrow_engine_cores). Every thread of this process may then run on them, and before each transformer
+    layer, in the forward and the backward pass, the torch thread count becomes the rank's own (`own_threads`)
+    plus the cores of the lending engines whose byte in `busy_file` is 0 (rollout.CpuEngine keeps its byte at 1
+    while it has requests). A layer is the grain: an engine that gets work waits at most one layer's pass for
+    its core."""
+
+    def __init__(self, busy_file: str, lent: list[tuple[int, list[int]]], own_threads: int):
+        with open(busy_file, "rb") as f:
+            self.flags = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # byte i: engine i is computing
+        self.lent = [(i, len(cores)) for i, cores in lent]  # (engine, its core count)
+        self.own = int(own_threads)
+        self.seconds, self._last = [0.0, 0.0], None  # a train step's seconds: [own threads, borrowing]
+        self.cores = os.sched_getaffinity(0) | {c for _, cs in lent for c in cs}
+        for tid in os.listdir("/proc/self/task"):  # threads started later (torch's pool) inherit it
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(tid), self.cores)
+
+    def new_step(self) -> None:
+        """Count a train step's layer passes from its first one."""
+        self.seconds, self._last = [0.0, 0.0], None
+
+    def adapt_threads(self) -> None:
+        """torch threads = the rank's own + the cores of its lending engines that are idle now. Also adds the
+        seconds since the last call to `seconds` under the thread count they ran with."""
+        now, was = time.perf_counter(), torch.get_num_threads()
+        if self._last is not None:  # None: the first layer of a train step
+            self.seconds[was > self.own] += now - self._last
+        self._last = now
+        n = self.own + sum(k for i, k in self.lent if not self.flags[i])
+        if n != was:
+            torch.set_num_threads(n)
+
+    def metrics(self) -> dict[str, float]:
+        """The share of this train step's layer passes that ran on borrowed cores."""
+        own, borrowed = self.seconds
+        return {"perf/trainer_borrowed_frac": borrowed / max(own + borrowed, 1e-9)}
+
+    def hook_layers(self, gpt) -> None:
+        """`adapt_threads` before every transformer layer of the GPTModel `gpt`, forward and backward (once)."""
+        if getattr(gpt, "_adapts_threads", False):
+            return
+
+        def before_layer(layer, args, kwargs):
+            self.adapt_threads()
+            if torch.is_grad_enabled() and "hidden_states" in kwargs and kwargs["hidden_states"].requires_grad:
+                kwargs["hidden_states"] = _CallInBackward.apply(kwargs["hidden_states"], self.adapt_threads)
+            return args, kwargs
+        for layer in gpt.decoder.layers:
+            layer.register_forward_pre_hook(before_layer, with_kwargs=True)
+        gpt._adapts_threads = True
