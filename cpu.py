@@ -270,3 +270,33 @@ class BorrowedCores:
         for layer in gpt.decoder.layers:
             layer.register_forward_pre_hook(before_layer, with_kwargs=True)
         gpt._adapts_threads = True
+
+
+def offload_to_file(tensors: list[torch.Tensor], path) -> list[tuple]:
+    """The colocated hand-off's offload on CPU: every tensor's bytes into one file at `path` (a Path), its storage
+    freed (`.data` becomes empty), so the bytes really leave this process (on CUDA they go to pinned host memory,
+    which is what a GPU frees). Returns the entries `onload_from_file` reads them back with."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    dst = torch.from_file(str(path), shared=True, size=max(total, 1), dtype=torch.uint8)  # (total,) the file
+    entries, off = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        dst[off:off + n].copy_(t.data.contiguous().view(-1).view(torch.uint8))
+        entries.append((t, off, t.shape))
+        off += n
+        t.data = torch.empty(0, dtype=t.dtype)
+    del dst  # unmapped: the bytes live in the file only
+    return entries
+
+
+def onload_from_file(entries: list[tuple], path) -> None:
+    """Inverse of offload_to_file: each tensor gets fresh storage with its bytes from the file, which is removed."""
+    src = torch.from_file(str(path), shared=False, size=max(path.stat().st_size, 1), dtype=torch.uint8)
+    for t, off, shape in entries:
+        fresh = torch.empty(shape, dtype=t.dtype)
+        n = fresh.numel() * fresh.element_size()
+        fresh.view(-1).view(torch.uint8).copy_(src[off:off + n])
+        t.data = fresh
+    del src
+    path.unlink(missing_ok=True)

@@ -28,9 +28,9 @@ Routing (`token_routes`), who teaches which token, first match wins:
      `teacher` (a name or a {name: weight} ensemble);
   3. the only teacher, when there is one.
 
-The teachers are built from trainer.py's own code (megatron_config, build_gpt_model, hf_to_megatron,
-_forward_logp / vocab_parallel_logp_entropy): `TeacherWorker` subclasses `TrainerWorker` to reuse its
-distributed init, shard loading and forward, and never builds an optimizer.
+The teachers are built from trainer.py's parts, by composition: a `trainer.Parallel` for the rank and a
+forward-only `trainer.Model` per skeleton (convert.py's conversion, the trainer's micro-batch loop and
+logprob forward); a teacher has no optimizer and no training step.
 
 Test: `.venv/bin/python -m pytest -q tests/test_teacher.py`.
 Left out: pipeline / expert parallelism for teachers, teachers with a vocabulary other than the
@@ -158,20 +158,21 @@ def read_snapshot_into(path: str, params: dict[str, torch.Tensor]) -> None:
             fh.readinto(memoryview(p.detach().numpy()).cast("B"))
 
 
-class TeacherWorker(trainer.TrainerWorker):
+class TeacherWorker:
     """One rank of the teacher group (`ray.remote(TeacherWorker)`); every method is called on all ranks.
 
-    A subclass only to reuse the trainer's rank setup, `_load_full_state` and `_forward_logp` unchanged:
-    a teacher is a trainer rank with no optimizer, whose model is one of several swapped skeletons.
+    Built from the trainer's parts, no optimizer: a `trainer.Parallel` (its rank in the teacher group's own TP
+    layout) and one forward-only `trainer.Model` per architecture, a skeleton whose weights are swapped.
     """
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
-        super().__init__(teacher_cfg(cfg), rank, world_size, master_addr, master_port)
+        self.cfg = teacher_cfg(cfg)
+        self.par = trainer.Parallel(self.cfg, rank, world_size, master_addr, master_port)
         # here, not at the top: imported now so base_rss counts Megatron's modules, not the teachers' weights
         from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401
         self.base_rss = peak_rss_mb()[0]  # before any model: what the teachers add is measured against it
         self.names: list[str] = []  # teacher names, in recipe order (columns of token_routes)
-        self.skeletons: dict[str, tuple] = {}  # arch key -> (GPTModel, TransformerConfig): resident models
+        self.skeletons: dict[str, trainer.Model] = {}  # arch key -> resident model of that architecture
         self.arch_of: dict[str, str] = {}  # teacher -> arch key
         self.resident: dict[str, str] = {}  # arch key -> teacher whose weights the skeleton holds now
         self.snapshots: dict[str, object] = {}  # teacher -> safetensors path (CPU) | {name: pinned tensor} (CUDA)
@@ -189,24 +190,22 @@ class TeacherWorker(trainer.TrainerWorker):
         for name, path in paths.items():
             hf = convert.read_hf_config(path)
             arch = arch_key(hf)
-            tcfg, kwargs = convert.megatron_config(hf, self.cfg, self.cpu)
-            self.tcfg = tcfg  # the trainer's helpers read the current model's TransformerConfig from here
             if arch not in self.skeletons:
-                gpt = convert.build_gpt_model(tcfg, kwargs, self.device).requires_grad_(False).eval()
-                self.skeletons[arch] = (gpt, tcfg)
-            gpt = self.skeletons[arch][0]
-            full = convert.hf_to_megatron(convert.load_hf_state(path), hf)
-            self._load_full_state(gpt, full)
-            del full
+                tcfg, kwargs = convert.megatron_config(hf, self.cfg, self.par.on_cpu)
+                self.skeletons[arch] = trainer.Model(self.par, tcfg, kwargs, self.cfg.micro_batch_size)
+                self.skeletons[arch].gpt.requires_grad_(False).eval()
+            model = self.skeletons[arch]
+            model.load(convert.hf_to_megatron(convert.load_hf_state(path), hf))
+            gpt = model.gpt
             if needs_hidden(self.cfg):
                 tied = gpt.share_embeddings_and_output_weights
                 head_name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
                 w = gpt.embedding.word_embeddings.weight if tied else gpt.output_layer.weight  # (V/tp, H)
-                head = convert.gather_full(head_name, w.detach(), self.tp_group if self.tp_size > 1 else None)  # (V, H)
-                self.heads[name] = head.cpu().clone()
+                tp_group = self.par.tp_group if self.par.tp_size > 1 else None
+                self.heads[name] = convert.gather_full(head_name, w.detach(), tp_group).cpu().clone()  # (V, H)
             local = {n: p.detach() for n, p in gpt.named_parameters()}
-            if self.cpu:  # CPU: a file, read back into the parameters at swap time (page cache, not this heap)
-                f = snap_dir / f"{name}.tp{self.tp_size}-rank{self.tp_rank}.safetensors"
+            if self.par.on_cpu:  # CPU: a file, read back into the parameters at swap time (page cache, not this heap)
+                f = snap_dir / f"{name}.tp{self.par.tp_size}-rank{self.par.tp_rank}.safetensors"
                 save_file({n: t.contiguous() for n, t in local.items()}, str(f))
                 self.snapshots[name] = str(f)
             else:  # CUDA: pinned host memory, copied back with non_blocking
@@ -218,12 +217,12 @@ class TeacherWorker(trainer.TrainerWorker):
         return {"teachers": list(self.names), "skeletons": len(self.skeletons), "rss_mb": rss, "peak_rss_mb": peak,
                 "base_rss_mb": self.base_rss}
 
-    def _swap_in(self, name: str):
+    def _swap_in(self, name: str) -> trainer.Model:
         """Make `name` the resident teacher of its skeleton (a copy into the same parameters); its model."""
         arch = self.arch_of[name]
-        gpt, self.tcfg = self.skeletons[arch]
+        model = self.skeletons[arch]
         if self.resident.get(arch) != name:
-            params = dict(gpt.named_parameters())
+            params = dict(model.gpt.named_parameters())
             snap = self.snapshots[name]
             with torch.no_grad():
                 if isinstance(snap, str):
@@ -234,11 +233,11 @@ class TeacherWorker(trainer.TrainerWorker):
                     torch.cuda.synchronize()
             self.resident[arch] = name
             self.swaps += 1
-        return gpt
+        return model
 
     def lm_heads(self) -> dict[str, torch.Tensor]:
         """{teacher: LM head (V, H)} for the student side of hidden-state targets ({} unless needed)."""
-        return dict(self.heads) if self.rank == 0 else {}
+        return dict(self.heads) if self.par.rank == 0 else {}
 
     def memory(self) -> dict:
         rss, peak = peak_rss_mb()
@@ -246,28 +245,13 @@ class TeacherWorker(trainer.TrainerWorker):
 
     # --- scoring ---------------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def _teacher_forward(self, gpt, mb: dict):
-        """(logp (b, R) of the sampled tokens, logits (b, R, V) full vocab, hidden (b, R, H) or None)."""
-        hidden = []
-        hook = None
-        if needs_hidden(self.cfg):  # the output layer's input is the final (normed) hidden state (T, b, H)
-            hook = gpt.output_layer.register_forward_pre_hook(lambda mod, args: hidden.append(args[0]))
-        try:
-            logp, _, logits = self._forward_logp(gpt, mb, return_logits=True)  # (b, R), (b, R, V/tp)
-        finally:
-            if hook is not None:
-                hook.remove()
-        if self.tp_size > 1:  # whole rows for top-k and mixtures
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits.contiguous(), group=self.tp_group)
-            logits = torch.cat(parts, -1)  # (b, R, V)
-        h = None
-        if hidden:
-            pos = mb["resp_pos"].to(self.device)  # (b, R)
-            hs = hidden[0].transpose(0, 1)  # (b, T, H)
-            h = hs.gather(1, pos.unsqueeze(-1).expand(-1, -1, hs.size(-1)))  # (b, R, H)
-        return logp.float(), logits.float(), h
+    def _whole_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's (b, R, V/tp) logits as whole rows (b, R, V), for top-k and mixtures."""
+        if self.par.tp_size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.par.tp_size)]
+        torch.distributed.all_gather(parts, logits.contiguous(), group=self.par.tp_group)
+        return torch.cat(parts, -1)  # (b, R, V)
 
     @torch.no_grad()
     def score(self, batch: list[dict]):
@@ -289,25 +273,30 @@ class TeacherWorker(trainer.TrainerWorker):
         metrics: dict[str, float] = {}
         used = [j for j in range(J) if any(W[:, j].any() for W in routes)]
         used.sort(key=lambda j: self.resident.get(self.arch_of[self.names[j]]) != self.names[j])  # resident first
-        mbs = int(self.cfg.micro_batch_size)
         for j in used:
             name = self.names[j]
-            gpt = self._swap_in(name)
-            idx = [i for i, W in enumerate(routes) if W[:, j].any()]
-            kl_sum, n_tok = 0.0, 0.0
-            for start in range(0, len(idx), mbs):
-                chunk = idx[start:start + mbs]
-                logp, logits, h = self._teacher_forward(gpt, trainer.collate([batch[i] for i in chunk]))
+            model = self._swap_in(name)
+            idx = [i for i, W in enumerate(routes) if W[:, j].any()]  # the samples this teacher teaches
+            tally = [0.0, 0.0]  # k3 of the sampler against this teacher, summed over its tokens; the tokens
+            states: list[torch.Tensor] = []  # final (normed) hidden states (T, b, H): the output layer's input
+
+            def take(part, mb, res):  # one micro-batch of `idx`: res logp (b, R), logits (b, R, V/tp)
+                logp, logits = res["logp"].float(), self._whole_vocab(res["logits"]).float()  # (b, R), (b, R, V)
                 logp_all = torch.log_softmax(logits, -1)  # (b, R, V)
-                for b, i in enumerate(chunk):
+                if hidden:
+                    pos = mb["resp_pos"]  # (b, R)
+                    hs = states.pop().transpose(0, 1)  # (b, T, H)
+                    h = hs.gather(1, pos.unsqueeze(-1).expand(-1, -1, hs.size(-1)))  # (b, R, H)
+                for b, k in enumerate(part):
+                    i = idx[k]
                     W, r = routes[i], len(batch[i]["response_ids"])
                     w = W[:, j]  # (r,) this teacher's weight per token
-                    whole, part = w == 1, (w > 0) & (w < 1)  # (r,) single-teacher / ensemble tokens
+                    whole, some = w == 1, (w > 0) & (w < 1)  # (r,) single-teacher / ensemble tokens
                     top = logp_all[b, :r].topk(K, -1)  # (r, K)
                     out[i]["teacher_logp"][whole] = logp[b, :r][whole].cpu()
                     out[i]["teacher_topk_logp"][whole] = top.values[whole].cpu()
                     out[i]["teacher_topk_ids"][whole] = top.indices[whole].cpu()
-                    if part.any():
+                    if some.any():
                         rows = (W.sum(1) > 0) & (W.max(1).values < 1)  # (r,) every ensemble token of sample i
                         mixed.setdefault(i, {})[name] = logp_all[b, :r][rows].cpu()
                     if hidden:
@@ -316,8 +305,17 @@ class TeacherWorker(trainer.TrainerWorker):
                     roll = batch[i].get("rollout_logprobs") or []
                     if len(roll) == r:  # how far the student (the sampler) is from this teacher, k3 on its tokens
                         k3 = algos.kl_estimate("k3", torch.tensor(roll, dtype=torch.float), logp[b, :r].cpu())
-                        kl_sum += float((k3 * w).sum())
-                    n_tok += float(w.sum())
+                        tally[0] += float((k3 * w).sum())
+                    tally[1] += float(w.sum())
+                return None, None
+            hook = model.gpt.output_layer.register_forward_pre_hook(lambda mod, args: states.append(args[0])) \
+                if hidden else None
+            try:
+                model.run([batch[i] for i in idx], take, head="logits")
+            finally:
+                if hook is not None:
+                    hook.remove()
+            kl_sum, n_tok = tally
             metrics[f"teacher/{name}/tokens"] = n_tok
             if n_tok:
                 metrics[f"teacher/{name}/kl"] = kl_sum / n_tok
@@ -335,7 +333,7 @@ class TeacherWorker(trainer.TrainerWorker):
         rss, peak = peak_rss_mb()
         metrics.update({"teacher/seconds": time.perf_counter() - t0, "teacher/swaps": float(self.swaps - swaps0),
                         "teacher/teachers_used": float(len(used)), "teacher/peak_rss_mb": peak})
-        return (out if self.rank == 0 else None), metrics
+        return (out if self.par.rank == 0 else None), metrics
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -30,13 +30,13 @@ def _bf16_trainers(model_dir: str, flags: tuple) -> list:
         Config(device="cpu", dtype="float32", seed=0, trainer_workers=1, micro_batch_size=8, trainer_threads=1,
                fp32_lm_head=flag), 0, 1, "127.0.0.1", transfermesh.free_port()) for flag in flags]
     ray.get([w.load_hf.remote(model_dir) for w in workers])
-    ray.get([w.__ray_call__.remote(lambda self: self.model.module.to(torch.bfloat16) and None) for w in workers])
+    ray.get([w.__ray_call__.remote(lambda self: self.policy.gpt.to(torch.bfloat16) and None) for w in workers])
     return workers
 
 
 def _logits_dtype(w, batch):
     return ray.get(w.__ray_call__.remote(
-        lambda self, b: self._forward_logp(self.model, trainer.collate(b), return_logits=True)[2].dtype, batch))
+        lambda self, b: self.policy.forward(trainer.collate(b), head="logits")["logits"].dtype, batch))
 
 
 def _engine_rollouts(model_dir: str, prompts, fp32_lm_head: bool, dtype="bfloat16"):

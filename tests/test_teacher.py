@@ -4,7 +4,7 @@ TrainerWorker Ray actors, Megatron-Core over gloo).
 What each test proves:
 * the teacher's sampled-token logprobs equal the trainer's for the same weights and tokens (<= 1e-6);
 * the full-vocabulary path (teacher hidden states + the teacher's LM head applied on the student side,
-  trainer._opd_terms) gives the same forward KL / reverse KL / JSD as the teacher's full logits;
+  trainer.opd_terms) gives the same forward KL / reverse KL / JSD as the teacher's full logits;
 * with 3 teachers in a batch each loads at most once (swaps = 2: the resident one needs none), and the
   peak RSS of a 3-teacher group stays within 1.2x of a 1-teacher group;
 * routing: each token of a hand-built two-turn trajectory goes to the teacher its route function names
@@ -125,15 +125,12 @@ def test_hidden_states_with_lm_head_on_the_student_side_equal_full_logits(div, r
     ray.kill(te)
     assert set(targets[0]["teacher_hidden"]) == {"t0"} and heads["t0"].shape[0] == V
     # the student side, as the trainer runs it (no distributed state needed at TP=1)
-    w = trainer.TrainerWorker.__new__(trainer.TrainerWorker)
-    w.cfg, w.tp_size, w.device = cfg, 1, torch.device("cpu")
-    w.set_teacher_heads(heads)
     mb = trainer.collate(batch, {"adv": [torch.zeros(len(s["response_ids"])) for s in batch]})
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(*mb["loss_mask"].shape, V, generator=g)  # (B, R, V) a student
     logp = torch.log_softmax(logits, -1).gather(-1, mb["tokens"].gather(1, mb["resp_pos"] + 1).unsqueeze(-1)).squeeze(-1)
     denom = algos.global_denominators(mb["loss_mask"], 8)
-    got = w._opd_terms(mb, logp, logits, targets, denom)["gkd_loss"]
+    got = trainer.opd_terms(cfg, mb, logp, logits, targets, denom, heads)["gkd_loss"]
     # reference: the teacher's full distribution, rebuilt from its top-V (all ids, sorted) targets
     full = trainer.collate_targets(targets, mb["loss_mask"].size(1))
     t_logp = torch.full_like(logits, -math.inf).scatter(-1, full["teacher_topk_ids"], full["teacher_topk_logp"])
