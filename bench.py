@@ -48,6 +48,13 @@ measured back to back in one run is far steadier than an absolute number.
         (targets: sync <= 1.0x TRL's s/step; async >= 1.5x TRL's samples/s). Medians leave out each run's first 3
         steps (warm-up). `--quick`: 2 x 4 samples, 2 steps.
 
+    python bench.py teachers [--workdir DIR]
+        Memory of the Teacher Manager (teacher.py): peak RSS of a teacher process holding 3 same-size teachers
+        (13M parameters each: hidden 512, 4 layers; one resident skeleton, the others as swapped snapshots) against
+        one holding 1, each scoring one batch routed to all of its teachers; also what the teachers add over the
+        process's RSS before any model, and the swaps (each teacher loads at most once per batch). Target: both
+        ratios <= 1.3 (holding all three resident would be ~1.74).
+
 Each benchmark is one function `bench_<name>(args)`; `main` dispatches on the subcommand with if/elif and returns
 its result dict.
 Left out: GPU benchmarks (SGLang has its own) and multi-process setups.
@@ -78,9 +85,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, TrainerCallback
 
+import convert
 import data
 import loongsage
 import rollout
+import teacher
 import transfermesh as tm
 
 
@@ -714,9 +723,61 @@ def _trl_step_time(path, dataset, prompts, samples, new_tokens, lr, steps, out, 
     return statistics.median(deltas[warm:] or deltas)
 
 
+# ----------------------------------------------------------------------------------------------
+# Teacher Manager memory: a teacher group holding 1 vs 3 same-size teachers
+
+
+def teacher_memory(workdir: str, hidden_size: int = 512, layers: int = 4) -> dict:
+    """Build 3 same-size tiny Qwen3 teachers (different seeds), then in two fresh teacher processes
+    register 1 resp. 3 of them and score one batch routed to all of them. Returns both processes'
+    peak RSS and what the teachers added to it (peak minus the RSS before any model was built)."""
+    paths = {f"t{i}": data.build_tiny_model(Path(workdir) / f"t{i}", hidden_size=hidden_size,
+                                            num_hidden_layers=layers, intermediate_size=3 * hidden_size,
+                                            num_attention_heads=8, num_key_value_heads=4, head_dim=64, seed=i)
+             for i in range(3)}
+    cfg = loongsage.Config(teacher_tp=1, teacher_micro_batch=16, teacher_topk=8, teacher_route="", seed=0,
+                           dtype="float32", megatron={}, gkd_ratio=0.0, distill_type="topk_kl", trainer_threads=0,
+                           output_dir=workdir)
+    tok = data.load_tokenizer(paths["t0"])
+    batch = []
+    for i, s in enumerate(data.arith_samples(48, 3)):
+        r = tok.encode(s["answer"], add_special_tokens=False)
+        batch.append({"prompt_ids": data.prompt_ids(tok, s), "response_ids": r, "loss_mask": [1] * len(r),
+                      "group_id": i, "metadata": {"teacher": f"t{i % 3}"}})
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    Actor = ray.remote(teacher.TeacherWorker).options(num_cpus=1)
+    out = {}
+    for k in (1, 3):
+        a = Actor.remote(cfg, 0, 1, "127.0.0.1", tm.free_port())
+        ray.get(a.load_teachers.remote({n: paths[n] for n in list(paths)[:k]}, f"{workdir}/snap{k}"))
+        b = [dict(s, metadata={"teacher": f"t{i % k}"}) for i, s in enumerate(batch)]
+        _, m = ray.get(a.score.remote(b))
+        mem = ray.get(a.memory.remote())
+        out[k] = {"peak_rss_mb": mem["peak_rss_mb"], "added_mb": mem["peak_rss_mb"] - mem["base_rss_mb"],
+                  "swaps": m["teacher/swaps"]}
+        ray.kill(a)
+    out["params_per_teacher"] = sum(t.numel() for t in convert.load_hf_state(paths["t0"]).values())
+    out["peak_ratio"] = out[3]["peak_rss_mb"] / out[1]["peak_rss_mb"]
+    out["added_ratio"] = out[3]["added_mb"] / out[1]["added_mb"]
+    return out
+
+
+def bench_teachers(args) -> dict:
+    """`teacher_memory` in a fresh Ray of its own (each teacher group a new process), printed."""
+    try:
+        out = teacher_memory(args.workdir or tempfile.mkdtemp())
+    finally:
+        ray.shutdown()
+    print(f"teachers: {out['params_per_teacher'] / 1e6:.1f}M parameters each; peak RSS 1 teacher "
+          f"{out[1]['peak_rss_mb']:.0f} MB, 3 teachers {out[3]['peak_rss_mb']:.0f} MB: {out['peak_ratio']:.2f}x "
+          f"(added {out[1]['added_mb']:.0f} -> {out[3]['added_mb']:.0f} MB: {out['added_ratio']:.2f}x; target <= 1.3); "
+          f"swaps {out[1]['swaps']:.0f} / {out[3]['swaps']:.0f}")
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("bench", help="which benchmark: rollout | router | sync | step")
+    p.add_argument("bench", help="which benchmark: rollout | router | sync | step | async | modes | teachers")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -731,6 +792,7 @@ def main(argv=None) -> dict:
     p.add_argument("--warmstart-steps", type=int, default=400, help="async bench: SFT steps of the warm start")
     p.add_argument("--recipe", default="recipes/arith_cpu.yaml", help="modes bench: the recipe run in both modes")
     p.add_argument("--seed", type=int, default=1234, help="modes bench: the run seed")
+    p.add_argument("--workdir", default=None, help="teachers bench: where the teachers are built (default: a temp dir)")
     args = p.parse_args(argv)
     if args.bench == "rollout":
         return bench_rollout(args)
@@ -744,7 +806,9 @@ def main(argv=None) -> dict:
         return bench_async(args)
     elif args.bench == "modes":
         return bench_modes(args)
-    raise SystemExit(f"unknown benchmark {args.bench!r}; valid: rollout, router, sync, step, async, modes")
+    elif args.bench == "teachers":
+        return bench_teachers(args)
+    raise SystemExit(f"unknown benchmark {args.bench!r}; valid: rollout, router, sync, step, async, modes, teachers")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ Memory: several teachers share one worker group. One model skeleton per architec
 teacher's weights wait as a snapshot of this rank's shards (a safetensors file on CPU, read straight
 into the skeleton's parameters at swap time; pinned host memory on CUDA) and are copied into the skeleton when needed (`_swap_in`). `score`
 groups the batch by teacher, resident teachers first, so each teacher loads at most once per step.
-`python teacher.py memory` measures peak RSS with 1 and with 3 same-size teachers.
+`python bench.py teachers` measures peak RSS with 1 and with 3 same-size teachers.
 
 Routing (`token_routes`), who teaches which token, first match wins:
   1. `teacher_route: module.fn` — fn(trajectory dict) -> one entry per response token: a teacher name,
@@ -40,21 +40,16 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-import ray
 import torch
 from safetensors.torch import save_file
 
 import algos
 import convert
 import data
-import loongsage
 import trainer
-import transfermesh
 
 # Fields of an HF config that never change the built model: teachers that differ only in these share a skeleton.
 _NOT_ARCH = ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "bos_token_id",
@@ -334,48 +329,3 @@ class TeacherWorker:
         metrics.update({"teacher/seconds": time.perf_counter() - t0, "teacher/swaps": float(self.swaps - swaps0),
                         "teacher/teachers_used": float(len(used)), "teacher/peak_rss_mb": peak})
         return (out if self.par.rank == 0 else None), metrics
-
-
-# ----------------------------------------------------------------------------------------------------
-# `python teacher.py memory`: peak RSS of a teacher group holding 1 vs 3 same-size teachers
-
-
-def measure_memory(workdir: str, hidden_size: int = 512, layers: int = 4) -> dict:
-    """Build 3 same-size tiny Qwen3 teachers (different seeds), then in two fresh teacher processes
-    register 1 resp. 3 of them and score one batch routed to all of them. Returns both processes'
-    peak RSS and what the teachers added to it (peak minus the RSS before any model was built)."""
-    paths = {f"t{i}": data.build_tiny_model(Path(workdir) / f"t{i}", hidden_size=hidden_size,
-                                            num_hidden_layers=layers, intermediate_size=3 * hidden_size,
-                                            num_attention_heads=8, num_key_value_heads=4, head_dim=64, seed=i)
-             for i in range(3)}
-    cfg = loongsage.Config(teacher_tp=1, teacher_micro_batch=16, teacher_topk=8, teacher_route="", seed=0,
-                                dtype="float32", megatron={}, gkd_ratio=0.0, distill_type="topk_kl", trainer_threads=0,
-                                output_dir=workdir)
-    tok = data.load_tokenizer(paths["t0"])
-    batch = []
-    for i, s in enumerate(data.arith_samples(48, 3)):
-        r = tok.encode(s["answer"], add_special_tokens=False)
-        batch.append({"prompt_ids": data.prompt_ids(tok, s), "response_ids": r, "loss_mask": [1] * len(r),
-                      "group_id": i, "metadata": {"teacher": f"t{i % 3}"}})
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
-    Actor = ray.remote(TeacherWorker).options(num_cpus=1)
-    out = {}
-    for k in (1, 3):
-        a = Actor.remote(cfg, 0, 1, "127.0.0.1", transfermesh.free_port())
-        ray.get(a.load_teachers.remote({n: paths[n] for n in list(paths)[:k]}, f"{workdir}/snap{k}"))
-        b = [dict(s, metadata={"teacher": f"t{i % k}"}) for i, s in enumerate(batch)]
-        _, m = ray.get(a.score.remote(b))
-        mem = ray.get(a.memory.remote())
-        out[k] = {"peak_rss_mb": mem["peak_rss_mb"], "added_mb": mem["peak_rss_mb"] - mem["base_rss_mb"],
-                  "swaps": m["teacher/swaps"]}
-        ray.kill(a)
-    out["params_per_teacher"] = sum(t.numel() for t in convert.load_hf_state(paths["t0"]).values())
-    out["peak_ratio"] = out[3]["peak_rss_mb"] / out[1]["peak_rss_mb"]
-    out["added_ratio"] = out[3]["added_mb"] / out[1]["added_mb"]
-    return out
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] != ["memory"]:
-        sys.exit("usage: python teacher.py memory [workdir]")
-    print(json.dumps(measure_memory(sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp()), indent=1))
