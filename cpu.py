@@ -8,7 +8,9 @@ A reader who runs on GPUs can skip this file: on CUDA `apply_cpu_shims` returns 
 * `adamw`, `clip_grad_norm`: the optimizer and its TP/EP/PP-aware gradient clipping, because Megatron's
   optimizer wrappers allocate CUDA tensors;
 * `BorrowedCores`: a trainer rank computing on the cores of CPU engines while they have nothing to generate
-  (the thread count adapted before every transformer layer, forward and backward).
+  (the thread count adapted before every transformer layer, forward and backward);
+* `offload_to_file`, `onload_from_file`: the colocated memory hand-off's CPU path (bytes to a file, out of the
+  process, where CUDA would use pinned host memory).
 
 Test: `.venv/bin/pytest tests/test_trainer.py -k "core_attention or parity"` (the attention against torch's kernel
 and the whole model against transformers); every trainer test on CPU runs through the shims, and
