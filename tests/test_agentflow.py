@@ -1,7 +1,7 @@
 """AgentFlow tests: the router with the official openai/anthropic clients against the real CPU engine,
 token-in-token-out invariants, concurrency, bad input, agents (white-box, black-box, crashing), sandboxes.
 
-Every client round trip goes to a real CPU engine (rollout.serve) on the tiny random model. The only
+Every client round trip goes to a real CPU engine (cpu_engine.serve) on the tiny random model. The only
 test double is `crafted_engine`: the random model never writes a well-formed tool call, so the tests of
 tool-call parsing and of exact calc transcripts feed crafted engine outputs. The calc agent's tool loop
 against the real engine, with a model warm-started to call the tool, runs in tests/test_loongsage.py
@@ -20,10 +20,10 @@ import openai
 import pytest
 
 import agentflow
+import cpu_engine
 import data
 import loongsage
 import sandbox
-import rollout
 import wire
 
 SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=6)
@@ -35,7 +35,7 @@ CALC_TOOL = {"type": "function", "function": {"name": "calculator", "description
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
     """Two real CPU engines (load balancing needs more than one)."""
-    started = [rollout.serve(tiny_model_dir, max_batch=64, max_len=512, seed=i) for i in range(2)]
+    started = [cpu_engine.serve(tiny_model_dir, max_batch=64, max_len=512, seed=i) for i in range(2)]
     yield [url for url, _ in started]
     for _, handle in started:
         handle.shutdown()

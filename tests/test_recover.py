@@ -184,7 +184,7 @@ def test_engine_and_controller_killed_mid_run_lose_nothing(tmp_path):
 
 
 def engine_process(model_dir: str, port: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "rollout.py", "--model-path", model_dir, "--port", str(port),
+    return subprocess.Popen([sys.executable, "cpu_engine.py", "--model-path", model_dir, "--port", str(port),
                              "--max-len", "512"], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -209,8 +209,9 @@ def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_di
     import asyncio
 
     import agentflow
+    import cpu_engine
     import rollout
-    good_url, good = rollout.serve(tiny_model_dir, max_batch=64, max_len=512, seed=0)
+    good_url, good = cpu_engine.serve(tiny_model_dir, max_batch=64, max_len=512, seed=0)
     ports = [free_port(), free_port()]
     victims = [engine_process(tiny_model_dir, port, tmp_path / f"engine{i}.log") for i, port in enumerate(ports)]
     try:

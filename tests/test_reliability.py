@@ -295,8 +295,8 @@ def test_docker_sandbox_contains_the_same_cases():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    import rollout
-    url, handle = rollout.serve(tiny_model_dir, max_batch=16, max_len=512, seed=0)
+    import cpu_engine
+    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=16, max_len=512, seed=0)
     yield url
     handle.shutdown()
 
