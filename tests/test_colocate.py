@@ -78,8 +78,10 @@ def test_engine_releases_and_resumes_weights_and_kv_cache(mid_model):
         waiting = {}
         t = threading.Thread(target=lambda: waiting.update(out=_greedy(url, prompt)))
         t.start()
-        time.sleep(1.0)
-        assert not waiting and eng.state()["num_waiting_reqs"] == 1
+        while not eng.state()["num_waiting_reqs"]:  # until the request has reached the scheduler
+            time.sleep(0.01)
+        state = eng.state()  # answered a scheduler iteration later: it passed a step and did not admit the request
+        assert not waiting and (state["num_waiting_reqs"], state["num_running_reqs"]) == (1, 0)
         with pytest.raises(RuntimeError, match="weights are released"):  # no update into freed weights
             tm.push_weights(sorted(load_file(f"{mid_model}/model.safetensors").items()), [url], version=1,
                             transport="shm")

@@ -320,8 +320,8 @@ def test_pause_in_place_keeps_kv_and_new_weights_stamp_new_tokens(server, hf_a, 
     wait_running(handle, "inplace", 2)
     rollout.post(url, "/pause_generation", {"mode": "in_place"})
     n = wait_running(handle, "inplace", 1)
-    time.sleep(0.2)
-    assert wait_running(handle, "inplace", 1) == n  # frozen while paused, still holding its slot
+    # frozen while paused, still holding its slot: an unpaused scheduler steps between any two state() answers
+    assert wait_running(handle, "inplace", 1) == n
     handle.engine.load_weights(hf_b.state_dict().items(), version=5)  # the in-process path
     rollout.post(url, "/continue_generation", {})
     out = fut.result(timeout=60)
@@ -381,8 +381,10 @@ def test_pause_abort_mode_and_requests_queued_while_paused(server, hf_a):
     rollout.post(url, "/pause_generation", {"mode": "abort"})
     assert fut.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
     queued = background(gen, url, PROMPTS[1], temperature=0, max_new_tokens=8)
-    time.sleep(0.2)
-    assert not queued.done() and handle.engine.state()["num_waiting_reqs"] == 1
+    while not handle.engine.state()["num_waiting_reqs"]:  # until it has reached the scheduler
+        time.sleep(0.01)
+    # still waiting a scheduler iteration later (an unpaused scheduler would have admitted it by then)
+    assert handle.engine.state()["num_waiting_reqs"] == 1 and not queued.done()
     rollout.post(url, "/continue_generation", {})
     assert queued.result(timeout=60)["output_ids"] == hf_greedy(hf_a, PROMPTS[1], 8)
 
