@@ -11,6 +11,7 @@ engine seed reproduces samples; the scheduler thread keeps the process's only Op
 """
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import shutil
 import subprocess
@@ -101,6 +102,17 @@ def wait_running(handle, rid, min_tokens=1, timeout=30.0):
                 return r["completion_tokens"]
         time.sleep(0.002)
     raise AssertionError(f"request {rid} never ran")
+
+
+@contextlib.contextmanager
+def paused(url, mode: str):
+    """/pause_generation, then /continue_generation even when an assertion inside fails, so one failing test does
+    not leave the module's server paused (and every later test waiting on it)."""
+    rollout.post(url, "/pause_generation", {"mode": mode})
+    try:
+        yield
+    finally:
+        rollout.post(url, "/continue_generation", {})
 
 
 def background(fn, *args, **kw):
@@ -281,12 +293,12 @@ def test_abort_by_rid_returns_partial_output(server):
     assert 0 < len(out["output_ids"]) < 480 and len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
     assert futs["bystander"].result(timeout=60)["meta_info"]["finish_reason"]["type"] == "length"
     # abort_all, including a request that is still waiting (engine paused)
-    rollout.post(url, "/pause_generation", {"mode": "in_place"})
-    fut = background(gen, url, [3, 4, 5], **long)
-    time.sleep(0.2)
-    rollout.post(url, "/abort_request", {"abort_all": True})
-    out = fut.result(timeout=60)
-    rollout.post(url, "/continue_generation", {})
+    with paused(url, "in_place"):
+        fut = background(gen, url, [3, 4, 5], **long)
+        while not handle.engine.state()["num_waiting_reqs"]:  # until it has reached the scheduler
+            time.sleep(0.01)
+        rollout.post(url, "/abort_request", {"abort_all": True})
+        out = fut.result(timeout=60)
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
 
 
@@ -318,12 +330,11 @@ def test_pause_in_place_keeps_kv_and_new_weights_stamp_new_tokens(server, hf_a, 
                                                       "sampling_params": {"temperature": 0, "max_new_tokens": 200,
                                                                           "ignore_eos": True}})
     wait_running(handle, "inplace", 2)
-    rollout.post(url, "/pause_generation", {"mode": "in_place"})
-    n = wait_running(handle, "inplace", 1)
-    # frozen while paused, still holding its slot: an unpaused scheduler steps between any two state() answers
-    assert wait_running(handle, "inplace", 1) == n
-    handle.engine.load_weights(hf_b.state_dict().items(), version=5)  # the in-process path
-    rollout.post(url, "/continue_generation", {})
+    with paused(url, "in_place"):
+        n = wait_running(handle, "inplace", 1)
+        # frozen while paused, still holding its slot: an unpaused scheduler steps between any two state() answers
+        assert wait_running(handle, "inplace", 1) == n
+        handle.engine.load_weights(hf_b.state_dict().items(), version=5)  # the in-process path
     out = fut.result(timeout=60)
     try:
         # SGLang's span format: tokens [0, n) from version 0, [n, 200) from version 5
@@ -353,12 +364,11 @@ def test_pause_retract_recomputes_with_new_weights(server, hf_a, hf_b, other_dir
                                                       "sampling_params": {"temperature": 0, "max_new_tokens": 200,
                                                                           "ignore_eos": True}})
     wait_running(handle, "retract", 2)
-    rollout.post(url, "/pause_generation", {"mode": "retract"})
-    state = handle.engine.state()
-    assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 1 and state["paused"]
-    r = rollout.post(url, "/update_weights_from_disk", {"model_path": other_dir, "weight_version": "6"})
-    assert r["success"] and "6" in r["message"]
-    rollout.post(url, "/continue_generation", {})
+    with paused(url, "retract"):
+        state = handle.engine.state()
+        assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 1 and state["paused"]
+        r = rollout.post(url, "/update_weights_from_disk", {"model_path": other_dir, "weight_version": "6"})
+        assert r["success"] and "6" in r["message"]
     out = fut.result(timeout=60)
     try:
         spans = out["meta_info"]["weight_versions"]
@@ -378,14 +388,13 @@ def test_pause_abort_mode_and_requests_queued_while_paused(server, hf_a):
     fut = background(rollout.post, url, "/generate", {"input_ids": PROMPTS[1], "rid": "paused-abort",
                                                       "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})
     wait_running(handle, "paused-abort", 1)
-    rollout.post(url, "/pause_generation", {"mode": "abort"})
-    assert fut.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
-    queued = background(gen, url, PROMPTS[1], temperature=0, max_new_tokens=8)
-    while not handle.engine.state()["num_waiting_reqs"]:  # until it has reached the scheduler
-        time.sleep(0.01)
-    # still waiting a scheduler iteration later (an unpaused scheduler would have admitted it by then)
-    assert handle.engine.state()["num_waiting_reqs"] == 1 and not queued.done()
-    rollout.post(url, "/continue_generation", {})
+    with paused(url, "abort"):
+        assert fut.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
+        queued = background(gen, url, PROMPTS[1], temperature=0, max_new_tokens=8)
+        while not handle.engine.state()["num_waiting_reqs"]:  # until it has reached the scheduler
+            time.sleep(0.01)
+        # still waiting a scheduler iteration later (an unpaused scheduler would have admitted it by then)
+        assert handle.engine.state()["num_waiting_reqs"] == 1 and not queued.done()
     assert queued.result(timeout=60)["output_ids"] == hf_greedy(hf_a, PROMPTS[1], 8)
 
 
