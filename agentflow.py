@@ -93,7 +93,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 import data
 import rollout
 import sandbox
-from wire import (ApiError, anthropic_error_body, anthropic_request, anthropic_response, anthropic_stream,
+from wire import (ApiError, Turn, anthropic_error_body, anthropic_request, anthropic_response, anthropic_stream,
                   openai_error_body, openai_messages, openai_request, openai_response, openai_stream, openai_tools,
                   responses_output, responses_request, responses_response, responses_stream)
 
@@ -597,21 +597,6 @@ class TurnPlan:
     input_ids: list[int]          # the whole context sent to the engine
     messages: list[dict]
     tools: list[dict] | None
-
-
-@dataclass
-class Turn:
-    """One generated assistant turn, parsed."""
-    output_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]           # weight version per output token
-    finish_reason: str            # "stop" | "length" | "abort"
-    content: str                  # text without tool-call blocks
-    tool_calls: list[dict]
-    prompt_tokens: int
-    engine: str
-    stop_sequence: str | None = None  # the stop string that ended the turn, if one did
-    routed_experts: str = ""      # the engine's routing of input + output ids (minus the last), base64; "" if none
 
 
 class Session:

@@ -4,7 +4,7 @@ Speed targets live here, never in timed tests, because the machines these run on
 measured back to back in one run is far steadier than an absolute number.
 
     python bench.py rollout [--batch 64 --new-tokens 64 --prompt-len 32 --repeats 3]
-        CPU engine (rollout.CpuEngine, continuous batching over a slot KV cache) vs transformers
+        CPU engine (cpu_engine.CpuEngine, continuous batching over a slot KV cache) vs transformers
         `model.generate` on the same tiny Qwen3 (~3.4M parameters: hidden 256, 4 layers), the same batch of
         prompts and the same per-request lengths, both sampling at temperature 1 with no top-k/top-p. Two
         workloads: all requests new_tokens long, and lengths spread over [1, 2*new_tokens) as RL responses are
@@ -86,6 +86,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, TrainerCallback
 
 import convert
+import cpu_engine
 import data
 import loongsage
 import rollout
@@ -116,7 +117,7 @@ def _interleaved(fns: list, repeats: int) -> list[float]:
 
 def _rollout_worker(kind: str, conn, path: str, prompts: list, workloads: dict, threads: int) -> None:
     """One side of `bench rollout` in a process of its own, as each runs in practice (the engine as its server's
-    process, generate in its trainer's): "hf" (transformers generate) or "engine" (rollout.CpuEngine). Runs the
+    process, generate in its trainer's): "hf" (transformers generate) or "engine" (cpu_engine.CpuEngine). Runs the
     workload named by each message on `conn` and answers its seconds. Both sides in one process measured wrongly
     here: while the engine's thread was alive, generate in the main thread ran 1.8-2.0x slower (two OpenMP thread
     pools in one process on 2 cores), and the engine ran slower beside generate's pool too."""
@@ -150,7 +151,7 @@ def _rollout_worker(kind: str, conn, path: str, prompts: list, workloads: dict, 
             assert got == lengths, (got[:8], lengths[:8])
     else:
         longest = max(max(v) for v in workloads.values())
-        engine = rollout.CpuEngine(path, max_batch=len(prompts), max_len=prompt_len + longest + 1).start()
+        engine = cpu_engine.CpuEngine(path, max_batch=len(prompts), max_len=prompt_len + longest + 1).start()
 
         def run(lengths):
             reqs = [engine.make_request(p, {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": n,
@@ -235,7 +236,7 @@ def bench_router(args) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "rollout.py", "--model-path", path, "--port", str(port), "--max-batch", "8"],
+    proc = subprocess.Popen([sys.executable, "cpu_engine.py", "--model-path", path, "--port", str(port), "--max-batch", "8"],
                             cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     rollout.wait_healthy(url, timeout=120, proc=proc)
@@ -595,7 +596,7 @@ def bench_sync(args) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         eport = sock.getsockname()[1]
-    eproc = subprocess.Popen([sys.executable, "rollout.py", "--model-path", path, "--port", str(eport), "--max-batch", "8"],
+    eproc = subprocess.Popen([sys.executable, "cpu_engine.py", "--model-path", path, "--port", str(eport), "--max-batch", "8"],
                              cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{eport}"
     try:

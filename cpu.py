@@ -41,7 +41,7 @@ class SDPACoreAttention(torch.nn.Module):
 
     Megatron's own `DotProductAttention` preallocates its score buffer on the CUDA device; this module takes the
     same constructor and forward arguments as the layer spec passes to it. Two ways to the same math:
-    * short micro-batches (the RL case on CPU): written out as the CPU engine computes it (rollout._attention),
+    * short micro-batches (the RL case on CPU): written out as the CPU engine computes it (cpu_engine._attention),
       the query heads of each kv head stacked into one matrix, the causal mask and the scale folded into one
       baddbmm, a softmax and a bmm. No kv-head copies for GQA, and at the tiny recipes' shapes (64 rows of ~50
       tokens) forward + backward took 0.54x the time of torch's CPU flash kernel (1 thread; 0.53x on 2);
@@ -224,7 +224,7 @@ class BorrowedCores:
     controller's core placement) while they have nothing to generate (async on a local CPU node:
     cfg.borrow_engine_cores). Every thread of this process may then run on them, and before each transformer
     layer, in the forward and the backward pass, the torch thread count becomes the rank's own (`own_threads`)
-    plus the cores of the lending engines whose byte in `busy_file` is 0 (rollout.CpuEngine keeps its byte at 1
+    plus the cores of the lending engines whose byte in `busy_file` is 0 (cpu_engine.CpuEngine keeps its byte at 1
     while it has requests). A layer is the grain: an engine that gets work waits at most one layer's pass for
     its core."""
 

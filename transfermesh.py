@@ -11,7 +11,7 @@ every update sits inside `POST /begin_weight_update {"selector": "all"}` ... `PO
 tensors travel in buckets (never one round-trip per parameter) in SGLang's "flattened_bucket" layout;
 the last bucket carries `weight_version`, so no separate version call is needed. One persistent HTTP
 connection per engine (a module-level client) serves every call of every sync. The receiver side is
-the CPU engine's own HTTP endpoints (rollout.py), using the helpers at the bottom of this file.
+the CPU engine's own HTTP endpoints (cpu_engine.py), using the helpers at the bottom of this file.
 
 Transports (chosen per engine by `pick_transport`, or forced with `transfer=` in the recipe):
 
@@ -575,7 +575,7 @@ def trim_freed_memory() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# receiver side (used by the engine's HTTP handlers in rollout.py)
+# receiver side (used by the engine's HTTP handlers in cpu_engine.py)
 
 
 _MAPPED: dict = {}  # segment name -> read-only shared mapping of it as a uint8 tensor; the latest segment only

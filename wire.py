@@ -26,10 +26,6 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # annotations only: agentflow imports this module, not the other way round
-    from agentflow import ChatFormat, Turn
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,6 +455,21 @@ def anthropic_request(body: dict) -> ChatRequest:
 # response shapes: OpenAI chat.completion(.chunk) and Anthropic message (+ stream events)
 
 
+@dataclass
+class Turn:
+    """One generated assistant turn, parsed: what a Session (agentflow.py) hands to the response shapes below."""
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]           # weight version per output token
+    finish_reason: str            # "stop" | "length" | "abort"
+    content: str                  # text without tool-call blocks
+    tool_calls: list[dict]
+    prompt_tokens: int
+    engine: str
+    stop_sequence: str | None = None  # the stop string that ended the turn, if one did
+    routed_experts: str = ""      # the engine's routing of input + output ids (minus the last), base64; "" if none
+
+
 def _openai_tool_calls(turn: Turn) -> list[dict]:
     # OpenAI sends arguments as a JSON string; internally they are a dict so histories compare by value.
     return [{"id": c["id"], "type": "function",
@@ -478,8 +489,9 @@ def _finish_anthropic(turn: Turn) -> str:
     return "max_tokens" if turn.finish_reason == "length" else "end_turn"
 
 
-def _openai_logprobs(chat: ChatFormat, turn: Turn) -> dict:
-    """Per-token logprobs of the sampled tokens (no top_logprobs: the engine returns only the sampled one)."""
+def _openai_logprobs(chat, turn: Turn) -> dict:
+    """Per-token logprobs of the sampled tokens (no top_logprobs: the engine returns only the sampled one). `chat`:
+    agentflow.ChatFormat, whose decode gives each token's text (left unannotated: agentflow imports this module)."""
     content = []
     for tid, lp in zip(turn.output_ids, turn.logprobs):
         text = chat.decode([tid], skip_special_tokens=False)
@@ -487,7 +499,7 @@ def _openai_logprobs(chat: ChatFormat, turn: Turn) -> dict:
     return {"content": content, "refusal": None}
 
 
-def openai_response(chat: ChatFormat, turn: Turn, model: str, logprobs: bool) -> dict:
+def openai_response(chat, turn: Turn, model: str, logprobs: bool) -> dict:
     message = {"role": "assistant", "content": turn.content if (turn.content or not turn.tool_calls) else None}
     if turn.tool_calls:
         message["tool_calls"] = _openai_tool_calls(turn)
@@ -498,7 +510,7 @@ def openai_response(chat: ChatFormat, turn: Turn, model: str, logprobs: bool) ->
                       "total_tokens": turn.prompt_tokens + len(turn.output_ids)}}
 
 
-def openai_stream(chat: ChatFormat, turn: Turn, model: str, logprobs: bool, include_usage: bool):
+def openai_stream(chat, turn: Turn, model: str, logprobs: bool, include_usage: bool):
     """The chunk sequence of a streamed reply: role, content, tool calls, finish, [usage], [DONE]."""
     base = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model}

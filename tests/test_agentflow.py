@@ -1,7 +1,7 @@
 """AgentFlow tests: the router with the official openai/anthropic clients against the real CPU engine,
 token-in-token-out invariants, concurrency, bad input, agents (white-box, black-box, crashing), sandboxes.
 
-Every client round trip goes to a real CPU engine (rollout.serve) on the tiny random model. The only
+Every client round trip goes to a real CPU engine (cpu_engine.serve) on the tiny random model. The only
 test double is `crafted_engine`: the random model never writes a well-formed tool call, so the tests of
 tool-call parsing and of exact calc transcripts feed crafted engine outputs. The calc agent's tool loop
 against the real engine, with a model warm-started to call the tool, runs in tests/test_loongsage.py
@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import time
 from pathlib import Path
 
 import anthropic
@@ -20,10 +19,10 @@ import openai
 import pytest
 
 import agentflow
+import cpu_engine
 import data
 import loongsage
 import sandbox
-import rollout
 import wire
 
 SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=6)
@@ -35,7 +34,7 @@ CALC_TOOL = {"type": "function", "function": {"name": "calculator", "description
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
     """Two real CPU engines (load balancing needs more than one)."""
-    started = [rollout.serve(tiny_model_dir, max_batch=64, max_len=512, seed=i) for i in range(2)]
+    started = [cpu_engine.serve(tiny_model_dir, max_batch=64, max_len=512, seed=i) for i in range(2)]
     yield [url for url, _ in started]
     for _, handle in started:
         handle.shutdown()
@@ -537,19 +536,33 @@ def test_blackbox_agent_program_trains_through_env_vars(engines, tiny_model_dir,
 
 
 def test_abort_drops_running_groups(engines, tiny_model_dir):
+    """abort() drops the running groups and ends their requests on the engines, by rid, without waiting for them:
+    once it returns, none of the four requests (400 tokens each) still runs on an engine, and the engines generated
+    fewer tokens in all than finishing them would take. (A dropped HTTP connection does not abort a request, so an
+    abort that only cancelled the client tasks would leave them generating.)"""
+    async def states(http) -> list[dict]:
+        answers = await asyncio.gather(*(http.get(f"{url}/get_server_info") for url in engines))
+        return [a.json()["internal_states"][0] for a in answers]
+
     async def body():
-        flow = agentflow.AgentFlow(make_cfg(max_context_len=512), engines, tiny_model_dir)
-        task = asyncio.ensure_future(flow.generate(data.arith_samples(2, seed=5), 2,
-                                                   dict(SAMPLING, max_new_tokens=400, ignore_eos=True), step=0))
-        while len(flow.pool.running) < 4:  # all four requests are on their way to the engines
-            await asyncio.sleep(0.001)
-        t0 = time.perf_counter()
-        await flow.abort()
-        out = await task
-        await flow.close()
-        return out, time.perf_counter() - t0
-    out, waited = run(body())
-    assert out == [] and waited < 10
+        async with httpx.AsyncClient(timeout=60) as http:
+            tokens_before = sum(s["generated_tokens"] for s in await states(http))
+            flow = agentflow.AgentFlow(make_cfg(max_context_len=512), engines, tiny_model_dir)
+            task = asyncio.ensure_future(flow.generate(data.arith_samples(2, seed=5), 2,
+                                                       dict(SAMPLING, max_new_tokens=400, ignore_eos=True), step=0))
+            rids = set()
+            while len(rids) < 4:  # until all four requests run on the engines (not merely sent)
+                rids = set(flow.pool.running) & {r["rid"] for s in await states(http) for r in s["running"]}
+                await asyncio.sleep(0.01)
+            await flow.abort()
+            out = await task
+            after = await states(http)
+            await flow.close()
+        return out, rids, tokens_before, after
+    out, rids, tokens_before, after = run(body())
+    assert out == [] and len(rids) == 4
+    assert not rids & {r["rid"] for s in after for r in s["running"]}  # aborted on the engines
+    assert sum(s["generated_tokens"] for s in after) - tokens_before < 4 * 400  # without running to their end
 
 
 def test_engine_pool_least_loaded_and_skips_dead_engines(engines):
@@ -610,19 +623,20 @@ def test_local_sandbox_limits_and_cleanup():
     async def body():
         box = await sandbox.LocalSandbox(cpu_s=1, memory_mb=256, file_mb=1).create()
         root = box.dir
-        wall = await box.execute("sleep 30 & echo $! > child.pid; sleep 30", timeout_s=1.0)
+        wall = await box.execute("sleep 300 & echo $! > child.pid; sleep 300", timeout_s=1.0)
         child = int(Path(root, "child.pid").read_text())
         mem = await box.execute("python -c 'x = bytearray(512 * 2**20)'", timeout_s=20)
         fsize = await box.execute("python -c \"open('big', 'wb').write(b'x' * 2 * 2**20)\"", timeout_s=20)
-        cpu = await box.execute("python -c 'while True: pass'", timeout_s=20)
+        cpu = await box.execute("python -c 'while True: pass'", timeout_s=60)
         echo = await box.execute("cat; echo \" $GREETING\"; pwd", stdin="hi", env={"GREETING": "there"})
         await box.delete()
         return root, wall, child, mem, fsize, cpu, echo
     root, wall, child, mem, fsize, cpu, echo = run(body())
-    assert wall.timed_out and wall.wall_s < 5 and not _alive(child)      # the whole group was killed
+    # the whole group was killed at the timeout: the command did not run on to the end of its 300 s sleeps
+    assert wall.timed_out and wall.wall_s < 300 and not _alive(child)
     assert mem.exit_code != 0 and "MemoryError" in mem.stderr
     assert fsize.exit_code != 0
-    assert cpu.exit_code != 0 and not cpu.timed_out and cpu.wall_s < 15   # RLIMIT_CPU, not the wall clock
+    assert cpu.exit_code != 0 and not cpu.timed_out  # RLIMIT_CPU (1 s of CPU) ended it, not the 60 s wall clock
     assert echo.stdout.split("\n")[:2] == ["hi there", root]
     assert not os.path.exists(root)
 

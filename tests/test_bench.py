@@ -16,13 +16,19 @@ def _numbers(line: str) -> list[float]:
 
 
 def test_bench_rollout_smoke(capsys):
-    bench.main(["rollout", "--batch", "3", "--new-tokens", "3", "--prompt-len", "5", "--repeats", "1"])
+    """Both workloads run; the ratio is the engine's tok/s over transformers' of the same measurements (computed
+    from the unrounded figures the benchmark returns, not the printed, rounded ones), and the printed line shows
+    exactly those figures."""
+    r = bench.main(["rollout", "--batch", "3", "--new-tokens", "3", "--prompt-len", "5", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "batch 3, prompt 5, new tokens 3" in out
-    for workload in ("fixed", "varied"):  # both workloads ran, every figure positive
+    for workload in ("fixed", "varied"):
+        w = r[workload]
+        assert w["hf_tok_s"] > 0 and w["engine_tok_s"] > 0
+        assert w["ratio"] == pytest.approx(w["engine_tok_s"] / w["hf_tok_s"], rel=1e-9)
         [line] = [x for x in out.splitlines() if x.strip().startswith(workload)]
-        hf, engine, ratio = _numbers(line.split("transformers generate")[1])[:3]
-        assert hf > 0 and engine > 0 and ratio == pytest.approx(engine / hf, rel=0.02), line
+        assert (f"generate {w['hf_tok_s']:7.0f} tok/s, CPU engine {w['engine_tok_s']:7.0f} tok/s, "
+                f"ratio {w['ratio']:.2f}x") in line, line
     assert re.search(r"fixed +lengths \(3-3 tokens\)", out)  # every request exactly new_tokens long
 
 
@@ -45,7 +51,7 @@ def test_sync_bench_measures_every_transport_and_the_fixed_cost():
     for mb in (1, 4):
         assert set(r[mb]) == {"memcpy", "shm", "broadcast", "disk", "pickle_http"}
         assert all(0 < v < math.inf for v in r[mb].values())
-    assert 0 < r["fixed_s"] < 60 and 0 < r["tiny_sync_s"] < 60
+    assert 0 < r["fixed_s"] < math.inf and 0 < r["tiny_sync_s"] < math.inf  # measured, whatever the machine's speed
 
 
 def test_step_bench_reports_phases_within_the_step():

@@ -22,6 +22,7 @@ import pytest
 import ray
 import torch
 
+import cpu_engine
 import data
 import rollout
 import transfermesh as tm
@@ -48,11 +49,11 @@ def _greedy(url, prompt):
 def test_engine_releases_and_resumes_weights_and_kv_cache(mid_model):
     from safetensors.torch import load_file
     max_batch, max_len = 32, 512
-    url, handle = rollout.serve(mid_model, max_batch=max_batch, max_len=max_len, seed=0)
+    url, handle = cpu_engine.serve(mid_model, max_batch=max_batch, max_len=max_len, seed=0)
     try:
         eng = handle.engine
-        kv_bytes = 2 * eng.k_cache.numel() * eng.k_cache.element_size()
-        w_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+        kv_bytes = 2 * eng.runner.k_cache.numel() * eng.runner.k_cache.element_size()
+        w_bytes = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
         prompt = [5, 17, 42, 9, 33]
         before = _greedy(url, prompt)
 
@@ -77,8 +78,10 @@ def test_engine_releases_and_resumes_weights_and_kv_cache(mid_model):
         waiting = {}
         t = threading.Thread(target=lambda: waiting.update(out=_greedy(url, prompt)))
         t.start()
-        time.sleep(1.0)
-        assert not waiting and eng.state()["num_waiting_reqs"] == 1
+        while not eng.state()["num_waiting_reqs"]:  # until the request has reached the scheduler
+            time.sleep(0.01)
+        state = eng.state()  # answered a scheduler iteration later: it passed a step and did not admit the request
+        assert not waiting and (state["num_waiting_reqs"], state["num_running_reqs"]) == (1, 0)
         with pytest.raises(RuntimeError, match="weights are released"):  # no update into freed weights
             tm.push_weights(sorted(load_file(f"{mid_model}/model.safetensors").items()), [url], version=1,
                             transport="shm")
@@ -86,7 +89,8 @@ def test_engine_releases_and_resumes_weights_and_kv_cache(mid_model):
         # two-stage onload: weights (zeroed) back, the update fills them, then the KV cache
         w = rollout.post(url, "/resume_memory_occupation", {"tags": ["weights"]})
         assert w["rss_bytes"] - both["rss_bytes"] > 0.8 * w_bytes and w["released"] == ["kv_cache"]
-        assert all(float(p.abs().sum()) == 0 for p in eng.model.parameters())  # dropped, not kept (SGLang default)
+        # dropped, not kept (SGLang's default)
+        assert all(float(p.abs().sum()) == 0 for p in eng.runner.model.parameters())
         tm.push_weights(sorted(load_file(f"{mid_model}/model.safetensors").items()), [url], version=1, transport="shm")
         assert not waiting  # still waiting: the KV cache is not back
         # measured right before the resume: the update in between frees memory of its own (run alone: 7.5 MB, so the

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 import agentflow
 import algos
+import cpu_engine
 import data
 import loongsage
 import rollout
@@ -301,11 +302,12 @@ def test_teacher_route_by_dotted_path(tmp_path, monkeypatch):
 def test_engine_by_dotted_path(tiny_model_dir, tmp_path, monkeypatch):
     mod = plug(tmp_path, monkeypatch, "userext_engine", f"""
         import json
-        import rollout
+
+        import cpu_engine
 
         def start(cfg, rank, host, seed):
             # the CPU engine with settings of the user's choosing; any server on SGLang's HTTP contract would do
-            url, handle = rollout.serve(cfg.model_path, host=host, max_batch=2, max_len=64, seed=seed)
+            url, handle = cpu_engine.serve(cfg.model_path, host=host, max_batch=2, max_len=64, seed=seed)
             open({str(tmp_path / "calls.json")!r}, "w").write(json.dumps({{"rank": rank, "seed": seed, "url": url}}))
             return url, handle
         """)
@@ -332,7 +334,7 @@ def test_weight_transport_by_dotted_path(tiny_model_dir, tmp_path, monkeypatch):
             open({str(tmp_path / "pushed.json")!r}, "w").write(json.dumps([len(tensors), version]))
             return n, nbytes
         """)
-    url, handle = rollout.serve(tiny_model_dir, max_batch=2, max_len=64, seed=0)
+    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=2, max_len=64, seed=0)
     try:
         named = sorted(load_file(f"{tiny_model_dir}/model.safetensors").items())
         stats = transfermesh.push_weights(named, [url], 7, transport=f"{mod}:push", config_dir=tiny_model_dir)

@@ -11,6 +11,7 @@ import pytest
 import ray
 import torch
 
+import cpu_engine
 import data
 import rollout
 import trainer
@@ -40,7 +41,7 @@ def _logits_dtype(w, batch):
 
 
 def _engine_rollouts(model_dir: str, prompts, fp32_lm_head: bool, dtype="bfloat16"):
-    eng = rollout.CpuEngine(model_dir, max_batch=16, max_len=128, dtype=dtype, fp32_lm_head=fp32_lm_head).start()
+    eng = cpu_engine.CpuEngine(model_dir, max_batch=16, max_len=128, dtype=dtype, fp32_lm_head=fp32_lm_head).start()
     try:
         outs = eng.generate(prompts, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
     finally:

@@ -26,6 +26,7 @@ import torch
 
 import agentflow
 import convert
+import cpu_engine
 import data
 import loongsage
 import rollout
@@ -81,8 +82,8 @@ def test_agentflow_keeps_routing_of_the_kept_tokens_only():
 def test_cpu_engine_moe_matches_transformers_and_reports_routed_experts(moe_dir, tiny_model_dir):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
-    url, handle = rollout.serve(moe_dir, max_batch=8, max_len=128, seed=0)
-    dense_url, dense = rollout.serve(tiny_model_dir, max_batch=2, max_len=64, seed=0)
+    url, handle = cpu_engine.serve(moe_dir, max_batch=8, max_len=128, seed=0)
+    dense_url, dense = cpu_engine.serve(tiny_model_dir, max_batch=2, max_len=64, seed=0)
     try:
         prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43]]
         sp = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
@@ -152,7 +153,7 @@ def test_multi_turn_trajectory_carries_the_routing_of_every_token(moe_dir):
     """A 2-turn agent: the trajectory's routed_experts cover prompt + both turns + the template and user tokens
     between them (the second call ran on all of them), each row what transformers' router picks for that token."""
     from transformers import AutoModelForCausalLM
-    url, handle = rollout.serve(moe_dir, max_batch=8, max_len=256, seed=0)
+    url, handle = cpu_engine.serve(moe_dir, max_batch=8, max_len=256, seed=0)
     cfg = dataclasses.replace(loongsage.Config(), reward="data.exact_match", agent="test_moe.two_turn_agent",
                               agent_command="", max_context_len=256, max_prompt_len=128, router_replay=True)
 
@@ -191,7 +192,7 @@ def train_cfg(**over) -> loongsage.Config:
 
 def bf16_rollout(moe_dir: str) -> list[dict]:
     """16 trajectories from AgentFlow's single-turn path against a bf16 CPU engine over HTTP, routing asked for."""
-    url, handle = rollout.serve(moe_dir, max_batch=16, max_len=128, seed=0, dtype="bfloat16")
+    url, handle = cpu_engine.serve(moe_dir, max_batch=16, max_len=128, seed=0, dtype="bfloat16")
     cfg = dataclasses.replace(loongsage.Config(), reward="data.exact_match", agent="", agent_command="",
                               max_context_len=128, max_prompt_len=64, router_replay=True)
 

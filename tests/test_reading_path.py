@@ -1,6 +1,7 @@
 """The reading path stays as STYLE and README describe it: agentflow.py's comment ratio, Config as the only
-source of defaults, and imports at the top of the modules converted so far (a late import says why). Pure
-source reading, no model: `.venv/bin/pytest tests/test_reading_path.py -q` (about a second).
+source of defaults, imports at the top of the modules converted so far (a late import says why), and no two
+modules that import each other. Pure source reading, no model: `.venv/bin/pytest tests/test_reading_path.py -q`
+(about a second).
 """
 import ast
 import io
@@ -15,7 +16,7 @@ MODULES = sorted(ROOT.glob("*.py"))
 # Modules whose imports sit at the top, late ones commented with why (optional dependency, import cycle, heavy
 # and not needed by `--check`, after a setup step). A new module joins this list.
 TOP_IMPORTS = ("agentflow.py", "wire.py", "data.py", "algos.py", "teacher.py", "viewer.py", "loongsage.py",
-               "rollout.py", "transfermesh.py", "trainer.py", "bench.py", "convert.py", "cpu.py")
+               "rollout.py", "cpu_engine.py", "transfermesh.py", "trainer.py", "bench.py", "convert.py", "cpu.py")
 
 
 def comment_ratio(source: str) -> float:
@@ -77,3 +78,40 @@ def test_late_imports_say_why(name):
     silent = [n.lineno for n in ast.walk(tree)
               if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in top and not says_why(n.lineno)]
     assert silent == [], f"{name}: imports inside functions with no comment saying why, lines {silent}"
+
+
+def module_imports(source: str, modules: set[str]) -> set[str]:
+    """The top-level modules among `modules` that `source` imports anywhere: at the top, inside functions, under
+    `if TYPE_CHECKING:` (an annotation-only import still ties the two files together for a reader)."""
+    found = set()
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Import):
+            found |= {a.name.split(".")[0] for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
+            found.add(n.module.split(".")[0])
+    return found & modules
+
+
+def test_module_imports_counts_late_and_type_checking_imports():
+    source = ("import a, b.c\nfrom d import x\nimport zz\n"
+              "def f():\n    import e\n"
+              "if TYPE_CHECKING:\n    from g import T\n")
+    assert module_imports(source, {"a", "b", "d", "e", "g", "h"}) == {"a", "b", "d", "e", "g"}
+
+
+def test_no_module_imports_one_that_imports_it():
+    """No import cycle among the top-level modules, directly or through others: each module can be read, imported
+    and tested without the modules that use it."""
+    names = {p.stem for p in MODULES}
+    deps = {p.stem: module_imports(p.read_text(), names) - {p.stem} for p in MODULES}
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for d in deps[todo.pop()] - seen:
+                seen.add(d)
+                todo.append(d)
+        return seen
+    reach = {m: reachable(m) for m in deps}
+    cycles = sorted({tuple(sorted((a, b))) for a in deps for b in reach[a] if b != a and a in reach[b]})
+    assert cycles == [], f"modules that import each other, directly or through others: {cycles}"

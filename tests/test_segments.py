@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import agentflow
+import cpu_engine
 import loongsage
-import rollout
 import trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ async def turn_rewarding_agent(client, sample):
 
 
 def test_agent_turn_rewards_reach_the_trajectory(tiny_model_dir):
-    url, handle = rollout.serve(tiny_model_dir, max_batch=8, max_len=512, seed=1)
+    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=8, max_len=512, seed=1)
     cfg = dataclasses.replace(loongsage.Config(), agent="test_segments.turn_rewarding_agent", max_context_len=512)
 
     async def body():

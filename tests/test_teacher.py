@@ -20,17 +20,16 @@ import socket
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
-ray = pytest.importorskip("ray")
-
-import algos  # noqa: E402
-import convert  # noqa: E402
-import data  # noqa: E402
-import loongsage  # noqa: E402
-import teacher  # noqa: E402
-import trainer  # noqa: E402
-from loongsage import Config  # noqa: E402
+import algos
+import convert
+import data
+import loongsage
+import teacher
+import trainer
+from loongsage import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)

@@ -6,6 +6,7 @@ import httpx
 import pytest
 import torch
 
+import cpu_engine
 import data
 import rollout
 import transfermesh as tm
@@ -169,7 +170,7 @@ def _hf_logprobs(path, prompt, out_ids):
 @pytest.mark.parametrize("transport", ["shm", "broadcast", "disk"])
 def test_each_transport_installs_the_weights(transport, tiny_model_dir, other_model):
     from safetensors.torch import load_file
-    url, handle = rollout.serve(tiny_model_dir, max_batch=4, max_len=128)
+    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=4, max_len=128)
     try:
         prompt = data.prompt_ids(data.load_tokenizer(tiny_model_dir), {"messages": [{"role": "user", "content": "3+4"}]})
         before, _, v0 = _engine_logprobs(url, prompt)
@@ -197,7 +198,7 @@ def test_trainer_to_engine_sync_gives_equal_logprobs(tiny_model_dir, tmp_path):
     cfg = loongsage.load_config(None, [f"model_path={tiny_model_dir}", "prompts_per_step=2", "samples_per_prompt=4",
                                        "global_batch_size=8", "micro_batch_size=8", "lr=1e-2", f"output_dir={tmp_path}"])
     ray.init(num_cpus=2, include_dashboard=False)
-    url, handle = rollout.serve(tiny_model_dir, max_batch=8, max_len=128, seed=3)
+    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=8, max_len=128, seed=3)
     try:
         w = ray.remote(trainer.TrainerWorker).remote(cfg, 0, 1, "127.0.0.1", tm.free_port())
         ray.get(w.load_hf.remote(tiny_model_dir))
@@ -240,7 +241,7 @@ def test_every_transport_reaches_every_engine(tiny_model_dir, other_model):
     and the broadcast group reused for a second sync. After each push BOTH engines give the pushed model's
     logprobs and report the pushed version (a rank offset or a bucket that reached only one engine shows)."""
     from safetensors.torch import load_file
-    started = [rollout.serve(tiny_model_dir, max_batch=4, max_len=128, seed=i) for i in range(2)]
+    started = [cpu_engine.serve(tiny_model_dir, max_batch=4, max_len=128, seed=i) for i in range(2)]
     urls = [url for url, _ in started]
     prompt = data.prompt_ids(data.load_tokenizer(tiny_model_dir), {"messages": [{"role": "user", "content": "12+7"}]})
     other = sorted(load_file(f"{other_model}/model.safetensors").items())
@@ -267,7 +268,7 @@ def test_every_transport_reaches_every_engine(tiny_model_dir, other_model):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    url, handle = rollout.serve(tiny_model_dir, max_batch=4, max_len=128)
+    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=4, max_len=128)
     yield url
     handle.shutdown()
 
@@ -372,7 +373,7 @@ def test_a_partial_update_reaches_the_packed_weights(tiny_model_dir, other_model
     from transformers import AutoModelForCausalLM
     other = load_file(f"{other_model}/model.safetensors")
     names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight"]
-    engine = rollout.CpuEngine(tiny_model_dir, max_batch=2, max_len=64).start()
+    engine = cpu_engine.CpuEngine(tiny_model_dir, max_batch=2, max_len=64).start()
     try:
         engine.load_weights([(n, other[n]) for n in names], version="2")
         out = engine.generate([[5, 6, 7, 8]], {"temperature": 0, "max_new_tokens": 6})[0]
