@@ -44,7 +44,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -60,6 +59,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm import tqdm
 
 import algos
+import cpu
 import data
 import sandbox
 import trainer  # cheap: Megatron loads inside the trainer actors, not here
@@ -411,13 +411,7 @@ def finalize(cfg: Config) -> Config:
     need(cfg.max_version_lag >= -1, f"max_version_lag={cfg.max_version_lag}: use -1 (no bound) or a lag >= 0")
     if cfg.mode == "sync":
         cfg.stale_steps = 0.0  # one code path: sync is the pipeline with nothing running ahead
-    # torch threads per actor: async runs trainers and engines at once, each on its own Ray CPUs; sync runs
-    # one phase at a time, so the phase running may use the node's cores (split among the actors of that phase)
-    sync_cpu, cores = cfg.mode == "sync" and cfg.device == "cpu", os.cpu_count() or 1
-    if cfg.trainer_threads <= 0:
-        cfg.trainer_threads = max(1, cores // cfg.trainer_workers if sync_cpu else int(cfg.cpus_per_trainer))
-    if cfg.engine_threads <= 0:
-        cfg.engine_threads = max(1, cores // cfg.num_engines if sync_cpu else int(cfg.cpus_per_engine))
+    cfg.trainer_threads, cfg.engine_threads = cpu.torch_threads(cfg)  # those left at 0, derived from the cores
     for knob in ("engine_check_every", "engine_health_timeout", "engine_wait", "weight_sync_timeout", "actor_timeout"):
         need(getattr(cfg, knob) > 0, f"{knob}={getattr(cfg, knob)} must be > 0 (seconds)")
     need(cfg.max_engine_restarts >= 0, f"max_engine_restarts={cfg.max_engine_restarts} must be >= 0")
@@ -625,10 +619,10 @@ def describe(cfg: Config) -> str:
             f"optimizer step(s) per RL step, {cfg.global_batch_size // cfg.data_parallel // cfg.micro_batch_size} "
             f"micro-batch(es) per rank per optimizer step, device={cfg.device}, engine={cfg.engine}, "
             f"torch threads trainer/engine={cfg.trainer_threads}/{cfg.engine_threads}"
-            + (f", cores trainer 0 / engine 0: {actor_cores(cfg, 'trainer', 0)} / {actor_cores(cfg, 'engine', 0)}"
-               if actor_cores(cfg, "engine", 0) else "")
-            + (f" (trainer 0 also on {[c for _, cs in lent_cores(cfg, 0) for c in cs]} while its engines idle)"
-               if lent_cores(cfg, 0) else "")
+            + (f", cores trainer 0 / engine 0: {cpu.actor_cores(cfg, 'trainer', 0)} / {cpu.actor_cores(cfg, 'engine', 0)}"
+               if cpu.actor_cores(cfg, "engine", 0) else "")
+            + (f" (trainer 0 also on {[c for _, cs in cpu.lent_cores(cfg, 0) for c in cs]} while its engines idle)"
+               if cpu.lent_cores(cfg, 0) else "")
             + (", critic (value model) in every trainer rank" if cfg.advantage == "gae" else "")
             + (f", async: capacity C={capacity(cfg)} groups, window={cfg.window}, max_version_lag="
                f"{cfg.max_version_lag} ({cfg.lag_policy})" if cfg.mode == "async" else ""))
@@ -803,52 +797,6 @@ def bundle_gpus(pg, n: int) -> list[tuple[str, list[str]]]:
                     for b in range(n)])
 
 
-def actor_cores(cfg: Config, kind: str, i: int) -> list[int]:
-    """The cores trainer rank i (kind "trainer") or engine i ("engine") is pinned to: in async mode on a local CPU
-    node, trainers take trainer_threads cores each from the first, engines engine_threads each after them, so a
-    training step and the engine's decoding never share a core (Ray reserves CPUs as a count; it pins nothing).
-    The controller and AgentFlow stay unpinned (mostly waiting). [] = no pinning: sync (each phase may use every
-    core), GPUs, a Ray cluster, colocated actors, or more threads asked for than this machine has cores."""
-    cores = sorted(os.sched_getaffinity(0))
-    T, E, tt, te = cfg.trainer_workers, cfg.num_engines, int(cfg.trainer_threads), int(cfg.engine_threads)
-    if cfg.mode != "async" or cfg.device != "cpu" or cfg.ray_address or cfg.colocate or T * tt + E * te > len(cores):
-        return []
-    first, n = (i * tt, tt) if kind == "trainer" else (T * tt + i * te, te)
-    return cores[first:first + n]
-
-
-def lent_cores(cfg: Config, r: int) -> list[tuple[int, list[int]]]:
-    """(engine i, its cores) for every engine whose cores trainer rank r also computes on while that engine is idle
-    (`borrow_engine_cores`): engine i lends to rank i % trainer_workers. Only where actors are pinned (async on a
-    local CPU node, see actor_cores): elsewhere [] (in sync mode the running phase has every core anyway)."""
-    if not cfg.borrow_engine_cores or not actor_cores(cfg, "trainer", r):
-        return []
-    return [(i, actor_cores(cfg, "engine", i)) for i in range(cfg.num_engines) if i % cfg.trainer_workers == r]
-
-
-def engine_busy_file(cfg: Config) -> str:
-    """A fresh file of one byte per engine (in /dev/shm where there is one: memory, never written back), where CPU
-    engine i keeps byte i at 1 while it has requests to compute and the trainer ranks that borrow its cores read it;
-    "" where no trainer borrows (see lent_cores). train() removes it at the end."""
-    if not any(lent_cores(cfg, r) for r in range(cfg.trainer_workers)):
-        return ""
-    fd, path = tempfile.mkstemp(prefix="loongsage-busy-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    os.write(fd, bytes(cfg.num_engines))
-    os.close(fd)
-    return path
-
-
-def pin_process(cores: list[int]) -> list[int]:
-    """Pin every thread of this process to `cores` (threads started later inherit it); runs inside an actor
-    (`actor.__ray_call__`). Best effort: a thread that ended meanwhile is skipped. Returns the cores it has."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:  # the thread ended meanwhile, or may not be moved
-            pass
-    return sorted(os.sched_getaffinity(0))
-
-
 def reserve(cfg: Config):
     """Start Ray and reserve the placement bundles (see `placement`).
     Returns (placement group, the placement plan, each bundle's (node, GPU ids))."""
@@ -892,10 +840,10 @@ def start_trainers(cfg: Config, pg, plan: dict) -> list:
         try:
             wait([t.__ray_ready__.remote() for t in trainers], "starting the trainer ranks", cfg.actor_timeout,
                  "actor_timeout")
-            for r, t in enumerate(trainers):  # async on CPU: each rank on cores of its own (see actor_cores)
-                if cores := actor_cores(cfg, "trainer", r):
-                    t.__ray_call__.remote(lambda _, c: pin_process(c), cores)
-                if (lent := lent_cores(cfg, r)) and cfg.engine_busy_file:  # ... and on its engines' while they idle
+            for r, t in enumerate(trainers):  # async on CPU: each rank on cores of its own (see cpu.actor_cores)
+                if cores := cpu.actor_cores(cfg, "trainer", r):
+                    t.__ray_call__.remote(lambda _, c: cpu.pin_process(c), cores)
+                if (lent := cpu.lent_cores(cfg, r)) and cfg.engine_busy_file:  # ... and on its engines' while they idle
                     t.borrow_cores.remote(cfg.engine_busy_file, lent)
             return trainers
         except ray.exceptions.RayActorError as e:
@@ -917,8 +865,8 @@ def start_engine(cfg: Config, pg, plan: dict, where: list, i: int):
         num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"])).remote(cfg, i,
                                                                                       engine_visible_gpus(plan, where, i))
-    if cores := actor_cores(cfg, "engine", i):  # async on CPU: cores no trainer uses; after __init__, before requests
-        engine.__ray_call__.remote(lambda _, c: pin_process(c), cores)
+    if cores := cpu.actor_cores(cfg, "engine", i):  # async on CPU: cores no trainer uses; after __init__, before requests
+        engine.__ray_call__.remote(lambda _, c: cpu.pin_process(c), cores)
     return engine
 
 
@@ -1699,7 +1647,7 @@ def train(cfg: Config) -> list[dict]:
         pg, plan, where = reserve(cfg)
         base = built.result()
     late = cfg.colocate and cfg.device == "cuda" and cfg.warmstart_steps > 0
-    cfg.engine_busy_file = engine_busy_file(cfg)  # async on CPU: trainers compute on idle engines' cores
+    cfg.engine_busy_file = cpu.engine_busy_file(cfg)  # async on CPU: trainers compute on idle engines' cores
     engine_model = None if late else base
     if engine_model:
         engines, flow = start_rollout(cfg, pg, plan, where, engine_model)
@@ -1745,7 +1693,7 @@ def train(cfg: Config) -> list[dict]:
         print("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items() if "accuracy" in k))
 
     producer = Producer(cfg, samples, state["producer"] if state else None)
-    busy0, wall0, cpu0 = engine_busy_seconds(fleet.urls), time.perf_counter(), node_cpu_jiffies()
+    busy0, wall0, jiffies0 = engine_busy_seconds(fleet.urls), time.perf_counter(), node_cpu_jiffies()
     bar = tqdm(range(start_step, cfg.num_steps), desc="RL", file=sys.stdout, mininterval=5)
     for step in bar:
         t_step = time.perf_counter()
@@ -1823,15 +1771,15 @@ def train(cfg: Config) -> list[dict]:
             metrics.update(evaluate(cfg, flow, eval_sets, step + 1))
             metrics["timing/eval"] = time.perf_counter() - t0
 
-        busy, wall, cpu = engine_busy_seconds(fleet.urls), time.perf_counter(), node_cpu_jiffies()
+        busy, wall, jiffies = engine_busy_seconds(fleet.urls), time.perf_counter(), node_cpu_jiffies()
         metrics.update({"timing/step": wall - t_step, "perf/trainer_wait_frac": metrics["timing/generate"] / (wall - t_step),
                         "perf/engine_idle_frac": max(0.0, 1 - (busy - busy0) / len(fleet.urls) / (wall - wall0)),
                         "engines/restarts": fleet.restarts,
                         **wait(flow.engine_metrics.remote(), "AgentFlow.engine_metrics", cfg.actor_timeout,
                                "actor_timeout")})
-        if cpu[1] > cpu0[1] and not cfg.ray_address:  # a local run: every actor is on this machine
-            metrics["perf/node_cpu_busy_frac"] = (cpu[0] - cpu0[0]) / (cpu[1] - cpu0[1])
-        busy0, wall0, cpu0 = busy, wall, cpu
+        if jiffies[1] > jiffies0[1] and not cfg.ray_address:  # a local run: every actor is on this machine
+            metrics["perf/node_cpu_busy_frac"] = (jiffies[0] - jiffies0[0]) / (jiffies[1] - jiffies0[1])
+        busy0, wall0, jiffies0 = busy, wall, jiffies
         logger.log(step, metrics)
         bar.write(logger.line(step, metrics))
 

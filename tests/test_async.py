@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import agentflow
+import cpu
 import loongsage
 import rollout
 
@@ -252,24 +253,24 @@ def test_actor_cores_are_disjoint_and_only_for_async_on_a_local_cpu(monkeypatch)
     import os
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
     cfg = cfg_with(num_engines=2, engine_threads=2)
-    cores = [loongsage.actor_cores(cfg, "trainer", 0), loongsage.actor_cores(cfg, "engine", 0),
-             loongsage.actor_cores(cfg, "engine", 1)]
+    cores = [cpu.actor_cores(cfg, "trainer", 0), cpu.actor_cores(cfg, "engine", 0),
+             cpu.actor_cores(cfg, "engine", 1)]
     assert cores == [[0], [1, 2], [3, 4]]  # trainer_threads derives to its 1 Ray CPU; engines asked for 2 each
-    assert loongsage.actor_cores(cfg_with(mode="sync"), "engine", 0) == []  # sync: a phase may use every core
-    assert loongsage.actor_cores(cfg_with(num_engines=4, engine_threads=2), "engine", 3) == []  # 1 + 8 > 8 cores
-    assert loongsage.actor_cores(cfg_with(colocate=True), "trainer", 0) == []
+    assert cpu.actor_cores(cfg_with(mode="sync"), "engine", 0) == []  # sync: a phase may use every core
+    assert cpu.actor_cores(cfg_with(num_engines=4, engine_threads=2), "engine", 3) == []  # 1 + 8 > 8 cores
+    assert cpu.actor_cores(cfg_with(colocate=True), "trainer", 0) == []
 
 
 def test_lent_cores_only_where_actors_are_pinned(monkeypatch):
     import os
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
-    assert loongsage.lent_cores(cfg_with(num_engines=2, engine_threads=2), 0) == [(0, [1, 2]), (1, [3, 4])]
+    assert cpu.lent_cores(cfg_with(num_engines=2, engine_threads=2), 0) == [(0, [1, 2]), (1, [3, 4])]
     # two trainer ranks: engine i lends to rank i % 2
     two = cfg_with(num_engines=2, trainer_workers=2, global_batch_size=8, micro_batch_size=4)
-    assert loongsage.lent_cores(two, 0) == [(0, [2])] and loongsage.lent_cores(two, 1) == [(1, [3])]
+    assert cpu.lent_cores(two, 0) == [(0, [2])] and cpu.lent_cores(two, 1) == [(1, [3])]
     for cfg in (cfg_with(mode="sync"), cfg_with(borrow_engine_cores=False), cfg_with(colocate=True)):
-        assert loongsage.lent_cores(cfg, 0) == [] and loongsage.engine_busy_file(cfg) == ""
-    path = loongsage.engine_busy_file(cfg_with(num_engines=3))
+        assert cpu.lent_cores(cfg, 0) == [] and cpu.engine_busy_file(cfg) == ""
+    path = cpu.engine_busy_file(cfg_with(num_engines=3))
     try:
         assert open(path, "rb").read() == bytes(3)  # one byte per engine, all idle
     finally:
@@ -307,7 +308,7 @@ def test_trainer_computes_on_an_idle_engines_core(tiny_model_dir, tmp_path):
     if len(cores) < 2:
         pytest.skip("needs two cores")
     cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path))
-    cfg.engine_busy_file = loongsage.engine_busy_file(cfg)
+    cfg.engine_busy_file = cpu.engine_busy_file(cfg)
 
     def probe(_):  # runs inside the actor
         affinity = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
