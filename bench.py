@@ -78,6 +78,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, TrainerCallback
 
+import config
 import data
 import loongsage
 import rollout
@@ -230,7 +231,7 @@ def bench_router(args) -> dict:
                             cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     rollout.wait_healthy(url, timeout=120, proc=proc)
-    cfg = loongsage.Config(max_context_len=512, max_new_tokens=8)
+    cfg = config.Config(max_context_len=512, max_new_tokens=8)
 
     async def run() -> dict:
         flow = agentflow.AgentFlow(cfg, [url], path)
@@ -349,7 +350,7 @@ def bench_async(args) -> dict:
                        *args.async_set]}
     res = {}
     for name, extra in modes.items():
-        cfg = loongsage.load_config("recipes/arith_cpu.yaml", common + extra + [f"output_dir={out / name}"])
+        cfg = config.load_config("recipes/arith_cpu.yaml", common + extra + [f"output_dir={out / name}"])
         try:
             hist = loongsage.train(cfg)
         finally:
@@ -400,7 +401,7 @@ def bench_modes(args) -> dict:
     res = {}
     for name, extra in {"sync": ["mode=sync", *sync_engines()],
                         "async": ["mode=async", f"stale_steps={args.stale_steps}", "max_version_lag=2"]}.items():
-        cfg = loongsage.load_config(args.recipe, extra + [f"output_dir=runs/bench_modes/{name}", f"seed={args.seed}"])
+        cfg = config.load_config(args.recipe, extra + [f"output_dir=runs/bench_modes/{name}", f"seed={args.seed}"])
         t0 = time.perf_counter()
         try:
             hist = loongsage.train(cfg)
@@ -643,7 +644,7 @@ def bench_step(args) -> dict:
     for mode in ("sync", "async"):
         t0 = time.perf_counter()
         layout = sync_engines() if mode == "sync" else []  # async: one trainer and one engine, each on its core
-        cfg = loongsage.load_config(None, [*layout,
+        cfg = config.load_config(None, [*layout,
             f"model_path={path}", f"output_dir={out / mode}", f"mode={mode}", f"num_steps={steps}", "eval_every=0",
             f"prompts_per_step={prompts}", f"samples_per_prompt={samples}", f"global_batch_size={prompts * samples}",
             f"micro_batch_size={prompts * samples}", f"max_new_tokens={new_tokens}", f"lr={lr}", f"min_lr={lr}",

@@ -51,7 +51,7 @@ from safetensors.torch import save_file
 
 import algos
 import data
-import loongsage
+import config
 import trainer
 import transfermesh
 
@@ -349,7 +349,7 @@ def measure_memory(workdir: str, hidden_size: int = 512, layers: int = 4) -> dic
                                             num_hidden_layers=layers, intermediate_size=3 * hidden_size,
                                             num_attention_heads=8, num_key_value_heads=4, head_dim=64, seed=i)
              for i in range(3)}
-    cfg = loongsage.Config(teacher_tp=1, teacher_micro_batch=16, teacher_topk=8, teacher_route="", seed=0,
+    cfg = config.Config(teacher_tp=1, teacher_micro_batch=16, teacher_topk=8, teacher_route="", seed=0,
                                 dtype="float32", megatron={}, gkd_ratio=0.0, distill_type="topk_kl", trainer_threads=0,
                                 output_dir=workdir)
     tok = data.load_tokenizer(paths["t0"])

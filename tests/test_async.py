@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import agentflow
+import config
 import cpu
 import loongsage
 import rollout
@@ -19,23 +20,23 @@ ROOT = Path(__file__).resolve().parents[1]
 def cfg_with(**kw):
     base = dict(mode="async", prompts_per_step=4, samples_per_prompt=2, global_batch_size=8, micro_batch_size=8)
     base.update(kw)
-    return loongsage.load_config(None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in base.items()])
+    return config.load_config(None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in base.items()])
 
 
 # --- the window rules, by hand -----------------------------------------------------------------------------
 
 def test_capacity_is_b_times_one_plus_stale_steps():
-    assert loongsage.capacity(cfg_with(stale_steps=1)) == 8
-    assert loongsage.capacity(cfg_with(stale_steps=0.5)) == 6  # fractional staleness: half a step ahead
-    assert loongsage.capacity(cfg_with(mode="sync")) == 4      # sync is the pipeline with nothing ahead
+    assert config.capacity(cfg_with(stale_steps=1)) == 8
+    assert config.capacity(cfg_with(stale_steps=0.5)) == 6  # fractional staleness: half a step ahead
+    assert config.capacity(cfg_with(mode="sync")) == 4      # sync is the pipeline with nothing ahead
     with pytest.raises(ValueError, match="stale_steps=2 applies to mode=async only"):
-        loongsage.load_config(None, ["stale_steps=2"])
+        config.load_config(None, ["stale_steps=2"])
 
 
 def test_dispatch_rules():
     d = loongsage.groups_to_dispatch
     # C=8: 3 running + 2 buffered leave room for 3, in every window
-    assert [d(w, 8, 3, 2, 10, 7) for w in loongsage.WINDOWS] == [3, 3, 3]
+    assert [d(w, 8, 3, 2, 10, 7) for w in config.WINDOWS] == [3, 3, 3]
     # window-gated: the oldest uncollected group is seq 3, so seqs may go up to 3+8-1 = 10; next is 9 -> 2 more
     assert d("window-gated", 8, 1, 0, 9, 3) == 2 and d("no-window", 8, 1, 0, 9, 3) == 7
     assert d("windowed-fifo", 8, 1, 0, 9, 3) == 7
@@ -128,12 +129,12 @@ def simulate(cfg, rng, steps=12, max_len=40):
 @pytest.mark.parametrize("seed", range(6))
 def test_producer_invariants_under_random_lengths(seed):
     rng = random.Random(seed)
-    window = loongsage.WINDOWS[seed % 3]
+    window = config.WINDOWS[seed % 3]
     L = [0, 1, 2][seed % 3]
     cfg = cfg_with(stale_steps=[0.5, 1, 2][seed % 3], window=window, max_version_lag=L,
                    lag_policy=["mask", "regenerate"][seed % 2], dynamic_sampling=bool(seed % 2))
     prod, trained, max_rq, events, running = simulate(cfg, rng)
-    C = loongsage.capacity(cfg)
+    C = config.capacity(cfg)
     assert max_rq <= C  # capacity never exceeded
     # the lag bound holds on every token that reaches the loss
     for _, version, t in trained:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import config
 import loongsage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,18 +20,18 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 
 def test_unknown_key_names_the_closest():
     with pytest.raises(ValueError, match="unknown config key 'lrr'; did you mean 'lr'"):
-        loongsage.load_config(None, ["lrr=1e-3"])
+        config.load_config(None, ["lrr=1e-3"])
     with pytest.raises(ValueError, match="did you mean 'samples_per_prompt'"):
-        loongsage.load_config(None, ["sample_per_prompt=4"])
+        config.load_config(None, ["sample_per_prompt=4"])
 
 
 def test_overrides_are_typed_and_pass_through():
-    cfg = loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"),
-                                ["lr=1", "sglang.mem_fraction_static=0.8", "num_steps=3", "mode=async"])
+    cfg = config.load_config(str(ROOT / "recipes/arith_cpu.yaml"),
+                             ["lr=1", "sglang.mem_fraction_static=0.8", "num_steps=3", "mode=async"])
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.num_steps == 3 and cfg.mode == "async"
     assert cfg.sglang == {"mem_fraction_static": 0.8} and cfg.device == "cpu" and cfg.engine == "cpu"
     with pytest.raises(ValueError, match="'num_steps' should be a int, got 'many'"):
-        loongsage.load_config(None, ["num_steps=many"])
+        config.load_config(None, ["num_steps=many"])
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -48,17 +49,17 @@ def test_overrides_are_typed_and_pass_through():
 ])
 def test_batch_algebra_and_names_say_what_to_change(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        loongsage.load_config(None, overrides)
+        config.load_config(None, overrides)
 
 
 def test_missing_model_path_says_what_to_do():
-    cfg = loongsage.load_config(None, ["model_path=/nowhere/model"])
+    cfg = config.load_config(None, ["model_path=/nowhere/model"])
     with pytest.raises(FileNotFoundError, match="model_path='/nowhere/model' is not a directory"):
-        loongsage.check_runtime(cfg)
+        config.check_runtime(cfg)
 
 
 def test_gpu_recipe_passes_validation_here():
-    cfg = loongsage.load_config(str(ROOT / "recipes/qwen3_4b_gsm8k.yaml"))
+    cfg = config.load_config(str(ROOT / "recipes/qwen3_4b_gsm8k.yaml"))
     assert cfg.device == "cuda" and cfg.engine == "sglang" and cfg.data_parallel == 4
     assert cfg.reward == "data.math_verify" and cfg.sglang["mem_fraction_static"] == 0.6
 
@@ -81,7 +82,7 @@ def ray_session():
 
 
 def _short_run(tmp_path, *extra):
-    return loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
+    return config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
         f"output_dir={tmp_path}/run", "num_steps=3", "prompts_per_step=4", "samples_per_prompt=4",
         "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=6", "eval_every=2", "eval_dataset=synthetic:arith:8:2:20",
         "eval_samples=1", "warmstart_steps=2", "warmstart_batch_size=8", "lr=1e-3", "print_every=1",
@@ -309,7 +310,7 @@ def test_rollout_only_calc_agent_calls_the_tool_on_the_real_engine(tmp_path, ray
     import data
     from recipes.calc import calculator
     dump = tmp_path / "dump"
-    cfg = loongsage.load_config(str(ROOT / "recipes/calc_cpu.yaml"), [
+    cfg = config.load_config(str(ROOT / "recipes/calc_cpu.yaml"), [
         f"output_dir={tmp_path}/run", f"tiny_model={json.dumps(TINY)}", "warmstart_steps=80",
         "warmstart_batch_size=16", "warmstart_lr=5e-3", "warmstart_label_noise=0.0", "rollout_only=true",
         "num_steps=1", "eval_every=0", "prompts_per_step=2", "samples_per_prompt=2", "global_batch_size=4",

@@ -10,6 +10,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+import config
 import loongsage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +89,7 @@ def test_gpu_recipes_place_on_simulated_gpus(nodes):
         placed = 0
         for recipe in RECIPES:
             for extra in ([], DISAGG):
-                cfg = loongsage.load_config(str(ROOT / recipe), extra)
+                cfg = config.load_config(str(ROOT / recipe), extra)
                 check(cfg, *place(cfg))
                 placed += 1
         assert placed == 4
@@ -101,6 +102,6 @@ def test_gpu_recipes_place_on_simulated_gpus(nodes):
 
 def test_colocated_engines_must_fit_the_trainers_gpus():
     with pytest.raises(ValueError, match="must fit on the trainers' 8 GPUs"):
-        loongsage.load_config(str(ROOT / RECIPES[0]), ["num_engines=8"])
+        config.load_config(str(ROOT / RECIPES[0]), ["num_engines=8"])
     with pytest.raises(ValueError, match="sglang.tp_size=2 but gpus_per_engine=4"):
-        loongsage.load_config(str(ROOT / RECIPES[0]), ["gpus_per_engine=4", "num_engines=2"])
+        config.load_config(str(ROOT / RECIPES[0]), ["gpus_per_engine=4", "num_engines=2"])

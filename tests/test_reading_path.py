@@ -15,7 +15,7 @@ MODULES = sorted(ROOT.glob("*.py"))
 # Modules whose imports sit at the top, late ones commented with why (optional dependency, import cycle, heavy
 # and not needed by `--check`, after a setup step). A new module joins this list.
 TOP_IMPORTS = ("agentflow.py", "wire.py", "data.py", "algos.py", "teacher.py", "viewer.py", "loongsage.py",
-               "rollout.py", "transfermesh.py", "trainer.py", "bench.py", "cpu.py")
+               "rollout.py", "transfermesh.py", "trainer.py", "bench.py", "config.py", "cpu.py")
 
 
 def comment_ratio(source: str) -> float:

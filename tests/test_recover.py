@@ -310,9 +310,10 @@ def test_producer_state_goes_on_where_it_stopped_across_epochs():
     numbers, hence sampling seeds) the first one would have handed out next, across an epoch boundary; groups
     in flight at the checkpoint are dispatched again first. Planted bugs this catches: a cursor counted
     before the sample is taken, an epoch's order not reproducible from the seed, in-flight prompts dropped."""
+    import config
     import loongsage
-    cfg = loongsage.load_config(None, ["prompts_per_step=3", "samples_per_prompt=2", "global_batch_size=6",
-                                       "micro_batch_size=6"])
+    cfg = config.load_config(None, ["prompts_per_step=3", "samples_per_prompt=2", "global_batch_size=6",
+                                    "micro_batch_size=6"])
     samples = [{"i": i} for i in range(10)]
 
     def step(prod):  # one sync step: dispatch B groups, all finish, train on them

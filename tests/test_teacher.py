@@ -25,11 +25,12 @@ import torch
 ray = pytest.importorskip("ray")
 
 import algos  # noqa: E402
+import config  # noqa: E402
 import data  # noqa: E402
 import loongsage  # noqa: E402
 import teacher  # noqa: E402
 import trainer  # noqa: E402
-from loongsage import Config  # noqa: E402
+from config import Config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)
@@ -245,7 +246,7 @@ def _load(tmp_path, **over):
     raw = {"model_path": "tiny", "pg_ratio": 1.0, **over}
     path = tmp_path / "r.yaml"
     path.write_text(json.dumps(raw))
-    return loongsage.load_config(str(path))
+    return config.load_config(str(path))
 
 
 def test_bad_teacher_config_fails_before_anything_starts(tmp_path, tiny_model_dir):
@@ -304,7 +305,7 @@ def test_mopd_recipe_end_to_end_short(tmp_path, monkeypatch):
     build = {"warmstart_steps": 2, "warmstart_batch_size": 8, "tiny_model": TINY}
     teachers = {"add_teacher": {"path": "tiny", "warmstart_dataset": "synthetic:add:64:11:9", **build},
                 "sub_teacher": {"path": "tiny", "warmstart_dataset": "synthetic:sub:64:12:9", **build}}
-    cfg = loongsage.load_config(str(ROOT / "recipes/mopd_cpu.yaml"), [
+    cfg = config.load_config(str(ROOT / "recipes/mopd_cpu.yaml"), [
         f"output_dir={tmp_path}/run", "num_steps=2", "prompts_per_step=4", "samples_per_prompt=2",
         "global_batch_size=8", "micro_batch_size=4", "eval_every=1", "warmstart_steps=2", "warmstart_batch_size=8",
         f"tiny_model={json.dumps(TINY)}", f"teachers={json.dumps(teachers)}", "distill_type=forward_kl",

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 import trainer  # noqa: E402
-from loongsage import Config  # noqa: E402
+from config import Config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
