@@ -5,7 +5,7 @@ the batch algebra) and the rules that reject meaningless combinations before any
 and what `python loongsage.py RECIPE --check` prints (`explain`, `describe`).
 
 Every error names what was wrong, the value seen and what to change; a misspelt key names the closest valid one.
-Nothing here starts Ray or builds a model: `--check` runs this file (and loongsage.placement) only.
+Nothing here starts Ray or builds a model: `--check` runs this file (and fleet.placement) only.
 
 Test: `.venv/bin/pytest tests/test_loongsage.py -k "closest or typed or algebra or missing or validation or exit_codes"`
 (config errors, overrides, the batch algebra, --check, in seconds);
@@ -43,7 +43,7 @@ SOURCE_KEYS = ("name", "dataset", "weight", "eval_dataset", "reward", "agent", "
 @dataclass
 class Config:
     """One run: every knob, its default, and what it does. A recipe YAML sets some, `key=value` overrides others,
-    `finalize` derives the rest once (fields marked "derived")."""
+    `finalize` derives the rest once (fields marked "derived"); train() reads it and never writes it."""
 
     # --- run ---
     recipe: str = ""  # the YAML this config came from (set by load_config)
@@ -89,7 +89,8 @@ class Config:
     engine_threads: int = 0  # torch threads per CPU engine; 0 = derive (likewise)
     borrow_engine_cores: bool = True  # async on a local CPU node: a trainer rank also computes on an engine's cores
     # while that engine has nothing to generate (a shared-memory flag per engine, read at every transformer layer)
-    engine_busy_file: str = ""  # derived at start: the file where each CPU engine publishes whether it is computing
+    engine_busy_file: str = ""  # leave empty: the controller sets it on the engines' copy of the config only
+    # (fleet.start_engine): the file where each CPU engine publishes whether it is computing (cpu.engine_busy_file)
     gpus_per_engine: int = 1  # GPUs per SGLang engine (its tensor parallel size); CUDA only
 
     # --- model ---
@@ -214,7 +215,7 @@ class Config:
     # push function with the built-ins' signature (see transfermesh.push_weights)
     bucket_mb: float = 64.0  # bucket size for weight sync
 
-    # --- reliability: engine health and timeouts (see loongsage.check_engines, wait, save_run_state) ---
+    # --- reliability: engine health and timeouts (see fleet.check_engines, fleet.wait, fleet.save_run_state) ---
     engine_check_every: float = 5.0  # seconds between engine health probes (an engine is also probed after any failed call)
     engine_health_timeout: float = 10.0  # an engine silent on /health this long is hung: out of routing, re-created
     engine_wait: float = 180.0  # seconds a request waits for a replacement when no engine is up, before it fails

@@ -59,7 +59,7 @@ def lent_cores(cfg, r: int) -> list[tuple[int, list[int]]]:
 def engine_busy_file(cfg) -> str:
     """A fresh file of one byte per engine (in /dev/shm where there is one: memory, never written back), where CPU
     engine i keeps byte i at 1 while it has requests to compute and the trainer ranks that borrow its cores read it;
-    "" where no trainer borrows (see lent_cores). train() removes it at the end."""
+    "" where no trainer borrows (see lent_cores). The run removes it at the end (fleet.Fleet.busy_file)."""
     if not any(lent_cores(cfg, r) for r in range(cfg.trainer_workers)):
         return ""
     fd, path = tempfile.mkstemp(prefix="loongsage-busy-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)

@@ -11,6 +11,7 @@ import pytest
 import agentflow
 import config
 import cpu
+import fleet
 import loongsage
 import rollout
 
@@ -229,10 +230,10 @@ def test_engine_busy_seconds_reads_the_engines_compute_time(tiny_model_dir):
     not answer counts as 0 instead of failing the step."""
     url, handle = rollout.serve(tiny_model_dir, max_batch=4, max_len=128, seed=0)
     try:
-        before = loongsage.engine_busy_seconds([url])
+        before = fleet.engine_busy_seconds([url])
         handle.engine.generate([[1, 2, 3]] * 4, {"max_new_tokens": 32, "ignore_eos": True})
-        after = loongsage.engine_busy_seconds([url])
-        assert loongsage.engine_busy_seconds([url, "http://127.0.0.1:9"]) == 0.0
+        after = fleet.engine_busy_seconds([url])
+        assert fleet.engine_busy_seconds([url, "http://127.0.0.1:9"]) == 0.0
     finally:
         handle.shutdown()
     assert before == 0.0 < after == handle.engine.state()["busy_s"]
@@ -309,28 +310,64 @@ def test_trainer_computes_on_an_idle_engines_core(tiny_model_dir, tmp_path):
     if len(cores) < 2:
         pytest.skip("needs two cores")
     cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path))
-    cfg.engine_busy_file = cpu.engine_busy_file(cfg)
 
     def probe(_):  # runs inside the actor
         affinity = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
         return affinity, torch.get_num_threads()
-    steps = []
+    steps, run = [], None
     try:
-        pg, plan, where = loongsage.reserve(cfg)
-        [rank] = loongsage.start_trainers(cfg, pg, plan)
+        run = fleet.reserve(cfg)  # with the engines' busy file, as a run makes it
+        [rank] = fleet.start_trainers(cfg, run)
         ray.get(rank.load_hf.remote(tiny_model_dir))
         for busy in (1, 0):
-            with open(cfg.engine_busy_file, "r+b") as f:
+            with open(run.busy_file, "r+b") as f:
                 f.write(bytes([busy]))
             m = ray.get(rank.train_step.remote(make_batch(n_groups=4, per_group=2), 0))
             steps.append((m["perf/trainer_borrowed_frac"], *ray.get(rank.__ray_call__.remote(probe))))
     finally:
         ray.shutdown()
-        os.unlink(cfg.engine_busy_file)
+        if run and run.busy_file:
+            os.unlink(run.busy_file)
     (busy_frac, busy_affinity, busy_threads), (idle_frac, idle_affinity, idle_threads) = steps
     assert busy_affinity == idle_affinity == {tuple(cores[:2])}  # every thread may run on both cores
     assert busy_frac == 0.0 and busy_threads == 1
     assert idle_frac == 1.0 and idle_threads == 2
+
+
+def test_a_runs_engine_publishes_in_the_runs_busy_file(tiny_model_dir, tmp_path):
+    """Async on this CPU, fleet.reserve makes the run's busy file and fleet.start_engine hands it to its engine (on the
+    engine's own copy of the config: the run's Config stays as given). While the engine generates, its byte reads 1;
+    once it is done, 0: what a trainer rank that borrows the engine's cores reads."""
+    import concurrent.futures
+    import os
+    import time
+    import httpx
+    import ray
+    if len(sorted(os.sched_getaffinity(0))) < 2:
+        pytest.skip("needs two cores")  # one core: nothing is pinned, so nothing is lent
+    cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path))
+    run = None
+    try:
+        run = fleet.reserve(cfg)
+        run.model = tiny_model_dir
+        assert run.busy_file and cfg.engine_busy_file == "" and open(run.busy_file, "rb").read() == bytes(1)
+        engine = fleet.start_engine(cfg, run, 0)  # held: Ray ends an actor whose last handle is gone
+        url = ray.get(engine.url.remote())
+        seen = set()
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            done = pool.submit(httpx.post, url + "/generate", json=body, timeout=300)
+            while not done.done():
+                seen.add(open(run.busy_file, "rb").read()[0])
+            assert len(done.result().json()["output_ids"]) == 300
+        deadline = time.monotonic() + 5
+        while open(run.busy_file, "rb").read()[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 1 in seen and open(run.busy_file, "rb").read() == bytes(1)
+    finally:
+        ray.shutdown()
+        if run and run.busy_file:
+            os.unlink(run.busy_file)
 
 
 def test_async_trainer_and_engine_are_pinned_to_their_own_cores(tiny_model_dir, tmp_path):
@@ -342,15 +379,17 @@ def test_async_trainer_and_engine_are_pinned_to_their_own_cores(tiny_model_dir, 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores")
-    cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path))
+    # no borrowing here: a trainer rank that borrows its engine's cores may run on them too (the test above)
+    cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path), borrow_engine_cores=False)
 
     def probe(_):  # runs inside the actor
         threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
         return threads, torch.get_num_threads()
     try:
-        pg, plan, where = loongsage.reserve(cfg)
-        engine = loongsage.start_engine(cfg, pg, plan, where, 0)
-        trainers = loongsage.start_trainers(cfg, pg, plan)
+        run = fleet.reserve(cfg)
+        run.model = tiny_model_dir
+        engine = fleet.start_engine(cfg, run, 0)
+        trainers = fleet.start_trainers(cfg, run)
         trainer_threads, trainer_torch = ray.get(trainers[0].__ray_call__.remote(probe))
         engine_threads, engine_torch = ray.get(engine.__ray_call__.remote(probe))
     finally:

@@ -1,5 +1,6 @@
 """The controller: config loading and validation, and short end-to-end runs of the real pipeline
 (Ray actors, Megatron-Core over gloo, the CPU engine over HTTP, TransferMesh, AgentFlow)."""
+import dataclasses
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import config
+import fleet
 import loongsage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,13 +83,22 @@ def ray_session():
         ray.shutdown()
 
 
+def _short_args(tmp_path, *extra) -> list[str]:
+    return [f"output_dir={tmp_path}/run", "num_steps=3", "prompts_per_step=4", "samples_per_prompt=4",
+            "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=6", "eval_every=2",
+            "eval_dataset=synthetic:arith:8:2:20", "eval_samples=1", "warmstart_steps=2", "warmstart_batch_size=8",
+            "lr=1e-3", "print_every=1",
+            "reward=tests.rewards.text_hash",  # differs between distinct samples: nonzero advantages at every step
+            f"tiny_model={json.dumps(TINY)}", *extra]
+
+
 def _short_run(tmp_path, *extra):
-    return config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
-        f"output_dir={tmp_path}/run", "num_steps=3", "prompts_per_step=4", "samples_per_prompt=4",
-        "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=6", "eval_every=2", "eval_dataset=synthetic:arith:8:2:20",
-        "eval_samples=1", "warmstart_steps=2", "warmstart_batch_size=8", "lr=1e-3", "print_every=1",
-        "reward=tests.rewards.text_hash",  # differs between distinct samples: nonzero advantages at every step
-        f"tiny_model={json.dumps(TINY)}", *extra])
+    return config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), _short_args(tmp_path, *extra))
+
+
+def _warm_start(cfg) -> str:
+    """The checkpoint a run of cfg started from (weight version 0): its warm start, which the run cached."""
+    return str(fleet.warm_start_dir(cfg, fleet.base_model(cfg)))
 
 
 def _hf_weights(path) -> dict:
@@ -99,10 +110,13 @@ def test_end_to_end_sync_run(tmp_path, monkeypatch, ray_session):
     """3 RL steps of the default recipe, shrunk. Sync mode: step k trains on rollouts of weight version k,
     the weights the trainer holds, so the train-inference gap is ~0 at EVERY step (fp32 on both sides); a
     sync that shipped stale or wrong weights shows as a gap from step 1 on. The policy really changed: every
-    tensor of the final export differs from the warm-started start."""
+    tensor of the final export differs from the warm-started start. train() leaves its config as given: what the
+    run derives (the warm start, the engines) lives elsewhere."""
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     cfg = _short_run(tmp_path)
+    given = dataclasses.asdict(cfg)  # a deep copy
     history = loongsage.train(cfg)
+    assert dataclasses.asdict(cfg) == given
     steps = [h for h in history if "train/loss" in h]
     assert len(steps) == 3
     assert all(math.isfinite(h["train/loss"]) and h["train/grad_norm"] > 0 for h in steps)
@@ -116,7 +130,7 @@ def test_end_to_end_sync_run(tmp_path, monkeypatch, ray_session):
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "eval/accuracy" in line] == [0, 1, 2]  # before step 0, then every 2 and last
     assert (run / "reward_curve.png").stat().st_size > 1000
-    start, final = _hf_weights(cfg.model_path), _hf_weights(run / "final_hf")  # cfg.model_path: the warm start
+    start, final = _hf_weights(_warm_start(cfg)), _hf_weights(run / "final_hf")
     assert start.keys() == final.keys()
     unchanged = [k for k in start if torch.equal(start[k], final[k])]
     assert unchanged == [], unchanged  # 6 optimizer steps moved every tensor
@@ -229,7 +243,7 @@ def test_each_algorithm_runs_end_to_end(algo, tmp_path, monkeypatch, ray_session
         assert h["train/gap_max"] < 1e-4  # sync mode: the engines hold the trainer's weights
     trajs = [json.loads(line) for line in (tmp_path / "dump" / "step_00000.jsonl").read_text().splitlines()]
     assert len(trajs) == steps[0]["train/samples"]
-    grads = _sample_grads(cfg.model_path, trajs)  # cfg.model_path: the warm start, step 0's weights
+    grads = _sample_grads(_warm_start(cfg), trajs)  # the warm start: step 0's weights
 
     def expected(advantage, loss_agg):
         w = _loss_weights(trajs, advantage, loss_agg, cfg.max_new_tokens)
@@ -318,7 +332,7 @@ def test_rollout_only_calc_agent_calls_the_tool_on_the_real_engine(tmp_path, ray
     history = loongsage.train(cfg)
     assert len(history) == 1 and not any(k.startswith(("train/", "weights/")) for k in history[0])
     assert not (tmp_path / "run" / "final_hf").exists()
-    tok = data.load_tokenizer(cfg.model_path)
+    tok = data.load_tokenizer(_warm_start(cfg))
     trajs = [json.loads(line) for line in (dump / "step_00000.jsonl").read_text().splitlines()]
     assert len(trajs) == 4
     for t in trajs:
@@ -344,3 +358,4 @@ def test_failing_actor_surfaces_traceback_and_exits_nonzero(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "run failed" in r.stderr and "not_a_megatron_field" in r.stderr and "Traceback" in r.stderr
+

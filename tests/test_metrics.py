@@ -9,6 +9,7 @@ import pytest
 
 import algos
 import config
+import fleet
 import loongsage
 
 
@@ -69,7 +70,7 @@ def test_every_tracker_gets_the_same_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = config.load_config(None, [f"output_dir={tmp_path}/run", "trackers=[wandb, mlflow]", "tracker_project=t"])
-    logger = loongsage.Logger(cfg)
+    logger = fleet.Logger(cfg)
     for step in range(3):
         logger.log(step, {"train/loss": 1.0 / (step + 1), "eval/pass@2": 0.25 * step, "rollout/lag": [0, 1, 1]})
     logger.close()

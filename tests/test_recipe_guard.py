@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import config
+import fleet
 import loongsage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,7 @@ def test_calc_warm_start_first_turn_is_a_well_formed_tool_call(tmp_path, monkeyp
         f"dump_rollouts={dump}"])
     loongsage.train(cfg)
     import data
-    tok = data.load_tokenizer(cfg.model_path)
+    tok = data.load_tokenizer(fleet.warm_start_dir(cfg, fleet.base_model(cfg)))  # the warm start the run made
     trajs = _rows(dump / "step_00000.jsonl")
     assert len(trajs) == 32
     good, texts = [], []

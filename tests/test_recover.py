@@ -7,7 +7,7 @@
   (`python loongsage.py ...`) with Ray actors, Megatron-Core over gloo and CPU engines over HTTP;
 - AgentFlow's engine pool against real CPU engines, one killed (kill -9) and one hung (SIGSTOP) while
   requests are in flight on them: the requests finish on the other engine, exactly as sent there;
-- `loongsage.wait`: a rank that dies ends the wait at once; a deadline names what timed out and the knob;
+- `fleet.wait`: a rank that dies ends the wait at once; a deadline names what timed out and the knob;
 - the producer state a checkpoint saves hands out exactly the groups an uninterrupted run dispatches next.
 """
 import json
@@ -260,7 +260,7 @@ def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_di
 
 
 # ------------------------------------------------------------------------------------------------
-# no silent hang: loongsage.wait
+# no silent hang: fleet.wait
 
 
 def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
@@ -271,7 +271,7 @@ def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
     first); a timeout without the knob's name; no tick while waiting."""
     import ray
 
-    import loongsage
+    import fleet
 
     @ray.remote(num_cpus=0)
     class Rank:
@@ -286,15 +286,15 @@ def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
         ranks = [Rank.remote(), Rank.remote()]
         t0 = time.monotonic()
         with pytest.raises(ray.exceptions.RayActorError, match="Rank"):
-            loongsage.wait([ranks[0].collective.remote(False), ranks[1].collective.remote(True)],
-                           "train step 7", 120, "actor_timeout")
+            fleet.wait([ranks[0].collective.remote(False), ranks[1].collective.remote(True)],
+                       "train step 7", 120, "actor_timeout")
         assert time.monotonic() - t0 < 60
         ticks = []
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match=r"weight sync of version 3 did not finish within 2s "
                                                r"\(config `weight_sync_timeout`\)"):
-            loongsage.wait(ranks[0].collective.remote(False), "weight sync of version 3", 2.0, "weight_sync_timeout",
-                           every=0.5, tick=lambda: ticks.append(1))
+            fleet.wait(ranks[0].collective.remote(False), "weight sync of version 3", 2.0, "weight_sync_timeout",
+                       every=0.5, tick=lambda: ticks.append(1))
         assert 2.0 <= time.monotonic() - t0 < 10 and len(ticks) >= 2  # the health check ran while it waited
         ray.kill(ranks[0])
     finally:

@@ -280,8 +280,8 @@ def test_the_prompt_stream_follows_the_source_weights(tmp_path):
     cfg = _load(tmp_path, teachers={"a": {"path": "tiny"}}, prompts_per_step=4, global_batch_size=32, micro_batch_size=32, data_sources=[
         {"name": "add", "dataset": "synthetic:add:50:1:9", "weight": 1, "eval_dataset": "synthetic:add:5:2:9"},
         {"name": "sub", "dataset": "synthetic:sub:50:3:9", "weight": 3}])
-    samples, evals = loongsage.load_data(cfg)
-    assert {s["source"] for s in evals} == {"add"} and len(samples) == 100
+    samples, eval_sets = loongsage.load_data(cfg)
+    assert {s["source"] for s in eval_sets[""]} == {"add"} and len(samples) == 100 and list(eval_sets) == [""]
     it = loongsage.prompt_stream(cfg, samples)  # the producer's stream: each source gets its share in order
     steps = [[next(it)[1] for _ in range(4)] for _ in range(6)]
     assert all([s["source"] for s in b].count("sub") == 3 and len(b) == 4 for b in steps)

@@ -469,17 +469,17 @@ def test_sglang_servers_see_trainer_rank_0s_gpu_for_cuda_ipc():
     from pathlib import Path
 
     import config
-    import loongsage
+    import fleet
     recipe = str(Path(__file__).resolve().parents[1] / "recipes/code_repair_gpu.yaml")
     colocated = config.load_config(recipe)  # 8 trainer ranks; 4 engines x 2 GPUs on the trainers' GPUs
     one_node = [("n0", [str(b)]) for b in range(8)]
-    plan = loongsage.placement(colocated)
-    assert [loongsage.engine_visible_gpus(plan, one_node, i) for i in range(4)] == \
+    plan = fleet.placement(colocated)
+    assert [fleet.engine_visible_gpus(plan, one_node, i) for i in range(4)] == \
         [["0", "1"], ["2", "3", "0"], ["4", "5", "0"], ["6", "7", "0"]]
     disagg = config.load_config(recipe, ["colocate=false", "trainer_workers=4", "num_engines=2",
                                          "global_batch_size=128"])
-    plan = loongsage.placement(disagg)  # trainers on bundles 0-3, engines on 4-5 and 6-7
-    assert [loongsage.engine_visible_gpus(plan, one_node, i) for i in range(2)] == [["4", "5", "0"], ["6", "7", "0"]]
+    plan = fleet.placement(disagg)  # trainers on bundles 0-3, engines on 4-5 and 6-7
+    assert [fleet.engine_visible_gpus(plan, one_node, i) for i in range(2)] == [["4", "5", "0"], ["6", "7", "0"]]
     two_nodes = [("n0" if b < 4 else "n1", [str(b % 4)]) for b in range(8)]
-    assert [loongsage.engine_visible_gpus(plan, two_nodes, i) for i in range(2)] == [["0", "1"], ["2", "3"]]
-    assert loongsage.engine_gpu_ids(plan, two_nodes, 0) == ["0", "1"]  # the engine's own GPUs are unchanged
+    assert [fleet.engine_visible_gpus(plan, two_nodes, i) for i in range(2)] == [["0", "1"], ["2", "3"]]
+    assert fleet.engine_gpu_ids(plan, two_nodes, 0) == ["0", "1"]  # the engine's own GPUs are unchanged

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import config
-import loongsage
+import fleet
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the SFT rank is built with (prepare_model passes the model directory and warmstart_lr on each call)
@@ -32,20 +32,20 @@ def test_warm_start_an_hf_directory_and_cache_it(tiny_model_dir, tmp_path, monke
     shutil.copytree(tiny_model_dir, base)
     overrides = [f"model_path={base}", "warmstart_steps=3", "warmstart_batch_size=8", "warmstart_lr=1e-2", *RANK]
     cfg = config.load_config(None, overrides)
-    out = loongsage.prepare_model(cfg, sft_rank.workers)
+    out = fleet.prepare_model(cfg, sft_rank.workers)
     assert Path(out).parent == tmp_path / "cache" and Path(out).name.startswith("my-model-sft-")
     before, after = load_file(str(base / "model.safetensors")), load_file(str(Path(out) / "model.safetensors"))
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before)  # SFT moved the weights
     assert json.loads((Path(out) / "config.json").read_text()) == json.loads((base / "config.json").read_text())
     stamp = (Path(out) / "model.safetensors").stat().st_mtime_ns
-    assert loongsage.prepare_model(cfg, sft_rank.workers) == out  # cached: same settings, same checkpoint
+    assert fleet.prepare_model(cfg, sft_rank.workers) == out  # cached: same settings, same checkpoint
     assert (Path(out) / "model.safetensors").stat().st_mtime_ns == stamp
     other = config.load_config(None, overrides + ["warmstart_steps=2"])
-    assert loongsage.checkpoint_fingerprint(base) == loongsage.checkpoint_fingerprint(base)
+    assert fleet.checkpoint_fingerprint(base) == fleet.checkpoint_fingerprint(base)
     with open(base / "config.json", "a") as f:  # a changed checkpoint gets its own warm start
         f.write("\n")
-    assert loongsage.prepare_model(other, sft_rank.workers) != out
+    assert fleet.prepare_model(other, sft_rank.workers) != out
 
 
 def test_warm_start_stops_on_its_loss_and_warns_when_the_cap_comes_first(tiny_model_dir, tmp_path, monkeypatch, capsys,
@@ -59,13 +59,13 @@ def test_warm_start_stops_on_its_loss_and_warns_when_the_cap_comes_first(tiny_mo
     with pytest.raises(ValueError, match="warmstart_stop_loss=-1"):
         config.load_config(None, overrides + ["warmstart_stop_loss=-1"])
     # any loss is below 1e3: the stop comes as soon as there are 20 steps to average
-    early = loongsage.prepare_model(config.load_config(None, overrides + ["warmstart_stop_loss=1e3"]),
-                                    sft_rank.workers)
+    early = fleet.prepare_model(config.load_config(None, overrides + ["warmstart_stop_loss=1e3"]),
+                                sft_rank.workers)
     out = capsys.readouterr().out
     assert "< warmstart_stop_loss 1000.0 after 20 steps" in out and "WARNING" not in out
     # no loss of this model is below 1e-6: all 30 steps run, then the warning
-    capped = loongsage.prepare_model(config.load_config(None, overrides + ["warmstart_stop_loss=1e-6"]),
-                                     sft_rank.workers)
+    capped = fleet.prepare_model(config.load_config(None, overrides + ["warmstart_stop_loss=1e-6"]),
+                                 sft_rank.workers)
     out = capsys.readouterr().out
     assert "WARNING" in out and "after all 30 warmstart_steps" in out and "< warmstart_stop_loss" not in out
     assert early != capped
