@@ -79,6 +79,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, TrainerCallback
 
 import config
+import cpu
 import data
 import loongsage
 import rollout
@@ -91,7 +92,7 @@ def sync_engines() -> list[str]:
     of ~30 tokens, 2 cores), alternated: 2 engines x 1 thread 0.56-0.58 s, 1 engine x 2 threads 0.60-0.63 s, whole
     steps 1.65-1.66 s against 1.61-1.65 s: the same within noise. (Before the engine built its model on a thread of
     its own, a 2-thread engine took 1.15 s; see CpuEngine.) The trainer gets every core in its phase either way."""
-    return [f"num_engines={len(os.sched_getaffinity(0))}", "engine_threads=1"]
+    return [f"num_engines={len(cpu.usable_cores()) or os.cpu_count() or 1}", "engine_threads=1"]
 
 
 def _interleaved(fns: list, repeats: int) -> list[float]:

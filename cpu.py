@@ -7,17 +7,35 @@ local CPU node each actor is pinned to cores of its own (`actor_cores`, `pin_pro
 computes on an engine's cores while that engine has nothing to generate (`lent_cores`, `engine_busy_file`), and
 every actor gets a torch thread count that fits its share of the machine (`torch_threads`).
 
-Test: `.venv/bin/pytest tests/test_async.py -k "cores or pinned or idle_engine" -q` (the core plan on a
-8-core node, real pinning of a trainer and an engine, a trainer computing on an idle engine's core).
+Test: `.venv/bin/pytest tests/test_async.py -k "cores or pinned or idle_engine or busy_file" -q` (the core plan on a
+8-core node, real pinning of a trainer and an engine, a trainer computing on an idle engine's core), and
+`tests/test_loongsage.py -k no_affinity` (no `os.sched_getaffinity`, as on macOS: --check and a run, unpinned).
 Left out: NUMA placement and hyper-thread siblings (cores are taken in the order the OS lists them), and pinning on
 a Ray cluster (its nodes' cores are not this process's to plan).
 """
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 # --- cores: placing CPU actors on cores (controller side) ---
+
+_NOTED = False  # the "no affinity call here" note is printed once per process
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on (`os.sched_getaffinity`, which Linux has). Where the OS has no such call
+    (macOS, Windows) nothing is pinned: [] and a one-line note, once."""
+    global _NOTED
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    if not _NOTED:
+        print("note: no os.sched_getaffinity on this OS (Linux only): CPU actors run unpinned, placed by Ray's "
+              "CPU counts alone", file=sys.stderr)
+        _NOTED = True
+    return []
+
 
 def torch_threads(cfg) -> tuple[int, int]:
     """(trainer_threads, engine_threads), each as configured or, where 0, derived: async runs trainers and engines
@@ -36,10 +54,11 @@ def actor_cores(cfg, kind: str, i: int) -> list[int]:
     node, trainers take trainer_threads cores each from the first, engines engine_threads each after them, so a
     training step and the engine's decoding never share a core (Ray reserves CPUs as a count; it pins nothing).
     The controller and AgentFlow stay unpinned (mostly waiting). [] = no pinning: sync (each phase may use every
-    core), GPUs, a Ray cluster, colocated actors, or more threads asked for than this machine has cores."""
+    core), GPUs, a Ray cluster, colocated actors, more threads asked for than this machine has cores, or an OS
+    without an affinity call (see usable_cores)."""
     if cfg.mode != "async" or cfg.device != "cpu" or cfg.ray_address or cfg.colocate:
         return []
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     T, E, tt, te = cfg.trainer_workers, cfg.num_engines, int(cfg.trainer_threads), int(cfg.engine_threads)
     if T * tt + E * te > len(cores):
         return []

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import config
+import cpu
 import fleet
 import loongsage
 
@@ -165,6 +166,8 @@ def test_end_to_end_async_run_records_versions(tmp_path, monkeypatch, ray_sessio
             assert 1e-6 < h["train/offpolicy_k3"] < 0.02, (i, h)
     assert steps[1]["rollout/lag_max"] == 1 and stale_steps >= 1  # generation overlapped training
     assert measured >= 1  # step 0 at least: every row sampled by the initial weights
+    if len(cpu.usable_cores()) >= 2:  # a 2-core Linux node: trainer and engine pinned, the engine's core lent
+        assert all(0 <= h["perf/trainer_borrowed_frac"] <= 1 for h in steps)
 
 
 def _loss_weights(trajs: list[dict], advantage: str, loss_agg: str, max_new_tokens: int) -> list[float]:
@@ -359,3 +362,38 @@ def test_failing_actor_surfaces_traceback_and_exits_nonzero(tmp_path):
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "run failed" in r.stderr and "not_a_megatron_field" in r.stderr and "Traceback" in r.stderr
 
+
+def test_no_affinity_call_check_and_run_go_unpinned(tmp_path, monkeypatch, capsys):
+    """Where `os.sched_getaffinity` does not exist (macOS), nothing is pinned and nothing fails: the async layout
+    that pins trainer and engine to their own cores on a 2-core Linux node plans no cores there, `--check`
+    validates it with a one-line note, and a 2-step async run trains unpinned (no trainer borrows an engine's
+    cores: perf/trainer_borrowed_frac is never reported). The run is a subprocess whose controller has no
+    os.sched_getaffinity from its first line on, as on macOS (pinning is the controller's decision)."""
+    recipe = str(ROOT / "recipes/arith_cpu.yaml")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # Linux, two cores: this layout pins
+    cfg = config.load_config(recipe, ["mode=async"])
+    assert cpu.actor_cores(cfg, "trainer", 0) == [0] and cpu.lent_cores(cfg, 0) == [(0, [1])]
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(cpu, "_NOTED", False)
+    assert cpu.actor_cores(cfg, "trainer", 0) == [] and cpu.actor_cores(cfg, "engine", 0) == []
+    assert cpu.lent_cores(cfg, 0) == [] and cpu.engine_busy_file(cfg) == ""
+    capsys.readouterr()
+    monkeypatch.setattr(cpu, "_NOTED", False)
+    assert loongsage.main([recipe, "mode=async", "--check"]) == 0
+    out, err = capsys.readouterr()
+    assert "config OK" in out and "cores trainer 0" not in out
+    assert err.count("no os.sched_getaffinity") == 1  # one line, however often the cores are asked for
+
+    run = ["mode=async", "stale_steps=1", "num_steps=2", "eval_every=0", "print_every=0"]
+    code = ("import os, sys\n"
+            "del os.sched_getaffinity  # as on macOS\n"
+            "import loongsage\n"
+            f"sys.exit(loongsage.main({[recipe, *_short_args(tmp_path, *run)]!r}))\n")
+    env = {**os.environ, "LOONGSAGE_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "no os.sched_getaffinity" in r.stderr and "cores trainer 0" not in r.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [h for h in rows if "train/loss" in h]
+    assert len(steps) == 2 and all(math.isfinite(h["train/loss"]) and h["train/grad_norm"] > 0 for h in steps)
+    assert not any("perf/trainer_borrowed_frac" in h for h in rows)
