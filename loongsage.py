@@ -105,7 +105,7 @@ def train(cfg: Config) -> list[dict]:
         heads = teachers[0].lm_heads.remote()  # the teachers' LM heads, sent to the trainers once
         ray.get([t.set_teacher_heads.remote(heads) for t in trainers])
 
-    # resume from checkpoints/latest: the trainers' state, the producer's place in the data, the RNG
+    # --- resume from checkpoints/latest: the trainers' state, the producer's place in the data, the RNG
     start_step, state = load_run_state(cfg, trainers) if cfg.resume else (0, None)
     if state:
         set_rng_state(state["rng"])
@@ -117,6 +117,7 @@ def train(cfg: Config) -> list[dict]:
 
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
     N = cfg.samples_per_prompt
+    # --- eval before training; with teachers, each teacher of the student's architecture too (once)
     if cfg.teacher_eval and teachers and eval_sets and start_step == 0:
         logger.log(0, m := evaluate_teachers(cfg, trainers, flow, fleet, teacher_paths, eval_sets))
         print("teachers' eval accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
