@@ -15,7 +15,7 @@ lives in trainer.py); and for on-policy distillation `distill_advantage`, `disti
 `filter_groups` / `groups_to_request` are DAPO's group filter and refill count as pure functions; the controller's
 producer applies the same equal-reward rule to each group it collects (`dynamic_sampling`).
 
-Every knob is a field of `loongsage.Config` (its one default lives there); these functions read them from the
+Every knob is a field of `config.Config` (its one default lives there); these functions read them from the
 Config they are given.
 
 Conventions (stated once here, repeated where a loss consumes them):
@@ -44,7 +44,7 @@ import torch.distributed as dist
 import data
 
 # --------------------------------------------------------------------------------------------------------
-# Names (the defaults are loongsage.Config's)
+# Names (the defaults are config.Config's)
 # --------------------------------------------------------------------------------------------------------
 
 ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce_pp", "returns", "gae")

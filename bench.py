@@ -85,7 +85,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, TrainerCallback
 
+import config
 import convert
+import cpu
 import cpu_engine
 import data
 import loongsage
@@ -100,7 +102,7 @@ def sync_engines() -> list[str]:
     of ~30 tokens, 2 cores), alternated: 2 engines x 1 thread 0.56-0.58 s, 1 engine x 2 threads 0.60-0.63 s, whole
     steps 1.65-1.66 s against 1.61-1.65 s: the same within noise. (Before the engine built its model on a thread of
     its own, a 2-thread engine took 1.15 s; see CpuEngine.) The trainer gets every core in its phase either way."""
-    return [f"num_engines={len(os.sched_getaffinity(0))}", "engine_threads=1"]
+    return [f"num_engines={len(cpu.usable_cores()) or os.cpu_count() or 1}", "engine_threads=1"]
 
 
 def _interleaved(fns: list, repeats: int) -> list[float]:
@@ -240,7 +242,7 @@ def bench_router(args) -> dict:
                             cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     rollout.wait_healthy(url, timeout=120, proc=proc)
-    cfg = loongsage.Config(max_context_len=512, max_new_tokens=8)
+    cfg = config.Config(max_context_len=512, max_new_tokens=8)
 
     async def run() -> dict:
         flow = agentflow.AgentFlow(cfg, [url], path)
@@ -359,7 +361,7 @@ def bench_async(args) -> dict:
                        *args.async_set]}
     res = {}
     for name, extra in modes.items():
-        cfg = loongsage.load_config("recipes/arith_cpu.yaml", common + extra + [f"output_dir={out / name}"])
+        cfg = config.load_config("recipes/arith_cpu.yaml", common + extra + [f"output_dir={out / name}"])
         try:
             hist = loongsage.train(cfg)
         finally:
@@ -410,7 +412,7 @@ def bench_modes(args) -> dict:
     res = {}
     for name, extra in {"sync": ["mode=sync", *sync_engines()],
                         "async": ["mode=async", f"stale_steps={args.stale_steps}", "max_version_lag=2"]}.items():
-        cfg = loongsage.load_config(args.recipe, extra + [f"output_dir=runs/bench_modes/{name}", f"seed={args.seed}"])
+        cfg = config.load_config(args.recipe, extra + [f"output_dir=runs/bench_modes/{name}", f"seed={args.seed}"])
         t0 = time.perf_counter()
         try:
             hist = loongsage.train(cfg)
@@ -653,7 +655,7 @@ def bench_step(args) -> dict:
     for mode in ("sync", "async"):
         t0 = time.perf_counter()
         layout = sync_engines() if mode == "sync" else []  # async: one trainer and one engine, each on its core
-        cfg = loongsage.load_config(None, [*layout,
+        cfg = config.load_config(None, [*layout,
             f"model_path={path}", f"output_dir={out / mode}", f"mode={mode}", f"num_steps={steps}", "eval_every=0",
             f"prompts_per_step={prompts}", f"samples_per_prompt={samples}", f"global_batch_size={prompts * samples}",
             f"micro_batch_size={prompts * samples}", f"max_new_tokens={new_tokens}", f"lr={lr}", f"min_lr={lr}",
@@ -736,7 +738,7 @@ def teacher_memory(workdir: str, hidden_size: int = 512, layers: int = 4) -> dic
                                             num_hidden_layers=layers, intermediate_size=3 * hidden_size,
                                             num_attention_heads=8, num_key_value_heads=4, head_dim=64, seed=i)
              for i in range(3)}
-    cfg = loongsage.Config(teacher_tp=1, teacher_micro_batch=16, teacher_topk=8, teacher_route="", seed=0,
+    cfg = config.Config(teacher_tp=1, teacher_micro_batch=16, teacher_topk=8, teacher_route="", seed=0,
                            dtype="float32", megatron={}, gkd_ratio=0.0, distill_type="topk_kl", trainer_threads=0,
                            output_dir=workdir)
     tok = data.load_tokenizer(paths["t0"])

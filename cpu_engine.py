@@ -602,7 +602,7 @@ class CpuEngine:
                dtype: str = "float32", max_prefill_tokens: int = 8192, weight_version: str = "0",
                fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None) -> None:
         """`busy_flag` (file, i): keep byte i of that file at 1 while there are requests to compute, 0 otherwise, for
-        trainer ranks that borrow this engine's cores while it idles (loongsage.lent_cores)."""
+        trainer ranks that borrow this engine's cores while it idles (cpu.lent_cores)."""
         hf_logging.disable_progress_bar()
         self.model_path = str(model_path)
         self.runner = ModelRunner(self.model_path, max_batch=max_batch, max_len=max_len, dtype=dtype,

@@ -2,14 +2,23 @@
 
     python loongsage.py recipes/arith_cpu.yaml                  # the default CPU recipe
     python loongsage.py recipes/arith_cpu.yaml num_steps=5 lr=1e-5 sglang.mem_fraction_static=0.8
+    python loongsage.py recipes/arith_cpu.yaml --check          # validate, print the config and placement, run nothing
 
-Read `train()` first: it is the whole system, top to bottom. Every blocking point is a visible
-`ray.get`; the controller holds actor handles and object refs, never tensors.
+Read `train()` first, right below: it is the whole system, top to bottom. Every blocking point is a visible
+`ray.get` / `wait`; the controller holds actor handles and object refs, never tensors.
 
     AgentFlow (agents, router)  --input_ids-->  RolloutEngine x N (SGLang / CPU engine, HTTP)
           |  trajectories (token ids, masks, logprobs, rewards)            ^
           v                                                                |  TransferMesh buckets
     TrainerWorker x (TP*PP*DP) (Megatron-Core): old/ref logprobs, advantages, loss, step
+
+This file, in reading order: `train()`; the producer that feeds it and its window rules (`Producer`,
+`groups_to_dispatch`, `collectable`, the version-lag bound); eval; `main`. Beside it:
+  config.py   `Config`, loading and validation, what `--check` prints
+  fleet.py    placement, starting actors, the model a run starts from, `wait`, engine health and re-creation,
+              the weight sync, the colocated hand-off, checkpoints, `Logger`
+  cpu.py      only what exists because there is no GPU (core pinning); a GPU reader can skip it
+  trainer.py, rollout.py, agentflow.py, teacher.py, transfermesh.py, algos.py: the actors and the math
 
 Modes: `mode: async` runs a rollout producer beside the trainer: prompt groups are dispatched under a sliding
 window (capacity C = B*(1+stale_steps) groups in flight or buffered), each is collected the moment it finishes,
@@ -20,579 +29,206 @@ Debug seams: `rollout_only`, `train_only` with `load_rollouts`, `dump_rollouts`,
 `print_every` steps, `recompute_old_logprobs`.
 
 Nothing lost: a dead or hung rollout engine leaves routing and is re-created with the current weights
-(`check_engines`); every wait on an actor fails fast and has a deadline (`wait`); checkpoints hold the
+(fleet.check_engines); every wait on an actor fails fast and has a deadline (fleet.wait); checkpoints hold the
 trainers' whole state and the controller's data cursor and RNG, and `resume: true` goes on bit-exactly
-(`save_run_state`, `load_run_state`). Drills: `pytest tests/test_recover.py`.
+(fleet.save_run_state, fleet.load_run_state). Drills: `pytest tests/test_recover.py`.
 
 Teachers (teacher.py) score every batch between "generate" and "train" when `teachers:` is set;
 `data_sources:` mixes several datasets (each with its agent, reward, teacher and eval set) by weight.
-Colocated (`colocate: true`): engines release weights and KV cache while the trainers train, and the trainers offload
-optimizer state, grads and weights while the engines generate (`colocate_hand_off`, three visible lines in train()).
-Left out here (see the issues): multi-node launch scripts.
+Colocated (`colocate: true`): engines release weights and KV cache while the trainers train, and the trainers
+offload optimizer state, grads and weights while the engines generate (fleet.colocate_hand_off, three visible
+lines in train()).
+
+Test: `.venv/bin/pytest tests/test_loongsage.py tests/test_async.py -q` (end-to-end runs of the CPU recipe in
+sync and async mode, the producer against a simulated engine); tests/test_reading_path.py keeps this reading path.
+Left out: multi-node launch scripts (join the nodes to one Ray cluster and set `ray_address`).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import difflib
-import hashlib
-import importlib.util
 import itertools
 import json
-import math
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-import numpy as np
 import ray
-import torch
 import yaml
-from ray.util.placement_group import placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm import tqdm
 
 import algos
 import convert
 import data
-import sandbox
-import trainer  # cheap: Megatron loads inside the trainer actors, not here
-import transfermesh
+import teacher
+from config import Config, capacity, check_runtime, check_teacher_vocab, closest, explain, load_config, warn_off_policy
+from fleet import (Logger, base_model, check_engines, colocate_hand_off, load_run_state, placement, placement_table,
+                   prepare_model, prepare_teachers, reserve, rng_state, save_run_state, set_rng_state, start_rollout,
+                   start_teachers, start_trainers, step_usage, sync_engines, usage, wait)
+
+
+def train(cfg: Config) -> list[dict]:
+    """The whole system: launch actors, then per step: rollout (a producer keeps up to C prompt groups in flight
+    or buffered), train on B complete groups, sync weights, eval, checkpoint. Returns every logged metrics row.
+    Reads cfg, never writes it: what the run derives (the warm start, the engines) lives in `fleet`."""
+    check_runtime(cfg)
+    print("config:\n" + explain(cfg))
+    warn_off_policy(cfg)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    samples, eval_sets = load_data(cfg)  # before any actor: a bad teacher name in the data fails here
+
+    # --- 0. actors: the engines load the base model while the trainers start (and warm-start it, and build tiny
+    #        teachers); a warm start reaches the engines as weight version 0, below. Colocated on GPUs with a warm
+    #        start, the engines start after it: its training needs the memory an SGLang server holds.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        built = pool.submit(base_model, cfg)  # the tiny model is built while Ray starts (which mostly waits)
+        fleet = reserve(cfg)  # Ray, the placement bundles; the engines join the fleet below
+        fleet.model = base = built.result()  # what an engine loads when it is (re-)created
+    late = cfg.colocate and cfg.device == "cuda" and cfg.warmstart_steps > 0
+    flow = None if late else start_rollout(cfg, fleet)  # the engines (fleet.actors) and AgentFlow, which routes to them
+    trainers = start_trainers(cfg, fleet)
+    teacher_paths = prepare_teachers(cfg, trainers) if cfg.teachers else {}
+    fleet.model = prepare_model(cfg, trainers)  # base, or its warm start (a re-created engine loads this one)
+    check_teacher_vocab(fleet.model, teacher_paths)  # the built dirs, before any teacher starts
+    ray.get([t.load_hf.remote(fleet.model) for t in trainers])
+    flow = start_rollout(cfg, fleet) if late else flow
+    fleet.urls = wait([e.url.remote() for e in fleet.actors], "starting the rollout engines", cfg.actor_timeout,
+                      "actor_timeout")
+    print(f"engines: {fleet.urls}")
+    teachers = start_teachers(cfg, fleet.pg, teacher_paths) if cfg.teachers else []  # teacher.py, scores each batch
+    if teachers and float(cfg.gkd_ratio) > 0 and cfg.distill_type != "topk_kl":  # hidden-state targets
+        heads = teachers[0].lm_heads.remote()  # the teachers' LM heads, sent to the trainers once
+        ray.get([t.set_teacher_heads.remote(heads) for t in trainers])
+
+    # --- resume from checkpoints/latest: the trainers' state, the producer's place in the data, the RNG
+    start_step, state = load_run_state(cfg, trainers) if cfg.resume else (0, None)
+    if state:
+        set_rng_state(state["rng"])
+        sync_engines(cfg, fleet, flow, trainers, start_step)  # the engines get the checkpoint's weights
+        print(f"resumed after step {start_step - 1}")
+    elif fleet.model != base and not late:
+        sync_engines(cfg, fleet, flow, trainers, 0)  # the warm start: version 0 == the trainers' weights
+    logger = Logger(cfg, resume_step=start_step if state else None)
+
+    sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
+    N = cfg.samples_per_prompt
+    # --- eval before training; with teachers, each teacher of the student's architecture too (once)
+    if cfg.teacher_eval and teachers and eval_sets and start_step == 0:
+        logger.log(0, m := evaluate_teachers(cfg, trainers, flow, fleet, teacher_paths, eval_sets))
+        print("teachers' eval accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
+    if cfg.eval_every and eval_sets and not state:  # a resumed run logged this eval before it stopped
+        logger.log(start_step, m := evaluate(cfg, flow, eval_sets, start_step))
+        print("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items() if "accuracy" in k))
+
+    producer = Producer(cfg, samples, state["producer"] if state else None)
+    used = usage(fleet)  # engine busy seconds, wall clock, node CPU time: each step's perf/ fractions
+    bar = tqdm(range(start_step, cfg.num_steps), desc="RL", file=sys.stdout, mininterval=5)
+    for step in bar:
+        t_step, metrics = time.perf_counter(), {}
+
+        # --- 1. rollout (+ reward, inside AgentFlow): top the window up to C groups, collect finished groups
+        #        until B are buffered, take the B oldest. Sync (C = B) dispatches B and waits for all of them;
+        #        async leaves up to C - B groups generating while this step trains and syncs.
+        t0 = time.perf_counter()
+        if cfg.train_only:
+            trajs = [json.loads(line) for line in open(Path(cfg.load_rollouts) / f"step_{step:05d}.jsonl")]
+        else:
+            while not producer.full():
+                new = producer.dispatch()
+                if new:
+                    wait(flow.submit.remote(new, N, sampling, step), "AgentFlow.submit", cfg.actor_timeout,
+                         "actor_timeout")  # returns at once: the groups start
+                # blocks until a group finishes; meanwhile engines are probed and dead ones re-created (the
+                # trainers are idle here and hold version `step`, which a re-created engine gets)
+                producer.receive(wait(flow.completed.remote(), f"rollouts of step {step}", cfg.actor_timeout,
+                                      "actor_timeout", every=cfg.engine_check_every,
+                                      tick=lambda: check_engines(cfg, fleet, flow, trainers,
+                                                                 0 if cfg.rollout_only else step)), version=step)
+            trajs, m = producer.pop_batch()
+            metrics.update(m)
+            wait(flow.submit.remote(producer.refill(), N, sampling, step), "AgentFlow.submit", cfg.actor_timeout,
+                 "actor_timeout")  # async: top the window up now, so the engines generate while this step trains
+        metrics["timing/generate"] = time.perf_counter() - t0  # the trainer's wait for rollouts
+        metrics.update(rollout_metrics(trajs, step))
+        metrics["perf/rollout_tokens_per_s"] = metrics["rollout/generated_tokens"] / max(metrics["timing/generate"], 1e-9)
+        if cfg.dump_rollouts:
+            dump(trajs, Path(cfg.dump_rollouts) / f"step_{step:05d}.jsonl")
+        if cfg.print_every and step % cfg.print_every == 0 and trajs:
+            bar.write(logger.sample(step, trajs[0]))  # a decoded sample: prompt -> response, its reward
+
+        trajs, metrics["rollout/empty_groups"], error = drop_empty_groups(trajs)
+        if not trajs:  # every group failed, was aborted or was filtered out: nothing to learn from
+            bar.write(f"step {step}: no group has a token to train on (every group failed, was aborted or "
+                      f"was filtered out){'; first error: ' + error[:500] if error else ''}; skipping the update")
+        if not cfg.rollout_only and trajs:
+            # --- 2. old/ref logprobs, advantages, policy update (all inside the trainers; one call per rank); with
+            #        advantage=gae also the critic's values and its update (a second model in each trainer rank)
+            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "train"))  # colocated: engines release memory
+            t0 = time.perf_counter()
+            batch_ref = ray.put(trajs)
+            # TEACHERS (teacher.py): every teacher rank scores, rank 0's per-token targets go to the trainers
+            # by ref (never through the controller); the metrics get is the blocking point of this phase.
+            targets_ref = None
+            if teachers:
+                refs = [t.score.options(num_returns=2).remote(batch_ref) for t in teachers]
+                targets_ref, scored = refs[0]
+                metrics.update(wait(scored, f"teacher scoring of step {step}", cfg.actor_timeout, "actor_timeout"))
+                metrics["timing/teacher"], t0 = time.perf_counter() - t0, time.perf_counter()
+            metrics.update(wait([t.train_step.remote(batch_ref, step, targets_ref) for t in trainers],
+                                f"train step {step}", cfg.actor_timeout, "actor_timeout")[0])  # reduced over DP ranks
+            metrics["timing/train"] = time.perf_counter() - t0
+
+            # --- 3. weights -> engines (TransferMesh); engines then report version step + 1. Requests in
+            #        flight keep their tokens and continue on the new weights (partial rollouts).
+            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "sync"))  # trainers offload, engine weights back
+            t0 = time.perf_counter()
+            metrics.update(sync_engines(cfg, fleet, flow, trainers, step + 1))  # skips, then re-creates, dead engines
+            metrics["timing/sync"] = time.perf_counter() - t0
+            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "rollout"))  # engine KV cache back, continue
+
+        # --- 4. eval
+        last = step == cfg.num_steps - 1
+        if cfg.eval_every and eval_sets and ((step + 1) % cfg.eval_every == 0 or last):
+            t0 = time.perf_counter()
+            metrics.update(evaluate(cfg, flow, eval_sets, step + 1))
+            metrics["timing/eval"] = time.perf_counter() - t0
+
+        perf, used = step_usage(fleet, used, t_step, metrics["timing/generate"], local=not cfg.ray_address)
+        metrics.update({**perf, **wait(flow.engine_metrics.remote(), "AgentFlow.engine_metrics", cfg.actor_timeout,
+                                       "actor_timeout")})
+        logger.log(step, metrics)
+        bar.write(logger.line(step, metrics))
+
+        # --- 5. checkpoint, after the step's metrics are logged: a resumed run has every row up to it
+        if cfg.save_every and not cfg.rollout_only and ((step + 1) % cfg.save_every == 0 or last):
+            save_run_state(cfg, trainers, step, {"producer": producer.state(), "rng": rng_state()})
+
+    # --- end: stop the producer, export HF weights, plot
+    ray.get(flow.abort.remote())
+    if not cfg.rollout_only:
+        ray.get([t.save_hf.remote(str(out / "final_hf")) for t in trainers])
+        print(f"final HF checkpoint: {out / 'final_hf'}")
+    print(f"reward curve: {logger.plot()}\nmetrics: {out / 'metrics.jsonl'}")
+    logger.close()
+    if fleet.busy_file:  # async on a CPU node (cpu.engine_busy_file)
+        os.unlink(fleet.busy_file)
+    return logger.history
 
 
 # ================================================================================================
-# Config: one dataclass, a comment on every field. Derived fields are computed in `finalize`.
+# the data and the rollout producer (fully async): two pure functions decide how many prompt groups to dispatch
+# and which finished ones to collect. R = groups dispatched and not yet collected (running, or finished but held
+# back by the window); Q = groups collected into the buffer and not yet trained on; C = capacity (config.capacity).
 
 
-@dataclass
-class Config:
-    # --- run ---
-    recipe: str = ""  # the YAML this config came from (set by load_config)
-    output_dir: str = "runs/default"  # metrics.jsonl, TensorBoard, reward curve, checkpoints, final HF model
-    seed: int = 1234  # seeds data order, sampling and init
-    num_steps: int = 20  # RL steps (one rollout batch and one policy update each)
-    mode: str = "sync"  # "sync" (generate, train, sync in turn) or "async" (a producer keeps generating while it trains)
-    stale_steps: float = 1.0  # async: capacity C = prompts_per_step*(1+stale_steps) groups in flight or buffered
-    # (fractions allowed); mode=sync is stale_steps=0: C = one step's groups, dispatched after each sync
-    window: str = "window-gated"  # async dispatch/collect rule: no-window | window-gated | windowed-fifo (see
-    # below), or a dotted path to an object with groups_to_dispatch(C, R, Q, next_seq, oldest_uncollected) and
-    # collectable(finished, min_unfinished, oldest_uncollected, B, C), the built-ins' signatures without `window`
-    max_version_lag: int = -1  # hard bound: no trained token older than this many weight versions; -1 = no bound
-    lag_policy: str = "mask"  # a group over the bound: "mask" its too-old tokens, or "regenerate" it (once)
-    eval_every: int = 5  # evaluate every N steps (and before step 0 and after the last); 0 = never
-    save_every: int = 0  # Megatron checkpoint every N steps; 0 = only the final HF export
-    resume: bool = False  # resume from the newest checkpoint in output_dir/checkpoints
-    print_every: int = 5  # print a decoded sample every N steps; 0 = never
-    trackers: list = field(default_factory=list)  # metric sinks beside JSONL/TensorBoard/PNG: "wandb", "mlflow"
-    tracker_project: str = "loongsage"  # the W&B project / MLflow experiment; the run is named after output_dir
-    mlflow_tracking_uri: str = ""  # MLflow store (a server URL, ...); "" = a local file store, output_dir/mlruns
-    device: str = "auto"  # "auto" | "cpu" | "cuda"; resolved in finalize
-    dtype: str = "float32"  # training/inference dtype: "float32" | "bfloat16"
-    rollout_only: bool = False  # debug: only generate (and dump), never train
-    train_only: bool = False  # debug: train on `load_rollouts` instead of generating
-    dump_rollouts: str = ""  # directory: write every step's trajectories as jsonl
-    load_rollouts: str = ""  # directory written by dump_rollouts, replayed by train_only
-
-    # --- cluster ---
-    ray_address: str = ""  # "" starts a local Ray; else an existing cluster ("auto" or host:port)
-    trainer_workers: int = 1  # trainer ranks = tensor_parallel * pipeline_parallel * data_parallel
-    tensor_parallel: int = 1  # Megatron TP size
-    pipeline_parallel: int = 1  # Megatron PP size: each stage a contiguous share of the layers (divides their number)
-    expert_parallel: int = 1  # Megatron EP size (MoE models): each rank holds num_experts / EP experts; divides
-    # trainer_workers / (tensor_parallel * pipeline_parallel)
-    data_parallel: int = 1  # derived: trainer_workers // (tensor_parallel * pipeline_parallel)
-    num_engines: int = 1  # rollout engines (each one SGLang server or CPU engine)
-    colocate: bool = False  # engines share the trainers' placement bundles (GPUs), instead of their own
-    cpus_per_trainer: float = 1.0  # Ray CPU resources per trainer rank
-    cpus_per_engine: float = 1.0  # Ray CPU resources per engine
-    trainer_threads: int = 0  # torch threads per trainer rank; 0 = derive (async: its Ray CPUs; sync: a share of the node)
-    engine_threads: int = 0  # torch threads per CPU engine; 0 = derive (likewise)
-    borrow_engine_cores: bool = True  # async on a local CPU node: a trainer rank also computes on an engine's cores
-    # while that engine has nothing to generate (a shared-memory flag per engine, read at every transformer layer)
-    engine_busy_file: str = ""  # derived at start: the file where each CPU engine publishes whether it is computing
-    gpus_per_engine: int = 1  # GPUs per SGLang engine (its tensor parallel size); CUDA only
-
-    # --- model ---
-    model_path: str = "tiny"  # HF directory, or "tiny" to build (and cache) the tiny Qwen3 of data.py
-    tiny_model: dict = field(default_factory=dict)  # settings for data.build_tiny_model (model_path: tiny)
-    megatron: dict = field(default_factory=dict)  # passed through to Megatron's TransformerConfig untouched
-    sglang: dict = field(default_factory=dict)  # passed through to the SGLang server as --key value flags
-    fp32_lm_head: bool = False  # LM head (logits) in fp32 on both sides: trainer and engines (SGLang --enable-fp32-lm-head)
-
-    # --- warm start (SFT through the same trainer, before RL; of the tiny model or any HF directory; cached) ---
-    warmstart_steps: int = 0  # SFT optimizer steps; 0 = none
-    warmstart_dataset: str = "synthetic:arith:4096:7"  # data.load_dataset spec of the SFT data
-    warmstart_batch_size: int = 64  # samples per SFT step
-    warmstart_lr: float = 1e-3  # SFT learning rate (constant)
-    warmstart_label_noise: float = 0.0  # fraction of SFT answers replaced by a near-miss (see data.sft_trajectory)
-    warmstart_example: str = "data.sft_trajectory"  # fn(tokenizer, sample, rng, label_noise) -> trajectory dict
-    warmstart_stop_loss: float = 0.0  # stop SFT once its loss averaged over the last 20 steps is below this; then
-    #                                   warmstart_steps is a cap (0 = run all warmstart_steps)
-
-    # --- data ---
-    dataset: str = "synthetic:arith:4096:1"  # training prompts (data.load_dataset spec)
-    eval_dataset: str = "synthetic:arith:128:2"  # eval prompts (metrics eval/accuracy, eval/pass@k, ...)
-    eval_sets: dict = field(default_factory=dict)  # more eval sets at once: {name: spec} -> eval/<name>/accuracy, ...
-    reward: str = "data.exact_match"  # reward(response_text, sample) -> float, dotted path
-    agent: str = ""  # dotted path of an agent; "" = single-turn chat straight to the engine
-    agent_command: str = ""  # black-box agent: a shell command run in a sandbox against the session URL
-    sandbox: str = "local"  # "local" | "docker" | "auto" (docker where a Docker engine answers) | a dotted path to
-    # fn(**limits) -> a sandbox with LocalSandbox's methods (create, write, execute, delete)
-    max_parallel_sandboxes: int = 32  # black-box agents / code-test rewards running at once
-    agent_preload: list = field(default_factory=list)  # modules a Python agent_command imports (e.g. [openai]):
-    # each trajectory forks from one interpreter that imported them, not a new Python (sandbox: local only)
-    router_host: str = "127.0.0.1"  # where the AgentFlow router listens (0.0.0.0 for agents on other machines)
-    max_turns: int = 8  # agent turns per trajectory
-    agent_timeout: float = 120.0  # seconds per trajectory
-    agent_retries: int = 1  # retries of a failed trajectory
-    max_context_len: int = 1024  # token budget per trajectory (prompt + all turns)
-    chat_template: str = ""  # dotted path to a Jinja chat template string (router, fast path); "" = the tokenizer's
-    tool_parser: str = ""  # dotted path: fn(text, tool_names) -> (content, tool_calls); "" = agentflow.parse_tool_calls
-    group_filter: str = ""  # dotted path: fn(group: list[trajectory dict]) -> bool; False drops the group, and the
-    # producer dispatches another in its place (as for dynamic_sampling)
-
-    # --- rollout ---
-    prompts_per_step: int = 32  # B prompts per step
-    samples_per_prompt: int = 8  # N samples per prompt (the group)
-    max_prompt_len: int = 256  # longer prompts are rejected by the engine
-    max_new_tokens: int = 16  # per model call
-    temperature: float = 1.0  # sampling temperature for training rollouts
-    top_p: float = 1.0
-    top_k: int = -1
-    eval_temperature: float = 0.0  # 0 = greedy eval
-    eval_samples: int = 1  # k samples per eval prompt: eval/accuracy is mean@k, eval/pass@k the unbiased pass@k
-    eval_greedy: bool = False  # also one greedy sample per prompt (eval/greedy_accuracy) beside the sampled ones
-    engine: str = "auto"  # "auto" (sglang on CUDA, cpu elsewhere) | "sglang" | "cpu" | a dotted path:
-    # fn(cfg, rank, host, seed) -> (url, handle with .shutdown()), a server speaking SGLang's HTTP contract (rollout.RolloutEngine calls it)
-    engine_max_batch: int = 256  # concurrent sequences per CPU engine
-
-    # --- train ---
-    global_batch_size: int = 256  # samples per optimizer step (a mini-batch); a step may do several
-    micro_batch_size: int = 64  # samples per forward/backward on one DP rank
-    lr: float = 1e-4
-    min_lr: float = 0.0  # cosine decay floor; = lr means constant
-    lr_warmup_steps: int = 0  # optimizer steps of linear warmup
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0  # global grad-norm clip; 0 = off
-    router_replay: bool = False  # R3, MoE models only: engines return every token's routed experts and the trainer's
-    # routers replay them in every forward over those trajectories (old logp and update), so training routes as
-    # inference did
-
-    # --- algo (see algos.py and ALGORITHMS.md; validated by algos.validate) ---
-    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns | gae (trains a critic, see below)
-    adv_norm: str = "group"  # grpo normaliser: group | group_mean | batch | none
-    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | cispo | reinforce | sft
-    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
-    clip_low: float = 0.2  # PPO ratio lower clip (1 - clip_low)
-    clip_high: float = 0.2  # PPO ratio upper clip (1 + clip_high); > clip_low is "clip-higher"
-    dual_clip_c: float = 0.0  # dual clip bound for negative advantages (e.g. 3.0); 0 = off
-    kl_coef: float = 0.0  # KL-to-reference weight; 0 = no reference model kept
-    kl_type: str = "k3"  # k1 | k2 | k3 | low_var_k3 | k3_unbiased
-    kl_in_reward: bool = False  # fold KL into the reward (REINFORCE++) instead of the loss
-    entropy_coef: float = 0.0  # entropy bonus weight
-    gamma: float = 1.0  # discount for token-level returns / GAE
-    lam: float = 1.0  # GAE lambda
-    critic_lr: float = 1e-4  # advantage=gae: the value model's learning rate (constant; AdamW like the policy)
-    value_clip: float = 0.2  # advantage=gae: PPO value clip, V kept within V_old +- value_clip in the loss; 0 = off
-    critic_warmup_steps: int = 0  # advantage=gae: the first N RL steps train the critic only (the policy waits)
-    use_rollout_logprobs: bool = False  # old_logp := engine logprobs (skip the recompute)
-    recompute_old_logprobs: bool = False  # debug: a no-grad forward for mini-batch 0 too (by default it takes old
-    # logprobs from its own training forward, detached: the same weights and numbers, one forward fewer)
-    is_correction: str = ""  # train-inference IS correction: "" | token | seq | geo
-    is_mode: str = "truncate"  # truncate | mask (outside [is_low, is_high])
-    is_low: float = 0.0
-    is_high: float = 2.0
-    m2po_threshold: float = 0.0  # M2PO second-moment bound; 0 = off
-    opsm_delta: float = 0.0  # OPSM KL bound for negative-advantage sequences; 0 = off
-    mask_stale_tokens: bool = False  # drop tokens generated by older weights (partial rollouts)
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill to the batch size
-    overlong_buffer: int = 0  # DAPO overlong penalty window in tokens; 0 = off
-    overlong_penalty: float = 1.0  # DAPO overlong penalty at max length
-    length_penalty: str = ""  # "" | linear | kimi
-    length_penalty_coef: float = 0.0  # weight of the length penalty
-    distill_type: str = "topk_kl"  # GKD divergence to the teachers: topk_kl | forward_kl | reverse_kl | jsd
-    pg_ratio: float = 0.0  # A' = A - pg_ratio * (log pi - log pi_teacher) on the sampled token; needs teachers
-    gkd_ratio: float = 0.0  # L = (1 - gkd_ratio) * RL loss + gkd_ratio * GKD loss; 1 = pure distillation
-    jsd_beta: float = 0.5  # beta of the generalised JSD
-
-    # --- teachers and data sources (teacher.py; the objective is in algos.py, "On-policy distillation") ---
-    teachers: dict = field(default_factory=dict)  # {name: HF dir | {path: HF dir or "tiny", tiny_model/warmstart_* overrides}}
-    teacher_route: str = ""  # dotted path: fn(trajectory) -> per response token a teacher, {teacher: weight} or None
-    teacher_tp: int = 1  # tensor parallel size of the teacher group (independent of the student's)
-    teacher_placement: str = "own"  # "own": the teachers' own bundles | "trainer": time-share the trainers' (CPU)
-    cpus_per_teacher: float = 1.0  # Ray CPU resources per teacher rank
-    teacher_topk: int = 16  # K of the top-k targets each teacher returns per token
-    teacher_micro_batch: int = 64  # samples per teacher forward
-    teacher_eval: bool = True  # before training, evaluate each teacher (same architecture as the student) on the eval sets
-    data_sources: list = field(default_factory=list)  # [{name, dataset, weight, eval_dataset, reward, agent, teacher}]
-
-    # --- weights ---
-    transfer: str = "auto"  # TransferMesh transport: auto | shm | cuda_ipc | broadcast | disk | a dotted path to a
-    # push function with the built-ins' signature (see transfermesh.push_weights)
-    bucket_mb: float = 64.0  # bucket size for weight sync
-
-    # --- reliability: engine health and timeouts (see check_engines, wait, save_run_state) ---
-    engine_check_every: float = 5.0  # seconds between engine health probes (an engine is also probed after any failed call)
-    engine_health_timeout: float = 10.0  # an engine silent on /health this long is hung: out of routing, re-created
-    engine_wait: float = 180.0  # seconds a request waits for a replacement when no engine is up, before it fails
-    max_engine_restarts: int = 20  # engine re-creations per run before the run stops (a crash loop needs a fix, not more restarts)
-    weight_sync_timeout: float = 600.0  # seconds one weight sync (trainers -> engines) may take
-    actor_timeout: float = 3600.0  # seconds any other Ray call (rollout batch, train step, eval, checkpoint) may take
-
-
-def _closest(key: str, valid) -> str:
-    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.0)
-    return f"; did you mean {match[0]!r}?" if match else ""
-
-
-def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
-    """Recipe YAML + `key=value` overrides (values parsed as YAML; `sglang.x=1` sets a pass-through key)."""
-    raw: dict = {}
-    if recipe:
-        if not Path(recipe).exists():
-            raise FileNotFoundError(f"recipe {recipe!r} not found; the recipes are in {sorted(map(str, Path('recipes').glob('*.yaml')))}")
-        raw = yaml.safe_load(Path(recipe).read_text()) or {}
-    for ov in overrides:
-        if "=" not in ov:
-            raise ValueError(f"override {ov!r} must look like key=value")
-        key, value = ov.split("=", 1)
-        if "." in key:  # pass-through dicts: megatron.x=..., sglang.y=..., tiny_model.z=...
-            top, sub = key.split(".", 1)
-            raw.setdefault(top, {})[sub] = yaml.safe_load(value)
-        else:
-            raw[key] = yaml.safe_load(value)
-    names = {f.name: f for f in dataclasses.fields(Config)}
-    for key in raw:
-        if key not in names:
-            raise ValueError(f"unknown config key {key!r}{_closest(key, names)}")
-    if raw.get("mode", "sync") == "sync" and float(raw.get("stale_steps") or 0) > 0:
-        raise ValueError(f"stale_steps={raw['stale_steps']} applies to mode=async only (sync runs with 0); set "
-                         "mode=async or drop stale_steps")
-    cfg = Config(**raw)
-    cfg.recipe = recipe or ""
-    for f in dataclasses.fields(Config):
-        v, d = getattr(cfg, f.name), f.default
-        if isinstance(d, float) and isinstance(v, (int, str)) and not isinstance(v, bool):
-            try:  # YAML reads 1e-3 (no dot) as a string, and 1 as an int
-                setattr(cfg, f.name, float(v))
-                continue
-            except ValueError:
-                pass
-        elif d is not dataclasses.MISSING and type(d) in (int, float, bool, str) and not isinstance(v, type(d)):
-            raise ValueError(f"config key {f.name!r} should be a {type(d).__name__}, got {v!r}")
-    return finalize(cfg)
-
-
-def finalize(cfg: Config) -> Config:
-    """Derived values and the batch algebra, with messages that say what to change."""
-
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise ValueError(msg)
-
-    if cfg.device == "auto":
-        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    need(cfg.device in ("cpu", "cuda"), f"device={cfg.device!r}: choose 'auto', 'cpu' or 'cuda'")
-    if cfg.engine == "auto":
-        cfg.engine = "sglang" if cfg.device == "cuda" else "cpu"
-    need(cfg.engine in ("sglang", "cpu") or data.is_dotted(cfg.engine),
-         f"engine={cfg.engine!r}: choose 'sglang', 'cpu', 'auto' or a dotted path 'module.function'")
-    need(cfg.engine != "sglang" or cfg.device == "cuda", "engine=sglang runs on CUDA only; set device=cuda or engine=cpu")
-    need(cfg.mode in ("sync", "async"), f"mode={cfg.mode!r}: choose 'sync' or 'async'")
-    need(cfg.dtype in ("float32", "bfloat16"), f"dtype={cfg.dtype!r}: choose 'float32' or 'bfloat16'")
-    need(isinstance(cfg.pipeline_parallel, int) and cfg.pipeline_parallel >= 1,
-         f"pipeline_parallel={cfg.pipeline_parallel!r} must be a positive integer")
-    if cfg.pipeline_parallel > 1:
-        layers, tied = _layers_and_tied(cfg.model_path, cfg.tiny_model)
-        need(layers is None or layers % cfg.pipeline_parallel == 0, f"pipeline_parallel={cfg.pipeline_parallel} "
-             f"does not divide the model's {layers} layers; choose a divisor of {layers}")
-        need(not tied, f"pipeline_parallel={cfg.pipeline_parallel} with tied input/output embeddings "
-             f"({cfg.model_path!r}) is not supported; use pipeline_parallel=1 for this model")
-        need(cfg.expert_parallel == 1, f"pipeline_parallel={cfg.pipeline_parallel} with expert_parallel="
-             f"{cfg.expert_parallel} is not wired in; use one of them")
-    # counts and budgets: a zero or negative value here would divide by zero below or hang/do nothing later
-    for name in ("trainer_workers", "tensor_parallel", "num_engines", "prompts_per_step", "samples_per_prompt",
-                 "global_batch_size", "micro_batch_size", "max_new_tokens", "max_prompt_len", "max_context_len",
-                 "max_turns", "eval_samples", "engine_max_batch", "max_parallel_sandboxes", "warmstart_batch_size"):
-        need(isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 1,
-             f"{name}={getattr(cfg, name)!r} must be a positive integer")
-    for name in ("num_steps", "eval_every", "save_every", "print_every", "agent_retries", "warmstart_steps",
-                 "lr_warmup_steps", "warmstart_stop_loss"):
-        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = off / none)")
-    for name in ("agent_timeout", "cpus_per_trainer", "cpus_per_engine", "bucket_mb"):
-        need(getattr(cfg, name) > 0, f"{name}={getattr(cfg, name)!r} must be > 0")
-    need(cfg.lr >= 0 and 0 <= cfg.min_lr <= max(cfg.lr, 0), f"lr={cfg.lr!r}, min_lr={cfg.min_lr!r}: need 0 <= min_lr <= lr")
-    for name in ("temperature", "eval_temperature"):  # SGLang and the CPU engine refuse negative ones
-        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = greedy)")
-    need(0 < cfg.top_p <= 1, f"top_p={cfg.top_p!r} must be in (0, 1]")
-    need(cfg.top_k == -1 or cfg.top_k >= 1, f"top_k={cfg.top_k!r}: use -1 (off) or a positive integer")
-    need(not (cfg.train_only and cfg.rollout_only), "train_only and rollout_only together would neither generate "
-         "nor train; set one of them")
-    need(cfg.sandbox in ("local", "docker", "auto") or data.is_dotted(cfg.sandbox),
-         f"sandbox={cfg.sandbox!r}: choose 'local', 'docker', 'auto' or a dotted path 'module.function'")
-    need(cfg.transfer in transfermesh.TRANSPORTS or data.is_dotted(cfg.transfer),
-         f"transfer={cfg.transfer!r}: choose one of {transfermesh.TRANSPORTS} or a dotted path 'module.function'")
-    need(cfg.transfer != "cuda_ipc" or cfg.device == "cuda", "transfer=cuda_ipc needs device=cuda (CUDA IPC handles "
-         "of GPU tensors); on CPU use transfer=auto (shared memory to local engines) or broadcast")
-    need(cfg.transfer != "shm" or cfg.engine == "cpu", "transfer=shm is the CPU engine's shared-memory path; SGLang "
-         "engines take cuda_ipc, broadcast or disk (or auto)")
-    need(not (cfg.agent and cfg.agent_command), f"set either agent ({cfg.agent!r}, a Python function) or "
-         f"agent_command ({cfg.agent_command!r}, a black-box program), not both")
-    if cfg.agent_preload:
-        need(bool(cfg.agent_command), f"agent_preload={cfg.agent_preload} preloads modules for agent_command, which "
-             "is empty; set agent_command or remove agent_preload")
-        need(cfg.sandbox == "local", f"agent_preload forks agents from a warm interpreter on this machine, which "
-             f"sandbox={cfg.sandbox!r} cannot take; set sandbox=local or remove agent_preload")
-        need(sandbox.python_command(cfg.agent_command) is not None, f"agent_preload runs Python agents only: "
-             f"agent_command must read `[VAR=value ...] python SCRIPT [ARGS]` or `python -m MODULE [ARGS]` (no shell "
-             f"operators), got {cfg.agent_command!r}; remove agent_preload to run it through bash")
-    if cfg.router_replay:
-        mt = _model_type(cfg.model_path, cfg.tiny_model)
-        need(mt in (None, "qwen3_moe", "mixtral"), f"router_replay=true needs an MoE model (qwen3_moe or mixtral), "
-             f"but {cfg.model_path!r} is {mt!r}, which has no router; set router_replay=false"
-             + (" or tiny_model.num_experts > 0" if cfg.model_path == "tiny" else ""))
-        need(cfg.engine != "cpu" or mt != "mixtral", "router_replay with engine=cpu: the CPU engine runs Qwen3-MoE "
-             "but not Mixtral; use a qwen3_moe model or engine=sglang")
-    unknown = sorted(set(cfg.tiny_model) - set(data.TINY_DEFAULTS))
-    need(cfg.model_path != "tiny" or not unknown, f"unknown tiny_model setting(s) {unknown}"
-         f"{_closest(unknown[0], data.TINY_DEFAULTS) if unknown else ''}; valid: {sorted(data.TINY_DEFAULTS)}")
-    if cfg.device == "cuda" and cfg.colocate:
-        need(cfg.num_engines * cfg.gpus_per_engine <= cfg.trainer_workers, f"colocate: {cfg.num_engines} engines x "
-             f"gpus_per_engine={cfg.gpus_per_engine} GPUs must fit on the trainers' {cfg.trainer_workers} GPUs; lower "
-             "num_engines or set colocate=false")
-    need(not (cfg.engine == "sglang" and cfg.colocate and cfg.sglang.get("enable_memory_saver") is False),
-         "colocate=true hands the engines' memory to the trainers with SGLang's release_memory_occupation, which needs "
-         "its memory saver; drop sglang.enable_memory_saver=false or set colocate=false")
-    if cfg.engine == "sglang" and "tp_size" in cfg.sglang:
-        need(int(cfg.sglang["tp_size"]) == cfg.gpus_per_engine, f"sglang.tp_size={cfg.sglang['tp_size']} but "
-             f"gpus_per_engine={cfg.gpus_per_engine}: an engine's tensor parallel size is its GPU count; set them equal")
-    if cfg.expert_parallel != 1:
-        need(isinstance(cfg.expert_parallel, int) and cfg.expert_parallel > 1,
-             f"expert_parallel={cfg.expert_parallel!r} must be a positive integer")
-        mt = _model_type(cfg.model_path, cfg.tiny_model)
-        need(mt in (None, "qwen3_moe", "mixtral"), f"expert_parallel={cfg.expert_parallel} needs an MoE model, but "
-             f"{cfg.model_path!r} is {mt!r}; set expert_parallel=1")
-        experts = _num_experts(cfg.model_path, cfg.tiny_model)
-        need(not experts or experts % cfg.expert_parallel == 0, f"expert_parallel={cfg.expert_parallel} does not "
-             f"divide the model's {experts} experts; choose a divisor of {experts}")
-        ranks = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.expert_parallel  # Megatron's expert grid
-        need(cfg.trainer_workers % ranks == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
-             f"tensor_parallel*pipeline_parallel*expert_parallel={ranks}; "
-             f"use {ranks * max(1, cfg.trainer_workers // ranks)}")
-    mp = cfg.tensor_parallel * cfg.pipeline_parallel
-    need(cfg.trainer_workers % mp == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
-         f"tensor_parallel*pipeline_parallel={mp}; use {mp * max(1, cfg.trainer_workers // mp)}")
-    cfg.data_parallel = cfg.trainer_workers // mp
-    n, dp = cfg.samples_per_prompt, cfg.data_parallel
-    rollout = cfg.prompts_per_step * n
-    need(cfg.global_batch_size % n == 0, f"global_batch_size={cfg.global_batch_size} must hold whole groups: "
-         f"make it a multiple of samples_per_prompt={n}")
-    need(rollout % cfg.global_batch_size == 0, f"prompts_per_step*samples_per_prompt={rollout} must be a multiple "
-         f"of global_batch_size={cfg.global_batch_size}; e.g. global_batch_size={rollout}")
-    need((cfg.global_batch_size // n) % dp == 0, f"each mini-batch has {cfg.global_batch_size // n} groups, which "
-         f"must split evenly over data_parallel={dp} ranks (groups stay on one rank); change global_batch_size")
-    per_rank = cfg.global_batch_size // dp
-    need(per_rank % cfg.micro_batch_size == 0, f"global_batch_size/data_parallel={per_rank} samples per rank must be "
-         f"a multiple of micro_batch_size={cfg.micro_batch_size}; try micro_batch_size={math.gcd(per_rank, cfg.micro_batch_size)}")
-    # --- async: capacity, window, lag bound (train() reads them; see `groups_to_dispatch` / `collectable`)
-    need(cfg.stale_steps >= 0, f"stale_steps={cfg.stale_steps} must be >= 0 (0 = no step runs ahead of training)")
-    need(cfg.window in WINDOWS or data.is_dotted(cfg.window),
-         f"window={cfg.window!r}: choose one of {WINDOWS} or a dotted path{_closest(cfg.window, WINDOWS)}")
-    need(cfg.lag_policy in ("mask", "regenerate"), f"lag_policy={cfg.lag_policy!r}: choose 'mask' or 'regenerate'")
-    need(cfg.max_version_lag >= -1, f"max_version_lag={cfg.max_version_lag}: use -1 (no bound) or a lag >= 0")
-    if cfg.mode == "sync":
-        cfg.stale_steps = 0.0  # one code path: sync is the pipeline with nothing running ahead
-    # torch threads per actor: async runs trainers and engines at once, each on its own Ray CPUs; sync runs
-    # one phase at a time, so the phase running may use the node's cores (split among the actors of that phase)
-    sync_cpu, cores = cfg.mode == "sync" and cfg.device == "cpu", os.cpu_count() or 1
-    if cfg.trainer_threads <= 0:
-        cfg.trainer_threads = max(1, cores // cfg.trainer_workers if sync_cpu else int(cfg.cpus_per_trainer))
-    if cfg.engine_threads <= 0:
-        cfg.engine_threads = max(1, cores // cfg.num_engines if sync_cpu else int(cfg.cpus_per_engine))
-    for knob in ("engine_check_every", "engine_health_timeout", "engine_wait", "weight_sync_timeout", "actor_timeout"):
-        need(getattr(cfg, knob) > 0, f"{knob}={getattr(cfg, knob)} must be > 0 (seconds)")
-    need(cfg.max_engine_restarts >= 0, f"max_engine_restarts={cfg.max_engine_restarts} must be >= 0")
-    need(not (cfg.train_only and not cfg.load_rollouts), "train_only needs load_rollouts=<dir written by dump_rollouts>")
-    for t in cfg.trackers:
-        need(t in TRACKERS, f"trackers: {t!r} is not a tracker; choose from {sorted(TRACKERS)}{_closest(str(t), TRACKERS)}")
-        try:
-            __import__(TRACKERS[t])
-        except ImportError:
-            raise ValueError(f"trackers: {t!r} needs the {TRACKERS[t]} package: pip install -e .[tracking]") from None
-    plugged = [k for k in ("agent", "chat_template", "tool_parser", "group_filter", "window", "engine", "transfer",
-                           "sandbox") if data.is_dotted(getattr(cfg, k))]
-    for name in ["reward", "warmstart_example"] + plugged:
-        data.import_object(getattr(cfg, name))  # fail now, not after the model is built
-    algos.validate(cfg)
-    check_teachers(cfg)
-    check_critic(cfg)
-    return cfg
-
-
-def check_critic(cfg: Config) -> None:
-    """advantage=gae trains a critic inside every trainer rank (trainer.py): its knobs, and the combinations it
-    cannot serve, fail here, at --check."""
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise ValueError(msg)
-
-    if cfg.advantage != "gae":
-        need(cfg.critic_warmup_steps == 0, f"critic_warmup_steps={cfg.critic_warmup_steps} applies to advantage='gae' "
-             f"(the only estimator with a critic), not {cfg.advantage!r}; set critic_warmup_steps=0 or advantage=gae")
-        return
-    need(cfg.critic_lr > 0, f"critic_lr={cfg.critic_lr!r} must be > 0: advantage='gae' learns its values")
-    need(cfg.value_clip >= 0, f"value_clip={cfg.value_clip!r} must be >= 0 (0 = no value clipping)")
-    need(0 <= cfg.critic_warmup_steps < max(cfg.num_steps, 1), f"critic_warmup_steps={cfg.critic_warmup_steps} must be "
-         f">= 0 and below num_steps={cfg.num_steps}, or the policy is never trained")
-    need(cfg.gkd_ratio < 1, "advantage='gae' with gkd_ratio=1: pure distillation has no RL loss, so the critic's "
-         "values would feed nothing; set gkd_ratio < 1 or another advantage")
-    need(cfg.pipeline_parallel == 1, f"advantage='gae' with pipeline_parallel={cfg.pipeline_parallel}: the critic's "
-         "value head runs on a whole model in each rank; set pipeline_parallel=1 (tensor and data parallel work)")
-    need(cfg.expert_parallel == 1, f"advantage='gae' with expert_parallel={cfg.expert_parallel}: the critic's forward "
-         "does not keep expert ranks in step (no idle micro-batches); set expert_parallel=1")
-
-
-TEACHER_BUILD_KEYS = ("tiny_model", "warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
-                      "warmstart_label_noise", "warmstart_example", "warmstart_stop_loss", "seed")
-SOURCE_KEYS = ("name", "dataset", "weight", "eval_dataset", "reward", "agent", "teacher")
-
-
-def _teacher_spec(name: str, spec) -> dict:
-    """A `teachers:` entry as {"path": ..., build overrides...}, checked."""
-    spec = {"path": spec} if isinstance(spec, str) else spec
-    if not isinstance(spec, dict) or "path" not in spec:
-        raise ValueError(f"teachers.{name}={spec!r}: give an HF directory, or {{path: tiny, warmstart_dataset: ...}}")
-    for key in spec:
-        if key != "path" and key not in TEACHER_BUILD_KEYS:
-            raise ValueError(f"teachers.{name}.{key} is not a teacher setting{_closest(key, ('path',) + TEACHER_BUILD_KEYS)}")
-    if spec["path"] != "tiny" and len(spec) > 1:
-        raise ValueError(f"teachers.{name}: build settings {sorted(set(spec) - {'path'})} apply to path: tiny only")
-    return spec
-
-
-def _model_type(path: str, tiny_model: dict) -> str | None:
-    """config.json's model_type of `path` (the tiny builder's, for "tiny"); None where it cannot be read yet."""
-    if path == "tiny":
-        return "qwen3_moe" if int(tiny_model.get("num_experts", 0) or 0) > 0 else "qwen3"
-    cfg_file = Path(path) / "config.json"
-    return json.loads(cfg_file.read_text()).get("model_type") if cfg_file.exists() else None
-
-
-def _layers_and_tied(path: str, tiny_model: dict) -> tuple[int | None, bool]:
-    """(num_hidden_layers, tie_word_embeddings) of `path` (the tiny builder's for "tiny"); (None, False) where
-    unknown yet."""
-    if path == "tiny":
-        s = {**data.TINY_DEFAULTS, **tiny_model}
-        return int(s["num_hidden_layers"]), bool(s["tie_word_embeddings"])
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.exists():
-        return None, False
-    hf = json.loads(cfg_file.read_text())
-    return hf.get("num_hidden_layers"), bool(hf.get("tie_word_embeddings", False))
-
-
-def _num_experts(path: str, tiny_model: dict) -> int | None:
-    """Routed experts per layer of `path` (the tiny builder's for "tiny"); None where unknown yet."""
-    if path == "tiny":
-        return int({**data.TINY_DEFAULTS, **tiny_model}["num_experts"])
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.exists():
-        return None
-    hf = json.loads(cfg_file.read_text())
-    return hf.get("num_experts") or hf.get("num_local_experts")
-
-
-def _vocab_of(path: str, tiny_model: dict) -> tuple | None:
-    """What must match between student and teacher: (vocab_size, tokenizer vocab hash), or the tiny
-    builder's tokenizer settings; None where it cannot be known before anything is built."""
-    if path == "tiny":
-        s = {**data.TINY_DEFAULTS, **tiny_model}
-        return ("tiny", s["tokenizer_vocab"], s["vocab_multiple"])
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.exists():
-        return None
-    tok = Path(path) / "tokenizer.json"
-    return (json.loads(cfg_file.read_text()).get("vocab_size"),
-            data.settings_hash(tok.read_text()) if tok.exists() else None)
-
-
-def check_teacher_vocab(student_path: str, teacher_paths: dict[str, str], student_tiny: dict | None = None,
-                        teacher_tiny: dict | None = None) -> None:
-    """Every teacher must share the student's vocabulary. Compared like with like: two built/HF dirs by
-    vocab_size and tokenizer.json, two `tiny` specs by their tokenizer settings; a tiny spec against an HF
-    dir is compared again in train(), once the tiny model is built."""
-    student = _vocab_of(student_path, student_tiny or {})
-    for n, path in teacher_paths.items():
-        theirs = _vocab_of(path, (teacher_tiny or {}).get(n, student_tiny or {}))
-        if student is None or theirs is None or (student[0] == "tiny") != (theirs[0] == "tiny"):
-            continue
-        if student != theirs:
-            raise ValueError(f"teacher {n!r} ({path}) has another vocabulary than the student ({student_path}): "
-                             f"{theirs} vs {student}. Distillation compares distributions token by token: give "
-                             "teachers that share the student's tokenizer")
-
-
-def check_teachers(cfg: Config) -> None:
-    """Teachers, routing and data sources: meaningless combinations fail here, at --check."""
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise ValueError(msg)
-
-    names = list(cfg.teachers)
-    specs = {n: _teacher_spec(n, s) for n, s in cfg.teachers.items()}
-    need(not names or cfg.pg_ratio > 0 or cfg.gkd_ratio > 0, f"teachers {names} are set but pg_ratio=0 and "
-         "gkd_ratio=0, so they would teach nothing; set pg_ratio > 0 (PG-style) and/or gkd_ratio > 0 (GKD)")
-    need(names or (cfg.pg_ratio == 0 and cfg.gkd_ratio == 0), f"pg_ratio={cfg.pg_ratio} / gkd_ratio={cfg.gkd_ratio} "
-         "distil from teachers, but `teachers:` is empty; add teachers or set both to 0")
-    need(cfg.teacher_placement in ("own", "trainer"), f"teacher_placement={cfg.teacher_placement!r}: choose 'own' or 'trainer'")
-    need(cfg.teacher_placement == "own" or cfg.device == "cpu", "teacher_placement='trainer' time-shares CPU bundles "
-         "only for now; on CUDA use teacher_placement='own' (the teachers' own GPUs)")
-    need(cfg.teacher_placement == "own" or cfg.teacher_tp <= cfg.trainer_workers, f"teacher_placement='trainer' "
-         f"puts teacher_tp={cfg.teacher_tp} ranks on {cfg.trainer_workers} trainer bundles; lower teacher_tp")
-    need(cfg.teacher_tp >= 1 and cfg.teacher_topk >= 1 and cfg.teacher_micro_batch >= 1,
-         f"teacher_tp={cfg.teacher_tp}, teacher_topk={cfg.teacher_topk}, teacher_micro_batch={cfg.teacher_micro_batch} must be >= 1")
-    if cfg.teacher_route:
-        need(bool(names), f"teacher_route={cfg.teacher_route!r} without teachers; add `teachers:`")
-        data.import_object(cfg.teacher_route)
-    check_teacher_vocab(cfg.model_path, {n: spec["path"] for n, spec in specs.items()},
-                        cfg.tiny_model, {n: spec.get("tiny_model", cfg.tiny_model) for n, spec in specs.items()})
-
-    def check_teacher_ref(ref, where: str):
-        for t in ([ref] if isinstance(ref, str) else list(dict(ref))):
-            need(t in names, f"{where} names teacher {t!r}, which is not in teachers: {names}{_closest(str(t), names)}")
-
-    seen = set()
-    for i, src in enumerate(cfg.data_sources):
-        need(isinstance(src, dict) and "name" in src and "dataset" in src,
-             f"data_sources[{i}]={src!r} needs at least name and dataset")
-        for key in src:
-            need(key in SOURCE_KEYS, f"data_sources[{i}].{key} is not a source key{_closest(key, SOURCE_KEYS)}")
-        need(src["name"] not in seen, f"data_sources: the name {src['name']!r} is used twice")
-        seen.add(src["name"])
-        need(float(src.get("weight", 1.0)) > 0, f"data_sources {src['name']!r}: weight={src.get('weight')} must be > 0")
-        for key in ("reward", "agent"):
-            if src.get(key):
-                data.import_object(src[key])
-        if src.get("teacher") is not None:
-            need(bool(names), f"data source {src['name']!r} names teacher {src['teacher']!r} but `teachers:` is empty")
-            check_teacher_ref(src["teacher"], f"data source {src['name']!r}")
-        elif len(names) > 1 and not cfg.teacher_route:
-            raise ValueError(f"data source {src['name']!r} has no teacher, and there are {len(names)} teachers "
-                             f"{names}; set its `teacher:` (a name or {{name: weight}}), or set teacher_route")
-
-
-def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(training samples, eval samples). With data_sources every sample carries `source` and, unless it
+def load_data(cfg: Config) -> tuple[list[dict], dict[str, list[dict]]]:
+    """(training samples, eval sets {name: samples}): "" is eval_dataset (or the data sources' eval sets, when
+    there are any), the others are cfg.eval_sets. With data_sources every sample carries `source` and, unless it
     has its own, the source's `teacher`; sample teachers are checked against `teachers:` here."""
     if not cfg.data_sources:
         samples = data.load_dataset(cfg.dataset)
@@ -612,732 +248,12 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
         for t in ([] if ref is None else [ref] if isinstance(ref, str) else list(dict(ref))):
             if t not in names:
                 raise ValueError(f"a sample of {s.get('source') or cfg.dataset!r} names teacher {t!r}, which is not "
-                                 f"in teachers: {names}{_closest(str(t), names)}")
+                                 f"in teachers: {names}{closest(str(t), names)}")
         if ref is None and len(names) > 1 and not cfg.teacher_route:
             raise ValueError(f"a sample of {s.get('source') or cfg.dataset!r} has no teacher and there are "
                              f"{len(names)} teachers {names}; add a `teacher` field, a source teacher or teacher_route")
-    return samples, evals
-
-
-def describe(cfg: Config) -> str:
-    """The derived sizes, in one line."""
-    rollout = cfg.prompts_per_step * cfg.samples_per_prompt
-    return (f"data_parallel={cfg.data_parallel}, rollout batch={rollout} samples, {rollout // cfg.global_batch_size} "
-            f"optimizer step(s) per RL step, {cfg.global_batch_size // cfg.data_parallel // cfg.micro_batch_size} "
-            f"micro-batch(es) per rank per optimizer step, device={cfg.device}, engine={cfg.engine}, "
-            f"torch threads trainer/engine={cfg.trainer_threads}/{cfg.engine_threads}"
-            + (f", cores trainer 0 / engine 0: {actor_cores(cfg, 'trainer', 0)} / {actor_cores(cfg, 'engine', 0)}"
-               if actor_cores(cfg, "engine", 0) else "")
-            + (f" (trainer 0 also on {[c for _, cs in lent_cores(cfg, 0) for c in cs]} while its engines idle)"
-               if lent_cores(cfg, 0) else "")
-            + (", critic (value model) in every trainer rank" if cfg.advantage == "gae" else "")
-            + (f", async: capacity C={capacity(cfg)} groups, window={cfg.window}, max_version_lag="
-               f"{cfg.max_version_lag} ({cfg.lag_policy})" if cfg.mode == "async" else ""))
-
-
-def check_runtime(cfg: Config) -> None:
-    """What only this machine can say: the device exists, the model and data are there."""
-    if cfg.device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device=cuda but no CUDA device is visible; run on a GPU machine or set device=cpu engine=cpu")
-    if cfg.model_path != "tiny" and not Path(cfg.model_path).is_dir():
-        raise FileNotFoundError(f"model_path={cfg.model_path!r} is not a directory; give a local HF model directory "
-                                "(config.json + safetensors + tokenizer) or model_path=tiny")
-    if cfg.agent_command and cfg.sandbox == "docker":
-        if not sandbox.docker_available():
-            raise ValueError("sandbox=docker but no Docker engine answers `docker info` on this machine; start "
-                             "dockerd, or set sandbox=local (LocalSandbox.contained says what it contains here)")
-    for name in cfg.agent_preload:
-        if importlib.util.find_spec(name) is None:
-            raise ValueError(f"agent_preload: no module {name!r} here; install it, or drop it from agent_preload")
-    for spec in (cfg.dataset, cfg.eval_dataset, *cfg.eval_sets.values()):
-        if spec and not spec.startswith("synthetic:") and not Path(spec).exists():
-            raise FileNotFoundError(f"dataset {spec!r} not found; give a .jsonl/.parquet path or 'synthetic:arith:<n>:<seed>'")
-
-
-# ================================================================================================
-# the tiny model: build, warm-start with SFT through the same trainer, cache
-
-
-def checkpoint_fingerprint(path: str) -> str:
-    """A fast hash of an HF model directory: every file's name and size, plus the first and last MiB of each
-    weight file (a changed checkpoint almost always changes one of these; hashing GBs in full would not pay)."""
-    h = hashlib.sha256()
-    for f in sorted(Path(path).iterdir()):
-        if f.is_file():
-            h.update(f"{f.name}:{f.stat().st_size}".encode())
-            if f.suffix in (".safetensors", ".json", ".bin", ".jinja"):
-                with open(f, "rb") as fh:
-                    h.update(fh.read(2**20))
-                    fh.seek(max(0, f.stat().st_size - 2**20))
-                    h.update(fh.read(2**20))
-    return h.hexdigest()[:12]
-
-
-def base_model(cfg: Config) -> str:
-    """The checkpoint a run starts from, before any warm start: "tiny" builds (and caches) the tiny Qwen3 of
-    data.py; anything else is an HF directory."""
-    if cfg.model_path != "tiny":
-        return cfg.model_path
-    return data.build_tiny_model(data.default_cache_dir() / f"tiny-{data.settings_hash(cfg.tiny_model)}",
-                                 **cfg.tiny_model)
-
-
-def prepare_model(cfg: Config, trainers) -> str:
-    """Resolve cfg.model_path: "tiny" builds (and caches) the tiny Qwen3 of data.py, anything else is an HF
-    directory. With `warmstart_steps`, SFT it on `warmstart_dataset` through the same Megatron trainers first,
-    save it as HF, and cache it by the base checkpoint's fingerprint and the SFT settings."""
-    base = base_model(cfg)
-    if cfg.warmstart_steps == 0:
-        return base
-    keys = ("warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
-            "warmstart_label_noise", "warmstart_example", "warmstart_stop_loss", "seed")
-    settings = {k: getattr(cfg, k) for k in keys} | {"base": checkpoint_fingerprint(base)}
-    out = data.default_cache_dir() / f"{Path(base).name}-sft-{data.settings_hash(settings)}"
-    if (out / "model.safetensors").exists():
-        print(f"warm start: cached SFT model {out}")
-        return str(out)
-    tok = data.load_tokenizer(base)
-    example = data.import_object(cfg.warmstart_example)
-    samples = data.load_dataset(cfg.warmstart_dataset)
-    rng = random.Random(cfg.seed)
-    ray.get([t.load_hf.remote(base, lr=cfg.warmstart_lr) for t in trainers])
-    bar = tqdm(range(cfg.warmstart_steps), desc="warm start (SFT)", file=sys.stdout, mininterval=2)
-    losses = []
-    for step in bar:
-        batch = [example(tok, s, rng, cfg.warmstart_label_noise)
-                 for s in rng.sample(samples, cfg.warmstart_batch_size)]
-        m = ray.get([t.sft_step.remote(batch) for t in trainers])[0]
-        bar.set_postfix(loss=f"{m['train/sft_loss']:.3f}", refresh=False)
-        # a skill a tiny model learns in a sudden, seed-dependent transition (calc's copying of digits) needs a
-        # stop on the loss, not a fixed count; 20 steps average out one small batch's noise
-        losses.append(m["train/sft_loss"])
-        if cfg.warmstart_stop_loss > 0 and len(losses) >= 20 and sum(losses[-20:]) / 20 < cfg.warmstart_stop_loss:
-            break
-    bar.close()
-    if cfg.warmstart_stop_loss > 0:
-        recent = sum(losses[-20:]) / len(losses[-20:])
-        if len(losses) >= 20 and recent < cfg.warmstart_stop_loss:
-            print(f"warm start: SFT loss {recent:.3f} (mean of the last 20 steps) < warmstart_stop_loss "
-                  f"{cfg.warmstart_stop_loss} after {len(losses)} steps")
-        else:
-            print(f"warm start: WARNING: SFT loss {recent:.3f} (mean of the last 20 steps) is still above "
-                  f"warmstart_stop_loss {cfg.warmstart_stop_loss} after all {cfg.warmstart_steps} warmstart_steps: "
-                  f"the policy may not have learned the task's protocol; raise warmstart_steps")
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # two runs warm-starting the same model do not share it
-    ray.get([t.save_hf.remote(str(tmp)) for t in trainers])
-    try:
-        tmp.rename(out)
-    except OSError:  # the other run saved first: same settings, so the same model; keep its copy
-        if not (out / "model.safetensors").exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
-
-
-# ================================================================================================
-# Ray: placement and actors
-
-
-def placement(cfg: Config) -> dict:
-    """Where every actor goes, as data (reserve() and start_* follow it; `--check` prints it; tests place it on simulated GPUs).
-
-    GPU: one {"GPU": 1} bundle per GPU. Trainer rank r holds bundle r. Engine i (an SGLang server with
-    tensor parallel size k = gpus_per_engine) spans k consecutive bundles and its actor sits on the first:
-    disaggregated, the k bundles after the trainers'; colocated (`colocate`), bundles i*k .. i*k+k-1 of the
-    trainers', where trainer and engine actors take half a GPU each (they hand the memory over in turn). The
-    server process sees all k GPUs (CUDA_VISIBLE_DEVICES from the bundles' GPU ids, see `bundle_gpus`).
-    CPU: one {"CPU": n} bundle per trainer rank and per engine; colocated, a trainer's bundle also holds its engine.
-    Returns {"bundles": [resource dicts], "trainers": [actor options], "engines": [actor options + "gpu_bundles"]}.
-    """
-    gpu, T, E, k = cfg.device == "cuda", cfg.trainer_workers, cfg.num_engines, cfg.gpus_per_engine
-    if gpu:
-        bundles = [{"GPU": 1, "CPU": cfg.cpus_per_trainer} for _ in range(T)]
-        first = 0 if cfg.colocate else T  # the bundle engine 0 starts on
-        if cfg.colocate:
-            for i in range(E * k):
-                bundles[i]["CPU"] += cfg.cpus_per_engine / k  # the engine's CPUs, spread over its bundles
-        else:
-            bundles += [{"GPU": 1, "CPU": cfg.cpus_per_engine / k} for _ in range(E * k)]
-        share = 0.5 if cfg.colocate else 1.0
-        trainers = [dict(bundle=r, num_gpus=share, num_cpus=cfg.cpus_per_trainer) for r in range(T)]
-        engines = [dict(bundle=first + i * k, num_gpus=share, num_cpus=cfg.cpus_per_engine / k,
-                        gpu_bundles=list(range(first + i * k, first + (i + 1) * k))) for i in range(E)]
-    else:
-        bundles = [{"CPU": cfg.cpus_per_trainer} for _ in range(T)]
-        if cfg.colocate:
-            for i in range(E):
-                bundles[i * T // E]["CPU"] += cfg.cpus_per_engine
-        else:
-            bundles += [{"CPU": cfg.cpus_per_engine} for _ in range(E)]
-        trainers = [dict(bundle=r, num_gpus=0, num_cpus=cfg.cpus_per_trainer) for r in range(T)]
-        engines = [dict(bundle=(i * T // E) if cfg.colocate else T + i, num_gpus=0, num_cpus=cfg.cpus_per_engine,
-                        gpu_bundles=[]) for i in range(E)]
-    return {"bundles": bundles, "trainers": trainers, "engines": engines}
-
-
-def placement_table(cfg: Config, plan: dict, where: list | None = None) -> str:
-    """One line per actor: bundle, Ray resources, and (once reserved) node and GPU ids."""
-    rows = [f"{'actor':12s} {'bundle':>6s} {'GPU':>5s} {'CPU':>5s}  " + ("node / GPU ids" if where else "")]
-    for kind, opts in (("trainer", plan["trainers"]), ("engine", plan["engines"])):
-        for i, o in enumerate(opts):
-            span = f" (+ bundles {o['gpu_bundles'][1:]})" if len(o.get("gpu_bundles", [])) > 1 else ""
-            loc = ""
-            if where:
-                bs = o.get("gpu_bundles") or [o["bundle"]]
-                loc = f"{where[o['bundle']][0][:12]} / {[g for b in bs for g in where[b][1]]}"
-            rows.append(f"{kind + ' ' + str(i):12s} {o['bundle']:6d} {o['num_gpus']:5.2g} {o['num_cpus']:5.3g}  {loc}{span}")
-    return "\n".join(rows)
-
-
-def bundle_gpus(pg, n: int) -> list[tuple[str, list[str]]]:
-    """(node id, GPU ids) of each of the n bundles, asked of Ray by a tiny task on each (before any actor
-    holds them). Engines spanning several bundles pass these ids to their server as CUDA_VISIBLE_DEVICES."""
-    def where_am_i() -> tuple[str, list[str]]:  # defined in here, so Ray ships it by value and the task's worker
-        # imports only Ray (a module-level function would import this module and torch: ~1.3 s of every start)
-        return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
-
-    has_gpu = ray.available_resources().get("GPU", 0) > 0 or ray.cluster_resources().get("GPU", 0) > 0
-    probe = ray.remote(where_am_i)
-    return ray.get([probe.options(num_cpus=0, num_gpus=0.01 if has_gpu else 0,
-                                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, b)).remote()
-                    for b in range(n)])
-
-
-def actor_cores(cfg: Config, kind: str, i: int) -> list[int]:
-    """The cores trainer rank i (kind "trainer") or engine i ("engine") is pinned to: in async mode on a local CPU
-    node, trainers take trainer_threads cores each from the first, engines engine_threads each after them, so a
-    training step and the engine's decoding never share a core (Ray reserves CPUs as a count; it pins nothing).
-    The controller and AgentFlow stay unpinned (mostly waiting). [] = no pinning: sync (each phase may use every
-    core), GPUs, a Ray cluster, colocated actors, or more threads asked for than this machine has cores."""
-    cores = sorted(os.sched_getaffinity(0))
-    T, E, tt, te = cfg.trainer_workers, cfg.num_engines, int(cfg.trainer_threads), int(cfg.engine_threads)
-    if cfg.mode != "async" or cfg.device != "cpu" or cfg.ray_address or cfg.colocate or T * tt + E * te > len(cores):
-        return []
-    first, n = (i * tt, tt) if kind == "trainer" else (T * tt + i * te, te)
-    return cores[first:first + n]
-
-
-def lent_cores(cfg: Config, r: int) -> list[tuple[int, list[int]]]:
-    """(engine i, its cores) for every engine whose cores trainer rank r also computes on while that engine is idle
-    (`borrow_engine_cores`): engine i lends to rank i % trainer_workers. Only where actors are pinned (async on a
-    local CPU node, see actor_cores): elsewhere [] (in sync mode the running phase has every core anyway)."""
-    if not cfg.borrow_engine_cores or not actor_cores(cfg, "trainer", r):
-        return []
-    return [(i, actor_cores(cfg, "engine", i)) for i in range(cfg.num_engines) if i % cfg.trainer_workers == r]
-
-
-def engine_busy_file(cfg: Config) -> str:
-    """A fresh file of one byte per engine (in /dev/shm where there is one: memory, never written back), where CPU
-    engine i keeps byte i at 1 while it has requests to compute and the trainer ranks that borrow its cores read it;
-    "" where no trainer borrows (see lent_cores). train() removes it at the end."""
-    if not any(lent_cores(cfg, r) for r in range(cfg.trainer_workers)):
-        return ""
-    fd, path = tempfile.mkstemp(prefix="loongsage-busy-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    os.write(fd, bytes(cfg.num_engines))
-    os.close(fd)
-    return path
-
-
-def pin_process(cores: list[int]) -> list[int]:
-    """Pin every thread of this process to `cores` (threads started later inherit it); runs inside an actor
-    (`actor.__ray_call__`). Best effort: a thread that ended meanwhile is skipped. Returns the cores it has."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:  # the thread ended meanwhile, or may not be moved
-            pass
-    return sorted(os.sched_getaffinity(0))
-
-
-def reserve(cfg: Config):
-    """Start Ray and reserve the placement bundles (see `placement`).
-    Returns (placement group, the placement plan, each bundle's (node, GPU ids))."""
-    if not ray.is_initialized():
-        if cfg.ray_address:
-            ray.init(address=cfg.ray_address, log_to_driver=True)
-        else:  # logical CPUs: actors are mostly waiting on each other; torch threads are set per actor
-            need = cfg.trainer_workers * cfg.cpus_per_trainer + cfg.num_engines * cfg.cpus_per_engine + 1
-            need += cfg.teacher_tp * cfg.cpus_per_teacher if cfg.teachers and cfg.teacher_placement == "own" else 0
-            # address="local": always a Ray of its own. Without it, ray.init joins a cluster another run on
-            # this machine advertises (/tmp/ray/ray_current_cluster), and then refuses num_cpus.
-            ray.init(address="local", num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=True, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    plan = placement(cfg)
-    pg = placement_group(plan["bundles"], strategy="PACK")
-    try:
-        ray.get(pg.ready(), timeout=300)
-    except ray.exceptions.GetTimeoutError:
-        raise RuntimeError(f"Ray could not reserve the placement bundles {plan['bundles']} within 300 s (cluster "
-                           f"has {ray.cluster_resources()}); lower trainer_workers / num_engines / cpus_per_* or "
-                           "add nodes") from None
-    where = bundle_gpus(pg, len(plan["bundles"]))
-    for i, e in enumerate(plan["engines"]):
-        nodes = {where[b][0] for b in e["gpu_bundles"]}
-        if len(nodes) > 1:
-            raise RuntimeError(f"engine {i} spans bundles {e['gpu_bundles']} on several nodes {sorted(nodes)}; an "
-                               "SGLang server needs its GPUs on one node: make gpus_per_engine divide GPUs per node")
-    print("placement:\n" + placement_table(cfg, plan, where))
-    return pg, plan, where
-
-
-def start_trainers(cfg: Config, pg, plan: dict) -> list:
-    """The trainer ranks on their bundles, started and (async on CPU) pinned to their cores."""
-    TrainerActor = ray.remote(trainer.TrainerWorker)
-    for attempt in range(1, 4):
-        addr, port = ray.get(ray.remote(_addr_and_port).options(
-            num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote())
-        trainers = [TrainerActor.options(num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
-                                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"]))
-                    .remote(cfg, r, cfg.trainer_workers, addr, port) for r, o in enumerate(plan["trainers"])]
-        try:
-            wait([t.__ray_ready__.remote() for t in trainers], "starting the trainer ranks", cfg.actor_timeout,
-                 "actor_timeout")
-            for r, t in enumerate(trainers):  # async on CPU: each rank on cores of its own (see actor_cores)
-                if cores := actor_cores(cfg, "trainer", r):
-                    t.__ray_call__.remote(lambda _, c: pin_process(c), cores)
-                if (lent := lent_cores(cfg, r)) and cfg.engine_busy_file:  # ... and on its engines' while they idle
-                    t.borrow_cores.remote(cfg.engine_busy_file, lent)
-            return trainers
-        except ray.exceptions.RayActorError as e:
-            # The port was free when picked, but rank 0 binds it only once its actor has started
-            # (seconds later): another process may take it meanwhile. Pick another; other errors are real.
-            for t in trainers:
-                ray.kill(t)
-            if "EADDRINUSE" not in str(e) or attempt == 3:
-                raise
-            print(f"trainer rendezvous port {port} was taken before rank 0 could bind it; trying another")
-
-
-def start_engine(cfg: Config, pg, plan: dict, where: list, i: int):
-    """Engine i's RolloutEngine actor on its bundle; an SGLang server sees the GPUs of all its bundles.
-    Always the same bundle for the same i, so a re-created engine takes its predecessor's place."""
-    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
-    o = plan["engines"][i]
-    engine = ray.remote(rollout.RolloutEngine).options(
-        num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"])).remote(cfg, i,
-                                                                                      engine_visible_gpus(plan, where, i))
-    if cores := actor_cores(cfg, "engine", i):  # async on CPU: cores no trainer uses; after __init__, before requests
-        engine.__ray_call__.remote(lambda _, c: pin_process(c), cores)
-    return engine
-
-
-def engine_gpu_ids(plan: dict, where: list, i: int) -> list[str]:
-    """The GPU ids engine i's server must see: those of every bundle it spans, in order."""
-    return [g for b in plan["engines"][i]["gpu_bundles"] for g in where[b][1]]
-
-
-def engine_visible_gpus(plan: dict, where: list, i: int) -> list[str]:
-    """CUDA_VISIBLE_DEVICES for engine i's server: its own GPUs first (SGLang's TP rank r drives device r), then
-    trainer rank 0's GPU when it is on the same node and not among them. CUDA IPC weight updates carry handles of
-    rank 0's GPU (named by UUID, transfermesh.cuda_ipc_payloads), and a TP rank can map only a GPU it sees."""
-    own = engine_gpu_ids(plan, where, i)
-    node = where[plan["engines"][i]["gpu_bundles"][0]][0] if plan["engines"][i]["gpu_bundles"] else None
-    t_node, t_gpus = where[plan["trainers"][0]["bundle"]]
-    return own + [g for g in t_gpus if g not in own] if own and t_node == node else own
-
-
-def start_engines(cfg: Config, pg, plan: dict, where: list) -> list:
-    return [start_engine(cfg, pg, plan, where, i) for i in range(cfg.num_engines)]
-
-
-def start_rollout(cfg: Config, pg, plan: dict, where: list, model: str) -> tuple[list, object]:
-    """The engines, loading `model`, and the AgentFlow actor (rollouts, agents, rewards, the router), which gets
-    their URLs as refs and so starts while they load. Returns (engine actors, AgentFlow actor)."""
-    import agentflow  # late: ~1 s (OpenAI client, FastAPI server), which --check does not need
-    engines = start_engines(dataclasses.replace(cfg, model_path=model), pg, plan, where)
-    flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, [e.url.remote() for e in engines], model)
-    return engines, flow
-
-
-def prepare_teachers(cfg: Config, trainers) -> dict[str, str]:
-    """{teacher: HF dir}. A `path: tiny` teacher is built like the student (prepare_model, on the same
-    trainers, cached by its settings) with its own warm-start data: that is how the tiny recipes train a
-    teacher per sub-task."""
-    paths = {}
-    for name, spec in cfg.teachers.items():
-        spec = _teacher_spec(name, spec)
-        if spec["path"] == "tiny":
-            over = {k: v for k, v in spec.items() if k != "path"}
-            paths[name] = prepare_model(dataclasses.replace(cfg, model_path="tiny", **over), trainers)
-        else:
-            paths[name] = spec["path"]
-    return paths
-
-
-def start_teachers(cfg: Config, pg, paths: dict[str, str]) -> list:
-    """The teacher group: `teacher_tp` TeacherWorker ranks in their own placement group ("own") or on the
-    trainers' bundles ("trainer": they compute while the trainers wait), every teacher registered."""
-    import teacher  # import cycle: teacher imports loongsage
-    gpu = cfg.device == "cuda"
-    if cfg.teacher_placement == "own":
-        bundle = {"GPU": 1, "CPU": cfg.cpus_per_teacher} if gpu else {"CPU": cfg.cpus_per_teacher}
-        pg = placement_group([dict(bundle) for _ in range(cfg.teacher_tp)], strategy="PACK")
-        ray.get(pg.ready(), timeout=300)
-        cpus = cfg.cpus_per_teacher
-    else:
-        cpus = 0  # the trainer bundle's CPUs are the trainers'; a teacher runs while they wait
-    on = [dict(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r), num_cpus=cpus, num_gpus=1 if gpu else 0)
-          for r in range(cfg.teacher_tp)]
-    addr, port = ray.get(ray.remote(_addr_and_port).options(**{**on[0], "num_cpus": 0, "num_gpus": 0}).remote())
-    Actor = ray.remote(teacher.TeacherWorker)
-    group = [Actor.options(**on[r]).remote(cfg, r, cfg.teacher_tp, addr, port) for r in range(cfg.teacher_tp)]
-    info = ray.get([t.load_teachers.remote(paths, str(Path(cfg.output_dir) / "teacher_snapshots")) for t in group])[0]
-    print(f"teachers: {info}")
-    return group
-
-
-def _addr_and_port():
-    return ray.util.get_node_ip_address(), transfermesh.free_port()
-
-
-# ================================================================================================
-# reliability: waits that cannot hang, engines that are re-created when they die
-
-
-@dataclass
-class Fleet:
-    """The rollout engines as the controller tracks them: handles and URLs, never tensors."""
-    pg: object  # the placement group; engine i always lives on the same bundle (start_engine)
-    plan: dict  # placement(cfg): every actor's bundle and resources
-    where: list  # each bundle's (node, GPU ids)
-    actors: list  # RolloutEngine actor handles, engine i at index i
-    urls: list  # their HTTP URLs, same order (AgentFlow's pool routes over these)
-    restarts: int = 0  # engines re-created in this run (metric engines/restarts)
-    released: bool = False  # colocated: the engines' KV cache is handed to the trainers (colocate_hand_off)
-
-
-def wait(refs, what: str, timeout: float, knob: str, every: float = 0.0, tick=None):
-    """`ray.get(refs)` that cannot hang. A failure is raised the moment it arrives, even while other
-    ranks still wait for the failed one inside a collective; past `timeout` seconds it raises
-    TimeoutError naming `what` and the config `knob` that sets the limit (a bare ray.get would wait
-    forever on a hung actor). `tick()` runs every `every` seconds meanwhile (the engine health check
-    while a rollout batch is generated)."""
-    order = list(refs) if isinstance(refs, list) else [refs]
-    pending, results = list(order), {}
-    start = time.monotonic()
-    last_tick = start
-    while pending:
-        now = time.monotonic()
-        if now - start >= timeout:
-            raise TimeoutError(f"{what} did not finish within {timeout:.0f}s (config `{knob}`); if it is only "
-                               f"slow, raise {knob}, else the actors' logs above show where it is stuck")
-        if tick is not None and every > 0 and now - last_tick >= every:
-            tick()
-            last_tick = time.monotonic()
-        limit = min(timeout - (now - start), every if tick is not None and every > 0 else 1.0)
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(limit, 0.01))
-        for ref in ready:  # raises the actor's error (with its traceback) now, not after the others finish
-            results[ref] = ray.get(ref)
-    return [results[ref] for ref in order] if isinstance(refs, list) else results[refs]
-
-
-def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: int) -> str:
-    """Re-create dead engine i on its bundle, load the trainers' current weights (labelled `version`)
-    into it, and route to it again. The trainers must be idle and hold weight version `version`."""
-    if fleet.restarts >= cfg.max_engine_restarts:
-        raise RuntimeError(f"rollout engine {i} ({fleet.urls[i]}) is dead, and {fleet.restarts} engines were already "
-                           f"re-created in this run (max_engine_restarts={cfg.max_engine_restarts}); the engines' logs "
-                           "above say why they die. Fix that, or raise max_engine_restarts")
-    old = fleet.urls[i]
-    ray.kill(fleet.actors[i], no_restart=True)  # a hung engine still holds its bundle (and port, GPU)
-    fleet.actors[i] = start_engine(cfg, fleet.pg, fleet.plan, fleet.where, i)
-    url = wait(fleet.actors[i].url.remote(), f"re-creating rollout engine {i}", cfg.actor_timeout, "actor_timeout")
-    if version > 0:  # it loaded cfg.model_path (version 0); every later version lives only in the trainers
-        wait([t.sync_weights.remote([url], version) for t in trainers], f"weight sync to re-created engine {i}",
-             cfg.weight_sync_timeout, "weight_sync_timeout")
-    wait(flow.replace_engine.remote(old, url), "AgentFlow.replace_engine", cfg.actor_timeout, "actor_timeout")
-    fleet.urls[i] = url
-    fleet.restarts += 1
-    print(f"engine {i} at {old} was dead or hung: re-created at {url}, serving weight version {version}")
-    return url
-
-
-def check_engines(cfg: Config, fleet: Fleet, flow, trainers=None, version: int = 0) -> list[str]:
-    """Probe every engine now: AgentFlow's pool takes a dead or hung one out of routing at once (its
-    requests in flight move to the others). With `trainers` (only while they are idle and hold weight
-    version `version`), each dead engine is also re-created on those weights. Returns the dead URLs."""
-    dead = wait(flow.check_engines.remote(), "the engine health check (AgentFlow.check_engines)",
-                cfg.engine_health_timeout + 60, "engine_health_timeout")
-    if trainers is not None:
-        for url in dead:
-            restart_engine(cfg, fleet, fleet.urls.index(url), flow, trainers, version)
-    return dead
-
-
-def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int) -> dict:
-    """Weights -> engines (TransferMesh) as version `version`: the live engines pause in place (requests in
-    flight keep their KV cache and tokens), take every bucket, then continue on the new weights. A dead engine
-    is skipped and re-created on these weights afterwards; one that dies during the push fails it, so probe
-    and push once more to the engines left (a push is idempotent). Returns the trainers' `weights/` metrics."""
-    for attempt in (1, 2):
-        dead = check_engines(cfg, fleet, flow)
-        live = [u for u in fleet.urls if u not in dead]
-        try:
-            transfermesh.pause_engines(live)  # in place: no forward step sees half-updated weights
-            try:
-                stats = wait([t.sync_weights.remote(live, version) for t in trainers],
-                             f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
-                             "weight_sync_timeout")[0]
-            finally:
-                if not fleet.released:  # colocated: they continue once their KV cache is back (colocate_hand_off)
-                    transfermesh.continue_engines(live)
-            break
-        except (ray.exceptions.RayTaskError, RuntimeError, httpx.HTTPError) as e:
-            if attempt == 2 or not check_engines(cfg, fleet, flow):
-                raise  # no engine died: the error is the sync's own
-            print(f"weight sync of version {version} failed as an engine died ({str(e).splitlines()[0]}); "
-                  "pushing again to the others")
-    check_engines(cfg, fleet, flow, trainers, version)
-    return stats
-
-
-def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> dict:
-    """The colocated memory hand-off (`colocate: true`): engines and trainers share their GPUs, so each gives its
-    memory to the other between phases, in three stages (one line each in train()):
-
-      "train"   before the step: engines pause (retract: running requests give back their KV and wait) and
-                release weights + KV cache (SGLang's /release_memory_occupation); trainers onload everything
-      "sync"    after the step: trainers offload optimizer state + grads; engines resume their weights (zeroed until
-                sync_engines pushes the new ones)
-      "rollout" after the sync: trainers offload their weights; engines resume the KV cache, then continue
-
-    so at no point do both sides hold everything. Returns each side's memory after the stage (`memory/` metrics:
-    trainer rank 0's, and the largest engine's where the engine reports it, i.e. the CPU engine) and its seconds.
-    Does nothing (returns {}) unless cfg.colocate."""
-    if not cfg.colocate:
-        return {}
-    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
-    t0 = time.perf_counter()
-
-    def engines(path: str, payload: dict) -> list[dict]:
-        answers = []
-        for url in fleet.urls:
-            try:
-                answers.append(rollout.post(url, path, payload, timeout=cfg.weight_sync_timeout))
-            except (rollout.EngineError, httpx.HTTPError):
-                if url not in check_engines(cfg, fleet, flow):
-                    raise  # alive: the error is the hand-off's own
-                # dead: out of routing now; sync_engines re-creates it (with all its memory) after the next push
-        return answers
-
-    if stage == "train":
-        engines("/pause_generation", {"mode": "retract"})  # SGLang releases memory only with nothing running
-        answers = engines("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
-        fleet.released = True
-        mem = wait([t.onload.remote() for t in trainers], "trainer onload", cfg.actor_timeout, "actor_timeout")
-    elif stage == "sync":
-        mem = wait([t.offload.remote(["optimizer", "grads"]) for t in trainers], "trainer offload", cfg.actor_timeout,
-                   "actor_timeout")
-        answers = engines("/resume_memory_occupation", {"tags": ["weights"]})
-    elif stage == "rollout":
-        mem = wait([t.offload.remote(["weights"]) for t in trainers], "trainer offload", cfg.actor_timeout,
-                   "actor_timeout")
-        answers = engines("/resume_memory_occupation", {"tags": ["kv_cache"]})
-        fleet.released = False
-        engines("/continue_generation", {})
-    else:
-        raise ValueError(f"colocate_hand_off stage {stage!r}: choose 'train', 'sync' or 'rollout'")
-    out = {f"memory/{stage}_trainer_mb": mem[0]["rss_bytes"] / 2**20, f"timing/hand_off_{stage}": time.perf_counter() - t0}
-    if "gpu_used_bytes" in mem[0]:
-        out[f"memory/{stage}_gpu_used_mb"] = mem[0]["gpu_used_bytes"] / 2**20
-    rss = [a["rss_bytes"] for a in answers if isinstance(a, dict) and "rss_bytes" in a]
-    if rss:
-        out[f"memory/{stage}_engine_mb"] = max(rss) / 2**20
-    return out
-
-
-# ================================================================================================
-# run state: checkpoints that lose nothing, and resume
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never a part
-
-
-def rng_state() -> dict:
-    """The controller's python and numpy global RNG states, as JSON."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
-
-
-def set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-def save_run_state(cfg: Config, trainers, step: int, controller_state: dict) -> Path:
-    """Checkpoint after RL step `step`, in checkpoints/step_XXXXX/: one file per trainer rank (model,
-    optimizer, LR schedule position, python/numpy/torch RNG: trainer.save_checkpoint), the
-    `controller_state` train() hands over (JSON: data cursor, RNG, ...) and config.yaml. Then, last,
-    `checkpoints/latest` is rewritten (atomically) to name it: a crash anywhere in a save leaves
-    `latest` naming the previous checkpoint, complete."""
-    root = Path(cfg.output_dir) / "checkpoints"
-    path = root / f"step_{step:05d}"
-    marker = root / "latest"
-    if path.exists() and not (marker.exists() and marker.read_text().strip() == path.name):
-        shutil.rmtree(path)  # debris of a save that crashed before its marker
-    wait([t.save_checkpoint.remote(str(path)) for t in trainers], f"checkpoint of step {step} (trainer ranks)",
-         cfg.actor_timeout, "actor_timeout")
-    _atomic_write(path / "controller_state.json", json.dumps({"step": step, **controller_state}))
-    _atomic_write(path / "config.yaml", yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    _atomic_write(marker, path.name + "\n")
-    return path
-
-
-def load_run_state(cfg: Config, trainers) -> tuple[int, dict | None]:
-    """Restore the checkpoint `checkpoints/latest` names into every trainer rank (after load_hf) and
-    return (the first step to run, the controller_state saved with it); (0, None) when there is none."""
-    root = Path(cfg.output_dir) / "checkpoints"
-    marker = root / "latest"
-    if not marker.exists():
-        if root.exists() and any(root.iterdir()):
-            print(f"resume: {root} has no `latest` marker (no save completed, or written by an older "
-                  "version without controller state); starting from step 0")
-        return 0, None
-    path = root / marker.read_text().strip()
-    state = json.loads((path / "controller_state.json").read_text())
-    wait([t.load_checkpoint.remote(str(path)) for t in trainers], f"loading checkpoint {path}",
-         cfg.actor_timeout, "actor_timeout")
-    return int(state["step"]) + 1, state
-
-
-# ================================================================================================
-# logging: one flat dict per step -> stdout line, metrics.jsonl, TensorBoard; reward curve at the end
-
-
-TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker name -> the optional package it needs
-
-
-class Logger:
-    """Every step's metrics to metrics.jsonl, TensorBoard and (cfg.trackers) W&B / MLflow; the reward curve
-    at the end. W&B and MLflow are imported only when a recipe asks for them."""
-
-    def __init__(self, cfg: Config, resume_step: int | None = None):
-        """`resume_step`: a resumed run continues the same metrics.jsonl and TensorBoard run from that
-        step; rows of later steps (logged after the checkpoint, before the crash) are dropped, as the
-        run does those steps again."""
-        self.dir = Path(cfg.output_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / "metrics.jsonl"
-        self.history: list[dict] = []
-        if resume_step is not None and path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:  # the line a kill cut short
-                    continue
-                if row.get("step", 0) < resume_step:
-                    self.history.append(row)
-            _atomic_write(path, "".join(json.dumps(r) + "\n" for r in self.history))
-        self.jsonl = open(path, "a" if resume_step is not None else "w")
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # here: tensorboard may be absent (below)
-            # purge_step: TensorBoard hides this run's earlier events from resume_step on (the redone steps)
-            self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=resume_step)
-        except ImportError:  # tensorboard is optional
-            self.tb = None
-        params = {k: v for k, v in dataclasses.asdict(cfg).items()}
-        self.wandb = self.mlflow = None
-        if "wandb" in cfg.trackers:  # optional dependency (pip install -e .[tracking]); WANDB_MODE=offline works
-            import wandb
-            self.wandb = wandb.init(project=cfg.tracker_project, name=self.dir.name, dir=str(self.dir),
-                                    config=params, reinit="finish_previous")
-        if "mlflow" in cfg.trackers:  # optional dependency, likewise
-            import mlflow
-            if not cfg.mlflow_tracking_uri:  # the local file store (MLflow 3 asks for an opt-in to use it)
-                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            mlflow.set_tracking_uri(cfg.mlflow_tracking_uri or (self.dir / "mlruns").resolve().as_uri())
-            mlflow.set_experiment(cfg.tracker_project)
-            self.mlflow = mlflow.start_run(run_name=self.dir.name)
-            mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
-
-    def log(self, step: int, metrics: dict):
-        """Scalars to every sink; lists of numbers (per-token lags) to TensorBoard histograms only."""
-        hists = {k: v for k, v in metrics.items() if isinstance(v, list)}
-        metrics = {"step": step, **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
-        self.history.append(metrics)
-        self.jsonl.write(json.dumps(metrics) + "\n")
-        self.jsonl.flush()
-        if self.tb:
-            for k, v in metrics.items():
-                if k != "step":
-                    self.tb.add_scalar(k, v, step)
-            for k, v in hists.items():
-                if v:
-                    self.tb.add_histogram(k, np.asarray(v), step)
-        scalars = {k: v for k, v in metrics.items() if k != "step"}
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=step)
-        if self.mlflow is not None:  # MLflow metric names allow no '@': eval/pass@4 -> eval/pass_at_4
-            import mlflow  # optional dependency, imported only when on
-            mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in scalars.items()}, step=step)
-
-    def line(self, step: int, m: dict) -> str:
-        keys = [("reward", "rollout/reward_mean"), ("eval", "eval/accuracy"), ("loss", "train/loss"),
-                ("gap_k3", "train/gap_k3"), ("len", "rollout/response_len"), ("step_s", "timing/step"),
-                ("tok/s", "perf/rollout_tokens_per_s")]
-        line = f"step {step:4d} | " + " | ".join(f"{k} {m[v]:.4g}" for k, v in keys if v in m)
-        if "rollout/on_policy_frac" in m:  # how on-policy the step was
-            line += f" | on-policy {m['rollout/on_policy_frac']:.0%} · max lag {m['rollout/lag_max']:.0f}"
-        return line
-
-    def plot(self) -> Path | None:
-        import matplotlib  # late: ~0.5 s, only for the plot at the end of a run
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # after use("Agg"): pyplot picks its backend on import
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for key, style in (("rollout/reward_mean", "-"), ("eval/accuracy", "o-")):
-            pts = [(h["step"], h[key]) for h in self.history if key in h]
-            if pts:
-                ax.plot(*zip(*pts), style, label=key)
-        # data sources: the student's eval curve per source, each teacher's accuracy there as a flat line
-        keys = sorted({k for h in self.history for k in h})
-        for i, src in enumerate(k.split("/")[1] for k in keys if k.startswith("eval/") and k.count("/") == 2):
-            color = f"C{i + 2}"
-            pts = [(h["step"], h[f"eval/{src}/accuracy"]) for h in self.history if f"eval/{src}/accuracy" in h]
-            ax.plot(*zip(*pts), "s-", color=color, label=f"student eval/{src}")
-            for j, k in enumerate(k for k in keys if k.startswith("teacher/") and k.endswith(f"/{src}/accuracy")):
-                v = next(h[k] for h in self.history if k in h)
-                ax.axhline(v, color=color, ls=("--", ":", "-.")[j % 3], lw=1, label=f"{k.split('/')[1]} (teacher) on {src}")
-        ax.set_xlabel("step")
-        ax.set_ylabel("reward / accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        path = self.dir / "reward_curve.png"
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
-
-    def close(self):
-        self.jsonl.close()
-        if self.tb:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-        if self.mlflow is not None:
-            import mlflow  # optional dependency, imported only when on
-            mlflow.end_run()
-
-
-# ================================================================================================
-# the rollout producer's window (fully async): two pure functions decide how many prompt groups to dispatch
-# and which finished ones to collect. R = groups dispatched and not yet collected (running, or finished but
-# held back by the window); Q = groups collected into the buffer and not yet trained on; C = capacity.
-
-WINDOWS = ("no-window", "window-gated", "windowed-fifo")
-
-
-def capacity(cfg: Config) -> int:
-    """C = B * (1 + stale_steps) groups in flight or buffered (B = prompts_per_step); C = B in sync mode."""
-    return max(cfg.prompts_per_step, int(round(cfg.prompts_per_step * (1 + cfg.stale_steps))))
+    others = {name: data.load_dataset(spec) for name, spec in cfg.eval_sets.items()}
+    return samples, {**({"": evals} if evals else {}), **others}
 
 
 def groups_to_dispatch(window: str, C: int, R: int, Q: int, next_seq: int, oldest_uncollected: int) -> int:
@@ -1552,6 +468,15 @@ def rollout_metrics(trajs: list[dict], version: int) -> dict:
     }
 
 
+def _by_source(trajs: list[dict]) -> dict[str, list[dict]]:
+    by: dict[str, list[dict]] = {}
+    for t in trajs:
+        src = (t.get("metadata") or {}).get("source")
+        if src is not None:
+            by.setdefault(src, []).append(t)
+    return by
+
+
 def drop_empty_groups(trajs: list[dict]) -> tuple[list[dict], int, str]:
     """Leave out groups with no trainable token (every sample failed, or generated nothing): they carry
     no signal, and a mini-batch of only such groups would still move Adam's weights (momentum) on zero
@@ -1573,7 +498,7 @@ def dump(trajs: list[dict], path: Path):
 
 
 # ================================================================================================
-# the training loop
+# eval
 
 
 def eval_metrics(trajs: list[dict], k: int, prefix: str = "eval/") -> dict:
@@ -1614,243 +539,24 @@ def evaluate(cfg: Config, flow, eval_sets: dict[str, list[dict]], step: int) -> 
     return out
 
 
-_STATS_HTTP: httpx.Client | None = None  # engine_busy_seconds' client, kept: a new one builds an SSL context each time
-# (~40 ms here, half of the controller's busy time in an async step, py-spy)
-
-
-def engine_busy_seconds(engine_urls: list[str]) -> float:
-    """Seconds CPU engines have spent computing so far (their /get_server_info); 0 for other engines."""
-    global _STATS_HTTP
-    _STATS_HTTP = _STATS_HTTP or httpx.Client(timeout=30.0)
-    try:
-        return sum(_STATS_HTTP.get(f"{u}/get_server_info").raise_for_status().json()["internal_states"][0]
-                   .get("busy_s", 0.0) for u in engine_urls)
-    except (httpx.HTTPError, KeyError, IndexError, ValueError, OSError):
-        return 0.0
-
-
-def node_cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) CPU time of this machine so far, in jiffies, from /proc/stat (Linux); (0, 0) elsewhere. Busy:
-    user, nice, system, irq and softirq time; the rest is idle, waiting on I/O or stolen by a hypervisor."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    except (OSError, ValueError):
-        return 0, 0
-    return v[0] + v[1] + v[2] + v[5] + v[6], sum(v)
-
-
-def warn_off_policy(cfg: Config) -> None:
-    if cfg.mode == "async" and cfg.stale_steps > 0 and cfg.max_version_lag != 0 and not (
-            cfg.is_correction or cfg.m2po_threshold > 0 or cfg.opsm_delta > 0 or cfg.mask_stale_tokens):
-        print(f"warning: mode=async with stale_steps={cfg.stale_steps} trains on tokens up to "
-              f"{'unbounded' if cfg.max_version_lag < 0 else cfg.max_version_lag} versions old with no off-policy "
-              "correction; consider is_correction=token, m2po_threshold, opsm_delta, mask_stale_tokens=true or "
-              "max_version_lag", file=sys.stderr)
-
-
-def _by_source(trajs: list[dict]) -> dict[str, list[dict]]:
-    by: dict[str, list[dict]] = {}
-    for t in trajs:
-        src = (t.get("metadata") or {}).get("source")
-        if src is not None:
-            by.setdefault(src, []).append(t)
-    return by
-
-
-def evaluate_teachers(cfg: Config, trainers, flow, engine_urls, paths: dict[str, str], eval_sets) -> dict:
+def evaluate_teachers(cfg: Config, trainers, flow, fleet, paths: dict[str, str], eval_sets) -> dict:
     """`teacher/<name>/<source>/accuracy` (and `teacher/<name>/accuracy`): each teacher of the student's
     architecture is loaded into the trainers, pushed to the engines and evaluated like the student; then
-    the student's weights go back (version 0). Other architectures cannot be served by the student's
-    engines and are skipped."""
-    import teacher  # import cycle: teacher imports loongsage
-    mine = teacher.arch_key(convert.read_hf_config(cfg.model_path))
+    the student's weights (fleet.model) go back (version 0). Other architectures cannot be served by the
+    student's engines and are skipped."""
+    mine = teacher.arch_key(convert.read_hf_config(fleet.model))
     out = {}
     for name, path in paths.items():
         if teacher.arch_key(convert.read_hf_config(path)) != mine:
             print(f"teacher {name}: another architecture than the student, not evaluated")
             continue
         ray.get([t.load_hf.remote(path) for t in trainers])
-        ray.get([t.sync_weights.remote(engine_urls, -1) for t in trainers])
+        ray.get([t.sync_weights.remote(fleet.urls, -1) for t in trainers])
         m = evaluate(cfg, flow, eval_sets, 0)
         out.update({f"teacher/{name}/{k[len('eval/'):]}": v for k, v in m.items() if k.endswith("accuracy")})
-    ray.get([t.load_hf.remote(cfg.model_path) for t in trainers])
-    ray.get([t.sync_weights.remote(engine_urls, 0) for t in trainers])
+    ray.get([t.load_hf.remote(fleet.model) for t in trainers])
+    ray.get([t.sync_weights.remote(fleet.urls, 0) for t in trainers])
     return out
-
-
-def train(cfg: Config) -> list[dict]:
-    """The whole system: launch actors, then per step: rollout (a producer keeps up to C prompt groups in
-    flight or buffered), train on B complete groups, sync weights, eval, checkpoint."""
-    check_runtime(cfg)
-    print("config:\n" + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    print(f"derived: {describe(cfg)}")
-    warn_off_policy(cfg)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-
-    samples, eval_samples = load_data(cfg)  # before any actor: a bad teacher name in the data fails here
-
-    # --- actors: the engines load the base model while the trainers start (and warm-start it, and build tiny
-    #     teachers); a warm start reaches the engines as weight version 0, below. Colocated on GPUs with a warm
-    #     start, the engines start after it: its training needs the memory an SGLang server holds.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        built = pool.submit(base_model, cfg)  # the tiny model is built while Ray starts (which mostly waits)
-        pg, plan, where = reserve(cfg)
-        base = built.result()
-    late = cfg.colocate and cfg.device == "cuda" and cfg.warmstart_steps > 0
-    cfg.engine_busy_file = engine_busy_file(cfg)  # async on CPU: trainers compute on idle engines' cores
-    engine_model = None if late else base
-    if engine_model:
-        engines, flow = start_rollout(cfg, pg, plan, where, engine_model)
-    trainers = start_trainers(cfg, pg, plan)
-    teacher_paths = prepare_teachers(cfg, trainers) if cfg.teachers else {}
-    cfg.model_path = prepare_model(cfg, trainers)  # base, or its warm start (a re-created engine loads this one)
-    check_teacher_vocab(cfg.model_path, teacher_paths)  # the built dirs, before any teacher starts
-    ray.get([t.load_hf.remote(cfg.model_path) for t in trainers])
-    if not engine_model:
-        engine_model = cfg.model_path
-        engines, flow = start_rollout(cfg, pg, plan, where, engine_model)
-    engine_urls = wait([e.url.remote() for e in engines], "starting the rollout engines", cfg.actor_timeout,
-                       "actor_timeout")
-    fleet = Fleet(pg, plan, where, engines, engine_urls)  # the engines, re-created when they die
-    print(f"engines: {engine_urls}")
-    teachers = start_teachers(cfg, pg, teacher_paths) if cfg.teachers else []  # teacher.py, scores each batch
-    if teachers and float(cfg.gkd_ratio) > 0 and cfg.distill_type != "topk_kl":  # hidden-state targets
-        heads = teachers[0].lm_heads.remote()  # the teachers' LM heads, sent to the trainers once
-        ray.get([t.set_teacher_heads.remote(heads) for t in trainers])
-
-    # resume from checkpoints/latest: the trainers' state, the producer's place in the data, the RNG
-    start_step, state = load_run_state(cfg, trainers) if cfg.resume else (0, None)
-    if state:
-        set_rng_state(state["rng"])
-        sync_engines(cfg, fleet, flow, trainers, start_step)  # the engines get the checkpoint's weights
-        print(f"resumed after step {start_step - 1}")
-    elif engine_model != cfg.model_path:
-        sync_engines(cfg, fleet, flow, trainers, 0)  # the warm start: version 0 == the trainers' weights
-    logger = Logger(cfg, resume_step=start_step if state else None)
-
-    eval_sets = {name: data.load_dataset(spec) for name, spec in cfg.eval_sets.items()}
-    eval_sets = {**({"": eval_samples} if eval_samples else {}), **eval_sets}
-    sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
-    N = cfg.samples_per_prompt
-
-    if cfg.teacher_eval and teachers and eval_sets and start_step == 0:
-        m = evaluate_teachers(cfg, trainers, flow, engine_urls, teacher_paths, eval_sets)
-        logger.log(0, m)
-        print("teachers' eval accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
-    if cfg.eval_every and eval_sets and not state:  # a resumed run logged this eval before it stopped
-        m = evaluate(cfg, flow, eval_sets, start_step)
-        logger.log(start_step, m)
-        print("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items() if "accuracy" in k))
-
-    producer = Producer(cfg, samples, state["producer"] if state else None)
-    busy0, wall0, cpu0 = engine_busy_seconds(fleet.urls), time.perf_counter(), node_cpu_jiffies()
-    bar = tqdm(range(start_step, cfg.num_steps), desc="RL", file=sys.stdout, mininterval=5)
-    for step in bar:
-        t_step = time.perf_counter()
-        metrics: dict = {}
-
-        # --- 1. rollout (+ reward, inside AgentFlow): top the window up to C groups, collect finished groups
-        #        until B are buffered, take the B oldest. Sync (C = B) dispatches B and waits for all of them;
-        #        async leaves up to C - B groups generating while this step trains and syncs.
-        t0 = time.perf_counter()
-        if cfg.train_only:
-            trajs = [json.loads(line) for line in open(Path(cfg.load_rollouts) / f"step_{step:05d}.jsonl")]
-        else:
-            while not producer.full():
-                new = producer.dispatch()
-                if new:
-                    wait(flow.submit.remote(new, N, sampling, step), "AgentFlow.submit", cfg.actor_timeout,
-                         "actor_timeout")  # returns at once: the groups start
-                # blocks until a group finishes; meanwhile engines are probed and dead ones re-created (the
-                # trainers are idle here and hold version `step`, which a re-created engine gets)
-                producer.receive(wait(flow.completed.remote(), f"rollouts of step {step}", cfg.actor_timeout,
-                                      "actor_timeout", every=cfg.engine_check_every,
-                                      tick=lambda: check_engines(cfg, fleet, flow, trainers,
-                                                                 0 if cfg.rollout_only else step)), version=step)
-            trajs, m = producer.pop_batch()
-            metrics.update(m)
-            wait(flow.submit.remote(producer.refill(), N, sampling, step), "AgentFlow.submit", cfg.actor_timeout,
-                 "actor_timeout")  # async: top the window up now, so the engines generate while this step trains
-        metrics["timing/generate"] = time.perf_counter() - t0  # the trainer's wait for rollouts
-        metrics.update(rollout_metrics(trajs, step))
-        metrics["perf/rollout_tokens_per_s"] = metrics["rollout/generated_tokens"] / max(metrics["timing/generate"], 1e-9)
-        if cfg.dump_rollouts:
-            dump(trajs, Path(cfg.dump_rollouts) / f"step_{step:05d}.jsonl")
-        if cfg.print_every and step % cfg.print_every == 0 and trajs:
-            t = trajs[0]
-            bar.write(f"[sample step {step}] reward={t['reward']} status={t['status']}\n"
-                      f"  {t.get('prompt_text', '')!r} -> {t.get('response_text', '')!r}")
-
-        trajs, metrics["rollout/empty_groups"], error = drop_empty_groups(trajs)
-        if not trajs:  # every group failed, was aborted or was filtered out: nothing to learn from
-            bar.write(f"step {step}: no group has a token to train on (every group failed, was aborted or "
-                      f"was filtered out){'; first error: ' + error[:500] if error else ''}; skipping the update")
-        if not cfg.rollout_only and trajs:
-            # --- 2. old/ref logprobs, advantages, policy update (all inside the trainers; one call per rank); with
-            #        advantage=gae also the critic's values and its update (a second model in each trainer rank)
-            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "train"))  # colocated: engines release memory
-            t0 = time.perf_counter()
-            batch_ref = ray.put(trajs)
-            # TEACHERS (teacher.py): every teacher rank scores, rank 0's per-token targets go to the trainers
-            # by ref (never through the controller); the metrics get is the blocking point of this phase.
-            targets_ref = None
-            if teachers:
-                refs = [t.score.options(num_returns=2).remote(batch_ref) for t in teachers]
-                targets_ref = refs[0][0]
-                metrics.update(wait(refs[0][1], f"teacher scoring of step {step}", cfg.actor_timeout,
-                                    "actor_timeout"))
-                metrics["timing/teacher"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-            results = wait([t.train_step.remote(batch_ref, step, targets_ref) for t in trainers],
-                           f"train step {step}", cfg.actor_timeout, "actor_timeout")
-            metrics.update(results[0])  # already reduced over DP ranks
-            metrics["timing/train"] = time.perf_counter() - t0
-
-            # --- 3. weights -> engines (TransferMesh); engines then report version step + 1. Requests in
-            #        flight keep their tokens and continue on the new weights (partial rollouts).
-            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "sync"))  # trainers offload, engine weights back
-            t0 = time.perf_counter()
-            metrics.update(sync_engines(cfg, fleet, flow, trainers, step + 1))  # skips, then re-creates, dead engines
-            metrics["timing/sync"] = time.perf_counter() - t0
-            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "rollout"))  # engine KV cache back, continue
-
-        # --- 4. eval
-        last = step == cfg.num_steps - 1
-        if cfg.eval_every and eval_sets and ((step + 1) % cfg.eval_every == 0 or last):
-            t0 = time.perf_counter()
-            metrics.update(evaluate(cfg, flow, eval_sets, step + 1))
-            metrics["timing/eval"] = time.perf_counter() - t0
-
-        busy, wall, cpu = engine_busy_seconds(fleet.urls), time.perf_counter(), node_cpu_jiffies()
-        metrics.update({"timing/step": wall - t_step, "perf/trainer_wait_frac": metrics["timing/generate"] / (wall - t_step),
-                        "perf/engine_idle_frac": max(0.0, 1 - (busy - busy0) / len(fleet.urls) / (wall - wall0)),
-                        "engines/restarts": fleet.restarts,
-                        **wait(flow.engine_metrics.remote(), "AgentFlow.engine_metrics", cfg.actor_timeout,
-                               "actor_timeout")})
-        if cpu[1] > cpu0[1] and not cfg.ray_address:  # a local run: every actor is on this machine
-            metrics["perf/node_cpu_busy_frac"] = (cpu[0] - cpu0[0]) / (cpu[1] - cpu0[1])
-        busy0, wall0, cpu0 = busy, wall, cpu
-        logger.log(step, metrics)
-        bar.write(logger.line(step, metrics))
-
-        # --- 5. checkpoint, after the step's metrics are logged: a resumed run has every row up to it
-        if cfg.save_every and not cfg.rollout_only and ((step + 1) % cfg.save_every == 0 or last):
-            save_run_state(cfg, trainers, step, {"producer": producer.state(), "rng": rng_state()})
-
-    # --- end: stop the producer, export HF weights, plot
-    ray.get(flow.abort.remote())
-    if not cfg.rollout_only:
-        ray.get([t.save_hf.remote(str(out / "final_hf")) for t in trainers])
-        print(f"final HF checkpoint: {out / 'final_hf'}")
-    png = logger.plot()
-    print(f"reward curve: {png}\nmetrics: {out / 'metrics.jsonl'}")
-    logger.close()
-    if cfg.engine_busy_file:
-        os.unlink(cfg.engine_busy_file)
-    return logger.history
 
 
 def main(argv: list[str]) -> int:
@@ -1865,8 +571,7 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if check_only:
-        print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False) + "placement (bundle = one GPU on CUDA):\n"
-              + placement_table(cfg, placement(cfg)) + f"\nconfig OK: {describe(cfg)}")
+        print(explain(cfg, placement_table(cfg, placement(cfg))) + "\nconfig OK")
         return 0
     try:
         train(cfg)

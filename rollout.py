@@ -222,7 +222,7 @@ class RolloutEngine:
     """
 
     def __init__(self, cfg, rank: int, gpu_ids: list[str] | None = None):
-        """`gpu_ids`: the GPUs of every placement bundle this engine spans (loongsage.placement); an SGLang server
+        """`gpu_ids`: the GPUs of every placement bundle this engine spans (fleet.placement); an SGLang server
         with tensor parallel size k needs all k visible, while Ray shows the actor only its own bundle's."""
         self.rank = rank
         self.proc: subprocess.Popen | None = None

@@ -1083,7 +1083,7 @@ class TrainerWorker:
 
     def borrow_cores(self, busy_file: str, lent: list[tuple[int, list[int]]]) -> list[int]:
         """Async on a local CPU node (cfg.borrow_engine_cores): also compute on the cores of the engines in `lent`
-        ((engine, its cores), from loongsage.lent_cores) while they have nothing to generate (cpu.BorrowedCores).
+        ((engine, its cores), from cpu.lent_cores) while they have nothing to generate (cpu.BorrowedCores).
         Returns the cores this rank may run on."""
         self.borrowed = cpu.BorrowedCores(busy_file, lent, int(self.cfg.trainer_threads))
         self._hook_layers()
@@ -1374,7 +1374,7 @@ class TrainerWorker:
         shard and optimizer state (advantage: gae) and python / numpy / torch RNG states, in one file per rank
         (call on all ranks). The frozen reference is not saved: load_hf() rebuilds it from the HF dir before
         load_checkpoint. The file is written under a temporary name and renamed, so a rank file that exists is
-        complete; the controller's `latest` marker (loongsage.save_run_state) names the newest complete
+        complete; the controller's `latest` marker (fleet.save_run_state) names the newest complete
         checkpoint directory."""
         self.onload()
         os.makedirs(directory, exist_ok=True)
@@ -1422,7 +1422,7 @@ class TrainerWorker:
         return self.optim.steps
 
     # --- colocated memory hand-off ---------------------------------------------------------------------
-    # Between its phases a colocated trainer gives memory to the engines on the same GPUs (loongsage.colocate_hand_off):
+    # Between its phases a colocated trainer gives memory to the engines on the same GPUs (fleet.colocate_hand_off):
     # after the step its optimizer state and gradients, after the weight sync its weights; all come back before the
     # next step. Tags: "weights" (the policy's, the critic's and the frozen reference's parameters), "optimizer"
     # (Adam's moments and, on CUDA, Megatron's fp32 master weights), "grads" (DDP's gradient buffers: zero between

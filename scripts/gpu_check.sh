@@ -37,7 +37,7 @@ import torch
 if not DRY and not torch.cuda.is_available():
     print("SKIP all: no CUDA device visible (scripts/gpu_check.sh --dry-run checks the configs on any machine)")
     sys.exit(0)
-import data, loongsage, rollout
+import config, data, rollout
 model = data.build_tiny_model(data.default_cache_dir() / "tiny-gpu-check")
 GPU = [f"model_path={model}", "device=cuda", "engine=sglang", "eval_every=0", "warmstart_steps=0", "print_every=0",
        "prompts_per_step=8", "samples_per_prompt=4", "global_batch_size=32", "micro_batch_size=16",
@@ -55,8 +55,8 @@ def run(name: str, *overrides: str) -> list[dict]:
 
 @item("sglang launch + /generate with weight_versions spans")
 def _():
-    cfg = loongsage.load_config(None, [f"model_path={model}", "device=cuda", "engine=sglang", "output_dir=runs/gpu_check",
-                                       "sglang.mem_fraction_static=0.3", "fp32_lm_head=true", "colocate=true"])
+    cfg = config.load_config(None, [f"model_path={model}", "device=cuda", "engine=sglang", "output_dir=runs/gpu_check",
+                                    "sglang.mem_fraction_static=0.3", "fp32_lm_head=true", "colocate=true"])
     cmd = rollout.sglang_command(cfg, "127.0.0.1", 30000, 0)
     assert "--enable-fp32-lm-head" in cmd and "--enable-memory-saver" in cmd, cmd
     if DRY:

@@ -19,9 +19,9 @@ import openai
 import pytest
 
 import agentflow
+import config
 import cpu_engine
 import data
-import loongsage
 import sandbox
 import wire
 
@@ -40,10 +40,10 @@ def engines(tiny_model_dir):
         handle.shutdown()
 
 
-def make_cfg(**kw) -> loongsage.Config:
+def make_cfg(**kw) -> config.Config:
     base = dict(reward="data.exact_match", agent="", agent_command="", sandbox="local", max_turns=8,
                 agent_timeout=30.0, agent_retries=1, max_context_len=512, max_prompt_len=256)
-    return dataclasses.replace(loongsage.Config(), **{**base, **kw})
+    return dataclasses.replace(config.Config(), **{**base, **kw})
 
 
 def run(coro):

@@ -13,14 +13,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import algos
-import loongsage
+import config
 
 LN2 = math.log(2.0)
 
 
 def make_cfg(**overrides):
     """A real Config (the one source of defaults, as the trainer gets it) with overrides."""
-    return loongsage.Config(**overrides)
+    return config.Config(**overrides)
 
 
 def denom_of(mask, max_len=None):

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 import agentflow
+import config
+import cpu
 import cpu_engine
+import fleet
 import loongsage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,23 +21,23 @@ ROOT = Path(__file__).resolve().parents[1]
 def cfg_with(**kw):
     base = dict(mode="async", prompts_per_step=4, samples_per_prompt=2, global_batch_size=8, micro_batch_size=8)
     base.update(kw)
-    return loongsage.load_config(None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in base.items()])
+    return config.load_config(None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in base.items()])
 
 
 # --- the window rules, by hand -----------------------------------------------------------------------------
 
 def test_capacity_is_b_times_one_plus_stale_steps():
-    assert loongsage.capacity(cfg_with(stale_steps=1)) == 8
-    assert loongsage.capacity(cfg_with(stale_steps=0.5)) == 6  # fractional staleness: half a step ahead
-    assert loongsage.capacity(cfg_with(mode="sync")) == 4      # sync is the pipeline with nothing ahead
+    assert config.capacity(cfg_with(stale_steps=1)) == 8
+    assert config.capacity(cfg_with(stale_steps=0.5)) == 6  # fractional staleness: half a step ahead
+    assert config.capacity(cfg_with(mode="sync")) == 4      # sync is the pipeline with nothing ahead
     with pytest.raises(ValueError, match="stale_steps=2 applies to mode=async only"):
-        loongsage.load_config(None, ["stale_steps=2"])
+        config.load_config(None, ["stale_steps=2"])
 
 
 def test_dispatch_rules():
     d = loongsage.groups_to_dispatch
     # C=8: 3 running + 2 buffered leave room for 3, in every window
-    assert [d(w, 8, 3, 2, 10, 7) for w in loongsage.WINDOWS] == [3, 3, 3]
+    assert [d(w, 8, 3, 2, 10, 7) for w in config.WINDOWS] == [3, 3, 3]
     # window-gated: the oldest uncollected group is seq 3, so seqs may go up to 3+8-1 = 10; next is 9 -> 2 more
     assert d("window-gated", 8, 1, 0, 9, 3) == 2 and d("no-window", 8, 1, 0, 9, 3) == 7
     assert d("windowed-fifo", 8, 1, 0, 9, 3) == 7
@@ -127,12 +130,12 @@ def simulate(cfg, rng, steps=12, max_len=40):
 @pytest.mark.parametrize("seed", range(6))
 def test_producer_invariants_under_random_lengths(seed):
     rng = random.Random(seed)
-    window = loongsage.WINDOWS[seed % 3]
+    window = config.WINDOWS[seed % 3]
     L = [0, 1, 2][seed % 3]
     cfg = cfg_with(stale_steps=[0.5, 1, 2][seed % 3], window=window, max_version_lag=L,
                    lag_policy=["mask", "regenerate"][seed % 2], dynamic_sampling=bool(seed % 2))
     prod, trained, max_rq, events, running = simulate(cfg, rng)
-    C = loongsage.capacity(cfg)
+    C = config.capacity(cfg)
     assert max_rq <= C  # capacity never exceeded
     # the lag bound holds on every token that reaches the loss
     for _, version, t in trained:
@@ -227,10 +230,10 @@ def test_engine_busy_seconds_reads_the_engines_compute_time(tiny_model_dir):
     not answer counts as 0 instead of failing the step."""
     url, handle = cpu_engine.serve(tiny_model_dir, max_batch=4, max_len=128, seed=0)
     try:
-        before = loongsage.engine_busy_seconds([url])
+        before = fleet.engine_busy_seconds([url])
         handle.engine.generate([[1, 2, 3]] * 4, {"max_new_tokens": 32, "ignore_eos": True})
-        after = loongsage.engine_busy_seconds([url])
-        assert loongsage.engine_busy_seconds([url, "http://127.0.0.1:9"]) == 0.0
+        after = fleet.engine_busy_seconds([url])
+        assert fleet.engine_busy_seconds([url, "http://127.0.0.1:9"]) == 0.0
     finally:
         handle.shutdown()
     assert before == 0.0 < after == handle.engine.state()["busy_s"]
@@ -252,24 +255,24 @@ def test_actor_cores_are_disjoint_and_only_for_async_on_a_local_cpu(monkeypatch)
     import os
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
     cfg = cfg_with(num_engines=2, engine_threads=2)
-    cores = [loongsage.actor_cores(cfg, "trainer", 0), loongsage.actor_cores(cfg, "engine", 0),
-             loongsage.actor_cores(cfg, "engine", 1)]
+    cores = [cpu.actor_cores(cfg, "trainer", 0), cpu.actor_cores(cfg, "engine", 0),
+             cpu.actor_cores(cfg, "engine", 1)]
     assert cores == [[0], [1, 2], [3, 4]]  # trainer_threads derives to its 1 Ray CPU; engines asked for 2 each
-    assert loongsage.actor_cores(cfg_with(mode="sync"), "engine", 0) == []  # sync: a phase may use every core
-    assert loongsage.actor_cores(cfg_with(num_engines=4, engine_threads=2), "engine", 3) == []  # 1 + 8 > 8 cores
-    assert loongsage.actor_cores(cfg_with(colocate=True), "trainer", 0) == []
+    assert cpu.actor_cores(cfg_with(mode="sync"), "engine", 0) == []  # sync: a phase may use every core
+    assert cpu.actor_cores(cfg_with(num_engines=4, engine_threads=2), "engine", 3) == []  # 1 + 8 > 8 cores
+    assert cpu.actor_cores(cfg_with(colocate=True), "trainer", 0) == []
 
 
 def test_lent_cores_only_where_actors_are_pinned(monkeypatch):
     import os
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
-    assert loongsage.lent_cores(cfg_with(num_engines=2, engine_threads=2), 0) == [(0, [1, 2]), (1, [3, 4])]
+    assert cpu.lent_cores(cfg_with(num_engines=2, engine_threads=2), 0) == [(0, [1, 2]), (1, [3, 4])]
     # two trainer ranks: engine i lends to rank i % 2
     two = cfg_with(num_engines=2, trainer_workers=2, global_batch_size=8, micro_batch_size=4)
-    assert loongsage.lent_cores(two, 0) == [(0, [2])] and loongsage.lent_cores(two, 1) == [(1, [3])]
+    assert cpu.lent_cores(two, 0) == [(0, [2])] and cpu.lent_cores(two, 1) == [(1, [3])]
     for cfg in (cfg_with(mode="sync"), cfg_with(borrow_engine_cores=False), cfg_with(colocate=True)):
-        assert loongsage.lent_cores(cfg, 0) == [] and loongsage.engine_busy_file(cfg) == ""
-    path = loongsage.engine_busy_file(cfg_with(num_engines=3))
+        assert cpu.lent_cores(cfg, 0) == [] and cpu.engine_busy_file(cfg) == ""
+    path = cpu.engine_busy_file(cfg_with(num_engines=3))
     try:
         assert open(path, "rb").read() == bytes(3)  # one byte per engine, all idle
     finally:
@@ -306,28 +309,64 @@ def test_trainer_computes_on_an_idle_engines_core(tiny_model_dir, tmp_path):
     if len(cores) < 2:
         pytest.skip("needs two cores")
     cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path))
-    cfg.engine_busy_file = loongsage.engine_busy_file(cfg)
 
     def probe(_):  # runs inside the actor
         affinity = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
         return affinity, torch.get_num_threads()
-    steps = []
+    steps, run = [], None
     try:
-        pg, plan, where = loongsage.reserve(cfg)
-        [rank] = loongsage.start_trainers(cfg, pg, plan)
+        run = fleet.reserve(cfg)  # with the engines' busy file, as a run makes it
+        [rank] = fleet.start_trainers(cfg, run)
         ray.get(rank.load_hf.remote(tiny_model_dir))
         for busy in (1, 0):
-            with open(cfg.engine_busy_file, "r+b") as f:
+            with open(run.busy_file, "r+b") as f:
                 f.write(bytes([busy]))
             m = ray.get(rank.train_step.remote(make_batch(n_groups=4, per_group=2), 0))
             steps.append((m["perf/trainer_borrowed_frac"], *ray.get(rank.__ray_call__.remote(probe))))
     finally:
         ray.shutdown()
-        os.unlink(cfg.engine_busy_file)
+        if run and run.busy_file:
+            os.unlink(run.busy_file)
     (busy_frac, busy_affinity, busy_threads), (idle_frac, idle_affinity, idle_threads) = steps
     assert busy_affinity == idle_affinity == {tuple(cores[:2])}  # every thread may run on both cores
     assert busy_frac == 0.0 and busy_threads == 1
     assert idle_frac == 1.0 and idle_threads == 2
+
+
+def test_a_runs_engine_publishes_in_the_runs_busy_file(tiny_model_dir, tmp_path):
+    """Async on this CPU, fleet.reserve makes the run's busy file and fleet.start_engine hands it to its engine (on the
+    engine's own copy of the config: the run's Config stays as given). While the engine generates, its byte reads 1;
+    once it is done, 0: what a trainer rank that borrows the engine's cores reads."""
+    import concurrent.futures
+    import os
+    import time
+    import httpx
+    import ray
+    if len(sorted(os.sched_getaffinity(0))) < 2:
+        pytest.skip("needs two cores")  # one core: nothing is pinned, so nothing is lent
+    cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path))
+    run = None
+    try:
+        run = fleet.reserve(cfg)
+        run.model = tiny_model_dir
+        assert run.busy_file and cfg.engine_busy_file == "" and open(run.busy_file, "rb").read() == bytes(1)
+        engine = fleet.start_engine(cfg, run, 0)  # held: Ray ends an actor whose last handle is gone
+        url = ray.get(engine.url.remote())
+        seen = set()
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            done = pool.submit(httpx.post, url + "/generate", json=body, timeout=300)
+            while not done.done():
+                seen.add(open(run.busy_file, "rb").read()[0])
+            assert len(done.result().json()["output_ids"]) == 300
+        deadline = time.monotonic() + 5
+        while open(run.busy_file, "rb").read()[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 1 in seen and open(run.busy_file, "rb").read() == bytes(1)
+    finally:
+        ray.shutdown()
+        if run and run.busy_file:
+            os.unlink(run.busy_file)
 
 
 def test_async_trainer_and_engine_are_pinned_to_their_own_cores(tiny_model_dir, tmp_path):
@@ -339,15 +378,17 @@ def test_async_trainer_and_engine_are_pinned_to_their_own_cores(tiny_model_dir, 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores")
-    cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path))
+    # no borrowing here: a trainer rank that borrows its engine's cores may run on them too (the test above)
+    cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path), borrow_engine_cores=False)
 
     def probe(_):  # runs inside the actor
         threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
         return threads, torch.get_num_threads()
     try:
-        pg, plan, where = loongsage.reserve(cfg)
-        engine = loongsage.start_engine(cfg, pg, plan, where, 0)
-        trainers = loongsage.start_trainers(cfg, pg, plan)
+        run = fleet.reserve(cfg)
+        run.model = tiny_model_dir
+        engine = fleet.start_engine(cfg, run, 0)
+        trainers = fleet.start_trainers(cfg, run)
         trainer_threads, trainer_torch = ray.get(trainers[0].__ray_call__.remote(probe))
         engine_threads, engine_torch = ray.get(engine.__ray_call__.remote(probe))
     finally:
@@ -397,13 +438,15 @@ def test_first_minibatch_old_logprobs_from_the_training_forward(tiny_model_dir):
 def test_async_without_staleness_equals_sync(tmp_path, monkeypatch):
     """mode=async with stale_steps=0 dispatches a step's groups only after the previous sync, exactly as sync
     does: on a fixed seed (and the same thread counts, which fix fp32 summation order) every step's reward,
-    loss, grad norm and gap are bit-identical."""
+    loss, grad norm and gap are bit-identical. No core borrowing: an async trainer rank that computes on its idle
+    engine's core runs with two threads where sync runs with one (step 0's loss differed in the 9th digit)."""
     import ray
     from test_loongsage import _short_run
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     runs = []
     for mode in (["mode=sync"], ["mode=async", "stale_steps=0"]):
-        cfg = _short_run(tmp_path / mode[0], "eval_every=0", "trainer_threads=1", "engine_threads=1", *mode)
+        cfg = _short_run(tmp_path / mode[0], "eval_every=0", "trainer_threads=1", "engine_threads=1",
+                         "borrow_engine_cores=false", *mode)
         try:
             runs.append([h for h in loongsage.train(cfg) if "train/loss" in h])
         finally:

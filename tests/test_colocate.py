@@ -112,7 +112,7 @@ def test_trainer_offload_and_onload(mid_model, tmp_path):
     """Offload frees memory for real and onload restores it bit-exactly: two trainers on the same batches, one
     offloading everything between its steps, end with identical losses and weights."""
     import trainer
-    from loongsage import Config
+    from config import Config
     from test_trainer import make_batch
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,

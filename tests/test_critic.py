@@ -25,6 +25,7 @@ import ray
 import torch
 
 import algos
+import config
 import loongsage
 from test_trainer import Ranks, make_batch, make_cfg
 
@@ -68,7 +69,7 @@ def test_gae_returns_hand_values_and_lambda_one_is_the_return_to_go():
     #   R = A + V = [1.6875, 4.75, 0, 2.0]  whatever adv_norm says (the target is never normalised)
     mask, tok_r, v = t([[1, 1, 0, 1]]), t([[0., 1., 3., 2.]]), t([[1., 2., 9., 1.]])
     for norm in ("group", "batch", "none"):
-        cfg = loongsage.Config(advantage="gae", adv_norm=norm, gamma=0.5, lam=0.5)
+        cfg = config.Config(advantage="gae", adv_norm=norm, gamma=0.5, lam=0.5)
         ret = algos.gae_returns(cfg, t([0.]), torch.tensor([0]), mask, v, token_rewards=tok_r)
         torch.testing.assert_close(ret, t([[1.6875, 4.75, 0.0, 2.0]]))
     # lam 1: the lambda-return is the discounted return-to-go G = [0 + 0.5*5, 1 + 3 + 0.5*2, 0, 2] = [2.5, 5, 0, 2],
@@ -94,9 +95,9 @@ def test_explained_variance_hand_values():
 
 def test_check_accepts_gae_and_rejects_what_the_critic_cannot_serve():
     recipe = str(ROOT / "recipes/arith_cpu.yaml")
-    cfg = loongsage.load_config(recipe, ["advantage=gae", "critic_lr=3e-4", "value_clip=0.5", "critic_warmup_steps=2"])
+    cfg = config.load_config(recipe, ["advantage=gae", "critic_lr=3e-4", "value_clip=0.5", "critic_warmup_steps=2"])
     assert (cfg.advantage, cfg.critic_lr, cfg.value_clip, cfg.critic_warmup_steps) == ("gae", 3e-4, 0.5, 2)
-    assert loongsage.describe(cfg).endswith("critic (value model) in every trainer rank")
+    assert config.describe(cfg).endswith("critic (value model) in every trainer rank")
     for overrides, message in [
         (["critic_lr=0"], "critic_lr=0.0 must be > 0"),
         (["value_clip=-0.1"], "value_clip=-0.1 must be >= 0"),
@@ -104,10 +105,10 @@ def test_check_accepts_gae_and_rejects_what_the_critic_cannot_serve():
         (["gkd_ratio=1", 'teachers={"t": "tiny"}'], "pure distillation has no RL loss"),
     ]:
         with pytest.raises(ValueError) as e:
-            loongsage.load_config(recipe, ["advantage=gae", *overrides])
+            config.load_config(recipe, ["advantage=gae", *overrides])
         assert message in str(e.value), (overrides, str(e.value))
     with pytest.raises(ValueError, match="critic_warmup_steps=1 applies to advantage='gae'"):
-        loongsage.load_config(recipe, ["critic_warmup_steps=1"])  # a knob that would do nothing with grpo
+        config.load_config(recipe, ["critic_warmup_steps=1"])  # a knob that would do nothing with grpo
     ok = subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", "advantage=gae", "--check"],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "config OK" in ok.stdout, ok.stderr
@@ -125,7 +126,7 @@ def test_end_to_end_gae_run_trains_the_critic(tmp_path, monkeypatch):
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 intermediate_size=128, norm_std=0.2)
-    cfg = loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
+    cfg = config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
         f"output_dir={tmp_path}/run", "num_steps=4", "prompts_per_step=4", "samples_per_prompt=4",
         "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=6", "eval_every=0", "warmstart_steps=2",
         "warmstart_batch_size=8", "lr=1e-3", "print_every=0", "reward=tests.rewards.text_hash",

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 import agentflow
 import algos
+import config
 import cpu_engine
 import data
 import loongsage
@@ -175,15 +176,15 @@ def test_advantage_by_dotted_path(tmp_path, monkeypatch):
             T = loss_mask.shape[1]
             return rewards[:, None] * 10 + torch.arange(T, dtype=torch.float32)[None, :]   # (B, T)
         """)
-    cfg = loongsage.Config(advantage=f"{mod}:adv")
+    cfg = config.Config(advantage=f"{mod}:adv")
     algos.validate(cfg)
     mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
     got = algos.compute_advantages(cfg, torch.tensor([1.0, -1.0]), torch.tensor([0, 0]), mask)
     assert got.tolist() == [[10.0, 11.0, 0.0], [-10.0, 0.0, -8.0]]  # the user's numbers, 0 off the loss mask
     with pytest.raises(ValueError, match="userext_adv:missing"):
-        algos.validate(loongsage.Config(advantage=f"{mod}:missing"))
+        algos.validate(config.Config(advantage=f"{mod}:missing"))
     with pytest.raises(ValueError, match="or a dotted path"):  # a typo of a built-in still gets the choices
-        algos.validate(loongsage.Config(advantage="grpoo"))
+        algos.validate(config.Config(advantage="grpoo"))
 
 
 def test_distill_divergence_by_dotted_path(tmp_path, monkeypatch):
@@ -191,7 +192,7 @@ def test_distill_divergence_by_dotted_path(tmp_path, monkeypatch):
         def l1(student_logits, teacher_logits=None, **kw):
             return (student_logits - teacher_logits).abs().sum(-1)   # (B, T)
         """)
-    cfg = loongsage.Config(distill_type=f"{mod}.l1")
+    cfg = config.Config(distill_type=f"{mod}.l1")
     algos.validate(cfg)
     student, teacher_logits = torch.zeros(1, 2, 3), torch.ones(1, 2, 3)
     mask = torch.tensor([[1, 1]])
@@ -250,7 +251,7 @@ def test_group_filter_by_dotted_path(tmp_path, monkeypatch):
         def keep(group):
             return sum(t["reward"] for t in group) >= 1.5   # a rule of the user's: total reward at least 1.5
         """)
-    cfg = loongsage.Config(group_filter=f"{mod}:keep", prompts_per_step=2, samples_per_prompt=2, stale_steps=0.0)
+    cfg = config.Config(group_filter=f"{mod}:keep", prompts_per_step=2, samples_per_prompt=2, stale_steps=0.0)
     p = loongsage.Producer(cfg, data.arith_samples(8, seed=0))
     seqs = [seq for seq, _ in p.dispatch()]
     assert seqs == [0, 1]
@@ -271,15 +272,15 @@ def test_window_by_dotted_path(tmp_path, monkeypatch):
             def collectable(finished, min_unfinished, oldest_uncollected, B, C):
                 return sorted(s for s in finished if s % 2 == 0)
         """)
-    cfg = loongsage.load_config(None, [f"window={mod}:OneAtATime", "mode=async", "prompts_per_step=2",
-                                       "samples_per_prompt=2", "global_batch_size=4", "micro_batch_size=2"])
+    cfg = config.load_config(None, [f"window={mod}:OneAtATime", "mode=async", "prompts_per_step=2",
+                                    "samples_per_prompt=2", "global_batch_size=4", "micro_batch_size=2"])
     p = loongsage.Producer(cfg, data.arith_samples(8, seed=0))
     assert [seq for seq, _ in p.dispatch()] == [0]   # every built-in window would start C = 4 groups
     assert [seq for seq, _ in p.dispatch()] == [1]
     p.receive([finished(0, [1.0, 0.0]), finished(1, [1.0, 0.0])], version=0)
     assert sorted(p.finished) == [1] and len(p.batch) == 1  # seq 1 waits: the user's window holds odd ones back
     with pytest.raises(ValueError, match="window="):
-        loongsage.load_config(None, ["window=window-gatd"])
+        config.load_config(None, ["window=window-gatd"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ def test_teacher_route_by_dotted_path(tmp_path, monkeypatch):
             R = len(traj["response_ids"])
             return ["a" if t < R // 2 else {"a": 3, "b": 1} for t in range(R)]
         """)
-    cfg = loongsage.Config(teacher_route=f"{mod}:route")
+    cfg = config.Config(teacher_route=f"{mod}:route")
     traj = {"response_ids": [5, 6, 7, 8], "loss_mask": [1, 1, 0, 1], "group_id": 0}
     W = teacher.token_routes(traj, ["a", "b"], data.import_object(cfg.teacher_route))  # as TeacherWorker loads it
     assert W.tolist() == [[1.0, 0.0], [1.0, 0.0], [0.0, 0.0], [0.75, 0.25]]
@@ -311,7 +312,7 @@ def test_engine_by_dotted_path(tiny_model_dir, tmp_path, monkeypatch):
             open({str(tmp_path / "calls.json")!r}, "w").write(json.dumps({{"rank": rank, "seed": seed, "url": url}}))
             return url, handle
         """)
-    cfg = loongsage.Config(engine=f"{mod}:start", model_path=tiny_model_dir, seed=5)
+    cfg = config.Config(engine=f"{mod}:start", model_path=tiny_model_dir, seed=5)
     eng = rollout.RolloutEngine(cfg, rank=2)
     try:
         call = json.loads((tmp_path / "calls.json").read_text())

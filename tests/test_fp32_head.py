@@ -16,7 +16,7 @@ import data
 import rollout
 import trainer
 import transfermesh
-from loongsage import Config
+from config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)

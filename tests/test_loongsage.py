@@ -1,5 +1,6 @@
 """The controller: config loading and validation, and short end-to-end runs of the real pipeline
 (Ray actors, Megatron-Core over gloo, the CPU engine over HTTP, TransferMesh, AgentFlow)."""
+import dataclasses
 import json
 import math
 import os
@@ -10,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import config
+import cpu
+import fleet
 import loongsage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,18 +23,18 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 
 def test_unknown_key_names_the_closest():
     with pytest.raises(ValueError, match="unknown config key 'lrr'; did you mean 'lr'"):
-        loongsage.load_config(None, ["lrr=1e-3"])
+        config.load_config(None, ["lrr=1e-3"])
     with pytest.raises(ValueError, match="did you mean 'samples_per_prompt'"):
-        loongsage.load_config(None, ["sample_per_prompt=4"])
+        config.load_config(None, ["sample_per_prompt=4"])
 
 
 def test_overrides_are_typed_and_pass_through():
-    cfg = loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"),
-                                ["lr=1", "sglang.mem_fraction_static=0.8", "num_steps=3", "mode=async"])
+    cfg = config.load_config(str(ROOT / "recipes/arith_cpu.yaml"),
+                             ["lr=1", "sglang.mem_fraction_static=0.8", "num_steps=3", "mode=async"])
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.num_steps == 3 and cfg.mode == "async"
     assert cfg.sglang == {"mem_fraction_static": 0.8} and cfg.device == "cpu" and cfg.engine == "cpu"
     with pytest.raises(ValueError, match="'num_steps' should be a int, got 'many'"):
-        loongsage.load_config(None, ["num_steps=many"])
+        config.load_config(None, ["num_steps=many"])
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -48,17 +52,17 @@ def test_overrides_are_typed_and_pass_through():
 ])
 def test_batch_algebra_and_names_say_what_to_change(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        loongsage.load_config(None, overrides)
+        config.load_config(None, overrides)
 
 
 def test_missing_model_path_says_what_to_do():
-    cfg = loongsage.load_config(None, ["model_path=/nowhere/model"])
+    cfg = config.load_config(None, ["model_path=/nowhere/model"])
     with pytest.raises(FileNotFoundError, match="model_path='/nowhere/model' is not a directory"):
-        loongsage.check_runtime(cfg)
+        config.check_runtime(cfg)
 
 
 def test_gpu_recipe_passes_validation_here():
-    cfg = loongsage.load_config(str(ROOT / "recipes/qwen3_4b_gsm8k.yaml"))
+    cfg = config.load_config(str(ROOT / "recipes/qwen3_4b_gsm8k.yaml"))
     assert cfg.device == "cuda" and cfg.engine == "sglang" and cfg.data_parallel == 4
     assert cfg.reward == "data.math_verify" and cfg.sglang["mem_fraction_static"] == 0.6
 
@@ -80,13 +84,22 @@ def ray_session():
         ray.shutdown()
 
 
+def _short_args(tmp_path, *extra) -> list[str]:
+    return [f"output_dir={tmp_path}/run", "num_steps=3", "prompts_per_step=4", "samples_per_prompt=4",
+            "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=6", "eval_every=2",
+            "eval_dataset=synthetic:arith:8:2:20", "eval_samples=1", "warmstart_steps=2", "warmstart_batch_size=8",
+            "lr=1e-3", "print_every=1",
+            "reward=tests.rewards.text_hash",  # differs between distinct samples: nonzero advantages at every step
+            f"tiny_model={json.dumps(TINY)}", *extra]
+
+
 def _short_run(tmp_path, *extra):
-    return loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
-        f"output_dir={tmp_path}/run", "num_steps=3", "prompts_per_step=4", "samples_per_prompt=4",
-        "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=6", "eval_every=2", "eval_dataset=synthetic:arith:8:2:20",
-        "eval_samples=1", "warmstart_steps=2", "warmstart_batch_size=8", "lr=1e-3", "print_every=1",
-        "reward=tests.rewards.text_hash",  # differs between distinct samples: nonzero advantages at every step
-        f"tiny_model={json.dumps(TINY)}", *extra])
+    return config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), _short_args(tmp_path, *extra))
+
+
+def _warm_start(cfg) -> str:
+    """The checkpoint a run of cfg started from (weight version 0): its warm start, which the run cached."""
+    return str(fleet.warm_start_dir(cfg, fleet.base_model(cfg)))
 
 
 def _hf_weights(path) -> dict:
@@ -98,10 +111,13 @@ def test_end_to_end_sync_run(tmp_path, monkeypatch, ray_session):
     """3 RL steps of the default recipe, shrunk. Sync mode: step k trains on rollouts of weight version k,
     the weights the trainer holds, so the train-inference gap is ~0 at EVERY step (fp32 on both sides); a
     sync that shipped stale or wrong weights shows as a gap from step 1 on. The policy really changed: every
-    tensor of the final export differs from the warm-started start."""
+    tensor of the final export differs from the warm-started start. train() leaves its config as given: what the
+    run derives (the warm start, the engines) lives elsewhere."""
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     cfg = _short_run(tmp_path)
+    given = dataclasses.asdict(cfg)  # a deep copy
     history = loongsage.train(cfg)
+    assert dataclasses.asdict(cfg) == given
     steps = [h for h in history if "train/loss" in h]
     assert len(steps) == 3
     assert all(math.isfinite(h["train/loss"]) and h["train/grad_norm"] > 0 for h in steps)
@@ -115,7 +131,7 @@ def test_end_to_end_sync_run(tmp_path, monkeypatch, ray_session):
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "eval/accuracy" in line] == [0, 1, 2]  # before step 0, then every 2 and last
     assert (run / "reward_curve.png").stat().st_size > 1000
-    start, final = _hf_weights(cfg.model_path), _hf_weights(run / "final_hf")  # cfg.model_path: the warm start
+    start, final = _hf_weights(_warm_start(cfg)), _hf_weights(run / "final_hf")
     assert start.keys() == final.keys()
     unchanged = [k for k in start if torch.equal(start[k], final[k])]
     assert unchanged == [], unchanged  # 6 optimizer steps moved every tensor
@@ -150,6 +166,8 @@ def test_end_to_end_async_run_records_versions(tmp_path, monkeypatch, ray_sessio
             assert 1e-6 < h["train/offpolicy_k3"] < 0.02, (i, h)
     assert steps[1]["rollout/lag_max"] == 1 and stale_steps >= 1  # generation overlapped training
     assert measured >= 1  # step 0 at least: every row sampled by the initial weights
+    if len(cpu.usable_cores()) >= 2:  # a 2-core Linux node: trainer and engine pinned, the engine's core lent
+        assert all(0 <= h["perf/trainer_borrowed_frac"] <= 1 for h in steps)
 
 
 def _loss_weights(trajs: list[dict], advantage: str, loss_agg: str, max_new_tokens: int) -> list[float]:
@@ -228,7 +246,7 @@ def test_each_algorithm_runs_end_to_end(algo, tmp_path, monkeypatch, ray_session
         assert h["train/gap_max"] < 1e-4  # sync mode: the engines hold the trainer's weights
     trajs = [json.loads(line) for line in (tmp_path / "dump" / "step_00000.jsonl").read_text().splitlines()]
     assert len(trajs) == steps[0]["train/samples"]
-    grads = _sample_grads(cfg.model_path, trajs)  # cfg.model_path: the warm start, step 0's weights
+    grads = _sample_grads(_warm_start(cfg), trajs)  # the warm start: step 0's weights
 
     def expected(advantage, loss_agg):
         w = _loss_weights(trajs, advantage, loss_agg, cfg.max_new_tokens)
@@ -309,7 +327,7 @@ def test_rollout_only_calc_agent_calls_the_tool_on_the_real_engine(tmp_path, ray
     import data
     from recipes.calc import calculator
     dump = tmp_path / "dump"
-    cfg = loongsage.load_config(str(ROOT / "recipes/calc_cpu.yaml"), [
+    cfg = config.load_config(str(ROOT / "recipes/calc_cpu.yaml"), [
         f"output_dir={tmp_path}/run", f"tiny_model={json.dumps(TINY)}", "warmstart_steps=80",
         "warmstart_batch_size=16", "warmstart_lr=5e-3", "warmstart_label_noise=0.0", "rollout_only=true",
         "num_steps=1", "eval_every=0", "prompts_per_step=2", "samples_per_prompt=2", "global_batch_size=4",
@@ -317,7 +335,7 @@ def test_rollout_only_calc_agent_calls_the_tool_on_the_real_engine(tmp_path, ray
     history = loongsage.train(cfg)
     assert len(history) == 1 and not any(k.startswith(("train/", "weights/")) for k in history[0])
     assert not (tmp_path / "run" / "final_hf").exists()
-    tok = data.load_tokenizer(cfg.model_path)
+    tok = data.load_tokenizer(_warm_start(cfg))
     trajs = [json.loads(line) for line in (dump / "step_00000.jsonl").read_text().splitlines()]
     assert len(trajs) == 4
     for t in trajs:
@@ -343,3 +361,39 @@ def test_failing_actor_surfaces_traceback_and_exits_nonzero(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "run failed" in r.stderr and "not_a_megatron_field" in r.stderr and "Traceback" in r.stderr
+
+
+def test_no_affinity_call_check_and_run_go_unpinned(tmp_path, monkeypatch, capsys):
+    """Where `os.sched_getaffinity` does not exist (macOS), nothing is pinned and nothing fails: the async layout
+    that pins trainer and engine to their own cores on a 2-core Linux node plans no cores there, `--check`
+    validates it with a one-line note, and a 2-step async run trains unpinned (no trainer borrows an engine's
+    cores: perf/trainer_borrowed_frac is never reported). The run is a subprocess whose controller has no
+    os.sched_getaffinity from its first line on, as on macOS (pinning is the controller's decision)."""
+    recipe = str(ROOT / "recipes/arith_cpu.yaml")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # Linux, two cores: this layout pins
+    cfg = config.load_config(recipe, ["mode=async"])
+    assert cpu.actor_cores(cfg, "trainer", 0) == [0] and cpu.lent_cores(cfg, 0) == [(0, [1])]
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(cpu, "_NOTED", False)
+    assert cpu.actor_cores(cfg, "trainer", 0) == [] and cpu.actor_cores(cfg, "engine", 0) == []
+    assert cpu.lent_cores(cfg, 0) == [] and cpu.engine_busy_file(cfg) == ""
+    capsys.readouterr()
+    monkeypatch.setattr(cpu, "_NOTED", False)
+    assert loongsage.main([recipe, "mode=async", "--check"]) == 0
+    out, err = capsys.readouterr()
+    assert "config OK" in out and "cores trainer 0" not in out
+    assert err.count("no os.sched_getaffinity") == 1  # one line, however often the cores are asked for
+
+    run = ["mode=async", "stale_steps=1", "num_steps=2", "eval_every=0", "print_every=0"]
+    code = ("import os, sys\n"
+            "del os.sched_getaffinity  # as on macOS\n"
+            "import loongsage\n"
+            f"sys.exit(loongsage.main({[recipe, *_short_args(tmp_path, *run)]!r}))\n")
+    env = {**os.environ, "LOONGSAGE_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "no os.sched_getaffinity" in r.stderr and "cores trainer 0" not in r.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [h for h in rows if "train/loss" in h]
+    assert len(steps) == 2 and all(math.isfinite(h["train/loss"]) and h["train/grad_norm"] > 0 for h in steps)
+    assert not any("perf/trainer_borrowed_frac" in h for h in rows)

@@ -8,6 +8,8 @@ import struct
 import pytest
 
 import algos
+import config
+import fleet
 import loongsage
 
 
@@ -67,8 +69,8 @@ def read_wandb_offline(path: str) -> list[dict]:
 def test_every_tracker_gets_the_same_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = loongsage.load_config(None, [f"output_dir={tmp_path}/run", "trackers=[wandb, mlflow]", "tracker_project=t"])
-    logger = loongsage.Logger(cfg)
+    cfg = config.load_config(None, [f"output_dir={tmp_path}/run", "trackers=[wandb, mlflow]", "tracker_project=t"])
+    logger = fleet.Logger(cfg)
     for step in range(3):
         logger.log(step, {"train/loss": 1.0 / (step + 1), "eval/pass@2": 0.25 * step, "rollout/lag": [0, 1, 1]})
     logger.close()
@@ -88,4 +90,4 @@ def test_every_tracker_gets_the_same_metrics(tmp_path, monkeypatch):
 
 def test_unknown_or_missing_tracker_is_a_config_error():
     with pytest.raises(ValueError, match="'wandbb' is not a tracker.*did you mean 'wandb'"):
-        loongsage.load_config(None, ["trackers=[wandbb]"])
+        config.load_config(None, ["trackers=[wandbb]"])

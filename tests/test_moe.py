@@ -25,10 +25,10 @@ import ray
 import torch
 
 import agentflow
+import config
 import convert
 import cpu_engine
 import data
-import loongsage
 import rollout
 import trainer
 import transfermesh
@@ -154,7 +154,7 @@ def test_multi_turn_trajectory_carries_the_routing_of_every_token(moe_dir):
     between them (the second call ran on all of them), each row what transformers' router picks for that token."""
     from transformers import AutoModelForCausalLM
     url, handle = cpu_engine.serve(moe_dir, max_batch=8, max_len=256, seed=0)
-    cfg = dataclasses.replace(loongsage.Config(), reward="data.exact_match", agent="test_moe.two_turn_agent",
+    cfg = dataclasses.replace(config.Config(), reward="data.exact_match", agent="test_moe.two_turn_agent",
                               agent_command="", max_context_len=256, max_prompt_len=128, router_replay=True)
 
     async def body():
@@ -182,18 +182,18 @@ def test_multi_turn_trajectory_carries_the_routing_of_every_token(moe_dir):
 
 
 
-def train_cfg(**over) -> loongsage.Config:
+def train_cfg(**over) -> config.Config:
     base = dict(device="cpu", dtype="float32", seed=0, tensor_parallel=1, pipeline_parallel=1, trainer_workers=1,
                 prompts_per_step=8, samples_per_prompt=2, global_batch_size=16, micro_batch_size=8, num_steps=4,
                 lr=1e-3, min_lr=1e-3, max_new_tokens=16, kl_coef=0.0, use_rollout_logprobs=False)
     base.update(over)
-    return loongsage.Config(**base)
+    return config.Config(**base)
 
 
 def bf16_rollout(moe_dir: str) -> list[dict]:
     """16 trajectories from AgentFlow's single-turn path against a bf16 CPU engine over HTTP, routing asked for."""
     url, handle = cpu_engine.serve(moe_dir, max_batch=16, max_len=128, seed=0, dtype="bfloat16")
-    cfg = dataclasses.replace(loongsage.Config(), reward="data.exact_match", agent="", agent_command="",
+    cfg = dataclasses.replace(config.Config(), reward="data.exact_match", agent="", agent_command="",
                               max_context_len=128, max_prompt_len=64, router_replay=True)
 
     async def body():
@@ -239,8 +239,8 @@ def test_router_replay_routes_as_the_engine_and_narrows_the_gap(ray_session, moe
 def test_check_rejects_router_replay_without_moe(tmp_path):
     with pytest.raises(ValueError, match="router_replay=true needs an MoE model .* 'tiny' is 'qwen3'.*"
                                          "tiny_model.num_experts > 0"):
-        loongsage.finalize(loongsage.Config(router_replay=True, device="cpu"))
-    cfg = loongsage.finalize(loongsage.Config(router_replay=True, device="cpu", tiny_model={"num_experts": 4}))
+        config.finalize(config.Config(router_replay=True, device="cpu"))
+    cfg = config.finalize(config.Config(router_replay=True, device="cpu", tiny_model={"num_experts": 4}))
     assert cfg.router_replay
 
 
@@ -251,7 +251,7 @@ def test_check_rejects_router_replay_without_moe(tmp_path):
 class Ranks:
     """`n` TrainerWorker actors forming one torch.distributed world; `call` runs a method on all of them."""
 
-    def __init__(self, cfg: loongsage.Config, n: int):
+    def __init__(self, cfg: config.Config, n: int):
         actor = ray.remote(num_cpus=1)(trainer.TrainerWorker)
         port = transfermesh.free_port()
         self.workers = [actor.remote(cfg, r, n, "127.0.0.1", port) for r in range(n)]
@@ -330,20 +330,20 @@ def test_expert_parallel_2_matches_one_rank(ray_session, moe_dir):
 
 
 def test_check_expert_parallel(moe_dir, tiny_model_dir):
-    ok = loongsage.finalize(loongsage.Config(device="cpu", model_path=moe_dir, expert_parallel=2, trainer_workers=2,
-                                             global_batch_size=256))
+    ok = config.finalize(config.Config(device="cpu", model_path=moe_dir, expert_parallel=2, trainer_workers=2,
+                                       global_batch_size=256))
     assert ok.expert_parallel == 2 and ok.data_parallel == 2
     with pytest.raises(ValueError, match="expert_parallel=2 needs an MoE model, but .* is 'qwen3'"):
-        loongsage.finalize(loongsage.Config(device="cpu", model_path=tiny_model_dir, expert_parallel=2,
-                                            trainer_workers=2))
+        config.finalize(config.Config(device="cpu", model_path=tiny_model_dir, expert_parallel=2,
+                                      trainer_workers=2))
     with pytest.raises(ValueError, match="expert_parallel=3 does not divide the model's 8 experts"):
-        loongsage.finalize(loongsage.Config(device="cpu", model_path=moe_dir, expert_parallel=3, trainer_workers=3))
+        config.finalize(config.Config(device="cpu", model_path=moe_dir, expert_parallel=3, trainer_workers=3))
     with pytest.raises(ValueError, match=r"trainer_workers=1 is not a multiple of .*expert_parallel=2; use 2"):
-        loongsage.finalize(loongsage.Config(device="cpu", model_path=moe_dir, expert_parallel=2))
+        config.finalize(config.Config(device="cpu", model_path=moe_dir, expert_parallel=2))
 
 
 def test_sglang_launch_asks_for_routed_experts_with_router_replay(moe_dir):
-    cmd = rollout.sglang_command(loongsage.Config(model_path=moe_dir, router_replay=True), "127.0.0.1", 30000, 0)
+    cmd = rollout.sglang_command(config.Config(model_path=moe_dir, router_replay=True), "127.0.0.1", 30000, 0)
     assert "--enable-return-routed-experts" in cmd  # SGLang 0.5.23 captures routing only with this server flag
-    assert "--enable-return-routed-experts" not in rollout.sglang_command(loongsage.Config(model_path=moe_dir),
+    assert "--enable-return-routed-experts" not in rollout.sglang_command(config.Config(model_path=moe_dir),
                                                                          "127.0.0.1", 30000, 0)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import config
 import convert
-import loongsage
 from test_moe import Ranks, moe_dir, token_batch, train_cfg  # noqa: F401 (moe_dir: fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,14 +78,14 @@ def test_pipeline_2_moe_matches_one_rank(stages, moe_dir):  # noqa: F811
 
 
 def test_check_pipeline_parallel(tiny_model_dir, moe_dir):  # noqa: F811
-    ok = loongsage.finalize(loongsage.Config(device="cpu", pipeline_parallel=2, trainer_workers=2,
-                                             tiny_model={"num_hidden_layers": 4}))
+    ok = config.finalize(config.Config(device="cpu", pipeline_parallel=2, trainer_workers=2,
+                                       tiny_model={"num_hidden_layers": 4}))
     assert ok.pipeline_parallel == 2 and ok.data_parallel == 1
     with pytest.raises(ValueError, match="pipeline_parallel=3 does not divide the model's 4 layers"):
-        loongsage.finalize(loongsage.Config(device="cpu", pipeline_parallel=3, trainer_workers=3))
+        config.finalize(config.Config(device="cpu", pipeline_parallel=3, trainer_workers=3))
     with pytest.raises(ValueError, match="pipeline_parallel=2 with tied input/output embeddings"):
-        loongsage.finalize(loongsage.Config(device="cpu", pipeline_parallel=2, trainer_workers=2,
-                                            tiny_model={"tie_word_embeddings": True}))
+        config.finalize(config.Config(device="cpu", pipeline_parallel=2, trainer_workers=2,
+                                      tiny_model={"tie_word_embeddings": True}))
     with pytest.raises(ValueError, match="pipeline_parallel=2 with expert_parallel=2 is not wired in"):
-        loongsage.finalize(loongsage.Config(device="cpu", model_path=moe_dir, pipeline_parallel=2,
-                                            expert_parallel=2, trainer_workers=4))
+        config.finalize(config.Config(device="cpu", model_path=moe_dir, pipeline_parallel=2,
+                                      expert_parallel=2, trainer_workers=4))

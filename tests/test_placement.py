@@ -1,5 +1,5 @@
 """Placement of the GPU recipes on simulated GPUs: Ray advertises GPUs this CPU machine does not have, the
-placement group is reserved exactly as `loongsage.launch` reserves it, and a stand-in actor (no CUDA, no
+placement group is reserved exactly as `fleet.reserve` reserves it, and a stand-in actor (no CUDA, no
 SGLang) sits where each trainer rank and engine would, with the same Ray options. Asserted: every actor lands
 on its bundle and sees the GPU ids it would drive; an engine's server sees all its GPUs, on one node;
 colocated engines share the trainers' GPUs, disaggregated ones never do; nothing waits for resources."""
@@ -10,7 +10,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-import loongsage
+import config
+import fleet
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ["recipes/qwen3_4b_gsm8k.yaml", "recipes/code_repair_gpu.yaml"]
@@ -20,11 +21,11 @@ DISAGG = ["colocate=false", "trainer_workers=4", "num_engines=2", "gpus_per_engi
 
 
 def stand_in():
-    """The stand-in actor class: it answers what `loongsage.bundle_gpus`'s probe answers (node id, GPU ids Ray
+    """The stand-in actor class: it answers what `fleet.bundle_gpus`'s probe answers (node id, GPU ids Ray
     assigned), asking Ray itself. Built inside a function, so cloudpickle ships it by value and its process imports only ray:
-    one that imported this module would import loongsage and torch, seconds of CPU each (72 actors here; on a
+    one that imported this module would import fleet and torch, seconds of CPU each (72 actors here; on a
     loaded machine 8 such actors starting at once missed place()'s 60-s timeout). `check` compares every answer
-    with `loongsage.bundle_gpus`, so a stand-in that answered otherwise would fail."""
+    with `fleet.bundle_gpus`, so a stand-in that answered otherwise would fail."""
     @ray.remote(num_cpus=0)
     class StandIn:
         def where(self):
@@ -35,11 +36,11 @@ def stand_in():
 def place(cfg):
     """Reserve cfg's bundles, put a stand-in on each actor's spot; returns (plan, where, trainers' and
     engines' (node, gpu ids) as the actors see them)."""
-    plan = loongsage.placement(cfg)
+    plan = fleet.placement(cfg)
     pg = placement_group(plan["bundles"], strategy="PACK")
     ray.get(pg.ready(), timeout=60)
     try:
-        where = loongsage.bundle_gpus(pg, len(plan["bundles"]))
+        where = fleet.bundle_gpus(pg, len(plan["bundles"]))
         StandIn = stand_in()
         actors = {kind: [StandIn.options(num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
                                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"])).remote()
@@ -64,7 +65,7 @@ def check(cfg, plan, where, seen):
     assert len(set().union(*trainer_gpus)) == T  # one GPU per rank, none shared between ranks
     for i, (node, ids) in enumerate(seen["engines"]):
         o = plan["engines"][i]
-        server = loongsage.engine_gpu_ids(plan, where, i)  # what CUDA_VISIBLE_DEVICES will hold for SGLang
+        server = fleet.engine_gpu_ids(plan, where, i)  # what CUDA_VISIBLE_DEVICES will hold for SGLang
         assert (node, ids) == where[o["bundle"]] and len(server) == k == len(set(server))
         assert {where[b][0] for b in o["gpu_bundles"]} == {node}  # all of an engine's GPUs on its node
         mine = {(node, g) for g in server}
@@ -88,11 +89,11 @@ def test_gpu_recipes_place_on_simulated_gpus(nodes):
         placed = 0
         for recipe in RECIPES:
             for extra in ([], DISAGG):
-                cfg = loongsage.load_config(str(ROOT / recipe), extra)
+                cfg = config.load_config(str(ROOT / recipe), extra)
                 check(cfg, *place(cfg))
                 placed += 1
         assert placed == 4
-        table = loongsage.placement_table(cfg, loongsage.placement(cfg))
+        table = fleet.placement_table(cfg, fleet.placement(cfg))
         assert table.count("trainer") == cfg.trainer_workers and "engine 1" in table
     finally:
         ray.shutdown()
@@ -101,6 +102,6 @@ def test_gpu_recipes_place_on_simulated_gpus(nodes):
 
 def test_colocated_engines_must_fit_the_trainers_gpus():
     with pytest.raises(ValueError, match="must fit on the trainers' 8 GPUs"):
-        loongsage.load_config(str(ROOT / RECIPES[0]), ["num_engines=8"])
+        config.load_config(str(ROOT / RECIPES[0]), ["num_engines=8"])
     with pytest.raises(ValueError, match="sglang.tp_size=2 but gpus_per_engine=4"):
-        loongsage.load_config(str(ROOT / RECIPES[0]), ["gpus_per_engine=4", "num_engines=2"])
+        config.load_config(str(ROOT / RECIPES[0]), ["gpus_per_engine=4", "num_engines=2"])

@@ -1,7 +1,8 @@
-"""The reading path stays as STYLE and README describe it: agentflow.py's comment ratio, Config as the only
-source of defaults, imports at the top of the modules converted so far (a late import says why), and no two
-modules that import each other. Pure source reading, no model: `.venv/bin/pytest tests/test_reading_path.py -q`
-(about a second).
+"""The reading path stays as STYLE and README describe it: loongsage.py opens with train() (at most 150 lines, and
+it never writes the config it was given), config.py and cpu.py stand below the controller (no import back up),
+agentflow.py's comment ratio, Config as the only source of defaults, imports at the top of the modules
+converted so far (a late import says why), and no two modules that import each other. Pure source reading, no
+model: `.venv/bin/pytest tests/test_reading_path.py -q` (about a second).
 """
 import ast
 import io
@@ -16,7 +17,8 @@ MODULES = sorted(ROOT.glob("*.py"))
 # Modules whose imports sit at the top, late ones commented with why (optional dependency, import cycle, heavy
 # and not needed by `--check`, after a setup step). A new module joins this list.
 TOP_IMPORTS = ("agentflow.py", "wire.py", "data.py", "algos.py", "teacher.py", "viewer.py", "loongsage.py",
-               "rollout.py", "cpu_engine.py", "transfermesh.py", "trainer.py", "bench.py", "convert.py", "cpu.py")
+               "rollout.py", "cpu_engine.py", "transfermesh.py", "trainer.py", "bench.py", "convert.py", "cpu.py",
+               "config.py", "fleet.py")
 
 
 def comment_ratio(source: str) -> float:
@@ -115,3 +117,59 @@ def test_no_module_imports_one_that_imports_it():
     reach = {m: reachable(m) for m in deps}
     cycles = sorted({tuple(sorted((a, b))) for a in deps for b in reach[a] if b != a and a in reach[b]})
     assert cycles == [], f"modules that import each other, directly or through others: {cycles}"
+
+
+def _functions(name: str) -> list[ast.FunctionDef | ast.ClassDef]:
+    tree = ast.parse((ROOT / name).read_text())
+    return [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+
+
+def _imported(name: str) -> set[str]:
+    """Every module `name` imports, at the top or inside a function."""
+    found = set()
+    for n in ast.walk(ast.parse((ROOT / name).read_text())):
+        if isinstance(n, ast.Import):
+            found |= {a.name.split(".")[0] for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            found.add(n.module.split(".")[0])
+    return found
+
+
+def test_train_is_the_first_function_of_the_controller_and_fits_150_lines():
+    """A reader opening loongsage.py meets train() right after the docstring and imports, then the producer,
+    eval and main; train() is at most 150 lines, def line to last line."""
+    defs = _functions("loongsage.py")
+    assert defs[0].name == "train", [d.name for d in defs[:3]]
+    assert defs[-1].name == "main"
+    names = [d.name for d in defs]
+    assert names.index("Producer") < names.index("evaluate") < names.index("main")
+    lines = defs[0].end_lineno - defs[0].lineno + 1
+    assert lines <= 150, f"train() is {lines} lines; move a detail into a function it calls"
+
+
+def test_the_controller_never_writes_the_config():
+    """No attribute assignment to `cfg` (cfg.x = ..., cfg.x += ..., setattr(cfg, ...)) in train() or anything the
+    controller calls (loongsage.py, fleet.py): what a run derives lives in locals and the Fleet, and actors get
+    their values explicitly. (config.finalize derives fields once, at load: that is where they are written.)"""
+    found = []
+    for name in ("loongsage.py", "fleet.py"):
+        for n in ast.walk(ast.parse((ROOT / name).read_text())):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(
+                n, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for e in ast.walk(t):
+                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "cfg":
+                        found.append(f"{name}:{n.lineno}")
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "setattr" and n.args and \
+                    isinstance(n.args[0], ast.Name) and n.args[0].id == "cfg":
+                found.append(f"{name}:{n.lineno}")
+    assert found == [], f"the config is written at {found}"
+
+
+def test_no_import_goes_back_up_the_reading_path():
+    """loongsage -> config, fleet; fleet -> config; config imports neither the controller nor the fleet, and cpu.py
+    (what exists because there is no GPU) imports none of them nor the trainer: no import circles."""
+    assert not _imported("config.py") & {"loongsage", "fleet"}
+    assert not _imported("fleet.py") & {"loongsage"}
+    assert not _imported("cpu.py") & {"loongsage", "fleet", "config", "trainer"}
+    assert {"config", "fleet"} <= _imported("loongsage.py")

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+import config
+import fleet
 import loongsage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +42,7 @@ def _rows(path: Path) -> list[dict]:
 def test_arith_warm_start_answers_numbers_and_rl_raises_accuracy(tmp_path, monkeypatch, ray_session):
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))  # the warm start runs here, not from a cache
     dump = tmp_path / "dump"
-    cfg = loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
+    cfg = config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
         f"output_dir={tmp_path}/run", "seed=7", "warmstart_steps=120", "num_steps=10", "min_lr=1e-3",
         "eval_every=10", "eval_samples=2",
         "eval_dataset=synthetic:arith:128:2:9", "print_every=0", f"dump_rollouts={dump}"])
@@ -62,13 +64,13 @@ def test_arith_warm_start_answers_numbers_and_rl_raises_accuracy(tmp_path, monke
 def test_calc_warm_start_first_turn_is_a_well_formed_tool_call(tmp_path, monkeypatch, ray_session):
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     dump = tmp_path / "dump"
-    cfg = loongsage.load_config(str(ROOT / "recipes/calc_cpu.yaml"), [
+    cfg = config.load_config(str(ROOT / "recipes/calc_cpu.yaml"), [
         f"output_dir={tmp_path}/run", "seed=7", "warmstart_steps=150", "rollout_only=true", "num_steps=1",
         "eval_every=0", "prompts_per_step=16", "samples_per_prompt=2", "global_batch_size=32", "print_every=0",
         f"dump_rollouts={dump}"])
     loongsage.train(cfg)
     import data
-    tok = data.load_tokenizer(cfg.model_path)
+    tok = data.load_tokenizer(fleet.warm_start_dir(cfg, fleet.base_model(cfg)))  # the warm start the run made
     trajs = _rows(dump / "step_00000.jsonl")
     assert len(trajs) == 32
     good, texts = [], []

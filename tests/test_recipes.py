@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import loongsage
+import config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def test_every_recipe_passes_validation_and_its_reward_knows_the_answer(recipe, 
     wrong one, and the warm-start example trains on that answer (a recipe whose reward and data disagree
     would train on noise), with prompts that fit max_prompt_len."""
     import data
-    cfg = loongsage.load_config(str(ROOT / "recipes" / recipe))
+    cfg = config.load_config(str(ROOT / "recipes" / recipe))
     assert set(cfg.tiny_model) <= set(data.TINY_DEFAULTS)
     if not cfg.dataset.startswith("synthetic:"):
         assert cfg.device == "cuda" and cfg.model_path.startswith("/")  # GPU recipes: real data and model on disk
@@ -38,13 +38,13 @@ def test_every_recipe_passes_validation_and_its_reward_knows_the_answer(recipe, 
 
 
 def test_describe_states_the_derived_sizes():
-    cfg = loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), ["device=cpu", "trainer_workers=2"])
+    cfg = config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), ["device=cpu", "trainer_workers=2"])
     # 64 prompts x 8 samples = 512 = 4 mini-batches of 128; 128 / 2 DP ranks = 64 = 1 micro-batch of 64
     # sync on CPU: the phase running shares the node's cores among its actors (2 trainer ranks, 1 engine)
     cores = os.cpu_count() or 1
-    assert loongsage.describe(cfg) == ("data_parallel=2, rollout batch=512 samples, 4 optimizer step(s) per RL "
-                                       "step, 1 micro-batch(es) per rank per optimizer step, device=cpu, engine=cpu, "
-                                       f"torch threads trainer/engine={max(1, cores // 2)}/{cores}")
+    assert config.describe(cfg) == ("data_parallel=2, rollout batch=512 samples, 4 optimizer step(s) per RL "
+                                    "step, 1 micro-batch(es) per rank per optimizer step, device=cpu, engine=cpu, "
+                                    f"torch threads trainer/engine={max(1, cores // 2)}/{cores}")
 
 
 def test_code_repair_tool_runs_the_tests_in_a_sandbox():

@@ -7,7 +7,7 @@
   (`python loongsage.py ...`) with Ray actors, Megatron-Core over gloo and CPU engines over HTTP;
 - AgentFlow's engine pool against real CPU engines, one killed (kill -9) and one hung (SIGSTOP) while
   requests are in flight on them: the requests finish on the other engine, exactly as sent there;
-- `loongsage.wait`: a rank that dies ends the wait at once; a deadline names what timed out and the knob;
+- `fleet.wait`: a rank that dies ends the wait at once; a deadline names what timed out and the knob;
 - the producer state a checkpoint saves hands out exactly the groups an uninterrupted run dispatches next.
 """
 import json
@@ -263,7 +263,7 @@ def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_di
 
 
 # ------------------------------------------------------------------------------------------------
-# no silent hang: loongsage.wait
+# no silent hang: fleet.wait
 
 
 def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
@@ -274,7 +274,7 @@ def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
     first); a timeout without the knob's name; no tick while waiting."""
     import ray
 
-    import loongsage
+    import fleet
 
     @ray.remote(num_cpus=0)
     class Rank:
@@ -289,14 +289,14 @@ def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
         ranks = [Rank.remote(), Rank.remote()]
         # the dead rank's error, not a TimeoutError after 120 s: the wait did not sit on the survivor first
         with pytest.raises(ray.exceptions.RayActorError, match="Rank"):
-            loongsage.wait([ranks[0].collective.remote(False), ranks[1].collective.remote(True)],
-                           "train step 7", 120, "actor_timeout")
+            fleet.wait([ranks[0].collective.remote(False), ranks[1].collective.remote(True)],
+                       "train step 7", 120, "actor_timeout")
         ticks = []
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match=r"weight sync of version 3 did not finish within 2s "
                                                r"\(config `weight_sync_timeout`\)"):
-            loongsage.wait(ranks[0].collective.remote(False), "weight sync of version 3", 2.0, "weight_sync_timeout",
-                           every=0.5, tick=lambda: ticks.append(1))
+            fleet.wait(ranks[0].collective.remote(False), "weight sync of version 3", 2.0, "weight_sync_timeout",
+                       every=0.5, tick=lambda: ticks.append(1))
         assert time.monotonic() - t0 >= 2.0 and len(ticks) >= 1  # it waited out its deadline, checking health meanwhile
         ray.kill(ranks[0])
     finally:
@@ -312,9 +312,10 @@ def test_producer_state_goes_on_where_it_stopped_across_epochs():
     numbers, hence sampling seeds) the first one would have handed out next, across an epoch boundary; groups
     in flight at the checkpoint are dispatched again first. Planted bugs this catches: a cursor counted
     before the sample is taken, an epoch's order not reproducible from the seed, in-flight prompts dropped."""
+    import config
     import loongsage
-    cfg = loongsage.load_config(None, ["prompts_per_step=3", "samples_per_prompt=2", "global_batch_size=6",
-                                       "micro_batch_size=6"])
+    cfg = config.load_config(None, ["prompts_per_step=3", "samples_per_prompt=2", "global_batch_size=6",
+                                    "micro_batch_size=6"])
     samples = [{"i": i} for i in range(10)]
 
     def step(prod):  # one sync step: dispatch B groups, all finish, train on them

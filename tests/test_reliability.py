@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import agentflow
+import config
 import loongsage
 import sandbox
 import trainer
@@ -108,7 +109,7 @@ def test_rewards_must_be_finite_numbers(value, reward, error):
 ])
 def test_options_without_a_working_path_fail_check(overrides, message):
     with pytest.raises(ValueError) as e:
-        loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), overrides)
+        config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), overrides)
     assert message in str(e.value)
 
 
@@ -373,7 +374,7 @@ ANTHROPIC_BAD = {  # each a body the Anthropic API answers with a 400
 
 def test_router_refuses_what_the_apis_refuse_and_keeps_serving(engine, tiny_model_dir):
     async def body():
-        flow = agentflow.AgentFlow(loongsage.load_config(None, ["max_context_len=512"]), [engine], tiny_model_dir)
+        flow = agentflow.AgentFlow(config.load_config(None, ["max_context_len=512"]), [engine], tiny_model_dir)
         await flow.start_router()
         s = flow.router.open_session(sampling={"max_new_tokens": 2}, max_context_len=512, max_turns=1000)
         base = flow.router.base_url(s)
@@ -409,7 +410,7 @@ def test_official_clients_get_typed_errors_for_refused_requests(engine, tiny_mod
     import openai
 
     async def body():
-        flow = agentflow.AgentFlow(loongsage.load_config(None, ["max_context_len=512"]), [engine], tiny_model_dir)
+        flow = agentflow.AgentFlow(config.load_config(None, ["max_context_len=512"]), [engine], tiny_model_dir)
         await flow.start_router()
         s = flow.router.open_session(sampling={"max_new_tokens": 2}, max_context_len=512, max_turns=1000)
         oa = openai.AsyncOpenAI(base_url=flow.router.base_url(s), api_key=s.api_key, max_retries=0)
@@ -459,7 +460,7 @@ def test_failed_and_empty_trajectories_never_stop_a_run(tmp_path, monkeypatch, c
     all-zero loss mask, and the update trains on the whole batch."""
     import ray
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
-    cfg = loongsage.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
+    cfg = config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
         f"output_dir={tmp_path}/run", "num_steps=2", "prompts_per_step=2", "samples_per_prompt=4",
         "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=4", "eval_every=0", "warmstart_steps=0",
         "print_every=0", "agent=tests.agents.flaky_agent", "agent_retries=0", "max_turns=2",
@@ -499,8 +500,8 @@ def test_each_kind_of_failure_stays_in_its_group(engine, tiny_model_dir):
     samples = data.arith_samples(2, seed=1)
 
     async def gen(**kw):
-        cfg = loongsage.load_config(None, ["max_context_len=512", "agent_retries=0", "max_turns=2",
-                                           *[f"{k}={v}" for k, v in kw.items()]])
+        cfg = config.load_config(None, ["max_context_len=512", "agent_retries=0", "max_turns=2",
+                                        *[f"{k}={v}" for k, v in kw.items()]])
         flow = agentflow.AgentFlow(cfg, [engine], tiny_model_dir)
         out = await flow.generate(samples, 2, {"max_new_tokens": 2}, step=0)
         await flow.close()
@@ -526,12 +527,12 @@ def test_each_kind_of_failure_stays_in_its_group(engine, tiny_model_dir):
 
 @pytest.mark.skipif(sandbox.docker_available(), reason="a Docker engine answers here")
 def test_docker_sandbox_without_a_daemon_is_refused_before_any_actor_starts():
-    cfg = loongsage.load_config(str(ROOT / "recipes/blackbox_cpu.yaml"), ["sandbox=docker", "agent_preload=[]"])
+    cfg = config.load_config(str(ROOT / "recipes/blackbox_cpu.yaml"), ["sandbox=docker", "agent_preload=[]"])
     with pytest.raises(ValueError, match="no Docker engine answers"):
-        loongsage.check_runtime(cfg)
+        config.check_runtime(cfg)
 
 
 def test_agent_preload_of_a_missing_module_is_refused_at_check():
-    cfg = loongsage.load_config(str(ROOT / "recipes/blackbox_cpu.yaml"), ["agent_preload=[openai,no_such_sdk_here]"])
+    cfg = config.load_config(str(ROOT / "recipes/blackbox_cpu.yaml"), ["agent_preload=[openai,no_such_sdk_here]"])
     with pytest.raises(ValueError, match="agent_preload: no module 'no_such_sdk_here' here"):
-        loongsage.check_runtime(cfg)
+        config.check_runtime(cfg)

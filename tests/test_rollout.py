@@ -14,8 +14,8 @@ import httpx
 import pytest
 import torch
 
+import config
 import cpu_engine
-import loongsage
 import rollout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def _cfg(model_path, tmp_path, **over):
     base = dict(model_path=model_path, engine="cpu", engine_max_batch=4, max_prompt_len=64, max_new_tokens=16,
                 max_context_len=128, seed=0, dtype="float32", device="cpu", sglang={}, gpus_per_engine=1, engine_threads=0,
                 output_dir=str(tmp_path))
-    return loongsage.Config(**{**base, **over})  # a real Config: it is the only source of defaults
+    return config.Config(**{**base, **over})  # a real Config: it is the only source of defaults
 
 
 def test_rollout_engine_serves_the_cpu_engine(tiny_model_dir, tmp_path):

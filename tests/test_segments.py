@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import agentflow
+import config
 import cpu_engine
-import loongsage
 import trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,13 +44,13 @@ def test_segment_rows_and_shared_advantage():
 
 
 def test_turn_rewards_become_token_rewards():
-    cfg = loongsage.load_config(None, ["advantage=returns"])
+    cfg = config.load_config(None, ["advantage=returns"])
     rows = [{"turn_rewards": [0.25, 1.0]}, {}]
     mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float)
     tok = trainer.turn_token_rewards(cfg, rows, torch.tensor([9.0, 0.5]), mask)
     # row 0: each turn's reward on its last token (the scalar 9.0 is not used); row 1: its outcome on its last
     assert tok.tolist() == [[0, 0.25, 0, 0, 1.0, 0], [0, 0, 0.5, 0, 0, 0]]
-    grpo = loongsage.load_config(None, ["advantage=grpo"])
+    grpo = config.load_config(None, ["advantage=grpo"])
     assert trainer.turn_token_rewards(grpo, rows, torch.tensor([9.0, 0.5]), mask) is None
 
 
@@ -94,7 +94,7 @@ async def turn_rewarding_agent(client, sample):
 
 def test_agent_turn_rewards_reach_the_trajectory(tiny_model_dir):
     url, handle = cpu_engine.serve(tiny_model_dir, max_batch=8, max_len=512, seed=1)
-    cfg = dataclasses.replace(loongsage.Config(), agent="test_segments.turn_rewarding_agent", max_context_len=512)
+    cfg = dataclasses.replace(config.Config(), agent="test_segments.turn_rewarding_agent", max_context_len=512)
 
     async def body():
         flow = agentflow.AgentFlow(cfg, [url], tiny_model_dir)

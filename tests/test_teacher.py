@@ -24,12 +24,13 @@ import ray
 import torch
 
 import algos
+import config
 import convert
 import data
 import loongsage
 import teacher
 import trainer
-from loongsage import Config
+from config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)
@@ -225,7 +226,7 @@ def _load(tmp_path, **over):
     raw = {"model_path": "tiny", "pg_ratio": 1.0, **over}
     path = tmp_path / "r.yaml"
     path.write_text(json.dumps(raw))
-    return loongsage.load_config(str(path))
+    return config.load_config(str(path))
 
 
 def test_bad_teacher_config_fails_before_anything_starts(tmp_path, tiny_model_dir):
@@ -259,8 +260,8 @@ def test_the_prompt_stream_follows_the_source_weights(tmp_path):
     cfg = _load(tmp_path, teachers={"a": {"path": "tiny"}}, prompts_per_step=4, global_batch_size=32, micro_batch_size=32, data_sources=[
         {"name": "add", "dataset": "synthetic:add:50:1:9", "weight": 1, "eval_dataset": "synthetic:add:5:2:9"},
         {"name": "sub", "dataset": "synthetic:sub:50:3:9", "weight": 3}])
-    samples, evals = loongsage.load_data(cfg)
-    assert {s["source"] for s in evals} == {"add"} and len(samples) == 100
+    samples, eval_sets = loongsage.load_data(cfg)
+    assert {s["source"] for s in eval_sets[""]} == {"add"} and len(samples) == 100 and list(eval_sets) == [""]
     it = loongsage.prompt_stream(cfg, samples)  # the producer's stream: each source gets its share in order
     steps = [[next(it)[1] for _ in range(4)] for _ in range(6)]
     assert all([s["source"] for s in b].count("sub") == 3 and len(b) == 4 for b in steps)
@@ -284,7 +285,7 @@ def test_mopd_recipe_end_to_end_short(tmp_path, monkeypatch):
     build = {"warmstart_steps": 2, "warmstart_batch_size": 8, "tiny_model": TINY}
     teachers = {"add_teacher": {"path": "tiny", "warmstart_dataset": "synthetic:add:64:11:9", **build},
                 "sub_teacher": {"path": "tiny", "warmstart_dataset": "synthetic:sub:64:12:9", **build}}
-    cfg = loongsage.load_config(str(ROOT / "recipes/mopd_cpu.yaml"), [
+    cfg = config.load_config(str(ROOT / "recipes/mopd_cpu.yaml"), [
         f"output_dir={tmp_path}/run", "num_steps=2", "prompts_per_step=4", "samples_per_prompt=2",
         "global_batch_size=8", "micro_batch_size=4", "eval_every=1", "warmstart_steps=2", "warmstart_batch_size=8",
         f"tiny_model={json.dumps(TINY)}", f"teachers={json.dumps(teachers)}", "distill_type=forward_kl",

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import convert  # noqa: E402
 import cpu  # noqa: E402
 import trainer  # noqa: E402
-from loongsage import Config  # noqa: E402
+from config import Config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -193,10 +193,10 @@ def test_trainer_to_engine_sync_gives_equal_logprobs(tiny_model_dir, tmp_path):
     """The promise of weight sync: after a train step and a sync, the engine's logprobs of its own
     sampled tokens equal the trainer's logprobs of the same tokens (fp32)."""
     import ray
-    import loongsage
+    import config
     import trainer
-    cfg = loongsage.load_config(None, [f"model_path={tiny_model_dir}", "prompts_per_step=2", "samples_per_prompt=4",
-                                       "global_batch_size=8", "micro_batch_size=8", "lr=1e-2", f"output_dir={tmp_path}"])
+    cfg = config.load_config(None, [f"model_path={tiny_model_dir}", "prompts_per_step=2", "samples_per_prompt=4",
+                                    "global_batch_size=8", "micro_batch_size=8", "lr=1e-2", f"output_dir={tmp_path}"])
     ray.init(num_cpus=2, include_dashboard=False)
     url, handle = cpu_engine.serve(tiny_model_dir, max_batch=8, max_len=128, seed=3)
     try:
@@ -469,17 +469,18 @@ def test_sglang_servers_see_trainer_rank_0s_gpu_for_cuda_ipc():
     drive them) and then rank 0's; on another node it sees only its own (and gets broadcast, not cuda_ipc)."""
     from pathlib import Path
 
-    import loongsage
+    import config
+    import fleet
     recipe = str(Path(__file__).resolve().parents[1] / "recipes/code_repair_gpu.yaml")
-    colocated = loongsage.load_config(recipe)  # 8 trainer ranks; 4 engines x 2 GPUs on the trainers' GPUs
+    colocated = config.load_config(recipe)  # 8 trainer ranks; 4 engines x 2 GPUs on the trainers' GPUs
     one_node = [("n0", [str(b)]) for b in range(8)]
-    plan = loongsage.placement(colocated)
-    assert [loongsage.engine_visible_gpus(plan, one_node, i) for i in range(4)] == \
+    plan = fleet.placement(colocated)
+    assert [fleet.engine_visible_gpus(plan, one_node, i) for i in range(4)] == \
         [["0", "1"], ["2", "3", "0"], ["4", "5", "0"], ["6", "7", "0"]]
-    disagg = loongsage.load_config(recipe, ["colocate=false", "trainer_workers=4", "num_engines=2",
-                                            "global_batch_size=128"])
-    plan = loongsage.placement(disagg)  # trainers on bundles 0-3, engines on 4-5 and 6-7
-    assert [loongsage.engine_visible_gpus(plan, one_node, i) for i in range(2)] == [["4", "5", "0"], ["6", "7", "0"]]
+    disagg = config.load_config(recipe, ["colocate=false", "trainer_workers=4", "num_engines=2",
+                                         "global_batch_size=128"])
+    plan = fleet.placement(disagg)  # trainers on bundles 0-3, engines on 4-5 and 6-7
+    assert [fleet.engine_visible_gpus(plan, one_node, i) for i in range(2)] == [["4", "5", "0"], ["6", "7", "0"]]
     two_nodes = [("n0" if b < 4 else "n1", [str(b % 4)]) for b in range(8)]
-    assert [loongsage.engine_visible_gpus(plan, two_nodes, i) for i in range(2)] == [["0", "1"], ["2", "3"]]
-    assert loongsage.engine_gpu_ids(plan, two_nodes, 0) == ["0", "1"]  # the engine's own GPUs are unchanged
+    assert [fleet.engine_visible_gpus(plan, two_nodes, i) for i in range(2)] == [["0", "1"], ["2", "3"]]
+    assert fleet.engine_gpu_ids(plan, two_nodes, 0) == ["0", "1"]  # the engine's own GPUs are unchanged

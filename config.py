@@ -1,0 +1,627 @@
+"""What a run is configured to do, and whether that is valid: the `Config` dataclass (every field commented, in
+`# --- section ---` groups), `load_config` (a recipe YAML + `key=value` overrides), `finalize` (derived values and
+the batch algebra) and the rules that reject meaningless combinations before any actor starts (`check_critic`,
+`check_teachers`, `check_teacher_vocab`, `algos.validate`), `check_runtime` (what only this machine can say),
+and what `python loongsage.py RECIPE --check` prints (`explain`, `describe`).
+
+Every error names what was wrong, the value seen and what to change; a misspelt key names the closest valid one.
+Nothing here starts Ray or builds a model: `--check` runs this file (and fleet.placement) only.
+
+Test: `.venv/bin/pytest tests/test_loongsage.py -k "closest or typed or algebra or missing or validation or exit_codes"`
+(config errors, overrides, the batch algebra, --check, in seconds);
+the rules' own tests sit beside their subjects (tests/test_teacher.py, test_critic.py, test_pipeline.py, test_moe.py).
+Left out: config files that include other files, and environment-variable overrides: one YAML plus the command
+line says everything a run did (the run saves it as output_dir/config.yaml).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+import algos
+import cpu
+import data
+import sandbox
+import transfermesh
+
+WINDOWS = ("no-window", "window-gated", "windowed-fifo")  # the built-in async windows (loongsage.groups_to_dispatch)
+TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker name -> the optional package it needs
+TEACHER_BUILD_KEYS = ("tiny_model", "warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
+                      "warmstart_label_noise", "warmstart_example", "warmstart_stop_loss", "seed")
+SOURCE_KEYS = ("name", "dataset", "weight", "eval_dataset", "reward", "agent", "teacher")
+
+
+@dataclass
+class Config:
+    """One run: every knob, its default, and what it does. A recipe YAML sets some, `key=value` overrides others,
+    `finalize` derives the rest once (fields marked "derived"); train() reads it and never writes it."""
+
+    # --- run ---
+    recipe: str = ""  # the YAML this config came from (set by load_config)
+    output_dir: str = "runs/default"  # metrics.jsonl, TensorBoard, reward curve, checkpoints, final HF model
+    seed: int = 1234  # seeds data order, sampling and init
+    num_steps: int = 20  # RL steps (one rollout batch and one policy update each)
+    mode: str = "sync"  # "sync" (generate, train, sync in turn) or "async" (a producer keeps generating while it trains)
+    stale_steps: float = 1.0  # async: capacity C = prompts_per_step*(1+stale_steps) groups in flight or buffered
+    # (fractions allowed); mode=sync is stale_steps=0: C = one step's groups, dispatched after each sync
+    window: str = "window-gated"  # async dispatch/collect rule: no-window | window-gated | windowed-fifo (see
+    # loongsage.groups_to_dispatch), or a dotted path to an object with groups_to_dispatch(C, R, Q, next_seq,
+    # oldest_uncollected) and collectable(finished, min_unfinished, oldest_uncollected, B, C), the built-ins'
+    # signatures without `window`
+    max_version_lag: int = -1  # hard bound: no trained token older than this many weight versions; -1 = no bound
+    lag_policy: str = "mask"  # a group over the bound: "mask" its too-old tokens, or "regenerate" it (once)
+    eval_every: int = 5  # evaluate every N steps (and before step 0 and after the last); 0 = never
+    save_every: int = 0  # Megatron checkpoint every N steps; 0 = only the final HF export
+    resume: bool = False  # resume from the newest checkpoint in output_dir/checkpoints
+    print_every: int = 5  # print a decoded sample every N steps; 0 = never
+    trackers: list = field(default_factory=list)  # metric sinks beside JSONL/TensorBoard/PNG: "wandb", "mlflow"
+    tracker_project: str = "loongsage"  # the W&B project / MLflow experiment; the run is named after output_dir
+    mlflow_tracking_uri: str = ""  # MLflow store (a server URL, ...); "" = a local file store, output_dir/mlruns
+    device: str = "auto"  # "auto" | "cpu" | "cuda"; resolved in finalize
+    dtype: str = "float32"  # training/inference dtype: "float32" | "bfloat16"
+    rollout_only: bool = False  # debug: only generate (and dump), never train
+    train_only: bool = False  # debug: train on `load_rollouts` instead of generating
+    dump_rollouts: str = ""  # directory: write every step's trajectories as jsonl
+    load_rollouts: str = ""  # directory written by dump_rollouts, replayed by train_only
+
+    # --- cluster ---
+    ray_address: str = ""  # "" starts a local Ray; else an existing cluster ("auto" or host:port)
+    trainer_workers: int = 1  # trainer ranks = tensor_parallel * pipeline_parallel * data_parallel
+    tensor_parallel: int = 1  # Megatron TP size
+    pipeline_parallel: int = 1  # Megatron PP size: each stage a contiguous share of the layers (divides their number)
+    expert_parallel: int = 1  # Megatron EP size (MoE models): each rank holds num_experts / EP experts; divides
+    # trainer_workers / (tensor_parallel * pipeline_parallel)
+    data_parallel: int = 1  # derived: trainer_workers // (tensor_parallel * pipeline_parallel)
+    num_engines: int = 1  # rollout engines (each one SGLang server or CPU engine)
+    colocate: bool = False  # engines share the trainers' placement bundles (GPUs), instead of their own
+    cpus_per_trainer: float = 1.0  # Ray CPU resources per trainer rank
+    cpus_per_engine: float = 1.0  # Ray CPU resources per engine
+    trainer_threads: int = 0  # torch threads per trainer rank; 0 = derive (async: its Ray CPUs; sync: a share of the node)
+    engine_threads: int = 0  # torch threads per CPU engine; 0 = derive (likewise)
+    borrow_engine_cores: bool = True  # async on a local CPU node: a trainer rank also computes on an engine's cores
+    # while that engine has nothing to generate (a shared-memory flag per engine, read at every transformer layer)
+    engine_busy_file: str = ""  # leave empty: the controller sets it on the engines' copy of the config only
+    # (fleet.start_engine): the file where each CPU engine publishes whether it is computing (cpu.engine_busy_file)
+    gpus_per_engine: int = 1  # GPUs per SGLang engine (its tensor parallel size); CUDA only
+
+    # --- model ---
+    model_path: str = "tiny"  # HF directory, or "tiny" to build (and cache) the tiny Qwen3 of data.py
+    tiny_model: dict = field(default_factory=dict)  # settings for data.build_tiny_model (model_path: tiny)
+    megatron: dict = field(default_factory=dict)  # passed through to Megatron's TransformerConfig untouched
+    sglang: dict = field(default_factory=dict)  # passed through to the SGLang server as --key value flags
+    fp32_lm_head: bool = False  # LM head (logits) in fp32 on both sides: trainer and engines (SGLang --enable-fp32-lm-head)
+
+    # --- warm start (SFT through the same trainer, before RL; of the tiny model or any HF directory; cached) ---
+    warmstart_steps: int = 0  # SFT optimizer steps; 0 = none
+    warmstart_dataset: str = "synthetic:arith:4096:7"  # data.load_dataset spec of the SFT data
+    warmstart_batch_size: int = 64  # samples per SFT step
+    warmstart_lr: float = 1e-3  # SFT learning rate (constant)
+    warmstart_label_noise: float = 0.0  # fraction of SFT answers replaced by a near-miss (see data.sft_trajectory)
+    warmstart_example: str = "data.sft_trajectory"  # fn(tokenizer, sample, rng, label_noise) -> trajectory dict
+    warmstart_stop_loss: float = 0.0  # stop SFT once its loss averaged over the last 20 steps is below this; then
+    #                                   warmstart_steps is a cap (0 = run all warmstart_steps)
+
+    # --- data ---
+    dataset: str = "synthetic:arith:4096:1"  # training prompts (data.load_dataset spec)
+    eval_dataset: str = "synthetic:arith:128:2"  # eval prompts (metrics eval/accuracy, eval/pass@k, ...)
+    eval_sets: dict = field(default_factory=dict)  # more eval sets at once: {name: spec} -> eval/<name>/accuracy, ...
+    reward: str = "data.exact_match"  # reward(response_text, sample) -> float, dotted path
+    agent: str = ""  # dotted path of an agent; "" = single-turn chat straight to the engine
+    agent_command: str = ""  # black-box agent: a shell command run in a sandbox against the session URL
+    sandbox: str = "local"  # "local" | "docker" | "auto" (docker where a Docker engine answers) | a dotted path to
+    # fn(**limits) -> a sandbox with LocalSandbox's methods (create, write, execute, delete)
+    max_parallel_sandboxes: int = 32  # black-box agents / code-test rewards running at once
+    agent_preload: list = field(default_factory=list)  # modules a Python agent_command imports (e.g. [openai]):
+    # each trajectory forks from one interpreter that imported them, not a new Python (sandbox: local only)
+    router_host: str = "127.0.0.1"  # where the AgentFlow router listens (0.0.0.0 for agents on other machines)
+    max_turns: int = 8  # agent turns per trajectory
+    agent_timeout: float = 120.0  # seconds per trajectory
+    agent_retries: int = 1  # retries of a failed trajectory
+    max_context_len: int = 1024  # token budget per trajectory (prompt + all turns)
+    chat_template: str = ""  # dotted path to a Jinja chat template string (router, fast path); "" = the tokenizer's
+    tool_parser: str = ""  # dotted path: fn(text, tool_names) -> (content, tool_calls); "" = agentflow.parse_tool_calls
+    group_filter: str = ""  # dotted path: fn(group: list[trajectory dict]) -> bool; False drops the group, and the
+    # producer dispatches another in its place (as for dynamic_sampling)
+
+    # --- rollout ---
+    prompts_per_step: int = 32  # B prompts per step
+    samples_per_prompt: int = 8  # N samples per prompt (the group)
+    max_prompt_len: int = 256  # longer prompts are rejected by the engine
+    max_new_tokens: int = 16  # per model call
+    temperature: float = 1.0  # sampling temperature for training rollouts
+    top_p: float = 1.0  # nucleus sampling for training rollouts; 1 = off
+    top_k: int = -1  # top-k sampling for training rollouts; -1 = off
+    eval_temperature: float = 0.0  # 0 = greedy eval
+    eval_samples: int = 1  # k samples per eval prompt: eval/accuracy is mean@k, eval/pass@k the unbiased pass@k
+    eval_greedy: bool = False  # also one greedy sample per prompt (eval/greedy_accuracy) beside the sampled ones
+    engine: str = "auto"  # "auto" (sglang on CUDA, cpu elsewhere) | "sglang" | "cpu" | a dotted path:
+    # fn(cfg, rank, host, seed) -> (url, handle with .shutdown()), a server speaking SGLang's HTTP contract (rollout.RolloutEngine calls it)
+    engine_max_batch: int = 256  # concurrent sequences per CPU engine
+
+    # --- train ---
+    global_batch_size: int = 256  # samples per optimizer step (a mini-batch); a step may do several
+    micro_batch_size: int = 64  # samples per forward/backward on one DP rank
+    lr: float = 1e-4  # peak learning rate (AdamW), reached after lr_warmup_steps, then cosine to min_lr
+    min_lr: float = 0.0  # cosine decay floor; = lr means constant
+    lr_warmup_steps: int = 0  # optimizer steps of linear warmup
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (not on norms and biases)
+    adam_beta1: float = 0.9  # AdamW first-moment decay
+    adam_beta2: float = 0.999  # AdamW second-moment decay
+    adam_eps: float = 1e-8  # AdamW denominator epsilon
+    grad_clip: float = 1.0  # global grad-norm clip; 0 = off
+    router_replay: bool = False  # R3, MoE models only: engines return every token's routed experts and the trainer's
+    # routers replay them in every forward over those trajectories (old logp and update), so training routes as
+    # inference did
+
+    # --- algo (see algos.py and ALGORITHMS.md; validated by algos.validate) ---
+    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns | gae (trains a critic, see below)
+    adv_norm: str = "group"  # grpo normaliser: group | group_mean | batch | none
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | cispo | reinforce | sft
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    clip_low: float = 0.2  # PPO ratio lower clip (1 - clip_low)
+    clip_high: float = 0.2  # PPO ratio upper clip (1 + clip_high); > clip_low is "clip-higher"
+    dual_clip_c: float = 0.0  # dual clip bound for negative advantages (e.g. 3.0); 0 = off
+    kl_coef: float = 0.0  # KL-to-reference weight; 0 = no reference model kept
+    kl_type: str = "k3"  # k1 | k2 | k3 | low_var_k3 | k3_unbiased
+    kl_in_reward: bool = False  # fold KL into the reward (REINFORCE++) instead of the loss
+    entropy_coef: float = 0.0  # entropy bonus weight
+    gamma: float = 1.0  # discount for token-level returns / GAE
+    lam: float = 1.0  # GAE lambda
+    critic_lr: float = 1e-4  # advantage=gae: the value model's learning rate (constant; AdamW like the policy)
+    value_clip: float = 0.2  # advantage=gae: PPO value clip, V kept within V_old +- value_clip in the loss; 0 = off
+    critic_warmup_steps: int = 0  # advantage=gae: the first N RL steps train the critic only (the policy waits)
+    use_rollout_logprobs: bool = False  # old_logp := engine logprobs (skip the recompute)
+    recompute_old_logprobs: bool = False  # debug: a no-grad forward for mini-batch 0 too (by default it takes old
+    # logprobs from its own training forward, detached: the same weights and numbers, one forward fewer)
+    is_correction: str = ""  # train-inference IS correction: "" | token | seq | geo
+    is_mode: str = "truncate"  # truncate | mask (outside [is_low, is_high])
+    is_low: float = 0.0  # IS weight lower bound (truncate clamps to it, mask drops below it)
+    is_high: float = 2.0  # IS weight upper bound (likewise)
+    m2po_threshold: float = 0.0  # M2PO second-moment bound; 0 = off
+    opsm_delta: float = 0.0  # OPSM KL bound for negative-advantage sequences; 0 = off
+    mask_stale_tokens: bool = False  # drop tokens generated by older weights (partial rollouts)
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill to the batch size
+    overlong_buffer: int = 0  # DAPO overlong penalty window in tokens; 0 = off
+    overlong_penalty: float = 1.0  # DAPO overlong penalty at max length
+    length_penalty: str = ""  # "" | linear | kimi
+    length_penalty_coef: float = 0.0  # weight of the length penalty
+    distill_type: str = "topk_kl"  # GKD divergence to the teachers: topk_kl | forward_kl | reverse_kl | jsd
+    pg_ratio: float = 0.0  # A' = A - pg_ratio * (log pi - log pi_teacher) on the sampled token; needs teachers
+    gkd_ratio: float = 0.0  # L = (1 - gkd_ratio) * RL loss + gkd_ratio * GKD loss; 1 = pure distillation
+    jsd_beta: float = 0.5  # beta of the generalised JSD
+
+    # --- teachers and data sources (teacher.py; the objective is in algos.py, "On-policy distillation") ---
+    teachers: dict = field(default_factory=dict)  # {name: HF dir | {path: HF dir or "tiny", tiny_model/warmstart_* overrides}}
+    teacher_route: str = ""  # dotted path: fn(trajectory) -> per response token a teacher, {teacher: weight} or None
+    teacher_tp: int = 1  # tensor parallel size of the teacher group (independent of the student's)
+    teacher_placement: str = "own"  # "own": the teachers' own bundles | "trainer": time-share the trainers' (CPU)
+    cpus_per_teacher: float = 1.0  # Ray CPU resources per teacher rank
+    teacher_topk: int = 16  # K of the top-k targets each teacher returns per token
+    teacher_micro_batch: int = 64  # samples per teacher forward
+    teacher_eval: bool = True  # before training, evaluate each teacher (same architecture as the student) on the eval sets
+    data_sources: list = field(default_factory=list)  # [{name, dataset, weight, eval_dataset, reward, agent, teacher}]
+
+    # --- weights ---
+    transfer: str = "auto"  # TransferMesh transport: auto | shm | cuda_ipc | broadcast | disk | a dotted path to a
+    # push function with the built-ins' signature (see transfermesh.push_weights)
+    bucket_mb: float = 64.0  # bucket size for weight sync
+
+    # --- reliability: engine health and timeouts (see fleet.check_engines, fleet.wait, fleet.save_run_state) ---
+    engine_check_every: float = 5.0  # seconds between engine health probes (an engine is also probed after any failed call)
+    engine_health_timeout: float = 10.0  # an engine silent on /health this long is hung: out of routing, re-created
+    engine_wait: float = 180.0  # seconds a request waits for a replacement when no engine is up, before it fails
+    max_engine_restarts: int = 20  # engine re-creations per run before the run stops (a crash loop needs a fix, not more restarts)
+    weight_sync_timeout: float = 600.0  # seconds one weight sync (trainers -> engines) may take
+    actor_timeout: float = 3600.0  # seconds any other Ray call (rollout batch, train step, eval, checkpoint) may take
+
+
+# ================================================================================================
+# loading: recipe YAML + key=value overrides -> a Config, derived values filled in, every rule checked
+
+
+def closest(key: str, valid) -> str:
+    """"; did you mean X?" with X the valid name closest to `key`: the tail of every "unknown name" error."""
+    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.0)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
+    """Recipe YAML + `key=value` overrides (values parsed as YAML; `sglang.x=1` sets a pass-through key)."""
+    raw: dict = {}
+    if recipe:
+        if not Path(recipe).exists():
+            raise FileNotFoundError(f"recipe {recipe!r} not found; the recipes are in {sorted(map(str, Path('recipes').glob('*.yaml')))}")
+        raw = yaml.safe_load(Path(recipe).read_text()) or {}
+    for ov in overrides:
+        if "=" not in ov:
+            raise ValueError(f"override {ov!r} must look like key=value")
+        key, value = ov.split("=", 1)
+        if "." in key:  # pass-through dicts: megatron.x=..., sglang.y=..., tiny_model.z=...
+            top, sub = key.split(".", 1)
+            raw.setdefault(top, {})[sub] = yaml.safe_load(value)
+        else:
+            raw[key] = yaml.safe_load(value)
+    names = {f.name: f for f in dataclasses.fields(Config)}
+    for key in raw:
+        if key not in names:
+            raise ValueError(f"unknown config key {key!r}{closest(key, names)}")
+    if raw.get("mode", "sync") == "sync" and float(raw.get("stale_steps") or 0) > 0:
+        raise ValueError(f"stale_steps={raw['stale_steps']} applies to mode=async only (sync runs with 0); set "
+                         "mode=async or drop stale_steps")
+    cfg = Config(**raw)
+    cfg.recipe = recipe or ""
+    for f in dataclasses.fields(Config):
+        v, d = getattr(cfg, f.name), f.default
+        if isinstance(d, float) and isinstance(v, (int, str)) and not isinstance(v, bool):
+            try:  # YAML reads 1e-3 (no dot) as a string, and 1 as an int
+                setattr(cfg, f.name, float(v))
+                continue
+            except ValueError:
+                pass
+        elif d is not dataclasses.MISSING and type(d) in (int, float, bool, str) and not isinstance(v, type(d)):
+            raise ValueError(f"config key {f.name!r} should be a {type(d).__name__}, got {v!r}")
+    return finalize(cfg)
+
+
+def finalize(cfg: Config) -> Config:
+    """Derived values and the batch algebra, with messages that say what to change."""
+
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ValueError(msg)
+
+    if cfg.device == "auto":
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    need(cfg.device in ("cpu", "cuda"), f"device={cfg.device!r}: choose 'auto', 'cpu' or 'cuda'")
+    if cfg.engine == "auto":
+        cfg.engine = "sglang" if cfg.device == "cuda" else "cpu"
+    need(cfg.engine in ("sglang", "cpu") or data.is_dotted(cfg.engine),
+         f"engine={cfg.engine!r}: choose 'sglang', 'cpu', 'auto' or a dotted path 'module.function'")
+    need(cfg.engine != "sglang" or cfg.device == "cuda", "engine=sglang runs on CUDA only; set device=cuda or engine=cpu")
+    need(cfg.mode in ("sync", "async"), f"mode={cfg.mode!r}: choose 'sync' or 'async'")
+    need(cfg.dtype in ("float32", "bfloat16"), f"dtype={cfg.dtype!r}: choose 'float32' or 'bfloat16'")
+    need(isinstance(cfg.pipeline_parallel, int) and cfg.pipeline_parallel >= 1,
+         f"pipeline_parallel={cfg.pipeline_parallel!r} must be a positive integer")
+    if cfg.pipeline_parallel > 1:
+        layers, tied = _layers_and_tied(cfg.model_path, cfg.tiny_model)
+        need(layers is None or layers % cfg.pipeline_parallel == 0, f"pipeline_parallel={cfg.pipeline_parallel} "
+             f"does not divide the model's {layers} layers; choose a divisor of {layers}")
+        need(not tied, f"pipeline_parallel={cfg.pipeline_parallel} with tied input/output embeddings "
+             f"({cfg.model_path!r}) is not supported; use pipeline_parallel=1 for this model")
+        need(cfg.expert_parallel == 1, f"pipeline_parallel={cfg.pipeline_parallel} with expert_parallel="
+             f"{cfg.expert_parallel} is not wired in; use one of them")
+    # counts and budgets: a zero or negative value here would divide by zero below or hang/do nothing later
+    for name in ("trainer_workers", "tensor_parallel", "num_engines", "prompts_per_step", "samples_per_prompt",
+                 "global_batch_size", "micro_batch_size", "max_new_tokens", "max_prompt_len", "max_context_len",
+                 "max_turns", "eval_samples", "engine_max_batch", "max_parallel_sandboxes", "warmstart_batch_size"):
+        need(isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 1,
+             f"{name}={getattr(cfg, name)!r} must be a positive integer")
+    for name in ("num_steps", "eval_every", "save_every", "print_every", "agent_retries", "warmstart_steps",
+                 "lr_warmup_steps", "warmstart_stop_loss"):
+        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = off / none)")
+    for name in ("agent_timeout", "cpus_per_trainer", "cpus_per_engine", "bucket_mb"):
+        need(getattr(cfg, name) > 0, f"{name}={getattr(cfg, name)!r} must be > 0")
+    need(cfg.lr >= 0 and 0 <= cfg.min_lr <= max(cfg.lr, 0), f"lr={cfg.lr!r}, min_lr={cfg.min_lr!r}: need 0 <= min_lr <= lr")
+    for name in ("temperature", "eval_temperature"):  # SGLang and the CPU engine refuse negative ones
+        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = greedy)")
+    need(0 < cfg.top_p <= 1, f"top_p={cfg.top_p!r} must be in (0, 1]")
+    need(cfg.top_k == -1 or cfg.top_k >= 1, f"top_k={cfg.top_k!r}: use -1 (off) or a positive integer")
+    need(not (cfg.train_only and cfg.rollout_only), "train_only and rollout_only together would neither generate "
+         "nor train; set one of them")
+    need(cfg.sandbox in ("local", "docker", "auto") or data.is_dotted(cfg.sandbox),
+         f"sandbox={cfg.sandbox!r}: choose 'local', 'docker', 'auto' or a dotted path 'module.function'")
+    need(cfg.transfer in transfermesh.TRANSPORTS or data.is_dotted(cfg.transfer),
+         f"transfer={cfg.transfer!r}: choose one of {transfermesh.TRANSPORTS} or a dotted path 'module.function'")
+    need(cfg.transfer != "cuda_ipc" or cfg.device == "cuda", "transfer=cuda_ipc needs device=cuda (CUDA IPC handles "
+         "of GPU tensors); on CPU use transfer=auto (shared memory to local engines) or broadcast")
+    need(cfg.transfer != "shm" or cfg.engine == "cpu", "transfer=shm is the CPU engine's shared-memory path; SGLang "
+         "engines take cuda_ipc, broadcast or disk (or auto)")
+    need(not (cfg.agent and cfg.agent_command), f"set either agent ({cfg.agent!r}, a Python function) or "
+         f"agent_command ({cfg.agent_command!r}, a black-box program), not both")
+    if cfg.agent_preload:
+        need(bool(cfg.agent_command), f"agent_preload={cfg.agent_preload} preloads modules for agent_command, which "
+             "is empty; set agent_command or remove agent_preload")
+        need(cfg.sandbox == "local", f"agent_preload forks agents from a warm interpreter on this machine, which "
+             f"sandbox={cfg.sandbox!r} cannot take; set sandbox=local or remove agent_preload")
+        need(sandbox.python_command(cfg.agent_command) is not None, f"agent_preload runs Python agents only: "
+             f"agent_command must read `[VAR=value ...] python SCRIPT [ARGS]` or `python -m MODULE [ARGS]` (no shell "
+             f"operators), got {cfg.agent_command!r}; remove agent_preload to run it through bash")
+    if cfg.router_replay:
+        mt = _model_type(cfg.model_path, cfg.tiny_model)
+        need(mt in (None, "qwen3_moe", "mixtral"), f"router_replay=true needs an MoE model (qwen3_moe or mixtral), "
+             f"but {cfg.model_path!r} is {mt!r}, which has no router; set router_replay=false"
+             + (" or tiny_model.num_experts > 0" if cfg.model_path == "tiny" else ""))
+        need(cfg.engine != "cpu" or mt != "mixtral", "router_replay with engine=cpu: the CPU engine runs Qwen3-MoE "
+             "but not Mixtral; use a qwen3_moe model or engine=sglang")
+    unknown = sorted(set(cfg.tiny_model) - set(data.TINY_DEFAULTS))
+    need(cfg.model_path != "tiny" or not unknown, f"unknown tiny_model setting(s) {unknown}"
+         f"{closest(unknown[0], data.TINY_DEFAULTS) if unknown else ''}; valid: {sorted(data.TINY_DEFAULTS)}")
+    if cfg.device == "cuda" and cfg.colocate:
+        need(cfg.num_engines * cfg.gpus_per_engine <= cfg.trainer_workers, f"colocate: {cfg.num_engines} engines x "
+             f"gpus_per_engine={cfg.gpus_per_engine} GPUs must fit on the trainers' {cfg.trainer_workers} GPUs; lower "
+             "num_engines or set colocate=false")
+    need(not (cfg.engine == "sglang" and cfg.colocate and cfg.sglang.get("enable_memory_saver") is False),
+         "colocate=true hands the engines' memory to the trainers with SGLang's release_memory_occupation, which needs "
+         "its memory saver; drop sglang.enable_memory_saver=false or set colocate=false")
+    if cfg.engine == "sglang" and "tp_size" in cfg.sglang:
+        need(int(cfg.sglang["tp_size"]) == cfg.gpus_per_engine, f"sglang.tp_size={cfg.sglang['tp_size']} but "
+             f"gpus_per_engine={cfg.gpus_per_engine}: an engine's tensor parallel size is its GPU count; set them equal")
+    if cfg.expert_parallel != 1:
+        need(isinstance(cfg.expert_parallel, int) and cfg.expert_parallel > 1,
+             f"expert_parallel={cfg.expert_parallel!r} must be a positive integer")
+        mt = _model_type(cfg.model_path, cfg.tiny_model)
+        need(mt in (None, "qwen3_moe", "mixtral"), f"expert_parallel={cfg.expert_parallel} needs an MoE model, but "
+             f"{cfg.model_path!r} is {mt!r}; set expert_parallel=1")
+        experts = _num_experts(cfg.model_path, cfg.tiny_model)
+        need(not experts or experts % cfg.expert_parallel == 0, f"expert_parallel={cfg.expert_parallel} does not "
+             f"divide the model's {experts} experts; choose a divisor of {experts}")
+        ranks = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.expert_parallel  # Megatron's expert grid
+        need(cfg.trainer_workers % ranks == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
+             f"tensor_parallel*pipeline_parallel*expert_parallel={ranks}; "
+             f"use {ranks * max(1, cfg.trainer_workers // ranks)}")
+    mp = cfg.tensor_parallel * cfg.pipeline_parallel
+    need(cfg.trainer_workers % mp == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
+         f"tensor_parallel*pipeline_parallel={mp}; use {mp * max(1, cfg.trainer_workers // mp)}")
+    cfg.data_parallel = cfg.trainer_workers // mp
+    n, dp = cfg.samples_per_prompt, cfg.data_parallel
+    rollout = cfg.prompts_per_step * n
+    need(cfg.global_batch_size % n == 0, f"global_batch_size={cfg.global_batch_size} must hold whole groups: "
+         f"make it a multiple of samples_per_prompt={n}")
+    need(rollout % cfg.global_batch_size == 0, f"prompts_per_step*samples_per_prompt={rollout} must be a multiple "
+         f"of global_batch_size={cfg.global_batch_size}; e.g. global_batch_size={rollout}")
+    need((cfg.global_batch_size // n) % dp == 0, f"each mini-batch has {cfg.global_batch_size // n} groups, which "
+         f"must split evenly over data_parallel={dp} ranks (groups stay on one rank); change global_batch_size")
+    per_rank = cfg.global_batch_size // dp
+    need(per_rank % cfg.micro_batch_size == 0, f"global_batch_size/data_parallel={per_rank} samples per rank must be "
+         f"a multiple of micro_batch_size={cfg.micro_batch_size}; try micro_batch_size={math.gcd(per_rank, cfg.micro_batch_size)}")
+    # --- async: capacity, window, lag bound (train() reads them; see loongsage.groups_to_dispatch / collectable)
+    need(cfg.stale_steps >= 0, f"stale_steps={cfg.stale_steps} must be >= 0 (0 = no step runs ahead of training)")
+    need(cfg.window in WINDOWS or data.is_dotted(cfg.window),
+         f"window={cfg.window!r}: choose one of {WINDOWS} or a dotted path{closest(cfg.window, WINDOWS)}")
+    need(cfg.lag_policy in ("mask", "regenerate"), f"lag_policy={cfg.lag_policy!r}: choose 'mask' or 'regenerate'")
+    need(cfg.max_version_lag >= -1, f"max_version_lag={cfg.max_version_lag}: use -1 (no bound) or a lag >= 0")
+    if cfg.mode == "sync":
+        cfg.stale_steps = 0.0  # one code path: sync is the pipeline with nothing running ahead
+    cfg.trainer_threads, cfg.engine_threads = cpu.torch_threads(cfg)  # those left at 0, derived from the cores
+    for knob in ("engine_check_every", "engine_health_timeout", "engine_wait", "weight_sync_timeout", "actor_timeout"):
+        need(getattr(cfg, knob) > 0, f"{knob}={getattr(cfg, knob)} must be > 0 (seconds)")
+    need(cfg.max_engine_restarts >= 0, f"max_engine_restarts={cfg.max_engine_restarts} must be >= 0")
+    need(not (cfg.train_only and not cfg.load_rollouts), "train_only needs load_rollouts=<dir written by dump_rollouts>")
+    for t in cfg.trackers:
+        need(t in TRACKERS, f"trackers: {t!r} is not a tracker; choose from {sorted(TRACKERS)}{closest(str(t), TRACKERS)}")
+        try:
+            __import__(TRACKERS[t])
+        except ImportError:
+            raise ValueError(f"trackers: {t!r} needs the {TRACKERS[t]} package: pip install -e .[tracking]") from None
+    plugged = [k for k in ("agent", "chat_template", "tool_parser", "group_filter", "window", "engine", "transfer",
+                           "sandbox") if data.is_dotted(getattr(cfg, k))]
+    for name in ["reward", "warmstart_example"] + plugged:
+        data.import_object(getattr(cfg, name))  # fail now, not after the model is built
+    algos.validate(cfg)
+    check_teachers(cfg)
+    check_critic(cfg)
+    return cfg
+
+
+# ================================================================================================
+# the rules: meaningless combinations fail here, at --check, before any actor starts
+
+
+def check_critic(cfg: Config) -> None:
+    """advantage=gae trains a critic inside every trainer rank (trainer.py): its knobs, and the combinations it
+    cannot serve, fail here, at --check."""
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ValueError(msg)
+
+    if cfg.advantage != "gae":
+        need(cfg.critic_warmup_steps == 0, f"critic_warmup_steps={cfg.critic_warmup_steps} applies to advantage='gae' "
+             f"(the only estimator with a critic), not {cfg.advantage!r}; set critic_warmup_steps=0 or advantage=gae")
+        return
+    need(cfg.critic_lr > 0, f"critic_lr={cfg.critic_lr!r} must be > 0: advantage='gae' learns its values")
+    need(cfg.value_clip >= 0, f"value_clip={cfg.value_clip!r} must be >= 0 (0 = no value clipping)")
+    need(0 <= cfg.critic_warmup_steps < max(cfg.num_steps, 1), f"critic_warmup_steps={cfg.critic_warmup_steps} must be "
+         f">= 0 and below num_steps={cfg.num_steps}, or the policy is never trained")
+    need(cfg.gkd_ratio < 1, "advantage='gae' with gkd_ratio=1: pure distillation has no RL loss, so the critic's "
+         "values would feed nothing; set gkd_ratio < 1 or another advantage")
+    need(cfg.pipeline_parallel == 1, f"advantage='gae' with pipeline_parallel={cfg.pipeline_parallel}: the critic's "
+         "value head runs on a whole model in each rank; set pipeline_parallel=1 (tensor and data parallel work)")
+    need(cfg.expert_parallel == 1, f"advantage='gae' with expert_parallel={cfg.expert_parallel}: the critic's forward "
+         "does not keep expert ranks in step (no idle micro-batches); set expert_parallel=1")
+
+
+def teacher_spec(name: str, spec) -> dict:
+    """A `teachers:` entry as {"path": ..., build overrides...}, checked."""
+    spec = {"path": spec} if isinstance(spec, str) else spec
+    if not isinstance(spec, dict) or "path" not in spec:
+        raise ValueError(f"teachers.{name}={spec!r}: give an HF directory, or {{path: tiny, warmstart_dataset: ...}}")
+    for key in spec:
+        if key != "path" and key not in TEACHER_BUILD_KEYS:
+            raise ValueError(f"teachers.{name}.{key} is not a teacher setting{closest(key, ('path',) + TEACHER_BUILD_KEYS)}")
+    if spec["path"] != "tiny" and len(spec) > 1:
+        raise ValueError(f"teachers.{name}: build settings {sorted(set(spec) - {'path'})} apply to path: tiny only")
+    return spec
+
+
+def _model_type(path: str, tiny_model: dict) -> str | None:
+    """config.json's model_type of `path` (the tiny builder's, for "tiny"); None where it cannot be read yet."""
+    if path == "tiny":
+        return "qwen3_moe" if int(tiny_model.get("num_experts", 0) or 0) > 0 else "qwen3"
+    cfg_file = Path(path) / "config.json"
+    return json.loads(cfg_file.read_text()).get("model_type") if cfg_file.exists() else None
+
+
+def _layers_and_tied(path: str, tiny_model: dict) -> tuple[int | None, bool]:
+    """(num_hidden_layers, tie_word_embeddings) of `path` (the tiny builder's for "tiny"); (None, False) where
+    unknown yet."""
+    if path == "tiny":
+        s = {**data.TINY_DEFAULTS, **tiny_model}
+        return int(s["num_hidden_layers"]), bool(s["tie_word_embeddings"])
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        return None, False
+    hf = json.loads(cfg_file.read_text())
+    return hf.get("num_hidden_layers"), bool(hf.get("tie_word_embeddings", False))
+
+
+def _num_experts(path: str, tiny_model: dict) -> int | None:
+    """Routed experts per layer of `path` (the tiny builder's for "tiny"); None where unknown yet."""
+    if path == "tiny":
+        return int({**data.TINY_DEFAULTS, **tiny_model}["num_experts"])
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        return None
+    hf = json.loads(cfg_file.read_text())
+    return hf.get("num_experts") or hf.get("num_local_experts")
+
+
+def _vocab_of(path: str, tiny_model: dict) -> tuple | None:
+    """What must match between student and teacher: (vocab_size, tokenizer vocab hash), or the tiny
+    builder's tokenizer settings; None where it cannot be known before anything is built."""
+    if path == "tiny":
+        s = {**data.TINY_DEFAULTS, **tiny_model}
+        return ("tiny", s["tokenizer_vocab"], s["vocab_multiple"])
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        return None
+    tok = Path(path) / "tokenizer.json"
+    return (json.loads(cfg_file.read_text()).get("vocab_size"),
+            data.settings_hash(tok.read_text()) if tok.exists() else None)
+
+
+def check_teacher_vocab(student_path: str, teacher_paths: dict[str, str], student_tiny: dict | None = None,
+                        teacher_tiny: dict | None = None) -> None:
+    """Every teacher must share the student's vocabulary. Compared like with like: two built/HF dirs by
+    vocab_size and tokenizer.json, two `tiny` specs by their tokenizer settings; a tiny spec against an HF
+    dir is compared again in train(), once the tiny model is built."""
+    student = _vocab_of(student_path, student_tiny or {})
+    for n, path in teacher_paths.items():
+        theirs = _vocab_of(path, (teacher_tiny or {}).get(n, student_tiny or {}))
+        if student is None or theirs is None or (student[0] == "tiny") != (theirs[0] == "tiny"):
+            continue
+        if student != theirs:
+            raise ValueError(f"teacher {n!r} ({path}) has another vocabulary than the student ({student_path}): "
+                             f"{theirs} vs {student}. Distillation compares distributions token by token: give "
+                             "teachers that share the student's tokenizer")
+
+
+def check_teachers(cfg: Config) -> None:
+    """Teachers, routing and data sources: meaningless combinations fail here, at --check."""
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ValueError(msg)
+
+    names = list(cfg.teachers)
+    specs = {n: teacher_spec(n, s) for n, s in cfg.teachers.items()}
+    need(not names or cfg.pg_ratio > 0 or cfg.gkd_ratio > 0, f"teachers {names} are set but pg_ratio=0 and "
+         "gkd_ratio=0, so they would teach nothing; set pg_ratio > 0 (PG-style) and/or gkd_ratio > 0 (GKD)")
+    need(names or (cfg.pg_ratio == 0 and cfg.gkd_ratio == 0), f"pg_ratio={cfg.pg_ratio} / gkd_ratio={cfg.gkd_ratio} "
+         "distil from teachers, but `teachers:` is empty; add teachers or set both to 0")
+    need(cfg.teacher_placement in ("own", "trainer"), f"teacher_placement={cfg.teacher_placement!r}: choose 'own' or 'trainer'")
+    need(cfg.teacher_placement == "own" or cfg.device == "cpu", "teacher_placement='trainer' time-shares CPU bundles "
+         "only for now; on CUDA use teacher_placement='own' (the teachers' own GPUs)")
+    need(cfg.teacher_placement == "own" or cfg.teacher_tp <= cfg.trainer_workers, f"teacher_placement='trainer' "
+         f"puts teacher_tp={cfg.teacher_tp} ranks on {cfg.trainer_workers} trainer bundles; lower teacher_tp")
+    need(cfg.teacher_tp >= 1 and cfg.teacher_topk >= 1 and cfg.teacher_micro_batch >= 1,
+         f"teacher_tp={cfg.teacher_tp}, teacher_topk={cfg.teacher_topk}, teacher_micro_batch={cfg.teacher_micro_batch} must be >= 1")
+    if cfg.teacher_route:
+        need(bool(names), f"teacher_route={cfg.teacher_route!r} without teachers; add `teachers:`")
+        data.import_object(cfg.teacher_route)
+    check_teacher_vocab(cfg.model_path, {n: spec["path"] for n, spec in specs.items()},
+                        cfg.tiny_model, {n: spec.get("tiny_model", cfg.tiny_model) for n, spec in specs.items()})
+
+    def check_teacher_ref(ref, where: str):
+        for t in ([ref] if isinstance(ref, str) else list(dict(ref))):
+            need(t in names, f"{where} names teacher {t!r}, which is not in teachers: {names}{closest(str(t), names)}")
+
+    seen = set()
+    for i, src in enumerate(cfg.data_sources):
+        need(isinstance(src, dict) and "name" in src and "dataset" in src,
+             f"data_sources[{i}]={src!r} needs at least name and dataset")
+        for key in src:
+            need(key in SOURCE_KEYS, f"data_sources[{i}].{key} is not a source key{closest(key, SOURCE_KEYS)}")
+        need(src["name"] not in seen, f"data_sources: the name {src['name']!r} is used twice")
+        seen.add(src["name"])
+        need(float(src.get("weight", 1.0)) > 0, f"data_sources {src['name']!r}: weight={src.get('weight')} must be > 0")
+        for key in ("reward", "agent"):
+            if src.get(key):
+                data.import_object(src[key])
+        if src.get("teacher") is not None:
+            need(bool(names), f"data source {src['name']!r} names teacher {src['teacher']!r} but `teachers:` is empty")
+            check_teacher_ref(src["teacher"], f"data source {src['name']!r}")
+        elif len(names) > 1 and not cfg.teacher_route:
+            raise ValueError(f"data source {src['name']!r} has no teacher, and there are {len(names)} teachers "
+                             f"{names}; set its `teacher:` (a name or {{name: weight}}), or set teacher_route")
+
+
+# ================================================================================================
+# at the start of a run: what only this machine can say; what --check and the run print
+
+
+def check_runtime(cfg: Config) -> None:
+    """What only this machine can say: the device exists, the model and data are there."""
+    if cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device=cuda but no CUDA device is visible; run on a GPU machine or set device=cpu engine=cpu")
+    if cfg.model_path != "tiny" and not Path(cfg.model_path).is_dir():
+        raise FileNotFoundError(f"model_path={cfg.model_path!r} is not a directory; give a local HF model directory "
+                                "(config.json + safetensors + tokenizer) or model_path=tiny")
+    if cfg.agent_command and cfg.sandbox == "docker":
+        if not sandbox.docker_available():
+            raise ValueError("sandbox=docker but no Docker engine answers `docker info` on this machine; start "
+                             "dockerd, or set sandbox=local (LocalSandbox.contained says what it contains here)")
+    for name in cfg.agent_preload:
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(f"agent_preload: no module {name!r} here; install it, or drop it from agent_preload")
+    for spec in (cfg.dataset, cfg.eval_dataset, *cfg.eval_sets.values()):
+        if spec and not spec.startswith("synthetic:") and not Path(spec).exists():
+            raise FileNotFoundError(f"dataset {spec!r} not found; give a .jsonl/.parquet path or 'synthetic:arith:<n>:<seed>'")
+
+
+def warn_off_policy(cfg: Config) -> None:
+    """A warning (stderr), not an error: async training on stale tokens with nothing that corrects for it."""
+    if cfg.mode == "async" and cfg.stale_steps > 0 and cfg.max_version_lag != 0 and not (
+            cfg.is_correction or cfg.m2po_threshold > 0 or cfg.opsm_delta > 0 or cfg.mask_stale_tokens):
+        print(f"warning: mode=async with stale_steps={cfg.stale_steps} trains on tokens up to "
+              f"{'unbounded' if cfg.max_version_lag < 0 else cfg.max_version_lag} versions old with no off-policy "
+              "correction; consider is_correction=token, m2po_threshold, opsm_delta, mask_stale_tokens=true or "
+              "max_version_lag", file=sys.stderr)
+
+
+def capacity(cfg: Config) -> int:
+    """C = B * (1 + stale_steps) groups in flight or buffered (B = prompts_per_step); C = B in sync mode."""
+    return max(cfg.prompts_per_step, int(round(cfg.prompts_per_step * (1 + cfg.stale_steps))))
+
+
+def describe(cfg: Config) -> str:
+    """The derived sizes, in one line."""
+    rollout = cfg.prompts_per_step * cfg.samples_per_prompt
+    return (f"data_parallel={cfg.data_parallel}, rollout batch={rollout} samples, {rollout // cfg.global_batch_size} "
+            f"optimizer step(s) per RL step, {cfg.global_batch_size // cfg.data_parallel // cfg.micro_batch_size} "
+            f"micro-batch(es) per rank per optimizer step, device={cfg.device}, engine={cfg.engine}, "
+            f"torch threads trainer/engine={cfg.trainer_threads}/{cfg.engine_threads}"
+            + (f", cores trainer 0 / engine 0: {cpu.actor_cores(cfg, 'trainer', 0)} / {cpu.actor_cores(cfg, 'engine', 0)}"
+               if cpu.actor_cores(cfg, "engine", 0) else "")
+            + (f" (trainer 0 also on {[c for _, cs in cpu.lent_cores(cfg, 0) for c in cs]} while its engines idle)"
+               if cpu.lent_cores(cfg, 0) else "")
+            + (", critic (value model) in every trainer rank" if cfg.advantage == "gae" else "")
+            + (f", async: capacity C={capacity(cfg)} groups, window={cfg.window}, max_version_lag="
+               f"{cfg.max_version_lag} ({cfg.lag_policy})" if cfg.mode == "async" else ""))
+
+
+def explain(cfg: Config, placement: str = "") -> str:
+    """What `--check` prints and train() prints first: the whole config as YAML (derived values filled in), the
+    placement table where given (fleet.placement_table), and the derived sizes."""
+    text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    if placement:
+        text += "placement (bundle = one GPU on CUDA):\n" + placement + "\n"
+    return text + f"derived: {describe(cfg)}"

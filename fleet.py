@@ -1,0 +1,728 @@
+"""The actors of a run and everything that keeps them going: where each goes (`placement`, `reserve`), starting
+trainers, engines, AgentFlow and teachers, the model they start from (`base_model`, `prepare_model`: the tiny
+model and its warm start), waits that cannot hang (`wait`), engine health and re-creation (`check_engines`,
+`restart_engine`), the weight-sync call (`sync_engines`), the colocated memory hand-off (`colocate_hand_off`),
+checkpoints that lose nothing (`save_run_state`, `load_run_state`), and the metric sinks (`Logger`).
+
+loongsage.train() calls these in order and holds what they return: actor handles and URLs (a `Fleet` for the
+engines), never tensors. Every function that blocks says on what, and under which config deadline (`wait`).
+
+Test: `.venv/bin/pytest tests/test_placement.py tests/test_reliability.py tests/test_recover.py
+tests/test_colocate.py tests/test_warmstart.py -q` (placement on simulated GPUs, dead and hung engines re-created,
+crashes at every point of a save, the colocated hand-off's memory, the cached warm start).
+Left out: multi-node launch scripts (join the nodes to one Ray cluster and set `ray_address`), and restarting a
+dead trainer rank (the run stops with its traceback; `resume: true` goes on from the last checkpoint).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import ray
+import yaml
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tqdm import tqdm
+
+import cpu
+import data
+import teacher
+import trainer  # cheap: Megatron loads inside the trainer actors, not here
+import transfermesh
+from config import Config, teacher_spec
+
+
+# ================================================================================================
+# the model a run starts from: build, warm-start with SFT through the same trainer, cache
+
+
+def checkpoint_fingerprint(path: str) -> str:
+    """A fast hash of an HF model directory: every file's name and size, plus the first and last MiB of each
+    weight file (a changed checkpoint almost always changes one of these; hashing GBs in full would not pay)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).iterdir()):
+        if f.is_file():
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+            if f.suffix in (".safetensors", ".json", ".bin", ".jinja"):
+                with open(f, "rb") as fh:
+                    h.update(fh.read(2**20))
+                    fh.seek(max(0, f.stat().st_size - 2**20))
+                    h.update(fh.read(2**20))
+    return h.hexdigest()[:12]
+
+
+def base_model(cfg: Config) -> str:
+    """The checkpoint a run starts from, before any warm start: "tiny" builds (and caches) the tiny Qwen3 of
+    data.py; anything else is an HF directory."""
+    if cfg.model_path != "tiny":
+        return cfg.model_path
+    return data.build_tiny_model(data.default_cache_dir() / f"tiny-{data.settings_hash(cfg.tiny_model)}",
+                                 **cfg.tiny_model)
+
+
+def warm_start_dir(cfg: Config, base: str) -> Path:
+    """Where the warm start of checkpoint `base` with cfg's SFT settings is cached (prepare_model writes it):
+    named by the base checkpoint's fingerprint and the SFT settings."""
+    keys = ("warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
+            "warmstart_label_noise", "warmstart_example", "warmstart_stop_loss", "seed")
+    settings = {k: getattr(cfg, k) for k in keys} | {"base": checkpoint_fingerprint(base)}
+    return data.default_cache_dir() / f"{Path(base).name}-sft-{data.settings_hash(settings)}"
+
+
+def prepare_model(cfg: Config, trainers) -> str:
+    """The checkpoint RL starts from (weight version 0): cfg.model_path ("tiny" builds and caches the tiny Qwen3
+    of data.py, anything else is an HF directory), or with `warmstart_steps` its warm start: SFT on
+    `warmstart_dataset` through the same Megatron trainers, saved as HF and cached (warm_start_dir)."""
+    base = base_model(cfg)
+    if cfg.warmstart_steps == 0:
+        return base
+    out = warm_start_dir(cfg, base)
+    if (out / "model.safetensors").exists():
+        print(f"warm start: cached SFT model {out}")
+        return str(out)
+    tok = data.load_tokenizer(base)
+    example = data.import_object(cfg.warmstart_example)
+    samples = data.load_dataset(cfg.warmstart_dataset)
+    rng = random.Random(cfg.seed)
+    ray.get([t.load_hf.remote(base, lr=cfg.warmstart_lr) for t in trainers])
+    bar = tqdm(range(cfg.warmstart_steps), desc="warm start (SFT)", file=sys.stdout, mininterval=2)
+    losses = []
+    for step in bar:
+        batch = [example(tok, s, rng, cfg.warmstart_label_noise)
+                 for s in rng.sample(samples, cfg.warmstart_batch_size)]
+        m = ray.get([t.sft_step.remote(batch) for t in trainers])[0]
+        bar.set_postfix(loss=f"{m['train/sft_loss']:.3f}", refresh=False)
+        # a skill a tiny model learns in a sudden, seed-dependent transition (calc's copying of digits) needs a
+        # stop on the loss, not a fixed count; 20 steps average out one small batch's noise
+        losses.append(m["train/sft_loss"])
+        if cfg.warmstart_stop_loss > 0 and len(losses) >= 20 and sum(losses[-20:]) / 20 < cfg.warmstart_stop_loss:
+            break
+    bar.close()
+    if cfg.warmstart_stop_loss > 0:
+        recent = sum(losses[-20:]) / len(losses[-20:])
+        if len(losses) >= 20 and recent < cfg.warmstart_stop_loss:
+            print(f"warm start: SFT loss {recent:.3f} (mean of the last 20 steps) < warmstart_stop_loss "
+                  f"{cfg.warmstart_stop_loss} after {len(losses)} steps")
+        else:
+            print(f"warm start: WARNING: SFT loss {recent:.3f} (mean of the last 20 steps) is still above "
+                  f"warmstart_stop_loss {cfg.warmstart_stop_loss} after all {cfg.warmstart_steps} warmstart_steps: "
+                  f"the policy may not have learned the task's protocol; raise warmstart_steps")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # two runs warm-starting the same model do not share it
+    ray.get([t.save_hf.remote(str(tmp)) for t in trainers])
+    try:
+        tmp.rename(out)
+    except OSError:  # the other run saved first: same settings, so the same model; keep its copy
+        if not (out / "model.safetensors").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def prepare_teachers(cfg: Config, trainers) -> dict[str, str]:
+    """{teacher: HF dir}. A `path: tiny` teacher is built like the student (prepare_model, on the same
+    trainers, cached by its settings) with its own warm-start data: that is how the tiny recipes train a
+    teacher per sub-task."""
+    paths = {}
+    for name, spec in cfg.teachers.items():
+        spec = teacher_spec(name, spec)
+        if spec["path"] == "tiny":
+            over = {k: v for k, v in spec.items() if k != "path"}
+            paths[name] = prepare_model(dataclasses.replace(cfg, model_path="tiny", **over), trainers)
+        else:
+            paths[name] = spec["path"]
+    return paths
+
+
+# ================================================================================================
+# placement: where every actor goes, and reserving it
+
+
+def placement(cfg: Config) -> dict:
+    """Where every actor goes, as data (reserve() and start_* follow it; `--check` prints it; tests place it on simulated GPUs).
+
+    GPU: one {"GPU": 1} bundle per GPU. Trainer rank r holds bundle r. Engine i (an SGLang server with
+    tensor parallel size k = gpus_per_engine) spans k consecutive bundles and its actor sits on the first:
+    disaggregated, the k bundles after the trainers'; colocated (`colocate`), bundles i*k .. i*k+k-1 of the
+    trainers', where trainer and engine actors take half a GPU each (they hand the memory over in turn). The
+    server process sees all k GPUs (CUDA_VISIBLE_DEVICES from the bundles' GPU ids, see `bundle_gpus`).
+    CPU: one {"CPU": n} bundle per trainer rank and per engine; colocated, a trainer's bundle also holds its engine.
+    Returns {"bundles": [resource dicts], "trainers": [actor options], "engines": [actor options + "gpu_bundles"]}.
+    """
+    gpu, T, E, k = cfg.device == "cuda", cfg.trainer_workers, cfg.num_engines, cfg.gpus_per_engine
+    if gpu:
+        bundles = [{"GPU": 1, "CPU": cfg.cpus_per_trainer} for _ in range(T)]
+        first = 0 if cfg.colocate else T  # the bundle engine 0 starts on
+        if cfg.colocate:
+            for i in range(E * k):
+                bundles[i]["CPU"] += cfg.cpus_per_engine / k  # the engine's CPUs, spread over its bundles
+        else:
+            bundles += [{"GPU": 1, "CPU": cfg.cpus_per_engine / k} for _ in range(E * k)]
+        share = 0.5 if cfg.colocate else 1.0
+        trainers = [dict(bundle=r, num_gpus=share, num_cpus=cfg.cpus_per_trainer) for r in range(T)]
+        engines = [dict(bundle=first + i * k, num_gpus=share, num_cpus=cfg.cpus_per_engine / k,
+                        gpu_bundles=list(range(first + i * k, first + (i + 1) * k))) for i in range(E)]
+    else:
+        bundles = [{"CPU": cfg.cpus_per_trainer} for _ in range(T)]
+        if cfg.colocate:
+            for i in range(E):
+                bundles[i * T // E]["CPU"] += cfg.cpus_per_engine
+        else:
+            bundles += [{"CPU": cfg.cpus_per_engine} for _ in range(E)]
+        trainers = [dict(bundle=r, num_gpus=0, num_cpus=cfg.cpus_per_trainer) for r in range(T)]
+        engines = [dict(bundle=(i * T // E) if cfg.colocate else T + i, num_gpus=0, num_cpus=cfg.cpus_per_engine,
+                        gpu_bundles=[]) for i in range(E)]
+    return {"bundles": bundles, "trainers": trainers, "engines": engines}
+
+
+def placement_table(cfg: Config, plan: dict, where: list | None = None) -> str:
+    """One line per actor: bundle, Ray resources, and (once reserved) node and GPU ids."""
+    rows = [f"{'actor':12s} {'bundle':>6s} {'GPU':>5s} {'CPU':>5s}  " + ("node / GPU ids" if where else "")]
+    for kind, opts in (("trainer", plan["trainers"]), ("engine", plan["engines"])):
+        for i, o in enumerate(opts):
+            span = f" (+ bundles {o['gpu_bundles'][1:]})" if len(o.get("gpu_bundles", [])) > 1 else ""
+            loc = ""
+            if where:
+                bs = o.get("gpu_bundles") or [o["bundle"]]
+                loc = f"{where[o['bundle']][0][:12]} / {[g for b in bs for g in where[b][1]]}"
+            rows.append(f"{kind + ' ' + str(i):12s} {o['bundle']:6d} {o['num_gpus']:5.2g} {o['num_cpus']:5.3g}  {loc}{span}")
+    return "\n".join(rows)
+
+
+def bundle_gpus(pg, n: int) -> list[tuple[str, list[str]]]:
+    """(node id, GPU ids) of each of the n bundles, asked of Ray by a tiny task on each (before any actor
+    holds them). Engines spanning several bundles pass these ids to their server as CUDA_VISIBLE_DEVICES."""
+    def where_am_i() -> tuple[str, list[str]]:  # defined in here, so Ray ships it by value and the task's worker
+        # imports only Ray (a module-level function would import this module and torch: ~1.3 s of every start)
+        return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+
+    has_gpu = ray.available_resources().get("GPU", 0) > 0 or ray.cluster_resources().get("GPU", 0) > 0
+    probe = ray.remote(where_am_i)
+    return ray.get([probe.options(num_cpus=0, num_gpus=0.01 if has_gpu else 0,
+                                  scheduling_strategy=PlacementGroupSchedulingStrategy(pg, b)).remote()
+                    for b in range(n)])
+
+
+@dataclass
+class Fleet:
+    """What the controller knows of its actors' places and of the rollout engines: handles, URLs and paths, never
+    tensors. reserve() makes it; train() fills in the model and the engines; restart_engine() replaces engines in
+    it. What a run derives at start lives here, so the Config it was given stays as given."""
+    pg: object  # the placement group; engine i always lives on the same bundle (start_engine)
+    plan: dict  # placement(cfg): every actor's bundle and resources
+    where: list  # each bundle's (node, GPU ids)
+    busy_file: str = ""  # async on a CPU node: where engines say they compute (cpu.engine_busy_file); "" = none
+    model: str = ""  # the HF directory an engine loads when (re-)created: the base model, then its warm start
+    actors: list = field(default_factory=list)  # RolloutEngine actor handles, engine i at index i
+    urls: list = field(default_factory=list)  # their HTTP URLs, same order (AgentFlow's pool routes over these)
+    restarts: int = 0  # engines re-created in this run (metric engines/restarts)
+    released: bool = False  # colocated: the engines' KV cache is handed to the trainers (colocate_hand_off)
+
+
+def reserve(cfg: Config) -> Fleet:
+    """Start Ray and reserve the placement bundles (see `placement`). Returns the Fleet of placement group, plan,
+    each bundle's (node, GPU ids) and, async on a local CPU node, the engines' busy file; no actor yet."""
+    if not ray.is_initialized():
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, log_to_driver=True)
+        else:  # logical CPUs: actors are mostly waiting on each other; torch threads are set per actor
+            need = cfg.trainer_workers * cfg.cpus_per_trainer + cfg.num_engines * cfg.cpus_per_engine + 1
+            need += cfg.teacher_tp * cfg.cpus_per_teacher if cfg.teachers and cfg.teacher_placement == "own" else 0
+            # address="local": always a Ray of its own. Without it, ray.init joins a cluster another run on
+            # this machine advertises (/tmp/ray/ray_current_cluster), and then refuses num_cpus.
+            ray.init(address="local", num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
+                     log_to_driver=True, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    plan = placement(cfg)
+    pg = placement_group(plan["bundles"], strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=300)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"Ray could not reserve the placement bundles {plan['bundles']} within 300 s (cluster "
+                           f"has {ray.cluster_resources()}); lower trainer_workers / num_engines / cpus_per_* or "
+                           "add nodes") from None
+    where = bundle_gpus(pg, len(plan["bundles"]))
+    for i, e in enumerate(plan["engines"]):
+        nodes = {where[b][0] for b in e["gpu_bundles"]}
+        if len(nodes) > 1:
+            raise RuntimeError(f"engine {i} spans bundles {e['gpu_bundles']} on several nodes {sorted(nodes)}; an "
+                               "SGLang server needs its GPUs on one node: make gpus_per_engine divide GPUs per node")
+    print("placement:\n" + placement_table(cfg, plan, where))
+    return Fleet(pg, plan, where, busy_file=cpu.engine_busy_file(cfg))
+
+
+# ================================================================================================
+# start-up: trainers, engines, AgentFlow, teachers
+
+
+def start_trainers(cfg: Config, fleet: Fleet) -> list:
+    """The trainer ranks on their bundles, started and (async on CPU) pinned to their cores."""
+    TrainerActor = ray.remote(trainer.TrainerWorker)
+    pg, plan = fleet.pg, fleet.plan
+    for attempt in range(1, 4):
+        addr, port = ray.get(ray.remote(_addr_and_port).options(
+            num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote())
+        trainers = [TrainerActor.options(num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
+                                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"]))
+                    .remote(cfg, r, cfg.trainer_workers, addr, port) for r, o in enumerate(plan["trainers"])]
+        try:
+            wait([t.__ray_ready__.remote() for t in trainers], "starting the trainer ranks", cfg.actor_timeout,
+                 "actor_timeout")
+            for r, t in enumerate(trainers):  # async on CPU: each rank on cores of its own (see cpu.actor_cores)
+                if cores := cpu.actor_cores(cfg, "trainer", r):
+                    t.__ray_call__.remote(lambda _, c: cpu.pin_process(c), cores)
+                if (lent := cpu.lent_cores(cfg, r)) and fleet.busy_file:  # ... and on its engines' while they idle
+                    t.borrow_cores.remote(fleet.busy_file, lent)
+            return trainers
+        except ray.exceptions.RayActorError as e:
+            # The port was free when picked, but rank 0 binds it only once its actor has started
+            # (seconds later): another process may take it meanwhile. Pick another; other errors are real.
+            for t in trainers:
+                ray.kill(t)
+            if "EADDRINUSE" not in str(e) or attempt == 3:
+                raise
+            print(f"trainer rendezvous port {port} was taken before rank 0 could bind it; trying another")
+
+
+def start_engine(cfg: Config, fleet: Fleet, i: int):
+    """Engine i's RolloutEngine actor on its bundle, loading fleet.model; an SGLang server sees the GPUs of all its
+    bundles. Always the same bundle for the same i, so a re-created engine takes its predecessor's place."""
+    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
+    o = fleet.plan["engines"][i]
+    # the engine's own copy of the config carries what this run derived: the model and the busy file
+    ecfg = dataclasses.replace(cfg, model_path=fleet.model, engine_busy_file=fleet.busy_file)
+    engine = ray.remote(rollout.RolloutEngine).options(
+        num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
+        scheduling_strategy=PlacementGroupSchedulingStrategy(fleet.pg, o["bundle"])).remote(
+            ecfg, i, engine_visible_gpus(fleet.plan, fleet.where, i))
+    if cores := cpu.actor_cores(cfg, "engine", i):  # async on CPU: cores no trainer uses; after __init__, before requests
+        engine.__ray_call__.remote(lambda _, c: cpu.pin_process(c), cores)
+    return engine
+
+
+def engine_gpu_ids(plan: dict, where: list, i: int) -> list[str]:
+    """The GPU ids engine i's server must see: those of every bundle it spans, in order."""
+    return [g for b in plan["engines"][i]["gpu_bundles"] for g in where[b][1]]
+
+
+def engine_visible_gpus(plan: dict, where: list, i: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES for engine i's server: its own GPUs first (SGLang's TP rank r drives device r), then
+    trainer rank 0's GPU when it is on the same node and not among them. CUDA IPC weight updates carry handles of
+    rank 0's GPU (named by UUID, transfermesh.cuda_ipc_payloads), and a TP rank can map only a GPU it sees."""
+    own = engine_gpu_ids(plan, where, i)
+    node = where[plan["engines"][i]["gpu_bundles"][0]][0] if plan["engines"][i]["gpu_bundles"] else None
+    t_node, t_gpus = where[plan["trainers"][0]["bundle"]]
+    return own + [g for g in t_gpus if g not in own] if own and t_node == node else own
+
+
+def start_rollout(cfg: Config, fleet: Fleet):
+    """The engines (into fleet.actors), loading fleet.model, and the AgentFlow actor (rollouts, agents, rewards, the
+    router), which gets their URLs as refs and so starts while they load. Returns the AgentFlow actor."""
+    import agentflow  # late: ~1 s (OpenAI client, FastAPI server), which --check does not need
+    fleet.actors = [start_engine(cfg, fleet, i) for i in range(cfg.num_engines)]
+    return ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, [e.url.remote() for e in fleet.actors],
+                                                                      fleet.model)
+
+
+def start_teachers(cfg: Config, pg, paths: dict[str, str]) -> list:
+    """The teacher group: `teacher_tp` TeacherWorker ranks in their own placement group ("own") or on the
+    trainers' bundles ("trainer": they compute while the trainers wait), every teacher registered."""
+    gpu = cfg.device == "cuda"
+    if cfg.teacher_placement == "own":
+        bundle = {"GPU": 1, "CPU": cfg.cpus_per_teacher} if gpu else {"CPU": cfg.cpus_per_teacher}
+        pg = placement_group([dict(bundle) for _ in range(cfg.teacher_tp)], strategy="PACK")
+        ray.get(pg.ready(), timeout=300)
+        cpus = cfg.cpus_per_teacher
+    else:
+        cpus = 0  # the trainer bundle's CPUs are the trainers'; a teacher runs while they wait
+    on = [dict(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r), num_cpus=cpus, num_gpus=1 if gpu else 0)
+          for r in range(cfg.teacher_tp)]
+    addr, port = ray.get(ray.remote(_addr_and_port).options(**{**on[0], "num_cpus": 0, "num_gpus": 0}).remote())
+    Actor = ray.remote(teacher.TeacherWorker)
+    group = [Actor.options(**on[r]).remote(cfg, r, cfg.teacher_tp, addr, port) for r in range(cfg.teacher_tp)]
+    info = ray.get([t.load_teachers.remote(paths, str(Path(cfg.output_dir) / "teacher_snapshots")) for t in group])[0]
+    print(f"teachers: {info}")
+    return group
+
+
+def _addr_and_port():
+    return ray.util.get_node_ip_address(), transfermesh.free_port()
+
+
+# ================================================================================================
+# reliability: waits that cannot hang, engines that are re-created when they die; the weight sync; the
+# colocated hand-off
+
+
+def wait(refs, what: str, timeout: float, knob: str, every: float = 0.0, tick=None):
+    """`ray.get(refs)` that cannot hang. A failure is raised the moment it arrives, even while other
+    ranks still wait for the failed one inside a collective; past `timeout` seconds it raises
+    TimeoutError naming `what` and the config `knob` that sets the limit (a bare ray.get would wait
+    forever on a hung actor). `tick()` runs every `every` seconds meanwhile (the engine health check
+    while a rollout batch is generated)."""
+    order = list(refs) if isinstance(refs, list) else [refs]
+    pending, results = list(order), {}
+    start = time.monotonic()
+    last_tick = start
+    while pending:
+        now = time.monotonic()
+        if now - start >= timeout:
+            raise TimeoutError(f"{what} did not finish within {timeout:.0f}s (config `{knob}`); if it is only "
+                               f"slow, raise {knob}, else the actors' logs above show where it is stuck")
+        if tick is not None and every > 0 and now - last_tick >= every:
+            tick()
+            last_tick = time.monotonic()
+        limit = min(timeout - (now - start), every if tick is not None and every > 0 else 1.0)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(limit, 0.01))
+        for ref in ready:  # raises the actor's error (with its traceback) now, not after the others finish
+            results[ref] = ray.get(ref)
+    return [results[ref] for ref in order] if isinstance(refs, list) else results[refs]
+
+
+def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: int) -> str:
+    """Re-create dead engine i on its bundle, load the trainers' current weights (labelled `version`)
+    into it, and route to it again. The trainers must be idle and hold weight version `version`."""
+    if fleet.restarts >= cfg.max_engine_restarts:
+        raise RuntimeError(f"rollout engine {i} ({fleet.urls[i]}) is dead, and {fleet.restarts} engines were already "
+                           f"re-created in this run (max_engine_restarts={cfg.max_engine_restarts}); the engines' logs "
+                           "above say why they die. Fix that, or raise max_engine_restarts")
+    old = fleet.urls[i]
+    ray.kill(fleet.actors[i], no_restart=True)  # a hung engine still holds its bundle (and port, GPU)
+    fleet.actors[i] = start_engine(cfg, fleet, i)
+    url = wait(fleet.actors[i].url.remote(), f"re-creating rollout engine {i}", cfg.actor_timeout, "actor_timeout")
+    if version > 0:  # it loaded fleet.model (version 0); every later version lives only in the trainers
+        wait([t.sync_weights.remote([url], version) for t in trainers], f"weight sync to re-created engine {i}",
+             cfg.weight_sync_timeout, "weight_sync_timeout")
+    wait(flow.replace_engine.remote(old, url), "AgentFlow.replace_engine", cfg.actor_timeout, "actor_timeout")
+    fleet.urls[i] = url
+    fleet.restarts += 1
+    print(f"engine {i} at {old} was dead or hung: re-created at {url}, serving weight version {version}")
+    return url
+
+
+def check_engines(cfg: Config, fleet: Fleet, flow, trainers=None, version: int = 0) -> list[str]:
+    """Probe every engine now: AgentFlow's pool takes a dead or hung one out of routing at once (its
+    requests in flight move to the others). With `trainers` (only while they are idle and hold weight
+    version `version`), each dead engine is also re-created on those weights. Returns the dead URLs."""
+    dead = wait(flow.check_engines.remote(), "the engine health check (AgentFlow.check_engines)",
+                cfg.engine_health_timeout + 60, "engine_health_timeout")
+    if trainers is not None:
+        for url in dead:
+            restart_engine(cfg, fleet, fleet.urls.index(url), flow, trainers, version)
+    return dead
+
+
+def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int) -> dict:
+    """Weights -> engines (TransferMesh) as version `version`: the live engines pause in place (requests in
+    flight keep their KV cache and tokens), take every bucket, then continue on the new weights. A dead engine
+    is skipped and re-created on these weights afterwards; one that dies during the push fails it, so probe
+    and push once more to the engines left (a push is idempotent). Returns the trainers' `weights/` metrics."""
+    for attempt in (1, 2):
+        dead = check_engines(cfg, fleet, flow)
+        live = [u for u in fleet.urls if u not in dead]
+        try:
+            transfermesh.pause_engines(live)  # in place: no forward step sees half-updated weights
+            try:
+                stats = wait([t.sync_weights.remote(live, version) for t in trainers],
+                             f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
+                             "weight_sync_timeout")[0]
+            finally:
+                if not fleet.released:  # colocated: they continue once their KV cache is back (colocate_hand_off)
+                    transfermesh.continue_engines(live)
+            break
+        except (ray.exceptions.RayTaskError, RuntimeError, httpx.HTTPError) as e:
+            if attempt == 2 or not check_engines(cfg, fleet, flow):
+                raise  # no engine died: the error is the sync's own
+            print(f"weight sync of version {version} failed as an engine died ({str(e).splitlines()[0]}); "
+                  "pushing again to the others")
+    check_engines(cfg, fleet, flow, trainers, version)
+    return stats
+
+
+def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> dict:
+    """The colocated memory hand-off (`colocate: true`): engines and trainers share their GPUs, so each gives its
+    memory to the other between phases, in three stages (one line each in train()):
+
+      "train"   before the step: engines pause (retract: running requests give back their KV and wait) and
+                release weights + KV cache (SGLang's /release_memory_occupation); trainers onload everything
+      "sync"    after the step: trainers offload optimizer state + grads; engines resume their weights (zeroed until
+                sync_engines pushes the new ones)
+      "rollout" after the sync: trainers offload their weights; engines resume the KV cache, then continue
+
+    so at no point do both sides hold everything. Returns each side's memory after the stage (`memory/` metrics:
+    trainer rank 0's, and the largest engine's where the engine reports it, i.e. the CPU engine) and its seconds.
+    Does nothing (returns {}) unless cfg.colocate."""
+    if not cfg.colocate:
+        return {}
+    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
+    t0 = time.perf_counter()
+
+    def engines(path: str, payload: dict) -> list[dict]:
+        answers = []
+        for url in fleet.urls:
+            try:
+                answers.append(rollout.post(url, path, payload, timeout=cfg.weight_sync_timeout))
+            except (rollout.EngineError, httpx.HTTPError):
+                if url not in check_engines(cfg, fleet, flow):
+                    raise  # alive: the error is the hand-off's own
+                # dead: out of routing now; sync_engines re-creates it (with all its memory) after the next push
+        return answers
+
+    if stage == "train":
+        engines("/pause_generation", {"mode": "retract"})  # SGLang releases memory only with nothing running
+        answers = engines("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+        fleet.released = True
+        mem = wait([t.onload.remote() for t in trainers], "trainer onload", cfg.actor_timeout, "actor_timeout")
+    elif stage == "sync":
+        mem = wait([t.offload.remote(["optimizer", "grads"]) for t in trainers], "trainer offload", cfg.actor_timeout,
+                   "actor_timeout")
+        answers = engines("/resume_memory_occupation", {"tags": ["weights"]})
+    elif stage == "rollout":
+        mem = wait([t.offload.remote(["weights"]) for t in trainers], "trainer offload", cfg.actor_timeout,
+                   "actor_timeout")
+        answers = engines("/resume_memory_occupation", {"tags": ["kv_cache"]})
+        fleet.released = False
+        engines("/continue_generation", {})
+    else:
+        raise ValueError(f"colocate_hand_off stage {stage!r}: choose 'train', 'sync' or 'rollout'")
+    out = {f"memory/{stage}_trainer_mb": mem[0]["rss_bytes"] / 2**20, f"timing/hand_off_{stage}": time.perf_counter() - t0}
+    if "gpu_used_bytes" in mem[0]:
+        out[f"memory/{stage}_gpu_used_mb"] = mem[0]["gpu_used_bytes"] / 2**20
+    rss = [a["rss_bytes"] for a in answers if isinstance(a, dict) and "rss_bytes" in a]
+    if rss:
+        out[f"memory/{stage}_engine_mb"] = max(rss) / 2**20
+    return out
+
+
+# ================================================================================================
+# run state: checkpoints that lose nothing, and resume
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never a part
+
+
+def rng_state() -> dict:
+    """The controller's python and numpy global RNG states, as JSON."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def save_run_state(cfg: Config, trainers, step: int, controller_state: dict) -> Path:
+    """Checkpoint after RL step `step`, in checkpoints/step_XXXXX/: one file per trainer rank (model,
+    optimizer, LR schedule position, python/numpy/torch RNG: trainer.save_checkpoint), the
+    `controller_state` train() hands over (JSON: data cursor, RNG, ...) and config.yaml. Then, last,
+    `checkpoints/latest` is rewritten (atomically) to name it: a crash anywhere in a save leaves
+    `latest` naming the previous checkpoint, complete."""
+    root = Path(cfg.output_dir) / "checkpoints"
+    path = root / f"step_{step:05d}"
+    marker = root / "latest"
+    if path.exists() and not (marker.exists() and marker.read_text().strip() == path.name):
+        shutil.rmtree(path)  # debris of a save that crashed before its marker
+    wait([t.save_checkpoint.remote(str(path)) for t in trainers], f"checkpoint of step {step} (trainer ranks)",
+         cfg.actor_timeout, "actor_timeout")
+    _atomic_write(path / "controller_state.json", json.dumps({"step": step, **controller_state}))
+    _atomic_write(path / "config.yaml", yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    _atomic_write(marker, path.name + "\n")
+    return path
+
+
+def load_run_state(cfg: Config, trainers) -> tuple[int, dict | None]:
+    """Restore the checkpoint `checkpoints/latest` names into every trainer rank (after load_hf) and
+    return (the first step to run, the controller_state saved with it); (0, None) when there is none."""
+    root = Path(cfg.output_dir) / "checkpoints"
+    marker = root / "latest"
+    if not marker.exists():
+        if root.exists() and any(root.iterdir()):
+            print(f"resume: {root} has no `latest` marker (no save completed, or written by an older "
+                  "version without controller state); starting from step 0")
+        return 0, None
+    path = root / marker.read_text().strip()
+    state = json.loads((path / "controller_state.json").read_text())
+    wait([t.load_checkpoint.remote(str(path)) for t in trainers], f"loading checkpoint {path}",
+         cfg.actor_timeout, "actor_timeout")
+    return int(state["step"]) + 1, state
+
+
+# ================================================================================================
+# logging: one flat dict per step -> stdout line, metrics.jsonl, TensorBoard; reward curve at the end; the
+# probes behind the perf/ metrics
+
+
+class Logger:
+    """Every step's metrics to metrics.jsonl, TensorBoard and (cfg.trackers) W&B / MLflow; the reward curve
+    at the end. W&B and MLflow are imported only when a recipe asks for them."""
+
+    def __init__(self, cfg: Config, resume_step: int | None = None):
+        """`resume_step`: a resumed run continues the same metrics.jsonl and TensorBoard run from that
+        step; rows of later steps (logged after the checkpoint, before the crash) are dropped, as the
+        run does those steps again."""
+        self.dir = Path(cfg.output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / "metrics.jsonl"
+        self.history: list[dict] = []
+        if resume_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # the line a kill cut short
+                    continue
+                if row.get("step", 0) < resume_step:
+                    self.history.append(row)
+            _atomic_write(path, "".join(json.dumps(r) + "\n" for r in self.history))
+        self.jsonl = open(path, "a" if resume_step is not None else "w")
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # here: tensorboard may be absent (below)
+            # purge_step: TensorBoard hides this run's earlier events from resume_step on (the redone steps)
+            self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=resume_step)
+        except ImportError:  # tensorboard is optional
+            self.tb = None
+        params = {k: v for k, v in dataclasses.asdict(cfg).items()}
+        self.wandb = self.mlflow = None
+        if "wandb" in cfg.trackers:  # optional dependency (pip install -e .[tracking]); WANDB_MODE=offline works
+            import wandb
+            self.wandb = wandb.init(project=cfg.tracker_project, name=self.dir.name, dir=str(self.dir),
+                                    config=params, reinit="finish_previous")
+        if "mlflow" in cfg.trackers:  # optional dependency, likewise
+            import mlflow
+            if not cfg.mlflow_tracking_uri:  # the local file store (MLflow 3 asks for an opt-in to use it)
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri(cfg.mlflow_tracking_uri or (self.dir / "mlruns").resolve().as_uri())
+            mlflow.set_experiment(cfg.tracker_project)
+            self.mlflow = mlflow.start_run(run_name=self.dir.name)
+            mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+
+    def log(self, step: int, metrics: dict):
+        """Scalars to every sink; lists of numbers (per-token lags) to TensorBoard histograms only."""
+        hists = {k: v for k, v in metrics.items() if isinstance(v, list)}
+        metrics = {"step": step, **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
+        self.history.append(metrics)
+        self.jsonl.write(json.dumps(metrics) + "\n")
+        self.jsonl.flush()
+        if self.tb:
+            for k, v in metrics.items():
+                if k != "step":
+                    self.tb.add_scalar(k, v, step)
+            for k, v in hists.items():
+                if v:
+                    self.tb.add_histogram(k, np.asarray(v), step)
+        scalars = {k: v for k, v in metrics.items() if k != "step"}
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+        if self.mlflow is not None:  # MLflow metric names allow no '@': eval/pass@4 -> eval/pass_at_4
+            import mlflow  # optional dependency, imported only when on
+            mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in scalars.items()}, step=step)
+
+    def sample(self, step: int, t: dict) -> str:
+        """A decoded sample of the step (every `print_every` steps): its reward, status, prompt and response."""
+        return (f"[sample step {step}] reward={t['reward']} status={t['status']}\n"
+                f"  {t.get('prompt_text', '')!r} -> {t.get('response_text', '')!r}")
+
+    def line(self, step: int, m: dict) -> str:
+        keys = [("reward", "rollout/reward_mean"), ("eval", "eval/accuracy"), ("loss", "train/loss"),
+                ("gap_k3", "train/gap_k3"), ("len", "rollout/response_len"), ("step_s", "timing/step"),
+                ("tok/s", "perf/rollout_tokens_per_s")]
+        line = f"step {step:4d} | " + " | ".join(f"{k} {m[v]:.4g}" for k, v in keys if v in m)
+        if "rollout/on_policy_frac" in m:  # how on-policy the step was
+            line += f" | on-policy {m['rollout/on_policy_frac']:.0%} · max lag {m['rollout/lag_max']:.0f}"
+        return line
+
+    def plot(self) -> Path | None:
+        import matplotlib  # late: ~0.5 s, only for the plot at the end of a run
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # after use("Agg"): pyplot picks its backend on import
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, style in (("rollout/reward_mean", "-"), ("eval/accuracy", "o-")):
+            pts = [(h["step"], h[key]) for h in self.history if key in h]
+            if pts:
+                ax.plot(*zip(*pts), style, label=key)
+        # data sources: the student's eval curve per source, each teacher's accuracy there as a flat line
+        keys = sorted({k for h in self.history for k in h})
+        for i, src in enumerate(k.split("/")[1] for k in keys if k.startswith("eval/") and k.count("/") == 2):
+            color = f"C{i + 2}"
+            pts = [(h["step"], h[f"eval/{src}/accuracy"]) for h in self.history if f"eval/{src}/accuracy" in h]
+            ax.plot(*zip(*pts), "s-", color=color, label=f"student eval/{src}")
+            for j, k in enumerate(k for k in keys if k.startswith("teacher/") and k.endswith(f"/{src}/accuracy")):
+                v = next(h[k] for h in self.history if k in h)
+                ax.axhline(v, color=color, ls=("--", ":", "-.")[j % 3], lw=1, label=f"{k.split('/')[1]} (teacher) on {src}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward / accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        path = self.dir / "reward_curve.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def close(self):
+        self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.mlflow is not None:
+            import mlflow  # optional dependency, imported only when on
+            mlflow.end_run()
+
+
+_STATS_HTTP: httpx.Client | None = None  # engine_busy_seconds' client, kept: a new one builds an SSL context each time
+# (~40 ms here, half of the controller's busy time in an async step, py-spy)
+
+
+def engine_busy_seconds(engine_urls: list[str]) -> float:
+    """Seconds CPU engines have spent computing so far (their /get_server_info); 0 for other engines."""
+    global _STATS_HTTP
+    _STATS_HTTP = _STATS_HTTP or httpx.Client(timeout=30.0)
+    try:
+        return sum(_STATS_HTTP.get(f"{u}/get_server_info").raise_for_status().json()["internal_states"][0]
+                   .get("busy_s", 0.0) for u in engine_urls)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError, OSError):
+        return 0.0
+
+
+def node_cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of this machine so far, in jiffies, from /proc/stat (Linux); (0, 0) elsewhere. Busy:
+    user, nice, system, irq and softirq time; the rest is idle, waiting on I/O or stolen by a hypervisor."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return 0, 0
+    return v[0] + v[1] + v[2] + v[5] + v[6], sum(v)
+
+
+def usage(fleet: Fleet) -> tuple[float, float, tuple[int, int]]:
+    """(engine busy seconds, wall clock, node CPU jiffies) now; step_usage compares two of these."""
+    return engine_busy_seconds(fleet.urls), time.perf_counter(), node_cpu_jiffies()
+
+
+def step_usage(fleet: Fleet, before: tuple, t_step: float, t_generate: float, local: bool) -> tuple[dict, tuple]:
+    """The step's timing/step and perf/ fractions since `before` (a usage()), and the usage now, for the next step.
+    `local`: every actor is on this machine, so its CPU time (perf/node_cpu_busy_frac) is the run's."""
+    (busy0, wall0, jiffies0), (busy, wall, jiffies) = before, (now := usage(fleet))
+    m = {"timing/step": wall - t_step, "perf/trainer_wait_frac": t_generate / (wall - t_step),
+         "perf/engine_idle_frac": max(0.0, 1 - (busy - busy0) / len(fleet.urls) / (wall - wall0)),
+         "engines/restarts": fleet.restarts}
+    if jiffies[1] > jiffies0[1] and local:
+        m["perf/node_cpu_busy_frac"] = (jiffies[0] - jiffies0[0]) / (jiffies[1] - jiffies0[1])
+    return m, now
