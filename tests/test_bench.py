@@ -12,7 +12,7 @@ import bench
 
 
 def _numbers(line: str) -> list[float]:
-    return [float(x) for x in re.findall(r"\d+\.?\d*", line)]
+    return [float(x) for x in re.findall(r"-?\d+\.?\d*", line)]  # signed: an overhead may measure below 0
 
 
 def test_bench_rollout_smoke(capsys):

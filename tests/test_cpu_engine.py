@@ -522,9 +522,11 @@ def test_engine_scheduler_keeps_the_only_openmp_pool(tiny_model_dir):
     2-thread engine generated ~2x slower). Built on the lasting caller's thread instead, that thread keeps a pool
     worker of its own: one thread more, in a fresh process each (2 torch threads)."""
     counts = {}
-    for where in ("own thread", "caller"):
-        out = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(ROOT), tiny_model_dir, where],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        counts[where] = int(out.stdout.split()[-1])
+    procs = {where: subprocess.Popen([sys.executable, "-c", THREADS_SCRIPT, str(ROOT), tiny_model_dir, where],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for where in ("own thread", "caller")}  # side by side: each counts only its own threads
+    for where, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        counts[where] = int(out.split()[-1])
     assert counts["caller"] == counts["own thread"] + 1, counts

@@ -16,12 +16,9 @@ Runs in ~4 min on 2 CPU cores: `.venv/bin/python -m pytest -q tests/test_critic.
 """
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 import algos
@@ -93,7 +90,7 @@ def test_explained_variance_hand_values():
 # ------------------------------------------------------------------------------------------------ --check
 
 
-def test_check_accepts_gae_and_rejects_what_the_critic_cannot_serve():
+def test_check_accepts_gae_and_rejects_what_the_critic_cannot_serve(capsys):
     recipe = str(ROOT / "recipes/arith_cpu.yaml")
     cfg = config.load_config(recipe, ["advantage=gae", "critic_lr=3e-4", "value_clip=0.5", "critic_warmup_steps=2"])
     assert (cfg.advantage, cfg.critic_lr, cfg.value_clip, cfg.critic_warmup_steps) == ("gae", 3e-4, 0.5, 2)
@@ -109,21 +106,20 @@ def test_check_accepts_gae_and_rejects_what_the_critic_cannot_serve():
         assert message in str(e.value), (overrides, str(e.value))
     with pytest.raises(ValueError, match="critic_warmup_steps=1 applies to advantage='gae'"):
         config.load_config(recipe, ["critic_warmup_steps=1"])  # a knob that would do nothing with grpo
-    ok = subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", "advantage=gae", "--check"],
-                        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0 and "config OK" in ok.stdout, ok.stderr
+    capsys.readouterr()
+    assert loongsage.main([recipe, "advantage=gae", "--check"]) == 0  # the command line's --check
+    out, err = capsys.readouterr()
+    assert "config OK" in out, err
 
 
 # ------------------------------------------------------------------------------------------------ end to end
 
 
-def test_end_to_end_gae_run_trains_the_critic(tmp_path, monkeypatch):
+def test_end_to_end_gae_run_trains_the_critic(tmp_path, run_cache, ray_session):
     """A few steps of the tiny arithmetic recipe with `advantage: gae`: the real pipeline (Ray, Megatron-Core, the
     CPU engine over HTTP, TransferMesh). The reward (tests.rewards.text_hash, in [0, 1)) differs between any two
     responses, so each step has something to regress on; the critic starts at V = 0, so its first loss is
-    1/2 E[R^2] and it falls as the values find the rewards' level. It runs before the worker tests: it starts
-    and stops a Ray of its own."""
-    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
+    1/2 E[R^2] and it falls as the values find the rewards' level."""
     tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 intermediate_size=128, norm_std=0.2)
     cfg = config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
@@ -131,11 +127,7 @@ def test_end_to_end_gae_run_trains_the_critic(tmp_path, monkeypatch):
         "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=6", "eval_every=0", "warmstart_steps=2",
         "warmstart_batch_size=8", "lr=1e-3", "print_every=0", "reward=tests.rewards.text_hash",
         f"tiny_model={json.dumps(tiny)}", "advantage=gae", "adv_norm=batch", "critic_lr=3e-3", "critic_warmup_steps=1"])
-    try:
-        history = loongsage.train(cfg)
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
+    history = loongsage.train(cfg)
     steps = [h for h in history if "critic/value_loss" in h]
     assert len(steps) == 4
     for h in steps:

@@ -27,14 +27,6 @@ import loongsage
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def ray_session():
-    import ray
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

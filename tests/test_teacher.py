@@ -276,12 +276,11 @@ def test_the_prompt_stream_follows_the_source_weights(tmp_path):
 # ---------------------------------------------------------------------------------------- end to end
 
 
-def test_mopd_recipe_end_to_end_short(tmp_path, monkeypatch):
+def test_mopd_recipe_end_to_end_short(tmp_path, run_cache, ray_session):
     """recipes/mopd_cpu.yaml shrunk (2 teachers built with 2 SFT steps each, 2 steps), with a
     full-vocabulary divergence so the hidden-state targets and the LM heads travel too: teachers are
     evaluated per source, every step swaps at most once per teacher, the opd metrics are finite, the
     plot is written."""
-    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     build = {"warmstart_steps": 2, "warmstart_batch_size": 8, "tiny_model": TINY}
     teachers = {"add_teacher": {"path": "tiny", "warmstart_dataset": "synthetic:add:64:11:9", **build},
                 "sub_teacher": {"path": "tiny", "warmstart_dataset": "synthetic:sub:64:12:9", **build}}
@@ -292,10 +291,7 @@ def test_mopd_recipe_end_to_end_short(tmp_path, monkeypatch):
         "data_sources=" + json.dumps([
             {"name": "add", "dataset": "synthetic:add:64:1:9", "eval_dataset": "synthetic:add:6:2:9", "teacher": "add_teacher"},
             {"name": "sub", "dataset": "synthetic:sub:64:3:9", "eval_dataset": "synthetic:sub:6:4:9", "teacher": "sub_teacher"}])])
-    try:
-        history = loongsage.train(cfg)
-    finally:
-        ray.shutdown()
+    history = loongsage.train(cfg)
     first = history[0]
     assert {f"teacher/{t}/{s}/accuracy" for t in ("add_teacher", "sub_teacher") for s in ("add", "sub")} <= set(first)
     steps = [h for h in history if "train/loss" in h]

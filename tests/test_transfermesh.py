@@ -189,7 +189,7 @@ def test_each_transport_installs_the_weights(transport, tiny_model_dir, other_mo
         handle.shutdown()
 
 
-def test_trainer_to_engine_sync_gives_equal_logprobs(tiny_model_dir, tmp_path):
+def test_trainer_to_engine_sync_gives_equal_logprobs(ray_session, tiny_model_dir, tmp_path):
     """The promise of weight sync: after a train step and a sync, the engine's logprobs of its own
     sampled tokens equal the trainer's logprobs of the same tokens (fp32)."""
     import ray
@@ -197,8 +197,8 @@ def test_trainer_to_engine_sync_gives_equal_logprobs(tiny_model_dir, tmp_path):
     import trainer
     cfg = config.load_config(None, [f"model_path={tiny_model_dir}", "prompts_per_step=2", "samples_per_prompt=4",
                                     "global_batch_size=8", "micro_batch_size=8", "lr=1e-2", f"output_dir={tmp_path}"])
-    ray.init(num_cpus=2, include_dashboard=False)
     url, handle = cpu_engine.serve(tiny_model_dir, max_batch=8, max_len=128, seed=3)
+    w = None
     try:
         w = ray.remote(trainer.TrainerWorker).remote(cfg, 0, 1, "127.0.0.1", tm.free_port())
         ray.get(w.load_hf.remote(tiny_model_dir))
@@ -233,7 +233,8 @@ def test_trainer_to_engine_sync_gives_equal_logprobs(tiny_model_dir, tmp_path):
         assert max(abs(a - b) for t, lp in zip(batch, old_lp) for a, b in zip(lp, t["rollout_logprobs"])) > 1e-4
     finally:
         handle.shutdown()
-        ray.shutdown()
+        if w is not None:
+            ray.kill(w)
 
 
 def test_every_transport_reaches_every_engine(tiny_model_dir, other_model):

@@ -92,9 +92,8 @@ def trained_segments(t: dict) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, tiny_model_dir) -> Path:
+def run_dir(tmp_path_factory, tiny_model_dir, ray_session) -> Path:
     """2 GRPO steps of 2 prompts x 4 samples, the two-turn agent, rollouts dumped inside the run dir."""
-    import ray
     import config
     import loongsage
     tmp = tmp_path_factory.mktemp("viewer")
@@ -102,11 +101,7 @@ def run_dir(tmp_path_factory, tiny_model_dir) -> Path:
         f"output_dir={tmp}/run", f"model_path={tiny_model_dir}", "warmstart_steps=0", f"dump_rollouts={tmp}/run/rollouts",
         "num_steps=2", "prompts_per_step=2", "samples_per_prompt=4", "global_batch_size=8", "micro_batch_size=4",
         "eval_every=0", "agent=tests.viewer_agents.two_turns", "reward=tests.rewards.text_hash", "max_turns=4"])
-    try:
-        loongsage.train(cfg)
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
+    loongsage.train(cfg)
     return tmp / "run"
 
 
