@@ -74,17 +74,19 @@ def _held() -> tuple[float, int]:
     return ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0), pgs
 
 
-def _check_freed(limit: tuple[float, int], what: str) -> None:
-    """Wait until Ray holds no more than `limit` (CPUs, placement groups): a killed actor frees its CPU and a removed
+def _check_freed(cpus: float, pgs: int, what: str) -> None:
+    """Wait until Ray holds at most `cpus` CPUs and `pgs` placement groups: a killed actor frees its CPU and a removed
     placement group its bundles within moments (60 s of grace for a loaded machine). A leftover would make a later
     run wait for its bundles, so it fails here, naming what was left, and the next test gets a fresh Ray."""
     deadline = time.monotonic() + 60
-    while ((now := _held())[0] > limit[0] or now[1] > limit[1]) and time.monotonic() < deadline:
+    while ((now := _held())[0] > cpus or now[1] > pgs) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if now[0] > limit[0] or now[1] > limit[1]:
+    over = [f"{now[0]:g} CPUs (expected at most {cpus:g})"] if now[0] > cpus else []
+    over += [f"{now[1]} placement groups (expected at most {pgs})"] if now[1] > pgs else []
+    if over:
         ray.shutdown()
-        pytest.fail(f"{what} left Ray resources held: {now[0]:g} CPUs and {now[1]} placement groups in use, at most "
-                    f"{limit[0]:g} and {limit[1]} expected; stop what it started (fleet.stop, ray.kill)", pytrace=False)
+        pytest.fail(f"{what} left Ray resources held: {' and '.join(over)} in use; stop what it started (fleet.stop, "
+                    "ray.kill)", pytrace=False)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +96,7 @@ def ray_session():
     shared_ray()
     yield
     if ray.is_initialized():
-        _check_freed((0, 0), "the module")
+        _check_freed(0, 0, "the module")
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +107,7 @@ def _removes_its_placement_groups():
     before = _held()[1] if ray.is_initialized() else None
     yield
     if before is not None and ray.is_initialized():
-        _check_freed((float("inf"), before), "the test")
+        _check_freed(float("inf"), before, "the test")
 
 
 def pytest_sessionfinish(session, exitstatus):
