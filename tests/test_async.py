@@ -298,6 +298,7 @@ def test_engine_keeps_its_busy_flag_while_it_computes(tiny_model_dir, tmp_path):
     assert 1 in seen and flag.read_bytes() == bytes(2)  # byte 0 (another engine's) never touched
 
 
+@pytest.mark.slow
 def test_trainer_computes_on_an_idle_engines_core(ray_session, tiny_model_dir, tmp_path):
     """Async on this CPU: trainer rank 0 is pinned to its core and borrows engine 0's. While the engine's byte says
     busy, every layer pass runs on the trainer's one thread; once it says idle, on two threads over both cores."""
@@ -332,6 +333,7 @@ def test_trainer_computes_on_an_idle_engines_core(ray_session, tiny_model_dir, t
     assert idle_frac == 1.0 and idle_threads == 2
 
 
+@pytest.mark.slow
 def test_a_runs_engine_publishes_in_the_runs_busy_file(ray_session, tiny_model_dir, tmp_path):
     """Async on this CPU, fleet.reserve makes the run's busy file and fleet.start_engine hands it to its engine (on the
     engine's own copy of the config: the run's Config stays as given). While the engine generates, its byte reads 1;
@@ -368,6 +370,7 @@ def test_a_runs_engine_publishes_in_the_runs_busy_file(ray_session, tiny_model_d
             fleet.stop(run)
 
 
+@pytest.mark.slow
 def test_async_trainer_and_engine_are_pinned_to_their_own_cores(ray_session, tiny_model_dir, tmp_path):
     """start_trainers() and start_engine() in async mode on this CPU: every thread of the trainer rank sits on one core,
     every thread of the engine on another, and each computes with as many torch threads as it has cores."""
@@ -400,6 +403,7 @@ def test_async_trainer_and_engine_are_pinned_to_their_own_cores(ray_session, tin
 
 # --- old-policy consistency: mini-batch 0's old logprobs come from its own training forward -----------------
 
+@pytest.mark.slow
 def test_first_minibatch_old_logprobs_from_the_training_forward(ray_session, tiny_model_dir):
     """Taking mini-batch 0's old logprobs from its training forward (detached) instead of a separate no-grad
     forward changes nothing: the same loss, grad norm and updated weights, on two mini-batches (the second

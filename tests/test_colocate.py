@@ -110,6 +110,7 @@ def test_engine_releases_and_resumes_weights_and_kv_cache(mid_model):
 
 
 
+@pytest.mark.slow
 def test_trainer_offload_and_onload(ray_session, mid_model, tmp_path):
     """Offload frees memory for real and onload restores it bit-exactly: two trainers on the same batches, one
     offloading everything between its steps, end with identical losses and weights."""
@@ -150,6 +151,7 @@ def test_trainer_offload_and_onload(ray_session, mid_model, tmp_path):
                 ray.kill(w)
 
 
+@pytest.mark.slow
 def test_colocated_run_hands_memory_back_and_forth(ray_session, tmp_path):
     """train() with colocate: true on CPU: two sync steps of the arith recipe (a 4M-parameter tiny model, no warm
     start), every stage's memory logged by colocate_hand_off. Two are enough: step 0 checks the hand-off before

@@ -516,6 +516,7 @@ print(len(os.listdir("/proc/self/task")))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+@pytest.mark.slow
 def test_engine_scheduler_keeps_the_only_openmp_pool(tiny_model_dir):
     """CpuEngine builds its model on a thread that ends, so that its scheduler thread is the only one in the
     process to keep an OpenMP pool (with two pools on 2 cores libgomp makes every waiting thread sleep, and a

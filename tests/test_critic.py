@@ -115,6 +115,7 @@ def test_check_accepts_gae_and_rejects_what_the_critic_cannot_serve(capsys):
 # ------------------------------------------------------------------------------------------------ end to end
 
 
+@pytest.mark.slow
 def test_end_to_end_gae_run_trains_the_critic(tmp_path, run_cache, ray_session):
     """A few steps of the tiny arithmetic recipe with `advantage: gae`: the real pipeline (Ray, Megatron-Core, the
     CPU engine over HTTP, TransferMesh). The reward (tests.rewards.text_hash, in [0, 1)) differs between any two
@@ -156,6 +157,7 @@ def one(ray_session):
     ranks.close()
 
 
+@pytest.mark.slow
 def test_critic_starts_at_zero_learns_and_resumes_from_a_checkpoint(one, tiny_model_dir, tmp_path):
     batch = make_batch()  # 8 samples in 4 groups, rewards 0/1, tool tokens inside some responses
     [info] = one.call("load_hf", tiny_model_dir)
@@ -197,6 +199,7 @@ def test_critic_starts_at_zero_learns_and_resumes_from_a_checkpoint(one, tiny_mo
     assert all(torch.equal(a, b) for a, b in zip(moved, moved_again)) and again == m5
 
 
+@pytest.mark.slow
 def test_critic_targets_of_segments_and_turn_rewards_by_hand(one, tiny_model_dir):
     """A compacted trajectory (two segments) with per-turn rewards, gamma 0.5, lam 1, a fresh critic (V = 0): the
     first value loss is 1/2 sum R^2 / N over every trained row, R the discounted return-to-go of the rewards."""
@@ -216,6 +219,7 @@ def test_critic_targets_of_segments_and_turn_rewards_by_hand(one, tiny_model_dir
     assert math.isfinite(m["train/loss"]) and m["critic/values_mean"] == 0.0
 
 
+@pytest.mark.slow
 def test_critic_on_tied_embeddings_and_moe(one, tmp_path):
     """The value head replaces a tied LM head (Llama, tie_word_embeddings) and sits on an MoE trunk (Qwen3-MoE,
     padding kept out of routing) alike: both start at V = 0 and learn."""
@@ -233,6 +237,7 @@ def test_critic_on_tied_embeddings_and_moe(one, tmp_path):
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel=2, trainer_workers=2), dict(trainer_workers=2)],
                          ids=["tp2", "dp2"])
+@pytest.mark.slow
 def test_critic_step_with_tp2_and_dp2_matches_one_rank(one, tiny_model_dir, layout):
     # one mini-batch of four groups; DP=2 deals two groups to every rank, so a DP average instead of a sum would
     # halve the critic's grad norm

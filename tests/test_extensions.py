@@ -215,6 +215,7 @@ def user_actor_dir(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_policy_loss_and_kl_by_dotted_path_in_a_trainer_actor(ray_session, user_actor_dir, tiny_model_dir,
                                                                monkeypatch):
     from test_trainer import make_batch, make_cfg as trainer_cfg

@@ -56,6 +56,7 @@ def _gap(w, batch) -> float:
     return sum(diffs) / len(diffs)
 
 
+@pytest.mark.slow
 def test_fp32_lm_head_narrows_the_bf16_train_inference_gap(ray_session, tiny_model_dir):
     prompts = [[(7 * i + 13 * j) % 300 + 10 for j in range(5 + i % 4)] for i in range(12)]
     plain = fp32 = None

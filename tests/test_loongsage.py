@@ -69,6 +69,7 @@ def test_gpu_recipe_passes_validation_here():
     assert cfg.reward == "data.math_verify" and cfg.sglang["mem_fraction_static"] == 0.6
 
 
+@pytest.mark.slow
 def test_cli_check_and_bad_key_exit_codes():
     ok = subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", "--check"], cwd=ROOT,
                         capture_output=True, text=True, timeout=120)
@@ -121,6 +122,7 @@ def sync_run(tmp_path_factory, _session_cache, ray_session) -> SimpleNamespace:
     return SimpleNamespace(cfg=cfg, given=given, history=history, run=tmp / "run", dump=tmp / "dump", warm=warm)
 
 
+@pytest.mark.slow
 def test_end_to_end_sync_run(sync_run):
     """3 RL steps of the default recipe, shrunk. Sync mode: step k trains on rollouts of weight version k,
     the weights the trainer holds, so the train-inference gap is ~0 at EVERY step (fp32 on both sides); a
@@ -149,6 +151,7 @@ def test_end_to_end_sync_run(sync_run):
     AutoModelForCausalLM.from_pretrained(run / "final_hf")  # the final export loads in transformers
 
 
+@pytest.mark.slow
 def test_end_to_end_async_run_records_versions(tmp_path, run_cache, ray_session):
     """Async: rollouts of version v may be trained on by a trainer at version v+1, never later. Tokens of
     the trainer's own version give a ~0 gap (so the sync shipped the right weights); tokens one update
@@ -237,6 +240,7 @@ def _sample_grads(model_dir: str, trajs: list[dict]) -> torch.Tensor:
     ["advantage=grpo", "policy_loss=gspo", "loss_agg=seq_mean_token_mean", "clip_low=0.0003", "clip_high=0.0004",
      "dynamic_sampling=true", "reward=tests.rewards.digit_fraction"],  # mostly 0 here: many equal groups to drop
 ], ids=["grpo", "drgrpo", "rloo", "reinforce_pp", "gspo+dynamic_sampling"])
+@pytest.mark.slow
 def test_each_algorithm_runs_end_to_end(algo, tmp_path, run_cache, ray_session, request):
     """A recipe switch changes the algorithm end to end. Step 0 trains on the dumped trajectories in one
     mini-batch at ratio 1, so its gradient is -sum_i w_i grad(sum_t logp_it), w_i from the configured
@@ -294,6 +298,7 @@ def test_each_algorithm_runs_end_to_end(algo, tmp_path, run_cache, ray_session, 
         assert sum(h["rollout/groups_sampled"] - h["rollout/groups_kept"] for h in steps) >= 1  # it had to refill
 
 
+@pytest.mark.slow
 def test_async_without_staleness_equals_sync(sync_run, tmp_path, run_cache, ray_session):
     """mode=async with stale_steps=0 dispatches a step's groups only after the previous sync, exactly as sync
     does: on a fixed seed (and the same thread counts, which fix fp32 summation order) every step's reward,
@@ -310,6 +315,7 @@ def test_async_without_staleness_equals_sync(sync_run, tmp_path, run_cache, ray_
         assert b["rollout/lag_max"] == 0 and b["rollout/on_policy_frac"] == 1.0
 
 
+@pytest.mark.slow
 def test_two_engines_two_trainers_checkpoints_dump_then_train_only_replay(tmp_path, run_cache, ray_session):
     """The options users combine, in one run: 2 engines, 2 trainer ranks (DP=2), save_every=1, dump_rollouts.
     Both engines serve rollouts and both receive every sync (gap ~0 at every step, on tokens of both). Then
@@ -347,6 +353,7 @@ def test_two_engines_two_trainers_checkpoints_dump_then_train_only_replay(tmp_pa
     assert not (tmp_path / "replay" / "checkpoints").exists() and (tmp_path / "replay" / "final_hf").is_dir()
 
 
+@pytest.mark.slow
 def test_rollout_only_calc_agent_calls_the_tool_on_the_real_engine(tmp_path, ray_session):
     """rollout_only with the calc recipe: the tiny model, warm-started through the project's own warm start
     (cached across runs in the LoongSage cache), writes real tool calls on the real engine; the calculator
@@ -381,11 +388,13 @@ def test_rollout_only_calc_agent_calls_the_tool_on_the_real_engine(tmp_path, ray
         assert set(t["weight_versions"][i] for i, m in enumerate(t["loss_mask"]) if m) == {0}
 
 
+@pytest.mark.slow
 def test_failing_actor_surfaces_traceback_exits_nonzero_and_leaves_nothing(tmp_path, run_cache, capsys,
                                                                           ray_session):
-    """The trainer ranks fail at start-up, the engines and AgentFlow already up: main() (the command line's exit
-    code) prints the actor's traceback and returns 1, and on the Ray it found (here the session's, as in a notebook)
-    train() has stopped everything it started: every placement group removed, every CPU free again."""
+    """The trainer ranks fail building their model (an unknown Megatron field), the engines and AgentFlow already up:
+    main() (the command line's exit code) prints the actor's traceback and returns 1, and on the Ray it found (here
+    the session's, as in a notebook) train() has stopped everything it started: every placement group removed,
+    every CPU free again."""
     import ray
     code = loongsage.main([str(ROOT / "recipes/arith_cpu.yaml"), f"output_dir={tmp_path}/run", "warmstart_steps=0",
                            f"tiny_model={json.dumps(TINY)}", "megatron.not_a_megatron_field=1"])
@@ -400,6 +409,7 @@ def test_failing_actor_surfaces_traceback_exits_nonzero_and_leaves_nothing(tmp_p
     assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"], ray.available_resources()
 
 
+@pytest.mark.slow
 def test_no_affinity_call_check_and_run_go_unpinned(tmp_path, monkeypatch, capsys, run_cache, ray_session):
     """Where `os.sched_getaffinity` does not exist (macOS), nothing is pinned and nothing fails: the async layout
     that pins trainer and engine to their own cores on a 2-core Linux node plans no cores there, `--check`

@@ -31,6 +31,7 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_arith_warm_start_answers_numbers_and_rl_raises_accuracy(tmp_path, monkeypatch, ray_session):
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))  # the warm start runs here, not from a cache
     dump = tmp_path / "dump"
@@ -53,6 +54,7 @@ def test_arith_warm_start_answers_numbers_and_rl_raises_accuracy(tmp_path, monke
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3, reward
 
 
+@pytest.mark.slow
 def test_calc_warm_start_first_turn_is_a_well_formed_tool_call(tmp_path, monkeypatch, ray_session):
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     dump = tmp_path / "dump"

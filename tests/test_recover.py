@@ -112,6 +112,7 @@ def plant_crashed_save(out: Path) -> None:
     (ckpt / "latest.tmp").write_text("step_00004\n")
 
 
+@pytest.mark.slow
 def test_engine_and_controller_killed_mid_run_lose_nothing(tmp_path):
     """Two drills in one run (each launch of the controller costs ~30-60 s here, so they share them):
 
@@ -199,6 +200,7 @@ def free_port() -> int:
 LONG = dict(temperature=1.0, max_new_tokens=300, ignore_eos=True)  # 300 decode steps: still in flight when hit
 
 
+@pytest.mark.slow
 def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_dir, tmp_path):
     """A request on an engine that is killed (connection reset) or hung (SIGSTOP: the connection stays
     open, nothing answers) finishes on the other engine with exactly the tokens that engine gives the

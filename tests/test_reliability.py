@@ -454,6 +454,7 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             intermediate_size=128)
 
 
+@pytest.mark.slow
 def test_failed_and_empty_trajectories_never_stop_a_run(tmp_path, run_cache, capsys, ray_session):
     """tests.agents.flaky_agent: step 0 fails entirely (skipped with a message); in step 1 three of
     each group's four samples fail three different ways (raise before the first model call, garbage

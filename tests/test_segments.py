@@ -51,6 +51,7 @@ def test_turn_rewards_become_token_rewards():
     assert trainer.turn_token_rewards(grpo, rows, torch.tensor([9.0, 0.5]), mask) is None
 
 
+@pytest.mark.slow
 def test_compacted_trajectory_trains_every_segment(ray_session, tiny_model_dir):
     """Two groups of two trajectories, one compacted into two segments: 5 rows train. Dropping the early
     segment changes the update (so it was trained), and denominators count its tokens."""

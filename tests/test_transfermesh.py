@@ -189,6 +189,7 @@ def test_each_transport_installs_the_weights(transport, tiny_model_dir, other_mo
         handle.shutdown()
 
 
+@pytest.mark.slow
 def test_trainer_to_engine_sync_gives_equal_logprobs(ray_session, tiny_model_dir, tmp_path):
     """The promise of weight sync: after a train step and a sync, the engine's logprobs of its own
     sampled tokens equal the trainer's logprobs of the same tokens (fp32)."""

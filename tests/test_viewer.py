@@ -110,6 +110,7 @@ def _dumped(run_dir: Path) -> list[dict]:
             for line in (run_dir / "rollouts" / f"step_{s:05d}.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_page_of_a_real_run_in_chromium(chromium, run_dir, tiny_model_dir, tmp_path):  # no chromium: skip before the run
     """`python viewer.py RUN_DIR` on a real run: the page holds every dumped trajectory token for token,
     decoded with the run's tokenizer (found through config.yaml), and Chromium renders exactly the dump's
@@ -185,6 +186,7 @@ def test_page_of_a_real_run_in_chromium(chromium, run_dir, tiny_model_dir, tmp_p
     assert px.get(TRAINED, 0) == 0 and sum(px.get(c, 0) for c in LOGPROB) > 1500
 
 
+@pytest.mark.slow
 def test_the_tiny_tokenizer_is_rebuilt_for_a_run_of_the_tiny_model(run_dir, tmp_path):
     """A run with model_path: tiny names no directory; the viewer rebuilds the tiny tokenizer from the run's
     tiny_model settings and decodes the real run's prompts exactly as the run did (no warning). A tokenizer of
