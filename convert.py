@@ -14,7 +14,7 @@ Which shard of a full tensor a rank holds under TP / EP / PP is the trainer's `M
 this file knows one tensor's TP split only.
 
 Megatron-Core and transformers agree bit for bit on these conversions: a Qwen3 checkpoint loaded here gives
-transformers' fp32 logprobs with max abs diff 0.0 on CPU (DESIGN.md), so the tests that use them are strict.
+transformers' fp32 logprobs with max abs diff 0.0 on CPU (docs/CPU.md), so the tests that use them are strict.
 
 Test: `.venv/bin/pytest tests/test_trainer.py -k "parity or tensor_parallel or save_hf"` (against transformers,
 other families, TP=2, the HF round trip), tests/test_moe.py (experts and routers, EP=2), tests/test_pipeline.py.

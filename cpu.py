@@ -200,7 +200,7 @@ _SHIMS_APPLIED = False
 def apply_cpu_shims() -> bool:
     """Make Megatron-Core run on CPU; a no-op (returning False) when CUDA is present.
 
-    The shims (measured necessary and sufficient here, see DESIGN.md):
+    The shims (measured necessary and sufficient here, see docs/CPU.md):
     1. `torch.cuda.current_device()` yields the CPU device: Megatron places its grad buffers, rotary
        tables and a few scratch tensors on "the current CUDA device".
     2. the local layer spec's core attention becomes `SDPACoreAttention` (Megatron's

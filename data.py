@@ -13,8 +13,8 @@ Nothing here can be downloaded on an offline laptop, so the tiny recipes build t
 * `arith_samples(n, seed)`: the synthetic arithmetic task of the default CPU recipe.
 * rewards: plain functions `reward(response_text, sample) -> float` named in recipes by dotted path.
 * `load_dataset(spec)`: jsonl / parquet files or `synthetic:<task>:<n>:<seed>`.
-* `import_object(dotted)`: the one resolver of every extension point (`mod.fn` or `mod:fn`, README "Extension
-  points").
+* `import_object(dotted)`: the one resolver of every extension point (`mod.fn` or `mod:fn`,
+  docs/EXTENDING.md).
 
 Run `python data.py /tmp/tiny` to build the tiny model and print its size. Tested by tests/test_data.py.
 Left out: streaming datasets and on-the-fly packing; datasets here are lists of dicts held in memory.
@@ -348,7 +348,7 @@ def is_dotted(name) -> bool:
 
 def import_object(dotted: str):
     """`"recipes.calc.agent"` or `"mypkg.mod:agent"` -> the object. The one resolver of every extension point
-    (README "Extension points"): the module may live anywhere on sys.path / PYTHONPATH, outside this repo too.
+    (docs/EXTENDING.md): the module may live anywhere on sys.path / PYTHONPATH, outside this repo too.
     After a ':' the rest is an attribute path (`mod:Class.method`)."""
     if ":" in dotted:
         module, _, name = dotted.partition(":")

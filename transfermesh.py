@@ -34,7 +34,7 @@ Transports (chosen per engine by `pick_transport`, or forced with `transfer=` in
 
 `transfer=` may also name a user's push function by dotted path: `push(tensors, engines, bucket_bytes,
 config_dir, version) -> (buckets, bytes)`, the built-ins' signature, called inside the engines' weight-update
-session (README "Extension points").
+session (docs/EXTENDING.md).
 
 The flattened layout is SGLang's: the tensors' bytes back to back in one uint8 buffer, no padding, each
 tensor's offset a multiple of its dtype's size (`iter_buckets` starts a new bucket rather than misalign one).
