@@ -6,7 +6,6 @@ they point to exists; every metric the code names is in docs/METRICS.md, once; t
 `.venv/bin/python -m pytest tests/test_readme.py -q` (about 20 s: one CPU engine on the tiny model).
 """
 import ast
-import asyncio
 import importlib
 import inspect
 import re
@@ -22,7 +21,7 @@ import algos
 import config
 import cpu_engine
 import data
-from test_agentflow import SAMPLING, make_cfg
+from test_agentflow import SAMPLING, make_cfg, run
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -90,7 +89,7 @@ def test_readme_agent_runs_through_the_router(readme_modules, tiny_model_dir):
         await flow.close()
         return out
     try:
-        out = asyncio.run(asyncio.wait_for(body(), 120))
+        out = run(body())
     finally:
         handle.shutdown()
     assert [t["status"] for t in out] == ["ok", "ok"], [t["metadata"].get("error") for t in out]
