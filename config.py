@@ -35,6 +35,7 @@ import transfermesh
 
 WINDOWS = ("no-window", "window-gated", "windowed-fifo")  # the built-in async windows (loongsage.groups_to_dispatch)
 TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker name -> the optional package it needs
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")  # HF model types with routers (R3, expert parallelism)
 TEACHER_BUILD_KEYS = ("tiny_model", "warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
                       "warmstart_label_noise", "warmstart_example", "warmstart_stop_loss", "seed")
 SOURCE_KEYS = ("name", "dataset", "weight", "eval_dataset", "reward", "agent", "teacher")
@@ -337,11 +338,11 @@ def finalize(cfg: Config) -> Config:
              f"operators), got {cfg.agent_command!r}; remove agent_preload to run it through bash")
     if cfg.router_replay:
         mt = _model_type(cfg.model_path, cfg.tiny_model)
-        need(mt in (None, "qwen3_moe", "mixtral"), f"router_replay=true needs an MoE model (qwen3_moe or mixtral), "
+        need(mt in (None,) + MOE_MODEL_TYPES, f"router_replay=true needs an MoE model ({', '.join(MOE_MODEL_TYPES)}), "
              f"but {cfg.model_path!r} is {mt!r}, which has no router; set router_replay=false"
              + (" or tiny_model.num_experts > 0" if cfg.model_path == "tiny" else ""))
         need(cfg.engine != "cpu" or mt != "mixtral", "router_replay with engine=cpu: the CPU engine runs Qwen3-MoE "
-             "but not Mixtral; use a qwen3_moe model or engine=sglang")
+             "and DeepSeek-V3 but not Mixtral; use a qwen3_moe or deepseek_v3 model or engine=sglang")
     unknown = sorted(set(cfg.tiny_model) - set(data.TINY_DEFAULTS))
     need(cfg.model_path != "tiny" or not unknown, f"unknown tiny_model setting(s) {unknown}"
          f"{closest(unknown[0], data.TINY_DEFAULTS) if unknown else ''}; valid: {sorted(data.TINY_DEFAULTS)}")
@@ -359,7 +360,7 @@ def finalize(cfg: Config) -> Config:
         need(isinstance(cfg.expert_parallel, int) and cfg.expert_parallel > 1,
              f"expert_parallel={cfg.expert_parallel!r} must be a positive integer")
         mt = _model_type(cfg.model_path, cfg.tiny_model)
-        need(mt in (None, "qwen3_moe", "mixtral"), f"expert_parallel={cfg.expert_parallel} needs an MoE model, but "
+        need(mt in (None,) + MOE_MODEL_TYPES, f"expert_parallel={cfg.expert_parallel} needs an MoE model, but "
              f"{cfg.model_path!r} is {mt!r}; set expert_parallel=1")
         experts = _num_experts(cfg.model_path, cfg.tiny_model)
         need(not experts or experts % cfg.expert_parallel == 0, f"expert_parallel={cfg.expert_parallel} does not "
@@ -368,6 +369,13 @@ def finalize(cfg: Config) -> Config:
         need(cfg.trainer_workers % ranks == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
              f"tensor_parallel*pipeline_parallel*expert_parallel={ranks}; "
              f"use {ranks * max(1, cfg.trainer_workers // ranks)}")
+    if cfg.tensor_parallel > 1:
+        mt = _model_type(cfg.model_path, cfg.tiny_model)
+        # Megatron-Core 0.16's MoE layer refuses to train under TP without sequence parallelism, which the trainer's
+        # micro-batch loop does not run
+        need(mt not in MOE_MODEL_TYPES, f"tensor_parallel={cfg.tensor_parallel} with an MoE model ({mt}): Megatron "
+             "trains MoE layers under tensor parallelism only with sequence parallelism, which the trainer does not "
+             "run; use tensor_parallel=1 and split the experts with expert_parallel")
     mp = cfg.tensor_parallel * cfg.pipeline_parallel
     need(cfg.trainer_workers % mp == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
          f"tensor_parallel*pipeline_parallel={mp}; use {mp * max(1, cfg.trainer_workers // mp)}")
@@ -455,6 +463,8 @@ def teacher_spec(name: str, spec) -> dict:
 def _model_type(path: str, tiny_model: dict) -> str | None:
     """config.json's model_type of `path` (the tiny builder's, for "tiny"); None where it cannot be read yet."""
     if path == "tiny":
+        if tiny_model.get("model_type", "qwen3") != "qwen3":
+            return tiny_model["model_type"]
         return "qwen3_moe" if int(tiny_model.get("num_experts", 0) or 0) > 0 else "qwen3"
     cfg_file = Path(path) / "config.json"
     return json.loads(cfg_file.read_text()).get("model_type") if cfg_file.exists() else None
@@ -481,7 +491,7 @@ def _num_experts(path: str, tiny_model: dict) -> int | None:
     if not cfg_file.exists():
         return None
     hf = json.loads(cfg_file.read_text())
-    return hf.get("num_experts") or hf.get("num_local_experts")
+    return hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
 
 
 def _vocab_of(path: str, tiny_model: dict) -> tuple | None:

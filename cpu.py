@@ -11,7 +11,8 @@ a GPU reader can skip this file. Two sections:
 2. Megatron on CPU (trainer side):
    * `apply_cpu_shims`: the changes that let Megatron-Core's GPTModel, its DistributedDataParallel, its
      tensor-parallel layers and its 1F1B pipeline schedule run on CPU over gloo (`SDPACoreAttention`, `_TorchOnCpu`);
-     `moe_router_without_te`, which any machine without Transformer Engine needs (every CPU machine is one);
+     `moe_router_without_te` and `mla_without_te`, which any machine without Transformer Engine needs (every CPU
+     machine is one);
    * `adamw`, `clip_grad_norm`: the optimizer and its TP/EP/PP-aware gradient clipping, because Megatron's
      optimizer wrappers allocate CUDA tensors;
    * `BorrowedCores`: a trainer rank computing on the cores of CPU engines while they have nothing to generate
@@ -142,7 +143,9 @@ class SDPACoreAttention(torch.nn.Module):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None):
+        # k_channels / v_channels: the head sizes multi-latent attention passes; forward reads them off the tensors
         super().__init__()
         self.config = config
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -154,9 +157,10 @@ class SDPACoreAttention(torch.nn.Module):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPACoreAttention supports padded causal batches only (no packed sequences, "
                              "no attention bias); feed right-padded (B, T) micro-batches")
-        # query (Sq, B, Nq, D); key/value (Sk, B, Nkv, D), Megatron's sequence-first layout.
+        # query/key (S, B, Nq|Nkv, D); value (S, B, Nkv, Dv), Megatron's sequence-first layout. Dv differs from D
+        # under multi-latent attention (DeepSeek-V3: q/k carry a RoPE part on top of the v head size).
         S, B, Hq, D = query.shape
-        KV = key.size(2)
+        KV, Dv = key.size(2), value.size(-1)
         G = Hq // KV  # GQA: query head h reads kv head h // G
         dropout = self.dropout_p if self.training else 0.0
         if dropout == 0.0 and B * Hq * S * S <= EXPLICIT_ATTENTION_MAX_SCORES and key.size(0) == S:
@@ -167,17 +171,17 @@ class SDPACoreAttention(torch.nn.Module):
             mask = self._causal[S]                                                           # (G*S, S)
             q = query.view(S, B, KV, G, D).permute(1, 2, 3, 0, 4).reshape(B * KV, G * S, D)  # (B*KV, G*S, D)
             k = key.permute(1, 2, 0, 3).reshape(B * KV, S, D)                                  # (B*KV, S, D)
-            v = value.permute(1, 2, 0, 3).reshape(B * KV, S, D)                                # (B*KV, S, D)
+            v = value.permute(1, 2, 0, 3).reshape(B * KV, S, Dv)                               # (B*KV, S, Dv)
             scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)                 # (B*KV, G*S, S)
-            out = torch.bmm(torch.softmax(scores, dim=-1), v)                                 # (B*KV, G*S, D)
-            return out.view(B, KV, G, S, D).permute(3, 0, 1, 2, 4).reshape(S, B, Hq * D)      # (S, B, Nq*D)
+            out = torch.bmm(torch.softmax(scores, dim=-1), v)                                 # (B*KV, G*S, Dv)
+            return out.view(B, KV, G, S, Dv).permute(3, 0, 1, 2, 4).reshape(S, B, Hq * Dv)    # (S, B, Nq*Dv)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (B, N, S, D)
         if G > 1:  # GQA: each kv head serves G consecutive query heads
             k = k.repeat_interleave(G, dim=1)  # (B, Nq, Sk, D)
             v = v.repeat_interleave(G, dim=1)  # (B, Nq, Sk, D)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                             dropout_p=dropout)  # (B, Nq, Sq, D)
-        return out.permute(2, 0, 1, 3).reshape(S, B, -1)  # (Sq, B, Nq * D)
+                                             dropout_p=dropout)  # (B, Nq, Sq, Dv)
+        return out.permute(2, 0, 1, 3).reshape(S, B, -1)  # (Sq, B, Nq * Dv)
 
 
 class _TorchOnCpu:
@@ -247,6 +251,17 @@ def moe_router_without_te() -> None:
     from megatron.core.transformer.moe import moe_utils  # Megatron: late
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def mla_without_te() -> None:
+    """Megatron-Core 0.16's multi-latent attention takes Transformer Engine's layer classes from a module that puts
+    MagicMocks in their place when TE is not installed, so its own HAVE_TE reads True and its isinstance check on
+    TELinear raises a TypeError while the layer is built. Mark TE absent there so the plain torch path runs. Needed
+    wherever TE is absent, CPU or GPU; a no-op when TE is there."""
+    from megatron.core.extensions import transformer_engine as te_extension  # Megatron: late
+    from megatron.core.transformer import multi_latent_attention  # Megatron: late
+    if not te_extension.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
 
 
 def adamw(model, cfg, lr: float) -> torch.optim.AdamW:
