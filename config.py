@@ -290,6 +290,9 @@ def finalize(cfg: Config) -> Config:
     need(cfg.engine != "sglang" or cfg.device == "cuda", "engine=sglang runs on CUDA only; set device=cuda or engine=cpu")
     need(cfg.mode in ("sync", "async"), f"mode={cfg.mode!r}: choose 'sync' or 'async'")
     need(cfg.dtype in ("float32", "bfloat16"), f"dtype={cfg.dtype!r}: choose 'float32' or 'bfloat16'")
+    need(cfg.dtype == "float32" or cfg.device == "cuda", f"dtype={cfg.dtype!r} with device={cfg.device!r}: the trainer "
+         "trains in bfloat16 only on CUDA (Megatron's mixed-precision optimizer keeps fp32 master weights there); on "
+         "CPU use dtype=float32")
     need(isinstance(cfg.pipeline_parallel, int) and cfg.pipeline_parallel >= 1,
          f"pipeline_parallel={cfg.pipeline_parallel!r} must be a positive integer")
     if cfg.pipeline_parallel > 1:
