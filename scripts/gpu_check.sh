@@ -8,7 +8,10 @@
 # train-inference gap beside the bf16 head's; TransferMesh CUDA IPC into SGLang (per-TP-rank payloads, device UUIDs)
 # and NCCL broadcast (two GPUs: NCCL puts no two ranks on one device; SKIP on one), each in a 3-step async run of the
 # whole pipeline; the colocated memory hand-off (engines release weights + KV cache, trainer offloads) with device
-# memory per stage. Every run is colocated (trainer and engine share the GPU), so each also exercises the hand-off.
+# memory per stage; Megatron's fast paths: the layer spec the trainer picked (Transformer Engine where it imports),
+# the distributed optimizer with full recomputation through a checkpoint and a resume, and with two GPUs sequence
+# parallelism (TP=2) and context parallelism (CP=2, needs TE). Every run is colocated (trainer and engine share the
+# GPU), so each also exercises the hand-off.
 # The tiny model is built locally (no hub access needed). Logs go to runs/gpu_check/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -116,6 +119,38 @@ def _():
     if rows:
         return "GPU MB in use after train/sync/rollout stages: " + "; ".join(
             str([round(m[f"memory/{s}_gpu_used_mb"]) for s in ("train", "sync", "rollout")]) for m in rows)
+
+def te_importable() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        return True
+    except (ImportError, OSError):
+        return False
+
+@item("megatron fast paths: layer spec, distributed optimizer + recompute=full, checkpoint and resume")
+def _():
+    fast = ["dtype=bfloat16", "use_distributed_optimizer=true", "recompute=full", "save_every=1"]
+    rows = run("fastpaths", *fast, "num_steps=2")
+    if DRY:
+        return ""
+    rows = run("fastpaths", *fast, "num_steps=3", "resume=true")  # the optimizer's shards come back from rank files
+    assert [x["step"] for x in rows][-3:] == [0, 1, 2] and all(x["train/loss"] == x["train/loss"] for x in rows), rows
+    spec = next(x for x in open("runs/gpu_check/fastpaths.log") if x.startswith("trainer: Megatron-Core"))
+    return f"{spec.strip()}; losses {[round(x['train/loss'], 4) for x in rows]}"
+
+if DRY or torch.cuda.device_count() >= 2:
+    @item("sequence parallel (TP=2) and context parallel (CP=2), 2-step runs on two GPUs")
+    def _():
+        if not DRY and not te_importable():
+            return "SKIP: transformer_engine does not import here (sequence and context parallelism need its spec)"
+        sp = run("sequence_parallel", "dtype=bfloat16", "num_steps=2", "trainer_workers=2", "tensor_parallel=2",
+                 "sequence_parallel=true")
+        cp = run("context_parallel", "dtype=bfloat16", "num_steps=2", "trainer_workers=2", "context_parallel=2")
+        if sp:
+            return f"losses SP {[round(x['train/loss'], 4) for x in sp]}, CP {[round(x['train/loss'], 4) for x in cp]}"
+else:
+    results.append(("SKIP", "sequence / context parallelism: needs 2 GPUs", ""))
+    print(f"SKIP {results[-1][1]}", flush=True)
 
 print("\nsummary:")
 for status, name, note in results:
