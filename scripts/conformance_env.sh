@@ -24,7 +24,7 @@ t0=$(date +%s)
 pip() { $V/bin/python -m pip install -q -c $V/constraints.txt "$@"; }
 # torch: the CPU build; the rest: the versions SGLang 0.5.23's wheel pins, so its code runs against what it expects
 printf '%s\n' torch==2.13.0 transformers==5.19.0 tokenizers==0.23.2 openai==2.8.0 'python-dateutil<3' \
-  xgrammar==0.2.7 triton==3.8.0 > $V/constraints.txt
+  xgrammar==0.2.7 compressed-tensors==0.18.0 sentencepiece==0.2.1 soundfile==0.13.1 triton==3.8.0 > $V/constraints.txt
 $V/bin/python -m pip install -q --upgrade pip
 pip ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
 # LoongSage itself (its transfermesh, rollout, fleet and agentflow code is what the tier records and checks)
@@ -33,7 +33,8 @@ pip --no-deps sglang==0.5.23
 # what SGLang's http_server, io_struct, weight_sync, function_call and parser modules import, at the versions its
 # wheel names where it pins one
 pip ipython xgrammar msgspec orjson pybase64 pyzmq setproctitle uvloop aiohttp requests partial_json_parser regex einops \
-    python-multipart prometheus-client interegular triton pillow psutil packaging
+    python-multipart prometheus-client interegular triton pillow psutil packaging dill sentencepiece \
+    compressed-tensors gguf soundfile
 site=$($V/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # The stub: every module SGLang or transformers imports from torchvision at import time; any name in it is a
 # placeholder that raises ImportError when called, so a code path that really needs torchvision fails loudly.
@@ -60,6 +61,6 @@ def __getattr__(name):
 EOF2
 done
 $V/bin/python -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__
-import sglang.srt.entrypoints.http_server, sglang.srt.managers.io_struct, sglang.srt.function_call.function_call_parser'
+import sglang.srt.entrypoints.http_server, sglang.srt.function_call.function_call_parser, sglang.srt.utils.weight_checker'
 echo "$want" > "$stamp"
 echo "conformance_env: $V ready in $(( $(date +%s) - t0 )) s ($($V/bin/python -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)'))"
