@@ -24,9 +24,11 @@ pass's helpers; `ModelRunner` (the model and its KV cache); `CpuEngine` (the sch
   between two steps, so every step runs under one set of weights.
 * Weight updates as SGLang 0.5.23 takes them: `/update_weights_from_tensor` and `/update_weights_from_distributed`
   are refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine
-  reads `serialized_named_tensors[0]` (it is TP rank 0 of one), and takes `load_format: "flattened_bucket"` in
-  SGLang's packed layout (for tensor updates: a transfermesh shared-memory descriptor). A bucket whose checksum does
-  not match the sender's is refused (400) and the engine keeps its weights.
+  reads `serialized_named_tensors[0]` (it is TP rank 0 of one): SGLang's payload, base64 of a pickle that its
+  SafeUnpickler accepts, of a `flattened_bucket` dict or of (name, tensor) pairs, CPU tensors shared through torch's
+  file_system strategy (`transfermesh.read_tensor_payload`); anything else is refused (400) as SGLang refuses it.
+  Broadcasts join SGLang's own rendezvous (`transfermesh.new_sglang_group`, gloo). A bucket whose checksum does not
+  match the sender's is refused (400) and the engine keeps its weights.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
 
 Determinism. Each request draws its random numbers from its own `torch.Generator`, seeded from
@@ -1252,12 +1254,10 @@ def build_app(engine: CpuEngine):
         if not isinstance(items, list) or not items:
             raise BadRequest("update_weights_from_tensor needs serialized_named_tensors (a non-empty list, one entry "
                              "per TP rank)")
-        if body.get("load_format") != "flattened_bucket":
-            raise BadRequest(f"the CPU engine takes load_format 'flattened_bucket' (a shared-memory descriptor from "
-                             f"transfermesh per TP rank), got {body.get('load_format')!r}")
         try:  # the CPU engine is one TP rank: it reads entry 0, as SGLang's rank 0 does
-            named = await asyncio.to_thread(transfermesh.read_shm_bucket, items[0])
-        except ValueError as e:  # a bad descriptor or checksum: refuse the bucket, keep the old weights
+            named = await asyncio.to_thread(transfermesh.read_tensor_payload, items[0], body.get("load_format"),
+                                            body.get("checksum"))  # checksum: a LoongSage addition
+        except ValueError as e:  # a bad payload or checksum: refuse the bucket, keep the old weights
             raise BadRequest(str(e)) from None
         return await load(named, body)
 
@@ -1271,9 +1271,10 @@ def build_app(engine: CpuEngine):
             raise BadRequest(f"backend {body['backend']!r}: the CPU engine joins with gloo")
         # Blocks until the trainer joins the rendezvous, so it runs off the event loop (and off the scheduler).
         # The CPU engine is TP rank 0 of itself: it joins at rank_offset + 0.
-        groups[body.get("group_name", "weight_update_group")] = await asyncio.to_thread(
-            transfermesh.new_gloo_group, body["master_address"], int(body["master_port"]),
-            int(body["rank_offset"]), int(body["world_size"]))
+        name = body.get("group_name", "weight_update_group")
+        groups[name] = await asyncio.to_thread(
+            transfermesh.new_sglang_group, body["master_address"], int(body["master_port"]),
+            int(body["rank_offset"]), int(body["world_size"]), name, "gloo")
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     @app.post("/update_weights_from_distributed")
@@ -1299,8 +1300,10 @@ def build_app(engine: CpuEngine):
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
         body = await _json_body(request)
-        # The group was built beside (not inside) torch.distributed's registry, so dropping it closes it.
-        groups.pop(body.get("group_name", "weight_update_group"), None)
+        # Registered by name with torch.distributed (as SGLang's is): destroyed there too, so the name can be reused
+        pg = groups.pop(body.get("group_name", "weight_update_group"), None)
+        if pg is not None:
+            await asyncio.to_thread(torch.distributed.destroy_process_group, pg)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     return app
