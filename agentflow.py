@@ -451,42 +451,54 @@ class EnginePool:
 # chat rendering and tool-call parsing
 
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# SGLang's hermes pattern: a closed block, or an unclosed one running to the end of the text
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
 def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str, list[dict]]:
-    """Split model text into (content, tool_calls) for `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+    """Split model text into (content, tool_calls) for `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+    as SGLang 0.5.23's hermes detector (function_call/hermes_detector.py, `detect_and_parse`) splits a whole reply,
+    so an agent sees on CPU what SGLang's /v1/chat/completions would give it: content is the text before the first
+    `<tool_call>`; each block (an unclosed last one too) holds one call object or a list of them; a call without a
+    name, or naming a tool not in `tool_names`, is dropped and the others kept; `parameters` stands for `arguments`;
+    if any block is not JSON, or holds something other than call objects, the whole text is content and there are
+    no calls. tests/test_sglang_conformance.py runs SGLang's parser on the same texts.
 
-    Each tool call is `{"id", "type": "function", "function": {"name", "arguments": dict}}`. All or
-    nothing: if any block is malformed (bad JSON, no name, arguments not an object, unclosed tag, a
-    name not among `tool_names`), the whole text comes back as plain content with no tool calls — the
-    agent then sees what the model wrote instead of a half-parsed call, and the router never crashes.
+    Each tool call is `{"id", "type": "function", "function": {"name", "arguments": dict}}`. Where SGLang passes
+    arguments through as it found them, two cases differ on purpose, because the router's histories hold arguments
+    as a JSON object: arguments written as a JSON string holding an object are decoded (SGLang forwards the string);
+    arguments that are neither make the whole text content (SGLang forwards them, and the agent could not send the
+    call back to the router).
     """
-    blocks = list(_TOOL_CALL_RE.finditer(text))
-    if not blocks:
+    start = text.find("<tool_call>")
+    if start == -1:
         return text.strip(), []
     calls = []
-    for m in blocks:
+    for closed, unclosed in _TOOL_CALL_RE.findall(text):
+        raw = (closed or unclosed).strip()
+        if not raw:
+            continue
         try:
-            obj = json.loads(m.group(1))
+            found = json.loads(raw)
         except json.JSONDecodeError:
             return text.strip(), []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text.strip(), []
-        args = obj.get("arguments", {})
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
+        for obj in found if isinstance(found, list) else [found]:
+            if not isinstance(obj, dict):
                 return text.strip(), []
-        if not isinstance(args, dict) or (tool_names is not None and obj["name"] not in tool_names):
-            return text.strip(), []
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": obj["name"], "arguments": args}})
-    rest = _TOOL_CALL_RE.sub("", text)
-    if "<tool_call>" in rest or "</tool_call>" in rest:  # an unclosed or stray tag: not a clean call
-        return text.strip(), []
-    return rest.strip(), calls
+            name = obj.get("name")
+            if not name or (tool_names is not None and name not in tool_names):
+                continue  # SGLang drops a call to an undefined function and keeps the rest
+            args = obj.get("parameters") or obj.get("arguments", {})
+            if isinstance(args, str):  # some models write the arguments as a JSON string
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError:
+                    return text.strip(), []
+            if not isinstance(args, dict):
+                return text.strip(), []
+            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                          "function": {"name": name, "arguments": args}})
+    return text[:start].strip(), calls
 
 
 class ChatFormat:

@@ -1,8 +1,8 @@
 """What a run is configured to do, and whether that is valid: the `Config` dataclass (every field commented, in
 `# --- section ---` groups), `load_config` (a recipe YAML + `key=value` overrides), `finalize` (derived values and
 the batch algebra) and the rules that reject meaningless combinations before any actor starts (`check_critic`,
-`check_teachers`, `check_teacher_vocab`, `algos.validate`), `check_runtime` (what only this machine can say),
-and what `python loongsage.py RECIPE --check` prints (`explain`, `describe`).
+`check_teachers`, `check_teacher_vocab`, `check_fast_paths`, `algos.validate`), `check_runtime` (what only this
+machine can say), and what `python loongsage.py RECIPE --check` prints (`explain`, `describe`, `fast_paths`).
 
 Every error names what was wrong, the value seen and what to change; a misspelt key names the closest valid one.
 Nothing here starts Ray or builds a model: `--check` runs this file (and fleet.placement) only.
@@ -33,8 +33,16 @@ import data
 import sandbox
 import transfermesh
 
+LAYER_SPECS = ("auto", "te", "local")  # Config.layer_spec
+RECOMPUTE = ("none", "selective", "full")  # Config.recompute
+# TransformerConfig fields LoongSage sets from its own Config fields, which it acts on beyond Megatron (placement,
+# batch algebra, padding, rules): a `megatron:` pass-through of one would silently disagree, so it is refused
+MEGATRON_OWNED = {"tensor_model_parallel_size": "tensor_parallel", "pipeline_model_parallel_size": "pipeline_parallel",
+                  "expert_model_parallel_size": "expert_parallel", "context_parallel_size": "context_parallel",
+                  "sequence_parallel": "sequence_parallel", "recompute_granularity": "recompute"}
 WINDOWS = ("no-window", "window-gated", "windowed-fifo")  # the built-in async windows (loongsage.groups_to_dispatch)
 TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker name -> the optional package it needs
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")  # HF model types with routers (R3, expert parallelism)
 TEACHER_BUILD_KEYS = ("tiny_model", "warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
                       "warmstart_label_noise", "warmstart_example", "warmstart_stop_loss", "seed")
 SOURCE_KEYS = ("name", "dataset", "weight", "eval_dataset", "reward", "agent", "teacher")
@@ -75,12 +83,15 @@ class Config:
 
     # --- cluster ---
     ray_address: str = ""  # "" starts a local Ray; else an existing cluster ("auto" or host:port)
-    trainer_workers: int = 1  # trainer ranks = tensor_parallel * pipeline_parallel * data_parallel
+    trainer_workers: int = 1  # trainer ranks = tensor_parallel * pipeline_parallel * context_parallel * data_parallel
     tensor_parallel: int = 1  # Megatron TP size
     pipeline_parallel: int = 1  # Megatron PP size: each stage a contiguous share of the layers (divides their number)
+    context_parallel: int = 1  # Megatron CP size: each trajectory's tokens split over this many ranks (2*CP causal
+    # chunks, rank r holding chunks r and 2*CP-1-r so each does equal attention work); for long trajectories. CUDA
+    # with the TE layer spec only (TE's attention passes K/V between the ranks; Megatron's local attention cannot)
     expert_parallel: int = 1  # Megatron EP size (MoE models): each rank holds num_experts / EP experts; divides
     # trainer_workers / (tensor_parallel * pipeline_parallel)
-    data_parallel: int = 1  # derived: trainer_workers // (tensor_parallel * pipeline_parallel)
+    data_parallel: int = 1  # derived: trainer_workers // (tensor_parallel * pipeline_parallel * context_parallel)
     num_engines: int = 1  # rollout engines (each one SGLang server or CPU engine)
     colocate: bool = False  # engines share the trainers' placement bundles (GPUs), instead of their own
     cpus_per_trainer: float = 1.0  # Ray CPU resources per trainer rank
@@ -99,6 +110,16 @@ class Config:
     megatron: dict = field(default_factory=dict)  # passed through to Megatron's TransformerConfig untouched
     sglang: dict = field(default_factory=dict)  # passed through to the SGLang server as --key value flags
     fp32_lm_head: bool = False  # LM head (logits) in fp32 on both sides: trainer and engines (SGLang --enable-fp32-lm-head)
+
+    # --- Megatron-Core fast paths (convert.megatron_config, trainer.Optim; check_fast_paths; --check says which are on)
+    layer_spec: str = "auto"  # "auto": Transformer Engine's layer spec (fused norm+linear, flash attention) where a
+    # CUDA trainer can import transformer_engine, Megatron's local spec elsewhere | "te": TE or fail | "local"
+    use_distributed_optimizer: bool = False  # Megatron's DistributedOptimizer: Adam's moments and the fp32 master
+    # weights sharded over data-parallel ranks (grads reduce-scattered, weights all-gathered); CUDA only
+    sequence_parallel: bool = False  # with tensor_parallel > 1: norms and residuals hold T/tp of the sequence per
+    # rank (activation memory / tp); on CUDA needs the TE spec (Megatron's torch norms refuse it; on CPU shimmed)
+    recompute: str = "none"  # activation recomputation in the backward: "none" | "selective" (core attention) |
+    # "full" (each layer from its input; megatron.recompute_method / recompute_num_layers refine it: uniform, 1)
 
     # --- warm start (SFT through the same trainer, before RL; of the tiny model or any HF directory; cached) ---
     warmstart_steps: int = 0  # SFT optimizer steps; 0 = none
@@ -289,6 +310,9 @@ def finalize(cfg: Config) -> Config:
     need(cfg.engine != "sglang" or cfg.device == "cuda", "engine=sglang runs on CUDA only; set device=cuda or engine=cpu")
     need(cfg.mode in ("sync", "async"), f"mode={cfg.mode!r}: choose 'sync' or 'async'")
     need(cfg.dtype in ("float32", "bfloat16"), f"dtype={cfg.dtype!r}: choose 'float32' or 'bfloat16'")
+    need(cfg.dtype == "float32" or cfg.device == "cuda", f"dtype={cfg.dtype!r} with device={cfg.device!r}: the trainer "
+         "trains in bfloat16 only on CUDA (Megatron's mixed-precision optimizer keeps fp32 master weights there); on "
+         "CPU use dtype=float32")
     need(isinstance(cfg.pipeline_parallel, int) and cfg.pipeline_parallel >= 1,
          f"pipeline_parallel={cfg.pipeline_parallel!r} must be a positive integer")
     if cfg.pipeline_parallel > 1:
@@ -337,11 +361,11 @@ def finalize(cfg: Config) -> Config:
              f"operators), got {cfg.agent_command!r}; remove agent_preload to run it through bash")
     if cfg.router_replay:
         mt = _model_type(cfg.model_path, cfg.tiny_model)
-        need(mt in (None, "qwen3_moe", "mixtral"), f"router_replay=true needs an MoE model (qwen3_moe or mixtral), "
+        need(mt in (None,) + MOE_MODEL_TYPES, f"router_replay=true needs an MoE model ({', '.join(MOE_MODEL_TYPES)}), "
              f"but {cfg.model_path!r} is {mt!r}, which has no router; set router_replay=false"
              + (" or tiny_model.num_experts > 0" if cfg.model_path == "tiny" else ""))
         need(cfg.engine != "cpu" or mt != "mixtral", "router_replay with engine=cpu: the CPU engine runs Qwen3-MoE "
-             "but not Mixtral; use a qwen3_moe model or engine=sglang")
+             "and DeepSeek-V3 but not Mixtral; use a qwen3_moe or deepseek_v3 model or engine=sglang")
     unknown = sorted(set(cfg.tiny_model) - set(data.TINY_DEFAULTS))
     need(cfg.model_path != "tiny" or not unknown, f"unknown tiny_model setting(s) {unknown}"
          f"{closest(unknown[0], data.TINY_DEFAULTS) if unknown else ''}; valid: {sorted(data.TINY_DEFAULTS)}")
@@ -359,7 +383,7 @@ def finalize(cfg: Config) -> Config:
         need(isinstance(cfg.expert_parallel, int) and cfg.expert_parallel > 1,
              f"expert_parallel={cfg.expert_parallel!r} must be a positive integer")
         mt = _model_type(cfg.model_path, cfg.tiny_model)
-        need(mt in (None, "qwen3_moe", "mixtral"), f"expert_parallel={cfg.expert_parallel} needs an MoE model, but "
+        need(mt in (None,) + MOE_MODEL_TYPES, f"expert_parallel={cfg.expert_parallel} needs an MoE model, but "
              f"{cfg.model_path!r} is {mt!r}; set expert_parallel=1")
         experts = _num_experts(cfg.model_path, cfg.tiny_model)
         need(not experts or experts % cfg.expert_parallel == 0, f"expert_parallel={cfg.expert_parallel} does not "
@@ -368,9 +392,10 @@ def finalize(cfg: Config) -> Config:
         need(cfg.trainer_workers % ranks == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
              f"tensor_parallel*pipeline_parallel*expert_parallel={ranks}; "
              f"use {ranks * max(1, cfg.trainer_workers // ranks)}")
-    mp = cfg.tensor_parallel * cfg.pipeline_parallel
+    check_fast_paths(cfg)
+    mp = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.context_parallel
     need(cfg.trainer_workers % mp == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
-         f"tensor_parallel*pipeline_parallel={mp}; use {mp * max(1, cfg.trainer_workers // mp)}")
+         f"tensor_parallel*pipeline_parallel*context_parallel={mp}; use {mp * max(1, cfg.trainer_workers // mp)}")
     cfg.data_parallel = cfg.trainer_workers // mp
     n, dp = cfg.samples_per_prompt, cfg.data_parallel
     rollout = cfg.prompts_per_step * n
@@ -439,6 +464,82 @@ def check_critic(cfg: Config) -> None:
          "does not keep expert ranks in step (no idle micro-batches); set expert_parallel=1")
 
 
+def check_fast_paths(cfg: Config) -> None:
+    """Megatron-Core's fast paths (layer_spec, use_distributed_optimizer, sequence_parallel, context_parallel,
+    recompute): what each needs. A CPU trainer has Megatron's local spec, with recomputation and sequence parallelism
+    (through the CPU shims); the distributed optimizer needs CUDA, and on CUDA sequence and context parallelism need
+    Transformer Engine's layer spec (found on the trainers at start: convert.layer_spec); context parallelism has
+    no CPU path."""
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ValueError(msg)
+
+    tp, cp = cfg.tensor_parallel, cfg.context_parallel
+    need(cfg.layer_spec in LAYER_SPECS, f"layer_spec={cfg.layer_spec!r}: choose from {LAYER_SPECS}"
+         f"{closest(str(cfg.layer_spec), LAYER_SPECS)}")
+    need(cfg.recompute in RECOMPUTE, f"recompute={cfg.recompute!r}: choose from {RECOMPUTE}"
+         f"{closest(str(cfg.recompute), RECOMPUTE)}")
+    need(isinstance(cp, int) and cp >= 1, f"context_parallel={cp!r} must be a positive integer")
+    for key, owner in MEGATRON_OWNED.items():
+        need(key not in cfg.megatron, f"megatron.{key}={cfg.megatron.get(key)!r}: LoongSage sets it from its own "
+             f"field `{owner}` (which it acts on beyond Megatron); set {owner} instead and drop megatron.{key}")
+    for key in ("recompute_method", "recompute_num_layers"):
+        need(key not in cfg.megatron or cfg.recompute == "full", f"megatron.{key} refines recompute='full', but "
+             f"recompute={cfg.recompute!r}; set recompute=full or drop megatron.{key}")
+    need("recompute_modules" not in cfg.megatron or cfg.recompute == "selective", f"megatron.recompute_modules "
+         f"refines recompute='selective', but recompute={cfg.recompute!r}; set recompute=selective or drop it")
+    if cfg.device == "cpu":
+        need(not cfg.use_distributed_optimizer, "use_distributed_optimizer=true needs CUDA: Megatron-Core 0.16's "
+             "optimizers (its DistributedOptimizer among them) allocate CUDA tensors and take torch.cuda parameters "
+             "only, so a CPU trainer steps torch's AdamW over whole states (cpu.adamw); set "
+             "use_distributed_optimizer=false, or device=cuda")
+        need(cfg.layer_spec != "te", "layer_spec='te' needs CUDA (Transformer Engine's kernels); on CPU set "
+             "layer_spec=auto or local (Megatron's local spec)")
+        need(cp == 1, f"context_parallel={cp} needs Transformer Engine's attention, so CUDA: it passes K/V between "
+             "the CP ranks, which Megatron's local attention and the CPU attention cannot; set context_parallel=1 "
+             "on CPU")
+    elif cfg.layer_spec == "local":  # (on CPU the shims make the local spec's norms take it: cpu.apply_cpu_shims)
+        need(not cfg.sequence_parallel, "sequence_parallel=true with layer_spec='local' on CUDA: the local spec's "
+             "torch norms refuse sequence parallelism; set layer_spec=auto (or te) with transformer_engine installed")
+        need(cp == 1, f"context_parallel={cp} with layer_spec='local': Megatron's local attention has no context "
+             "parallelism; set layer_spec=auto (or te) with transformer_engine installed")
+    need(not cfg.sequence_parallel or tp > 1, "sequence_parallel=true splits the sequence over the tensor-parallel "
+         "ranks, and tensor_parallel=1 has none; set tensor_parallel >= 2 or sequence_parallel=false")
+    need(cp == 1 or cfg.expert_parallel == 1, f"context_parallel={cp} with expert_parallel={cfg.expert_parallel} is "
+         "not wired in (the padding that keeps expert ranks in step counts data-parallel ranks only); use one of them")
+    need(not (cfg.router_replay and (cfg.sequence_parallel or cp > 1)), "router_replay=true with sequence_parallel or "
+         "context_parallel: R3 hands every router the experts of all the micro-batch's tokens, and those split the "
+         "tokens over ranks; set router_replay=false, or sequence_parallel=false and context_parallel=1")
+    mt = _model_type(cfg.model_path, cfg.tiny_model)
+    need(not (mt in ("qwen3_moe", "mixtral") and tp > 1 and not cfg.sequence_parallel), f"{cfg.model_path!r} is an "
+         f"MoE model ({mt}) and tensor_parallel={tp}: Megatron-Core trains MoE layers under tensor parallelism only "
+         "with sequence parallelism (its MoELayer refuses otherwise); set sequence_parallel=true, or split the "
+         "experts with expert_parallel instead")
+    # DeepSeek-V3 under TP has been checked for a forward only (tests/test_deepseek.py): its MLA and MoE layers have
+    # not trained under TP with sequence parallelism here, so that stays refused until a test trains it
+    need(not (mt == "deepseek_v3" and tp > 1), f"tensor_parallel={tp} with an MoE model ({mt}): training DeepSeek-V3 "
+         "under tensor parallelism is not tested; use tensor_parallel=1 and split the experts with expert_parallel")
+
+
+def fast_paths(cfg: Config) -> str:
+    """Which of Megatron's fast paths this run asks for, in one line (--check and the start of a run print it). The
+    layer spec `auto` resolves on the trainers (convert.layer_spec); here it says what this machine would pick."""
+    if cfg.layer_spec != "auto":
+        spec = cfg.layer_spec
+    elif cfg.device == "cpu":
+        spec = "auto -> local (CPU)"
+    else:
+        here = "importable here" if importlib.util.find_spec("transformer_engine") else "not installed here"
+        needs = [n for n, on in (("sequence_parallel", cfg.sequence_parallel), ("context_parallel", cfg.context_parallel
+                                                                               > 1)) if on]
+        spec = (f"auto -> te where transformer_engine imports on the trainers, else local (it is {here}"
+                + (f"; {' and '.join(needs)} need{'s' if len(needs) == 1 else ''} te: without it the trainers stop "
+                   "at start" if needs else "") + ")")
+    return (f"layer spec {spec}; distributed optimizer {'on' if cfg.use_distributed_optimizer else 'off'}; "
+            f"sequence parallel {'on' if cfg.sequence_parallel else 'off'}; context parallel {cfg.context_parallel}; "
+            f"recompute {cfg.recompute}")
+
+
 def teacher_spec(name: str, spec) -> dict:
     """A `teachers:` entry as {"path": ..., build overrides...}, checked."""
     spec = {"path": spec} if isinstance(spec, str) else spec
@@ -455,6 +556,8 @@ def teacher_spec(name: str, spec) -> dict:
 def _model_type(path: str, tiny_model: dict) -> str | None:
     """config.json's model_type of `path` (the tiny builder's, for "tiny"); None where it cannot be read yet."""
     if path == "tiny":
+        if tiny_model.get("model_type", "qwen3") != "qwen3":
+            return tiny_model["model_type"]
         return "qwen3_moe" if int(tiny_model.get("num_experts", 0) or 0) > 0 else "qwen3"
     cfg_file = Path(path) / "config.json"
     return json.loads(cfg_file.read_text()).get("model_type") if cfg_file.exists() else None
@@ -481,7 +584,7 @@ def _num_experts(path: str, tiny_model: dict) -> int | None:
     if not cfg_file.exists():
         return None
     hf = json.loads(cfg_file.read_text())
-    return hf.get("num_experts") or hf.get("num_local_experts")
+    return hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
 
 
 def _vocab_of(path: str, tiny_model: dict) -> tuple | None:
@@ -620,8 +723,8 @@ def describe(cfg: Config) -> str:
 
 def explain(cfg: Config, placement: str = "") -> str:
     """What `--check` prints and train() prints first: the whole config as YAML (derived values filled in), the
-    placement table where given (fleet.placement_table), and the derived sizes."""
+    placement table where given (fleet.placement_table), Megatron's fast paths and the derived sizes."""
     text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
     if placement:
         text += "placement (bundle = one GPU on CUDA):\n" + placement + "\n"
-    return text + f"derived: {describe(cfg)}"
+    return text + f"megatron fast paths: {fast_paths(cfg)}\nderived: {describe(cfg)}"

@@ -13,7 +13,9 @@ pass's helpers; `ModelRunner` (the model and its KV cache); `CpuEngine` (the sch
   cache of shape (layers, slots, kv_heads, max_len, head_dim). The forward pass reuses the model's own modules and
   parameters (embeddings, norms, q/k norms, rotary embedding, o/down projections, activation, lm_head), with q|k|v
   and gate|up each run as one matmul over fused weights that the modules' parameters are views of, and its own
-  attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama, Mistral and Qwen3-MoE layouts work.
+  attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama, Mistral, Qwen3-MoE and DeepSeek-V3
+  (multi-latent attention, its keys and values cached expanded per head; grouped sigmoid routing, shared experts,
+  dense first layers) layouts work.
   Decode-step costs that need not recur are paid once: weight matrices are kept in oneDNN's blocked layout
   (re-blocked when a weight update touches them), RoPE cos/sin come from a table, K/V land in the cache with one
   index_copy_.
@@ -22,9 +24,11 @@ pass's helpers; `ModelRunner` (the model and its KV cache); `CpuEngine` (the sch
   between two steps, so every step runs under one set of weights.
 * Weight updates as SGLang 0.5.23 takes them: `/update_weights_from_tensor` and `/update_weights_from_distributed`
   are refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine
-  reads `serialized_named_tensors[0]` (it is TP rank 0 of one), and takes `load_format: "flattened_bucket"` in
-  SGLang's packed layout (for tensor updates: a transfermesh shared-memory descriptor). A bucket whose checksum does
-  not match the sender's is refused (400) and the engine keeps its weights.
+  reads `serialized_named_tensors[0]` (it is TP rank 0 of one): SGLang's payload, base64 of a pickle that its
+  SafeUnpickler accepts, of a `flattened_bucket` dict or of (name, tensor) pairs, CPU tensors shared through torch's
+  file_system strategy (`transfermesh.read_tensor_payload`); anything else is refused (400) as SGLang refuses it.
+  Broadcasts join SGLang's own rendezvous (`transfermesh.new_sglang_group`, gloo). A bucket whose checksum does not
+  match the sender's is refused (400) and the engine keeps its weights.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
 
 Determinism. Each request draws its random numbers from its own `torch.Generator`, seeded from
@@ -32,8 +36,8 @@ Determinism. Each request draws its random numbers from its own `torch.Generator
 seed and arrival order give the same tokens whatever else is in the batch (up to float ties in the batched matmuls).
 
 Run: `python cpu_engine.py --model-path DIR --port 30000`. Test: `pytest tests/test_cpu_engine.py` (against
-transformers on the same weights, over real HTTP); routed experts in `tests/test_moe.py`, the memory hand-off in
-`tests/test_colocate.py`.
+transformers on the same weights, over real HTTP); routed experts in `tests/test_moe.py`, DeepSeek-V3 in
+`tests/test_deepseek.py`, the memory hand-off in `tests/test_colocate.py`.
 Left out: streaming, prefix caching, text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA,
 multimodal input; a dropped HTTP connection does not abort its request (call /abort_request).
 """
@@ -70,7 +74,7 @@ from transformers.utils import logging as hf_logging
 
 import transfermesh
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe")  # layouts the CPU forward pass handles
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "deepseek_v3")  # layouts forward handles
 
 
 class BadRequest(ValueError):
@@ -251,8 +255,9 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_add: torch.Tensor,
                scale: float) -> torch.Tensor:
-    """Grouped-query attention of q (B, T, Hq, D) over keys/values (B, KV, S, D); mask_add (B*KV, G*T, S) holds 0
-    where a key is visible and -inf elsewhere.
+    """Grouped-query attention of q (B, T, Hq, D) over keys (B, KV, S, D) and values (B, KV, S, Dv); mask_add
+    (B*KV, G*T, S) holds 0 where a key is visible and -inf elsewhere. Dv differs from D under multi-latent
+    attention (DeepSeek-V3).
 
     Written out instead of calling scaled_dot_product_attention: it reads the slot cache's strided views without
     copies, folds the mask and scale into one baddbmm, and measured ~20% faster than the CPU SDPA kernel for the
@@ -260,12 +265,12 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_a
     lays them out.
     """
     B, T, Hq, D = q.shape
-    KV, S = keys.shape[1], keys.shape[2]
+    KV, S, Dv = keys.shape[1], keys.shape[2], values.shape[3]
     G = Hq // KV
     q = q.reshape(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B * KV, G * T, D)       # (B*KV, G*T, D)
     scores = torch.baddbmm(mask_add, q, keys.reshape(B * KV, S, D).transpose(1, 2), alpha=scale)  # (B*KV, G*T, S)
-    out = torch.softmax(scores, dim=-1) @ values.reshape(B * KV, S, D)                   # (B*KV, G*T, D)
-    return out.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)           # (B, T, Hq, D)
+    out = torch.softmax(scores, dim=-1) @ values.reshape(B * KV, S, Dv)                  # (B*KV, G*T, Dv)
+    return out.view(B, KV, G, T, Dv).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, Dv)        # (B, T, Hq, Dv)
 
 
 def _fuse_rows(params: list) -> torch.Tensor:
@@ -307,20 +312,33 @@ class ModelRunner:
         self.fp32_lm_head = bool(fp32_lm_head)  # logits from an fp32 matmul (a no-op for fp32 weights), as SGLang's flag
 
         attn = self.model.model.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        # DeepSeek-V3's multi-latent attention: every head has its own key (a no-RoPE part expanded from the shared
+        # latent, then the RoPE part all heads share) and its own value, of another size. The cache holds those
+        # expanded keys and values, as transformers' attention reads them (SGLang's MLA keeps the latent instead).
+        self.mla = cfg.model_type == "deepseek_v3"
+        if self.mla:
+            if cfg.attention_bias or not cfg.rope_interleave:
+                raise ValueError(f"{self.model_path}: deepseek_v3 with attention_bias={cfg.attention_bias} / "
+                                 f"rope_interleave={cfg.rope_interleave} is not supported by the CPU engine (it runs "
+                                 "DeepSeek-V3's layout: no attention biases, interleaved RoPE)")
+            self.head_dim, self.v_head_dim = attn.qk_head_dim, attn.v_head_dim
+            self.n_heads = self.n_kv_heads = cfg.num_attention_heads
+        else:
+            self.head_dim = self.v_head_dim = attn.head_dim
+            self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         # One q|k|v and one gate|up matmul per layer instead of five: fewer, larger matmuls and fewer ops per step.
         # The transformers modules' parameters become views of the fused tensors, so loading weights into the
         # model by name (load_weights) updates what the forward pass reads.
         self.qkv_w, self.qkv_b, self.gate_up_w = [], [], []
-        self.moe = cfg.model_type == "qwen3_moe"
-        if self.moe:
+        self.moe = cfg.model_type in ("qwen3_moe", "deepseek_v3")
+        if cfg.model_type == "qwen3_moe":
             hf = cfg.to_dict()  # the HF config: older ones lack these keys
             if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
                 raise ValueError(f"{self.model_path}: the CPU engine runs all-MoE Qwen3-MoE models only "
                                  f"(mlp_only_layers={hf.get('mlp_only_layers')}, "
                                  f"decoder_sparse_step={hf.get('decoder_sparse_step')})")
-            self.num_experts, self.topk = cfg.num_experts, cfg.num_experts_per_tok
+        if self.moe:
+            self.num_experts, self.topk = cfg.num_local_experts, cfg.num_experts_per_tok
             self.norm_topk_prob = bool(cfg.norm_topk_prob)
         for p in self.model.parameters():  # weights mmap'd from the checkpoint: own them, so a release can free them
             if not p.untyped_storage().resizable():
@@ -328,21 +346,32 @@ class ModelRunner:
         # transformers keeps each layer's experts as two 3-D parameters (gate|up and down, expert-major); checkpoints
         # and weight updates name every expert's matrix on its own, so map those names onto views of the 3-D tensors
         self.expert_views = {}
-        for li, layer in enumerate(self.model.model.layers if self.moe else []):
+        for li, layer in enumerate(self.model.model.layers):
+            if not hasattr(layer.mlp, "experts"):  # a dense model, or DeepSeek-V3's first dense layers
+                continue
             ex, F_ = layer.mlp.experts, cfg.moe_intermediate_size
             for e in range(self.num_experts):
                 p = f"model.layers.{li}.mlp.experts.{e}."
                 self.expert_views.update({p + "gate_proj.weight": ex.gate_up_proj.data[e, :F_],
                                           p + "up_proj.weight": ex.gate_up_proj.data[e, F_:],
                                           p + "down_proj.weight": ex.down_proj.data[e]})
-        for layer in self.model.model.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            if not self.moe and getattr(mlp.gate_proj, "bias", None) is not None:
+        # per layer, the SwiGLU MLP run as gate|up and down matmuls: the dense MLP, DeepSeek-V3's shared experts in
+        # an MoE layer (every token goes through them), None for a Qwen3-MoE layer
+        self.dense_mlp = [layer.mlp if not hasattr(layer.mlp, "experts") else getattr(layer.mlp, "shared_experts", None)
+                          for layer in self.model.model.layers]
+        for layer, mlp in zip(self.model.model.layers, self.dense_mlp):
+            a = layer.self_attn
+            if mlp is not None and getattr(mlp.gate_proj, "bias", None) is not None:
                 raise ValueError(f"{self.model_path}: MLP biases are not supported by the CPU engine")
-            self.qkv_w.append(_fuse_rows([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-            self.qkv_b.append(_fuse_rows([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-                              if a.q_proj.bias is not None else None)  # Qwen2 has q/k/v biases
-            self.gate_up_w.append(None if self.moe else _fuse_rows([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            if self.mla:  # the two projections of h: q's latent (or q itself without q_lora_rank) | the kv latent
+                self.qkv_w.append(_fuse_rows([(a.q_a_proj if a.q_lora_rank else a.q_proj).weight,
+                                              a.kv_a_proj_with_mqa.weight]))
+                self.qkv_b.append(None)
+            else:
+                self.qkv_w.append(_fuse_rows([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+                self.qkv_b.append(_fuse_rows([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                                  if a.q_proj.bias is not None else None)  # Qwen2 has q/k/v biases
+            self.gate_up_w.append(_fuse_rows([mlp.gate_proj.weight, mlp.up_proj.weight]) if mlp is not None else None)
         # RoPE cos/sin for every position, computed once by the model's own rotary module (elementwise per
         # position, so a table lookup gives the very same values); rope types that rescale with the sequence
         # length ("dynamic", "longrope") are computed per step instead.
@@ -355,9 +384,9 @@ class ModelRunner:
         self._pack_weights()
         # kv heads before positions: a slot's keys for one head are one (S, D) block, so attention reads a
         # batch of slots as a strided view and the matmuls need no copy
-        cache_shape = (cfg.num_hidden_layers, self.max_batch, self.n_kv_heads, self.max_len, self.head_dim)
-        self.k_cache = torch.zeros(cache_shape, dtype=self.dtype)  # (L, slots, KV, max_len, D)
-        self.v_cache = torch.zeros(cache_shape, dtype=self.dtype)  # (L, slots, KV, max_len, D)
+        cache_shape = (cfg.num_hidden_layers, self.max_batch, self.n_kv_heads, self.max_len)
+        self.k_cache = torch.zeros(cache_shape + (self.head_dim,), dtype=self.dtype)    # (L, slots, KV, max_len, D)
+        self.v_cache = torch.zeros(cache_shape + (self.v_head_dim,), dtype=self.dtype)  # (L, slots, KV, max_len, Dv)
         self.released: dict[str, list] = {}  # tag -> [(storage, nbytes)] handed back by release()
 
     def _eos_ids(self) -> frozenset:
@@ -378,9 +407,14 @@ class ModelRunner:
             self.dtype == torch.float32
         weights = {"lm_head": self.model.lm_head.weight}
         for li, layer in enumerate(self.model.model.layers):
-            weights.update({("qkv", li): self.qkv_w[li], ("o", li): layer.self_attn.o_proj.weight})
-            if not self.moe:  # experts run as small per-expert matmuls (_moe_mlp): nothing to pack
-                weights.update({("gate_up", li): self.gate_up_w[li], ("down", li): layer.mlp.down_proj.weight})
+            a = layer.self_attn
+            weights.update({("qkv", li): self.qkv_w[li], ("o", li): a.o_proj.weight})
+            if self.mla:  # the latents' up-projections
+                weights[("kv_b", li)] = a.kv_b_proj.weight
+                if a.q_lora_rank:
+                    weights[("q_b", li)] = a.q_b_proj.weight
+            if self.dense_mlp[li] is not None:  # experts run as small per-expert matmuls (_moe_mlp): not packed
+                weights.update({("gate_up", li): self.gate_up_w[li], ("down", li): self.dense_mlp[li].down_proj.weight})
         if names is None:
             self.packed = {}
             # HF parameter name -> the packed weights it lives in (by storage: fused views and tied embeddings too)
@@ -418,7 +452,7 @@ class ModelRunner:
         Returns (logits at each chunk's last token (B, V), and with `return_routed` on an MoE model the
         (len(chunk), layers, top_k) int32 experts each chunk's tokens were routed to, else None)."""
         m = self.model.model
-        B, T, D = len(chunks), max(len(c) for c in chunks), self.head_dim
+        B, T, D, Dv = len(chunks), max(len(c) for c in chunks), self.head_dim, self.v_head_dim
         Hq, KV = self.n_heads, self.n_kv_heads
         lens = torch.tensor([len(c) for c in chunks])                                     # (B,)
         start = torch.tensor(kv_lens)                                                     # (B,) cache offset
@@ -447,7 +481,7 @@ class ModelRunner:
         s0 = int(slots.min())
         contiguous = bool((slots == torch.arange(s0, s0 + B)).all())  # then read the cache as a view, no gather
 
-        routed = []  # MoE: per layer, (n_valid, top_k) experts chosen for each real token
+        routed = []  # MoE: per layer, (n_valid, top_k) experts chosen for each real token (0s in a dense layer)
         x = m.embed_tokens(ids)                                                           # (B, T, H)
         if self.rope_table is not None:
             cos, sin = self.rope_table[0][pos], self.rope_table[1][pos]                  # (B, T, D) each, sin signed
@@ -458,30 +492,35 @@ class ModelRunner:
         for li, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, *self.norms[li][0])                                          # (B, T, H)
-            qkv = self._linear(h, ("qkv", li), self.qkv_b[li]).view(B, T, Hq + 2 * KV, D)
-            qk, v = qkv[:, :, :Hq + KV], qkv[:, :, Hq + KV:]                              # (B, T, Hq+KV|KV, D)
-            if self.norms[li][1]:  # Qwen3: RMSNorm over each head before RoPE (q_norm's weight on q, k_norm's on k)
-                qk = _rms_norm(qk, *self.norms[li][1])                                    # (B, T, Hq+KV, D)
-            # RoPE on q and k at once, as transformers computes it: x * cos + rotate_half(x) * sin (see _signed_sin)
-            qk = qk * cos + qk.roll(D // 2, dims=-1) * sin                               # (B, T, Hq+KV, D)
-            q, k = qk[:, :, :Hq], qk[:, :, Hq:]                                           # (B, T, Hq|KV, D)
-            if all_valid:
-                k_new, v_new = k.reshape(B * T, KV, D), v.reshape(B * T, KV, D)          # (n_valid, KV, D)
+            if self.mla:
+                q, k, v = self._mla_qkv(h, li, attn, cos, sin)                            # (B, T, Hq, D|D|Dv)
             else:
-                k_new, v_new = k[valid], v[valid]                                         # (n_valid, KV, D)
+                qkv = self._linear(h, ("qkv", li), self.qkv_b[li]).view(B, T, Hq + 2 * KV, D)
+                qk, v = qkv[:, :, :Hq + KV], qkv[:, :, Hq + KV:]                          # (B, T, Hq+KV|KV, D)
+                if self.norms[li][1]:  # Qwen3: RMSNorm over each head before RoPE (q_norm's weight on q, k_norm's on k)
+                    qk = _rms_norm(qk, *self.norms[li][1])                                # (B, T, Hq+KV, D)
+                # RoPE on q and k at once, as transformers computes it: x * cos + rotate_half(x) * sin (_signed_sin)
+                qk = qk * cos + qk.roll(D // 2, dims=-1) * sin                           # (B, T, Hq+KV, D)
+                q, k = qk[:, :, :Hq], qk[:, :, Hq:]                                       # (B, T, Hq|KV, D)
+            if all_valid:
+                k_new, v_new = k.reshape(B * T, KV, D), v.reshape(B * T, KV, Dv)         # (n_valid, KV, D|Dv)
+            else:
+                k_new, v_new = k[valid], v[valid]                                         # (n_valid, KV, D|Dv)
             self.k_cache[li].view(-1, D).index_copy_(0, write_rows, k_new.reshape(-1, D))  # into the slots
-            self.v_cache[li].view(-1, D).index_copy_(0, write_rows, v_new.reshape(-1, D))
+            self.v_cache[li].view(-1, Dv).index_copy_(0, write_rows, v_new.reshape(-1, Dv))
             if contiguous:
                 keys, values = self.k_cache[li, s0:s0 + B, :, :S], self.v_cache[li, s0:s0 + B, :, :S]
             else:
                 keys, values = self.k_cache[li, slots, :, :S], self.v_cache[li, slots, :, :S]  # (B, KV, S, D)
-            out = _attention(q, keys, values, mask_add, attn.scaling)                     # (B, T, Hq, D)
-            x = x + self._linear(out.reshape(B, T, Hq * D), ("o", li), attn.o_proj.bias)  # (B, T, H)
-            if self.moe:
-                x = x + self._moe_mlp(_rms_norm(x, *self.norms[li][2]), mlp, valid, routed)  # (B, T, H)
+            out = _attention(q, keys, values, mask_add, attn.scaling)                     # (B, T, Hq, Dv)
+            x = x + self._linear(out.reshape(B, T, Hq * Dv), ("o", li), attn.o_proj.bias)  # (B, T, H)
+            h = _rms_norm(x, *self.norms[li][2])                                          # (B, T, H)
+            if hasattr(mlp, "experts"):
+                x = x + self._moe_mlp(h, li, mlp, valid, routed)                          # (B, T, H)
                 continue
-            gate, up = self._linear(_rms_norm(x, *self.norms[li][2]), ("gate_up", li)).chunk(2, dim=-1)
-            x = x + self._linear(mlp.act_fn(gate) * up, ("down", li))                     # (B, T, H)
+            if self.moe:  # DeepSeek-V3's dense first layers route nothing: SGLang reports 0s for them
+                routed.append(torch.zeros(int(valid.sum()), self.topk, dtype=torch.long))
+            x = x + self._dense_mlp(h, li)                                                # (B, T, H)
         last = x[torch.arange(B), lens - 1]                                               # (B, H) last real token
         per_chunk = None
         if routed and return_routed:
@@ -492,18 +531,73 @@ class ModelRunner:
             return F.linear(h.float(), self.model.lm_head.weight.float()), per_chunk      # (B, V) fp32
         return self._linear(h, "lm_head").float(), per_chunk                              # (B, V)
 
-    def _moe_mlp(self, h: torch.Tensor, mlp, valid: torch.Tensor, routed: list) -> torch.Tensor:
-        """Qwen3-MoE sparse block on the real tokens of h (B, T, H), as transformers computes it: softmax over the
-        router logits, top-k, the k probabilities renormalised when norm_topk_prob, each expert a SwiGLU MLP over the
-        tokens routed to it, outputs summed with those weights. Appends this layer's (n_valid, top_k) expert ids to
-        `routed` (what `return_routed_experts` reports)."""
+    def _mla_qkv(self, h: torch.Tensor, li: int, attn, cos: torch.Tensor, sin: torch.Tensor):
+        """DeepSeek-V3's multi-latent attention up to per-head q, k (B, T, Hq, D) and v (B, T, Hq, Dv), as
+        transformers computes it: q = W_qb RMSNorm(W_qa h) (or W_q h), the latent c = RMSNorm(W_kva h)[:kv_lora_rank]
+        expanded by W_kvb into each head's k_nope | v, and RoPE on q's rotary part and on the one rotary key part
+        all heads share (its last qk_rope_head_dim columns of W_kva h). D = qk_nope_head_dim + qk_rope_head_dim.
+
+        RoPE here is the interleaved one (transformers' rope_interleave=true): pairs (x0, x1), (x2, x3), ... each
+        turned by one frequency, written out de-interleaved, [x_even cos - x_odd sin | x_odd cos + x_even sin]."""
+        B, T, _ = h.shape
+        Hq, Dn, Dr, Dv = self.n_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, self.v_head_dim
+        down = self._linear(h, ("qkv", li))                               # (B, T, q_lora_rank or Hq*D, + kv_lora + Dr)
+        q, latent, k_rot = down.split([down.shape[-1] - attn.kv_lora_rank - Dr, attn.kv_lora_rank, Dr], dim=-1)
+        if attn.q_lora_rank:
+            qn = attn.q_a_layernorm
+            q = self._linear(_rms_norm(q, qn.weight, qn.variance_epsilon), ("q_b", li))  # (B, T, Hq*D)
+        q = q.view(B, T, Hq, Dn + Dr)                                                     # (B, T, Hq, D)
+        kvn = attn.kv_a_layernorm
+        kv = self._linear(_rms_norm(latent, kvn.weight, kvn.variance_epsilon), ("kv_b", li)).view(B, T, Hq, Dn + Dv)
+        # the table's cos/sin repeat their first half (cat(freqs, freqs)); sin's second half carries its own sign
+        c, s = cos[..., :Dr // 2], sin[..., Dr // 2:]                                      # (B, T, 1, Dr/2) each
+
+        def rope(x):  # (B, T, heads, Dr)
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        q = torch.cat([q[..., :Dn], rope(q[..., Dn:])], dim=-1)                         # (B, T, Hq, D)
+        k_rot = rope(k_rot.view(B, T, 1, Dr)).expand(B, T, Hq, Dr)                        # (B, T, Hq, Dr) shared
+        return q, torch.cat([kv[..., :Dn], k_rot], dim=-1), kv[..., Dn:]
+
+    def _dense_mlp(self, h: torch.Tensor, li: int) -> torch.Tensor:
+        """Layer li's SwiGLU MLP (the dense one, or DeepSeek-V3's shared experts): down(act(gate h) * up h)."""
+        gate, up = self._linear(h, ("gate_up", li)).chunk(2, dim=-1)                      # (B, T, F) each
+        return self._linear(self.dense_mlp[li].act_fn(gate) * up, ("down", li))          # (B, T, H)
+
+    def _route(self, tokens: torch.Tensor, gate) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gates, experts), each (N, top_k), of the tokens (N, H), as transformers' routers compute them.
+
+        Qwen3-MoE: softmax over the router logits, top-k, the k probabilities renormalised when norm_topk_prob; the
+        gates in the tokens' dtype. DeepSeek-V3 (arXiv 2412.19437, noaux_tc): sigmoid scores s in fp32; the experts
+        with the highest s + e_score_correction_bias among the topk_group groups whose top-2 sums of it are highest;
+        gates s of those, normalised (norm_topk_prob, + 1e-20), times routed_scaling_factor, kept in fp32."""
+        if not self.mla:
+            probs = torch.softmax(F.linear(tokens, gate.weight), dim=-1, dtype=torch.float)  # (N, E)
+            top_p, top_i = torch.topk(probs, self.topk, dim=-1)                           # (N, K) each
+            if self.norm_topk_prob:
+                top_p = top_p / top_p.sum(dim=-1, keepdim=True)                           # (N, K)
+            return top_p.to(tokens.dtype), top_i
+        N, E, G = tokens.shape[0], self.num_experts, gate.num_group
+        scores = F.linear(tokens.float(), gate.weight.float()).sigmoid()                  # (N, E)
+        choice = scores + gate.e_score_correction_bias                                    # (N, E)
+        group_scores = choice.view(N, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)           # (N, G)
+        kept = torch.zeros_like(group_scores).scatter_(
+            1, torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1], 1)   # (N, G) 1 = group allowed
+        choice = choice.masked_fill(~kept.bool().repeat_interleave(E // G, dim=1), float("-inf"))  # (N, E)
+        top_i = torch.topk(choice, k=self.topk, dim=-1, sorted=False)[1]                 # (N, K)
+        top_w = scores.gather(1, top_i)                                                   # (N, K)
+        if self.norm_topk_prob:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_w * gate.routed_scaling_factor, top_i
+
+    def _moe_mlp(self, h: torch.Tensor, li: int, mlp, valid: torch.Tensor, routed: list) -> torch.Tensor:
+        """Layer li's sparse block on the real tokens of h (B, T, H), as transformers computes it: the router's top-k
+        experts and gates (`_route`), each expert a SwiGLU MLP over the tokens routed to it, outputs summed with
+        those gates; plus DeepSeek-V3's shared experts over every token. Appends this layer's (n_valid, top_k)
+        expert ids to `routed` (what `return_routed_experts` reports)."""
         B, T, H = h.shape
         tokens = h[valid]                                                                  # (N, H) real tokens only
-        probs = torch.softmax(F.linear(tokens, mlp.gate.weight), dim=-1, dtype=torch.float)  # (N, E)
-        top_p, top_i = torch.topk(probs, self.topk, dim=-1)                               # (N, K) each
-        if self.norm_topk_prob:
-            top_p = top_p / top_p.sum(dim=-1, keepdim=True)                               # (N, K)
-        top_p = top_p.to(h.dtype)
+        top_w, top_i = self._route(tokens, mlp.gate)                                       # (N, K) each
         routed.append(top_i)
         ex = mlp.experts
         out = torch.zeros_like(tokens)                                                     # (N, H)
@@ -511,9 +605,11 @@ class ModelRunner:
             tok, slot = torch.where(top_i == e)                                            # tokens routed to e
             gate, up = F.linear(tokens[tok], ex.gate_up_proj[e]).chunk(2, dim=-1)         # (n_e, F) each
             y = F.linear(ex.act_fn(gate) * up, ex.down_proj[e])                            # (n_e, H)
-            out.index_add_(0, tok, y * top_p[tok, slot, None])
+            out.index_add_(0, tok, (y * top_w[tok, slot, None]).to(h.dtype))
         full = torch.zeros(B, T, H, dtype=h.dtype)                                         # (B, T, H) 0 on padding
         full[valid] = out
+        if self.dense_mlp[li] is not None:  # DeepSeek-V3: + the shared experts' output
+            full = full + self._dense_mlp(h, li)                                           # (B, T, H)
         return full
 
     def copy_kv(self, src: int, dst: int, n: int) -> None:
@@ -1158,12 +1254,10 @@ def build_app(engine: CpuEngine):
         if not isinstance(items, list) or not items:
             raise BadRequest("update_weights_from_tensor needs serialized_named_tensors (a non-empty list, one entry "
                              "per TP rank)")
-        if body.get("load_format") != "flattened_bucket":
-            raise BadRequest(f"the CPU engine takes load_format 'flattened_bucket' (a shared-memory descriptor from "
-                             f"transfermesh per TP rank), got {body.get('load_format')!r}")
         try:  # the CPU engine is one TP rank: it reads entry 0, as SGLang's rank 0 does
-            named = await asyncio.to_thread(transfermesh.read_shm_bucket, items[0])
-        except ValueError as e:  # a bad descriptor or checksum: refuse the bucket, keep the old weights
+            named = await asyncio.to_thread(transfermesh.read_tensor_payload, items[0], body.get("load_format"),
+                                            body.get("checksum"))  # checksum: a LoongSage addition
+        except ValueError as e:  # a bad payload or checksum: refuse the bucket, keep the old weights
             raise BadRequest(str(e)) from None
         return await load(named, body)
 
@@ -1177,9 +1271,10 @@ def build_app(engine: CpuEngine):
             raise BadRequest(f"backend {body['backend']!r}: the CPU engine joins with gloo")
         # Blocks until the trainer joins the rendezvous, so it runs off the event loop (and off the scheduler).
         # The CPU engine is TP rank 0 of itself: it joins at rank_offset + 0.
-        groups[body.get("group_name", "weight_update_group")] = await asyncio.to_thread(
-            transfermesh.new_gloo_group, body["master_address"], int(body["master_port"]),
-            int(body["rank_offset"]), int(body["world_size"]))
+        name = body.get("group_name", "weight_update_group")
+        groups[name] = await asyncio.to_thread(
+            transfermesh.new_sglang_group, body["master_address"], int(body["master_port"]),
+            int(body["rank_offset"]), int(body["world_size"]), name, "gloo")
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     @app.post("/update_weights_from_distributed")
@@ -1205,8 +1300,10 @@ def build_app(engine: CpuEngine):
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
         body = await _json_body(request)
-        # The group was built beside (not inside) torch.distributed's registry, so dropping it closes it.
-        groups.pop(body.get("group_name", "weight_update_group"), None)
+        # Registered by name with torch.distributed (as SGLang's is): destroyed there too, so the name can be reused
+        pg = groups.pop(body.get("group_name", "weight_update_group"), None)
+        if pg is not None:
+            await asyncio.to_thread(torch.distributed.destroy_process_group, pg)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     return app

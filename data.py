@@ -9,12 +9,13 @@ Nothing here can be downloaded on an offline laptop, so the tiny recipes build t
 * `build_tiny_model(dir, ...)`: a randomly initialised Qwen3-architecture causal LM (HF config +
   safetensors) on that tokenizer, cached and rebuilt when its settings change (`norm_std > 0`
   randomises the norm weights too, as the test models do; `num_experts > 0` builds a Qwen3-MoE, every
-  layer sparse, for expert parallelism and routed-expert replay).
+  layer sparse, for expert parallelism and routed-expert replay; `model_type="deepseek_v3"` a DeepSeek-V3:
+  multi-latent attention, dense first layers, then routed + shared experts with grouped sigmoid routing).
 * `arith_samples(n, seed)`: the synthetic arithmetic task of the default CPU recipe.
 * rewards: plain functions `reward(response_text, sample) -> float` named in recipes by dotted path.
 * `load_dataset(spec)`: jsonl / parquet files or `synthetic:<task>:<n>:<seed>`.
-* `import_object(dotted)`: the one resolver of every extension point (`mod.fn` or `mod:fn`, README "Extension
-  points").
+* `import_object(dotted)`: the one resolver of every extension point (`mod.fn` or `mod:fn`,
+  docs/EXTENDING.md).
 
 Run `python data.py /tmp/tiny` to build the tiny model and print its size. Tested by tests/test_data.py.
 Left out: streaming datasets and on-the-fly packing; datasets here are lists of dicts held in memory.
@@ -150,10 +151,19 @@ def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 384) -> N
 TINY_DEFAULTS = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=32, intermediate_size=384, max_position_embeddings=512, vocab_multiple=64,
                      tie_word_embeddings=False, seed=0, tokenizer_vocab=384, norm_std=0.0,
-                     num_experts=0, num_experts_per_tok=2, moe_intermediate_size=96)
-# MoE settings count only when num_experts > 0: a dense model's cache stamp (and so every cached dense model and its
-# SFT warm start) stays what it was before these keys existed.
+                     num_experts=0, num_experts_per_tok=2, moe_intermediate_size=96,
+                     model_type="qwen3",  # "qwen3" (Qwen3-MoE with num_experts > 0) or "deepseek_v3"
+                     # deepseek_v3 only (num_key_value_heads and head_dim do not apply to it; q_lora_rank 0: no q
+                     # compression, one q_proj): latent ranks and head sizes of multi-latent attention, the MoE
+                     q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                     n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                     routed_scaling_factor=1.0)
+# MoE settings count only when num_experts > 0, DeepSeek-V3's only for model_type deepseek_v3: a dense Qwen3's cache
+# stamp (and so every cached dense model and its SFT warm start) stays what it was before these keys existed.
 TINY_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+TINY_DEEPSEEK_KEYS = ("model_type", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                      "v_head_dim", "n_shared_experts", "n_group", "topk_group", "first_k_dense_replace",
+                      "routed_scaling_factor")
 
 
 def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
@@ -165,18 +175,26 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
     """
 
     # late: see the note at the top (transformers' model classes cost seconds to import)
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     s = {**TINY_DEFAULTS, **settings}
     unknown = set(settings) - set(TINY_DEFAULTS)
     if unknown:
         raise ValueError(f"unknown tiny-model setting(s) {sorted(unknown)}; valid: {sorted(TINY_DEFAULTS)}")
-    moe = int(s["num_experts"]) > 0
+    if s["model_type"] not in ("qwen3", "deepseek_v3"):
+        raise ValueError(f"model_type={s['model_type']!r}: the tiny builder makes 'qwen3' or 'deepseek_v3' models")
+    deepseek, moe = s["model_type"] == "deepseek_v3", int(s["num_experts"]) > 0
+    if deepseek and not moe:
+        raise ValueError("model_type='deepseek_v3' needs num_experts > 0 (its layers after first_k_dense_replace "
+                         "route over experts)")
     if moe and not 1 <= s["num_experts_per_tok"] <= s["num_experts"]:
         raise ValueError(f"num_experts_per_tok={s['num_experts_per_tok']} must be in [1, num_experts="
                          f"{s['num_experts']}]")
     if not moe:
         s = {k: v for k, v in s.items() if k not in TINY_MOE_KEYS}
+    if not deepseek:
+        s = {k: v for k, v in s.items() if k not in TINY_DEEPSEEK_KEYS}
     out = Path(out_dir)
     stamp = out / "loongsage_tiny.json"
     if stamp.exists() and json.loads(stamp.read_text()) == s and (out / "model.safetensors").exists():
@@ -194,22 +212,39 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
         head_dim=s["head_dim"], max_position_embeddings=s["max_position_embeddings"], rms_norm_eps=1e-6,
         tie_word_embeddings=s["tie_word_embeddings"], bos_token_id=None,
         eos_token_id=tok.convert_tokens_to_ids(EOS_TOKEN), pad_token_id=tok.pad_token_id)
-    if moe:  # every layer sparse (mlp_only_layers=[]), top-k probabilities renormalised as Qwen3-MoE ships
+    if deepseek:  # every head its own k and v (MLA): no key-value groups, no head_dim; no multi-token prediction
+        common = {k: v for k, v in common.items() if k not in ("num_key_value_heads", "head_dim")}
+        config = DeepseekV3Config(
+            **common, n_routed_experts=s["num_experts"], num_experts_per_tok=s["num_experts_per_tok"],
+            moe_intermediate_size=s["moe_intermediate_size"], n_shared_experts=s["n_shared_experts"],
+            n_group=s["n_group"], topk_group=s["topk_group"], first_k_dense_replace=s["first_k_dense_replace"],
+            routed_scaling_factor=s["routed_scaling_factor"], norm_topk_prob=True, q_lora_rank=s["q_lora_rank"] or None,
+            kv_lora_rank=s["kv_lora_rank"], qk_nope_head_dim=s["qk_nope_head_dim"],
+            qk_rope_head_dim=s["qk_rope_head_dim"], v_head_dim=s["v_head_dim"], num_nextn_predict_layers=0,
+            architectures=["DeepseekV3ForCausalLM"])
+        cls = DeepseekV3ForCausalLM
+    elif moe:  # every layer sparse (mlp_only_layers=[]), top-k probabilities renormalised as Qwen3-MoE ships
         config = Qwen3MoeConfig(**common, num_experts=s["num_experts"], num_experts_per_tok=s["num_experts_per_tok"],
                                 moe_intermediate_size=s["moe_intermediate_size"], norm_topk_prob=True,
                                 decoder_sparse_step=1, mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"])
+        cls = Qwen3MoeForCausalLM
     else:
-        config = Qwen3Config(**common, architectures=["Qwen3ForCausalLM"])
+        config, cls = Qwen3Config(**common, architectures=["Qwen3ForCausalLM"]), Qwen3ForCausalLM
     torch.manual_seed(s["seed"])
-    model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config).to(torch.float32)
+    model = cls(config).to(torch.float32)
     if s["norm_std"]:
         # Tests: norm weights (RMSNorm, q_norm/k_norm) initialise to exactly 1, so a conversion or engine that
         # dropped or swapped one would give the same outputs. Drawing them as 1 + norm_std * N(0, 1) makes
-        # every parameter of the test models random, and such a bug visible.
+        # every parameter of the test models random, and such a bug visible. DeepSeek-V3's score-correction
+        # biases start at 0 for the same effect: they get norm_std/4 * N(0, 1), about the spread of the
+        # routers' sigmoid scores, so they change which experts win.
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.add_(s["norm_std"] * torch.randn_like(p))
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.add_(s["norm_std"] / 4 * torch.randn_like(b))
     model.save_pretrained(str(out))  # safetensors
     stamp.write_text(json.dumps(s))
     return str(out)
@@ -348,7 +383,7 @@ def is_dotted(name) -> bool:
 
 def import_object(dotted: str):
     """`"recipes.calc.agent"` or `"mypkg.mod:agent"` -> the object. The one resolver of every extension point
-    (README "Extension points"): the module may live anywhere on sys.path / PYTHONPATH, outside this repo too.
+    (docs/EXTENDING.md): the module may live anywhere on sys.path / PYTHONPATH, outside this repo too.
     After a ':' the rest is an attribute path (`mod:Class.method`)."""
     if ":" in dotted:
         module, _, name = dotted.partition(":")

@@ -7,7 +7,7 @@ so the same client lines drive either engine:
 * `RolloutEngine(cfg, rank)`: the object the controller wraps with `ray.remote(...)`. With `cfg.engine ==
   "sglang"` it launches a real SGLang server as a subprocess (CUDA only, `sglang_command`); with `"cpu"` it serves
   the CPU engine (cpu_engine.py, a stand-in as strict as SGLang) in-process; with a dotted path it calls the user's
-  `start(cfg, rank, host, seed) -> (url, handle)` (README "Extension points"). Either way `url()` is all a caller
+  `start(cfg, rank, host, seed) -> (url, handle)` (docs/EXTENDING.md). Either way `url()` is all a caller
   needs.
 * client helpers shared by every caller: `generate` (async), `post` / `get` (sync), each raising `EngineError` with
   the server's own message; `wait_healthy`.

@@ -12,8 +12,10 @@ Reading order: error bodies; request parsing (`openai_request`, `anthropic_reque
 and `responses_tools`, then `responses_output`, `responses_response`, `responses_stream`).
 
 What an API refuses gets an `ApiError` (HTTP status, message naming the field and the value seen), rendered in
-that API's error shape by the router. Options the engine cannot honour are refused rather than ignored, so the
-trainer never sees a sample drawn from a different distribution than the agent asked for.
+that API's error shape by the router. In Chat Completions and Messages, options the engine cannot honour are
+refused rather than ignored, so the trainer never sees a sample drawn from a different distribution than the agent
+asked for. The Responses API is checked less: its input items, tools, `previous_response_id`, `max_output_tokens`
+and sampling fields are, but other top-level fields (`text.format`, `reasoning`, a typo) are ignored.
 
 Test: `.venv/bin/pytest tests/test_agentflow.py tests/test_responses.py` (through the router, with the official
 openai and anthropic clients). Left out: images/audio parts, built-in (non-function) Responses tools, n > 1.

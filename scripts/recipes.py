@@ -18,7 +18,7 @@ smallest rise, the spread (max - min) of the final accuracy, and whether every s
     arith_cpu     rise >= 0.3, <= 5 min        calc_cpu   rise >= 0.3, tool call at step 0 >= 0.9, <= 10 min
     blackbox_cpu  rise >= 0.2, <= 10 min
 
-The table is also written as Markdown to <out>/recipes.md (the README's tables come from it) and as JSON to
+The table is also written as Markdown to <out>/recipes.md (docs/RECIPES.md's tables come from it) and as JSON to
 <out>/recipes.json. Exit status 0 when every recipe met its accuracy bar on every seed, 1 otherwise (minutes
 are reported against the budget, not enforced: they depend on the machine's load).
 Left out: GPU recipes (no seeds-from-scratch story there: their models are downloaded checkpoints).

@@ -104,12 +104,19 @@ def test_parse_tool_calls_valid_malformed_and_unknown():
     two = ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>'
            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2\\"}"}</tool_call>')
     assert [c["function"]["arguments"]["expression"] for c in agentflow.parse_tool_calls(two)[1]] == ["1", "2"]
+    # SGLang's hermes rules (its own parser is the oracle in tests/test_sglang_conformance.py): content is the text
+    # before the first block; a block may hold a list of calls, or run unclosed to the end; `parameters` is
+    # `arguments`; a call without a name or to an unknown tool is dropped and the others kept
+    mixed = ('ok <tool_call>[{"name": "calculator", "parameters": {"expression": "3"}}, {"name": "rm_rf"}]</tool_call>'
+             ' after <tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "calculator"}')
+    content, calls = agentflow.parse_tool_calls(mixed, {"calculator"})
+    assert content == "ok" and [c["function"]["arguments"] for c in calls] == [{"expression": "3"}, {}]
+    assert agentflow.parse_tool_calls('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', {"calculator"}) \
+        == ("", [])
     # Anything malformed comes back whole as plain content, never as a partial call or an exception.
     for bad in ['<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',  # bad JSON
-                '<tool_call>{"arguments": {}}</tool_call>',                                   # no name
-                '<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>',            # args not an object
-                '<tool_call>{"name": "calculator", "arguments": {}}',                         # unclosed
-                '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>']:                 # unknown tool
+                'x <tool_call>{"name": "calculator", "arguments": {}}</tool_call><tool_call>[1]</tool_call>',  # no call
+                '<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>']:           # args not an object
         assert agentflow.parse_tool_calls(bad, {"calculator"}) == (bad.strip(), [])
 
 

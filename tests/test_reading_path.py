@@ -1,4 +1,4 @@
-"""The reading path stays as STYLE and README describe it: loongsage.py opens with train() (at most 150 lines, and
+"""The reading path stays as STYLE and docs/READING.md describe it: loongsage.py opens with train() (at most 150 lines, and
 it never writes the config it was given), config.py and cpu.py stand below the controller (no import back up),
 agentflow.py's comment ratio, Config as the only source of defaults, imports at the top of the modules
 converted so far (a late import says why), and no two modules that import each other. Pure source reading, no
