@@ -177,7 +177,8 @@ def test_sequence_parallel_tp2_matches_one_rank(ray_session, tiny_model_dir, moe
     dense, moe = make_batch(), make_batch(seed=1)
     gae = dict(advantage="gae", critic_lr=1e-2)
     one = Ranks(make_cfg(kl_coef=0.0, **gae), 1)
-    sp = Ranks(make_cfg(kl_coef=0.0, tensor_parallel=2, trainer_workers=2, sequence_parallel=True, **gae), 2)  # meanwhile
+    # starts meanwhile
+    sp = Ranks(make_cfg(kl_coef=0.0, tensor_parallel=2, trainer_workers=2, sequence_parallel=True, **gae), 2)
     try:
         ref = [_step(one, d, b) for d, b in ((tiny_model_dir, dense), (moe_dir, moe))]
     finally:
