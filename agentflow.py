@@ -475,14 +475,14 @@ class ChatFormat:
         self.tool_parser = tool_parser if tool_parser not in ("", "none") else (
             chat.pick_tool_parser(source) if tool_parser == "" else "")
         if self.user_parser is None and self.tool_parser and self.tool_parser not in chat.TOOL_PARSERS:
-            raise ValueError(f"tool_parser={tool_parser!r}: choose one of {chat.TOOL_PARSERS}, 'none', a dotted path to "
-                             "fn(text, tools) -> (content, tool_calls), or '' to pick from the chat template")
+            raise ValueError(f"tool_parser={tool_parser!r}: choose one of {chat.TOOL_PARSERS}, 'none', a dotted "
+                             "path to fn(text, tools) -> (content, tool_calls), or '' to pick from the chat template")
         generation_prompt = self.render([{"role": "user", "content": "x"}], add_generation_prompt=True)
         self.reasoning_parser = reasoning_parser if reasoning_parser not in ("", "none") else (
             chat.pick_reasoning_parser(source, generation_prompt) if reasoning_parser == "" else "")
         if self.reasoning_parser and self.reasoning_parser not in chat.REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser={reasoning_parser!r}: choose one of {chat.REASONING_PARSERS}, 'none', or "
-                             "'' to pick from the chat template")
+            raise ValueError(f"reasoning_parser={reasoning_parser!r}: choose one of {chat.REASONING_PARSERS}, "
+                             "'none', or '' to pick from the chat template")
         # the variable that switches thinking on and off in the template (Qwen3's enable_thinking), if it has one
         self.thinking_switch = "enable_thinking" if "enable_thinking" in source else ""
         self.vocab_size = len(self.tok)
@@ -509,7 +509,8 @@ class ChatFormat:
         self._close_ids = {True: self.encode(after_eos), False: self.encode(self.assistant_suffix)}
         self._prompts: dict[str, list[int]] = {}  # prompt_ids' cache: JSON of (messages, tools, kwargs) -> ids
 
-    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None, kwargs: dict | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                   kwargs: dict | None = None) -> list[int]:
         """The ids of a chat rendered with the generation prompt, cached by content: the N samples of a group
         render the same first prompt, and the Jinja render was the largest per-trajectory cost of a step
         (15% of AgentFlow's busy time, py-spy). Rendering is a pure function of (messages, tools, kwargs)."""

@@ -132,7 +132,7 @@ TINY_DEFAULTS = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4
                      tie_word_embeddings=False, seed=0, tokenizer_vocab=384, norm_std=0.0,
                      num_experts=0, num_experts_per_tok=2, moe_intermediate_size=96,
                      model_type="qwen3",  # "qwen3" (Qwen3-MoE with num_experts > 0) or "deepseek_v3"
-                     chat_format="chatml",  # the tokenizer's family (chat.FAMILIES): chatml, qwen3, llama3, mistral, deepseek_v3
+                     chat_format="chatml",  # the tokenizer's family (chat.FAMILIES): chatml, qwen3, llama3, ...
                      # deepseek_v3 only (num_key_value_heads and head_dim do not apply to it; q_lora_rank 0: no q
                      # compression, one q_proj): latent ranks and head sizes of multi-latent attention, the MoE
                      q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -229,7 +229,8 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
                 if name.endswith("e_score_correction_bias"):
                     b.add_(s["norm_std"] / 4 * torch.randn_like(b))
     # every token that ends a generation, as the family's published generation_config.json lists them
-    model.generation_config.eos_token_id = tok.convert_tokens_to_ids(chat.FAMILIES[s.get("chat_format", "chatml")]["stop"])
+    stop = chat.FAMILIES[s.get("chat_format", "chatml")]["stop"]
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids(stop)
     model.save_pretrained(str(out))  # safetensors
     stamp.write_text(json.dumps(s))
     return str(out)

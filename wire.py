@@ -8,8 +8,9 @@ overrides, template variables); a generated `Turn` goes out as the API's respons
 A thinking model's thinking (split off by its reasoning parser, chat.py) goes out as each API shows it: Chat
 Completions `reasoning_content` (SGLang's field; in the stream, delta chunks before the content), Messages
 `thinking` blocks (the request's `thinking` switches it via the template, as SGLang maps it), Responses `reasoning`
-items. Thinking sent back in a history (those same fields) becomes the turn's `reasoning_content`. Nothing here holds state or talks to an engine, so each
-function can be read, and tested, on its own.
+items. Thinking sent back in a history (those same fields) becomes the turn's `reasoning_content`.
+
+Nothing here holds state or talks to an engine, so each function can be read, and tested, on its own.
 
 Reading order: error bodies; request parsing (`openai_request`, `anthropic_request`, and below them
 `*_messages`, `*_tools`, the field checks); response shapes (`openai_response` / `openai_stream`,

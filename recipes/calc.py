@@ -105,7 +105,8 @@ def sft_trajectory(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dic
     if label_noise and rng is not None and rng.random() < label_noise and answer.lstrip("-").isdigit():
         answer = str(int(answer) + rng.choice((-1, 1)))
     # 9 alphanumeric characters: Mistral's templates render call ids and take only that shape (the others ignore ids)
-    call = {"id": "call00000", "type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}
+    call = {"id": "call00000", "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": expr}}}
 
     def render(messages, gen=False):
         return tok.apply_chat_template(messages, tools=[CALCULATOR_TOOL], tokenize=False, add_generation_prompt=gen)
@@ -116,8 +117,9 @@ def sft_trajectory(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dic
     eos = data.turn_end(tok)
     # A template that renders thinking (Qwen3's) shows an earlier turn's thinking only if it has some, so the call
     # turn thinks (the expression): the rendered chat then grows turn by turn, as the router's trajectory does.
-    probe = tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y",
-                                                                        "reasoning_content": "\x00R\x00"}], tokenize=False)
+    probe = tok.apply_chat_template([{"role": "user", "content": "x"},
+                                     {"role": "assistant", "content": "y", "reasoning_content": "\x00R\x00"}],
+                                    tokenize=False)
     if "\x00R\x00" in probe:
         call_turn = {"role": "assistant", "content": "", "reasoning_content": expr, "tool_calls": [call]}
     else:

@@ -102,7 +102,8 @@ def test_llama3_mistral_deepseekv3_parse_their_calls():
                                   '"id": "a1b2c3d4e"}, {"name": "calculator", "arguments": {"expression": "5"}}] bye',
                                   TOOLS)
     assert c == "ok bye" and [x["id"] for x in calls][0] == "a1b2c3d4e"  # the model's own 9-character id is kept
-    assert len(calls[1]["id"]) == 9 and calls[1]["id"].isalnum() and calls[1]["function"]["arguments"] == {"expression": "5"}
+    assert len(calls[1]["id"]) == 9 and calls[1]["id"].isalnum()
+    assert calls[1]["function"]["arguments"] == {"expression": "5"}
     c, calls = chat.parse_mistral('[TOOL_CALLS]calculator[ARGS]{"expression": "7"}', TOOLS)  # the compact form
     assert c == "" and calls[0]["function"] == {"name": "calculator", "arguments": {"expression": "7"}}
     assert chat.parse_mistral("[TOOL_CALLS] [{oops}]", TOOLS) == ("", [])
@@ -111,7 +112,8 @@ def test_llama3_mistral_deepseekv3_parse_their_calls():
           '{"expression": "1+2"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>calculator\n'
           '```json\n{"expression": "3"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
     c, calls = chat.parse_deepseekv3("let me see" + ds, TOOLS)
-    assert c == "let me see" and [x["function"]["arguments"] for x in calls] == [{"expression": "1+2"}, {"expression": "3"}]
+    assert c == "let me see"
+    assert [x["function"]["arguments"] for x in calls] == [{"expression": "1+2"}, {"expression": "3"}]
     broken = ds.replace("```json", "json", 1)
     assert chat.parse_deepseekv3(broken, TOOLS) == (broken, [])
 
@@ -252,8 +254,9 @@ def test_tito_tool_conversation_is_the_templates_rendering_token_for_token(famil
         [call] = r.choices[0].message.tool_calls
         assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "12+7"})
         assert r.choices[0].finish_reason == "tool_calls"
-        msgs += [{"role": "assistant", "content": r.choices[0].message.content, "tool_calls": [
-            {"id": call.id, "type": "function", "function": {"name": "calculator", "arguments": call.function.arguments}}]},
+        echo = {"id": call.id, "type": "function", "function": {"name": "calculator",
+                                                                 "arguments": call.function.arguments}}
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content, "tool_calls": [echo]},
                  {"role": "tool", "tool_call_id": call.id, "content": "19"}]
         r = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
         assert r.choices[0].message.content == "19" and r.choices[0].finish_reason == "stop"
@@ -309,7 +312,8 @@ def test_official_clients_get_each_familys_tool_calls(family, models):
         tool = {"name": "calculator", "input_schema": CALCULATOR_TOOL["function"]["parameters"]}
         m = await an.messages.create(model="m", max_tokens=64, messages=msgs, tools=[tool])
         uses = [b for b in m.content if b.type == "tool_use"]
-        assert m.stop_reason == "tool_use" and [(u.name, u.input) for u in uses] == [("calculator", {"expression": "12+7"})]
+        assert m.stop_reason == "tool_use"
+        assert [(u.name, u.input) for u in uses] == [("calculator", {"expression": "12+7"})]
         async with an.messages.stream(model="m", max_tokens=64, messages=msgs, tools=[tool]) as st:
             final = await st.get_final_message()
         assert [b.input for b in final.content if b.type == "tool_use"] == [{"expression": "12+7"}]
@@ -420,8 +424,9 @@ def test_thinking_blocks_in_messages_and_reasoning_items_in_responses(models):
     assert wire.anthropic_messages(None, [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
         {"type": "thinking", "thinking": "r2", "signature": ""}, {"type": "text", "text": "a"}]},
         {"role": "user", "content": "more"}])[1] == {"role": "assistant", "content": "a", "reasoning_content": "r2"}
-    assert wire.openai_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
-                                                                    "reasoning_content": "r3"}])[1]["reasoning_content"] == "r3"
+    echoed = wire.openai_messages([{"role": "user", "content": "q"},
+                                   {"role": "assistant", "content": "a", "reasoning_content": "r3"}])
+    assert echoed[1]["reasoning_content"] == "r3"
 
 
 def test_thinking_requests_refused_where_the_model_cannot(models):
