@@ -40,15 +40,17 @@ ignored, and `model` is optional (one model is served).
 Token in, token out (TITO): the chat is rendered with the template once. On the next turn the router
 checks that the new messages extend the previous ones, keeps the exact token ids the model produced,
 and appends only the tokens of the new messages (loss_mask 0). Generated text is never re-tokenized,
-so the trainer sees exactly the ids — and logprobs, and weight versions — the engine sampled. A
-history that does not extend (compacted or edited) starts a new segment; all segments are kept.
+so the trainer sees exactly the ids — and logprobs, and weight versions — the engine sampled, a thinking model's
+thinking included. A history that does not extend (compacted or edited, or rendered without thinking the model
+sampled: Qwen3's template drops it at a new user query) starts a new segment; all segments are kept.
 
 Black-box agents and code-test rewards run in sandboxes (sandbox.py: limits, containment where the OS allows,
 every process killed at the end). With `cfg.agent_preload` (e.g. ["openai"]) a Python agent command is forked
 from one warm interpreter that has imported those modules, instead of starting Python per trajectory.
 
 Reading order (top to bottom): `Trajectory`, what the trainer reads; `EnginePool`, the engines behind the
-router; `ChatFormat` and `parse_tool_calls`, the chat template and the tool-call parser; `Session`, where TITO
+router; `ChatFormat`, the chat template, end tokens and the model family's tool-call and reasoning parsers
+(chat.py); `Session`, where TITO
 happens (render, check that the history extends, generate, append exactly the sampled ids); `Router`, the HTTP
 endpoints, which call wire.py at their edges only (request parsing, response and stream shapes, error bodies);
 the code-test reward; `AgentFlow`, the actor the controller calls. wire.py holds the OpenAI / Anthropic / Responses

@@ -507,6 +507,7 @@ def test_template_that_never_shows_thinking_starts_a_new_segment(models):
 # a 3-step RL run per family with the tool-calling calc agent
 
 
+@pytest.mark.timeout(1800)  # each builds its model, warm-starts it and trains: ~1-2 min on a quiet machine
 @pytest.mark.parametrize("family", FAMILIES)
 def test_three_rl_steps_with_a_tool_calling_agent(family, tmp_path, monkeypatch):
     """The calc recipe in the family's format, shrunk: warm-started on the family's transcripts, the agent's first
