@@ -28,6 +28,7 @@ import torch
 import yaml
 
 import algos
+import chat
 import cpu
 import data
 import sandbox
@@ -149,7 +150,14 @@ class Config:
     agent_retries: int = 1  # retries of a failed trajectory
     max_context_len: int = 1024  # token budget per trajectory (prompt + all turns)
     chat_template: str = ""  # dotted path to a Jinja chat template string (router, fast path); "" = the tokenizer's
-    tool_parser: str = ""  # dotted path: fn(text, tool_names) -> (content, tool_calls); "" = agentflow.parse_tool_calls
+    # (chat.QWEN3_KEEP_THINKING_TEMPLATE: Qwen3's, keeping past thinking, so a multi-turn trajectory stays one segment)
+    chat_template_kwargs: dict = field(default_factory=dict)  # variables every chat render gets (router, fast path),
+    # e.g. {enable_thinking: false}; a request's own chat_template_kwargs override them
+    tool_parser: str = ""  # how tool calls are read from the model's text: SGLang's parser names hermes, qwen25 (qwen),
+    # llama3, mistral, deepseekv3; "none"; a dotted path to fn(text, tools) -> (content, tool_calls); "" = the one the
+    # chat template shows (chat.pick_tool_parser)
+    reasoning_parser: str = ""  # how thinking is split from the answer: qwen3 (<think>...</think> the model writes),
+    # deepseek-r1 (the generation prompt opens <think>); "none"; "" = the one the chat template shows
     group_filter: str = ""  # dotted path: fn(group: list[trajectory dict]) -> bool; False drops the group, and the
     # producer dispatches another in its place (as for dynamic_sampling)
 
@@ -369,6 +377,9 @@ def finalize(cfg: Config) -> Config:
     unknown = sorted(set(cfg.tiny_model) - set(data.TINY_DEFAULTS))
     need(cfg.model_path != "tiny" or not unknown, f"unknown tiny_model setting(s) {unknown}"
          f"{closest(unknown[0], data.TINY_DEFAULTS) if unknown else ''}; valid: {sorted(data.TINY_DEFAULTS)}")
+    fam = cfg.tiny_model.get("chat_format", "chatml")
+    need(cfg.model_path != "tiny" or fam in chat.FAMILIES, f"tiny_model.chat_format={fam!r}: the tiny tokenizer is "
+         f"built in one of {sorted(chat.FAMILIES)}{closest(str(fam), chat.FAMILIES)}")
     if cfg.device == "cuda" and cfg.colocate:
         need(cfg.num_engines * cfg.gpus_per_engine <= cfg.trainer_workers, f"colocate: {cfg.num_engines} engines x "
              f"gpus_per_engine={cfg.gpus_per_engine} GPUs must fit on the trainers' {cfg.trainer_workers} GPUs; lower "
@@ -427,6 +438,14 @@ def finalize(cfg: Config) -> Config:
             __import__(TRACKERS[t])
         except ImportError:
             raise ValueError(f"trackers: {t!r} needs the {TRACKERS[t]} package: pip install -e .[tracking]") from None
+    need(cfg.tool_parser in chat.TOOL_PARSERS + ("", "none") or data.is_dotted(cfg.tool_parser),
+         f"tool_parser={cfg.tool_parser!r}: choose one of {chat.TOOL_PARSERS}, 'none', '' (the chat template's) or a "
+         f"dotted path to fn(text, tools) -> (content, tool_calls){closest(cfg.tool_parser, chat.TOOL_PARSERS)}")
+    need(cfg.reasoning_parser in chat.REASONING_PARSERS + ("", "none"),
+         f"reasoning_parser={cfg.reasoning_parser!r}: choose one of {chat.REASONING_PARSERS}, 'none' or '' (the chat "
+         f"template's){closest(cfg.reasoning_parser, chat.REASONING_PARSERS)}")
+    need(isinstance(cfg.chat_template_kwargs, dict), f"chat_template_kwargs={cfg.chat_template_kwargs!r} must be a "
+         "mapping of template variables, e.g. {enable_thinking: false}")
     plugged = [k for k in ("agent", "chat_template", "tool_parser", "group_filter", "window", "engine", "transfer",
                            "sandbox") if data.is_dotted(getattr(cfg, k))]
     for name in ["reward", "warmstart_example"] + plugged:
@@ -592,7 +611,7 @@ def _vocab_of(path: str, tiny_model: dict) -> tuple | None:
     builder's tokenizer settings; None where it cannot be known before anything is built."""
     if path == "tiny":
         s = {**data.TINY_DEFAULTS, **tiny_model}
-        return ("tiny", s["tokenizer_vocab"], s["vocab_multiple"])
+        return ("tiny", s["tokenizer_vocab"], s["vocab_multiple"], s["chat_format"])
     cfg_file = Path(path) / "config.json"
     if not cfg_file.exists():
         return None

@@ -38,6 +38,7 @@ if os.environ.get("LOONGSAGE_CONFORMANCE") != "1":
                     "-m pytest -q tests/test_sglang_conformance.py", allow_module_level=True)
 
 import agentflow  # noqa: E402
+import chat  # noqa: E402
 import config  # noqa: E402
 import cpu_engine  # noqa: E402
 import data  # noqa: E402
@@ -336,7 +337,7 @@ PROBES = [
     ("unicode arguments", '<tool_call>{"name": "calc", "arguments": {"expression": "√2 ≈ 1.41"}}</tool_call>'),
     ("stray closing tag", 'answer</tool_call>'),
 ]
-# Where the router departs from SGLang on purpose (agentflow.parse_tool_calls' docstring says why)
+# Where the router departs from SGLang on purpose (chat._calls' docstring says why)
 DEPARTURES = [
     ("arguments as a JSON string", '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"4\\"}"}</tool_call>'),
 ]
@@ -352,8 +353,8 @@ def _sglang_parse(text):
 
 
 def _router_parse(text):
-    content, calls = agentflow.parse_tool_calls(text, {"calc"})
-    return content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    content, calls = chat.parse_tool_calls("hermes", text, [{"type": "function", "function": {"name": "calc"}}])
+    return content.strip(), [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
 @pytest.mark.parametrize("name,text", PROBES, ids=[p[0] for p in PROBES])
