@@ -83,6 +83,7 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 from torch.multiprocessing import reductions  # importing it also registers torch's tensor reducers with ForkingPickler
 
 import data
+import lora
 
 TRANSPORTS = ("auto", "shm", "cuda_ipc", "broadcast", "disk")
 
@@ -298,6 +299,57 @@ def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: lis
     return stats
 
 
+def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list, version: int, name: str, *,
+                 transport: str = "auto") -> dict:
+    """LoRA: load `adapters` ({PEFT name: full tensor}, lora.gather) into every engine as a new adapter `name`, with
+    its PEFT `config` (adapter_config.json), then make `version` the engines' weight version. No weight-update
+    session: SGLang 0.5.23 loads adapters outside one (they never change the weights a running request uses). One
+    adapter per version: SGLang refuses a name already loaded, and a request keeps the adapter it named until it
+    ends, so the requests in flight finish on their own adapter (AgentFlow names the new one for new requests and
+    unloads the old one once no request of its uses it). `engines`: urls or (url, tp_size) pairs.
+
+    Transports (SGLang has no adapter broadcast): "shm" (CPU engine) and "cuda_ipc" (SGLang, same machine):
+    `/load_lora_adapter_from_tensors` with one payload per TP rank of the full tensors (SGLang slices them per rank
+    itself), in shared memory as one flattened bucket, or as CUDA IPC handles of a {name: tensor} dict; "disk": a
+    PEFT directory and `/load_lora_adapter`. Returns `weights/` metrics: bytes, buckets, seconds, GB/s."""
+    t0 = time.perf_counter()
+    engines = _engines(engines)
+    tensors = sorted(adapters.items())
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    kinds = {pick_transport(u, transport) for u, _ in engines}
+    for kind in kinds:
+        if kind not in ("shm", "cuda_ipc", "disk"):
+            raise ValueError(f"transfer={kind!r} cannot carry a LoRA adapter (SGLang 0.5.23 loads adapters from "
+                             "tensors or from disk only); use transfer=auto, shm, cuda_ipc or disk")
+    fields = {"lora_name": name, "config_dict": config}
+    desc = write_shm_bucket(tensors)[0] if "shm" in kinds else None  # written once, read by every local engine
+
+    def load(engine):
+        url, tp = engine
+        kind = pick_transport(url, transport)
+        if kind == "shm":
+            _post(url, "/load_lora_adapter_from_tensors", {**fields, "load_format": "flattened_bucket",
+                                                          "serialized_named_tensors": [desc] * tp})
+        elif kind == "cuda_ipc":
+            on_gpu = {n: t.detach().cuda().contiguous() for n, t in tensors}
+            _post(url, "/load_lora_adapter_from_tensors", {**fields, "serialized_named_tensors":
+                                                          cuda_ipc_payloads(on_gpu, tp)})
+            torch.cuda.synchronize()
+        else:
+            out = tempfile.mkdtemp(prefix="loongsage_adapter_")
+            try:
+                _post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": lora.save_peft(adapters, config, out)})
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+        # abort_all_requests defaults to true in SGLang: requests in flight must survive the version change
+        _post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+    _each(load, engines)
+    seconds = time.perf_counter() - t0
+    # bytes of one copy, as push_weights counts them: what one engine receives
+    return {"weights/version": version, "weights/buckets": 1, "weights/bytes": nbytes, "weights/seconds": seconds,
+            "weights/gbps": nbytes / max(seconds, 1e-9) / 1e9}
+
+
 def _update_fields(last: bool, version: str) -> dict:
     """Fields every update request carries: no cache flush (requests are running, paused in place), no abort,
     and the new version on the last bucket only (SGLang sets it when that request succeeds)."""
@@ -453,9 +505,9 @@ def _reduce_tensor_with_device_uuid(t: torch.Tensor):
     return rebuild, args
 
 
-def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
-    """SGLang's serialized_named_tensors for one bucket: base64 of a ForkingPickler dump of [(name, tensor), ...],
-    one per TP rank. Each rank deserializes only entry tp_rank, and each entry is its own dump: CUDA IPC counts
+def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], tp_size: int) -> list[str]:
+    """SGLang's serialized_named_tensors for one bucket: base64 of a ForkingPickler dump of [(name, tensor), ...]
+    (a weight update) or {name: tensor} (a LoRA adapter, /load_lora_adapter_from_tensors), one per TP rank. Each rank deserializes only entry tp_rank, and each entry is its own dump: CUDA IPC counts
     references per dump on the sender, so one dump read by two ranks would be released twice. CUDA devices travel
     as UUIDs (`_reduce_tensor_with_device_uuid`). The dump holds only what SGLang's SafeUnpickler allows (lists,
     tuples, str, torch's tensor rebuild functions, dtypes). Works on CPU tensors too (shared-memory handles)."""
