@@ -1169,8 +1169,9 @@ class AgentFlow:
         """The controller re-created the engine at old_url as new_url, on the current weights: route to it."""
         self.pool.replace(old_url, new_url)
 
-    def use_adapter(self, name: str, version: int) -> None:
-        """LoRA: after a weight sync, new requests generate with adapter `name`, weight version `version`."""
+    async def use_adapter(self, name: str, version: int) -> None:
+        """LoRA: after a weight sync, new requests generate with adapter `name`, weight version `version` (async: the
+        pool unloads the adapter it replaces from this actor's event loop)."""
         self.pool.use_adapter(name, version)
 
     def engine_metrics(self) -> dict:

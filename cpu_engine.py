@@ -40,7 +40,7 @@ seed and arrival order give the same tokens whatever else is in the batch (up to
 
 Run: `python cpu_engine.py --model-path DIR --port 30000`. Test: `pytest tests/test_cpu_engine.py` (against
 transformers on the same weights, over real HTTP); routed experts in `tests/test_moe.py`, DeepSeek-V3 in
-`tests/test_deepseek.py`, the memory hand-off in `tests/test_colocate.py`.
+`tests/test_deepseek.py`, the memory hand-off in `tests/test_colocate.py`, LoRA adapters in `tests/test_lora.py`.
 Left out: streaming, prefix caching, text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA
 on MoE experts, multi-latent attention, embeddings or the LM head, multimodal input; a dropped HTTP connection does
 not abort its request (call /abort_request).

@@ -35,7 +35,7 @@ expert ranks in step with padding-only micro-batches).
 
 Test: `.venv/bin/pytest tests/test_trainer.py` (real Ray actors, real Megatron-Core over gloo; parity
 against transformers, TP=2 and DP=2 equivalence, HF round trip, checkpoint resume), tests/test_pipeline.py
-(PP=2 against one rank), tests/test_moe.py (EP=2 against one rank, R3), tests/test_critic.py.
+(PP=2 against one rank), tests/test_moe.py (EP=2 against one rank, R3), tests/test_critic.py, tests/test_lora.py.
 Left out: sequence/context parallelism, virtual pipeline stages, PP together with EP, PP with tied
 embeddings, packed sequences, an HF export of the critic (it lives in the Megatron checkpoints only), the critic with
 pipeline or expert parallelism (rejected at `--check`).

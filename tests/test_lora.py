@@ -365,3 +365,38 @@ def test_engine_refuses_what_sglang_refuses_and_the_pool_names_and_retires_adapt
     finally:
         handle.shutdown()
         off.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# a whole run
+
+
+def test_async_lora_run_versions_gap_and_bytes(tmp_path, monkeypatch, ray_session):
+    """The CPU recipe, shrunk, in async mode with a KL term: after the warm start the base goes once (version 0),
+    then every sync moves only adapter bytes; requests in flight across a sync finish on their own adapter and
+    their tokens keep its version (lag <= 1 with max_version_lag 1, versions within the window), tokens sampled by
+    the trainer's own adapter give a ~0 train-inference gap, and the run ends with a merged HF model and a PEFT
+    adapter."""
+    import json
+    import loongsage
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
+    tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=128)
+    cfg = config.load_config(str(root / "recipes/arith_lora_cpu.yaml"), [
+        f"output_dir={tmp_path}/run", "num_steps=3", "prompts_per_step=4", "samples_per_prompt=4",
+        "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=6", "eval_every=0", "warmstart_steps=2",
+        "warmstart_batch_size=8", "lr=1e-2", "kl_coef=0.01", "reward=tests.rewards.text_hash", "mode=async",
+        "stale_steps=1", "max_version_lag=1", f"tiny_model={json.dumps(tiny)}"])
+    steps = [h for h in loongsage.train(cfg) if "train/loss" in h]
+    assert len(steps) == 3
+    for i, h in enumerate(steps):
+        assert i - 1 <= h["rollout/weight_version_min"] <= h["rollout/weight_version_max"] <= i, (i, h)
+        assert h["rollout/lag_max"] <= 1 and h["weights/version"] == i + 1
+        assert h["weights/bytes"] < h["weights/full_bytes"] / 5 and h["train/kl"] >= 0
+        if "train/gap_k3" in h:
+            assert h["train/gap_k3"] < 1e-6 and h["train/gap_max"] < 1e-4, (i, h)
+    assert any("train/gap_k3" in h for h in steps)
+    run = tmp_path / "run"
+    assert (run / "final_adapter" / lora.PEFT_WEIGHTS).exists() and (run / "final_hf" / "model.safetensors").exists()
