@@ -1384,23 +1384,28 @@ def build_app(engine: CpuEngine):
                                  f"and end_weight_update()"}, status_code=400)
         return None
 
+    async def own_bucket(body: dict, endpoint: str) -> list:
+        """The tensors of `serialized_named_tensors` (one entry per TP rank) that this engine reads: entry 0, as
+        SGLang's TP rank 0 does (the CPU engine is one rank), a transfermesh shared-memory descriptor of a bucket in
+        the flattened_bucket layout. Views of the sender's segment: the caller copies them out. A bad descriptor or
+        checksum is a BadRequest, and nothing is loaded."""
+        items = body.get("serialized_named_tensors")
+        if not isinstance(items, list) or not items:
+            raise BadRequest(f"{endpoint} needs serialized_named_tensors (a non-empty list, one entry per TP rank)")
+        if body.get("load_format") != "flattened_bucket":
+            raise BadRequest(f"the CPU engine takes load_format 'flattened_bucket' (a shared-memory descriptor from "
+                             f"transfermesh per TP rank), got {body.get('load_format')!r}")
+        try:
+            return await asyncio.to_thread(transfermesh.read_shm_bucket, items[0])
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         body = await _json_body(request)
         if (refused := refuse_outside_session("update_weights_from_tensor")) is not None:
             return refused
-        items = body.get("serialized_named_tensors")
-        if not isinstance(items, list) or not items:
-            raise BadRequest("update_weights_from_tensor needs serialized_named_tensors (a non-empty list, one entry "
-                             "per TP rank)")
-        if body.get("load_format") != "flattened_bucket":
-            raise BadRequest(f"the CPU engine takes load_format 'flattened_bucket' (a shared-memory descriptor from "
-                             f"transfermesh per TP rank), got {body.get('load_format')!r}")
-        try:  # the CPU engine is one TP rank: it reads entry 0, as SGLang's rank 0 does
-            named = await asyncio.to_thread(transfermesh.read_shm_bucket, items[0])
-        except ValueError as e:  # a bad descriptor or checksum: refuse the bucket, keep the old weights
-            raise BadRequest(str(e)) from None
-        return await load(named, body)
+        return await load(await own_bucket(body, "update_weights_from_tensor"), body)
 
     # LoRA adapters, as SGLang 0.5.23 answers them: LoRAUpdateOutput {success, error_message, loaded_adapters},
     # HTTP 400 with success false when refused. No weight-update session: SGLang loads adapters outside one.
@@ -1429,19 +1434,10 @@ def build_app(engine: CpuEngine):
     @app.post("/load_lora_adapter_from_tensors")
     async def load_lora_adapter_from_tensors(request: Request):
         body = await _json_body(request)
-        name, items, config = lora_name(body), body.get("serialized_named_tensors"), body.get("config_dict")
+        name, config = lora_name(body), body.get("config_dict")
         if not isinstance(config, dict):
             raise BadRequest("load_lora_adapter_from_tensors needs config_dict, the adapter's adapter_config.json")
-        if not isinstance(items, list) or not items:
-            raise BadRequest("load_lora_adapter_from_tensors needs serialized_named_tensors (a non-empty list, one "
-                             "entry per TP rank)")
-        if body.get("load_format") != "flattened_bucket":
-            raise BadRequest(f"the CPU engine takes load_format 'flattened_bucket' (a shared-memory descriptor from "
-                             f"transfermesh per TP rank), got {body.get('load_format')!r}")
-        try:  # entry 0: the CPU engine is TP rank 0 of one; make_adapter copies the views out of the segment
-            named = await asyncio.to_thread(transfermesh.read_shm_bucket, items[0])
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
+        named = await own_bucket(body, "load_lora_adapter_from_tensors")  # make_adapter copies the tensors out
         return await asyncio.to_thread(lora_answer, engine.load_adapter, name, "__tensor__", config, named)
 
     @app.post("/unload_lora_adapter")

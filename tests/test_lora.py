@@ -16,11 +16,9 @@ What each test proves:
   adapter), and AgentFlow's pool names the current adapter, stamps its version and unloads the one it replaced.
 """
 import asyncio
-import socket
 
 import httpx
 import pytest
-import ray
 import torch
 
 import config
@@ -28,44 +26,19 @@ import cpu_engine
 import data
 import lora
 import rollout
-import trainer
 import transfermesh
 from config import Config
+from test_trainer import Ranks, max_diff  # the trainer ranks as one Ray world, and the logprob comparison
+from test_trainer import make_cfg as trainer_cfg
 
 pytestmark = pytest.mark.timeout(900)
 R, ALPHA = 4, 8.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_cfg(**over) -> Config:
-    """As test_trainer's: 8 samples in 2 mini-batches, large lr and adam_eps (one step moves the adapters smoothly),
-    a KL term (so the reference by disabling runs); LoRA on every projection."""
-    base = dict(device="cpu", dtype="float32", seed=0, tensor_parallel=1, pipeline_parallel=1, trainer_workers=1,
-                prompts_per_step=4, samples_per_prompt=2, global_batch_size=4, micro_batch_size=2, num_steps=10,
-                lr=1e-2, min_lr=1e-2, adam_eps=1e-2, grad_clip=1.0, max_new_tokens=8, kl_coef=0.05,
-                lora_rank=R, lora_alpha=ALPHA)
-    base.update(over)
-    return Config(**base)
-
-
-class Ranks:
-    def __init__(self, cfg: Config, n: int):
-        actor = ray.remote(num_cpus=1)(trainer.TrainerWorker)
-        port = _free_port()
-        self.workers = [actor.remote(cfg, r, n, "127.0.0.1", port) for r in range(n)]
-
-    def call(self, method: str, *args):
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
-
-    def close(self):
-        self.call("shutdown")
-        for w in self.workers:
-            ray.kill(w)
+    """test_trainer's (8 samples in 2 mini-batches, a large lr and adam_eps so one step moves the adapters smoothly,
+    a KL term so the reference by disabling runs) with LoRA on every projection."""
+    return trainer_cfg(**{"lora_rank": R, "lora_alpha": ALPHA, **over})
 
 
 def make_batch(tok, n_groups=4, per_group=2, seed=0) -> list[dict]:
@@ -92,10 +65,6 @@ def hf_logprobs(model, batch) -> list[torch.Tensor]:
         logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
         out.append(logp[len(s["prompt_ids"]) - 1:])
     return out
-
-
-def max_diff(a, b) -> float:
-    return max(float((torch.as_tensor(x) - torch.as_tensor(y)).abs().max()) for x, y in zip(a, b))
 
 
 def adapter_params_by_hand(hf: dict) -> int:
