@@ -299,6 +299,13 @@ def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: lis
     return stats
 
 
+def adapter_transport(url: str, requested: str) -> str:
+    """The transport of a LoRA adapter to the engine at `url`: pick_transport's, except that `auto` sends a remote
+    engine a PEFT directory ("disk") where full weights would go by broadcast (SGLang has no adapter broadcast)."""
+    kind = pick_transport(url, requested)
+    return "disk" if kind == "broadcast" and requested == "auto" else kind
+
+
 def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list, version: int, name: str, *,
                  transport: str = "auto") -> dict:
     """LoRA: load `adapters` ({PEFT name: full tensor}, lora.gather) into every engine as a new adapter `name`, with
@@ -311,12 +318,14 @@ def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list,
     Transports (SGLang has no adapter broadcast): "shm" (CPU engine) and "cuda_ipc" (SGLang, same machine):
     `/load_lora_adapter_from_tensors` with one payload per TP rank of the full tensors (SGLang slices them per rank
     itself), in shared memory as one flattened bucket, or as CUDA IPC handles of a {name: tensor} dict; "disk": a
-    PEFT directory and `/load_lora_adapter`. Returns `weights/` metrics: bytes, buckets, seconds, GB/s."""
+    PEFT directory and `/load_lora_adapter`, which `auto` picks for an engine on another machine (where full weights
+    would be broadcast; it needs a disk both see, as the disk transport does). Returns `weights/` metrics: bytes,
+    buckets, seconds, GB/s."""
     t0 = time.perf_counter()
     engines = _engines(engines)
     tensors = sorted(adapters.items())
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-    kinds = {pick_transport(u, transport) for u, _ in engines}
+    kinds = {adapter_transport(u, transport) for u, _ in engines}
     for kind in kinds:
         if kind not in ("shm", "cuda_ipc", "disk"):
             raise ValueError(f"transfer={kind!r} cannot carry a LoRA adapter (SGLang 0.5.23 loads adapters from "
@@ -326,7 +335,7 @@ def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list,
 
     def load(engine):
         url, tp = engine
-        kind = pick_transport(url, transport)
+        kind = adapter_transport(url, transport)
         if kind == "shm":
             _post(url, "/load_lora_adapter_from_tensors", {**fields, "load_format": "flattened_bucket",
                                                           "serialized_named_tensors": [desc] * tp})

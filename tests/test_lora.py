@@ -93,6 +93,15 @@ def test_lora_config_refuses_what_it_cannot_serve(over, needle):
         config.load_config(None, ["lora_rank=8", *over])
 
 
+def test_adapter_transports_follow_the_engines_place():
+    """Local engines get the adapter from memory (shm / CUDA IPC, as full weights do); a remote one gets a PEFT
+    directory under `auto`, since SGLang cannot receive an adapter by broadcast."""
+    local, remote = "http://127.0.0.1:30000", "http://10.255.255.1:30000"
+    assert transfermesh.adapter_transport(local, "auto") == transfermesh.pick_transport(local, "auto")
+    assert transfermesh.adapter_transport(remote, "auto") == "disk"
+    assert transfermesh.adapter_transport(remote, "disk") == "disk"
+
+
 def test_sglang_is_started_with_its_lora_flags():
     cfg = config.load_config(None, ["lora_rank=16", "lora_targets=[q_proj, v_proj]"])
     cmd = rollout.sglang_command(cfg, "127.0.0.1", 30000, 0)
