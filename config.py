@@ -481,6 +481,9 @@ def check_lora(cfg: Config) -> None:
          "and a LoRA sync sends only the adapters, so the base would be lost; set colocate=false")
     need(cfg.transfer in ("auto", "shm", "cuda_ipc", "disk"), f"transfer={cfg.transfer!r} with lora_rank > 0: SGLang "
          "0.5.23 loads adapters from tensors (same machine) or a directory only; use auto, shm, cuda_ipc or disk")
+    need(not (cfg.teachers and cfg.teacher_eval), "teacher_eval=true with lora_rank > 0: the teachers' eval swaps "
+         "whole models into the engines and back, and a LoRA sync carries adapters (one engine adapter per weight "
+         "version, loaded once); set teacher_eval=false (distillation itself works with LoRA)")
 
 
 def teacher_spec(name: str, spec) -> dict:

@@ -87,6 +87,7 @@ def adapter_params_by_hand(hf: dict) -> int:
     (["transfer=broadcast"], "loads adapters from tensors"),
     (["tiny_model.num_experts=4"], "MoE experts"),
     (["lora_alpha=0"], "lora_alpha=0"),
+    (['teachers={"t": "tiny"}', "gkd_ratio=0.5"], "teacher_eval=true"),
 ])
 def test_lora_config_refuses_what_it_cannot_serve(over, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
@@ -128,7 +129,7 @@ def test_tp2_equals_tp1_base_frozen_reference_is_the_base(ray_session, tiny_mode
     base_state = load_file(f"{tiny_model_dir}/model.safetensors")
     results = {}
     for tp in (1, 2):
-        ranks = Ranks(make_cfg(tensor_parallel=tp, trainer_workers=tp), tp)
+        ranks = Ranks(make_cfg(tensor_parallel=tp, trainer_workers=tp, weight_decay=0.1), tp)
         try:
             info = ranks.call("load_hf", tiny_model_dir)[0]
             lp0 = ranks.call("compute_logprobs", batch)[0]
@@ -162,19 +163,39 @@ def test_tp2_equals_tp1_base_frozen_reference_is_the_base(ray_session, tiny_mode
     assert any(float(t.abs().max()) > 0 for n, t in a1.items() if ".lora_B." in n)  # B left zero: a real update
 
 
-def test_critic_trains_its_adapters_and_value_head_on_a_frozen_trunk(ray_session, tiny_model_dir):
+def test_critic_and_distillation_train_adapters_on_a_frozen_base(ray_session, tiny_model_dir):
+    """advantage: gae with a GKD term: the critic trains its own adapters and value head on a frozen trunk, and the
+    student's top-k distillation loss reaches the adapters. The teacher targets are fixed per-token top-k
+    distributions (the teacher side is tests/test_teacher.py's); the base weights come back bit for bit."""
+    from safetensors.torch import load_file
     tok = data.load_tokenizer(tiny_model_dir)
     batch = make_batch(tok)
-    ranks = Ranks(make_cfg(advantage="gae", kl_coef=0.0), 1)
+    g = torch.Generator().manual_seed(0)
+    K = 4
+    targets = []
+    for s in batch:
+        n = len(s["response_ids"])
+        ids = torch.randint(10, 300, (n, K), generator=g)
+        ids[:, 0] = torch.tensor(s["response_ids"])  # the sampled token among the teacher's top k
+        topk = torch.log_softmax(torch.randn(n, K, generator=g), -1)  # (n, K) the teacher's top-k logprobs
+        targets.append({"teacher_logp": topk[:, 0].clone(), "teacher_mask": torch.ones(n),
+                        "teacher_topk_logp": topk, "teacher_topk_ids": ids})
+    ranks = Ranks(make_cfg(advantage="gae", kl_coef=0.0, gkd_ratio=0.5, distill_type="topk_kl", teacher_topk=K), 1)
     try:
         info = ranks.call("load_hf", tiny_model_dir)[0]
-        m = ranks.call("train_step", batch, 0)[0]
+        m = ranks.call("train_step", batch, 0, targets)[0]
         v = ranks.call("compute_values", batch)[0]
+        exported = dict(ranks.call("export_hf_weights")[0])
+        [adapters] = ranks.call("export_adapters")
     finally:
         ranks.close()
     assert info["critic"] and not info["reference"]
     assert m["critic/grad_norm"] > 0 and all(torch.isfinite(x).all() for x in v)
     assert any(float(x.abs().max()) > 0 for x in v)  # the value head (zero at start) moved
+    assert m["train/opd_loss"] > 0 and m["train/opd_tokens"] > 0 and m["train/grad_norm"] > 0
+    assert any(float(t.abs().max()) > 0 for n, t in adapters.items() if ".lora_B." in n)
+    base_state = load_file(f"{tiny_model_dir}/model.safetensors")
+    assert all(torch.equal(exported[n], t) for n, t in base_state.items())
 
 
 # ----------------------------------------------------------------------------------------------
