@@ -6,12 +6,16 @@ What lives here, top to bottom:
   DeepSeek-V3) turned into a Megatron `TransformerConfig` plus the GPTModel arguments (`_rope`, `_moe_settings`;
   DeepSeek-V3's multi-latent attention, YaRN and grouped sigmoid routing: `_deepseek_settings`, an
   `MLATransformerConfig`);
-* `build_gpt_model`: a GPTModel on the local layer spec, one pipeline stage of it, with the LM head in fp32 on
-  request (`fp32_output_layer`, which Megatron-Core 0.16 has no option for); DeepSeek-V3's dense first layers and
-  MoE layers come from Megatron's per-layer block spec;
-* the weights: `load_hf_state`, `hf_to_megatron`, `megatron_to_hf` (full, TP=1 layout, every expert; the name
-  map is written out above them) and the tensor-parallel split / gather of one parameter (`shard_for_rank`,
-  `gather_full`); `save_hf_dir` writes an HF directory the engines and transformers load.
+* `layer_spec`: Transformer Engine's layer spec or Megatron's local one (cfg.layer_spec, `auto` resolved where the
+  model is built), and Megatron's fast paths set in the TransformerConfig: sequence and context parallelism,
+  activation recomputation (`megatron_config`); DeepSeek-V3's dense first layers and MoE layers come from Megatron's
+  per-layer block spec;
+* `build_gpt_model`: a GPTModel on that spec, one pipeline stage of it, with the LM head in fp32 on request
+  (`fp32_output_layer`, which Megatron-Core 0.16 has no option for);
+* the weights: `load_hf_state`, `hf_to_megatron`, `megatron_to_hf` (full, TP=1 layout, every expert, local-spec
+  names; the name map is written out above them; `fused_norm_names` gives the TE spec's names for the two norms it
+  fuses) and the tensor-parallel split / gather of one parameter (`shard_for_rank`, `gather_full`); `save_hf_dir`
+  writes an HF directory the engines and transformers load.
 
 Which shard of a full tensor a rank holds under TP / EP / PP is the trainer's `Model.load` / `Model.gather`;
 this file knows one tensor's TP split only.
@@ -21,11 +25,13 @@ transformers' fp32 logprobs with max abs diff 0.0 on CPU (docs/CPU.md), so the t
 
 Test: `.venv/bin/pytest tests/test_trainer.py -k "parity or tensor_parallel or save_hf"` (against transformers,
 other families, TP=2, the HF round trip), tests/test_moe.py (experts and routers, EP=2), tests/test_pipeline.py,
-tests/test_deepseek.py (DeepSeek-V3 at TP=1 and TP=2, YaRN, without q compression, real configs).
+tests/test_deepseek.py (DeepSeek-V3 at TP=1 and TP=2, YaRN, without q compression, real configs),
+tests/test_fast_paths.py (the spec's names, recomputation on CPU; the TE spec itself needs CUDA: scripts/gpu_check.sh).
 Left out: sliding-window attention (exact below the window), biases other than Qwen2's qkv biases, activations
 other than SwiGLU, rope scalings other than Llama-3.1's (and YaRN for DeepSeek-V3), Qwen3-MoE models that mix dense
 and MoE layers, DeepSeek-V3's multi-token-prediction layers (dropped on load: RL trains the main model only),
-DeepSeek-V3 with rope_interleave=false or norm_topk_prob=false.
+DeepSeek-V3 with rope_interleave=false or norm_topk_prob=false, TE's grouped-GEMM experts (their weights are named
+per GEMM, not per expert), FP8.
 """
 from __future__ import annotations
 
@@ -184,11 +190,47 @@ def _deepseek_settings(hf: dict) -> dict:
         **_MOE_COMMON)
 
 
-def megatron_config(hf: dict, cfg, cpu: bool):
-    """(TransformerConfig, GPTModel kwargs) for an HF config dict, with cfg's parallel sizes and dtype.
+def _te_import_error() -> str | None:
+    """Why `transformer_engine` does not import here, or None when it does."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401  Transformer Engine: only probed, Megatron's spec uses it
+    except (ImportError, OSError) as e:  # OSError: installed, but its CUDA libraries do not load
+        return f"{type(e).__name__}: {e}"
+    return None
 
-    `cfg.megatron` (a dict) is passed through last, so any TransformerConfig field can be overridden
-    from a recipe.
+
+def layer_spec(cfg, on_cpu: bool) -> str:
+    """"te" (Transformer Engine's layer spec: fused norm+linear layers, TE's flash attention, sequence and context
+    parallelism) or "local" (Megatron's own modules; on CPU with cpu.SDPACoreAttention and norms that take sequence
+    parallelism, cpu.apply_cpu_shims): cfg.layer_spec with `auto` resolved on this machine, where the model is built
+    (config.check_fast_paths has checked what --check can know)."""
+    if cfg.layer_spec == "local" or (cfg.layer_spec == "auto" and on_cpu):
+        spec, why = "local", f"layer_spec={cfg.layer_spec!r}" + (" on CPU" if on_cpu else "")
+    elif on_cpu:
+        raise ValueError("layer_spec='te' needs CUDA (Transformer Engine's kernels); set layer_spec=auto or local")
+    else:
+        error = _te_import_error()
+        if error and cfg.layer_spec == "te":
+            raise ValueError(f"layer_spec='te' but transformer_engine does not import on this trainer ({error}); "
+                             "install Transformer Engine for this torch and CUDA, or set layer_spec=auto")
+        spec, why = ("local", f"transformer_engine does not import here ({error})") if error else ("te", "")
+    if spec == "local" and int(cfg.context_parallel) > 1:
+        raise ValueError(f"context_parallel={cfg.context_parallel} needs Transformer Engine's attention, and this "
+                         f"trainer builds the local spec ({why}); install Transformer Engine, or set "
+                         "context_parallel=1")
+    if spec == "local" and cfg.sequence_parallel and not on_cpu:  # on CPU the shims mark the torch norms (cpu.py)
+        raise ValueError(f"sequence_parallel=true needs Transformer Engine's layer spec on CUDA, and this trainer "
+                         f"builds the local one ({why}), whose torch norms refuse it; install Transformer Engine, or "
+                         "set sequence_parallel=false")
+    return spec
+
+
+def megatron_config(hf: dict, cfg, cpu: bool):
+    """(TransformerConfig, GPTModel kwargs) for an HF config dict, with cfg's parallel sizes, dtype and fast paths
+    (sequence / context parallelism, recomputation); the kwargs carry the layer spec (`layer_spec`).
+
+    `cfg.megatron` (a dict) is passed through last, so any other TransformerConfig field can be overridden
+    from a recipe (config.MEGATRON_OWNED lists those LoongSage sets from its own fields).
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # Megatron: late
 
@@ -230,7 +272,8 @@ def megatron_config(hf: dict, cfg, cpu: bool):
         # Each micro-batch loss is pre-divided by global counts: DDP must SUM gradients over DP ranks.
         calculate_per_token_loss=True,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=int(cfg.pipeline_parallel),
-        expert_model_parallel_size=int(cfg.expert_parallel), sequence_parallel=False,
+        expert_model_parallel_size=int(cfg.expert_parallel), sequence_parallel=bool(cfg.sequence_parallel),
+        context_parallel_size=int(cfg.context_parallel),
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         # perform_initialization stays on although the HF weights overwrite the init: it is also what marks
         # TP-sharded parameters (`tensor_model_parallel`), which grad-norm and clipping rely on.
@@ -254,6 +297,10 @@ def megatron_config(hf: dict, cfg, cpu: bool):
         if not _is_moe(hf):
             raise ValueError(f"router_replay=true needs an MoE model; {mt} has no router. Set router_replay=false")
         base["moe_enable_routing_replay"] = True  # each TopKRouter gets a RouterReplay (see replay_routing)
+    if cfg.recompute == "full":  # keep each layer's input, run the layer again in the backward
+        base.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif cfg.recompute == "selective":  # recompute the core attention only (Megatron's default recompute_modules)
+        base.update(recompute_granularity="selective")
     base.update(dict(cfg.megatron))
     tcfg = (MLATransformerConfig if mt == "deepseek_v3" else TransformerConfig)(**base)
     # MLA builds its own rotary embedding from tcfg (GPTModel's is not made then)
@@ -261,8 +308,28 @@ def megatron_config(hf: dict, cfg, cpu: bool):
     model_kwargs = dict(vocab_size=hf["vocab_size"], max_sequence_length=hf.get("max_position_embeddings", 4096),
                         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
                         position_embedding_type="rope", rotary_percent=1.0, rotary_base=rotary_base,
-                        rope_scaling=rope_scaling, rope_scaling_factor=rope_factor, parallel_output=True)
+                        rope_scaling=rope_scaling, rope_scaling_factor=rope_factor, parallel_output=True,
+                        transformer_layer_spec=_layer_spec_module(tcfg, layer_spec(cfg, cpu)))
     return tcfg, model_kwargs
+
+
+def _layer_spec_module(tcfg, spec: str):
+    """Megatron's ModuleSpec of one transformer layer: TE's ("te") or the local one (CPU: its core attention is
+    cpu.SDPACoreAttention via the shims). Experts stay one MLP each (no grouped GEMM): both specs name them alike."""
+    from megatron.core.models.gpt import gpt_layer_specs  # Megatron: late
+    if tcfg.multi_latent_attention:  # DeepSeek-V3: dense and MoE layers (moe_layer_freq), one spec per layer
+        if spec == "local":
+            cpu.moe_router_without_te()
+            cpu.mla_without_te()
+        return gpt_layer_specs.get_gpt_decoder_block_spec(tcfg, use_transformer_engine=spec == "te",
+                                                          normalization="RMSNorm")
+    if spec == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=tcfg.qk_layernorm)
+    if tcfg.num_moe_experts:
+        cpu.moe_router_without_te()
+    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
 
 
 def fp32_output_layer(gpt) -> None:
@@ -283,24 +350,12 @@ def fp32_output_layer(gpt) -> None:
 
 def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, pre_process: bool = True,
                     post_process: bool = True, fp32_lm_head: bool = False):
-    """A GPTModel on the local layer spec (CPU: its core attention is cpu.SDPACoreAttention via the shims). With
-    pipeline parallelism: one stage, its share of the layers (+ embedding on the first, final norm and output
-    layer on the last: `pre_process` / `post_process`). `fp32_lm_head`: logits computed in fp32
-    (`fp32_output_layer`)."""
+    """A GPTModel on the layer spec in `model_kwargs` (megatron_config). With pipeline parallelism: one stage, its
+    share of the layers (+ embedding on the first, final norm and output layer on the last: `pre_process` /
+    `post_process`). `fp32_lm_head`: logits computed in fp32 (`fp32_output_layer`)."""
     from megatron.core.models.gpt import GPTModel  # Megatron: late
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,  # Megatron: late
-                                                          get_gpt_layer_local_spec)
 
-    if tcfg.num_moe_experts:
-        cpu.moe_router_without_te()
-    if tcfg.multi_latent_attention:  # DeepSeek-V3: dense and MoE layers (moe_layer_freq), one spec per layer
-        cpu.mla_without_te()
-        spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
-    else:
-        spec = get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
-                                        qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
-    model = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
-                     **model_kwargs)
+    model = GPTModel(config=tcfg, pre_process=pre_process, post_process=post_process, **model_kwargs)
     if tcfg.multi_latent_attention and tcfg.num_moe_experts:
         from megatron.core.transformer.moe.router import TopKRouter  # Megatron: late
         for router in [m for m in model.modules() if isinstance(m, TopKRouter)]:
@@ -345,6 +400,23 @@ def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, pre_process:
 #   decoder.layers.L.mlp.shared_experts.linear_fc{1,2}.weight <- mlp.shared_experts.{gate,up,down}_proj
 #   decoder.final_layernorm.weight              <- model.norm.weight
 #   output_layer.weight                         <- lm_head.weight (absent when embeddings are tied)
+
+
+# The TE spec fuses two norms into the linear layer after them (TELayerNormColumnParallelLinear), whose parameter
+# then holds the norm's weight: {fused name: local-spec name}. In MoE layers the pre-MLP norm stays a norm of its own.
+TE_FUSED_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                  "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def fused_norm_names(param_names) -> dict[str, str]:
+    """{local-spec name: the model's own name} for every norm the model's layer spec fused into a linear layer;
+    empty for the local spec. The conversions here speak local-spec names; trainer.Model translates with this."""
+    out = {}
+    for name in param_names:
+        for fused, local in TE_FUSED_NORMS.items():
+            if name.endswith("." + fused):
+                out[name[:-len(fused)] + local] = name
+    return out
 
 
 def load_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:

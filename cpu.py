@@ -10,9 +10,9 @@ a GPU reader can skip this file. Two sections:
    `os.sched_getaffinity` (macOS) nothing is pinned (`usable_cores`).
 2. Megatron on CPU (trainer side):
    * `apply_cpu_shims`: the changes that let Megatron-Core's GPTModel, its DistributedDataParallel, its
-     tensor-parallel layers and its 1F1B pipeline schedule run on CPU over gloo (`SDPACoreAttention`, `_TorchOnCpu`);
-     `moe_router_without_te` and `mla_without_te`, which any machine without Transformer Engine needs (every CPU
-     machine is one);
+     tensor-parallel layers, its 1F1B pipeline schedule and its activation recomputation run on CPU over gloo
+     (`SDPACoreAttention`, `_TorchOnCpu`); `moe_router_without_te` and `mla_without_te`, which any machine
+     without Transformer Engine needs (every CPU machine is one);
    * `adamw`, `clip_grad_norm`: the optimizer and its TP/EP/PP-aware gradient clipping, because Megatron's
      optimizer wrappers allocate CUDA tensors;
    * `BorrowedCores`: a trainer rank computing on the cores of CPU engines while they have nothing to generate
@@ -24,14 +24,18 @@ Test: `.venv/bin/pytest tests/test_async.py -k "cores or pinned or idle_engine o
 8-core node, real pinning of a trainer and an engine, a trainer computing on an idle engine's core),
 `tests/test_loongsage.py -k no_affinity` (no `os.sched_getaffinity`: --check and a run, unpinned), and
 `tests/test_trainer.py -k "core_attention or parity"` (the attention against torch's kernel and the whole model
-against transformers); every trainer test on CPU runs through the shims.
+against transformers), `tests/test_fast_paths.py -k recompute` (equal gradients with recomputation); every trainer
+test on CPU runs through the shims.
 Left out: NUMA placement and hyper-thread siblings (cores are taken in the order the OS lists them), pinning on a
 Ray cluster (its nodes' cores are not this process's to plan), Megatron's fused kernels and Transformer Engine on
-CPU (the fusions are switched off in convert.megatron_config), mixed precision on CPU (bf16 is rejected there).
+CPU (the fusions are switched off in convert.megatron_config), mixed precision on CPU (bf16 is rejected there), and
+with TE what needs it: sequence and context parallelism; Megatron's distributed optimizer (config.check_fast_paths
+rejects them on CPU).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import mmap
 import os
 import sys
@@ -221,6 +225,18 @@ def apply_cpu_shims() -> bool:
        start on these cores. On CPU the helpers then run as plain functions, like the rest of the CPU path (the
        fusions are off in convert.megatron_config, so the model calls none of them). Where Megatron was already
        imported, this shim changes nothing.
+    6. (activation recomputation, sequence parallelism) Megatron's checkpoint function saves and restores the CUDA
+       RNG state around each recomputed block (`_get_cuda_rng_state` / `_set_cuda_rng_state` in
+       tensor_parallel/random.py), and under sequence parallelism the embedding's dropout runs inside a fork of the
+       model-parallel CUDA RNG state (`CudaRNGStatesTracker.fork`, whose state only model_parallel_cuda_manual_seed
+       adds), which all fail without CUDA. On CPU there is no CUDA RNG: the three become no-ops, and every draw
+       (dropout, off in convert.megatron_config) is the CPU generator's, which the checkpoint function still saves
+       and restores.
+    7. (sequence parallelism, cfg.sequence_parallel) the local spec's norms are Megatron's WrappedTorchNorm (torch's
+       RMSNorm / LayerNorm), which refuses sequence parallelism: under it each TP rank normalises its own share of
+       the positions, so a norm weight's gradient is partial there and must be summed over TP ranks, which
+       finalize_model_grads does for weights marked `sequence_parallel` (Megatron's Apex and TE norms mark theirs).
+       Here the torch norm is built as usual and its weights are marked the same way.
     Also: models are built with `use_cpu_initialization=True` (convert.megatron_config), which avoids
     `model_parallel_cuda_manual_seed`, another CUDA-only call.
     Returns True when the shims are active.
@@ -240,8 +256,29 @@ def apply_cpu_shims() -> bool:
         LocalSpecProvider.core_attention = lambda self: SDPACoreAttention  # shim 2
         from megatron.core.pipeline_parallel import schedules  # Megatron: late
         schedules.torch = _TorchOnCpu()  # shim 4
+        from megatron.core.tensor_parallel import random as megatron_random  # Megatron: late
+        megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)  # shim 6
+        megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
+        megatron_random.CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm  # Megatron: late
+        WrappedTorchNorm.__new__ = _norm_taking_sequence_parallel(WrappedTorchNorm.__new__)  # shim 7
         _SHIMS_APPLIED = True
     return True
+
+
+def _norm_taking_sequence_parallel(plain):
+    """Shim 7: WrappedTorchNorm's constructor (`plain`) for a config with sequence parallelism: the same torch norm,
+    its weights marked `sequence_parallel` (their gradients then summed over TP ranks by finalize_model_grads)."""
+    def new(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return plain(cls, config, hidden_size, *args, **kwargs)
+        whole = copy.copy(config)  # what the norm reads of the config, with the flag it refuses off
+        whole.sequence_parallel = False
+        norm = plain(cls, whole, hidden_size, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+    return new
 
 
 def moe_router_without_te() -> None:

@@ -24,14 +24,18 @@ pass's helpers; `ModelRunner` (the model and its KV cache); `CpuEngine` (the sch
   between two steps, so every step runs under one set of weights.
 * Weight updates as SGLang 0.5.23 takes them: `/update_weights_from_tensor` and `/update_weights_from_distributed`
   are refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine
-  reads `serialized_named_tensors[0]` (it is TP rank 0 of one), and takes `load_format: "flattened_bucket"` in
-  SGLang's packed layout (for tensor updates: a transfermesh shared-memory descriptor). A bucket whose checksum does
-  not match the sender's is refused (400) and the engine keeps its weights.
+  reads `serialized_named_tensors[0]` (it is TP rank 0 of one): SGLang's payload, base64 of a pickle that its
+  SafeUnpickler accepts, of a `flattened_bucket` dict or of (name, tensor) pairs, CPU tensors shared through torch's
+  file_system strategy (`transfermesh.read_tensor_payload`); anything else is refused (400) as SGLang refuses it.
+  Broadcasts join SGLang's own rendezvous (`transfermesh.new_sglang_group`, gloo). A bucket whose checksum does not
+  match the sender's is refused (400) and the engine keeps its weights.
 * LoRA adapters as SGLang 0.5.23 serves them (started with `lora={...}`, SGLang's --enable-lora --max-lora-rank
-  --lora-target-modules): `/load_lora_adapter` (a PEFT directory), `/load_lora_adapter_from_tensors` (a flattened
-  bucket in shared memory, as weight updates take it), `/unload_lora_adapter` (waits until no request uses the
-  adapter), and `/generate`'s `lora_path`, resolved to one adapter when the request arrives and kept to its end. A
-  request's adapter adds scale * (x A^T) B^T beside each adapted projection, unmerged, as the trainer computes it.
+  --lora-target-modules): `/load_lora_adapter` (a PEFT directory), `/load_lora_adapter_from_tensors` (entry 0 of
+  serialized_named_tensors read as a weight update's, `transfermesh.read_tensor_payload`: a flattened bucket, or
+  with load_format null a {name: tensor} dict; SGLang's `expected_checksums`, sha256 per tensor, verified),
+  `/unload_lora_adapter` (waits until no request uses the adapter), and `/generate`'s `lora_path`, resolved to one
+  adapter when the request arrives and kept to its end. A request's adapter adds scale * (x A^T) B^T beside each
+  adapted projection, unmerged, as the trainer computes it.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
 
 Determinism. Each request draws its random numbers from its own `torch.Generator`, seeded from
@@ -1384,20 +1388,18 @@ def build_app(engine: CpuEngine):
                                  f"and end_weight_update()"}, status_code=400)
         return None
 
-    async def own_bucket(body: dict, endpoint: str) -> list:
+    async def own_payload(body: dict, endpoint: str, adapter: bool = False) -> list:
         """The tensors of `serialized_named_tensors` (one entry per TP rank) that this engine reads: entry 0, as
-        SGLang's TP rank 0 does (the CPU engine is one rank), a transfermesh shared-memory descriptor of a bucket in
-        the flattened_bucket layout. Views of the sender's segment: the caller copies them out. A bad descriptor or
-        checksum is a BadRequest, and nothing is loaded."""
+        SGLang's TP rank 0 does (the CPU engine is one rank), in SGLang's payload (transfermesh.read_tensor_payload;
+        `adapter`: a LoRA adapter's, a dict where load_format is null). Views of the sender's shared memory: the
+        caller copies them out. A bad payload or checksum is a BadRequest, and nothing is loaded."""
         items = body.get("serialized_named_tensors")
         if not isinstance(items, list) or not items:
             raise BadRequest(f"{endpoint} needs serialized_named_tensors (a non-empty list, one entry per TP rank)")
-        if body.get("load_format") != "flattened_bucket":
-            raise BadRequest(f"the CPU engine takes load_format 'flattened_bucket' (a shared-memory descriptor from "
-                             f"transfermesh per TP rank), got {body.get('load_format')!r}")
-        try:
-            return await asyncio.to_thread(transfermesh.read_shm_bucket, items[0])
-        except ValueError as e:
+        try:  # checksum: a LoongSage addition
+            return await asyncio.to_thread(transfermesh.read_tensor_payload, items[0], body.get("load_format"),
+                                           body.get("checksum"), adapter)
+        except ValueError as e:  # a bad payload or checksum: refuse it, keep what is loaded
             raise BadRequest(str(e)) from None
 
     @app.post("/update_weights_from_tensor")
@@ -1405,14 +1407,15 @@ def build_app(engine: CpuEngine):
         body = await _json_body(request)
         if (refused := refuse_outside_session("update_weights_from_tensor")) is not None:
             return refused
-        return await load(await own_bucket(body, "update_weights_from_tensor"), body)
+        return await load(await own_payload(body, "update_weights_from_tensor"), body)
 
     # LoRA adapters, as SGLang 0.5.23 answers them: LoRAUpdateOutput {success, error_message, loaded_adapters},
     # HTTP 400 with success false when refused. No weight-update session: SGLang loads adapters outside one.
-    def lora_answer(fn, *args):
+    async def lora_answer(work):
+        """`work`: a coroutine that loads or unloads and returns the loaded adapters."""
         try:
-            return {"success": True, "error_message": None, "loaded_adapters": fn(*args)}
-        except BadRequest as e:
+            return {"success": True, "error_message": None, "loaded_adapters": await work}
+        except ValueError as e:  # a BadRequest, or a payload or checksum refused
             return JSONResponse({"success": False, "error_message": str(e), "loaded_adapters": None}, status_code=400)
 
     def lora_name(body: dict) -> str:
@@ -1429,7 +1432,7 @@ def build_app(engine: CpuEngine):
                              f"{lora.PEFT_WEIGHTS})")
         config = json.loads(open(os.path.join(path, lora.PEFT_CONFIG)).read())
         named = await asyncio.to_thread(read_safetensors_dir, path)
-        return await asyncio.to_thread(lora_answer, engine.load_adapter, name, path, config, named)
+        return await lora_answer(asyncio.to_thread(engine.load_adapter, name, path, config, named))
 
     @app.post("/load_lora_adapter_from_tensors")
     async def load_lora_adapter_from_tensors(request: Request):
@@ -1437,13 +1440,18 @@ def build_app(engine: CpuEngine):
         name, config = lora_name(body), body.get("config_dict")
         if not isinstance(config, dict):
             raise BadRequest("load_lora_adapter_from_tensors needs config_dict, the adapter's adapter_config.json")
-        named = await own_bucket(body, "load_lora_adapter_from_tensors")  # make_adapter copies the tensors out
-        return await asyncio.to_thread(lora_answer, engine.load_adapter, name, "__tensor__", config, named)
+
+        async def read_and_load():  # the weight updates' reader; load_adapter copies the tensors out
+            named = await own_payload(body, "load_lora_adapter_from_tensors", adapter=True)
+            # expected_checksums: SGLang's own field (a mismatch refuses the adapter there too)
+            await asyncio.to_thread(transfermesh.verify_adapter_sha256, named, body.get("expected_checksums"))
+            return await asyncio.to_thread(engine.load_adapter, name, "__tensor__", config, named)
+        return await lora_answer(read_and_load())
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
         body = await _json_body(request)
-        return await asyncio.to_thread(lora_answer, engine.unload_adapter, lora_name(body))
+        return await lora_answer(asyncio.to_thread(engine.unload_adapter, lora_name(body)))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
@@ -1455,9 +1463,10 @@ def build_app(engine: CpuEngine):
             raise BadRequest(f"backend {body['backend']!r}: the CPU engine joins with gloo")
         # Blocks until the trainer joins the rendezvous, so it runs off the event loop (and off the scheduler).
         # The CPU engine is TP rank 0 of itself: it joins at rank_offset + 0.
-        groups[body.get("group_name", "weight_update_group")] = await asyncio.to_thread(
-            transfermesh.new_gloo_group, body["master_address"], int(body["master_port"]),
-            int(body["rank_offset"]), int(body["world_size"]))
+        name = body.get("group_name", "weight_update_group")
+        groups[name] = await asyncio.to_thread(
+            transfermesh.new_sglang_group, body["master_address"], int(body["master_port"]),
+            int(body["rank_offset"]), int(body["world_size"]), name, "gloo")
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     @app.post("/update_weights_from_distributed")
@@ -1483,8 +1492,10 @@ def build_app(engine: CpuEngine):
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
         body = await _json_body(request)
-        # The group was built beside (not inside) torch.distributed's registry, so dropping it closes it.
-        groups.pop(body.get("group_name", "weight_update_group"), None)
+        # Registered by name with torch.distributed (as SGLang's is): destroyed there too, so the name can be reused
+        pg = groups.pop(body.get("group_name", "weight_update_group"), None)
+        if pg is not None:
+            await asyncio.to_thread(torch.distributed.destroy_process_group, pg)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     return app

@@ -95,7 +95,8 @@ def train(cfg: Config) -> list[dict]:
     teacher_paths = prepare_teachers(cfg, trainers) if cfg.teachers else {}
     fleet.model = prepare_model(cfg, trainers)  # base, or its warm start (a re-created engine loads this one)
     check_teacher_vocab(fleet.model, teacher_paths)  # the built dirs, before any teacher starts
-    ray.get([t.load_hf.remote(fleet.model) for t in trainers])
+    built = ray.get([t.load_hf.remote(fleet.model) for t in trainers])
+    print(f"trainer: Megatron-Core with {built[0]['megatron']}")  # what `auto` resolved to on the trainers
     flow = start_rollout(cfg, fleet) if late else flow
     fleet.urls = wait([e.url.remote() for e in fleet.actors], "starting the rollout engines", cfg.actor_timeout,
                       "actor_timeout")

@@ -2,8 +2,8 @@
 and transformers as the references.
 
 What each test proves:
-* config: what LoRA cannot serve yet (MoE, pipeline stages, colocation, broadcast) is refused at --check, and SGLang
-  is started with its LoRA flags;
+* config: what LoRA cannot serve yet (MoE, pipeline stages, colocation, broadcast, sequence or context
+  parallelism, the distributed optimizer) is refused at --check, and SGLang is started with its LoRA flags;
 * TP parity, frozen base, reference by disabling: one RL step with adapters gives the same loss, grad norm and
   adapters at TP=2 as at TP=1; the base weights come back bit for bit and only the adapters are in the optimizer
   (count checked by hand); the KL reference is the base model (transformers' logprobs) though no copy is kept;
@@ -12,6 +12,8 @@ What each test proves:
   gives the trainer's logprobs; the base stays served beside it; unload waits for nothing and then refuses the name;
 * PEFT round trip: the exported adapter directory, loaded by `peft` onto the HF base, and the merged HF export both
   reproduce the trainer's logprobs; the CPU engine loads the same directory from disk (/load_lora_adapter);
+* the CPU engine takes SGLang's adapter payload (a flattened bucket, or a {name: tensor} dict) with the weight
+  updates' reader and refuses any other, a bad checksum or SGLang's expected_checksums that do not match;
 * the CPU engine refuses what SGLang refuses (LoRA off, a name twice, a rank above --max-lora-rank, an unknown
   adapter), and AgentFlow's pool names the current adapter, stamps its version and unloads the one it replaced.
 """
@@ -88,6 +90,9 @@ def adapter_params_by_hand(hf: dict) -> int:
     (["tiny_model.num_experts=4"], "MoE experts"),
     (["lora_alpha=0"], "lora_alpha=0"),
     (['teachers={"t": "tiny"}', "gkd_ratio=0.5"], "teacher_eval=true"),
+    (["tensor_parallel=2", "trainer_workers=2", "sequence_parallel=true"], "sequence_parallel=true with lora_rank"),
+    (["device=cuda", "use_distributed_optimizer=true"], "use_distributed_optimizer=true with lora_rank"),
+    (["device=cuda", "context_parallel=2", "trainer_workers=2"], "context_parallel=2 with lora_rank"),
 ])
 def test_lora_config_refuses_what_it_cannot_serve(over, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
@@ -304,11 +309,13 @@ def _lps(answer) -> list[float]:
     return [x[0] for x in answer["meta_info"]["output_token_logprobs"]]
 
 
-def _load(url, name, tensors, r=R):
+def _load(url, name, tensors, r=R, **fields):
+    """/load_lora_adapter_from_tensors with SGLang's payload, as transfermesh.push_adapter sends it by shm."""
     cfg = {"r": r, "lora_alpha": ALPHA, "target_modules": ["q_proj"]}
-    desc, _ = transfermesh.write_shm_bucket(sorted(tensors.items()))
+    flat, metas, sums = transfermesh.write_shm_bucket(sorted(tensors.items()))
     return httpx.post(url + "/load_lora_adapter_from_tensors", json={
-        "lora_name": name, "config_dict": cfg, "serialized_named_tensors": [desc], "load_format": "flattened_bucket"})
+        "lora_name": name, "config_dict": cfg, "serialized_named_tensors": transfermesh.tensor_payloads(flat, metas, 1),
+        "load_format": "flattened_bucket", "checksum": sums, **fields})
 
 
 def test_engine_refuses_what_sglang_refuses_and_the_pool_names_and_retires_adapters(tiny_model_dir):
@@ -364,6 +371,56 @@ def test_engine_refuses_what_sglang_refuses_and_the_pool_names_and_retires_adapt
     finally:
         handle.shutdown()
         off.shutdown()
+
+
+def test_adapter_payload_is_sglangs_and_anything_else_is_refused(tiny_model_dir):
+    """/load_lora_adapter_from_tensors reads SGLang 0.5.23's payload with the weight updates' reader: a flattened
+    bucket in shared memory, or with load_format null a {name: tensor} dict (what SGLang's handler iterates), both
+    serving the same adapter; a list of pairs with load_format null, a payload that is not base64, an unknown
+    load_format, a LoongSage checksum or SGLang expected_checksums (sha256 per tensor) that do not match are refused
+    with 400 and load nothing."""
+    import base64
+    import hashlib
+    import json
+    import convert
+    hf_cfg = convert.read_hf_config(tiny_model_dir)
+    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=4, max_len=64,
+                                   lora=dict(max_lora_rank=R, lora_target_modules=["q_proj"]))
+    cfg = {"r": R, "lora_alpha": ALPHA, "target_modules": ["q_proj"]}
+    tensors = _peft_tensors(hf_cfg)
+    sha = {n: hashlib.sha256(t.contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+           for n, t in tensors.items()}
+
+    def post(name, entry, load_format, **fields):
+        return httpx.post(url + "/load_lora_adapter_from_tensors", json={
+            "lora_name": name, "config_dict": cfg, "serialized_named_tensors": [entry], "load_format": load_format,
+            **fields})
+
+    def loaded():
+        return httpx.get(url + "/get_server_info").json()["internal_states"][0]["loaded_adapters"]
+    try:
+        assert _load(url, "flat", tensors, expected_checksums=sha).status_code == 200
+        def as_dict():  # CPU tensors as shared-memory handles; each dump is read once (torch's fd sharing)
+            return transfermesh.cuda_ipc_payloads(dict(sorted(tensors.items())), 1)[0]
+        assert post("dict", as_dict(), None).json()["success"] is True
+        greedy = [_lps(_generate(url, [5, 6, 7, 8], n, temperature=0.0).json()) for n in ("flat", "dict")]
+        assert greedy[0] == pytest.approx(greedy[1], abs=0) and greedy[0] != pytest.approx(
+            _lps(_generate(url, [5, 6, 7, 8], temperature=0.0).json()), abs=1e-4)
+        pairs = transfermesh.cuda_ipc_payloads(sorted(tensors.items()), 1)[0]
+        refusals = [(post("pairs", pairs, None), "{name: tensor} dict"),
+                    (post("b64", base64.b64encode(json.dumps({"name": "x"}).encode()).decode()[:-2] + "!!",
+                          "flattened_bucket"), "base64"),
+                    (post("direct", as_dict(), "direct"), "load_format 'direct'"),
+                    (_load(url, "sum", tensors, checksum=[1]), "checksum mismatch"),
+                    (_load(url, "sha", tensors, expected_checksums={**sha, next(iter(sha)): "0" * 64}),
+                     "1 value-diff"),
+                    (_load(url, "extra", tensors, expected_checksums=dict(list(sha.items())[:1])), "1 extra")]
+        for r, needle in refusals:
+            assert r.status_code == 400 and r.json()["success"] is False and needle in r.json()["error_message"], (
+                needle, r.text)
+        assert sorted(loaded()) == ["dict", "flat"]
+    finally:
+        handle.shutdown()
 
 
 # ----------------------------------------------------------------------------------------------
