@@ -31,6 +31,7 @@ import rollout
 import transfermesh
 from config import Config
 from test_trainer import Ranks, max_diff  # the trainer ranks as one Ray world, and the logprob comparison
+from test_transfermesh import _EngineProcess as EngineProcess  # a CPU engine in a process of its own
 from test_trainer import make_cfg as trainer_cfg
 
 pytestmark = pytest.mark.timeout(900)
@@ -220,8 +221,10 @@ def test_sync_sends_adapters_only_engine_matches_trainer_and_peft_round_trip(ray
     import peft
     cfg = make_cfg(output_dir=str(tmp_path), kl_coef=0.0, prompts_per_step=2, samples_per_prompt=4,
                    global_batch_size=8, micro_batch_size=8)
-    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=8, max_len=128, seed=3,
-                                   lora=dict(max_lora_rank=8, lora_target_modules=list(lora.TARGETS)))
+    # the engine in a process of its own, as in a run: this process maps the trainer's shared memory here and
+    # writes its own in other tests, which torch's shm manager table cannot do after the trainer exits
+    handle = EngineProcess(tiny_model_dir, 3, ["--enable-lora", "--max-lora-rank", "8"])
+    url = handle.url
     ranks = Ranks(cfg, 1)
     try:
         ranks.call("load_hf", tiny_model_dir)
