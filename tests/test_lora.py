@@ -7,6 +7,7 @@ What each test proves:
 * TP parity, frozen base, reference by disabling: one RL step with adapters gives the same loss, grad norm and
   adapters at TP=2 as at TP=1; the base weights come back bit for bit and only the adapters are in the optimizer
   (count checked by hand); the KL reference is the base model (transformers' logprobs) though no copy is kept;
+* recomputation (recompute=full) trains the same adapters as without it;
 * the critic (advantage: gae) trains its own adapters and value head on a frozen trunk;
 * sync equality: after a step, a sync moves only adapter bytes and the CPU engine, generating with the new adapter,
   gives the trainer's logprobs; the base stays served beside it; unload waits for nothing and then refuses the name;
@@ -167,6 +168,26 @@ def test_tp2_equals_tp1_base_frozen_reference_is_the_base(ray_session, tiny_mode
         torch.testing.assert_close(a2[name], a1[name], rtol=0, atol=2e-6, msg=name)
     assert max_diff(lp_2, lp_1) <= 1e-5
     assert any(float(t.abs().max()) > 0 for n, t in a1.items() if ".lora_B." in n)  # B left zero: a real update
+
+
+def test_recomputation_trains_the_same_adapters(ray_session, tiny_model_dir):
+    """recompute=full (what the GPU recipe sets) reruns each layer's forward, adapter hooks included, in the
+    backward pass: one RL step gives the same loss, grad norm and adapters as without it."""
+    batch = make_batch(data.load_tokenizer(tiny_model_dir))
+    results = {}
+    for recompute in ("none", "full"):
+        ranks = Ranks(make_cfg(recompute=recompute), 1)
+        try:
+            ranks.call("load_hf", tiny_model_dir)
+            results[recompute] = (ranks.call("train_step", batch, 0)[0], ranks.call("export_adapters")[0])
+        finally:
+            ranks.close()
+    (m0, a0), (m1, a1) = results["none"], results["full"]
+    for key in ("train/loss", "train/grad_norm", "train/kl"):
+        assert m1[key] == pytest.approx(m0[key], rel=1e-5, abs=1e-7), key
+    assert set(a0) == set(a1) and any(float(t.abs().max()) > 0 for n, t in a1.items() if ".lora_B." in n)
+    for name in a0:
+        torch.testing.assert_close(a1[name], a0[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_critic_and_distillation_train_adapters_on_a_frozen_base(ray_session, tiny_model_dir):
