@@ -68,6 +68,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -227,6 +228,11 @@ class EnginePool:
     requests in flight on an engine that leaves routing are retried on the others: nothing of a failed
     attempt was recorded, so the retry is invisible to the trajectory (and its group stays complete).
     When no engine is left, a request waits up to `wait_s` for one to be replaced before it fails.
+
+    LoRA. With `use_adapter(name, version)` (each weight sync of a LoRA run) every request sent from then on names
+    that adapter (`lora_path`), and its tokens carry that adapter's version: an engine keeps a request on the adapter
+    it named until it ends, whatever weight_version it stamps (rollout.py's contract). The adapter it replaces is
+    unloaded from every engine once no request of this pool uses it.
     """
 
     def __init__(self, urls: list[str], *, timeout_s: float = 600.0, cooldown_s: float = 5.0,
@@ -250,6 +256,9 @@ class EnginePool:
         #                                                   sent as one batch
         self._sent: dict[str, set] = {}  # engine url -> futures of requests sent to it and not answered yet
         self._watcher: asyncio.Task | None = None
+        self.adapter: tuple[str, int] | None = None  # LoRA: (adapter name, its weight version) new requests name
+        self.adapter_users: collections.Counter = collections.Counter()  # adapter name -> requests in flight on it
+        self.retired: set[str] = set()  # adapters replaced by a newer one, unloaded when their last request ends
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -292,11 +301,35 @@ class EnginePool:
                     raise
             await asyncio.sleep(0.2)
 
+    def use_adapter(self, name: str, version: int) -> None:
+        """LoRA: new requests generate with adapter `name` (weight version `version`), which every engine has loaded;
+        the one it replaces goes once its requests have ended."""
+        old, self.adapter = self.adapter, (name, int(version))
+        if old is not None and old[0] != name:
+            self.retired.add(old[0])
+            self._release(old[0])
+
+    def _release(self, name: str) -> None:
+        """Unload a retired adapter from every engine in routing, in the background, once no request uses it."""
+        if name in self.retired and not self.adapter_users[name]:
+            self.retired.discard(name)
+            asyncio.ensure_future(self._unload(name))
+
+    async def _unload(self, name: str) -> None:
+        for url in [u for u in self.urls if u not in self.dead]:
+            try:
+                r = await self.http.post(f"{url}/unload_lora_adapter", json={"lora_name": name})
+                if r.status_code >= 400:  # e.g. an engine re-created after this adapter's sync never had it
+                    log.warning("engine %s did not unload LoRA adapter %s: %s", url, name, r.text[:300])
+            except httpx.HTTPError as e:  # a dead engine leaves routing through the health checks, not here
+                log.warning("engine %s did not unload LoRA adapter %s: %r", url, name, e)
+
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
                        prefer: str | None = None, batch: str = "") -> tuple[str, dict]:
         """POST /generate on one engine (rollout.generate); returns (engine url, the engine's answer).
         A failed engine is probed and the request moves to another; at most two tries per engine.
-        `batch`: requests of one loop tick with the same key travel together (see `_coalesced`)."""
+        `batch`: requests of one loop tick with the same key travel together (see `_coalesced`).
+        LoRA: each try names the current adapter, and the answer's weight versions become that adapter's."""
         if self._watcher is None and self.check_every_s > 0:
             self._watcher = asyncio.ensure_future(self._watch())
         last_error: Exception | None = None
@@ -306,8 +339,17 @@ class EnginePool:
             url = await self._pick_or_wait(prefer if attempt == 0 else None)
             self.inflight[url] += 1
             self.running[rid] = url
+            adapter = self.adapter  # LoRA: this try's adapter, fixed now (a sync may name another meanwhile)
+            if adapter is not None:
+                self.adapter_users[adapter[0]] += 1
             try:
-                return url, await self._coalesced(url, input_ids, sampling_params, rid, batch)
+                answer = await self._coalesced(url, input_ids, sampling_params, rid, batch,
+                                               adapter[0] if adapter else None)
+                if adapter is not None:  # every token came from the adapter this request named (the docstring)
+                    n = len(answer.get("output_ids", []))
+                    answer.setdefault("meta_info", {}).update(weight_version=str(adapter[1]), weight_versions=[
+                        {"version": str(adapter[1]), "start": 0, "end": n}])
+                return url, answer
             except rollout.EngineError as e:
                 status = _http_status(e)
                 if status is not None and status < 500:
@@ -320,6 +362,9 @@ class EnginePool:
             finally:
                 self.inflight[url] -= 1
                 self.running.pop(rid, None)
+                if adapter is not None:
+                    self.adapter_users[adapter[0]] -= 1
+                    self._release(adapter[0])
             self.retried += 1
             if url not in self.dead and not await self._alive(url):
                 self.mark_dead(url, f"it failed a call ({last_error!r}) and then did not answer /health")
@@ -378,7 +423,7 @@ class EnginePool:
                 await self.check()
 
     async def _coalesced(self, url: str, input_ids: list[int], sampling_params: dict, rid: str,
-                         batch: str = "") -> dict:
+                         batch: str = "", lora_path: str | None = None) -> dict:
         """Requests for one engine made in the same event-loop tick with the same `batch` key travel as ONE
         batched /generate (SGLang takes lists of input_ids, sampling_params and rids). A step starts hundreds
         of trajectories at once; sent one by one, they would spend most of their time in the HTTP client's
@@ -387,7 +432,7 @@ class EnginePool:
         when all its samples are anyway, and one group's long tail then never holds back another's."""
         fut = asyncio.get_running_loop().create_future()
         pending = self._pending.setdefault((url, batch), [])
-        pending.append((input_ids, sampling_params, rid, fut))
+        pending.append((input_ids, sampling_params, rid, lora_path, fut))
         if len(pending) == 1:  # the first of this tick schedules the send, after everyone else has queued
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_batch(url, batch)))
         sent = self._sent.setdefault(url, set())
@@ -402,8 +447,10 @@ class EnginePool:
         if not batch:  # mark_dead() already failed them over
             return
         try:
+            loras = [b[3] for b in batch]
             out = await rollout.generate(self.http, url, [b[0] for b in batch], [b[1] for b in batch],
-                                         rid=[b[2] for b in batch], return_routed_experts=self.return_routed_experts)
+                                         rid=[b[2] for b in batch], return_routed_experts=self.return_routed_experts,
+                                         lora_path=loras if any(loras) else None)
             for (*_, fut), answer in zip(batch, out):
                 if not fut.done():
                     fut.set_result(answer)
@@ -419,10 +466,10 @@ class EnginePool:
             self._fail(batch, e)
 
     async def _send_one(self, url: str, item) -> None:
-        input_ids, sampling_params, rid, fut = item
+        input_ids, sampling_params, rid, lora_path, fut = item
         try:
             answer = await rollout.generate(self.http, url, input_ids, sampling_params, rid=rid,
-                                            return_routed_experts=self.return_routed_experts)
+                                            return_routed_experts=self.return_routed_experts, lora_path=lora_path)
             if not fut.done():
                 fut.set_result(answer)
         except BaseException as e:
@@ -1183,6 +1230,11 @@ class AgentFlow:
     def replace_engine(self, old_url: str, new_url: str) -> None:
         """The controller re-created the engine at old_url as new_url, on the current weights: route to it."""
         self.pool.replace(old_url, new_url)
+
+    async def use_adapter(self, name: str, version: int) -> None:
+        """LoRA: after a weight sync, new requests generate with adapter `name`, weight version `version` (async: the
+        pool unloads the adapter it replaces from this actor's event loop)."""
+        self.pool.use_adapter(name, version)
 
     def engine_metrics(self) -> dict:
         return {"engines/healthy": len(self.pool.healthy()), "rollout/retried": self.pool.retried}

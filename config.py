@@ -1,8 +1,9 @@
 """What a run is configured to do, and whether that is valid: the `Config` dataclass (every field commented, in
 `# --- section ---` groups), `load_config` (a recipe YAML + `key=value` overrides), `finalize` (derived values and
 the batch algebra) and the rules that reject meaningless combinations before any actor starts (`check_critic`,
-`check_teachers`, `check_teacher_vocab`, `check_fast_paths`, `algos.validate`), `check_runtime` (what only this
-machine can say), and what `python loongsage.py RECIPE --check` prints (`explain`, `describe`, `fast_paths`).
+`check_teachers`, `check_teacher_vocab`, `check_fast_paths`, `check_lora`, `algos.validate`), `check_runtime`
+(what only this machine can say), and what `python loongsage.py RECIPE --check` prints (`explain`, `describe`,
+`fast_paths`).
 
 Every error names what was wrong, the value seen and what to change; a misspelt key names the closest valid one.
 Nothing here starts Ray or builds a model: `--check` runs this file (and fleet.placement) only.
@@ -31,6 +32,7 @@ import algos
 import chat
 import cpu
 import data
+import lora
 import sandbox
 import transfermesh
 
@@ -190,6 +192,13 @@ class Config:
     router_replay: bool = False  # R3, MoE models only: engines return every token's routed experts and the trainer's
     # routers replay them in every forward over those trajectories (old logp and update), so training routes as
     # inference did
+
+    # --- LoRA (lora.py; checked by check_lora): adapters on a frozen base, only they train and travel to the engines ---
+    lora_rank: int = 0  # r of every adapter; 0 = no LoRA (every weight trains, full weight syncs)
+    lora_alpha: float = 16.0  # adapters add (lora_alpha / lora_rank) * B A, PEFT's scaling
+    lora_targets: list = field(default_factory=lambda: list(lora.TARGETS))  # HF projections that get an adapter:
+    # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (Megatron's fused linear_qkv / linear_fc1 get theirs per
+    # slice of rows)
 
     # --- algo (see algos.py and ALGORITHMS.md; validated by algos.validate) ---
     advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns | gae (trains a critic, see below)
@@ -453,6 +462,7 @@ def finalize(cfg: Config) -> Config:
     algos.validate(cfg)
     check_teachers(cfg)
     check_critic(cfg)
+    check_lora(cfg)
     return cfg
 
 
@@ -481,6 +491,44 @@ def check_critic(cfg: Config) -> None:
          "value head runs on a whole model in each rank; set pipeline_parallel=1 (tensor and data parallel work)")
     need(cfg.expert_parallel == 1, f"advantage='gae' with expert_parallel={cfg.expert_parallel}: the critic's forward "
          "does not keep expert ranks in step (no idle micro-batches); set expert_parallel=1")
+
+
+def check_lora(cfg: Config) -> None:
+    """LoRA (lora_rank > 0, lora.py): its knobs, and what it cannot serve yet, fail here, at --check."""
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ValueError(msg)
+
+    need(isinstance(cfg.lora_rank, int) and cfg.lora_rank >= 0, f"lora_rank={cfg.lora_rank!r} must be an integer "
+         ">= 0 (0 = no LoRA)")
+    if not cfg.lora_rank:
+        return
+    need(cfg.lora_alpha > 0, f"lora_alpha={cfg.lora_alpha!r} must be > 0 (the adapters' scale is lora_alpha / lora_rank)")
+    targets = cfg.lora_targets if isinstance(cfg.lora_targets, list) else [cfg.lora_targets]
+    bad = [t for t in targets if t not in lora.TARGETS]
+    need(bool(targets) and not bad, f"lora_targets={cfg.lora_targets!r}: "
+         + (f"{bad[0]!r} is not a projection{closest(str(bad[0]), lora.TARGETS)} " if bad else "empty; ")
+         + f"(choose from {list(lora.TARGETS)})")
+    mt = _model_type(cfg.model_path, cfg.tiny_model)
+    need(mt not in MOE_MODEL_TYPES, f"lora_rank={cfg.lora_rank} with {mt} ({cfg.model_path!r}): LoRA on MoE experts and "
+         "multi-latent attention is not wired in (dense Qwen3 / Qwen2 / Llama / Mistral only); set lora_rank=0")
+    need(cfg.pipeline_parallel == 1, f"lora_rank={cfg.lora_rank} with pipeline_parallel={cfg.pipeline_parallel}: the "
+         "adapters are gathered from one whole model per TP group; use pipeline_parallel=1 (TP and DP work)")
+    need(not cfg.colocate, "lora_rank > 0 with colocate=true: a colocated engine's released weights come back zeroed "
+         "and a LoRA sync sends only the adapters, so the base would be lost; set colocate=false")
+    need(cfg.transfer in ("auto", "shm", "cuda_ipc", "disk"), f"transfer={cfg.transfer!r} with lora_rank > 0: SGLang "
+         "0.5.23 loads adapters from tensors (same machine) or a directory only; use auto, shm, cuda_ipc or disk")
+    need(not (cfg.teachers and cfg.teacher_eval), "teacher_eval=true with lora_rank > 0: the teachers' eval swaps "
+         "whole models into the engines and back, and a LoRA sync carries adapters (one engine adapter per weight "
+         "version, loaded once); set teacher_eval=false (distillation itself works with LoRA)")
+    need(not cfg.sequence_parallel, "sequence_parallel=true with lora_rank > 0: the adapters read each linear "
+         "layer's input as the layer is called, and under sequence parallelism that is one rank's slice of the "
+         "sequence (the layer gathers it inside); set sequence_parallel=false")
+    need(not cfg.use_distributed_optimizer, "use_distributed_optimizer=true with lora_rank > 0 is not tested (the "
+         "adapters are a few MB per rank, so sharding their optimizer state saves little); set "
+         "use_distributed_optimizer=false")
+    need(cfg.context_parallel == 1, f"context_parallel={cfg.context_parallel} with lora_rank > 0 is not tested; set "
+         "context_parallel=1")
 
 
 def check_fast_paths(cfg: Config) -> None:
@@ -736,6 +784,8 @@ def describe(cfg: Config) -> str:
             + (f" (trainer 0 also on {[c for _, cs in cpu.lent_cores(cfg, 0) for c in cs]} while its engines idle)"
                if cpu.lent_cores(cfg, 0) else "")
             + (", critic (value model) in every trainer rank" if cfg.advantage == "gae" else "")
+            + (f", LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on {','.join(cfg.lora_targets)} (base frozen)"
+               if cfg.lora_rank else "")
             + (f", async: capacity C={capacity(cfg)} groups, window={cfg.window}, max_version_lag="
                f"{cfg.max_version_lag} ({cfg.lag_policy})" if cfg.mode == "async" else ""))
 
