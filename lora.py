@@ -155,7 +155,7 @@ def add_adapters(gpt, cfg, hf: dict, tp_group) -> int:
              "mlp.linear_fc1": ([("gate_proj", F), ("up_proj", F)], H),
              "mlp.linear_fc2": ([("down_proj", H)], F)}
     dtype = next(gpt.parameters()).dtype
-    if getattr(cfg, "recompute", "none") != "none" and getattr(gpt, "embedding", None) is not None:
+    if cfg.recompute != "none" and getattr(gpt, "embedding", None) is not None:
         # Megatron's recomputation checkpoints each layer with a reentrant autograd Function, whose output needs
         # grad only if an input does: with the embedding frozen none would, and the adapters would get no grads
         gpt.embedding.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
