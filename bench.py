@@ -324,7 +324,7 @@ def longtail_samples(n: int, seed: int) -> list[dict]:
 def longtail_sft(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dict:
     """Warm-start example: the letters from the prompt's down to "a", then the (possibly near-miss) answer, then
     end of turn."""
-    t = data.sft_trajectory(tok, sample, rng, label_noise)  # answer (maybe off by one) + <|im_end|>
+    t = data.sft_trajectory(tok, sample, rng, label_noise)  # answer (maybe off by one) + the end token
     answer = tok.decode(t["response_ids"][:-1])
     letters = [chr(96 + i) for i in range(sample["count"], 0, -1)]
     r = tok.encode(" ".join(letters + [answer]), add_special_tokens=False) + t["response_ids"][-1:]

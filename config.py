@@ -1,8 +1,9 @@
 """What a run is configured to do, and whether that is valid: the `Config` dataclass (every field commented, in
 `# --- section ---` groups), `load_config` (a recipe YAML + `key=value` overrides), `finalize` (derived values and
 the batch algebra) and the rules that reject meaningless combinations before any actor starts (`check_critic`,
-`check_teachers`, `check_teacher_vocab`, `check_fast_paths`, `algos.validate`), `check_runtime` (what only this
-machine can say), and what `python loongsage.py RECIPE --check` prints (`explain`, `describe`, `fast_paths`).
+`check_teachers`, `check_teacher_vocab`, `check_fast_paths`, `check_lora`, `algos.validate`), `check_runtime`
+(what only this machine can say), and what `python loongsage.py RECIPE --check` prints (`explain`, `describe`,
+`fast_paths`).
 
 Every error names what was wrong, the value seen and what to change; a misspelt key names the closest valid one.
 Nothing here starts Ray or builds a model: `--check` runs this file (and fleet.placement) only.
@@ -28,8 +29,10 @@ import torch
 import yaml
 
 import algos
+import chat
 import cpu
 import data
+import lora
 import sandbox
 import transfermesh
 
@@ -149,7 +152,14 @@ class Config:
     agent_retries: int = 1  # retries of a failed trajectory
     max_context_len: int = 1024  # token budget per trajectory (prompt + all turns)
     chat_template: str = ""  # dotted path to a Jinja chat template string (router, fast path); "" = the tokenizer's
-    tool_parser: str = ""  # dotted path: fn(text, tool_names) -> (content, tool_calls); "" = agentflow.parse_tool_calls
+    # (chat.QWEN3_KEEP_THINKING_TEMPLATE: Qwen3's, keeping past thinking, so a multi-turn trajectory stays one segment)
+    chat_template_kwargs: dict = field(default_factory=dict)  # variables every chat render gets (router, fast path),
+    # e.g. {enable_thinking: false}; a request's own chat_template_kwargs override them
+    tool_parser: str = ""  # how tool calls are read from the model's text: SGLang's parser names hermes, qwen25 (qwen),
+    # llama3, mistral, deepseekv3; "none"; a dotted path to fn(text, tools) -> (content, tool_calls); "" = the one the
+    # chat template shows (chat.pick_tool_parser)
+    reasoning_parser: str = ""  # how thinking is split from the answer: qwen3 (<think>...</think> the model writes),
+    # deepseek-r1 (the generation prompt opens <think>); "none"; "" = the one the chat template shows
     group_filter: str = ""  # dotted path: fn(group: list[trajectory dict]) -> bool; False drops the group, and the
     # producer dispatches another in its place (as for dynamic_sampling)
 
@@ -182,6 +192,13 @@ class Config:
     router_replay: bool = False  # R3, MoE models only: engines return every token's routed experts and the trainer's
     # routers replay them in every forward over those trajectories (old logp and update), so training routes as
     # inference did
+
+    # --- LoRA (lora.py; checked by check_lora): adapters on a frozen base, only they train and travel to the engines ---
+    lora_rank: int = 0  # r of every adapter; 0 = no LoRA (every weight trains, full weight syncs)
+    lora_alpha: float = 16.0  # adapters add (lora_alpha / lora_rank) * B A, PEFT's scaling
+    lora_targets: list = field(default_factory=lambda: list(lora.TARGETS))  # HF projections that get an adapter:
+    # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (Megatron's fused linear_qkv / linear_fc1 get theirs per
+    # slice of rows)
 
     # --- algo (see algos.py and ALGORITHMS.md; validated by algos.validate) ---
     advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns | gae (trains a critic, see below)
@@ -369,6 +386,9 @@ def finalize(cfg: Config) -> Config:
     unknown = sorted(set(cfg.tiny_model) - set(data.TINY_DEFAULTS))
     need(cfg.model_path != "tiny" or not unknown, f"unknown tiny_model setting(s) {unknown}"
          f"{closest(unknown[0], data.TINY_DEFAULTS) if unknown else ''}; valid: {sorted(data.TINY_DEFAULTS)}")
+    fam = cfg.tiny_model.get("chat_format", "chatml")
+    need(cfg.model_path != "tiny" or fam in chat.FAMILIES, f"tiny_model.chat_format={fam!r}: the tiny tokenizer is "
+         f"built in one of {sorted(chat.FAMILIES)}{closest(str(fam), chat.FAMILIES)}")
     if cfg.device == "cuda" and cfg.colocate:
         need(cfg.num_engines * cfg.gpus_per_engine <= cfg.trainer_workers, f"colocate: {cfg.num_engines} engines x "
              f"gpus_per_engine={cfg.gpus_per_engine} GPUs must fit on the trainers' {cfg.trainer_workers} GPUs; lower "
@@ -427,6 +447,14 @@ def finalize(cfg: Config) -> Config:
             __import__(TRACKERS[t])
         except ImportError:
             raise ValueError(f"trackers: {t!r} needs the {TRACKERS[t]} package: pip install -e .[tracking]") from None
+    need(cfg.tool_parser in chat.TOOL_PARSERS + ("", "none") or data.is_dotted(cfg.tool_parser),
+         f"tool_parser={cfg.tool_parser!r}: choose one of {chat.TOOL_PARSERS}, 'none', '' (the chat template's) or a "
+         f"dotted path to fn(text, tools) -> (content, tool_calls){closest(cfg.tool_parser, chat.TOOL_PARSERS)}")
+    need(cfg.reasoning_parser in chat.REASONING_PARSERS + ("", "none"),
+         f"reasoning_parser={cfg.reasoning_parser!r}: choose one of {chat.REASONING_PARSERS}, 'none' or '' (the chat "
+         f"template's){closest(cfg.reasoning_parser, chat.REASONING_PARSERS)}")
+    need(isinstance(cfg.chat_template_kwargs, dict), f"chat_template_kwargs={cfg.chat_template_kwargs!r} must be a "
+         "mapping of template variables, e.g. {enable_thinking: false}")
     plugged = [k for k in ("agent", "chat_template", "tool_parser", "group_filter", "window", "engine", "transfer",
                            "sandbox") if data.is_dotted(getattr(cfg, k))]
     for name in ["reward", "warmstart_example"] + plugged:
@@ -434,6 +462,7 @@ def finalize(cfg: Config) -> Config:
     algos.validate(cfg)
     check_teachers(cfg)
     check_critic(cfg)
+    check_lora(cfg)
     return cfg
 
 
@@ -462,6 +491,44 @@ def check_critic(cfg: Config) -> None:
          "value head runs on a whole model in each rank; set pipeline_parallel=1 (tensor and data parallel work)")
     need(cfg.expert_parallel == 1, f"advantage='gae' with expert_parallel={cfg.expert_parallel}: the critic's forward "
          "does not keep expert ranks in step (no idle micro-batches); set expert_parallel=1")
+
+
+def check_lora(cfg: Config) -> None:
+    """LoRA (lora_rank > 0, lora.py): its knobs, and what it cannot serve yet, fail here, at --check."""
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ValueError(msg)
+
+    need(isinstance(cfg.lora_rank, int) and cfg.lora_rank >= 0, f"lora_rank={cfg.lora_rank!r} must be an integer "
+         ">= 0 (0 = no LoRA)")
+    if not cfg.lora_rank:
+        return
+    need(cfg.lora_alpha > 0, f"lora_alpha={cfg.lora_alpha!r} must be > 0 (the adapters' scale is lora_alpha / lora_rank)")
+    targets = cfg.lora_targets if isinstance(cfg.lora_targets, list) else [cfg.lora_targets]
+    bad = [t for t in targets if t not in lora.TARGETS]
+    need(bool(targets) and not bad, f"lora_targets={cfg.lora_targets!r}: "
+         + (f"{bad[0]!r} is not a projection{closest(str(bad[0]), lora.TARGETS)} " if bad else "empty; ")
+         + f"(choose from {list(lora.TARGETS)})")
+    mt = _model_type(cfg.model_path, cfg.tiny_model)
+    need(mt not in MOE_MODEL_TYPES, f"lora_rank={cfg.lora_rank} with {mt} ({cfg.model_path!r}): LoRA on MoE experts and "
+         "multi-latent attention is not wired in (dense Qwen3 / Qwen2 / Llama / Mistral only); set lora_rank=0")
+    need(cfg.pipeline_parallel == 1, f"lora_rank={cfg.lora_rank} with pipeline_parallel={cfg.pipeline_parallel}: the "
+         "adapters are gathered from one whole model per TP group; use pipeline_parallel=1 (TP and DP work)")
+    need(not cfg.colocate, "lora_rank > 0 with colocate=true: a colocated engine's released weights come back zeroed "
+         "and a LoRA sync sends only the adapters, so the base would be lost; set colocate=false")
+    need(cfg.transfer in ("auto", "shm", "cuda_ipc", "disk"), f"transfer={cfg.transfer!r} with lora_rank > 0: SGLang "
+         "0.5.23 loads adapters from tensors (same machine) or a directory only; use auto, shm, cuda_ipc or disk")
+    need(not (cfg.teachers and cfg.teacher_eval), "teacher_eval=true with lora_rank > 0: the teachers' eval swaps "
+         "whole models into the engines and back, and a LoRA sync carries adapters (one engine adapter per weight "
+         "version, loaded once); set teacher_eval=false (distillation itself works with LoRA)")
+    need(not cfg.sequence_parallel, "sequence_parallel=true with lora_rank > 0: the adapters read each linear "
+         "layer's input as the layer is called, and under sequence parallelism that is one rank's slice of the "
+         "sequence (the layer gathers it inside); set sequence_parallel=false")
+    need(not cfg.use_distributed_optimizer, "use_distributed_optimizer=true with lora_rank > 0 is not tested (the "
+         "adapters are a few MB per rank, so sharding their optimizer state saves little); set "
+         "use_distributed_optimizer=false")
+    need(cfg.context_parallel == 1, f"context_parallel={cfg.context_parallel} with lora_rank > 0 is not tested; set "
+         "context_parallel=1")
 
 
 def check_fast_paths(cfg: Config) -> None:
@@ -592,7 +659,7 @@ def _vocab_of(path: str, tiny_model: dict) -> tuple | None:
     builder's tokenizer settings; None where it cannot be known before anything is built."""
     if path == "tiny":
         s = {**data.TINY_DEFAULTS, **tiny_model}
-        return ("tiny", s["tokenizer_vocab"], s["vocab_multiple"])
+        return ("tiny", s["tokenizer_vocab"], s["vocab_multiple"], s["chat_format"])
     cfg_file = Path(path) / "config.json"
     if not cfg_file.exists():
         return None
@@ -717,6 +784,8 @@ def describe(cfg: Config) -> str:
             + (f" (trainer 0 also on {[c for _, cs in cpu.lent_cores(cfg, 0) for c in cs]} while its engines idle)"
                if cpu.lent_cores(cfg, 0) else "")
             + (", critic (value model) in every trainer rank" if cfg.advantage == "gae" else "")
+            + (f", LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on {','.join(cfg.lora_targets)} (base frozen)"
+               if cfg.lora_rank else "")
             + (f", async: capacity C={capacity(cfg)} groups, window={cfg.window}, max_version_lag="
                f"{cfg.max_version_lag} ({cfg.lag_policy})" if cfg.mode == "async" else ""))
 

@@ -321,8 +321,11 @@ def _layer_spec_module(tcfg, spec: str):
         if spec == "local":
             cpu.moe_router_without_te()
             cpu.mla_without_te()
+        from megatron.core import parallel_state  # the layers of this pipeline stage; rank 0 outside a trainer
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() \
+            else 0
         return gpt_layer_specs.get_gpt_decoder_block_spec(tcfg, use_transformer_engine=spec == "te",
-                                                          normalization="RMSNorm")
+                                                          normalization="RMSNorm", pp_rank=pp_rank)
     if spec == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=tcfg.qk_layernorm)

@@ -29,6 +29,13 @@ pass's helpers; `ModelRunner` (the model and its KV cache); `CpuEngine` (the sch
   file_system strategy (`transfermesh.read_tensor_payload`); anything else is refused (400) as SGLang refuses it.
   Broadcasts join SGLang's own rendezvous (`transfermesh.new_sglang_group`, gloo). A bucket whose checksum does not
   match the sender's is refused (400) and the engine keeps its weights.
+* LoRA adapters as SGLang 0.5.23 serves them (started with `lora={...}`, SGLang's --enable-lora --max-lora-rank
+  --lora-target-modules): `/load_lora_adapter` (a PEFT directory), `/load_lora_adapter_from_tensors` (entry 0 of
+  serialized_named_tensors read as a weight update's, `transfermesh.read_tensor_payload`: a flattened bucket, or
+  with load_format null a {name: tensor} dict; SGLang's `expected_checksums`, sha256 per tensor, verified),
+  `/unload_lora_adapter` (waits until no request uses the adapter), and `/generate`'s `lora_path`, resolved to one
+  adapter when the request arrives and kept to its end. A request's adapter adds scale * (x A^T) B^T beside each
+  adapted projection, unmerged, as the trainer computes it.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
 
 Determinism. Each request draws its random numbers from its own `torch.Generator`, seeded from
@@ -37,9 +44,10 @@ seed and arrival order give the same tokens whatever else is in the batch (up to
 
 Run: `python cpu_engine.py --model-path DIR --port 30000`. Test: `pytest tests/test_cpu_engine.py` (against
 transformers on the same weights, over real HTTP); routed experts in `tests/test_moe.py`, DeepSeek-V3 in
-`tests/test_deepseek.py`, the memory hand-off in `tests/test_colocate.py`.
-Left out: streaming, prefix caching, text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA,
-multimodal input; a dropped HTTP connection does not abort its request (call /abort_request).
+`tests/test_deepseek.py`, the memory hand-off in `tests/test_colocate.py`, LoRA adapters in `tests/test_lora.py`.
+Left out: streaming, prefix caching, text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA
+on MoE experts, multi-latent attention, embeddings or the LM head, multimodal input; a dropped HTTP connection does
+not abort its request (call /abort_request).
 """
 from __future__ import annotations
 
@@ -72,6 +80,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+import lora
 import transfermesh
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "deepseek_v3")  # layouts forward handles
@@ -231,6 +240,7 @@ class Req:
     slot: int = -1                        # KV-cache slot while running, -1 while waiting
     kv_len: int = 0                       # tokens whose K/V sit in the slot
     cached_tokens: int = 0                # context tokens whose K/V another request's prefill made (SGLang's field)
+    adapter: "LoraAdapter | None" = None  # the LoRA adapter its lora_path named when it arrived; None = the base
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,6 +292,17 @@ def _fuse_rows(params: list) -> torch.Tensor:
         p.data = fused[offset:offset + p.shape[0]]
         offset += p.shape[0]
     return fused
+
+
+@dataclasses.dataclass(eq=False)
+class LoraAdapter:
+    """A loaded LoRA adapter (SGLang's LoRAAdapter): per layer, for each fused weight the forward pass multiplies
+    by ("qkv", "o", "gate_up", "down"), the (column offset in its output, A (r, in), B (rows, r)) of every projection
+    it adapts there."""
+    name: str
+    path: str                 # where it came from (SGLang's lora_path; "__tensor__" for tensors)
+    scale: float              # lora_alpha / r
+    layers: list              # [{fused key: [(offset, A, B), ...]}] per layer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,6 +409,7 @@ class ModelRunner:
         self.k_cache = torch.zeros(cache_shape + (self.head_dim,), dtype=self.dtype)    # (L, slots, KV, max_len, D)
         self.v_cache = torch.zeros(cache_shape + (self.v_head_dim,), dtype=self.dtype)  # (L, slots, KV, max_len, Dv)
         self.released: dict[str, list] = {}  # tag -> [(storage, nbytes)] handed back by release()
+        self.step_adapters: list = []  # LoRA: the adapters of the rows of the forward pass running (see _lora)
 
     def _eos_ids(self) -> frozenset:
         ids = set()
@@ -446,12 +468,19 @@ class ModelRunner:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     def forward(self, slot_ids: list[int], kv_lens: list[int], chunks: list[list[int]],
-                return_routed: bool = False) -> tuple[torch.Tensor, list | None]:
+                return_routed: bool = False, adapters: list | None = None) -> tuple[torch.Tensor, list | None]:
         """Run the transformer over right-padded chunks, chunk b's K/V written into slot `slot_ids[b]` from
-        position `kv_lens[b]` on (the tokens already there), each chunk attending over everything in its slot.
-        Returns (logits at each chunk's last token (B, V), and with `return_routed` on an MoE model the
-        (len(chunk), layers, top_k) int32 experts each chunk's tokens were routed to, else None)."""
+        position `kv_lens[b]` on (the tokens already there), each chunk attending over everything in its slot, chunk b
+        through LoRA adapter `adapters[b]` (None: the base model). Returns (logits at each chunk's last token (B, V),
+        and with `return_routed` on an MoE model the (len(chunk), layers, top_k) int32 experts each chunk's tokens were
+        routed to, else None)."""
         m = self.model.model
+        # LoRA: [(adapter, its rows as an index tensor, or None when every row has it)], read by _lora
+        groups: dict = {}
+        for b, a in enumerate(adapters or ()):
+            if a is not None:
+                groups.setdefault(a, []).append(b)
+        self.step_adapters = [(a, None if len(rows) == len(chunks) else torch.tensor(rows)) for a, rows in groups.items()]
         B, T, D, Dv = len(chunks), max(len(c) for c in chunks), self.head_dim, self.v_head_dim
         Hq, KV = self.n_heads, self.n_kv_heads
         lens = torch.tensor([len(c) for c in chunks])                                     # (B,)
@@ -495,7 +524,7 @@ class ModelRunner:
             if self.mla:
                 q, k, v = self._mla_qkv(h, li, attn, cos, sin)                            # (B, T, Hq, D|D|Dv)
             else:
-                qkv = self._linear(h, ("qkv", li), self.qkv_b[li]).view(B, T, Hq + 2 * KV, D)
+                qkv = self._lora(self._linear(h, ("qkv", li), self.qkv_b[li]), h, li, "qkv").view(B, T, Hq + 2 * KV, D)
                 qk, v = qkv[:, :, :Hq + KV], qkv[:, :, Hq + KV:]                          # (B, T, Hq+KV|KV, D)
                 if self.norms[li][1]:  # Qwen3: RMSNorm over each head before RoPE (q_norm's weight on q, k_norm's on k)
                     qk = _rms_norm(qk, *self.norms[li][1])                                # (B, T, Hq+KV, D)
@@ -513,7 +542,8 @@ class ModelRunner:
             else:
                 keys, values = self.k_cache[li, slots, :, :S], self.v_cache[li, slots, :, :S]  # (B, KV, S, D)
             out = _attention(q, keys, values, mask_add, attn.scaling)                     # (B, T, Hq, Dv)
-            x = x + self._linear(out.reshape(B, T, Hq * Dv), ("o", li), attn.o_proj.bias)  # (B, T, H)
+            out = out.reshape(B, T, Hq * Dv)                                              # (B, T, Hq*Dv)
+            x = x + self._lora(self._linear(out, ("o", li), attn.o_proj.bias), out, li, "o")  # (B, T, H)
             h = _rms_norm(x, *self.norms[li][2])                                          # (B, T, H)
             if hasattr(mlp, "experts"):
                 x = x + self._moe_mlp(h, li, mlp, valid, routed)                          # (B, T, H)
@@ -561,8 +591,9 @@ class ModelRunner:
 
     def _dense_mlp(self, h: torch.Tensor, li: int) -> torch.Tensor:
         """Layer li's SwiGLU MLP (the dense one, or DeepSeek-V3's shared experts): down(act(gate h) * up h)."""
-        gate, up = self._linear(h, ("gate_up", li)).chunk(2, dim=-1)                      # (B, T, F) each
-        return self._linear(self.dense_mlp[li].act_fn(gate) * up, ("down", li))          # (B, T, H)
+        gate, up = self._lora(self._linear(h, ("gate_up", li)), h, li, "gate_up").chunk(2, dim=-1)  # (B, T, F) each
+        act = self.dense_mlp[li].act_fn(gate) * up                                        # (B, T, F)
+        return self._lora(self._linear(act, ("down", li)), act, li, "down")              # (B, T, H)
 
     def _route(self, tokens: torch.Tensor, gate) -> tuple[torch.Tensor, torch.Tensor]:
         """(gates, experts), each (N, top_k), of the tokens (N, H), as transformers' routers compute them.
@@ -611,6 +642,69 @@ class ModelRunner:
         if self.dense_mlp[li] is not None:  # DeepSeek-V3: + the shared experts' output
             full = full + self._dense_mlp(h, li)                                           # (B, T, H)
         return full
+
+    def make_adapter(self, name: str, path: str, config: dict, named: list, max_rank: int,
+                     server_targets: list[str]) -> LoraAdapter:
+        """A LoraAdapter from PEFT-named tensors and their adapter_config, checked as SGLang checks an adapter (its
+        rank within --max-lora-rank, its targets within --lora-target-modules, no DoRA) and against this model's
+        shapes; the tensors are copied. Raises BadRequest naming what does not fit."""
+        try:
+            r, alpha, targets = int(config["r"]), float(config["lora_alpha"]), config["target_modules"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadRequest(f"LoRA adapter {name}: its config needs r, lora_alpha and target_modules ({e!r})") from None
+        targets = [targets] if isinstance(targets, str) else list(targets)
+        if config.get("use_dora"):
+            raise BadRequest(f"Failed to load {name} because LoRA serving currently doesn't support DoRA adapters")
+        if r > max_rank or not set(targets) <= set(server_targets):
+            raise BadRequest(f"LoRA adapter {name} with rank {r} is incompatible with the current LoRA memory pool "
+                             f"configuration. Please ensure that the LoRA adapter's rank is within the configured "
+                             f"`--max-lora-rank` ({max_rank}) and that the target modules ({sorted(targets)}) are "
+                             f"included in `--lora-target-modules` ({sorted(server_targets)}).")
+        if self.mla or self.moe:
+            raise BadRequest(f"LoRA adapter {name}: the CPU engine serves adapters on dense models only, and "
+                             f"{self.model_path} is {self.model.config.model_type}; use engine=sglang")
+        cfg = self.model.config
+        H, D, F_ = cfg.hidden_size, self.head_dim, cfg.intermediate_size
+        Hq, KV = self.n_heads * D, self.n_kv_heads * D
+        # projection -> (fused key, column offset, rows, input size), as forward lays the fused weights out
+        where = {"q_proj": ("qkv", 0, Hq, H), "k_proj": ("qkv", Hq, KV, H), "v_proj": ("qkv", Hq + KV, KV, H),
+                 "o_proj": ("o", 0, H, Hq), "gate_proj": ("gate_up", 0, F_, H), "up_proj": ("gate_up", F_, F_, H),
+                 "down_proj": ("down", 0, H, F_)}
+        mats: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for full_name, t in named:
+            m = lora.PEFT_NAME.match(full_name)
+            if m is None or int(m.group(1)) >= cfg.num_hidden_layers or m.group(3) not in where:
+                raise BadRequest(f"LoRA adapter {name}: tensor {full_name!r} is not a PEFT adapter matrix of this "
+                                 f"model's q/k/v/o/gate/up/down projections (base_model.model.model.layers.<L>.self_attn"
+                                 f".q_proj.lora_A.weight, ...)")
+            if m.group(3) not in targets:
+                raise BadRequest(f"LoRA adapter {name}: tensor {full_name!r} adapts {m.group(3)}, which is not in its "
+                                 f"target_modules {targets}")
+            mats.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = t
+        layers = [dict() for _ in range(cfg.num_hidden_layers)]
+        for (li, proj), ab in sorted(mats.items()):
+            key, offset, rows, n_in = where[proj]
+            a, b = ab.get("A"), ab.get("B")
+            if a is None or b is None or tuple(a.shape) != (r, n_in) or tuple(b.shape) != (rows, r):
+                raise BadRequest(f"LoRA adapter {name}: layer {li} {proj} needs lora_A ({r}, {n_in}) and lora_B "
+                                 f"({rows}, {r}); got {None if a is None else tuple(a.shape)} and "
+                                 f"{None if b is None else tuple(b.shape)}")
+            layers[li].setdefault(key, []).append((offset, a.to(self.dtype).clone(), b.to(self.dtype).clone()))
+        return LoraAdapter(name=name, path=path, scale=alpha / r, layers=layers)
+
+    def _lora(self, y: torch.Tensor, x: torch.Tensor, li: int, key: str) -> torch.Tensor:
+        """y (B, T, N), the output of fused weight `key` of layer li for input x (B, T, K), plus each row's adapter:
+        scale * (x A^T) B^T in the projection's columns, computed apart from the base matmul as the trainer does
+        (lora.Adapters). Rows group by adapter (`self.step_adapters`, set by forward); rows without one are left."""
+        for adapter, rows in self.step_adapters:
+            for offset, A, B in adapter.layers[li].get(key, ()):
+                xs = x if rows is None else x[rows]                                       # (b, T, K)
+                delta = adapter.scale * ((xs @ A.T) @ B.T)                                  # (b, T, rows of the proj)
+                if rows is None:
+                    y[..., offset:offset + B.shape[0]] += delta
+                else:
+                    y[rows, :, offset:offset + B.shape[0]] += delta
+        return y
 
     def copy_kv(self, src: int, dst: int, n: int) -> None:
         """K/V rows [0, n) of slot `src` into slot `dst`, every layer at once (a prefill shared by equal contexts)."""
@@ -696,9 +790,11 @@ class CpuEngine:
 
     def _build(self, model_path: str, *, max_batch: int = 64, max_len: int | None = None, seed: int = 0,
                dtype: str = "float32", max_prefill_tokens: int = 8192, weight_version: str = "0",
-               fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None) -> None:
+               fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None, lora: dict | None = None) -> None:
         """`busy_flag` (file, i): keep byte i of that file at 1 while there are requests to compute, 0 otherwise, for
-        trainer ranks that borrow this engine's cores while it idles (cpu.lent_cores)."""
+        trainer ranks that borrow this engine's cores while it idles (cpu.lent_cores). `lora`: serve LoRA adapters,
+        {"max_lora_rank": r, "lora_target_modules": [...]} (SGLang's --enable-lora and its two flags); None: refuse
+        them, as SGLang without --enable-lora does."""
         hf_logging.disable_progress_bar()
         self.model_path = str(model_path)
         self.runner = ModelRunner(self.model_path, max_batch=max_batch, max_len=max_len, dtype=dtype,
@@ -709,6 +805,8 @@ class CpuEngine:
         self.seed = int(seed)
         self.weight_version = str(weight_version)
         self.uniforms = torch.zeros(self.max_batch, self.max_len)  # (slots, max_len) running requests' draws
+        self.lora = dict(lora) if lora else None
+        self.adapters: dict[str, LoraAdapter] = {}  # loaded LoRA adapters by name (SGLang's registry)
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[Req] = collections.deque()
@@ -765,8 +863,10 @@ class CpuEngine:
 
     def make_request(self, input_ids, sampling_params: dict | None = None, *, rid: str | None = None,
                      return_logprob: bool = True, return_text_in_logprobs: bool = False,
-                     return_routed_experts: bool = False, routed_experts_start_len: int = 0) -> Req:
-        """Validate one prompt into a Req (raises BadRequest); `submit` it to run it."""
+                     return_routed_experts: bool = False, routed_experts_start_len: int = 0,
+                     lora_path: str | None = None) -> Req:
+        """Validate one prompt into a Req (raises BadRequest); `submit` it to run it. `lora_path`: the name of a
+        loaded LoRA adapter to generate with (SGLang's field), None for the base model."""
         if not isinstance(input_ids, list) or not input_ids:
             raise BadRequest(f"input_ids must be a non-empty list of token ids, got {str(input_ids)[:80]}")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
@@ -784,6 +884,16 @@ class CpuEngine:
         if not isinstance(routed_experts_start_len, int) or not 0 <= routed_experts_start_len <= len(input_ids):
             raise BadRequest(f"routed_experts_start_len={routed_experts_start_len!r} must be an integer in "
                              f"[0, {len(input_ids)}] (the number of input tokens)")
+        adapter = None
+        if lora_path is not None:
+            if self.lora is None:
+                raise BadRequest(f"LoRA adapter '{lora_path}' was requested, but LoRA is not enabled. Please launch "
+                                 "the server with --enable-lora flag and preload adapters using --lora-paths or "
+                                 "/load_lora_adapter endpoint.")
+            adapter = self.adapters.get(lora_path)
+            if adapter is None:
+                raise BadRequest(f"Got LoRA adapter that has never been loaded: {lora_path}\n"
+                                 f"All loaded adapters: {sorted(self.adapters)}.")
         max_new = min(params.max_new_tokens, self.max_len - len(input_ids))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.runner.eos_ids)
         seed = params.sampling_seed
@@ -796,7 +906,8 @@ class CpuEngine:
                    params=params, return_logprob=bool(return_logprob), future=concurrent.futures.Future(),
                    max_new=max_new, stop_ids=stop_ids, uniforms=uniforms,
                    return_text_in_logprobs=bool(return_text_in_logprobs),
-                   return_routed_experts=bool(return_routed_experts), routed_experts_start_len=routed_experts_start_len)
+                   return_routed_experts=bool(return_routed_experts), routed_experts_start_len=routed_experts_start_len,
+                   adapter=adapter)
 
     def submit(self, *reqs: Req) -> list[concurrent.futures.Future]:
         """Queue requests (one message, so a batch is admitted together); returns their futures."""
@@ -827,6 +938,34 @@ class CpuEngine:
         Returns the number of tensors loaded. Requests in flight keep their KV cache."""
         return self.call(self._load_weights, list(named_tensors), version).result()
 
+    def load_adapter(self, name: str, path: str, config: dict, named: list) -> dict:
+        """SGLang's /load_lora_adapter(_from_tensors): add LoRA adapter `name` (PEFT-named tensors + its
+        adapter_config) between two steps; raises BadRequest with SGLang's reasons (LoRA off, a name already loaded,
+        a rank or targets the server was not started for). Returns {name: path} of every loaded adapter."""
+        def _load():
+            if self.lora is None:
+                raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+            if name in self.adapters:
+                raise BadRequest(f"Failed to load LoRA adapter {name} because it is already loaded")
+            self.adapters[name] = self.runner.make_adapter(name, path, config, named, int(self.lora["max_lora_rank"]),
+                                                           list(self.lora["lora_target_modules"]))
+            return {n: a.path for n, a in self.adapters.items()}
+        return self.call(_load).result()
+
+    def unload_adapter(self, name: str) -> dict:
+        """SGLang's /unload_lora_adapter: new requests can no longer name it at once; it is dropped when no request
+        that named it is running or waiting (this call waits for that, as SGLang's does). Returns the loaded ones."""
+        def _unregister():
+            if self.lora is None:
+                raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+            if name not in self.adapters:
+                raise BadRequest(f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self.adapters)}")
+            return self.adapters.pop(name)
+        adapter = self.call(_unregister).result()
+        while self.call(lambda: any(r.adapter is adapter for r in self._running + list(self._waiting))).result():
+            time.sleep(0.05)
+        return self.call(lambda: {n: a.path for n, a in self.adapters.items()}).result()
+
     def release_memory(self, tags: list[str] | None) -> None:
         """SGLang's /release_memory_occupation: hand the memory of `tags` back (see ModelRunner.release)."""
         self.call(self._release_memory, _memory_tags(tags)).result()
@@ -847,6 +986,7 @@ class CpuEngine:
         def _snap():
             return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
                     "paused": self._paused, "weight_version": self.weight_version, **self.stats,
+                    "loaded_adapters": sorted(self.adapters),
                     "released": sorted(self.runner.released),
                     "running": [{"rid": r.rid, "completion_tokens": len(r.output_ids)} for r in self._running]}
         return self.call(_snap).result()
@@ -925,7 +1065,8 @@ class CpuEngine:
         computed and copied into the others' slots, and each samples from its logits with its own draw."""
         contexts = [r.prompt_ids + r.output_ids for r in reqs]
         first: dict[tuple, int] = {}
-        src = [first.setdefault(tuple(c), i) for i, c in enumerate(contexts)]  # request whose prefill i shares
+        # request whose prefill i shares: the same context under the same adapter (LoRA changes every K/V)
+        src = [first.setdefault((tuple(c), id(r.adapter)), i) for i, (c, r) in enumerate(zip(contexts, reqs))]
         own = sorted(first.values())
         logits = self._forward([reqs[i] for i in own], [contexts[i] for i in own])       # (U, V)
         for r, j in zip(reqs, src):
@@ -954,7 +1095,7 @@ class CpuEngine:
     def _forward(self, reqs: list[Req], chunks: list[list[int]]) -> torch.Tensor:
         """The runner's forward over each request's slot; advances kv_len and keeps the routing it was asked for."""
         logits, routed = self.runner.forward([r.slot for r in reqs], [r.kv_len for r in reqs], chunks,
-                                             any(r.return_routed_experts for r in reqs))
+                                             any(r.return_routed_experts for r in reqs), [r.adapter for r in reqs])
         for i, (req, chunk) in enumerate(zip(reqs, chunks)):
             req.kv_len += len(chunk)
             if routed is not None and req.return_routed_experts:
@@ -1150,10 +1291,12 @@ def build_app(engine: CpuEngine):
         lps = _per_item(body.get("return_logprob", False), n, "return_logprob")
         # one value for the whole batch, as SGLang's GenerateReqInput holds them
         routed = (bool(body.get("return_routed_experts", False)), body.get("routed_experts_start_len", 0))
+        loras = _per_item(body.get("lora_path"), n, "lora_path")  # an adapter name per prompt, or one for all
         reqs = [engine.make_request(p, sp, rid=r, return_logprob=bool(lp),
                                     return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
-                                    return_routed_experts=routed[0], routed_experts_start_len=routed[1])
-                for p, sp, r, lp in zip(prompts, sps, rids, lps)]
+                                    return_routed_experts=routed[0], routed_experts_start_len=routed[1],
+                                    lora_path=lp_name)
+                for p, sp, r, lp, lp_name in zip(prompts, sps, rids, lps, loras)]
         outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in engine.submit(*reqs)))
         return outs if batched else outs[0]
 
@@ -1245,21 +1388,70 @@ def build_app(engine: CpuEngine):
                                  f"and end_weight_update()"}, status_code=400)
         return None
 
+    async def own_payload(body: dict, endpoint: str, adapter: bool = False) -> list:
+        """The tensors of `serialized_named_tensors` (one entry per TP rank) that this engine reads: entry 0, as
+        SGLang's TP rank 0 does (the CPU engine is one rank), in SGLang's payload (transfermesh.read_tensor_payload;
+        `adapter`: a LoRA adapter's, a dict where load_format is null). Views of the sender's shared memory: the
+        caller copies them out. A bad payload or checksum is a BadRequest, and nothing is loaded."""
+        items = body.get("serialized_named_tensors")
+        if not isinstance(items, list) or not items:
+            raise BadRequest(f"{endpoint} needs serialized_named_tensors (a non-empty list, one entry per TP rank)")
+        try:  # checksum: a LoongSage addition
+            return await asyncio.to_thread(transfermesh.read_tensor_payload, items[0], body.get("load_format"),
+                                           body.get("checksum"), adapter)
+        except ValueError as e:  # a bad payload or checksum: refuse it, keep what is loaded
+            raise BadRequest(str(e)) from None
+
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         body = await _json_body(request)
         if (refused := refuse_outside_session("update_weights_from_tensor")) is not None:
             return refused
-        items = body.get("serialized_named_tensors")
-        if not isinstance(items, list) or not items:
-            raise BadRequest("update_weights_from_tensor needs serialized_named_tensors (a non-empty list, one entry "
-                             "per TP rank)")
-        try:  # the CPU engine is one TP rank: it reads entry 0, as SGLang's rank 0 does
-            named = await asyncio.to_thread(transfermesh.read_tensor_payload, items[0], body.get("load_format"),
-                                            body.get("checksum"))  # checksum: a LoongSage addition
-        except ValueError as e:  # a bad payload or checksum: refuse the bucket, keep the old weights
-            raise BadRequest(str(e)) from None
-        return await load(named, body)
+        return await load(await own_payload(body, "update_weights_from_tensor"), body)
+
+    # LoRA adapters, as SGLang 0.5.23 answers them: LoRAUpdateOutput {success, error_message, loaded_adapters},
+    # HTTP 400 with success false when refused. No weight-update session: SGLang loads adapters outside one.
+    async def lora_answer(work):
+        """`work`: a coroutine that loads or unloads and returns the loaded adapters."""
+        try:
+            return {"success": True, "error_message": None, "loaded_adapters": await work}
+        except ValueError as e:  # a BadRequest, or a payload or checksum refused
+            return JSONResponse({"success": False, "error_message": str(e), "loaded_adapters": None}, status_code=400)
+
+    def lora_name(body: dict) -> str:
+        if not isinstance(body.get("lora_name"), str) or not body["lora_name"]:
+            raise BadRequest(f"lora_name must be a non-empty string, got {body.get('lora_name')!r}")
+        return body["lora_name"]
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await _json_body(request)
+        name, path = lora_name(body), body.get("lora_path")
+        if not isinstance(path, str) or not os.path.isfile(os.path.join(path, lora.PEFT_CONFIG)):
+            raise BadRequest(f"lora_path {path!r} is not a PEFT adapter directory (with {lora.PEFT_CONFIG} and "
+                             f"{lora.PEFT_WEIGHTS})")
+        config = json.loads(open(os.path.join(path, lora.PEFT_CONFIG)).read())
+        named = await asyncio.to_thread(read_safetensors_dir, path)
+        return await lora_answer(asyncio.to_thread(engine.load_adapter, name, path, config, named))
+
+    @app.post("/load_lora_adapter_from_tensors")
+    async def load_lora_adapter_from_tensors(request: Request):
+        body = await _json_body(request)
+        name, config = lora_name(body), body.get("config_dict")
+        if not isinstance(config, dict):
+            raise BadRequest("load_lora_adapter_from_tensors needs config_dict, the adapter's adapter_config.json")
+
+        async def read_and_load():  # the weight updates' reader; load_adapter copies the tensors out
+            named = await own_payload(body, "load_lora_adapter_from_tensors", adapter=True)
+            # expected_checksums: SGLang's own field (a mismatch refuses the adapter there too)
+            await asyncio.to_thread(transfermesh.verify_adapter_sha256, named, body.get("expected_checksums"))
+            return await asyncio.to_thread(engine.load_adapter, name, "__tensor__", config, named)
+        return await lora_answer(read_and_load())
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await _json_body(request)
+        return await lora_answer(asyncio.to_thread(engine.unload_adapter, lora_name(body)))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
@@ -1360,9 +1552,13 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=None, help="context per request (prompt + output)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--lora-target-modules", nargs="*", default=list(lora.TARGETS))
     a = p.parse_args()
     url, handle = serve(a.model_path, a.host, a.port, max_batch=a.max_batch, max_len=a.max_len, seed=a.seed,
-                        dtype=a.dtype)
+                        dtype=a.dtype, lora=dict(max_lora_rank=a.max_lora_rank, lora_target_modules=a.lora_target_modules)
+                        if a.enable_lora else None)
     print(f"CPU rollout engine for {a.model_path} serving at {url} (Ctrl-C to stop)", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a clean shutdown on `kill` too
     try:

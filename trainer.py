@@ -40,7 +40,7 @@ sequences, `gather_sequence`, so every pass after the model is the same). Megatr
 
 Test: `.venv/bin/pytest tests/test_trainer.py` (real Ray actors, real Megatron-Core over gloo; parity
 against transformers, TP=2 and DP=2 equivalence, HF round trip, checkpoint resume), tests/test_pipeline.py
-(PP=2 against one rank), tests/test_moe.py (EP=2 against one rank, R3), tests/test_critic.py.
+(PP=2 against one rank), tests/test_moe.py (EP=2 against one rank, R3), tests/test_critic.py, tests/test_lora.py.
 Left out: context parallelism and the distributed optimizer on CPU (they need CUDA; rejected at `--check`), CP with
 EP, R3 with SP or CP, virtual pipeline stages, PP together with EP, PP with tied embeddings, packed sequences, an HF
 export of the critic (it lives in the Megatron checkpoints only), the critic with pipeline or expert parallelism
@@ -63,6 +63,7 @@ import torch.nn.functional as F
 import algos
 import convert
 import cpu
+import lora
 import transfermesh
 # Megatron-Core is imported inside the functions that use it (`# Megatron: late`): it takes ~2 s to import, a cost
 # for the trainer actors only, while the controller imports this module (loongsage, teacher) and builds no model.
@@ -750,6 +751,8 @@ class Model:
         n_local = (self.tcfg.num_moe_experts or 0) // ep_size
         with torch.no_grad():
             for name, p in self.gpt.named_parameters():
+                if lora.is_adapter(name):  # LoRA: the adapters travel on their own (lora.gather)
+                    continue
                 if ".local_experts." not in name:
                     t = convert.gather_full(name, p.detach(), par.tp_group if par.tp_size > 1 else None)
                     if keep:
@@ -1089,10 +1092,12 @@ class Critic:
     cfg.critic_lr; saved in the policy's checkpoint file. It routes MoE tokens by itself: the engine's routing
     (R3) is the policy's."""
 
-    def __init__(self, par: Parallel, cfg, tcfg, model_kwargs: dict, full: dict[str, torch.Tensor]):
+    def __init__(self, par: Parallel, cfg, tcfg, model_kwargs: dict, full: dict[str, torch.Tensor], hf: dict):
         self.cfg = cfg
         self.model = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, replay=False)
         self.model.load(full)  # the policy's checkpoint (LM head included, then replaced)
+        if cfg.lora_rank:  # LoRA: the critic's trunk is frozen too; its adapters and its value head train
+            lora.add_adapters(self.model.gpt, cfg, hf, par.tp_group if par.tp_size > 1 else None)
         self.model.gpt.output_layer = ValueHead(tcfg.hidden_size, tcfg.params_dtype,
                                                 tcfg.sequence_parallel).to(par.device)
         self.model.wrap_ddp(cfg.use_distributed_optimizer)
@@ -1144,6 +1149,10 @@ class TrainerWorker:
     Its parts: `par` (this rank in the layout), `policy` (the trained Model) with `optim`, `ref` (the frozen
     reference, when a KL term needs one), `critic` (advantage: gae). Rank 0 returns the gathered weights and writes
     HF files; metrics are identical on every rank (pipeline stages get the last stage's).
+
+    LoRA (cfg.lora_rank > 0, lora.py): the policy's (and the critic's) base weights are frozen and only the adapters
+    are in the optimizer; the reference is the policy with its adapters off (no second model); a weight sync sends
+    the adapters alone; the HF export is the merged model, beside it a PEFT adapter directory.
     """
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
@@ -1153,6 +1162,8 @@ class TrainerWorker:
         self.offloaded: dict[str, tuple] = {}  # tag -> (freed storages, file) while offloaded (colocated hand-off)
         self.borrowed: cpu.BorrowedCores | None = None  # borrow_cores
         self.teacher_heads: dict[str, torch.Tensor] = {}  # set_teacher_heads
+        self.lora: dict | None = None  # LoRA: the adapters' PEFT config (lora.peft_config), set by load_hf
+        self.full_bytes = 0  # bytes of the full weights (what a sync without LoRA moves), for weights/full_bytes
 
     # --- model, optimizer, reference, critic ------------------------------------------------------------
 
@@ -1162,6 +1173,8 @@ class TrainerWorker:
         `lr` set: a constant learning rate instead of cfg's schedule (the SFT warm start uses it).
         Calling it again rebuilds everything from the new directory (optimizer state and step reset).
         With `advantage: gae` (and no `lr`: the warm start trains the policy only) it also builds the critic.
+        With `lora_rank` (and no `lr`: the warm start makes the base, so it trains every weight) the policy gets
+        adapters on a frozen base and no reference copy (`_reference_logp` switches the adapters off instead).
         """
         cfg, par = self.cfg, self.par
         self.hf_path = str(path)
@@ -1173,23 +1186,44 @@ class TrainerWorker:
             from megatron.core.transformer.moe.router_replay import RouterReplay  # forget the previous models'
             RouterReplay.clear_global_router_replay_instances()
         full = convert.hf_to_megatron(convert.load_hf_state(path), self.hf_config)
+        self.full_bytes = sum(t.numel() * t.element_size() for t in full.values())
         self.policy = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, fp32_lm_head=cfg.fp32_lm_head)
         self.policy.load(full)
+        self.lora = lora.peft_config(cfg, path) if cfg.lora_rank and lr is None else None
+        if self.lora:  # before DDP: it keeps gradient buffers for the parameters that train only
+            lora.add_adapters(self.policy.gpt, cfg, self.hf_config, par.tp_group if par.tp_size > 1 else None)
         self.policy.wrap_ddp(cfg.use_distributed_optimizer)
         self.optim = Optim(self.policy, cfg, lr)
-        if float(cfg.kl_coef) > 0 or bool(cfg.kl_in_reward):
+        if (float(cfg.kl_coef) > 0 or bool(cfg.kl_in_reward)) and not self.lora:
             self.ref = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, fp32_lm_head=cfg.fp32_lm_head)
             self.ref.load(full)
             self.ref.gpt.requires_grad_(False).eval()
         if cfg.advantage == "gae" and lr is None:
-            self.critic = Critic(par, cfg, tcfg, model_kwargs, full)
+            self.critic = Critic(par, cfg, tcfg, model_kwargs, full, self.hf_config)
         self._hook_layers()
         fast = (f"layer spec {convert.layer_spec(cfg, par.on_cpu)}, distributed optimizer "
                 f"{'on' if self.policy.distributed_optimizer else 'off'}, sequence parallel "
                 f"{'on' if tcfg.sequence_parallel else 'off'}, context parallel {tcfg.context_parallel_size}, "
                 f"recompute {tcfg.recompute_granularity or 'none'}")
+        optimized = {id(p): p for g in self.optim.optimizer.param_groups for p in g["params"]}
         return {"params_this_rank": sum(p.numel() for p in self.policy.gpt.parameters()),
-                "reference": self.ref is not None, "critic": self.critic is not None, "megatron": fast}
+                "trained_params_this_rank": sum(p.numel() for p in self.policy.gpt.parameters() if p.requires_grad),
+                "optimizer_params_this_rank": sum(p.numel() for p in optimized.values()),
+                "reference": self.ref is not None, "reference_by_disabling_adapters": bool(self.lora) and
+                self._needs_reference(), "critic": self.critic is not None, "megatron": fast}
+
+    def _needs_reference(self) -> bool:
+        return float(self.cfg.kl_coef) > 0 or bool(self.cfg.kl_in_reward)
+
+    def _reference_logp(self, rows: list[dict]) -> list[torch.Tensor] | None:
+        """Per-row reference logprobs for a KL term (None without one): the frozen reference model's; with LoRA the
+        policy's own base, its adapters switched off for the forward (the reference LoRA keeps no copy of)."""
+        if self.ref is not None:
+            return self.ref.logp(rows)
+        if self.lora and self._needs_reference():
+            with lora.disabled(self.policy.gpt):
+                return self.policy.logp(rows)
+        return None
 
     def _models(self) -> list[Model]:
         return [m for m in (self.policy, self.ref, self.critic and self.critic.model) if m is not None]
@@ -1257,7 +1291,7 @@ class TrainerWorker:
             rest = [j for j in range(len(local)) if j not in first]
             computed = dict(zip(rest, self.policy.logp([local[j] for j in rest])))
             old = [computed.get(j) for j in range(len(local))]  # None: filled by mini-batch 0's forward
-        ref = self.ref.logp(local) if self.ref is not None else None
+        ref = self._reference_logp(local)
         values = self.critic.values(local) if self.critic is not None else None  # CRITIC: V_old(s_t) per row
 
         # --- 2. advantages over this rank's whole groups (every rank calls: batch norm all-reduces), one per
@@ -1438,11 +1472,11 @@ class TrainerWorker:
 
     # --- forward-only passes ------------------------------------------------------------------------
 
-    def compute_logprobs(self, batch: list[dict]) -> list[list[float]]:
+    def compute_logprobs(self, batch: list[dict], reference: bool = False) -> list[list[float]]:
         """Per response token logprobs for every sample (every rank computes all samples; for parity
-        tests and debugging, not the training hot path)."""
+        tests and debugging, not the training hot path). `reference`: the KL term's reference model's instead."""
         self.onload(["weights"])
-        return [row.tolist() for row in self.policy.logp(batch)]
+        return [row.tolist() for row in (self._reference_logp(batch) if reference else self.policy.logp(batch))]
 
     def compute_values(self, samples: list[dict]) -> list[torch.Tensor]:
         """CRITIC: per-sample 1-D V(s_t) of every response token (for tests)."""
@@ -1455,27 +1489,56 @@ class TrainerWorker:
     # --- weights out --------------------------------------------------------------------------------
 
     def export_hf_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """HF-named full tensors (CPU) on rank 0, [] elsewhere. Every rank must call it (Model.gather)."""
+        """HF-named full tensors (CPU) on rank 0, [] elsewhere. Every rank must call it (Model.gather). With LoRA:
+        the frozen base (the adapters are `export_adapters`)."""
         self.onload(["weights"])  # colocated: a re-created engine may need them while they are offloaded
         full = self.policy.gather()
         return convert.megatron_to_hf(full, self.hf_config) if full is not None else []
 
-    def sync_weights(self, engine_urls: list[str], version: int) -> dict:
-        """Push the current weights to the rollout engines (rank 0 sends; the others join the gather)."""
-        named = self.export_hf_weights()
+    def export_adapters(self) -> dict[str, torch.Tensor]:
+        """LoRA: every adapter matrix, full (TP shards gathered), by its PEFT name, on rank 0; {} elsewhere and
+        without LoRA. Every rank must call it (the TP gather)."""
+        if not self.lora or self.par.dp_rank != 0:  # another data-parallel replica holds the same adapters
+            return {}
+        self.onload(["weights"])
+        return lora.gather(self.policy.gpt, self.par.tp_group if self.par.tp_size > 1 else None, self.par.rank == 0)
+
+    def sync_weights(self, engine_urls: list[str], version: int, base: bool = False) -> dict:
+        """Push the current weights to the rollout engines as `version` (rank 0 sends; the others join the gather).
+        With LoRA only the adapters travel, as the engines' adapter lora.adapter_name(version); `base` also sends
+        the frozen base weights first (the engines started from another checkpoint: a warm start, a resume).
+        Returns `weights/` metrics; with LoRA also weights/full_bytes, what a full sync would have moved."""
+        named = self.export_hf_weights() if base or not self.lora else []
+        adapters = self.export_adapters()
         if self.par.rank != 0:
             return {}
         # SGLang engines run with tensor parallel size tp_size (cfg.gpus_per_engine unless cfg.sglang sets it);
         # the CPU engine is one rank
         sglang = self.cfg.engine == "sglang" or (self.cfg.engine == "auto" and torch.cuda.is_available())
         tp = int((self.cfg.sglang or {}).get("tp_size") or self.cfg.gpus_per_engine) if sglang else 1
-        return transfermesh.push_weights(named, [(u, tp) for u in engine_urls], version, transport=self.cfg.transfer,
-                                         bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path)
+        engines = [(u, tp) for u in engine_urls]
+        stats = transfermesh.push_weights(named, engines, version, transport=self.cfg.transfer,
+                                          bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path) if named else {}
+        if self.lora:  # LORA: the adapters alone, loaded as a new adapter of the engines (SGLang's LoRA endpoints)
+            sent = transfermesh.push_adapter(adapters, self.lora, engines, version, lora.adapter_name(version),
+                                             transport=self.cfg.transfer)
+            for key in ("weights/bytes", "weights/buckets", "weights/seconds"):  # + the base, when it went too
+                sent[key] += stats.get(key, 0)
+            sent["weights/gbps"] = sent["weights/bytes"] / max(sent["weights/seconds"], 1e-9) / 1e9
+            stats = {**sent, "weights/full_bytes": self.full_bytes}
+        return stats
 
-    def save_hf(self, path: str) -> str:
-        """Write an HF model directory (safetensors + the source dir's config and tokenizer files)."""
+    def save_hf(self, path: str, adapter_path: str | None = None) -> str:
+        """Write an HF model directory (safetensors + the source dir's config and tokenizer files). With LoRA the
+        adapters are merged into it (W + scale B A), and `adapter_path` gets them as a PEFT adapter directory on
+        the base this run started from (lora.save_peft)."""
         named = self.export_hf_weights()
+        adapters = self.export_adapters()
         if self.par.rank == 0:
+            if adapters:
+                named = lora.merge(named, adapters, float(self.cfg.lora_alpha) / int(self.cfg.lora_rank))
+                if adapter_path:
+                    lora.save_peft(adapters, self.lora, adapter_path)
             convert.save_hf_dir(named, path, self.hf_path)
         torch.distributed.barrier()
         return str(path)

@@ -62,6 +62,7 @@ import binascii
 import contextlib
 import ctypes
 import ctypes.util
+import hashlib
 import io
 import os
 import pickle
@@ -86,6 +87,7 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 from torch.multiprocessing import reductions  # importing it also registers torch's tensor reducers with ForkingPickler
 
 import data
+import lora
 
 TRANSPORTS = ("auto", "shm", "cuda_ipc", "broadcast", "disk")
 
@@ -180,6 +182,24 @@ def verify_checksum(flat: torch.Tensor, expected: list[int] | None) -> None:
         raise ValueError(f"weight bucket checksum mismatch: XXH3-64 {got} over {flat.numel()} bytes, the sender wrote "
                          f"{list(expected)} (first differing chunk: {bad[0]}); the bytes were corrupted, reordered or "
                          f"shifted in transit, so the bucket was not loaded and the engine keeps its old weights")
+
+
+def verify_adapter_sha256(named: list[tuple[str, torch.Tensor]], expected: dict[str, str] | None) -> None:
+    """SGLang 0.5.23's `expected_checksums` of /load_lora_adapter_from_tensors (None: nothing to check): sha256 hex
+    of each tensor's bytes by name. Raise ValueError, as SGLang refuses the adapter, on any value mismatch, any
+    expected name missing or any tensor not expected."""
+    if expected is None:
+        return
+    if not isinstance(expected, dict):
+        raise ValueError(f"expected_checksums must map tensor names to sha256 hex strings, got {type(expected).__name__}")
+    got = {n: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+           for n, t in named}
+    mismatch = [n for n, want in expected.items() if n in got and got[n] != want]
+    missing, extra = [n for n in expected if n not in got], [n for n in got if n not in expected]
+    if mismatch or missing or extra:
+        raise ValueError(f"adapter sync mismatch of {len(expected)} expected tensors (sha256): {len(mismatch)} "
+                         f"value-diff {mismatch[:5]}, {len(missing)} missing {missing[:5]}, {len(extra)} extra "
+                         f"{extra[:5]}; the adapter was not loaded")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,6 +319,68 @@ def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: lis
     stats["weights/seconds"] = time.perf_counter() - t0
     stats["weights/gbps"] = stats["weights/bytes"] / max(stats["weights/seconds"], 1e-9) / 1e9
     return stats
+
+
+def adapter_transport(url: str, requested: str) -> str:
+    """The transport of a LoRA adapter to the engine at `url`: pick_transport's, except that `auto` sends a remote
+    engine a PEFT directory ("disk") where full weights would go by broadcast (SGLang has no adapter broadcast)."""
+    kind = pick_transport(url, requested)
+    return "disk" if kind == "broadcast" and requested == "auto" else kind
+
+
+def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list, version: int, name: str, *,
+                 transport: str = "auto") -> dict:
+    """LoRA: load `adapters` ({PEFT name: full tensor}, lora.gather) into every engine as a new adapter `name`, with
+    its PEFT `config` (adapter_config.json), then make `version` the engines' weight version. No weight-update
+    session: SGLang 0.5.23 loads adapters outside one (they never change the weights a running request uses). One
+    adapter per version: SGLang refuses a name already loaded, and a request keeps the adapter it named until it
+    ends, so the requests in flight finish on their own adapter (AgentFlow names the new one for new requests and
+    unloads the old one once no request of its uses it). `engines`: urls or (url, tp_size) pairs.
+
+    Transports (SGLang has no adapter broadcast): "shm" (CPU engine) and "cuda_ipc" (SGLang, same machine):
+    `/load_lora_adapter_from_tensors` with one payload per TP rank of the full tensors (SGLang slices them per rank
+    itself), SGLang's own payload as for weight updates: a flattened bucket in shared memory (`tensor_payloads`), or
+    CUDA IPC handles of a {name: tensor} dict (`cuda_ipc_payloads`, load_format null); "disk": a
+    PEFT directory and `/load_lora_adapter`, which `auto` picks for an engine on another machine (where full weights
+    would be broadcast; it needs a disk both see, as the disk transport does). Returns `weights/` metrics: bytes,
+    buckets, seconds, GB/s."""
+    t0 = time.perf_counter()
+    engines = _engines(engines)
+    tensors = sorted(adapters.items())
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    kinds = {adapter_transport(u, transport) for u, _ in engines}
+    for kind in kinds:
+        if kind not in ("shm", "cuda_ipc", "disk"):
+            raise ValueError(f"transfer={kind!r} cannot carry a LoRA adapter (SGLang 0.5.23 loads adapters from "
+                             "tensors or from disk only); use transfer=auto, shm, cuda_ipc or disk")
+    fields = {"lora_name": name, "config_dict": config}
+    if "shm" in kinds:  # written once, read by every local engine; checksum: LoongSage's field, as for weights
+        flat, metas, sums = write_shm_bucket(tensors)
+
+    def load(engine):
+        url, tp = engine
+        kind = adapter_transport(url, transport)
+        if kind == "shm":
+            _post(url, "/load_lora_adapter_from_tensors", {**fields, "load_format": "flattened_bucket", "checksum": sums,
+                                                          "serialized_named_tensors": tensor_payloads(flat, metas, tp)})
+        elif kind == "cuda_ipc":
+            on_gpu = {n: t.detach().cuda().contiguous() for n, t in tensors}
+            _post(url, "/load_lora_adapter_from_tensors", {**fields, "serialized_named_tensors":
+                                                          cuda_ipc_payloads(on_gpu, tp)})
+            torch.cuda.synchronize()
+        else:
+            out = tempfile.mkdtemp(prefix="loongsage_adapter_")
+            try:
+                _post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": lora.save_peft(adapters, config, out)})
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+        # abort_all_requests defaults to true in SGLang: requests in flight must survive the version change
+        _post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+    _each(load, engines)
+    seconds = time.perf_counter() - t0
+    # bytes of one copy, as push_weights counts them: what one engine receives
+    return {"weights/version": version, "weights/buckets": 1, "weights/bytes": nbytes, "weights/seconds": seconds,
+            "weights/gbps": nbytes / max(seconds, 1e-9) / 1e9}
 
 
 def _update_fields(last: bool, version: str) -> dict:
@@ -460,9 +542,10 @@ def _reduce_tensor_with_device_uuid(t: torch.Tensor):
     return rebuild, args
 
 
-def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
-    """SGLang's serialized_named_tensors for one bucket: base64 of a ForkingPickler dump of [(name, tensor), ...],
-    one per TP rank. Each rank deserializes only entry tp_rank, and each entry is its own dump: CUDA IPC counts
+def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], tp_size: int) -> list[str]:
+    """SGLang's serialized_named_tensors for one bucket: base64 of a ForkingPickler dump of [(name, tensor), ...]
+    (a weight update) or {name: tensor} (a LoRA adapter, /load_lora_adapter_from_tensors), one per TP rank. Each
+    rank deserializes only entry tp_rank, and each entry is its own dump: CUDA IPC counts
     references per dump on the sender, so one dump read by two ranks would be released twice. CUDA devices travel
     as UUIDs (`_reduce_tensor_with_device_uuid`). The dump holds only what SGLang's SafeUnpickler allows (lists,
     tuples, str, torch's tensor rebuild functions, dtypes). Works on CPU tensors too (shared-memory handles)."""
@@ -621,15 +704,17 @@ class _BucketUnpickler(pickle.Unpickler):
                          f"SafeUnpickler refuses it too)")
 
 
-def read_tensor_payload(entry, load_format: str | None, expected_checksum: list[int] | None = None
-                        ) -> list[tuple[str, torch.Tensor]]:
+def read_tensor_payload(entry, load_format: str | None, expected_checksum: list[int] | None = None,
+                        adapter: bool = False) -> list[tuple[str, torch.Tensor]]:
     """One serialized_named_tensors entry of `/update_weights_from_tensor` as SGLang 0.5.23 reads it: base64 of a
     ForkingPickler dump; with load_format "flattened_bucket" a dict {"flattened_tensor": uint8 tensor, "metadata":
     [entries with name, shape, dtype, start_idx, end_idx, numel]} cut into tensors as SGLang's FlattenedTensorBucket
-    does (slice, view as dtype, reshape); with load_format None a list of (name, tensor) pairs. CPU tensors arrive
-    as handles of the sender's shared memory (torch's file_system strategy; `tensor_payloads`): no copy here, the
-    engine's own copy into its parameters is the only one. The bytes of a bucket are verified against the sender's
-    checksum (if sent) before any tensor is returned. Raises ValueError on anything SGLang would refuse."""
+    does (slice, view as dtype, reshape); with load_format None a list of (name, tensor) pairs, or with `adapter`
+    (`/load_lora_adapter_from_tensors`, whose SGLang handler iterates the dump's items()) a {name: tensor} dict;
+    otherwise SGLang reads an adapter's entry as it reads a weight update's. CPU tensors arrive as handles of the
+    sender's shared memory (torch's file_system strategy; `tensor_payloads`): no copy here, the engine's own copy
+    into its parameters is the only one. The bytes of a bucket are verified against the sender's checksum (if sent)
+    before any tensor is returned. Raises ValueError on anything SGLang would refuse."""
     try:
         raw = base64.b64decode(entry, validate=True)
     except (binascii.Error, ValueError, TypeError):
@@ -643,6 +728,12 @@ def read_tensor_payload(entry, load_format: str | None, expected_checksum: list[
         raise ValueError(f"serialized_named_tensors entry could not be unpickled ({type(e).__name__}: {e}); CPU "
                          f"tensors must come from a process on this machine sharing them through torch's "
                          f"file_system strategy") from None
+    if load_format is None and adapter:
+        if not (isinstance(obj, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in obj.items())):
+            raise ValueError(f"load_format null takes a {{name: tensor}} dict for a LoRA adapter (SGLang reads its "
+                             f"items()); got {type(obj).__name__}")
+        return list(obj.items())
     if load_format is None:
         if not (isinstance(obj, list) and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
                                               and isinstance(p[1], torch.Tensor) for p in obj)):

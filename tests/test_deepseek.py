@@ -103,11 +103,7 @@ MOONLIGHT = dict(
     tie_word_embeddings=False)
 
 
-def test_real_configs_convert_and_the_gpu_recipe_checks(monkeypatch):
-    from megatron.core import parallel_state
-    # a trainer rank calls megatron_config with Megatron's parallel state up, and MLA's per-layer spec asks it for the
-    # pipeline stage: here, without a process group, rank 0 of the one stage these layouts have
-    monkeypatch.setattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_RANK", 0)
+def test_real_configs_convert_and_the_gpu_recipe_checks():
     recipe = config.load_config(str(ROOT / "recipes/moonlight_16b_gpu.yaml"))  # --check's validation
     assert recipe.expert_parallel == 8 and recipe.router_replay and recipe.data_parallel == 8
     tcfg, kwargs = convert.megatron_config(MOONLIGHT, recipe, cpu=False)

@@ -18,7 +18,7 @@ MODULES = sorted(ROOT.glob("*.py"))
 # and not needed by `--check`, after a setup step). A new module joins this list.
 TOP_IMPORTS = ("agentflow.py", "wire.py", "data.py", "algos.py", "teacher.py", "viewer.py", "loongsage.py",
                "rollout.py", "cpu_engine.py", "transfermesh.py", "trainer.py", "bench.py", "convert.py", "cpu.py",
-               "config.py", "fleet.py")
+               "config.py", "fleet.py", "chat.py", "lora.py")
 
 
 def comment_ratio(source: str) -> float:

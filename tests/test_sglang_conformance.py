@@ -12,6 +12,8 @@ What it proves:
   payload deserializer / FlattenedTensorBucket / process-group rendezvous (tests/sglang_app.py) with the pushed
   names, dtypes and bytes, and the version set;
 * SGLang's own flattened_bucket payload loads in the CPU engine, and what SGLang's app refuses the CPU engine refuses;
+* the LoRA adapter transfermesh pushes (/load_lora_adapter_from_tensors) is what SGLang's TP worker reads into
+  the pushed tensors, and the {name: tensor} payload SGLang's own Engine sends loads in the CPU engine;
 * the router's tool-call parser gives SGLang's hermes parser's calls and content on each probe text.
 """
 import asyncio
@@ -38,6 +40,7 @@ if os.environ.get("LOONGSAGE_CONFORMANCE") != "1":
                     "-m pytest -q tests/test_sglang_conformance.py", allow_module_level=True)
 
 import agentflow  # noqa: E402
+import chat  # noqa: E402
 import config  # noqa: E402
 import cpu_engine  # noqa: E402
 import data  # noqa: E402
@@ -193,6 +196,50 @@ def test_the_router_generates_and_aborts(tiny_model_dir, monkeypatch):
     RECORDED.extend(rec.sent)
 
 
+def test_a_pushed_adapter_is_what_sglangs_lora_loader_reads(tiny_model_dir, monkeypatch):
+    """push_adapter's /load_lora_adapter_from_tensors body (recorded at httpx, shm transport) is read by SGLang's own
+    code as its TP worker reads it (MultiprocessingSerializer through the SafeUnpickler, then FlattenedTensorBucket
+    for load_format flattened_bucket) into exactly the pushed {PEFT name: tensor}; SGLang's checksum check
+    (expected_checksums, sha256 per tensor) would pass on them; and the dict SGLang's own Engine serializes for
+    load_format null loads in the CPU engine as the same adapter. The body joins the route / body-type check below."""
+    import lora
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    hf = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    H, d = hf["hidden_size"], hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    torch.manual_seed(0)
+    adapters = {lora.peft_name(0, "q_proj", "A"): torch.randn(4, H) * 0.1,
+                lora.peft_name(0, "q_proj", "B"): torch.randn(hf["num_attention_heads"] * d, 4) * 0.05}
+    peft_cfg = {"r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj"]}
+    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=2, max_len=64,
+                                   lora=dict(max_lora_rank=4, lora_target_modules=["q_proj"]))
+    try:
+        rec = Recorder(monkeypatch)
+        tm.push_adapter(adapters, peft_cfg, [url], version=3, name="pushed", transport="shm")
+        [body] = [b for _, p, b in rec.sent if p == "/load_lora_adapter_from_tensors"]
+        assert body["lora_name"] == "pushed" and body["config_dict"] == peft_cfg and body["load_format"] == \
+            "flattened_bucket"
+        data_ = MultiprocessingSerializer.deserialize(body["serialized_named_tensors"][0])  # tp_worker's read
+        got = dict(FlattenedTensorBucket(flattened_tensor=data_["flattened_tensor"],
+                                         metadata=data_["metadata"]).reconstruct_tensors())
+        assert got.keys() == adapters.keys() and all(torch.equal(got[n], t) for n, t in adapters.items())
+        assert {n: _digest(t) for n, t in got.items()} == {n: _digest(t) for n, t in adapters.items()}
+        with tm._file_system_sharing():  # SGLang's Engine.load_lora_adapter_from_tensors, load_format null
+            shared = {n: t.clone().share_memory_() for n, t in adapters.items()}
+            entry = MultiprocessingSerializer.serialize(shared, output_str=True)
+        r = httpx.post(url + "/load_lora_adapter_from_tensors", json={
+            "lora_name": "sglang-dict", "config_dict": peft_cfg, "serialized_named_tensors": [entry],
+            "expected_checksums": {n: _digest(t) for n, t in adapters.items()}}, timeout=60)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        lps = [httpx.post(url + "/generate", json={"input_ids": [5, 6, 7], "lora_path": name, "return_logprob": True,
+                                                   "sampling_params": {"temperature": 0.0, "max_new_tokens": 4}},
+                          timeout=60).json()["meta_info"]["output_token_logprobs"] for name in ("pushed", "sglang-dict")]
+        assert lps[0] == lps[1]
+        RECORDED.extend(rec.sent)
+    finally:
+        handle.shutdown()
+
+
 def _route(app, method, path):
     from starlette.routing import Match
     scope = {"type": "http", "method": method, "path": path, "root_path": ""}
@@ -336,7 +383,7 @@ PROBES = [
     ("unicode arguments", '<tool_call>{"name": "calc", "arguments": {"expression": "√2 ≈ 1.41"}}</tool_call>'),
     ("stray closing tag", 'answer</tool_call>'),
 ]
-# Where the router departs from SGLang on purpose (agentflow.parse_tool_calls' docstring says why)
+# Where the router departs from SGLang on purpose (chat._calls' docstring says why)
 DEPARTURES = [
     ("arguments as a JSON string", '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"4\\"}"}</tool_call>'),
 ]
@@ -352,8 +399,8 @@ def _sglang_parse(text):
 
 
 def _router_parse(text):
-    content, calls = agentflow.parse_tool_calls(text, {"calc"})
-    return content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    content, calls = chat.parse_tool_calls("hermes", text, [{"type": "function", "function": {"name": "calc"}}])
+    return content.strip(), [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
 @pytest.mark.parametrize("name,text", PROBES, ids=[p[0] for p in PROBES])

@@ -222,15 +222,16 @@ def _hf_logprobs(path, prompt, out_ids):
 
 class _EngineProcess:
     """A CPU engine in a process of its own (`python cpu_engine.py`), as Ray runs one: a broadcast group is one
-    rank per process (torch registers a group's name once per process, as SGLang's TP ranks do)."""
+    rank per process (torch registers a group's name once per process, as SGLang's TP ranks do). `flags`: more of
+    cpu_engine.py's flags (e.g. --enable-lora)."""
 
-    def __init__(self, model_dir, seed=0):
+    def __init__(self, model_dir, seed=0, flags=()):
         import subprocess
         import sys
         from pathlib import Path
         port = tm.free_port()
         self.proc = subprocess.Popen([sys.executable, "cpu_engine.py", "--model-path", str(model_dir), "--port",
-                                      str(port), "--max-batch", "4", "--max-len", "128", "--seed", str(seed)],
+                                      str(port), "--max-batch", "4", "--max-len", "128", "--seed", str(seed), *flags],
                                      cwd=str(Path(__file__).resolve().parents[1]), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}"
