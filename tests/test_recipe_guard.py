@@ -112,6 +112,7 @@ def test_recipes_script_judges_each_recipe_by_its_bar():
     assert "| calc_cpu | 0 | 0.300 -> 0.700 | +0.400 | 0.95 | 3.0 |" in table and table.rstrip().endswith("yes |")
 
 
+@pytest.mark.slow
 def test_think_warm_start_thinks_in_the_format_then_answers(tmp_path, monkeypatch, ray_session):
     """think: after the warm start the model thinks before it answers, on the real engine through the router: in at
     least 90% of step-0 samples the agent reads, through the official client, a `reasoning_content` of column sums
