@@ -93,8 +93,9 @@ def gen(url, input_ids, **sp):
     return rollout.post(url, "/generate", {"input_ids": input_ids, "sampling_params": sp, "return_logprob": True})
 
 
-def wait_running(handle, rid, min_tokens=1, timeout=30.0):
-    """Poll the engine until request `rid` is in the running batch with >= min_tokens generated."""
+def wait_running(handle, rid, min_tokens=1, timeout=120.0):
+    """Poll the engine until request `rid` is in the running batch with >= min_tokens generated (a loaded 2-core
+    machine took over 30 s once)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for r in handle.engine.state()["running"]:
