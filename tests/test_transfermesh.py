@@ -153,8 +153,9 @@ def test_the_receiver_refuses_what_sglangs_refuses():
     desc = json.dumps({"shm": "loongsage_1_ab", "offset": 0, "size": 4, "tensors": [["w", "float32", [1], 0]]})
     with pytest.raises(ValueError, match="Expected base64-encoded bytes"):
         tm.read_tensor_payload(desc, "flattened_bucket")
-    evil = base64.b64encode(pickle.dumps(print)).decode()  # builtins.print: not in the allow-list
-    with pytest.raises(ValueError, match=r"Blocked unsafe global \(builtins.print\)"):
+    # builtins.exec: not in the allow-list (not print, which a process running Ray has replaced with Ray's own)
+    evil = base64.b64encode(pickle.dumps(exec)).decode()
+    with pytest.raises(ValueError, match=r"Blocked unsafe global \(builtins.exec\)"):
         tm.read_tensor_payload(evil, "flattened_bucket")
     flat, metas, _ = tm.write_shm_bucket([("w", torch.ones(2))])
     with pytest.raises(ValueError, match="load_format 'direct' is not one the CPU engine loads"):
