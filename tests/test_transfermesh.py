@@ -243,7 +243,9 @@ class _EngineProcess:
         self.proc.wait(timeout=60)
 
 
-@pytest.mark.parametrize("transport", ["shm", "broadcast", "disk"])
+# shm in the quick tier; each transport starts an engine process of its own
+@pytest.mark.parametrize("transport", ["shm", pytest.param("broadcast", marks=pytest.mark.slow),
+                                       pytest.param("disk", marks=pytest.mark.slow)])
 def test_each_transport_installs_the_weights(transport, tiny_model_dir, other_model):
     from safetensors.torch import load_file
     handle = _EngineProcess(tiny_model_dir)
@@ -318,6 +320,7 @@ def test_trainer_to_engine_sync_gives_equal_logprobs(ray_session, tiny_model_dir
             ray.kill(w)
 
 
+@pytest.mark.slow
 def test_every_transport_reaches_every_engine(tiny_model_dir, other_model):
     """Two engines: a broadcast group of three ranks (this process + both engines), shared memory read by both,
     and the broadcast group reused for a second sync. After each push BOTH engines give the pushed model's

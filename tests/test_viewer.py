@@ -272,6 +272,7 @@ def test_model_output_cannot_inject_markup(chromium, tmp_path):
     assert state["tokens"] == str(n_tokens)
 
 
+@pytest.mark.slow
 def test_filters_steps_segments_and_paging_in_chromium(chromium, tmp_path):
     """A dump dir of two steps (0 and 2): reward bounds are inclusive and a null (non-finite) reward matches
     no bound; statuses and steps filter; a compacted trajectory shows both segments and numbers its turns
