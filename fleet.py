@@ -2,7 +2,8 @@
 trainers, engines, AgentFlow and teachers, the model they start from (`base_model`, `prepare_model`: the tiny
 model and its warm start), waits that cannot hang (`wait`), engine health and re-creation (`check_engines`,
 `restart_engine`), the weight-sync call (`sync_engines`), the colocated memory hand-off (`colocate_hand_off`),
-checkpoints that lose nothing (`save_run_state`, `load_run_state`), and the metric sinks (`Logger`).
+checkpoints that lose nothing (`save_run_state`, `load_run_state`), the metric sinks (`Logger`), and the end of
+a run's actors however it ends (`stop`, `stop_on_exit`: Ray stays up for the next run).
 
 loongsage.train() calls these in order and holds what they return: actor handles and URLs (a `Fleet` for the
 engines), never tensors. Every function that blocks says on what, and under which config deadline (`wait`).
@@ -16,6 +17,7 @@ dead trainer rank (the run stops with its traceback; `resume: true` goes on from
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -31,7 +33,7 @@ import httpx
 import numpy as np
 import ray
 import yaml
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm import tqdm
 
@@ -228,6 +230,9 @@ class Fleet:
     urls: list = field(default_factory=list)  # their HTTP URLs, same order (AgentFlow's pool routes over these)
     restarts: int = 0  # engines re-created in this run (metric engines/restarts)
     released: bool = False  # colocated: the engines' KV cache is handed to the trainers (colocate_hand_off)
+    flow: object = None  # the AgentFlow actor (start_rollout)
+    others: list = field(default_factory=list)  # trainer ranks and teachers: stop() ends them with the engines
+    teacher_pg: object = None  # the teachers' own placement group (teacher_placement "own"), removed by stop()
 
 
 def reserve(cfg: Config) -> Fleet:
@@ -244,21 +249,61 @@ def reserve(cfg: Config) -> Fleet:
             ray.init(address="local", num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
                      log_to_driver=True, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     plan = placement(cfg)
-    pg = placement_group(plan["bundles"], strategy="PACK")
+    fleet = Fleet(placement_group(plan["bundles"], strategy="PACK"), plan, [])
+    _live.append(fleet)  # from here on stop() frees the bundles, however the run ends (stop_on_exit)
     try:
-        ray.get(pg.ready(), timeout=300)
+        ray.get(fleet.pg.ready(), timeout=300)
     except ray.exceptions.GetTimeoutError:
         raise RuntimeError(f"Ray could not reserve the placement bundles {plan['bundles']} within 300 s (cluster "
                            f"has {ray.cluster_resources()}); lower trainer_workers / num_engines / cpus_per_* or "
                            "add nodes") from None
-    where = bundle_gpus(pg, len(plan["bundles"]))
+    fleet.where = bundle_gpus(fleet.pg, len(plan["bundles"]))
     for i, e in enumerate(plan["engines"]):
-        nodes = {where[b][0] for b in e["gpu_bundles"]}
+        nodes = {fleet.where[b][0] for b in e["gpu_bundles"]}
         if len(nodes) > 1:
             raise RuntimeError(f"engine {i} spans bundles {e['gpu_bundles']} on several nodes {sorted(nodes)}; an "
                                "SGLang server needs its GPUs on one node: make gpus_per_engine divide GPUs per node")
-    print("placement:\n" + placement_table(cfg, plan, where))
-    return Fleet(pg, plan, where, busy_file=cpu.engine_busy_file(cfg))
+    print("placement:\n" + placement_table(cfg, plan, fleet.where))
+    fleet.busy_file = cpu.engine_busy_file(cfg)
+    return fleet
+
+
+_live: list[Fleet] = []  # fleets reserved in this process and not stopped yet
+
+
+def stop(fleet: Fleet) -> None:
+    """End a run's actors and free its bundles; Ray stays up for the next run (a test session, a notebook calling
+    train() twice). AgentFlow and the engines first close what they started themselves (the router and agents'
+    sandboxes; an SGLang server and its GPU memory), each given 30 s; then every actor is killed and the placement
+    groups removed. Safe on a run that failed half-way, and a second time."""
+    _live[:] = [f for f in _live if f is not fleet]
+    if ray.is_initialized():
+        closing = [e.shutdown.remote() for e in fleet.actors]
+        closing += [fleet.flow.close.remote()] if fleet.flow is not None else []
+        if closing:  # a dead or hung actor answers with an error or not at all: it is killed below either way
+            ray.wait(closing, num_returns=len(closing), timeout=30)
+        for actor in [fleet.flow, *fleet.actors, *fleet.others]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        for pg in (fleet.pg, fleet.teacher_pg):
+            if pg is not None:
+                remove_placement_group(pg)
+    if fleet.busy_file and os.path.exists(fleet.busy_file):
+        os.unlink(fleet.busy_file)
+
+
+def stop_on_exit(run):
+    """Decorates loongsage.train: however the run ends (it returns, raises, or is interrupted), stop() every fleet
+    it reserved. A decorator, so train() reads without a try/finally around its whole body."""
+    @functools.wraps(run)
+    def wrapper(*args, **kwargs):
+        before = len(_live)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            while len(_live) > before:
+                stop(_live[-1])
+    return wrapper
 
 
 # ================================================================================================
@@ -275,6 +320,7 @@ def start_trainers(cfg: Config, fleet: Fleet) -> list:
         trainers = [TrainerActor.options(num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
                                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"]))
                     .remote(cfg, r, cfg.trainer_workers, addr, port) for r, o in enumerate(plan["trainers"])]
+        fleet.others += trainers
         try:
             wait([t.__ray_ready__.remote() for t in trainers], "starting the trainer ranks", cfg.actor_timeout,
                  "actor_timeout")
@@ -330,17 +376,18 @@ def start_rollout(cfg: Config, fleet: Fleet):
     router), which gets their URLs as refs and so starts while they load. Returns the AgentFlow actor."""
     import agentflow  # late: ~1 s (OpenAI client, FastAPI server), which --check does not need
     fleet.actors = [start_engine(cfg, fleet, i) for i in range(cfg.num_engines)]
-    return ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, [e.url.remote() for e in fleet.actors],
-                                                                      fleet.model)
+    fleet.flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, [e.url.remote() for e in fleet.actors],
+                                                                           fleet.model)
+    return fleet.flow
 
 
-def start_teachers(cfg: Config, pg, paths: dict[str, str]) -> list:
+def start_teachers(cfg: Config, fleet: Fleet, paths: dict[str, str]) -> list:
     """The teacher group: `teacher_tp` TeacherWorker ranks in their own placement group ("own") or on the
     trainers' bundles ("trainer": they compute while the trainers wait), every teacher registered."""
-    gpu = cfg.device == "cuda"
+    gpu, pg = cfg.device == "cuda", fleet.pg
     if cfg.teacher_placement == "own":
         bundle = {"GPU": 1, "CPU": cfg.cpus_per_teacher} if gpu else {"CPU": cfg.cpus_per_teacher}
-        pg = placement_group([dict(bundle) for _ in range(cfg.teacher_tp)], strategy="PACK")
+        pg = fleet.teacher_pg = placement_group([dict(bundle) for _ in range(cfg.teacher_tp)], strategy="PACK")
         ray.get(pg.ready(), timeout=300)
         cpus = cfg.cpus_per_teacher
     else:
@@ -350,6 +397,7 @@ def start_teachers(cfg: Config, pg, paths: dict[str, str]) -> list:
     addr, port = ray.get(ray.remote(_addr_and_port).options(**{**on[0], "num_cpus": 0, "num_gpus": 0}).remote())
     Actor = ray.remote(teacher.TeacherWorker)
     group = [Actor.options(**on[r]).remote(cfg, r, cfg.teacher_tp, addr, port) for r in range(cfg.teacher_tp)]
+    fleet.others += group
     info = ray.get([t.load_teachers.remote(paths, str(Path(cfg.output_dir) / "teacher_snapshots")) for t in group])[0]
     print(f"teachers: {info}")
     return group

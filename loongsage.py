@@ -49,7 +49,6 @@ import concurrent.futures
 import dataclasses
 import itertools
 import json
-import os
 import random
 import sys
 import time
@@ -67,9 +66,10 @@ import teacher
 from config import Config, capacity, check_runtime, check_teacher_vocab, closest, explain, load_config, warn_off_policy
 from fleet import (Logger, base_model, check_engines, colocate_hand_off, load_run_state, placement, placement_table,
                    prepare_model, prepare_teachers, reserve, rng_state, save_run_state, set_rng_state, start_rollout,
-                   start_teachers, start_trainers, step_usage, sync_engines, usage, wait)
+                   start_teachers, start_trainers, step_usage, stop_on_exit, sync_engines, usage, wait)
 
 
+@stop_on_exit  # however train() ends, its actors are stopped and its bundles freed (fleet.stop); Ray stays up
 def train(cfg: Config) -> list[dict]:
     """The whole system: launch actors, then per step: rollout (a producer keeps up to C prompt groups in flight
     or buffered), train on B complete groups, sync weights, eval, checkpoint. Returns every logged metrics row.
@@ -101,7 +101,7 @@ def train(cfg: Config) -> list[dict]:
     fleet.urls = wait([e.url.remote() for e in fleet.actors], "starting the rollout engines", cfg.actor_timeout,
                       "actor_timeout")
     print(f"engines: {fleet.urls}")
-    teachers = start_teachers(cfg, fleet.pg, teacher_paths) if cfg.teachers else []  # teacher.py, scores each batch
+    teachers = start_teachers(cfg, fleet, teacher_paths) if cfg.teachers else []  # teacher.py, scores each batch
     if teachers and float(cfg.gkd_ratio) > 0 and cfg.distill_type != "topk_kl":  # hidden-state targets
         heads = teachers[0].lm_heads.remote()  # the teachers' LM heads, sent to the trainers once
         ray.get([t.set_teacher_heads.remote(heads) for t in trainers])
@@ -217,8 +217,6 @@ def train(cfg: Config) -> list[dict]:
                                                             f"{out / 'final_adapter'})" if cfg.lora_rank else ""))
     print(f"reward curve: {logger.plot()}\nmetrics: {out / 'metrics.jsonl'}")
     logger.close()
-    if fleet.busy_file:  # async on a CPU node (cpu.engine_busy_file)
-        os.unlink(fleet.busy_file)
     return logger.history
 
 
@@ -575,13 +573,14 @@ def main(argv: list[str]) -> int:
     if check_only:
         print(explain(cfg, placement_table(cfg, placement(cfg))) + "\nconfig OK")
         return 0
+    ours = not ray.is_initialized()  # the Ray train() starts is shut down here; a caller's Ray stays up
     try:
         train(cfg)
     except Exception:  # noqa: BLE001  an actor's traceback arrives here inside the RayTaskError
         print("run failed:\n" + traceback.format_exc(), file=sys.stderr)
         return 1
     finally:
-        if ray.is_initialized():
+        if ours and ray.is_initialized():
             ray.shutdown()
     return 0
 

@@ -1,10 +1,11 @@
 """Fully async training: the window rules on hand-built sequences, a property test of the rollout producer
 under random generation lengths and weight updates (lag bound, capacity, no group lost or trained twice), exact
-per-token versions across a weight update through AgentFlow, and async with no staleness equal to sync."""
+per-token versions across a weight update through AgentFlow, and the cores async trainer and engine run on.
+Async with no staleness equal to sync, end to end: tests/test_loongsage.py."""
 import asyncio
 import json
 import random
-from pathlib import Path
+import time
 
 import pytest
 
@@ -14,8 +15,6 @@ import cpu
 import cpu_engine
 import fleet
 import loongsage
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def cfg_with(**kw):
@@ -290,6 +289,7 @@ def test_engine_keeps_its_busy_flag_while_it_computes(tiny_model_dir, tmp_path):
         seen = set()
         while not future.done():
             seen.add(flag.read_bytes()[1])
+            time.sleep(0.001)  # a spinning reader would take the GIL from the engine's scheduler thread
         # answered on the scheduler's next iteration, which writes the flag before it takes a message: the flag is
         # final by then
         engine.state()
@@ -298,7 +298,8 @@ def test_engine_keeps_its_busy_flag_while_it_computes(tiny_model_dir, tmp_path):
     assert 1 in seen and flag.read_bytes() == bytes(2)  # byte 0 (another engine's) never touched
 
 
-def test_trainer_computes_on_an_idle_engines_core(tiny_model_dir, tmp_path):
+@pytest.mark.slow
+def test_trainer_computes_on_an_idle_engines_core(ray_session, tiny_model_dir, tmp_path):
     """Async on this CPU: trainer rank 0 is pinned to its core and borrows engine 0's. While the engine's byte says
     busy, every layer pass runs on the trainer's one thread; once it says idle, on two threads over both cores."""
     import os
@@ -324,22 +325,21 @@ def test_trainer_computes_on_an_idle_engines_core(tiny_model_dir, tmp_path):
             m = ray.get(rank.train_step.remote(make_batch(n_groups=4, per_group=2), 0))
             steps.append((m["perf/trainer_borrowed_frac"], *ray.get(rank.__ray_call__.remote(probe))))
     finally:
-        ray.shutdown()
-        if run and run.busy_file:
-            os.unlink(run.busy_file)
+        if run:
+            fleet.stop(run)  # the rank, the bundles, the busy file
     (busy_frac, busy_affinity, busy_threads), (idle_frac, idle_affinity, idle_threads) = steps
     assert busy_affinity == idle_affinity == {tuple(cores[:2])}  # every thread may run on both cores
     assert busy_frac == 0.0 and busy_threads == 1
     assert idle_frac == 1.0 and idle_threads == 2
 
 
-def test_a_runs_engine_publishes_in_the_runs_busy_file(tiny_model_dir, tmp_path):
+@pytest.mark.slow
+def test_a_runs_engine_publishes_in_the_runs_busy_file(ray_session, tiny_model_dir, tmp_path):
     """Async on this CPU, fleet.reserve makes the run's busy file and fleet.start_engine hands it to its engine (on the
     engine's own copy of the config: the run's Config stays as given). While the engine generates, its byte reads 1;
     once it is done, 0: what a trainer rank that borrows the engine's cores reads."""
     import concurrent.futures
     import os
-    import time
     import httpx
     import ray
     if len(sorted(os.sched_getaffinity(0))) < 2:
@@ -350,7 +350,8 @@ def test_a_runs_engine_publishes_in_the_runs_busy_file(tiny_model_dir, tmp_path)
         run = fleet.reserve(cfg)
         run.model = tiny_model_dir
         assert run.busy_file and cfg.engine_busy_file == "" and open(run.busy_file, "rb").read() == bytes(1)
-        engine = fleet.start_engine(cfg, run, 0)  # held: Ray ends an actor whose last handle is gone
+        run.actors = [fleet.start_engine(cfg, run, 0)]  # held: Ray ends an actor whose last handle is gone
+        engine = run.actors[0]
         url = ray.get(engine.url.remote())
         seen = set()
         body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
@@ -358,18 +359,19 @@ def test_a_runs_engine_publishes_in_the_runs_busy_file(tiny_model_dir, tmp_path)
             done = pool.submit(httpx.post, url + "/generate", json=body, timeout=300)
             while not done.done():
                 seen.add(open(run.busy_file, "rb").read()[0])
+                time.sleep(0.001)  # a spinning reader would take a core from the engine
             assert len(done.result().json()["output_ids"]) == 300
         deadline = time.monotonic() + 5
         while open(run.busy_file, "rb").read()[0] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert 1 in seen and open(run.busy_file, "rb").read() == bytes(1)
     finally:
-        ray.shutdown()
-        if run and run.busy_file:
-            os.unlink(run.busy_file)
+        if run:
+            fleet.stop(run)
 
 
-def test_async_trainer_and_engine_are_pinned_to_their_own_cores(tiny_model_dir, tmp_path):
+@pytest.mark.slow
+def test_async_trainer_and_engine_are_pinned_to_their_own_cores(ray_session, tiny_model_dir, tmp_path):
     """start_trainers() and start_engine() in async mode on this CPU: every thread of the trainer rank sits on one core,
     every thread of the engine on another, and each computes with as many torch threads as it has cores."""
     import os
@@ -384,48 +386,44 @@ def test_async_trainer_and_engine_are_pinned_to_their_own_cores(tiny_model_dir, 
     def probe(_):  # runs inside the actor
         threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
         return threads, torch.get_num_threads()
+    run = None
     try:
         run = fleet.reserve(cfg)
         run.model = tiny_model_dir
-        engine = fleet.start_engine(cfg, run, 0)
+        run.actors = [engine := fleet.start_engine(cfg, run, 0)]
         trainers = fleet.start_trainers(cfg, run)
         trainer_threads, trainer_torch = ray.get(trainers[0].__ray_call__.remote(probe))
         engine_threads, engine_torch = ray.get(engine.__ray_call__.remote(probe))
     finally:
-        ray.shutdown()
+        if run:
+            fleet.stop(run)
     assert trainer_threads == {(cores[0],)} and engine_threads == {(cores[1],)}
     assert trainer_torch == 1 == engine_torch
 
 
 # --- old-policy consistency: mini-batch 0's old logprobs come from its own training forward -----------------
 
-def test_first_minibatch_old_logprobs_from_the_training_forward(tiny_model_dir):
+@pytest.mark.slow
+def test_first_minibatch_old_logprobs_from_the_training_forward(ray_session, tiny_model_dir):
     """Taking mini-batch 0's old logprobs from its training forward (detached) instead of a separate no-grad
     forward changes nothing: the same loss, grad norm and updated weights, on two mini-batches (the second
     still uses the step's starting weights as its old policy, not the weights after mini-batch 0's update)."""
-    import ray
     import torch
     from test_trainer import Ranks, make_batch, make_cfg
-    # a Ray of its own, not the module-scoped ray_session: the train() test after this one starts its own Ray
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
+    # both trainers start at once (an actor's start-up is one core's work: two overlap on two cores); each is
+    # its own world of one rank computing with one torch thread, so side by side changes none of their sums
+    both = [Ranks(make_cfg(kl_coef=0.0, recompute_old_logprobs=recompute), 1) for recompute in (True, False)]
     try:
-        # both trainers start at once (an actor's start-up is one core's work: two overlap on two cores); each is
-        # its own world of one rank computing with one torch thread, so side by side changes none of their sums
-        both = [Ranks(make_cfg(kl_coef=0.0, recompute_old_logprobs=recompute), 1) for recompute in (True, False)]
-        try:
-            batch = make_batch(n_groups=4, per_group=2)
-            runs = []
-            for ranks in both:
-                ranks.call("load_hf", tiny_model_dir)
-                [m] = ranks.call("train_step", batch, 0)
-                [w] = ranks.call("export_hf_weights")
-                runs.append((m, dict(w)))
-        finally:
-            for ranks in both:
-                ranks.close()
+        batch = make_batch(n_groups=4, per_group=2)
+        runs = []
+        for ranks in both:
+            ranks.call("load_hf", tiny_model_dir)
+            [m] = ranks.call("train_step", batch, 0)
+            [w] = ranks.call("export_hf_weights")
+            runs.append((m, dict(w)))
     finally:
-        ray.shutdown()
+        for ranks in both:
+            ranks.close()
     (m_sep, w_sep), (m_reuse, w_reuse) = runs
     assert m_sep["train/num_minibatches"] == 2 == m_reuse["train/num_minibatches"]
     for k in ("train/loss", "train/pg_loss", "train/grad_norm", "train/clip_frac", "train/gap_k3"):
@@ -434,26 +432,3 @@ def test_first_minibatch_old_logprobs_from_the_training_forward(tiny_model_dir):
     for name, t in w_sep.items():
         assert torch.allclose(w_reuse[name], t, rtol=0, atol=1e-7), name
 
-
-def test_async_without_staleness_equals_sync(tmp_path, monkeypatch):
-    """mode=async with stale_steps=0 dispatches a step's groups only after the previous sync, exactly as sync
-    does: on a fixed seed (and the same thread counts, which fix fp32 summation order) every step's reward,
-    loss, grad norm and gap are bit-identical. No core borrowing: an async trainer rank that computes on its idle
-    engine's core runs with two threads where sync runs with one (step 0's loss differed in the 9th digit)."""
-    import ray
-    from test_loongsage import _short_run
-    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
-    runs = []
-    for mode in (["mode=sync"], ["mode=async", "stale_steps=0"]):
-        cfg = _short_run(tmp_path / mode[0], "eval_every=0", "trainer_threads=1", "engine_threads=1",
-                         "borrow_engine_cores=false", *mode)
-        try:
-            runs.append([h for h in loongsage.train(cfg) if "train/loss" in h])
-        finally:
-            ray.shutdown()
-    sync, asyn = runs
-    assert len(sync) == len(asyn) == 3
-    for a, b in zip(sync, asyn):
-        for k in ("rollout/reward_mean", "rollout/generated_tokens", "train/loss", "train/grad_norm", "train/gap_k3"):
-            assert a[k] == b[k], (k, a[k], b[k])
-        assert b["rollout/lag_max"] == 0 and b["rollout/on_policy_frac"] == 1.0

@@ -507,9 +507,10 @@ def test_template_that_never_shows_thinking_starts_a_new_segment(models):
 # a 3-step RL run per family with the tool-calling calc agent
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)  # each builds its model, warm-starts it and trains: ~1-2 min on a quiet machine
 @pytest.mark.parametrize("family", FAMILIES)
-def test_three_rl_steps_with_a_tool_calling_agent(family, tmp_path, monkeypatch):
+def test_three_rl_steps_with_a_tool_calling_agent(family, tmp_path, monkeypatch, ray_session):
     """The calc recipe in the family's format, shrunk: warm-started on the family's transcripts, the agent's first
     turns call the calculator on the real engine (parsed by the family's parser), the tool's result comes back
     through the template with loss_mask 0, and three RL steps train."""
@@ -521,7 +522,7 @@ def test_three_rl_steps_with_a_tool_calling_agent(family, tmp_path, monkeypatch)
         "num_steps=3", "eval_every=0", "prompts_per_step=4", "samples_per_prompt=2", "global_batch_size=8",
         "micro_batch_size=8", "max_context_len=640", "max_prompt_len=512", "print_every=0",
         f"dump_rollouts={dump}"])
-    history = loongsage.train(cfg)
+    history = loongsage.train(cfg)  # on the session's Ray (ray_session)
     steps = [h for h in history if "train/loss" in h]
     assert len(steps) == 3 and all(h["train/grad_norm"] > 0 for h in steps)
     trajs = [json.loads(line) for f in sorted(dump.glob("step_*.jsonl")) for line in f.read_text().splitlines()]

@@ -11,8 +11,6 @@ What each test proves:
   (engines low while the trainers train, trainers low while the engines generate) and the run trains and syncs.
 """
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,8 +20,10 @@ import pytest
 import ray
 import torch
 
+import config
 import cpu_engine
 import data
+import loongsage
 import rollout
 import transfermesh as tm
 
@@ -57,14 +57,16 @@ def test_engine_releases_and_resumes_weights_and_kv_cache(mid_model):
         prompt = [5, 17, 42, 9, 33]
         before = _greedy(url, prompt)
 
-        # a release while a request runs is refused (SGLang asserts the server is idle)
+        # a release while a request runs is refused (SGLang asserts the server is idle). The request could run
+        # for 400 tokens, so it still runs when the release arrives however busy the machine; it is aborted after.
         slow = threading.Thread(target=rollout.post, args=(url, "/generate", {
-            "input_ids": prompt, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
+            "input_ids": prompt, "rid": "slow", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}, 600))
         slow.start()
         while not eng.state()["num_running_reqs"]:
             time.sleep(0.01)
         with pytest.raises(rollout.EngineError, match="only when the engine is idle"):
             rollout.post(url, "/release_memory_occupation", {"tags": ["kv_cache"]})
+        rollout.post(url, "/abort_request", {"rid": "slow"})
         slow.join()
 
         rss0 = tm.rss_bytes()
@@ -108,15 +110,15 @@ def test_engine_releases_and_resumes_weights_and_kv_cache(mid_model):
 
 
 
-def test_trainer_offload_and_onload(mid_model, tmp_path):
+@pytest.mark.slow
+def test_trainer_offload_and_onload(ray_session, mid_model, tmp_path):
     """Offload frees memory for real and onload restores it bit-exactly: two trainers on the same batches, one
     offloading everything between its steps, end with identical losses and weights."""
     import trainer
     from config import Config
     from test_trainer import make_batch
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
+    a = b = None
     try:
         cfg = Config(device="cpu", dtype="float32", seed=0, trainer_workers=1, prompts_per_step=4, samples_per_prompt=2,
                      global_batch_size=8, micro_batch_size=4, lr=1e-3, min_lr=1e-3, output_dir=str(tmp_path),
@@ -144,20 +146,21 @@ def test_trainer_offload_and_onload(mid_model, tmp_path):
         wa, wb = ray.get(a.export_hf_weights.remote()), ray.get(b.export_hf_weights.remote())
         assert all(na == nb and torch.equal(x, y) for (na, x), (nb, y) in zip(wa, wb))
     finally:
-        ray.shutdown()
+        for w in (a, b):
+            if w is not None:
+                ray.kill(w)
 
 
-def test_colocated_run_hands_memory_back_and_forth(tmp_path):
+@pytest.mark.slow
+def test_colocated_run_hands_memory_back_and_forth(ray_session, tmp_path):
     """train() with colocate: true on CPU: two sync steps of the arith recipe (a 4M-parameter tiny model, no warm
     start), every stage's memory logged by colocate_hand_off. Two are enough: step 0 checks the hand-off before
     Adam's moments exist, step 1 with them (a third step repeated step 1's checks)."""
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", "colocate=true", "num_steps=2",
-                        "eval_every=0", "prompts_per_step=4", "samples_per_prompt=4", "global_batch_size=16",
-                        "micro_batch_size=8", "engine_max_batch=64", "max_context_len=512", "print_every=0",
-                        "warmstart_steps=0", "tiny_model.hidden_size=256", "tiny_model.intermediate_size=1024",
-                        f"output_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=540)
-    assert r.returncode == 0, r.stderr[-3000:]
+    loongsage.train(config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
+        "colocate=true", "num_steps=2", "eval_every=0", "prompts_per_step=4", "samples_per_prompt=4",
+        "global_batch_size=16", "micro_batch_size=8", "engine_max_batch=64", "max_context_len=512", "print_every=0",
+        "warmstart_steps=0", "tiny_model.hidden_size=256", "tiny_model.intermediate_size=1024", f"output_dir={out}"]))
     w_mb = (out / "final_hf" / "model.safetensors").stat().st_size / MB  # the weights, fp32
     steps = [x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in x]
     assert [x["weights/version"] for x in steps] == [1, 2]

@@ -16,12 +16,9 @@ Runs in ~4 min on 2 CPU cores: `.venv/bin/python -m pytest -q tests/test_critic.
 """
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 import algos
@@ -93,7 +90,7 @@ def test_explained_variance_hand_values():
 # ------------------------------------------------------------------------------------------------ --check
 
 
-def test_check_accepts_gae_and_rejects_what_the_critic_cannot_serve():
+def test_check_accepts_gae_and_rejects_what_the_critic_cannot_serve(capsys):
     recipe = str(ROOT / "recipes/arith_cpu.yaml")
     cfg = config.load_config(recipe, ["advantage=gae", "critic_lr=3e-4", "value_clip=0.5", "critic_warmup_steps=2"])
     assert (cfg.advantage, cfg.critic_lr, cfg.value_clip, cfg.critic_warmup_steps) == ("gae", 3e-4, 0.5, 2)
@@ -109,21 +106,21 @@ def test_check_accepts_gae_and_rejects_what_the_critic_cannot_serve():
         assert message in str(e.value), (overrides, str(e.value))
     with pytest.raises(ValueError, match="critic_warmup_steps=1 applies to advantage='gae'"):
         config.load_config(recipe, ["critic_warmup_steps=1"])  # a knob that would do nothing with grpo
-    ok = subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", "advantage=gae", "--check"],
-                        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0 and "config OK" in ok.stdout, ok.stderr
+    capsys.readouterr()
+    assert loongsage.main([recipe, "advantage=gae", "--check"]) == 0  # the command line's --check
+    out, err = capsys.readouterr()
+    assert "config OK" in out, err
 
 
 # ------------------------------------------------------------------------------------------------ end to end
 
 
-def test_end_to_end_gae_run_trains_the_critic(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_end_to_end_gae_run_trains_the_critic(tmp_path, run_cache, ray_session):
     """A few steps of the tiny arithmetic recipe with `advantage: gae`: the real pipeline (Ray, Megatron-Core, the
     CPU engine over HTTP, TransferMesh). The reward (tests.rewards.text_hash, in [0, 1)) differs between any two
     responses, so each step has something to regress on; the critic starts at V = 0, so its first loss is
-    1/2 E[R^2] and it falls as the values find the rewards' level. It runs before the worker tests: it starts
-    and stops a Ray of its own."""
-    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
+    1/2 E[R^2] and it falls as the values find the rewards' level."""
     tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 intermediate_size=128, norm_std=0.2)
     cfg = config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
@@ -131,11 +128,7 @@ def test_end_to_end_gae_run_trains_the_critic(tmp_path, monkeypatch):
         "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=6", "eval_every=0", "warmstart_steps=2",
         "warmstart_batch_size=8", "lr=1e-3", "print_every=0", "reward=tests.rewards.text_hash",
         f"tiny_model={json.dumps(tiny)}", "advantage=gae", "adv_norm=batch", "critic_lr=3e-3", "critic_warmup_steps=1"])
-    try:
-        history = loongsage.train(cfg)
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
+    history = loongsage.train(cfg)
     steps = [h for h in history if "critic/value_loss" in h]
     assert len(steps) == 4
     for h in steps:
@@ -164,6 +157,7 @@ def one(ray_session):
     ranks.close()
 
 
+@pytest.mark.slow
 def test_critic_starts_at_zero_learns_and_resumes_from_a_checkpoint(one, tiny_model_dir, tmp_path):
     batch = make_batch()  # 8 samples in 4 groups, rewards 0/1, tool tokens inside some responses
     [info] = one.call("load_hf", tiny_model_dir)
@@ -205,6 +199,7 @@ def test_critic_starts_at_zero_learns_and_resumes_from_a_checkpoint(one, tiny_mo
     assert all(torch.equal(a, b) for a, b in zip(moved, moved_again)) and again == m5
 
 
+@pytest.mark.slow
 def test_critic_targets_of_segments_and_turn_rewards_by_hand(one, tiny_model_dir):
     """A compacted trajectory (two segments) with per-turn rewards, gamma 0.5, lam 1, a fresh critic (V = 0): the
     first value loss is 1/2 sum R^2 / N over every trained row, R the discounted return-to-go of the rewards."""
@@ -224,6 +219,7 @@ def test_critic_targets_of_segments_and_turn_rewards_by_hand(one, tiny_model_dir
     assert math.isfinite(m["train/loss"]) and m["critic/values_mean"] == 0.0
 
 
+@pytest.mark.slow
 def test_critic_on_tied_embeddings_and_moe(one, tmp_path):
     """The value head replaces a tied LM head (Llama, tie_word_embeddings) and sits on an MoE trunk (Qwen3-MoE,
     padding kept out of routing) alike: both start at V = 0 and learn."""
@@ -241,6 +237,7 @@ def test_critic_on_tied_embeddings_and_moe(one, tmp_path):
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel=2, trainer_workers=2), dict(trainer_workers=2)],
                          ids=["tp2", "dp2"])
+@pytest.mark.slow
 def test_critic_step_with_tp2_and_dp2_matches_one_rank(one, tiny_model_dir, layout):
     # one mini-batch of four groups; DP=2 deals two groups to every rank, so a DP average instead of a sum would
     # halve the critic's grad norm

@@ -175,6 +175,7 @@ def tp1(ray_session):
     ranks.close()
 
 
+@pytest.mark.slow
 def test_tp1_parity_and_round_trip(tp1, ds_dir, tmp_path):
     batch = make_batch()
     plain = None
@@ -191,6 +192,7 @@ def test_tp1_parity_and_round_trip(tp1, ds_dir, tmp_path):
     assert max_diff(ref, plain) > 1e-4  # YaRN (the last one) moved the logprobs far beyond the bound: it is seen
 
 
+@pytest.mark.slow
 def test_tp2_parity_and_round_trip(ray_session, ds_dir):
     """Heads, the latents' down-projections (gathered back before use), shared experts and experts split in two."""
     batch = make_batch()
@@ -266,16 +268,33 @@ def test_cpu_engine_matches_transformers_and_takes_weight_updates(ds_dir):
 # R3 and a run
 
 
+@pytest.mark.slow
 def test_router_replay_routes_as_the_bf16_engine(ray_session, ds_dir):
+    # the two trainer ranks (each its own world of one) start while the engine generates
+    workers = {replay: ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(
+        make_cfg(router_replay=replay, kl_coef=0.0, prompts_per_step=8, global_batch_size=16, micro_batch_size=8),
+        0, 1, "127.0.0.1", transfermesh.free_port()) for replay in (False, True)}
+    try:
+        results, n_tokens = _replay_results(workers, ds_dir)
+    finally:
+        for worker in workers.values():
+            ray.kill(worker)
+    (same_free, gap_free), (same_replay, gap_replay) = results[False], results[True]
+    print(f"R3 on DeepSeek-V3: tokens routed as the engine {same_free}/{n_tokens} without replay, {same_replay} with; "
+          f"mean |train - rollout| logp gap {gap_free:.2e} without, {gap_replay:.2e} with")
+    assert same_replay == n_tokens and same_free < n_tokens
+    assert gap_replay < gap_free
+
+
+def _replay_results(workers: dict, ds_dir: str) -> tuple[dict, int]:
+    """Per replay setting: (tokens routed as the engine routed them, mean |train - rollout| logp gap); and how many
+    tokens there are."""
     batch = bf16_rollout(ds_dir)  # 16 trajectories through AgentFlow, routing asked for
     # the engine's experts of the MoE layers, sorted per token: what routing_used reports
     engine = [torch.from_numpy(np.sort(_decode(t["routed_experts"])[:, DENSE:], -1).astype(np.int64)) for t in batch]
     n_tokens = sum(len(e) for e in engine)
     results = {}
-    for replay in (False, True):
-        cfg = make_cfg(router_replay=replay, kl_coef=0.0, prompts_per_step=8, global_batch_size=16,
-                       micro_batch_size=8)
-        worker = ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(cfg, 0, 1, "127.0.0.1", transfermesh.free_port())
+    for replay, worker in workers.items():
         ray.get(worker.load_hf.remote(ds_dir))
         used = ray.get(worker.routing_used.remote(batch))  # per sample (P+R, L - DENSE, K)
         same = sum(int((u[:len(e)] == e).all(-1).all(-1).sum()) for u, e in zip(used, engine))
@@ -286,14 +305,10 @@ def test_router_replay_routes_as_the_bf16_engine(ray_session, ds_dir):
             metrics = ray.get(worker.train_step.remote(batch, 0))
             assert all(np.isfinite(v) for v in metrics.values()) and metrics["train/optim_steps"] == 1.0
         ray.get(worker.shutdown.remote())
-        ray.kill(worker)
-    (same_free, gap_free), (same_replay, gap_replay) = results[False], results[True]
-    print(f"R3 on DeepSeek-V3: tokens routed as the engine {same_free}/{n_tokens} without replay, {same_replay} with; "
-          f"mean |train - rollout| logp gap {gap_free:.2e} without, {gap_replay:.2e} with")
-    assert same_replay == n_tokens and same_free < n_tokens
-    assert gap_replay < gap_free
+    return results, n_tokens
 
 
+@pytest.mark.slow
 def test_three_step_rl_run(ray_session, tmp_path, monkeypatch):
     """Sync fp32 with router replay: step k trains on rollouts of weight version k; the gap bounds are the Qwen3
     run's (tests/test_loongsage.py), which a stale or wrong sync of any weight, bias included, would break."""

@@ -215,24 +215,26 @@ def user_actor_dir(tmp_path_factory):
     return d
 
 
-def test_policy_loss_and_kl_by_dotted_path_in_a_trainer_actor(user_actor_dir, tiny_model_dir, monkeypatch):
+@pytest.mark.slow
+def test_policy_loss_and_kl_by_dotted_path_in_a_trainer_actor(ray_session, user_actor_dir, tiny_model_dir,
+                                                               monkeypatch):
     from test_trainer import make_batch, make_cfg as trainer_cfg
     monkeypatch.syspath_prepend(str(user_actor_dir))  # validate() imports them in this process too
     cfg = trainer_cfg(policy_loss="userext_trainer:loss", kl_type="userext_trainer:kl", kl_coef=0.05)
     algos.validate(cfg)
-    ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{user_actor_dir}", "TOKENIZERS_PARALLELISM": "false"}})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # the user's directory on this actor's PYTHONPATH only: the session's Ray stays as it is
+    env = {"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{user_actor_dir}", "TOKENIZERS_PARALLELISM": "false"}}
+    worker = ray.remote(num_cpus=1)(trainer.TrainerWorker).options(runtime_env=env).remote(cfg, 0, 1, "127.0.0.1",
+                                                                                            port)
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        worker = ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(cfg, 0, 1, "127.0.0.1", port)
         ray.get(worker.load_hf.remote(tiny_model_dir))
         m = ray.get(worker.train_step.remote(make_batch(), 0))
         ray.get(worker.shutdown.remote())
     finally:
-        ray.shutdown()
+        ray.kill(worker)
     assert m["train/pg_loss"] == pytest.approx(7.0, abs=1e-6)   # no built-in loss is a constant 7
     assert m["train/kl"] == pytest.approx(0.25, abs=1e-6)
 

@@ -115,6 +115,7 @@ def test_cp_positions_split_every_sequence_into_balanced_chunks():
 # recomputation on CPU
 
 
+@pytest.mark.slow
 def test_recompute_gives_equal_gradients(ray_session, tiny_model_dir):
     def count_core_attention(worker):  # in the actor (a local function travels by value): count attention forwards
         counts = [0]
@@ -125,9 +126,11 @@ def test_recompute_gives_equal_gradients(ray_session, tiny_model_dir):
 
     batch = make_batch()
     out = {}
-    for mode in ("none", "selective", "full"):
-        ranks = Ranks(make_cfg(recompute=mode, kl_coef=0.0), 1)
-        try:
+    # the three ranks start at once (an actor's start-up is one core's work: they overlap); each is its own world of
+    # one computing with one torch thread, so side by side changes none of their sums
+    started = {mode: Ranks(make_cfg(recompute=mode, kl_coef=0.0), 1) for mode in ("none", "selective", "full")}
+    try:
+        for mode, ranks in started.items():
             [info] = ranks.call("load_hf", tiny_model_dir)
             assert info["megatron"].endswith(f"recompute {mode}")
             ray.get(ranks.workers[0].__ray_call__.remote(count_core_attention))
@@ -135,7 +138,8 @@ def test_recompute_gives_equal_gradients(ray_session, tiny_model_dir):
             calls = ray.get(ranks.workers[0].__ray_call__.remote(lambda w: w.attention_calls[0]))
             [weights] = ranks.call("export_hf_weights")
             out[mode] = metrics, calls, weights
-        finally:
+    finally:
+        for ranks in started.values():
             ranks.close()
     (m0, calls0, w0) = out["none"]
     for mode in ("selective", "full"):
@@ -168,15 +172,17 @@ def _assert_same_step(a, b):
     assert_same_weights(w_b, dict(w_a), exact=False, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_tp2_matches_one_rank(ray_session, tiny_model_dir, moe_dir):  # noqa: F811
     dense, moe = make_batch(), make_batch(seed=1)
     gae = dict(advantage="gae", critic_lr=1e-2)
     one = Ranks(make_cfg(kl_coef=0.0, **gae), 1)
+    # starts meanwhile
+    sp = Ranks(make_cfg(kl_coef=0.0, tensor_parallel=2, trainer_workers=2, sequence_parallel=True, **gae), 2)
     try:
         ref = [_step(one, d, b) for d, b in ((tiny_model_dir, dense), (moe_dir, moe))]
     finally:
         one.close()
-    sp = Ranks(make_cfg(kl_coef=0.0, tensor_parallel=2, trainer_workers=2, sequence_parallel=True, **gae), 2)
     try:
         [info, _] = sp.call("load_hf", tiny_model_dir)
         assert "sequence parallel on" in info["megatron"]
@@ -188,6 +194,7 @@ def test_sequence_parallel_tp2_matches_one_rank(ray_session, tiny_model_dir, moe
         _assert_same_step(a, b)
 
 
+@pytest.mark.slow
 def test_context_parallel_cp2_matches_one_rank(ray_session, tiny_model_dir):
     def megatron_layout(worker):  # in a CP actor: Megatron's own split of a batch against trainer.cp_positions
         from megatron.core.utils import get_batch_on_this_cp_rank
@@ -197,11 +204,11 @@ def test_context_parallel_cp2_matches_one_rank(ray_session, tiny_model_dir):
 
     batch = make_batch()  # rows of 5 to 15 tokens: every micro-batch is padded to a multiple of 2*CP = 4
     one = Ranks(make_cfg(kl_coef=0.0), 1)
+    cp = Ranks(make_cfg(kl_coef=0.0, trainer_workers=2, context_parallel=2), 2)  # starts meanwhile
     try:
         ref = _step(one, tiny_model_dir, batch)
     finally:
         one.close()
-    cp = Ranks(make_cfg(kl_coef=0.0, trainer_workers=2, context_parallel=2), 2)
     try:
         from tests.context_parallel import use_all_gather_attention
         ray.get([w.__ray_call__.remote(lambda w: use_all_gather_attention()) for w in cp.workers])

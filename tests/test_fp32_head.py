@@ -5,7 +5,6 @@ matmul; the train-inference gap (mean |trainer logp - engine logp| over the engi
 on both sides is smaller than without it, and smaller than with the flag on one side only (an engine that ignored
 it); with fp32 weights the flag changes nothing; SGLang gets --enable-fp32-lm-head.
 """
-from pathlib import Path
 
 import pytest
 import ray
@@ -18,7 +17,6 @@ import trainer
 import transfermesh
 from config import Config
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -58,10 +56,10 @@ def _gap(w, batch) -> float:
     return sum(diffs) / len(diffs)
 
 
-def test_fp32_lm_head_narrows_the_bf16_train_inference_gap(tiny_model_dir):
+@pytest.mark.slow
+def test_fp32_lm_head_narrows_the_bf16_train_inference_gap(ray_session, tiny_model_dir):
     prompts = [[(7 * i + 13 * j) % 300 + 10 for j in range(5 + i % 4)] for i in range(12)]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
+    plain = fp32 = None
     try:
         plain, fp32 = _bf16_trainers(tiny_model_dir, (False, True))
         off, on = _engine_rollouts(tiny_model_dir, prompts, False), _engine_rollouts(tiny_model_dir, prompts, True)
@@ -70,7 +68,9 @@ def test_fp32_lm_head_narrows_the_bf16_train_inference_gap(tiny_model_dir):
         print(f"bf16 train-inference gap: without {gap_off:.5f}, with {gap_on:.5f}, trainer only {gap_one_side:.5f}")
         assert gap_on <= gap_off and gap_on < gap_one_side, (gap_on, gap_off, gap_one_side)
     finally:
-        ray.shutdown()
+        for w in (plain, fp32):
+            if w is not None:
+                ray.kill(w)
     # fp32 weights: the casts are no-ops, the engine keeps its packed fp32 head (bit-identical logprobs)
     a, b = (_engine_rollouts(tiny_model_dir, prompts[:3], flag, dtype="float32") for flag in (False, True))
     assert [s["rollout_logprobs"] for s in a] == [s["rollout_logprobs"] for s in b]

@@ -6,7 +6,9 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,6 +69,7 @@ def test_gpu_recipe_passes_validation_here():
     assert cfg.reward == "data.math_verify" and cfg.sglang["mem_fraction_static"] == 0.6
 
 
+@pytest.mark.slow
 def test_cli_check_and_bad_key_exit_codes():
     ok = subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", "--check"], cwd=ROOT,
                         capture_output=True, text=True, timeout=120)
@@ -74,14 +77,6 @@ def test_cli_check_and_bad_key_exit_codes():
     bad = subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", "temprature=0.5"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "did you mean 'temperature'" in bad.stderr
-
-
-@pytest.fixture
-def ray_session():
-    import ray
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
 
 
 def _short_args(tmp_path, *extra) -> list[str]:
@@ -107,17 +102,35 @@ def _hf_weights(path) -> dict:
     return load_file(str(Path(path) / "model.safetensors"))
 
 
-def test_end_to_end_sync_run(tmp_path, monkeypatch, ray_session):
+# one torch thread per actor (they fix fp32 summation order, so an async run can equal it bit for bit), no core
+# borrowing (async would compute on two threads then), one mini-batch per step (step 0 at ratio 1 throughout)
+SYNC = ("trainer_threads=1", "engine_threads=1", "borrow_engine_cores=false", "global_batch_size=16")
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory, _session_cache, ray_session) -> SimpleNamespace:
+    """ONE short sync run of the default recipe (grpo, token_mean: 3 steps, eval before step 0, after step 1 and
+    at the end, rollouts dumped), asserted on by three tests: sync mode's versions, gaps and export, the default
+    algorithm's step-0 gradient (test_each_algorithm_runs_end_to_end[grpo]), and async without staleness."""
+    tmp = tmp_path_factory.mktemp("sync_run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOONGSAGE_CACHE", str(_session_cache))
+        cfg = _short_run(tmp, *SYNC, f"dump_rollouts={tmp}/dump")
+        given = dataclasses.asdict(cfg)  # a deep copy
+        history = loongsage.train(cfg)
+        warm = _warm_start(cfg)
+    return SimpleNamespace(cfg=cfg, given=given, history=history, run=tmp / "run", dump=tmp / "dump", warm=warm)
+
+
+@pytest.mark.slow
+def test_end_to_end_sync_run(sync_run):
     """3 RL steps of the default recipe, shrunk. Sync mode: step k trains on rollouts of weight version k,
     the weights the trainer holds, so the train-inference gap is ~0 at EVERY step (fp32 on both sides); a
     sync that shipped stale or wrong weights shows as a gap from step 1 on. The policy really changed: every
     tensor of the final export differs from the warm-started start. train() leaves its config as given: what the
     run derives (the warm start, the engines) lives elsewhere."""
-    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
-    cfg = _short_run(tmp_path)
-    given = dataclasses.asdict(cfg)  # a deep copy
-    history = loongsage.train(cfg)
-    assert dataclasses.asdict(cfg) == given
+    cfg, history, run = sync_run.cfg, sync_run.history, sync_run.run
+    assert dataclasses.asdict(cfg) == sync_run.given
     steps = [h for h in history if "train/loss" in h]
     assert len(steps) == 3
     assert all(math.isfinite(h["train/loss"]) and h["train/grad_norm"] > 0 for h in steps)
@@ -127,23 +140,22 @@ def test_end_to_end_sync_run(tmp_path, monkeypatch, ray_session):
     assert [h["rollout/weight_version_max"] for h in steps] == [0, 1, 2]
     assert [h["rollout/weight_version_min"] for h in steps] == [0, 1, 2]
     assert [h["weights/version"] for h in steps] == [1, 2, 3]
-    run = tmp_path / "run"
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "eval/accuracy" in line] == [0, 1, 2]  # before step 0, then every 2 and last
     assert (run / "reward_curve.png").stat().st_size > 1000
-    start, final = _hf_weights(_warm_start(cfg)), _hf_weights(run / "final_hf")
+    start, final = _hf_weights(sync_run.warm), _hf_weights(run / "final_hf")
     assert start.keys() == final.keys()
     unchanged = [k for k in start if torch.equal(start[k], final[k])]
-    assert unchanged == [], unchanged  # 6 optimizer steps moved every tensor
+    assert unchanged == [], unchanged  # 3 optimizer steps moved every tensor
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(run / "final_hf")  # the final export loads in transformers
 
 
-def test_end_to_end_async_run_records_versions(tmp_path, monkeypatch, ray_session):
+@pytest.mark.slow
+def test_end_to_end_async_run_records_versions(tmp_path, run_cache, ray_session):
     """Async: rollouts of version v may be trained on by a trainer at version v+1, never later. Tokens of
     the trainer's own version give a ~0 gap (so the sync shipped the right weights); tokens one update
     behind give the gap of that one update: visible, and far from the gap of a different model."""
-    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     history = loongsage.train(_short_run(tmp_path, "mode=async", "stale_steps=1", "max_version_lag=1",
                                          "eval_samples=2", "eval_greedy=true", 'eval_sets={"b": "synthetic:arith:8:3:20"}'))
     steps = [h for h in history if "train/loss" in h]
@@ -228,23 +240,29 @@ def _sample_grads(model_dir: str, trajs: list[dict]) -> torch.Tensor:
     ["advantage=grpo", "policy_loss=gspo", "loss_agg=seq_mean_token_mean", "clip_low=0.0003", "clip_high=0.0004",
      "dynamic_sampling=true", "reward=tests.rewards.digit_fraction"],  # mostly 0 here: many equal groups to drop
 ], ids=["grpo", "drgrpo", "rloo", "reinforce_pp", "gspo+dynamic_sampling"])
-def test_each_algorithm_runs_end_to_end(algo, tmp_path, monkeypatch, ray_session):
+@pytest.mark.slow
+def test_each_algorithm_runs_end_to_end(algo, tmp_path, run_cache, ray_session, request):
     """A recipe switch changes the algorithm end to end. Step 0 trains on the dumped trajectories in one
     mini-batch at ratio 1, so its gradient is -sum_i w_i grad(sum_t logp_it), w_i from the configured
     estimator and aggregation: the trainer's grad norm equals that, computed here with transformers' autograd,
     and differs from the default's (grpo, token_mean) for another estimator. (The loss VALUE cannot tell
-    them apart: with equal response lengths every group-centred estimator gives 0.)"""
-    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
-    cfg = _short_run(tmp_path, "num_steps=2", "eval_every=0", "global_batch_size=16", f"dump_rollouts={tmp_path}/dump",
-                     *algo)
-    history = loongsage.train(cfg)
+    them apart: with equal response lengths every group-centred estimator gives 0.) The default's run is the
+    module's sync run (3 steps); every other estimator runs 2 steps of its own."""
+    if algo == ["advantage=grpo"]:
+        sync_run = request.getfixturevalue("sync_run")
+        cfg, history, dump = sync_run.cfg, sync_run.history, sync_run.dump
+    else:
+        dump = tmp_path / "dump"
+        cfg = _short_run(tmp_path, "num_steps=2", "eval_every=0", "global_batch_size=16", f"dump_rollouts={dump}",
+                         *algo)
+        history = loongsage.train(cfg)
     steps = [h for h in history if "train/loss" in h]
-    assert len(steps) == 2
+    assert len(steps) == cfg.num_steps
     for h in steps:
         assert all(math.isfinite(v) for k, v in h.items() if k.startswith(("train/", "rollout/")))
         assert h["train/grad_norm"] > 0 and h["train/num_minibatches"] == 1
         assert h["train/gap_max"] < 1e-4  # sync mode: the engines hold the trainer's weights
-    trajs = [json.loads(line) for line in (tmp_path / "dump" / "step_00000.jsonl").read_text().splitlines()]
+    trajs = [json.loads(line) for line in (dump / "step_00000.jsonl").read_text().splitlines()]
     assert len(trajs) == steps[0]["train/samples"]
     grads = _sample_grads(_warm_start(cfg), trajs)  # the warm start: step 0's weights
 
@@ -269,7 +287,7 @@ def test_each_algorithm_runs_end_to_end(algo, tmp_path, monkeypatch, ray_session
         # groups with equal rewards are dropped and the producer dispatches more prompts in their place until 4
         # informative groups are kept (or it gives up after 4*B dropped); exactly the kept groups are trained on
         for h, name in zip(steps, ("step_00000", "step_00001")):
-            kept = [json.loads(line) for line in (tmp_path / "dump" / f"{name}.jsonl").read_text().splitlines()]
+            kept = [json.loads(line) for line in (dump / f"{name}.jsonl").read_text().splitlines()]
             by_group: dict[int, list[float]] = {}
             for t in kept:
                 by_group.setdefault(t["group_id"], []).append(t["reward"])
@@ -280,17 +298,32 @@ def test_each_algorithm_runs_end_to_end(algo, tmp_path, monkeypatch, ray_session
         assert sum(h["rollout/groups_sampled"] - h["rollout/groups_kept"] for h in steps) >= 1  # it had to refill
 
 
-def test_two_engines_two_trainers_checkpoints_dump_then_train_only_replay(tmp_path, monkeypatch, ray_session):
+@pytest.mark.slow
+def test_async_without_staleness_equals_sync(sync_run, tmp_path, run_cache, ray_session):
+    """mode=async with stale_steps=0 dispatches a step's groups only after the previous sync, exactly as sync
+    does: on a fixed seed (and the same thread counts, which fix fp32 summation order) every step's reward,
+    loss, grad norm and gap are bit-identical to the module's sync run, evals included. No core borrowing: an async
+    trainer rank that computes on its idle engine's core runs with two threads where sync runs with one (step 0's
+    loss differed in the 9th digit)."""
+    sync = [h for h in sync_run.history if "train/loss" in h]
+    asyn = [h for h in loongsage.train(_short_run(tmp_path, *SYNC, f"dump_rollouts={tmp_path}/dump", "mode=async",
+                                                  "stale_steps=0")) if "train/loss" in h]
+    assert len(sync) == len(asyn) == 3
+    for a, b in zip(sync, asyn):
+        for k in ("rollout/reward_mean", "rollout/generated_tokens", "train/loss", "train/grad_norm", "train/gap_k3"):
+            assert a[k] == b[k], (k, a[k], b[k])
+        assert b["rollout/lag_max"] == 0 and b["rollout/on_policy_frac"] == 1.0
+
+
+@pytest.mark.slow
+def test_two_engines_two_trainers_checkpoints_dump_then_train_only_replay(tmp_path, run_cache, ray_session):
     """The options users combine, in one run: 2 engines, 2 trainer ranks (DP=2), save_every=1, dump_rollouts.
     Both engines serve rollouts and both receive every sync (gap ~0 at every step, on tokens of both). Then
     train_only replays the dump on ONE rank: the same rollout metrics, the same losses (DP=2 == DP=1), and a
     gap still ~0 at step 1, so the replayed training followed the same weights as the original."""
-    import ray
-    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     dump = tmp_path / "dump"
     first = loongsage.train(_short_run(tmp_path, "num_steps=2", "eval_every=0", "num_engines=2", "trainer_workers=2",
                                        "save_every=1", f"dump_rollouts={dump}"))
-    ray.shutdown()
     first = [h for h in first if "train/loss" in h]
     assert len(first) == 2
     for step, h in enumerate(first):
@@ -320,6 +353,7 @@ def test_two_engines_two_trainers_checkpoints_dump_then_train_only_replay(tmp_pa
     assert not (tmp_path / "replay" / "checkpoints").exists() and (tmp_path / "replay" / "final_hf").is_dir()
 
 
+@pytest.mark.slow
 def test_rollout_only_calc_agent_calls_the_tool_on_the_real_engine(tmp_path, ray_session):
     """rollout_only with the calc recipe: the tiny model, warm-started through the project's own warm start
     (cached across runs in the LoongSage cache), writes real tool calls on the real engine; the calculator
@@ -354,21 +388,34 @@ def test_rollout_only_calc_agent_calls_the_tool_on_the_real_engine(tmp_path, ray
         assert set(t["weight_versions"][i] for i, m in enumerate(t["loss_mask"]) if m) == {0}
 
 
-def test_failing_actor_surfaces_traceback_and_exits_nonzero(tmp_path):
-    env = {**os.environ, "LOONGSAGE_CACHE": str(tmp_path / "cache")}
-    r = subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", f"output_dir={tmp_path}/run",
-                        "warmstart_steps=0", f"tiny_model={json.dumps(TINY)}", "megatron.not_a_megatron_field=1"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "run failed" in r.stderr and "not_a_megatron_field" in r.stderr and "Traceback" in r.stderr
+@pytest.mark.slow
+def test_failing_actor_surfaces_traceback_exits_nonzero_and_leaves_nothing(tmp_path, run_cache, capsys,
+                                                                          ray_session):
+    """The trainer ranks fail building their model (an unknown Megatron field), the engines and AgentFlow already up:
+    main() (the command line's exit code) prints the actor's traceback and returns 1, and on the Ray it found (here
+    the session's, as in a notebook) train() has stopped everything it started: every placement group removed,
+    every CPU free again."""
+    import ray
+    code = loongsage.main([str(ROOT / "recipes/arith_cpu.yaml"), f"output_dir={tmp_path}/run", "warmstart_steps=0",
+                           f"tiny_model={json.dumps(TINY)}", "megatron.not_a_megatron_field=1"])
+    out, err = capsys.readouterr()
+    assert code == 1, out[-2000:] + err[-2000:]
+    assert "run failed" in err and "not_a_megatron_field" in err and "Traceback" in err
+    assert ray.is_initialized() and not fleet._live
+    assert all(p["state"] == "REMOVED" for p in ray.util.placement_group_table().values())
+    deadline = time.monotonic() + 60  # a killed actor's CPU comes back once its process is gone
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"], ray.available_resources()
 
 
-def test_no_affinity_call_check_and_run_go_unpinned(tmp_path, monkeypatch, capsys):
+@pytest.mark.slow
+def test_no_affinity_call_check_and_run_go_unpinned(tmp_path, monkeypatch, capsys, run_cache, ray_session):
     """Where `os.sched_getaffinity` does not exist (macOS), nothing is pinned and nothing fails: the async layout
     that pins trainer and engine to their own cores on a 2-core Linux node plans no cores there, `--check`
     validates it with a one-line note, and a 2-step async run trains unpinned (no trainer borrows an engine's
-    cores: perf/trainer_borrowed_frac is never reported). The run is a subprocess whose controller has no
-    os.sched_getaffinity from its first line on, as on macOS (pinning is the controller's decision)."""
+    cores: perf/trainer_borrowed_frac is never reported). Pinning is the controller's decision, and this
+    controller has no os.sched_getaffinity for the whole run, as on macOS (nothing in cpu.py caches it earlier)."""
     recipe = str(ROOT / "recipes/arith_cpu.yaml")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # Linux, two cores: this layout pins
     cfg = config.load_config(recipe, ["mode=async"])
@@ -385,14 +432,10 @@ def test_no_affinity_call_check_and_run_go_unpinned(tmp_path, monkeypatch, capsy
     assert err.count("no os.sched_getaffinity") == 1  # one line, however often the cores are asked for
 
     run = ["mode=async", "stale_steps=1", "num_steps=2", "eval_every=0", "print_every=0"]
-    code = ("import os, sys\n"
-            "del os.sched_getaffinity  # as on macOS\n"
-            "import loongsage\n"
-            f"sys.exit(loongsage.main({[recipe, *_short_args(tmp_path, *run)]!r}))\n")
-    env = {**os.environ, "LOONGSAGE_CACHE": str(tmp_path / "cache")}
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "no os.sched_getaffinity" in r.stderr and "cores trainer 0" not in r.stdout
+    monkeypatch.setattr(cpu, "_NOTED", False)
+    loongsage.train(config.load_config(recipe, _short_args(tmp_path, *run)))  # what main() runs after --check
+    out, err = capsys.readouterr()
+    assert "no os.sched_getaffinity" in err and "cores trainer 0" not in out
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [h for h in rows if "train/loss" in h]
     assert len(steps) == 2 and all(math.isfinite(h["train/loss"]) and h["train/grad_norm"] > 0 for h in steps)

@@ -124,6 +124,7 @@ def test_sglang_is_started_with_its_lora_flags():
 # the trainer: TP parity, frozen base, reference by disabling, the critic
 
 
+@pytest.mark.slow
 def test_tp2_equals_tp1_base_frozen_reference_is_the_base(ray_session, tiny_model_dir):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -135,9 +136,11 @@ def test_tp2_equals_tp1_base_frozen_reference_is_the_base(ray_session, tiny_mode
     base_lp = hf_logprobs(base_model, batch)
     base_state = load_file(f"{tiny_model_dir}/model.safetensors")
     results = {}
-    for tp in (1, 2):
-        ranks = Ranks(make_cfg(tensor_parallel=tp, trainer_workers=tp, weight_decay=0.1), tp)
-        try:
+    # both worlds start at once (an actor's start-up is one core's work: they overlap); neither's sums depend on the
+    # other's
+    started = {tp: Ranks(make_cfg(tensor_parallel=tp, trainer_workers=tp, weight_decay=0.1), tp) for tp in (1, 2)}
+    try:
+        for tp, ranks in started.items():
             info = ranks.call("load_hf", tiny_model_dir)[0]
             lp0 = ranks.call("compute_logprobs", batch)[0]
             m = ranks.call("train_step", batch, 0)[0]
@@ -145,16 +148,17 @@ def test_tp2_equals_tp1_base_frozen_reference_is_the_base(ray_session, tiny_mode
             exported = dict(ranks.call("export_hf_weights")[0])
             adapters = ranks.call("export_adapters")
             results[tp] = (info, m, lp1, adapters[0])
-        finally:
+            assert all(a == {} for a in adapters[1:])  # rank 0 alone returns them
+            # step 0 is the base model (B = 0), and the reference is the base, adapters off, with no copy of it kept
+            assert max_diff(lp0, base_lp) <= 1e-4 and max_diff(ref1, base_lp) <= 1e-4
+            assert not info["reference"] and info["reference_by_disabling_adapters"]
+            assert max_diff(lp1, base_lp) > 1e-3  # the adapters moved the policy
+            assert m["train/kl"] > 0  # the second mini-batch sees a policy that left the reference
+            # the base came back bit for bit: frozen, never stepped (weight decay would move it too)
+            assert set(exported) == set(base_state) and all(torch.equal(exported[n], t) for n, t in base_state.items())
+    finally:
+        for ranks in started.values():
             ranks.close()
-        assert all(a == {} for a in adapters[1:])  # rank 0 alone returns them
-        # step 0 is the base model (B = 0), and the reference is the base, adapters off, with no copy of it kept
-        assert max_diff(lp0, base_lp) <= 1e-4 and max_diff(ref1, base_lp) <= 1e-4
-        assert not info["reference"] and info["reference_by_disabling_adapters"]
-        assert max_diff(lp1, base_lp) > 1e-3  # the adapters moved the policy
-        assert m["train/kl"] > 0  # the second mini-batch sees a policy that left the reference
-        # the base came back bit for bit: frozen, never stepped (weight decay would move it too)
-        assert set(exported) == set(base_state) and all(torch.equal(exported[n], t) for n, t in base_state.items())
     info1, m1, lp_1, a1 = results[1]
     info2, m2, lp_2, a2 = results[2]
     expected = adapter_params_by_hand(hf_cfg)
@@ -170,17 +174,19 @@ def test_tp2_equals_tp1_base_frozen_reference_is_the_base(ray_session, tiny_mode
     assert any(float(t.abs().max()) > 0 for n, t in a1.items() if ".lora_B." in n)  # B left zero: a real update
 
 
+@pytest.mark.slow
 def test_recomputation_trains_the_same_adapters(ray_session, tiny_model_dir):
     """recompute=full (what the GPU recipe sets) reruns each layer's forward, adapter hooks included, in the
     backward pass: one RL step gives the same loss, grad norm and adapters as without it."""
     batch = make_batch(data.load_tokenizer(tiny_model_dir))
     results = {}
-    for recompute in ("none", "full"):
-        ranks = Ranks(make_cfg(recompute=recompute), 1)
-        try:
+    started = {recompute: Ranks(make_cfg(recompute=recompute), 1) for recompute in ("none", "full")}  # side by side
+    try:
+        for recompute, ranks in started.items():
             ranks.call("load_hf", tiny_model_dir)
             results[recompute] = (ranks.call("train_step", batch, 0)[0], ranks.call("export_adapters")[0])
-        finally:
+    finally:
+        for ranks in started.values():
             ranks.close()
     (m0, a0), (m1, a1) = results["none"], results["full"]
     for key in ("train/loss", "train/grad_norm", "train/kl"):
@@ -237,6 +243,7 @@ def _generate(url, prompt, lora_path=None, **kw):
     return httpx.post(url + "/generate", json=body, timeout=120)
 
 
+@pytest.mark.slow
 def test_sync_sends_adapters_only_engine_matches_trainer_and_peft_round_trip(ray_session, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
     import peft
@@ -451,6 +458,7 @@ def test_adapter_payload_is_sglangs_and_anything_else_is_refused(tiny_model_dir)
 # a whole run
 
 
+@pytest.mark.slow
 def test_async_lora_run_versions_gap_and_bytes(tmp_path, monkeypatch, ray_session):
     """The CPU recipe, shrunk, in async mode with a KL term: after the warm start the base goes once (version 0),
     then every sync moves only adapter bytes; requests in flight across a sync finish on their own adapter and

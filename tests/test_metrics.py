@@ -66,6 +66,7 @@ def read_wandb_offline(path: str) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_every_tracker_gets_the_same_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

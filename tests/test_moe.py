@@ -208,7 +208,12 @@ def bf16_rollout(moe_dir: str) -> list[dict]:
         handle.shutdown()
 
 
+@pytest.mark.slow
 def test_router_replay_routes_as_the_engine_and_narrows_the_gap(ray_session, moe_dir):
+    # the two trainer ranks (each its own world of one) start while the engine generates
+    workers = {replay: ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(train_cfg(router_replay=replay), 0, 1,
+                                                                           "127.0.0.1", transfermesh.free_port())
+               for replay in (False, True)}
     batch = bf16_rollout(moe_dir)
     assert len(batch) == 16
     for t in batch:  # AgentFlow kept the engine's routing: one row per token the engine ran on
@@ -216,9 +221,7 @@ def test_router_replay_routes_as_the_engine_and_narrows_the_gap(ray_session, moe
     engine = [torch.from_numpy(_decode(t["routed_experts"]).astype(np.int64)).sort(-1).values for t in batch]
     n_tokens = sum(len(e) for e in engine)
     results = {}
-    for replay in (False, True):
-        worker = ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(train_cfg(router_replay=replay), 0, 1,
-                                                                     "127.0.0.1", transfermesh.free_port())
+    for replay, worker in workers.items():
         ray.get(worker.load_hf.remote(moe_dir))
         used = ray.get(worker.routing_used.remote(batch))  # per sample (P+R, L, K), sorted per token
         same = sum(int((u[:len(e)] == e).all(-1).all(-1).sum()) for u, e in zip(used, engine))
@@ -300,6 +303,7 @@ def one_step(ranks: Ranks, moe_dir: str, batch: list[dict]) -> tuple[dict, dict,
     return metrics, exported, logp
 
 
+@pytest.mark.slow
 def test_expert_parallel_2_matches_one_rank(ray_session, moe_dir):
     """EP=2 (two ranks, 4 of the 8 experts each, the dense layers data-parallel) takes the same step as one rank
     (`--check` accepts it now):

@@ -59,6 +59,7 @@ def assert_same_step(one, two):
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_pipeline_2_matches_one_rank(stages, tiny_model_dir):
     batch = token_batch()
     one = run_steps(stages[1], tiny_model_dir, batch, sft=True)
@@ -72,6 +73,7 @@ def test_pipeline_2_matches_one_rank(stages, tiny_model_dir):
         assert not torch.equal(two[2][name], before[name]), name  # each stage's weights moved and came back
 
 
+@pytest.mark.slow
 def test_pipeline_2_moe_matches_one_rank(stages, moe_dir):  # noqa: F811
     batch = token_batch(seed=1)
     assert_same_step(run_steps(stages[1], moe_dir, batch), run_steps(stages[2], moe_dir, batch))

@@ -79,8 +79,10 @@ def check(cfg, plan, where, seen):
 
 
 @pytest.mark.parametrize("nodes", [1, 2], ids=["1x8", "2x4"])
+@pytest.mark.slow
 def test_gpu_recipes_place_on_simulated_gpus(nodes):
     from ray.cluster_utils import Cluster
+    ray.shutdown()  # the session's Ray (tests/conftest.py): this test needs a cluster that advertises GPUs
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 96, "num_gpus": 8 // nodes})
     for _ in range(nodes - 1):
         cluster.add_node(num_cpus=96, num_gpus=8 // nodes)

@@ -2,7 +2,7 @@
 through the real router and CPU engine, the reward and the advantage estimator through the core's own dispatch, the
 teacher keys through config.load_config); every `module.name` the docs quote exists; every file, link and anchor
 they point to exists; every metric the code names is in docs/METRICS.md, once; the README stays a short guide
-(at most 250 lines) and shows CI's two commands exactly.
+(at most 250 lines), shows CI's two commands exactly and names the quick tier, which reaches every module.
 `.venv/bin/python -m pytest tests/test_readme.py -q` (about 20 s: one CPU engine on the tiny model).
 """
 import ast
@@ -10,6 +10,7 @@ import importlib
 import inspect
 import re
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,29 @@ def test_readme_is_a_short_guide_with_the_ci_commands():
     for command in ("./bootstrap.sh && .venv/bin/python loongsage.py recipes/arith_cpu.yaml",
                     "./bootstrap.sh && .venv/bin/python -m pytest -q tests"):
         assert command in README, command
+
+
+QUICK = '.venv/bin/python -m pytest -q -m "not slow" tests'
+
+
+def test_the_quick_tier_is_named_and_reaches_every_module():
+    """The README names the quick tier beside CI's command; pyproject.toml registers its marker (with
+    --strict-markers, so a misspelt one fails collection); and every module of the package is used, as
+    `module.name`, by at least one test outside the tier's `slow` marker, so that no module goes untested while
+    editing."""
+    assert QUICK in README
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    pytest_ini, packaged = pyproject["pytest"]["ini_options"], pyproject["setuptools"]["py-modules"]
+    assert "--strict-markers" in pytest_ini["addopts"] and any(m.startswith("slow:") for m in pytest_ini["markers"])
+    used = set()
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for fn in ast.parse(path.read_text()).body:
+            if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_") and \
+                    not any(ast.unparse(d) == "pytest.mark.slow" for d in fn.decorator_list):
+                used |= {n.value.id for n in ast.walk(fn)
+                         if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
+    assert set(packaged) == set(MODULES), "every module at the root is in pyproject.toml's py-modules"
+    assert not set(packaged) - used, f"modules no quick test uses: {sorted(set(packaged) - used)}"
 
 
 def test_readme_snippets_name_only_what_exists():

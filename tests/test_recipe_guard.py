@@ -29,18 +29,11 @@ import loongsage
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def ray_session():
-    import ray
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_arith_warm_start_answers_numbers_and_rl_raises_accuracy(tmp_path, monkeypatch, ray_session):
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))  # the warm start runs here, not from a cache
     dump = tmp_path / "dump"
@@ -63,6 +56,7 @@ def test_arith_warm_start_answers_numbers_and_rl_raises_accuracy(tmp_path, monke
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3, reward
 
 
+@pytest.mark.slow
 def test_calc_warm_start_first_turn_is_a_well_formed_tool_call(tmp_path, monkeypatch, ray_session):
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     dump = tmp_path / "dump"
@@ -118,6 +112,7 @@ def test_recipes_script_judges_each_recipe_by_its_bar():
     assert "| calc_cpu | 0 | 0.300 -> 0.700 | +0.400 | 0.95 | 3.0 |" in table and table.rstrip().endswith("yes |")
 
 
+@pytest.mark.slow
 def test_think_warm_start_thinks_in_the_format_then_answers(tmp_path, monkeypatch, ray_session):
     """think: after the warm start the model thinks before it answers, on the real engine through the router: in at
     least 90% of step-0 samples the agent reads, through the official client, a `reasoning_content` of column sums

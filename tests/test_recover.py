@@ -112,6 +112,7 @@ def plant_crashed_save(out: Path) -> None:
     (ckpt / "latest.tmp").write_text("step_00004\n")
 
 
+@pytest.mark.slow
 def test_engine_and_controller_killed_mid_run_lose_nothing(tmp_path):
     """Two drills in one run (each launch of the controller costs ~30-60 s here, so they share them):
 
@@ -199,6 +200,7 @@ def free_port() -> int:
 LONG = dict(temperature=1.0, max_new_tokens=300, ignore_eos=True)  # 300 decode steps: still in flight when hit
 
 
+@pytest.mark.slow
 def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_dir, tmp_path):
     """A request on an engine that is killed (connection reset) or hung (SIGSTOP: the connection stays
     open, nothing answers) finishes on the other engine with exactly the tokens that engine gives the
@@ -266,7 +268,7 @@ def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_di
 # no silent hang: fleet.wait
 
 
-def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
+def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout(ray_session):
     """A rank that dies while the other waits for it in a collective ends the wait at once; a call
     past its deadline raises naming what timed out and the config knob that sets the limit, and the
     health check ticks while it waits.
@@ -284,9 +286,8 @@ def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
                 os._exit(1)  # killed mid-step, as by the OOM killer
             time.sleep(300)  # the survivor: blocked on its dead peer
 
-    ray.init(address="local", num_cpus=1, include_dashboard=False)
+    ranks = [Rank.remote(), Rank.remote()]
     try:
-        ranks = [Rank.remote(), Rank.remote()]
         # the dead rank's error, not a TimeoutError after 120 s: the wait did not sit on the survivor first
         with pytest.raises(ray.exceptions.RayActorError, match="Rank"):
             fleet.wait([ranks[0].collective.remote(False), ranks[1].collective.remote(True)],
@@ -298,9 +299,9 @@ def test_wait_fails_fast_on_a_dead_rank_and_names_the_knob_on_a_timeout():
             fleet.wait(ranks[0].collective.remote(False), "weight sync of version 3", 2.0, "weight_sync_timeout",
                        every=0.5, tick=lambda: ticks.append(1))
         assert time.monotonic() - t0 >= 2.0 and len(ticks) >= 1  # it waited out its deadline, checking health meanwhile
-        ray.kill(ranks[0])
     finally:
-        ray.shutdown()
+        for r in ranks:
+            ray.kill(r)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -113,10 +112,12 @@ def test_options_without_a_working_path_fail_check(overrides, message):
     assert message in str(e.value)
 
 
-def test_cli_check_rejects_a_critic_knob_without_gae_with_exit_code_2():
-    r = subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", "critic_warmup_steps=2", "--check"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "config error" in r.stderr and "advantage=gae" in r.stderr
+def test_cli_check_rejects_a_critic_knob_without_gae_with_exit_code_2(capsys):
+    """loongsage.main, which the command line's exit code comes from (the script itself: test_loongsage.py's
+    test_cli_check_and_bad_key_exit_codes)."""
+    code = loongsage.main([str(ROOT / "recipes/arith_cpu.yaml"), "critic_warmup_steps=2", "--check"])
+    err = capsys.readouterr().err
+    assert code == 2 and "config error" in err and "advantage=gae" in err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,22 +457,18 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             intermediate_size=128)
 
 
-def test_failed_and_empty_trajectories_never_stop_a_run(tmp_path, monkeypatch, capsys):
+@pytest.mark.slow
+def test_failed_and_empty_trajectories_never_stop_a_run(tmp_path, run_cache, capsys, ray_session):
     """tests.agents.flaky_agent: step 0 fails entirely (skipped with a message); in step 1 three of
     each group's four samples fail three different ways (raise before the first model call, garbage
     return, NaN reward). The run finishes, the failed samples stay in their groups with reward 0 and an
     all-zero loss mask, and the update trains on the whole batch."""
-    import ray
-    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     cfg = config.load_config(str(ROOT / "recipes/arith_cpu.yaml"), [
         f"output_dir={tmp_path}/run", "num_steps=2", "prompts_per_step=2", "samples_per_prompt=4",
         "global_batch_size=8", "micro_batch_size=4", "max_new_tokens=4", "eval_every=0", "warmstart_steps=0",
         "print_every=0", "agent=tests.agents.flaky_agent", "agent_retries=0", "max_turns=2",
         "reward=tests.agents.one", f"dump_rollouts={tmp_path}/dump", f"tiny_model={json.dumps(TINY)}"])
-    try:
-        history = loongsage.train(cfg)
-    finally:
-        ray.shutdown()
+    history = loongsage.train(cfg)
     steps = {h["step"]: h for h in history if "rollout/failed_frac" in h}
     assert sorted(steps) == [0, 1]
     assert steps[0]["rollout/failed_frac"] == 1.0 and steps[0]["rollout/empty_groups"] == 2

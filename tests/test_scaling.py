@@ -23,6 +23,7 @@ def _scaling():
     return module
 
 
+@pytest.mark.slow
 def test_script_prints_the_tables_and_counts_the_published_sizes():
     out = subprocess.run([sys.executable, "scripts/scaling.py"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)

@@ -3,7 +3,6 @@ compacted three-turn trajectory trained end to end through a real trainer actor 
 weights); a two-turn agent's per-turn rewards reach the trajectory through AgentFlow."""
 import asyncio
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +11,6 @@ import agentflow
 import config
 import cpu_engine
 import trainer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def seg(p, r, mask, v=0):
@@ -54,30 +51,25 @@ def test_turn_rewards_become_token_rewards():
     assert trainer.turn_token_rewards(grpo, rows, torch.tensor([9.0, 0.5]), mask) is None
 
 
-def test_compacted_trajectory_trains_every_segment(tiny_model_dir):
+@pytest.mark.slow
+def test_compacted_trajectory_trains_every_segment(ray_session, tiny_model_dir):
     """Two groups of two trajectories, one compacted into two segments: 5 rows train. Dropping the early
     segment changes the update (so it was trained), and denominators count its tokens."""
-    import ray
     from test_trainer import Ranks, make_cfg
     batch = [compacted(0, 1.0, 0), {**compacted(0, 0.0, 1), "segments": []},
              {**seg([5, 6], [7, 8, 9], [1, 1, 1]), "reward": 1.0, "group_id": 1, "sample_index": 0, "segments": []},
              {**seg([5, 6], [7, 9, 9], [1, 1, 1]), "reward": 0.0, "group_id": 1, "sample_index": 1, "segments": []}]
     without = [dict(batch[0], segments=[])] + batch[1:]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    out = []
+    ranks = Ranks(make_cfg(kl_coef=0.0, global_batch_size=4, micro_batch_size=2), 1)
     try:
-        out = []
-        ranks = Ranks(make_cfg(kl_coef=0.0, global_batch_size=4, micro_batch_size=2), 1)
-        try:
-            for b in (batch, without):  # one rank for both: each load_hf starts a fresh model and optimizer
-                ranks.call("load_hf", tiny_model_dir)
-                [m] = ranks.call("train_step", b, 0)
-                [w] = ranks.call("export_hf_weights")
-                out.append((m, dict(w)))
-        finally:
-            ranks.close()
+        for b in (batch, without):  # one rank for both: each load_hf starts a fresh model and optimizer
+            ranks.call("load_hf", tiny_model_dir)
+            [m] = ranks.call("train_step", b, 0)
+            [w] = ranks.call("export_hf_weights")
+            out.append((m, dict(w)))
     finally:
-        ray.shutdown()
+        ranks.close()
     (m, w), (m0, w0) = out
     assert m["train/samples"] == 4 == m0["train/samples"] and m["train/rows"] == 5 and m0["train/rows"] == 4
     assert m["train/loss"] != m0["train/loss"]

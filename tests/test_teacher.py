@@ -95,16 +95,18 @@ def route_by_turn(traj: dict) -> list:
 # ---------------------------------------------------------------------------------------- parity and targets
 
 
+@pytest.mark.slow
 def test_teacher_logprobs_equal_the_trainers(ray_session, tiny_model_dir, tmp_path):
     cfg = make_cfg(teachers={"t0": tiny_model_dir}, pg_ratio=1.0)
     batch = make_batch(data.load_tokenizer(tiny_model_dir))
+    # the trainer rank starts while the teacher does (an actor's start-up is one core's work: two overlap on two)
     tr = ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(cfg, 0, 1, "127.0.0.1", _port())
-    ray.get(tr.load_hf.remote(tiny_model_dir))
-    want = ray.get(tr.compute_logprobs.remote(batch))
-    ray.kill(tr)
     te = start_teacher(cfg, {"t0": tiny_model_dir}, tmp_path)
     targets, m = ray.get(te.score.remote(batch))
     ray.kill(te)
+    ray.get(tr.load_hf.remote(tiny_model_dir))
+    want = ray.get(tr.compute_logprobs.remote(batch))
+    ray.kill(tr)
     for tg, w in zip(targets, want):
         assert torch.allclose(tg["teacher_logp"], torch.tensor(w), atol=1e-6, rtol=0)
         assert tg["teacher_mask"].tolist() == [1.0] * len(w)
@@ -114,15 +116,27 @@ def test_teacher_logprobs_equal_the_trainers(ray_session, tiny_model_dir, tmp_pa
     assert m["teacher/swaps"] == 0 and m["teacher/t0/tokens"] == sum(len(w) for w in want)
 
 
+@pytest.fixture(scope="module")
+def full_vocab_targets(ray_session, tiny_model_dir, tmp_path_factory):
+    """One teacher's targets (hidden states, and its top-V = every id, sorted) and LM head for make_batch, shared by
+    the three divergences below: a teacher sends the same for any full-vocabulary distill_type (teacher.needs_hidden
+    is all it asks of distill_type), so one teacher actor serves all three."""
+    V = convert.read_hf_config(tiny_model_dir)["vocab_size"]
+    cfg = make_cfg(teachers={"t0": tiny_model_dir}, gkd_ratio=1.0, distill_type="forward_kl", teacher_topk=V)
+    te = start_teacher(cfg, {"t0": tiny_model_dir}, tmp_path_factory.mktemp("teacher"))
+    targets, _ = ray.get(te.score.remote(make_batch(data.load_tokenizer(tiny_model_dir))))
+    heads = ray.get(te.lm_heads.remote())
+    ray.kill(te)
+    return targets, heads
+
+
 @pytest.mark.parametrize("div", ["forward_kl", "reverse_kl", "jsd"])
-def test_hidden_states_with_lm_head_on_the_student_side_equal_full_logits(div, ray_session, tiny_model_dir, tmp_path):
+@pytest.mark.slow
+def test_hidden_states_with_lm_head_on_the_student_side_equal_full_logits(div, full_vocab_targets, tiny_model_dir):
     V = convert.read_hf_config(tiny_model_dir)["vocab_size"]
     cfg = make_cfg(teachers={"t0": tiny_model_dir}, gkd_ratio=1.0, distill_type=div, teacher_topk=V)
     batch = make_batch(data.load_tokenizer(tiny_model_dir))
-    te = start_teacher(cfg, {"t0": tiny_model_dir}, tmp_path)
-    targets, _ = ray.get(te.score.remote(batch))
-    heads = ray.get(te.lm_heads.remote())
-    ray.kill(te)
+    targets, heads = full_vocab_targets
     assert set(targets[0]["teacher_hidden"]) == {"t0"} and heads["t0"].shape[0] == V
     # the student side, as the trainer runs it (no distributed state needed at TP=1)
     mb = trainer.collate(batch, {"adv": [torch.zeros(len(s["response_ids"])) for s in batch]})
@@ -142,6 +156,7 @@ def test_hidden_states_with_lm_head_on_the_student_side_equal_full_logits(div, r
 # ---------------------------------------------------------------------------------------- memory and swaps
 
 
+@pytest.mark.slow
 def test_swaps_per_step_with_interleaved_teachers(ray_session, tiny_model_dir, second_teacher_dir, tmp_path):
     cfg = make_cfg(teachers={"t0": tiny_model_dir, "t1": second_teacher_dir}, pg_ratio=1.0)
     batch = make_batch(data.load_tokenizer(tiny_model_dir))
@@ -170,6 +185,7 @@ def test_token_routes_two_turns_and_ensembles(tiny_model_dir):
         teacher.token_routes(two_turn(tok), ["t0", "t1"], lambda traj: ["t0", "t1"])
 
 
+@pytest.mark.slow
 def test_per_token_routing_and_ensemble_targets_through_the_actor(ray_session, tiny_model_dir, second_teacher_dir,
                                                                   tmp_path):
     tok = data.load_tokenizer(tiny_model_dir)
@@ -199,6 +215,7 @@ def test_per_token_routing_and_ensemble_targets_through_the_actor(ray_session, t
 
 
 @pytest.mark.parametrize("style", ["pg", "gkd"])
+@pytest.mark.slow
 def test_a_few_opd_steps_lower_the_students_kl_to_its_teacher(style, ray_session, tiny_model_dir, second_teacher_dir,
                                                               tmp_path):
     """Student = tiny_model_dir, teacher = another random init. PG-style: zero rewards, so A' = -KL_token
@@ -206,10 +223,10 @@ def test_a_few_opd_steps_lower_the_students_kl_to_its_teacher(style, ray_session
     over = dict(pg_ratio=1.0, advantage="grpo", adv_norm="none") if style == "pg" else dict(gkd_ratio=1.0)
     cfg = make_cfg(teachers={"t": second_teacher_dir}, teacher_topk=16, lr=3e-3, min_lr=3e-3, **over)
     batch = make_batch(data.load_tokenizer(tiny_model_dir))
+    tr = ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(cfg, 0, 1, "127.0.0.1", _port())  # starts meanwhile
     te = start_teacher(cfg, {"t": second_teacher_dir}, tmp_path)
     targets, _ = ray.get(te.score.remote(batch))
     ray.kill(te)
-    tr = ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(cfg, 0, 1, "127.0.0.1", _port())
     ray.get(tr.load_hf.remote(tiny_model_dir))
     key = "train/opd_kl" if style == "pg" else "train/opd_loss"
     hist = [ray.get(tr.train_step.remote(batch, i, targets)) for i in range(6)]
@@ -276,12 +293,12 @@ def test_the_prompt_stream_follows_the_source_weights(tmp_path):
 # ---------------------------------------------------------------------------------------- end to end
 
 
-def test_mopd_recipe_end_to_end_short(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_mopd_recipe_end_to_end_short(tmp_path, run_cache, ray_session):
     """recipes/mopd_cpu.yaml shrunk (2 teachers built with 2 SFT steps each, 2 steps), with a
     full-vocabulary divergence so the hidden-state targets and the LM heads travel too: teachers are
     evaluated per source, every step swaps at most once per teacher, the opd metrics are finite, the
     plot is written."""
-    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     build = {"warmstart_steps": 2, "warmstart_batch_size": 8, "tiny_model": TINY}
     teachers = {"add_teacher": {"path": "tiny", "warmstart_dataset": "synthetic:add:64:11:9", **build},
                 "sub_teacher": {"path": "tiny", "warmstart_dataset": "synthetic:sub:64:12:9", **build}}
@@ -292,10 +309,7 @@ def test_mopd_recipe_end_to_end_short(tmp_path, monkeypatch):
         "data_sources=" + json.dumps([
             {"name": "add", "dataset": "synthetic:add:64:1:9", "eval_dataset": "synthetic:add:6:2:9", "teacher": "add_teacher"},
             {"name": "sub", "dataset": "synthetic:sub:64:3:9", "eval_dataset": "synthetic:sub:6:4:9", "teacher": "sub_teacher"}])])
-    try:
-        history = loongsage.train(cfg)
-    finally:
-        ray.shutdown()
+    history = loongsage.train(cfg)
     first = history[0]
     assert {f"teacher/{t}/{s}/accuracy" for t in ("add_teacher", "sub_teacher") for s in ("add", "sub")} <= set(first)
     steps = [h for h in history if "train/loss" in h]

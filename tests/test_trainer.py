@@ -245,6 +245,7 @@ def test_other_families_parity_and_round_trip(tp1, tmp_path, kind):
     assert_same_weights(exported, hf_state(model_dir))
 
 
+@pytest.mark.slow
 def test_tp2_parity_round_trip_and_step_matches_tp1(tp1, tiny_model_dir, tmp_path):
     batch = make_batch()
     moe_dir = _tiny_family("qwen3_moe", tmp_path)  # experts split over TP too (expert TP = TP)
@@ -281,6 +282,7 @@ def test_tp2_parity_round_trip_and_step_matches_tp1(tp1, tiny_model_dir, tmp_pat
 # data parallelism: summed gradients with global denominators
 
 
+@pytest.mark.slow
 def test_dp2_step_matches_dp1(tp1, tiny_model_dir):
     # 8 samples, global_batch_size 4: two mini-batches (two optimizer steps) of two groups; with DP=2
     # each rank gets one group of each, with DP=1 the lone rank runs two micro-batches per mini-batch
@@ -380,6 +382,7 @@ def test_checkpoint_resumes_bit_exactly(tp1, tiny_model_dir, tmp_path):
     assert_same_weights(w_again, dict(w_first))
 
 
+@pytest.mark.slow
 def test_rollout_logprobs_as_behaviour_policy(ray_session, tiny_model_dir):
     # use_rollout_logprobs skips the old-logprob forward; the gap then comes from the first mini-batch's
     # forward, still before any update: with engine logprobs equal to the model's own, it is ~0

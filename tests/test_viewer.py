@@ -92,9 +92,8 @@ def trained_segments(t: dict) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, tiny_model_dir) -> Path:
+def run_dir(tmp_path_factory, tiny_model_dir, ray_session) -> Path:
     """2 GRPO steps of 2 prompts x 4 samples, the two-turn agent, rollouts dumped inside the run dir."""
-    import ray
     import config
     import loongsage
     tmp = tmp_path_factory.mktemp("viewer")
@@ -102,11 +101,7 @@ def run_dir(tmp_path_factory, tiny_model_dir) -> Path:
         f"output_dir={tmp}/run", f"model_path={tiny_model_dir}", "warmstart_steps=0", f"dump_rollouts={tmp}/run/rollouts",
         "num_steps=2", "prompts_per_step=2", "samples_per_prompt=4", "global_batch_size=8", "micro_batch_size=4",
         "eval_every=0", "agent=tests.viewer_agents.two_turns", "reward=tests.rewards.text_hash", "max_turns=4"])
-    try:
-        loongsage.train(cfg)
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
+    loongsage.train(cfg)
     return tmp / "run"
 
 
@@ -115,6 +110,7 @@ def _dumped(run_dir: Path) -> list[dict]:
             for line in (run_dir / "rollouts" / f"step_{s:05d}.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_page_of_a_real_run_in_chromium(chromium, run_dir, tiny_model_dir, tmp_path):  # no chromium: skip before the run
     """`python viewer.py RUN_DIR` on a real run: the page holds every dumped trajectory token for token,
     decoded with the run's tokenizer (found through config.yaml), and Chromium renders exactly the dump's
@@ -190,6 +186,7 @@ def test_page_of_a_real_run_in_chromium(chromium, run_dir, tiny_model_dir, tmp_p
     assert px.get(TRAINED, 0) == 0 and sum(px.get(c, 0) for c in LOGPROB) > 1500
 
 
+@pytest.mark.slow
 def test_the_tiny_tokenizer_is_rebuilt_for_a_run_of_the_tiny_model(run_dir, tmp_path):
     """A run with model_path: tiny names no directory; the viewer rebuilds the tiny tokenizer from the run's
     tiny_model settings and decodes the real run's prompts exactly as the run did (no warning). A tokenizer of
@@ -275,6 +272,7 @@ def test_model_output_cannot_inject_markup(chromium, tmp_path):
     assert state["tokens"] == str(n_tokens)
 
 
+@pytest.mark.slow
 def test_filters_steps_segments_and_paging_in_chromium(chromium, tmp_path):
     """A dump dir of two steps (0 and 2): reward bounds are inclusive and a null (non-finite) reward matches
     no bound; statuses and steps filter; a compacted trajectory shows both segments and numbers its turns

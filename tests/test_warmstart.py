@@ -24,6 +24,7 @@ def sft_rank(ray_session):
     ranks.close()
 
 
+@pytest.mark.slow
 def test_warm_start_an_hf_directory_and_cache_it(tiny_model_dir, tmp_path, monkeypatch, sft_rank):
     from safetensors.torch import load_file
 
@@ -48,6 +49,7 @@ def test_warm_start_an_hf_directory_and_cache_it(tiny_model_dir, tmp_path, monke
     assert fleet.prepare_model(other, sft_rank.workers) != out
 
 
+@pytest.mark.slow
 def test_warm_start_stops_on_its_loss_and_warns_when_the_cap_comes_first(tiny_model_dir, tmp_path, monkeypatch, capsys,
                                                                         sft_rank):
     """`warmstart_stop_loss`: SFT stops once the mean loss of the last 20 steps is below it (warmstart_steps is then
