@@ -574,6 +574,26 @@ def rss_bytes() -> int:
         return 0
 
 
+def reset_peak_rss() -> None:
+    """Start this process's peak resident memory (VmHWM) afresh from its current RSS: Linux resets it when 5 is
+    written to /proc/self/clear_refs (no-op where that file is not writable)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM) since it started or since `reset_peak_rss`; 0 where unknown.
+    The kernel updates it at every page fault that grows RSS, so no sampling can miss a short peak."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, ValueError, StopIteration):
+        return 0
+
+
 def trim_freed_memory() -> None:
     """Return freed heap pages to the OS (glibc's malloc_trim): tensors of a few MB come from malloc's arenas,
     and without a trim their pages stay in this process after a free, so the colocated peer would not get them."""
