@@ -730,30 +730,42 @@ class Model:
         if missing:
             raise KeyError(f"no HF weight for Megatron parameter(s) {sorted(missing)}")
 
-    def gather(self) -> dict[str, torch.Tensor] | None:
-        """The full Megatron state (TP=1 layout, every expert, every stage's layers, named as in the whole model) as
-        CPU tensors on global rank 0, None elsewhere. Every rank must call it: TP shards are all-gathered within
-        each TP group (only data-parallel replica 0's result is kept); with expert parallelism each rank holds
-        num_experts / EP experts, so expert tensors are first gathered within the expert-tensor-parallel group, then
-        all-gathered across the expert-parallel group (whose ranks are different data-parallel replicas of the
-        dense layers, so then every rank takes part). With pipeline parallelism each stage's TP rank 0 gathers its
-        layers and the stages' tensors meet on rank 0 (the first stage's) through the pipeline group."""
+    def stream_full(self):
+        """The full Megatron tensors (TP=1 layout, every expert, every stage's layers, named as in the whole model),
+        one at a time, on global rank 0's device; nothing is yielded elsewhere. A generator every rank must drain at
+        once: the collectives inside pair them up, tensor by tensor, so at most the tensors a consumer keeps (a
+        weight-sync bucket) are alive; no rank ever holds the whole model.
+
+        TP shards are all-gathered within each TP group on the device (data-parallel replica 0's result is the one
+        sent). With expert parallelism each rank holds num_experts / EP experts: expert tensors are first gathered
+        within the expert-tensor-parallel group, then all-gathered across the expert-parallel group (whose ranks
+        are different data-parallel replicas of the dense layers, so then every rank takes part). With pipeline
+        parallelism each stage's TP rank 0 of replica 0 sends its gathered tensors to rank 0 point to point, stage
+        after stage, in an order both sides know from one exchange of names, shapes and dtypes."""
         from megatron.core import parallel_state  # Megatron: late
         par = self.par
-        ep_rank, ep_size, _, etp_size = par.experts(self.tcfg.num_moe_experts)
-        keep = par.rank == 0 if par.pp_size == 1 else par.tp_rank == 0  # dp_rank is 0 from here on
+        _, ep_size, _, etp_size = par.experts(self.tcfg.num_moe_experts)
         if (par.dp_rank != 0 or par.cp_rank != 0) and ep_size == 1:  # another replica (or CP rank): same weights
-            return None
-        full = {}
+            return
+        sender = par.tp_rank == 0  # with PP: this stage's rank in rank 0's pipeline (dp_rank, cp_rank are 0 here)
         etp_group = parallel_state.get_expert_tensor_parallel_group() if self.tcfg.num_moe_experts else None
         ep_group = parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None
         n_local = (self.tcfg.num_moe_experts or 0) // ep_size
+        stages = None  # PP: per stage, [(name, shape, dtype)] of what its sender sends, in order
+        if par.pp_size > 1 and sender:
+            mine = []
+            for name, p in self.gpt.named_parameters():  # full shapes: TP-split dims times the (expert-)TP size
+                shape, dim = list(p.shape), convert.tp_split_dim(name)
+                if dim is not None:  # (EP with PP is refused by Parallel: one global expert per local one here)
+                    shape[dim] *= etp_size if ".local_experts." in name else par.tp_size
+                mine.append((self._global_name(name), shape, p.dtype))
+            stages = [None] * par.pp_size
+            torch.distributed.all_gather_object(stages, mine, group=par.pp_group)
         with torch.no_grad():
             for name, p in self.gpt.named_parameters():
                 if ".local_experts." not in name:
                     t = convert.gather_full(name, p.detach(), par.tp_group if par.tp_size > 1 else None)
-                    if keep:
-                        full[self._global_name(name)] = t.cpu()
+                    yield from self._emit(self._global_name(name), t, sender)
                     continue
                 t = convert.gather_full(name, p.detach(), etp_group if etp_size > 1 else None)
                 head, rest = name.split(".local_experts.")
@@ -762,16 +774,24 @@ class Model:
                 if ep_group is not None:  # EP rank r holds global experts r*n_local .. (r+1)*n_local - 1
                     parts = [torch.empty_like(t) for _ in range(ep_size)]
                     torch.distributed.all_gather(parts, t.contiguous(), group=ep_group)
-                if keep:
-                    for r, part in enumerate(parts):
-                        global_e = r * n_local + int(local_e)
-                        full[self._global_name(f"{head}.local_experts.{global_e}.{tail}")] = part.cpu()
-        if par.pp_size > 1:  # every stage of this TP rank's pipeline sends its layers; rank 0 merges them
-            stages = [None] * par.pp_size
-            torch.distributed.all_gather_object(stages, full, group=par.pp_group)
-            full = {k: v for stage in stages for k, v in stage.items()}
-            keep = par.rank == 0
-        return full if keep else None
+                for r, part in enumerate(parts):
+                    global_e = r * n_local + int(local_e)
+                    yield from self._emit(self._global_name(f"{head}.local_experts.{global_e}.{tail}"), part, sender)
+                del t, parts
+            if stages is not None and par.rank == 0:  # the later stages' tensors, as their senders send them
+                ranks = torch.distributed.get_process_group_ranks(par.pp_group)
+                for stage in range(1, par.pp_size):
+                    for name, shape, dtype in stages[stage]:
+                        t = torch.empty(shape, dtype=dtype, device=par.device)
+                        torch.distributed.recv(t, src=ranks[stage])
+                        yield name, t
+
+    def _emit(self, name: str, t: torch.Tensor, sender: bool):
+        """Yield a gathered tensor on rank 0; with PP a later stage's sender sends it to rank 0 instead."""
+        if self.par.rank == 0:
+            yield name, t
+        elif self.par.pp_size > 1 and sender:
+            torch.distributed.send(t.contiguous(), dst=0)
 
     # --- forward ------------------------------------------------------------------------------------------
 
@@ -1454,29 +1474,53 @@ class TrainerWorker:
 
     # --- weights out --------------------------------------------------------------------------------
 
-    def export_hf_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """HF-named full tensors (CPU) on rank 0, [] elsewhere. Every rank must call it (Model.gather)."""
+    def hf_weights(self):
+        """HF-named full tensors on rank 0's device, one Megatron tensor's worth at a time (Model.stream_full, renamed
+        by convert.megatron_to_hf_tensor); nothing is yielded elsewhere. Every rank must drain it at once."""
         self.onload(["weights"])  # colocated: a re-created engine may need them while they are offloaded
-        full = self.policy.gather()
-        return convert.megatron_to_hf(full, self.hf_config) if full is not None else []
+        for name, t in self.policy.stream_full():
+            yield from convert.megatron_to_hf_tensor(name, t, self.hf_config)
+
+    def export_hf_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Every HF-named tensor (CPU) in one list on rank 0, [] elsewhere: for tests and tools that compare whole
+        models; the weight sync and save_hf stream instead (`hf_weights`). Every rank must call it."""
+        return [(name, t.detach().cpu().clone()) for name, t in self.hf_weights()]
 
     def sync_weights(self, engine_urls: list[str], version: int) -> dict:
-        """Push the current weights to the rollout engines (rank 0 sends; the others join the gather)."""
-        named = self.export_hf_weights()
+        """Push the current weights to the rollout engines, bucket by bucket as they are gathered (rank 0 sends; the
+        others take part in each bucket's gather). Returns rank 0's `weights/` metrics, with the peak extra resident
+        memory of the sync in this process (`weights/peak_extra_mb`: bounded by about two buckets, never the model)."""
+        stream = self.hf_weights()
         if self.par.rank != 0:
+            for _ in stream:  # the collectives of every tensor's gather
+                pass
             return {}
         # SGLang engines run with tensor parallel size tp_size (cfg.gpus_per_engine unless cfg.sglang sets it);
         # the CPU engine is one rank
         sglang = self.cfg.engine == "sglang" or (self.cfg.engine == "auto" and torch.cuda.is_available())
         tp = int((self.cfg.sglang or {}).get("tp_size") or self.cfg.gpus_per_engine) if sglang else 1
-        return transfermesh.push_weights(named, [(u, tp) for u in engine_urls], version, transport=self.cfg.transfer,
-                                         bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path)
+        transfermesh.trim_freed_memory()  # else freed heap kept from earlier work would hide what the sync allocates
+        before = transfermesh.rss_bytes()
+        transfermesh.reset_peak_rss()
+        try:
+            stats = transfermesh.push_weights(stream, [(u, tp) for u in engine_urls], version,
+                                              transport=self.cfg.transfer, bucket_mb=self.cfg.bucket_mb,
+                                              config_dir=self.hf_path)
+        finally:
+            for _ in stream:  # a failed push: the other ranks still wait in the remaining gathers
+                pass
+        stats["weights/peak_extra_mb"] = max(transfermesh.peak_rss_bytes() - before, 0) / 2**20
+        return stats
 
-    def save_hf(self, path: str) -> str:
-        """Write an HF model directory (safetensors + the source dir's config and tokenizer files)."""
-        named = self.export_hf_weights()
+    def save_hf(self, path: str, shard_mb: float = 5 * 1024) -> str:
+        """Write an HF model directory (safetensors shards of at most `shard_mb` each, unless one tensor is larger,
+        and the source dir's config and tokenizer files), shard by shard as the weights are gathered: rank 0 holds
+        one shard at a time."""
+        stream = self.hf_weights()
         if self.par.rank == 0:
-            convert.save_hf_dir(named, path, self.hf_path)
+            convert.save_hf_dir(stream, path, self.hf_path, shard_bytes=int(shard_mb * 2**20))
+        for _ in stream:
+            pass
         torch.distributed.barrier()
         return str(path)
 

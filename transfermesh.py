@@ -63,8 +63,10 @@ import contextlib
 import ctypes
 import ctypes.util
 import io
+import itertools
 import os
 import pickle
+import queue
 import shutil
 import socket
 import tempfile
@@ -81,10 +83,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
-from safetensors.torch import save_file
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
 from torch.multiprocessing import reductions  # importing it also registers torch's tensor reducers with ForkingPickler
 
+import convert
 import data
 
 TRANSPORTS = ("auto", "shm", "cuda_ipc", "broadcast", "disk")
@@ -104,16 +106,24 @@ def _nbytes(dtype: torch.dtype, shape) -> int:
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int):
     """Group tensors into buckets of at most `bucket_bytes` (a larger tensor travels alone). A tensor whose
     offset in the packed layout would not be a multiple of its dtype's size starts a new bucket."""
+    for bucket, _ in buckets_with_last(named_tensors, bucket_bytes):
+        yield bucket
+
+
+def buckets_with_last(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int):
+    """(bucket, is_last) pairs of `iter_buckets`, reading `named_tensors` lazily: a bucket is handed on as soon as
+    the next tensor does not fit, so besides the bucket only that one tensor has been read (a stream gathered
+    tensor by tensor never has two buckets alive here); the last is known when the stream ends."""
     bucket, size = [], 0
     for name, t in named_tensors:
         nbytes = t.numel() * t.element_size()
         if bucket and (size + nbytes > bucket_bytes or size % t.element_size()):
-            yield bucket
+            yield bucket, False
             bucket, size = [], 0
         bucket.append((name, t))
         size += nbytes
     if bucket:
-        yield bucket
+        yield bucket, True
 
 
 def packed_layout(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> tuple[list[list], int]:
@@ -141,7 +151,8 @@ def bucket_layout(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list[list], i
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None):
     """Copy a bucket into one flat uint8 tensor (`out` if given, e.g. a view of shared memory)."""
     metas, total = bucket_layout(bucket)
-    flat = out if out is not None else torch.empty(total, dtype=torch.uint8)
+    device = bucket[0][1].device if bucket else None  # on the tensors' device: a GPU bucket never visits the host
+    flat = out if out is not None else torch.empty(total, dtype=torch.uint8, device=device)
     for (_, t), (_, _, _, off) in zip(bucket, metas):
         src = t.detach().contiguous().view(-1).view(torch.uint8)  # (nbytes,) raw bytes of the tensor
         flat[off:off + src.numel()].copy_(src)
@@ -277,20 +288,23 @@ def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: lis
     groups: dict[str, list[tuple[str, int]]] = {}
     for url, tp in engines:
         groups.setdefault(pick_transport(url, transport), []).append((url, tp))
+    # EXT: a dotted path names a user's push function with the built-ins' signature, called inside the engines'
+    # weight-update session; it returns (buckets sent, bytes sent)
+    pushes = [({"shm": _push_shm, "cuda_ipc": _push_cuda_ipc, "broadcast": _push_broadcast,
+                "disk": _push_disk}.get(kind) or data.import_object(kind), group) for kind, group in groups.items()]
     stats = {"weights/version": version, "weights/buckets": 0, "weights/bytes": 0}
-    tensors = list(named_tensors)  # rank 0 holds them anyway; several transports may read them
     urls = [u for u, _ in engines]
     _each(lambda u: _post(u, "/begin_weight_update", {"selector": "all"}), urls)
     try:
-        for kind, group in groups.items():
-            # EXT: a dotted path names a user's push function with the built-ins' signature, called inside the
-            # engines' weight-update session; it returns (buckets sent, bytes sent)
-            push = {"shm": _push_shm, "cuda_ipc": _push_cuda_ipc, "broadcast": _push_broadcast,
-                    "disk": _push_disk}.get(kind) or data.import_object(kind)
-            n, nbytes = push(tensors, group, bucket_bytes, config_dir, str(version))
+        if len(pushes) == 1:  # the usual case: the push reads the stream itself
+            (push, group), = pushes
+            sent = [push(named_tensors, group, bucket_bytes, config_dir, str(version))]
+        else:
+            sent = _fan_out(named_tensors, pushes, bucket_bytes, config_dir, str(version))
+        for n, nbytes in sent:
             stats["weights/buckets"] += n
             stats["weights/bytes"] += nbytes
-        if not tensors:  # nothing carried the version: set it directly
+        if not stats["weights/buckets"]:  # nothing carried the version: set it directly
             # abort_all_requests defaults to true in SGLang: requests in flight must survive the update
             _each(lambda u: _post(u, "/update_weight_version", {"new_version": str(version),
                                                                  "abort_all_requests": False}), urls)
@@ -301,6 +315,31 @@ def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: lis
     return stats
 
 
+def _fan_out(named_tensors, pushes, bucket_bytes, config_dir, version) -> list[tuple[int, int]]:
+    """Engines on several transports: each push reads the one stream in a thread of its own, every tensor handed to
+    all of them before the next is read (a queue of one each), so the stream is read once and never held whole;
+    each push holds at most its own bucket."""
+    end = object()
+    queues = [queue.Queue(maxsize=1) for _ in pushes]
+
+    def feed(q):
+        while (item := q.get()) is not end:
+            yield item
+
+    with ThreadPoolExecutor(len(pushes), thread_name_prefix="push") as pool:
+        futs = [pool.submit(push, feed(q), group, bucket_bytes, config_dir, version)
+                for (push, group), q in zip(pushes, queues)]
+        for item in itertools.chain(named_tensors, [end]):
+            for q, fut in zip(queues, futs):
+                while not fut.done():  # a push that failed reads no more: its error surfaces below
+                    try:
+                        q.put(item, timeout=1)
+                        break
+                    except queue.Full:
+                        pass
+        return [f.result() for f in futs]
+
+
 def _update_fields(last: bool, version: str) -> dict:
     """Fields every update request carries: no cache flush (requests are running, paused in place), no abort,
     and the new version on the last bucket only (SGLang sets it when that request succeeds)."""
@@ -308,19 +347,6 @@ def _update_fields(last: bool, version: str) -> dict:
     if last:
         fields["weight_version"] = version
     return fields
-
-
-def _with_last(iterable):
-    """(item, is_last) pairs."""
-    it = iter(iterable)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield prev, False
-        prev = item
-    yield prev, True
 
 
 _SEGMENT: list = []  # [uint8 tensor in shared memory, numpy view of it]: one segment of two halves, every sync
@@ -344,7 +370,8 @@ def _file_system_sharing():
 def reserve_shm(nbytes: int) -> None:
     """Make this process's segment hold two buckets of `nbytes` (a new segment if it is smaller). The old segment
     lives on while a receiver still maps it (torch counts the mappings and removes the file after the last one):
-    `_push_shm` reserves for the sync's largest bucket before sending any, so one sync writes into one segment."""
+    `_push_shm` reserves two full buckets at its first, so a sync writes into one segment unless a single tensor is
+    larger than a bucket."""
     half = -(-max(nbytes, 1) // 4096) * 4096  # whole pages: the second half starts aligned for any dtype's view
     if not _SEGMENT or _SEGMENT[0].numel() < 2 * half:
         _SEGMENT.clear()
@@ -421,15 +448,18 @@ def release_shm() -> None:
 
 def _push_shm(tensors, engines, bucket_bytes, config_dir, version):
     """Each bucket written once into shared memory, read by every local engine. The two halves of the segment
-    alternate: bucket i+1 is written while the engines copy bucket i out (one update request in flight at a time,
-    so the buckets load in order and the version-carrying last one loads last)."""
-    buckets = list(iter_buckets(tensors, bucket_bytes))
-    reserve_shm(max((bucket_layout(b)[1] for b in buckets), default=0))
+    alternate: bucket i+1 is gathered and written while the engines copy bucket i out (one update request in flight
+    at a time, so the buckets load in order and the version-carrying last one loads last). A bucket's tensors are
+    let go once written, so the sender holds the segment, the bucket being written and nothing else."""
     n = nbytes = 0
     pending = None
     with ThreadPoolExecutor(1, thread_name_prefix="shm-update") as pool:
-        for bucket, last in _with_last(buckets):
+        for bucket, last in buckets_with_last(tensors, bucket_bytes):
+            if n == 0:  # halves of a full bucket (unless this one is all there is): later buckets fit them
+                reserve_shm(max(bucket_layout(bucket)[1], 0 if last else bucket_bytes))
+            # a tensor larger than a bucket grows the segment; the pending request keeps the old one mapped
             flat, metas, sums = write_shm_bucket(bucket, half=n % 2)
+            del bucket
             # checksum: a LoongSage field (SGLang ignores unknown fields); the CPU engine verifies it before loading
             body = {"load_format": "flattened_bucket", "checksum": sums, **_update_fields(last, version)}
             if pending is not None:
@@ -478,8 +508,11 @@ def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]], tp_size: int) -> l
 
 
 def _push_cuda_ipc(tensors, engines, bucket_bytes, config_dir, version):
+    """Each bucket's tensors shared by CUDA IPC handle where they lie (the trainer's gathered tensors are already
+    on its GPU: no host copy); every engine TP rank maps them and copies into its weights before its request
+    returns, then the bucket is freed and the next gathered."""
     n = nbytes = 0
-    for bucket, last in _with_last(iter_buckets(tensors, bucket_bytes)):
+    for bucket, last in buckets_with_last(tensors, bucket_bytes):
         bucket = [(name, t.detach().cuda().contiguous()) for name, t in bucket]
         fields = _update_fields(last, version)
         _each(lambda e: _post(e[0], "/update_weights_from_tensor", {
@@ -522,14 +555,16 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
         _BROADCAST_GROUPS[key] = (group, name)
     group, name = _BROADCAST_GROUPS[key]
     n = nbytes = 0
-    for bucket, last in _with_last(iter_buckets(tensors, bucket_bytes)):
-        flat, metas = flatten_bucket(bucket)
-        crc = checksum(flat)
+    for bucket, last in buckets_with_last(tensors, bucket_bytes):
+        flat, metas = flatten_bucket(bucket)  # on the bucket's device: a GPU bucket is packed and sent in place
+        del bucket
+        # the checksum where the bytes are on the host; a GPU bucket is not copied out to hash it (SGLang ignores
+        # the field, and NCCL checks its own transfers)
+        crc = {"checksum": checksum(flat)} if flat.device.type == "cpu" else {}
         if torch.cuda.is_available():  # NCCL broadcasts device memory
             flat = flat.cuda()
         payload = {"names": [m[0] for m in metas], "dtypes": [m[1] for m in metas], "shapes": [m[2] for m in metas],
-                   "group_name": name, "load_format": "flattened_bucket", "checksum": crc,
-                   **_update_fields(last, version)}
+                   "group_name": name, "load_format": "flattened_bucket", **crc, **_update_fields(last, version)}
         with ThreadPoolExecutor(len(engines)) as pool:
             futs = [pool.submit(_post, u, "/update_weights_from_distributed", payload) for u, _ in engines]
             group.broadcast(flat, 0).wait()
@@ -539,18 +574,14 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
 
 
 def _push_disk(tensors, engines, bucket_bytes, config_dir, version):
-    """Write an HF directory (safetensors + the source config/tokenizer files) and point engines at it."""
+    """Write an HF directory (safetensors shards of one bucket each + the source config/tokenizer files) and point
+    engines at it."""
     out = tempfile.mkdtemp(prefix="loongsage_weights_")
     try:
-        if config_dir:
-            for f in os.listdir(config_dir):
-                if f.endswith((".json", ".jinja", ".txt", ".model")) and f != "model.safetensors.index.json":
-                    shutil.copy(os.path.join(config_dir, f), out)
-        state = {name: t.detach().contiguous().cpu() for name, t in tensors}
-        save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        shards, nbytes = convert.save_hf_dir(tensors, out, config_dir or out, shard_bytes=bucket_bytes)
         _each(lambda e: _post(e[0], "/update_weights_from_disk", {
             "model_path": out, **_update_fields(True, version)}), engines)
-        return 1, sum(t.numel() * t.element_size() for t in state.values())
+        return shards, nbytes
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
