@@ -1,14 +1,15 @@
 """TransferMesh: trainer -> rollout engines weight sync, over the fastest path each receiver has.
 
-After each optimizer step, trainer rank 0 holds the full weights in HF names (TP shards gathered by
-trainer.py). The controller pauses the engines in place (`pause_engines`), the trainer calls
-`push_weights`, the controller lets them continue (`continue_engines`): three visible steps in
+After each optimizer step the controller pauses the engines in place (`pause_engines`), the trainer calls
+`push_weights` on rank 0 with a stream of HF-named tensors (trainer.py gathers them over TP/EP/PP one at a time,
+on the device, as the stream is read; no rank holds the whole model), the controller lets them continue (`continue_engines`): three visible steps in
 `train()`, so requests in flight keep their KV cache and resume on the new weights, each token
 recording the version that produced it.
 
 `push_weights` speaks SGLang 0.5.23's weight-update contract (see /work/shared/SGLANG_CONTRACT.md):
 every update sits inside `POST /begin_weight_update {"selector": "all"}` ... `POST /end_weight_update {}`;
-tensors travel in buckets (never one round-trip per parameter) in SGLang's "flattened_bucket" layout;
+tensors travel in buckets (never one round-trip per parameter) in SGLang's "flattened_bucket" layout, each
+bucket cut from the stream as it arrives, sent, and let go before the next is gathered (`buckets_with_last`);
 the last bucket carries `weight_version`, so no separate version call is needed. One persistent HTTP
 connection per engine (a module-level client) serves every call of every sync. The receiver side is
 the CPU engine's own HTTP endpoints (cpu_engine.py), using the helpers at the bottom of this file.
@@ -34,7 +35,8 @@ Transports (chosen per engine by `pick_transport`, or forced with `transfer=` in
 |           |                             | (`/update_weights_from_disk`); slowest, simplest            |
 
 `transfer=` may also name a user's push function by dotted path: `push(tensors, engines, bucket_bytes,
-config_dir, version) -> (buckets, bytes)`, the built-ins' signature, called inside the engines' weight-update
+config_dir, version) -> (buckets, bytes)`, the built-ins' signature (`tensors`: an iterable of (name, tensor) to
+read once, lazily), called inside the engines' weight-update
 session (docs/EXTENDING.md).
 
 The flattened layout is SGLang's: the tensors' bytes back to back in one uint8 buffer, no padding, each
@@ -277,7 +279,9 @@ def _engines(engines) -> list[tuple[str, int]]:
 def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: list, version: int, *,
                  transport: str = "auto", bucket_mb: float = 64, config_dir: str | None = None) -> dict:
     """Send all weights to every engine in buckets inside one weight-update session per engine; the last
-    bucket sets the engines' weight version. `engines`: urls, or (url, tp_size) pairs.
+    bucket sets the engines' weight version. `engines`: urls, or (url, tp_size) pairs. `named_tensors` is read
+    once, lazily: a generator that gathers each tensor when asked (TrainerWorker.hf_weights) is never held whole,
+    only the bucket in hand.
 
     Does not pause: call `pause_engines` before and `continue_engines` after (the controller does, in train()).
     Returns `weights/` metrics: bytes, buckets, seconds and GB/s.
