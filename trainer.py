@@ -12,7 +12,8 @@ because there is no GPU is in cpu.py):
 * the rooms a rank is made of, each a small class used by composition:
   `Parallel` (this rank's place in the TP/DP/PP/EP layout, the metric collectives),
   `Model` (one GPTModel: build, load this rank's shards, `run` = the one micro-batch loop every pass uses,
-  `stream_full` = the full tensors one at a time for the weight sync; the policy, the frozen reference, the critic and teacher.py's skeletons are one each),
+  `stream_full` = the full tensors one at a time for the weight sync; the policy, the frozen reference, the critic
+  and teacher.py's skeletons are one each),
   `Optim` (AdamW, lr, clipping, step count of one trained Model),
   `Critic` (advantage: gae: a Model with a `ValueHead` in place of the LM head, its own Optim);
 * `TrainerWorker`: load, `train_step` (the RL step: old/ref logprobs, advantages, mini-batch policy updates, the
@@ -1162,8 +1163,8 @@ class TrainerWorker:
     and calls every method on all ranks at once; collectives inside pair them up.
 
     Its parts: `par` (this rank in the layout), `policy` (the trained Model) with `optim`, `ref` (the frozen
-    reference, when a KL term needs one), `critic` (advantage: gae). Rank 0 streams the gathered weights to the engines and
-    writes HF files; metrics are identical on every rank (pipeline stages get the last stage's).
+    reference, when a KL term needs one), `critic` (advantage: gae). Rank 0 streams the gathered weights to the
+    engines and writes HF files; metrics are identical on every rank (pipeline stages get the last stage's).
     """
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):

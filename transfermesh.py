@@ -2,9 +2,9 @@
 
 After each optimizer step the controller pauses the engines in place (`pause_engines`), the trainer calls
 `push_weights` on rank 0 with a stream of HF-named tensors (trainer.py gathers them over TP/EP/PP one at a time,
-on the device, as the stream is read; no rank holds the whole model), the controller lets them continue (`continue_engines`): three visible steps in
-`train()`, so requests in flight keep their KV cache and resume on the new weights, each token
-recording the version that produced it.
+on the device, as the stream is read; no rank holds the whole model), the controller lets them continue
+(`continue_engines`): three visible steps in `train()`, so requests in flight keep their KV cache and resume on
+the new weights, each token recording the version that produced it.
 
 `push_weights` speaks SGLang 0.5.23's weight-update contract (see /work/shared/SGLANG_CONTRACT.md):
 every update sits inside `POST /begin_weight_update {"selector": "all"}` ... `POST /end_weight_update {}`;
@@ -36,8 +36,7 @@ Transports (chosen per engine by `pick_transport`, or forced with `transfer=` in
 
 `transfer=` may also name a user's push function by dotted path: `push(tensors, engines, bucket_bytes,
 config_dir, version) -> (buckets, bytes)`, the built-ins' signature (`tensors`: an iterable of (name, tensor) to
-read once, lazily), called inside the engines' weight-update
-session (docs/EXTENDING.md).
+read once, lazily), called inside the engines' weight-update session (docs/EXTENDING.md).
 
 The flattened layout is SGLang's: the tensors' bytes back to back in one uint8 buffer, no padding, each
 tensor's offset a multiple of its dtype's size (`iter_buckets` starts a new bucket rather than misalign one).

@@ -6,13 +6,16 @@ import json
 
 import pytest
 import ray
+import torch
 
+import convert
 import data
 import trainer
+import transfermesh as tm
 from test_trainer import Ranks, _free_port, make_cfg
 from test_transfermesh import _EngineProcess, _engine_logprobs, _hf_logprobs
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = pytest.mark.timeout(1200)
 
 BUCKET_MB = 1.0
 LARGEST_MB = 1.5  # the models' largest gathered tensor: linear_fc1, (2 x 768, 256) fp32
@@ -27,6 +30,44 @@ class _Ranks(Ranks):
             runtime_env={"env_vars": {"MALLOC_MMAP_THRESHOLD_": "65536"}})
         port = _free_port()
         self.workers = [actor.remote(cfg, r, n, "127.0.0.1", port) for r in range(n)]
+
+
+def test_buckets_are_cut_from_a_stream_with_one_tensor_of_lookahead():
+    """`buckets_with_last` hands a bucket on having read only one tensor past it (a gathered stream never has two
+    buckets alive), flags the last bucket once the stream ends, and reads a generator once."""
+    read = []
+
+    def stream():
+        for i in range(7):
+            read.append(i)
+            yield f"w{i}", torch.zeros(256)  # 1 KB each
+
+    seen = []
+    for bucket, last in tm.buckets_with_last(stream(), bucket_bytes=3 * 1024):
+        seen.append(([n for n, _ in bucket], last, len(read)))
+    assert seen == [(["w0", "w1", "w2"], False, 4), (["w3", "w4", "w5"], False, 7), (["w6"], True, 7)]
+
+
+def test_save_hf_dir_writes_shards_as_they_fill_and_transformers_loads_them(tiny_model_dir, tmp_path):
+    """A model written from a generator in shards of 100 KB: several `model-0000i-of-0000n.safetensors` files and
+    their index, equal tensor for tensor to the source, loaded by transformers; a second save into the same
+    directory leaves no shard of the first behind."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    state = load_file(f"{tiny_model_dir}/model.safetensors")
+    out = tmp_path / "hf"
+    convert.save_hf_dir(((n, t) for n, t in state.items()), out, tiny_model_dir, shard_bytes=100 * 1024)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(state) and set(index["weight_map"].values()) == set(shards)
+    loaded = convert.load_hf_state(out)
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[n], t) for n, t in state.items())
+    AutoModelForCausalLM.from_pretrained(str(out))
+    shards, nbytes = convert.save_hf_dir(state.items(), out, tiny_model_dir)  # one shard: the plain single file
+    assert shards == 1 and [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
+    assert not (out / "model.safetensors.index.json").exists()
+    assert nbytes == sum(t.numel() * t.element_size() for t in state.values())
 
 
 def _model(layers: int) -> str:
@@ -61,6 +102,7 @@ def _sync(ranks: _Ranks, path: str, tmp_path) -> list[dict]:
     return stats
 
 
+@pytest.mark.slow
 def test_tp2_sync_streams_and_its_peak_memory_does_not_grow_with_the_model(ray_session, tmp_path):
     """Two models of the same layer shapes, 4 and 8 layers (12.8 and 24.8 MB), synced at TP=2 in 1 MB buckets into
     a CPU engine. Every tensor arrives (`_sync`), in >= model/bucket buckets. The peak extra RSS of trainer rank 0
