@@ -37,7 +37,9 @@ measured back to back in one run is far steadier than an absolute number.
         and 1 GB of fp32 weights into another process that checks the checksums and copies them into its own tensors,
         as GB/s and as a fraction of a memcpy of the same bytes, next to a one-parameter-per-request
         pickle-over-HTTP path; then the fixed cost of a sync (pause -> begin -> update -> end -> continue) into a
-        real CPU engine on the tiny model, and that model's whole sync. Targets: shm >= 0.5x memcpy at >= 100 MB,
+        real CPU engine on the tiny model, that model's whole sync, and the trainer's own sync of it
+        (TrainerWorker.sync_weights in the bench process: gather, HF names, push) with its peak extra resident
+        memory (docs/TRANSFERMESH.md compares it across commits). Targets: shm >= 0.5x memcpy at >= 100 MB,
         >= 10x pickle/HTTP, fixed cost <= 20 ms. `--quick`: 1 and 4 MB (a smoke test).
 
     python bench.py step [--steps 10] [--quick] [--sync-set K=V ...] [--async-set K=V ...]

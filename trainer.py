@@ -762,30 +762,31 @@ class Model:
                 mine.append((self._global_name(name), shape, p.dtype))
             stages = [None] * par.pp_size
             torch.distributed.all_gather_object(stages, mine, group=par.pp_group)
-        with torch.no_grad():
-            for name, p in self.gpt.named_parameters():
-                if ".local_experts." not in name:
-                    t = convert.gather_full(name, p.detach(), par.tp_group if par.tp_size > 1 else None)
-                    yield from self._emit(self._global_name(name), t, sender)
-                    continue
-                t = convert.gather_full(name, p.detach(), etp_group if etp_size > 1 else None)
-                head, rest = name.split(".local_experts.")
-                local_e, tail = rest.split(".", 1)
-                parts = [t]
-                if ep_group is not None:  # EP rank r holds global experts r*n_local .. (r+1)*n_local - 1
-                    parts = [torch.empty_like(t) for _ in range(ep_size)]
-                    torch.distributed.all_gather(parts, t.contiguous(), group=ep_group)
-                for r, part in enumerate(parts):
-                    global_e = r * n_local + int(local_e)
-                    yield from self._emit(self._global_name(f"{head}.local_experts.{global_e}.{tail}"), part, sender)
-                del t, parts
-            if stages is not None and par.rank == 0:  # the later stages' tensors, as their senders send them
-                ranks = torch.distributed.get_process_group_ranks(par.pp_group)
-                for stage in range(1, par.pp_size):
-                    for name, shape, dtype in stages[stage]:
-                        t = torch.empty(shape, dtype=dtype, device=par.device)
-                        torch.distributed.recv(t, src=ranks[stage])
-                        yield name, t
+        # no torch.no_grad() here: a generator suspended inside one would leave grad mode off in its consumer;
+        # every tensor below is detached, so nothing records a graph anyway
+        for name, p in self.gpt.named_parameters():
+            if ".local_experts." not in name:
+                t = convert.gather_full(name, p.detach(), par.tp_group if par.tp_size > 1 else None)
+                yield from self._emit(self._global_name(name), t, sender)
+                continue
+            t = convert.gather_full(name, p.detach(), etp_group if etp_size > 1 else None)
+            head, rest = name.split(".local_experts.")
+            local_e, tail = rest.split(".", 1)
+            parts = [t]
+            if ep_group is not None:  # EP rank r holds global experts r*n_local .. (r+1)*n_local - 1
+                parts = [torch.empty_like(t) for _ in range(ep_size)]
+                torch.distributed.all_gather(parts, t.contiguous(), group=ep_group)
+            for r, part in enumerate(parts):
+                global_e = r * n_local + int(local_e)
+                yield from self._emit(self._global_name(f"{head}.local_experts.{global_e}.{tail}"), part, sender)
+            del t, parts
+        if stages is not None and par.rank == 0:  # the later stages' tensors, as their senders send them
+            ranks = torch.distributed.get_process_group_ranks(par.pp_group)
+            for stage in range(1, par.pp_size):
+                for name, shape, dtype in stages[stage]:
+                    t = torch.empty(shape, dtype=dtype, device=par.device)
+                    torch.distributed.recv(t, src=ranks[stage])
+                    yield name, t
 
     def _emit(self, name: str, t: torch.Tensor, sender: bool):
         """Yield a gathered tensor on rank 0; with PP a later stage's sender sends it to rank 0 instead."""
