@@ -37,7 +37,9 @@ measured back to back in one run is far steadier than an absolute number.
         and 1 GB of fp32 weights into another process that checks the checksums and copies them into its own tensors,
         as GB/s and as a fraction of a memcpy of the same bytes, next to a one-parameter-per-request
         pickle-over-HTTP path; then the fixed cost of a sync (pause -> begin -> update -> end -> continue) into a
-        real CPU engine on the tiny model, and that model's whole sync. Targets: shm >= 0.5x memcpy at >= 100 MB,
+        real CPU engine on the tiny model, that model's whole sync, and the trainer's own sync of it
+        (TrainerWorker.sync_weights in the bench process: gather, HF names, push) with its peak extra resident
+        memory (docs/TRANSFERMESH.md compares it across commits). Targets: shm >= 0.5x memcpy at >= 100 MB,
         >= 10x pickle/HTTP, fixed cost <= 20 ms. `--quick`: 1 and 4 MB (a smoke test).
 
     python bench.py step [--steps 10] [--quick] [--sync-set K=V ...] [--async-set K=V ...]
@@ -503,6 +505,30 @@ def _sync_receiver(conn) -> None:
         conn.send("ok")
 
 
+def _trainer_sync(path: str, url: str, repeats: int) -> tuple[float, int]:
+    """Median seconds of `TrainerWorker.sync_weights` (one rank in this process, shm into the engine at `url`,
+    pause and continue around it as train() does) after a warm-up sync, and the largest extra resident memory of
+    this process during one (its peak RSS minus its RSS before the call)."""
+    import trainer  # Megatron: late (its import takes seconds)
+    cfg = config.load_config(None, [f"model_path={path}", "transfer=shm", "kl_coef=0", "trainer_threads=1"])
+    w = trainer.TrainerWorker(cfg, 0, 1, "127.0.0.1", tm.free_port())
+    try:
+        w.load_hf(path)
+        times, peak = [], 0
+        for v in range(300, 301 + repeats):
+            before = tm.rss_bytes()
+            tm.reset_peak_rss()
+            t0 = time.perf_counter()
+            tm.pause_engines([url])
+            w.sync_weights([url], v)
+            tm.continue_engines([url])
+            times.append(time.perf_counter() - t0)
+            peak = max(peak, tm.peak_rss_bytes() - before) if v > 300 else peak  # the warm-up makes the segment
+        return statistics.median(times[1:]), peak
+    finally:
+        w.shutdown()
+
+
 def bench_sync(args) -> dict:
     """GB/s of each CPU transport (shm, gloo broadcast, disk) into another process, against a memcpy of the same
     bytes and a one-parameter-per-request pickle-over-HTTP path, on 10 MB, 100 MB and 1 GB of fp32 weights (4 MB
@@ -618,6 +644,7 @@ def bench_sync(args) -> dict:
         fixed = statistics.median(sync(one, v) for v in range(2, 2 + args.repeats * 3))
         whole = statistics.median(sync(weights, v) for v in range(100, 100 + args.repeats))
         nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+        trainer_s, trainer_peak = _trainer_sync(path, url, args.repeats)
     finally:
         eproc.terminate()
         eproc.wait(timeout=30)
@@ -625,6 +652,10 @@ def bench_sync(args) -> dict:
     print(f"  fixed cost of a sync into a CPU engine (pause, begin, 1 KB update, end, continue; one connection): "
           f"{fixed * 1e3:.1f} ms (target <= 20 ms)")
     print(f"  whole sync of the tiny model ({nbytes / 1e6:.1f} MB, shm): {whole * 1e3:.1f} ms")
+    result["trainer_sync_s"], result["trainer_peak_extra_mb"] = trainer_s, trainer_peak / 2**20
+    print(f"  the trainer's sync of it (TrainerWorker.sync_weights: gather, HF names, push; same buckets): "
+          f"{trainer_s * 1e3:.1f} ms, {trainer_s / whole:.2f}x the push alone; peak extra RSS of the "
+          f"trainer process {trainer_peak / 2**20:.1f} MB")
     big = max(sizes_mb)
     print(f"  targets: shm >= 0.5x memcpy at >= 100 MB (here {result[big]['shm'] / result[big]['memcpy']:.2f}x at "
           f"{big} MB); shm >= 10x pickle/HTTP (here {result[big]['shm'] / result[big]['pickle_http']:.1f}x)")

@@ -39,6 +39,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,7 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mix
 # Files copied next to the weights by `save_hf_dir` so transformers (and the engines) can load the directory.
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja",
-                 "added_tokens.json")
+                 "added_tokens.json", "tokenizer.model")
 
 # ----------------------------------------------------------------------------------------------
 # HF config -> Megatron TransformerConfig + GPTModel arguments
@@ -555,47 +556,62 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, tor
 
 def megatron_to_hf(meg: dict[str, torch.Tensor], hf: dict) -> list[tuple[str, torch.Tensor]]:
     """HF-named tensors from a full (gathered, TP=1 layout) Megatron state dict; inverse of hf_to_megatron."""
+    return [pair for name, t in meg.items() for pair in megatron_to_hf_tensor(name, t, hf)]
+
+
+def megatron_to_hf_tensor(name: str, t: torch.Tensor, hf: dict) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors one full Megatron tensor (TP=1 layout, local-spec name, global layer number) becomes: one
+    for most, q/k/v for linear_qkv, gate/up for linear_fc1. Views of `t` where the layout allows (a weight sync
+    streams tensor by tensor, so no whole state dict is needed); raises ValueError on a name with no HF counterpart."""
+    top = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+           "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
+    if name in top:
+        return [(top[name], t)]
+    if not name.startswith("decoder.layers."):
+        raise ValueError(f"Megatron tensor {name!r} has no HF counterpart in the conversion")
+    _, _, layer, rest = name.split(".", 3)
+    L, h = int(layer), f"model.layers.{layer}."
     heads, kv, d = _dims(hf)
     q_per_group = heads // kv
-    out = [("model.embed_tokens.weight", meg["embedding.word_embeddings.weight"])]
-    for L in range(hf["num_hidden_layers"]):
-        h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
-        if hf["model_type"] == "deepseek_v3":
-            out += [(h + hn, meg[m + mn]) for hn, mn in _MLA_NAMES if m + mn in meg]
-        else:
-            qkv = meg[m + "self_attention.linear_qkv.weight"]
-            qkv = qkv.view(kv, q_per_group + 2, d, qkv.size(-1))  # (G, Nq/G+2, D, H)
-            out += [(h + "self_attn.q_proj.weight", qkv[:, :q_per_group].reshape(heads * d, -1)),
-                    (h + "self_attn.k_proj.weight", qkv[:, q_per_group].reshape(kv * d, -1)),
-                    (h + "self_attn.v_proj.weight", qkv[:, q_per_group + 1].reshape(kv * d, -1))]
-        if m + "self_attention.linear_qkv.bias" in meg:
-            b = meg[m + "self_attention.linear_qkv.bias"].view(kv, q_per_group + 2, d)  # (G, Nq/G+2, D)
-            out += [(h + "self_attn.q_proj.bias", b[:, :q_per_group].reshape(-1)),
-                    (h + "self_attn.k_proj.bias", b[:, q_per_group].reshape(-1)),
-                    (h + "self_attn.v_proj.bias", b[:, q_per_group + 1].reshape(-1))]
-        out.append((h + "self_attn.o_proj.weight", meg[m + "self_attention.linear_proj.weight"]))
-        if m + "self_attention.q_layernorm.weight" in meg and hf["model_type"] != "deepseek_v3":
-            out += [(h + "self_attn.q_norm.weight", meg[m + "self_attention.q_layernorm.weight"]),
-                    (h + "self_attn.k_norm.weight", meg[m + "self_attention.k_layernorm.weight"])]
-        out += [(h + "input_layernorm.weight", meg[m + "input_layernorm.weight"]),
-                (h + "post_attention_layernorm.weight", meg[m + "pre_mlp_layernorm.weight"])]
-        if _moe_layer(hf, L):
-            out.append((_router_name(hf, L), meg[m + "mlp.router.weight"]))
-            if m + "mlp.router.expert_bias" in meg:
-                out.append((h + "mlp.gate.e_score_correction_bias", meg[m + "mlp.router.expert_bias"]))
-            for e in range(_num_experts(hf)):
-                g, u, dn = _expert_names(hf, L, e)
-                gate, up = meg[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"].chunk(2, 0)
-                out += [(g, gate), (u, up), (dn, meg[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"])]
-        mlp = "mlp.shared_experts." if _moe_layer(hf, L) else "mlp."
-        if m + mlp + "linear_fc1.weight" in meg:
-            gate, up = meg[m + mlp + "linear_fc1.weight"].chunk(2, 0)
-            out += [(h + mlp + "gate_proj.weight", gate), (h + mlp + "up_proj.weight", up),
-                    (h + mlp + "down_proj.weight", meg[m + mlp + "linear_fc2.weight"])]
-    out.append(("model.norm.weight", meg["decoder.final_layernorm.weight"]))
-    if "output_layer.weight" in meg:
-        out.append(("lm_head.weight", meg["output_layer.weight"]))
-    return [(n, t.contiguous()) for n, t in out]
+    if rest == "self_attention.linear_qkv.weight":
+        qkv = t.view(kv, q_per_group + 2, d, t.size(-1))  # (G, Nq/G+2, D, H)
+        return [(h + "self_attn.q_proj.weight", qkv[:, :q_per_group].reshape(heads * d, -1)),
+                (h + "self_attn.k_proj.weight", qkv[:, q_per_group].reshape(kv * d, -1)),
+                (h + "self_attn.v_proj.weight", qkv[:, q_per_group + 1].reshape(kv * d, -1))]
+    if rest == "self_attention.linear_qkv.bias":
+        b = t.view(kv, q_per_group + 2, d)  # (G, Nq/G+2, D)
+        return [(h + "self_attn.q_proj.bias", b[:, :q_per_group].reshape(-1)),
+                (h + "self_attn.k_proj.bias", b[:, q_per_group].reshape(-1)),
+                (h + "self_attn.v_proj.bias", b[:, q_per_group + 1].reshape(-1))]
+    if hf["model_type"] == "deepseek_v3":
+        mla = {mn: hn for hn, mn in _MLA_NAMES}
+        if rest in mla:
+            return [(h + mla[rest], t)]
+    simple = {"self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+              "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+              "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+              "input_layernorm.weight": "input_layernorm.weight",
+              "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+              "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias"}
+    if rest in simple:
+        return [(h + simple[rest], t)]
+    if rest == "mlp.router.weight":
+        return [(_router_name(hf, L), t)]
+    if rest.startswith("mlp.experts.local_experts."):
+        e, tail = rest.removeprefix("mlp.experts.local_experts.").split(".", 1)
+        g, u, dn = _expert_names(hf, L, int(e))
+        if tail == "linear_fc1.weight":
+            gate, up = t.chunk(2, 0)
+            return [(g, gate), (u, up)]
+        if tail == "linear_fc2.weight":
+            return [(dn, t)]
+    for mlp in ("mlp.shared_experts.", "mlp."):  # a MoE layer's shared experts, or a dense layer's MLP
+        if rest == mlp + "linear_fc1.weight":
+            gate, up = t.chunk(2, 0)  # (F, H) each of the (2F, H) [gate; up]
+            return [(h + mlp + "gate_proj.weight", gate), (h + mlp + "up_proj.weight", up)]
+        if rest == mlp + "linear_fc2.weight":
+            return [(h + mlp + "down_proj.weight", t)]
+    raise ValueError(f"Megatron tensor {name!r} has no HF counterpart in the conversion")
 
 
 def tp_split_dim(name: str) -> int | None:
@@ -628,25 +644,60 @@ def shard_for_rank(name: str, full: torch.Tensor, rank: int, size: int) -> torch
 
 
 def gather_full(name: str, local: torch.Tensor, group) -> torch.Tensor:
-    """The full tensor from every TP rank's slice (all ranks of `group` must call this); inverse of shard_for_rank."""
+    """The full tensor from every TP rank's slice (all ranks of `group` must call this); inverse of shard_for_rank.
+    The ranks' slices land in one buffer on the slices' device (one collective, no list of parts for the backend to
+    flatten and copy out again): a split along dim 0 is then the full tensor itself, any other costs one reorder."""
     size = torch.distributed.get_world_size(group) if group is not None else 1
     dim = tp_split_dim(name)
     if dim is None or size == 1:
         return local
-    parts = [torch.empty_like(local) for _ in range(size)]
-    torch.distributed.all_gather(parts, local.contiguous(), group=group)
-    if name.endswith("linear_fc1.weight"):
-        halves = [p.chunk(2, 0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
-    return torch.cat(parts, dim)
+    out = local.new_empty((size * local.size(0), *local.shape[1:]))  # the slices stacked along dim 0, rank order
+    # all_gather_single is torch >= 2.13's name for all_gather_into_tensor (which GPU images may still need)
+    (getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor)(
+        out, local.contiguous(), group=group)
+    if name.endswith("linear_fc1.weight"):  # each slice is [its gate rows; its up rows]: every gate first, then up
+        return out.view(size, 2, -1, *local.shape[1:]).transpose(0, 1).reshape(-1, *local.shape[1:])
+    if dim == 0:
+        return out
+    return out.view(size, *local.shape).movedim(0, dim).reshape(*local.shape[:dim], -1, *local.shape[dim + 1:])
 
 
-def save_hf_dir(named: list[tuple[str, torch.Tensor]], path: str | os.PathLike, source: str | os.PathLike) -> None:
-    """An HF model directory at `path`: `named` (HF names, full tensors) as model.safetensors, and the config and
-    tokenizer files of the HF directory `source` the model was loaded from."""
+def save_hf_dir(named: Iterable[tuple[str, torch.Tensor]], path: str | os.PathLike, source: str | os.PathLike,
+                shard_bytes: int = 5 * 2**30) -> tuple[int, int]:
+    """An HF model directory at `path`: `named` (HF names, full tensors; any iterable, read once) written shard by
+    shard as it arrives, so only one shard is ever held: `model.safetensors` when it fits one shard, else
+    `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`, as transformers writes them; then the
+    config and tokenizer files of the HF directory `source` the model was loaded from. Returns (shards, bytes)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.contiguous() for n, t in named}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)  # a previous save's shards would load beside these
+    shards, weight_map, total = [], {}, 0
+    shard, size = {}, 0
+
+    def flush():
+        shards.append(out / f"model-{len(shards) + 1:05d}.safetensors")
+        save_file(shard, str(shards[-1]), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, len(shards) - 1))
+
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name] = t.detach().contiguous().cpu()
+        size, total = size + nbytes, total + nbytes
+    if shard or not shards:
+        flush()
+    if len(shards) == 1:
+        shards[0].rename(out / "model.safetensors")
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        for f, new in zip(shards, names):
+            f.rename(out / new)
+        index = {"metadata": {"total_size": total}, "weight_map": {n: names[i] for n, i in weight_map.items()}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     for f in HF_SIDE_FILES:
         if (Path(source) / f).exists():
             shutil.copy(Path(source) / f, out / f)
+    return len(shards), total

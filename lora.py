@@ -216,18 +216,20 @@ def gather(gpt, tp_group, keep: bool) -> dict[str, torch.Tensor]:
 # exports: PEFT adapter directory, merged HF weights
 
 
-def merge(named: list[tuple[str, torch.Tensor]], adapters: dict[str, torch.Tensor], scale: float
-          ) -> list[tuple[str, torch.Tensor]]:
-    """HF-named base weights with every adapter folded in: W + scale * B A (computed in fp32, stored in W's dtype)."""
-    out = dict(named)
+def merge(named, adapters: dict[str, torch.Tensor], scale: float):
+    """HF-named base weights (any iterable of (name, tensor), read once) with every adapter folded in, tensor by
+    tensor as they come: W + scale * B A (computed in fp32, stored in W's dtype)."""
+    pairs = {}  # base weight name -> (A, B)
     for name, a in adapters.items():
         m = PEFT_NAME.match(name)
-        if m is None or m.group(4) != "A":
-            continue
-        w = f"model.layers.{m.group(1)}.{m.group(2)}.{m.group(3)}.weight"
-        b = adapters[name.replace(".lora_A.", ".lora_B.")]
-        out[w] = (out[w].float() + scale * (b.float() @ a.float())).to(out[w].dtype)
-    return list(out.items())
+        if m is not None and m.group(4) == "A":
+            pairs[f"model.layers.{m.group(1)}.{m.group(2)}.{m.group(3)}.weight"] = \
+                (a, adapters[name.replace(".lora_A.", ".lora_B.")])
+    for name, w in named:
+        if name in pairs:
+            a, b = pairs[name]
+            w = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+        yield name, w
 
 
 def save_peft(adapters: dict[str, torch.Tensor], config: dict, path: str | Path) -> str:

@@ -12,7 +12,8 @@ because there is no GPU is in cpu.py):
 * the rooms a rank is made of, each a small class used by composition:
   `Parallel` (this rank's place in the TP/DP/PP/EP layout, the metric collectives),
   `Model` (one GPTModel: build, load this rank's shards, `run` = the one micro-batch loop every pass uses,
-  gather back to full tensors; the policy, the frozen reference, the critic and teacher.py's skeletons are one each),
+  `stream_full` = the full tensors one at a time for the weight sync; the policy, the frozen reference, the critic
+  and teacher.py's skeletons are one each),
   `Optim` (AdamW, lr, clipping, step count of one trained Model),
   `Critic` (advantage: gae: a Model with a `ValueHead` in place of the LM head, its own Optim);
 * `TrainerWorker`: load, `train_step` (the RL step: old/ref logprobs, advantages, mini-batch policy updates, the
@@ -634,8 +635,8 @@ class Parallel:
 class Model:
     """One GPTModel on this rank, forward only until `wrap_ddp` makes it trainable: built from a TransformerConfig
     (this pipeline stage's share of it), loaded with this rank's shards of full HF-converted weights (`load`), run
-    over micro-batches (`run`, the one micro-batch loop every pass uses), gathered back into full tensors
-    (`gather`). The policy, the frozen reference, the critic and every teacher skeleton are one each."""
+    over micro-batches (`run`, the one micro-batch loop every pass uses), streamed back as full tensors one at a
+    time (`stream_full`). The policy, the frozen reference, the critic and every teacher skeleton are one each."""
 
     def __init__(self, par: Parallel, tcfg, model_kwargs: dict, micro_batch_size: int, fp32_lm_head: bool = False,
                  replay: bool = True):
@@ -731,50 +732,73 @@ class Model:
         if missing:
             raise KeyError(f"no HF weight for Megatron parameter(s) {sorted(missing)}")
 
-    def gather(self) -> dict[str, torch.Tensor] | None:
-        """The full Megatron state (TP=1 layout, every expert, every stage's layers, named as in the whole model) as
-        CPU tensors on global rank 0, None elsewhere. Every rank must call it: TP shards are all-gathered within
-        each TP group (only data-parallel replica 0's result is kept); with expert parallelism each rank holds
-        num_experts / EP experts, so expert tensors are first gathered within the expert-tensor-parallel group, then
-        all-gathered across the expert-parallel group (whose ranks are different data-parallel replicas of the
-        dense layers, so then every rank takes part). With pipeline parallelism each stage's TP rank 0 gathers its
-        layers and the stages' tensors meet on rank 0 (the first stage's) through the pipeline group."""
+    def stream_full(self):
+        """The full Megatron tensors (TP=1 layout, every expert, every stage's layers, named as in the whole model),
+        one at a time, on global rank 0's device; nothing is yielded elsewhere. A generator every rank must drain at
+        once: the collectives inside pair them up, tensor by tensor, so at most the tensors a consumer keeps (a
+        weight-sync bucket) are alive; no rank ever holds the whole model.
+
+        TP shards are all-gathered within each TP group on the device (data-parallel replica 0's result is the one
+        sent). With expert parallelism each rank holds num_experts / EP experts: expert tensors are first gathered
+        within the expert-tensor-parallel group, then all-gathered across the expert-parallel group (whose ranks
+        are different data-parallel replicas of the dense layers, so then every rank takes part). With pipeline
+        parallelism each stage's TP rank 0 of replica 0 sends its gathered tensors to rank 0 point to point, stage
+        after stage, in an order both sides know from one exchange of names, shapes and dtypes."""
         from megatron.core import parallel_state  # Megatron: late
         par = self.par
-        ep_rank, ep_size, _, etp_size = par.experts(self.tcfg.num_moe_experts)
-        keep = par.rank == 0 if par.pp_size == 1 else par.tp_rank == 0  # dp_rank is 0 from here on
+        _, ep_size, _, etp_size = par.experts(self.tcfg.num_moe_experts)
         if (par.dp_rank != 0 or par.cp_rank != 0) and ep_size == 1:  # another replica (or CP rank): same weights
-            return None
-        full = {}
+            return
+        sender = par.tp_rank == 0  # with PP: this stage's rank in rank 0's pipeline (dp_rank, cp_rank are 0 here)
         etp_group = parallel_state.get_expert_tensor_parallel_group() if self.tcfg.num_moe_experts else None
         ep_group = parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None
         n_local = (self.tcfg.num_moe_experts or 0) // ep_size
-        with torch.no_grad():
-            for name, p in self.gpt.named_parameters():
-                if lora.is_adapter(name):  # LoRA: the adapters travel on their own (lora.gather)
+        stages = None  # PP: per stage, [(name, shape, dtype)] of what its sender sends, in order
+        if par.pp_size > 1 and sender:
+            mine = []
+            for name, p in self.gpt.named_parameters():  # full shapes: TP-split dims times the (expert-)TP size
+                if lora.is_adapter(name):
                     continue
-                if ".local_experts." not in name:
-                    t = convert.gather_full(name, p.detach(), par.tp_group if par.tp_size > 1 else None)
-                    if keep:
-                        full[self._global_name(name)] = t.cpu()
-                    continue
-                t = convert.gather_full(name, p.detach(), etp_group if etp_size > 1 else None)
-                head, rest = name.split(".local_experts.")
-                local_e, tail = rest.split(".", 1)
-                parts = [t]
-                if ep_group is not None:  # EP rank r holds global experts r*n_local .. (r+1)*n_local - 1
-                    parts = [torch.empty_like(t) for _ in range(ep_size)]
-                    torch.distributed.all_gather(parts, t.contiguous(), group=ep_group)
-                if keep:
-                    for r, part in enumerate(parts):
-                        global_e = r * n_local + int(local_e)
-                        full[self._global_name(f"{head}.local_experts.{global_e}.{tail}")] = part.cpu()
-        if par.pp_size > 1:  # every stage of this TP rank's pipeline sends its layers; rank 0 merges them
+                shape, dim = list(p.shape), convert.tp_split_dim(name)
+                if dim is not None:  # (EP with PP is refused by Parallel: one global expert per local one here)
+                    shape[dim] *= etp_size if ".local_experts." in name else par.tp_size
+                mine.append((self._global_name(name), shape, p.dtype))
             stages = [None] * par.pp_size
-            torch.distributed.all_gather_object(stages, full, group=par.pp_group)
-            full = {k: v for stage in stages for k, v in stage.items()}
-            keep = par.rank == 0
-        return full if keep else None
+            torch.distributed.all_gather_object(stages, mine, group=par.pp_group)
+        # no torch.no_grad() here: a generator suspended inside one would leave grad mode off in its consumer;
+        # every tensor below is detached, so nothing records a graph anyway
+        for name, p in self.gpt.named_parameters():
+            if lora.is_adapter(name):  # LoRA: the adapters travel on their own (lora.gather)
+                continue
+            if ".local_experts." not in name:
+                t = convert.gather_full(name, p.detach(), par.tp_group if par.tp_size > 1 else None)
+                yield from self._emit(self._global_name(name), t, sender)
+                continue
+            t = convert.gather_full(name, p.detach(), etp_group if etp_size > 1 else None)
+            head, rest = name.split(".local_experts.")
+            local_e, tail = rest.split(".", 1)
+            parts = [t]
+            if ep_group is not None:  # EP rank r holds global experts r*n_local .. (r+1)*n_local - 1
+                parts = [torch.empty_like(t) for _ in range(ep_size)]
+                torch.distributed.all_gather(parts, t.contiguous(), group=ep_group)
+            for r, part in enumerate(parts):
+                global_e = r * n_local + int(local_e)
+                yield from self._emit(self._global_name(f"{head}.local_experts.{global_e}.{tail}"), part, sender)
+            del t, parts
+        if stages is not None and par.rank == 0:  # the later stages' tensors, as their senders send them
+            ranks = torch.distributed.get_process_group_ranks(par.pp_group)
+            for stage in range(1, par.pp_size):
+                for name, shape, dtype in stages[stage]:
+                    t = torch.empty(shape, dtype=dtype, device=par.device)
+                    torch.distributed.recv(t, src=ranks[stage])
+                    yield name, t
+
+    def _emit(self, name: str, t: torch.Tensor, sender: bool):
+        """Yield a gathered tensor on rank 0; with PP a later stage's sender sends it to rank 0 instead."""
+        if self.par.rank == 0:
+            yield name, t
+        elif self.par.pp_size > 1 and sender:
+            torch.distributed.send(t.contiguous(), dst=0)
 
     # --- forward ------------------------------------------------------------------------------------------
 
@@ -1147,8 +1171,8 @@ class TrainerWorker:
     and calls every method on all ranks at once; collectives inside pair them up.
 
     Its parts: `par` (this rank in the layout), `policy` (the trained Model) with `optim`, `ref` (the frozen
-    reference, when a KL term needs one), `critic` (advantage: gae). Rank 0 returns the gathered weights and writes
-    HF files; metrics are identical on every rank (pipeline stages get the last stage's).
+    reference, when a KL term needs one), `critic` (advantage: gae). Rank 0 streams the gathered weights to the
+    engines and writes HF files; metrics are identical on every rank (pipeline stages get the last stage's).
 
     LoRA (cfg.lora_rank > 0, lora.py): the policy's (and the critic's) base weights are frozen and only the adapters
     are in the optimizer; the reference is the policy with its adapters off (no second model); a weight sync sends
@@ -1488,12 +1512,17 @@ class TrainerWorker:
 
     # --- weights out --------------------------------------------------------------------------------
 
-    def export_hf_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """HF-named full tensors (CPU) on rank 0, [] elsewhere. Every rank must call it (Model.gather). With LoRA:
-        the frozen base (the adapters are `export_adapters`)."""
+    def hf_weights(self):
+        """HF-named full tensors on rank 0's device, one Megatron tensor's worth at a time (Model.stream_full, renamed
+        by convert.megatron_to_hf_tensor); nothing is yielded elsewhere. Every rank must drain it at once."""
         self.onload(["weights"])  # colocated: a re-created engine may need them while they are offloaded
-        full = self.policy.gather()
-        return convert.megatron_to_hf(full, self.hf_config) if full is not None else []
+        for name, t in self.policy.stream_full():
+            yield from convert.megatron_to_hf_tensor(name, t, self.hf_config)
+
+    def export_hf_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Every HF-named tensor (CPU) in one list on rank 0, [] elsewhere: for tests and tools that compare whole
+        models; the weight sync and save_hf stream instead (`hf_weights`). Every rank must call it."""
+        return [(name, t.detach().cpu().clone()) for name, t in self.hf_weights()]
 
     def export_adapters(self) -> dict[str, torch.Tensor]:
         """LoRA: every adapter matrix, full (TP shards gathered), by its PEFT name, on rank 0; {} elsewhere and
@@ -1504,42 +1533,60 @@ class TrainerWorker:
         return lora.gather(self.policy.gpt, self.par.tp_group if self.par.tp_size > 1 else None, self.par.rank == 0)
 
     def sync_weights(self, engine_urls: list[str], version: int, base: bool = False) -> dict:
-        """Push the current weights to the rollout engines as `version` (rank 0 sends; the others join the gather).
-        With LoRA only the adapters travel, as the engines' adapter lora.adapter_name(version); `base` also sends
-        the frozen base weights first (the engines started from another checkpoint: a warm start, a resume).
-        Returns `weights/` metrics; with LoRA also weights/full_bytes, what a full sync would have moved."""
-        named = self.export_hf_weights() if base or not self.lora else []
+        """Push the current weights to the rollout engines as `version`, bucket by bucket as they are gathered (rank
+        0 sends; the others take part in each bucket's gather). With LoRA only the adapters travel, as the engines'
+        adapter lora.adapter_name(version); `base` also sends the frozen base weights first (the engines started
+        from another checkpoint: a warm start, a resume). Returns rank 0's `weights/` metrics, with the peak extra
+        resident memory of the sync in this process (`weights/peak_extra_mb`: about a bucket plus twice the largest
+        gathered tensor, never the model); with LoRA also weights/full_bytes, what a full sync would move."""
+        full = base or not self.lora
+        stream = self.hf_weights() if full else iter(())
         adapters = self.export_adapters()
         if self.par.rank != 0:
+            for _ in stream:  # the collectives of every tensor's gather
+                pass
             return {}
         # SGLang engines run with tensor parallel size tp_size (cfg.gpus_per_engine unless cfg.sglang sets it);
         # the CPU engine is one rank
         sglang = self.cfg.engine == "sglang" or (self.cfg.engine == "auto" and torch.cuda.is_available())
         tp = int((self.cfg.sglang or {}).get("tp_size") or self.cfg.gpus_per_engine) if sglang else 1
         engines = [(u, tp) for u in engine_urls]
-        stats = transfermesh.push_weights(named, engines, version, transport=self.cfg.transfer,
-                                          bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path) if named else {}
-        if self.lora:  # LORA: the adapters alone, loaded as a new adapter of the engines (SGLang's LoRA endpoints)
+        before = transfermesh.rss_bytes()  # freed heap the process keeps is reused first: that costs the node nothing
+        transfermesh.reset_peak_rss()
+        stats = {}
+        try:
+            if full:
+                stats = transfermesh.push_weights(stream, engines, version, transport=self.cfg.transfer,
+                                                  bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path)
+        finally:
+            for _ in stream:  # a failed push: the other ranks still wait in the remaining gathers
+                pass
+        if self.lora:  # LoRA: the adapters alone, loaded as a new adapter of the engines (SGLang's LoRA endpoints)
             sent = transfermesh.push_adapter(adapters, self.lora, engines, version, lora.adapter_name(version),
                                              transport=self.cfg.transfer)
             for key in ("weights/bytes", "weights/buckets", "weights/seconds"):  # + the base, when it went too
                 sent[key] += stats.get(key, 0)
             sent["weights/gbps"] = sent["weights/bytes"] / max(sent["weights/seconds"], 1e-9) / 1e9
             stats = {**sent, "weights/full_bytes": self.full_bytes}
+        stats["weights/peak_extra_mb"] = max(transfermesh.peak_rss_bytes() - before, 0) / 2**20
         return stats
 
-    def save_hf(self, path: str, adapter_path: str | None = None) -> str:
-        """Write an HF model directory (safetensors + the source dir's config and tokenizer files). With LoRA the
-        adapters are merged into it (W + scale B A), and `adapter_path` gets them as a PEFT adapter directory on
-        the base this run started from (lora.save_peft)."""
-        named = self.export_hf_weights()
+    def save_hf(self, path: str, adapter_path: str | None = None, shard_mb: float = 5 * 1024) -> str:
+        """Write an HF model directory (safetensors shards of at most `shard_mb` each, unless one tensor is larger,
+        and the source dir's config and tokenizer files), shard by shard as the weights are gathered: rank 0 holds
+        one shard at a time. With LoRA the adapters are merged in tensor by tensor (W + scale B A), and
+        `adapter_path` gets them as a PEFT adapter directory on the base this run started from (lora.save_peft)."""
         adapters = self.export_adapters()
+        stream = self.hf_weights()
         if self.par.rank == 0:
+            named = stream
             if adapters:
-                named = lora.merge(named, adapters, float(self.cfg.lora_alpha) / int(self.cfg.lora_rank))
+                named = lora.merge(stream, adapters, float(self.cfg.lora_alpha) / int(self.cfg.lora_rank))
                 if adapter_path:
                     lora.save_peft(adapters, self.lora, adapter_path)
-            convert.save_hf_dir(named, path, self.hf_path)
+            convert.save_hf_dir(named, path, self.hf_path, shard_bytes=int(shard_mb * 2**20))
+        for _ in stream:
+            pass
         torch.distributed.barrier()
         return str(path)
 

@@ -1,14 +1,15 @@
 """TransferMesh: trainer -> rollout engines weight sync, over the fastest path each receiver has.
 
-After each optimizer step, trainer rank 0 holds the full weights in HF names (TP shards gathered by
-trainer.py). The controller pauses the engines in place (`pause_engines`), the trainer calls
-`push_weights`, the controller lets them continue (`continue_engines`): three visible steps in
-`train()`, so requests in flight keep their KV cache and resume on the new weights, each token
-recording the version that produced it.
+After each optimizer step the controller pauses the engines in place (`pause_engines`), the trainer calls
+`push_weights` on rank 0 with a stream of HF-named tensors (trainer.py gathers them over TP/EP/PP one at a time,
+on the device, as the stream is read; no rank holds the whole model), the controller lets them continue
+(`continue_engines`): three visible steps in `train()`, so requests in flight keep their KV cache and resume on
+the new weights, each token recording the version that produced it.
 
 `push_weights` speaks SGLang 0.5.23's weight-update contract (see /work/shared/SGLANG_CONTRACT.md):
 every update sits inside `POST /begin_weight_update {"selector": "all"}` ... `POST /end_weight_update {}`;
-tensors travel in buckets (never one round-trip per parameter) in SGLang's "flattened_bucket" layout;
+tensors travel in buckets (never one round-trip per parameter) in SGLang's "flattened_bucket" layout, each
+bucket cut from the stream as it arrives, sent, and let go before the next is gathered (`buckets_with_last`);
 the last bucket carries `weight_version`, so no separate version call is needed. One persistent HTTP
 connection per engine (a module-level client) serves every call of every sync. The receiver side is
 the CPU engine's own HTTP endpoints (cpu_engine.py), using the helpers at the bottom of this file.
@@ -34,8 +35,8 @@ Transports (chosen per engine by `pick_transport`, or forced with `transfer=` in
 |           |                             | (`/update_weights_from_disk`); slowest, simplest            |
 
 `transfer=` may also name a user's push function by dotted path: `push(tensors, engines, bucket_bytes,
-config_dir, version) -> (buckets, bytes)`, the built-ins' signature, called inside the engines' weight-update
-session (docs/EXTENDING.md).
+config_dir, version) -> (buckets, bytes)`, the built-ins' signature (`tensors`: an iterable of (name, tensor) to
+read once, lazily), called inside the engines' weight-update session (docs/EXTENDING.md).
 
 The flattened layout is SGLang's: the tensors' bytes back to back in one uint8 buffer, no padding, each
 tensor's offset a multiple of its dtype's size (`iter_buckets` starts a new bucket rather than misalign one).
@@ -64,8 +65,10 @@ import ctypes
 import ctypes.util
 import hashlib
 import io
+import itertools
 import os
 import pickle
+import queue
 import shutil
 import socket
 import tempfile
@@ -82,10 +85,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
-from safetensors.torch import save_file
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
 from torch.multiprocessing import reductions  # importing it also registers torch's tensor reducers with ForkingPickler
 
+import convert
 import data
 import lora
 
@@ -106,16 +109,24 @@ def _nbytes(dtype: torch.dtype, shape) -> int:
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int):
     """Group tensors into buckets of at most `bucket_bytes` (a larger tensor travels alone). A tensor whose
     offset in the packed layout would not be a multiple of its dtype's size starts a new bucket."""
+    for bucket, _ in buckets_with_last(named_tensors, bucket_bytes):
+        yield bucket
+
+
+def buckets_with_last(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int):
+    """(bucket, is_last) pairs of `iter_buckets`, reading `named_tensors` lazily: a bucket is handed on as soon as
+    the next tensor does not fit, so besides the bucket only that one tensor has been read (a stream gathered
+    tensor by tensor never has two buckets alive here); the last is known when the stream ends."""
     bucket, size = [], 0
     for name, t in named_tensors:
         nbytes = t.numel() * t.element_size()
         if bucket and (size + nbytes > bucket_bytes or size % t.element_size()):
-            yield bucket
+            yield bucket, False
             bucket, size = [], 0
         bucket.append((name, t))
         size += nbytes
     if bucket:
-        yield bucket
+        yield bucket, True
 
 
 def packed_layout(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> tuple[list[list], int]:
@@ -143,7 +154,8 @@ def bucket_layout(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list[list], i
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None):
     """Copy a bucket into one flat uint8 tensor (`out` if given, e.g. a view of shared memory)."""
     metas, total = bucket_layout(bucket)
-    flat = out if out is not None else torch.empty(total, dtype=torch.uint8)
+    device = bucket[0][1].device if bucket else None  # on the tensors' device: a GPU bucket never visits the host
+    flat = out if out is not None else torch.empty(total, dtype=torch.uint8, device=device)
     for (_, t), (_, _, _, off) in zip(bucket, metas):
         src = t.detach().contiguous().view(-1).view(torch.uint8)  # (nbytes,) raw bytes of the tensor
         flat[off:off + src.numel()].copy_(src)
@@ -286,7 +298,9 @@ def _engines(engines) -> list[tuple[str, int]]:
 def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: list, version: int, *,
                  transport: str = "auto", bucket_mb: float = 64, config_dir: str | None = None) -> dict:
     """Send all weights to every engine in buckets inside one weight-update session per engine; the last
-    bucket sets the engines' weight version. `engines`: urls, or (url, tp_size) pairs.
+    bucket sets the engines' weight version. `engines`: urls, or (url, tp_size) pairs. `named_tensors` is read
+    once, lazily: a generator that gathers each tensor when asked (TrainerWorker.hf_weights) is never held whole,
+    only the bucket in hand.
 
     Does not pause: call `pause_engines` before and `continue_engines` after (the controller does, in train()).
     Returns `weights/` metrics: bytes, buckets, seconds and GB/s.
@@ -297,20 +311,23 @@ def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: lis
     groups: dict[str, list[tuple[str, int]]] = {}
     for url, tp in engines:
         groups.setdefault(pick_transport(url, transport), []).append((url, tp))
+    # EXT: a dotted path names a user's push function with the built-ins' signature, called inside the engines'
+    # weight-update session; it returns (buckets sent, bytes sent)
+    pushes = [({"shm": _push_shm, "cuda_ipc": _push_cuda_ipc, "broadcast": _push_broadcast,
+                "disk": _push_disk}.get(kind) or data.import_object(kind), group) for kind, group in groups.items()]
     stats = {"weights/version": version, "weights/buckets": 0, "weights/bytes": 0}
-    tensors = list(named_tensors)  # rank 0 holds them anyway; several transports may read them
     urls = [u for u, _ in engines]
     _each(lambda u: _post(u, "/begin_weight_update", {"selector": "all"}), urls)
     try:
-        for kind, group in groups.items():
-            # EXT: a dotted path names a user's push function with the built-ins' signature, called inside the
-            # engines' weight-update session; it returns (buckets sent, bytes sent)
-            push = {"shm": _push_shm, "cuda_ipc": _push_cuda_ipc, "broadcast": _push_broadcast,
-                    "disk": _push_disk}.get(kind) or data.import_object(kind)
-            n, nbytes = push(tensors, group, bucket_bytes, config_dir, str(version))
+        if len(pushes) == 1:  # the usual case: the push reads the stream itself
+            (push, group), = pushes
+            sent = [push(named_tensors, group, bucket_bytes, config_dir, str(version))]
+        else:
+            sent = _fan_out(named_tensors, pushes, bucket_bytes, config_dir, str(version))
+        for n, nbytes in sent:
             stats["weights/buckets"] += n
             stats["weights/bytes"] += nbytes
-        if not tensors:  # nothing carried the version: set it directly
+        if not stats["weights/buckets"]:  # nothing carried the version: set it directly
             # abort_all_requests defaults to true in SGLang: requests in flight must survive the update
             _each(lambda u: _post(u, "/update_weight_version", {"new_version": str(version),
                                                                  "abort_all_requests": False}), urls)
@@ -383,6 +400,31 @@ def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list,
             "weights/gbps": nbytes / max(seconds, 1e-9) / 1e9}
 
 
+def _fan_out(named_tensors, pushes, bucket_bytes, config_dir, version) -> list[tuple[int, int]]:
+    """Engines on several transports: each push reads the one stream in a thread of its own, every tensor handed to
+    all of them before the next is read (a queue of one each), so the stream is read once and never held whole;
+    each push holds at most its own bucket."""
+    end = object()
+    queues = [queue.Queue(maxsize=1) for _ in pushes]
+
+    def feed(q):
+        while (item := q.get()) is not end:
+            yield item
+
+    with ThreadPoolExecutor(len(pushes), thread_name_prefix="push") as pool:
+        futs = [pool.submit(push, feed(q), group, bucket_bytes, config_dir, version)
+                for (push, group), q in zip(pushes, queues)]
+        for item in itertools.chain(named_tensors, [end]):
+            for q, fut in zip(queues, futs):
+                while not fut.done():  # a push that failed reads no more: its error surfaces below
+                    try:
+                        q.put(item, timeout=1)
+                        break
+                    except queue.Full:
+                        pass
+        return [f.result() for f in futs]
+
+
 def _update_fields(last: bool, version: str) -> dict:
     """Fields every update request carries: no cache flush (requests are running, paused in place), no abort,
     and the new version on the last bucket only (SGLang sets it when that request succeeds)."""
@@ -390,19 +432,6 @@ def _update_fields(last: bool, version: str) -> dict:
     if last:
         fields["weight_version"] = version
     return fields
-
-
-def _with_last(iterable):
-    """(item, is_last) pairs."""
-    it = iter(iterable)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield prev, False
-        prev = item
-    yield prev, True
 
 
 _SEGMENT: list = []  # [uint8 tensor in shared memory, numpy view of it]: one segment of two halves, every sync
@@ -426,7 +455,8 @@ def _file_system_sharing():
 def reserve_shm(nbytes: int) -> None:
     """Make this process's segment hold two buckets of `nbytes` (a new segment if it is smaller). The old segment
     lives on while a receiver still maps it (torch counts the mappings and removes the file after the last one):
-    `_push_shm` reserves for the sync's largest bucket before sending any, so one sync writes into one segment."""
+    `_push_shm` reserves two full buckets at its first, so a sync writes into one segment unless a single tensor is
+    larger than a bucket."""
     half = -(-max(nbytes, 1) // 4096) * 4096  # whole pages: the second half starts aligned for any dtype's view
     if not _SEGMENT or _SEGMENT[0].numel() < 2 * half:
         _SEGMENT.clear()
@@ -503,15 +533,18 @@ def release_shm() -> None:
 
 def _push_shm(tensors, engines, bucket_bytes, config_dir, version):
     """Each bucket written once into shared memory, read by every local engine. The two halves of the segment
-    alternate: bucket i+1 is written while the engines copy bucket i out (one update request in flight at a time,
-    so the buckets load in order and the version-carrying last one loads last)."""
-    buckets = list(iter_buckets(tensors, bucket_bytes))
-    reserve_shm(max((bucket_layout(b)[1] for b in buckets), default=0))
+    alternate: bucket i+1 is gathered and written while the engines copy bucket i out (one update request in flight
+    at a time, so the buckets load in order and the version-carrying last one loads last). A bucket's tensors are
+    let go once written, so the sender holds the segment, the bucket being written and nothing else."""
     n = nbytes = 0
     pending = None
     with ThreadPoolExecutor(1, thread_name_prefix="shm-update") as pool:
-        for bucket, last in _with_last(buckets):
+        for bucket, last in buckets_with_last(tensors, bucket_bytes):
+            if n == 0:  # halves of a full bucket (unless this one is all there is): later buckets fit them
+                reserve_shm(max(bucket_layout(bucket)[1], 0 if last else bucket_bytes))
+            # a tensor larger than a bucket grows the segment; the pending request keeps the old one mapped
             flat, metas, sums = write_shm_bucket(bucket, half=n % 2)
+            del bucket
             # checksum: a LoongSage field (SGLang ignores unknown fields); the CPU engine verifies it before loading
             body = {"load_format": "flattened_bucket", "checksum": sums, **_update_fields(last, version)}
             if pending is not None:
@@ -561,8 +594,11 @@ def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]] | dict[str, torch.T
 
 
 def _push_cuda_ipc(tensors, engines, bucket_bytes, config_dir, version):
+    """Each bucket's tensors shared by CUDA IPC handle where they lie (the trainer's gathered tensors are already
+    on its GPU: no host copy); every engine TP rank maps them and copies into its weights before its request
+    returns, then the bucket is freed and the next gathered."""
     n = nbytes = 0
-    for bucket, last in _with_last(iter_buckets(tensors, bucket_bytes)):
+    for bucket, last in buckets_with_last(tensors, bucket_bytes):
         bucket = [(name, t.detach().cuda().contiguous()) for name, t in bucket]
         fields = _update_fields(last, version)
         _each(lambda e: _post(e[0], "/update_weights_from_tensor", {
@@ -605,14 +641,16 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
         _BROADCAST_GROUPS[key] = (group, name)
     group, name = _BROADCAST_GROUPS[key]
     n = nbytes = 0
-    for bucket, last in _with_last(iter_buckets(tensors, bucket_bytes)):
-        flat, metas = flatten_bucket(bucket)
-        crc = checksum(flat)
+    for bucket, last in buckets_with_last(tensors, bucket_bytes):
+        flat, metas = flatten_bucket(bucket)  # on the bucket's device: a GPU bucket is packed and sent in place
+        del bucket
+        # the checksum where the bytes are on the host; a GPU bucket is not copied out to hash it (SGLang ignores
+        # the field, and NCCL checks its own transfers)
+        crc = {"checksum": checksum(flat)} if flat.device.type == "cpu" else {}
         if torch.cuda.is_available():  # NCCL broadcasts device memory
             flat = flat.cuda()
         payload = {"names": [m[0] for m in metas], "dtypes": [m[1] for m in metas], "shapes": [m[2] for m in metas],
-                   "group_name": name, "load_format": "flattened_bucket", "checksum": crc,
-                   **_update_fields(last, version)}
+                   "group_name": name, "load_format": "flattened_bucket", **crc, **_update_fields(last, version)}
         with ThreadPoolExecutor(len(engines)) as pool:
             futs = [pool.submit(_post, u, "/update_weights_from_distributed", payload) for u, _ in engines]
             group.broadcast(flat, 0).wait()
@@ -622,18 +660,14 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
 
 
 def _push_disk(tensors, engines, bucket_bytes, config_dir, version):
-    """Write an HF directory (safetensors + the source config/tokenizer files) and point engines at it."""
+    """Write an HF directory (safetensors shards of one bucket each + the source config/tokenizer files) and point
+    engines at it."""
     out = tempfile.mkdtemp(prefix="loongsage_weights_")
     try:
-        if config_dir:
-            for f in os.listdir(config_dir):
-                if f.endswith((".json", ".jinja", ".txt", ".model")) and f != "model.safetensors.index.json":
-                    shutil.copy(os.path.join(config_dir, f), out)
-        state = {name: t.detach().contiguous().cpu() for name, t in tensors}
-        save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        shards, nbytes = convert.save_hf_dir(tensors, out, config_dir or out, shard_bytes=bucket_bytes)
         _each(lambda e: _post(e[0], "/update_weights_from_disk", {
             "model_path": out, **_update_fields(True, version)}), engines)
-        return 1, sum(t.numel() * t.element_size() for t in state.values())
+        return shards, nbytes
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -654,6 +688,26 @@ def rss_bytes() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
+        return 0
+
+
+def reset_peak_rss() -> None:
+    """Start this process's peak resident memory (VmHWM) afresh from its current RSS: Linux resets it when 5 is
+    written to /proc/self/clear_refs (no-op where that file is not writable)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM) since it started or since `reset_peak_rss`; 0 where unknown.
+    The kernel updates it at every page fault that grows RSS, so no sampling can miss a short peak."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, ValueError, StopIteration):
         return 0
 
 
