@@ -379,6 +379,7 @@ def bench_async(args) -> dict:
             (where / name).write_text(text)
     out = Path(tempfile.mkdtemp(prefix="loongsage_bench_async_"))
     args.steps, args.prompts = args.steps or 24, args.prompts or 16
+    args.stale_steps = 1.0 if args.stale_steps is None else args.stale_steps
     common = [f"num_steps={args.steps}", f"prompts_per_step={args.prompts}", "samples_per_prompt=8",
               f"global_batch_size={args.prompts * 8}", f"micro_batch_size={args.prompts * 4}", "max_new_tokens=64",
               f"dataset={where / 'train.jsonl'}", f"eval_dataset={where / 'eval.jsonl'}", "eval_samples=4",
@@ -421,14 +422,15 @@ def bench_async(args) -> dict:
 
 
 def tool_waits(rollouts: Path) -> dict:
-    """From a run's dumped rollouts (trajectories with their timings): the mean seconds a trajectory spent in
-    generation (generate_s: the engine's work and its queue) and everywhere else (total_s - generate_s - reward_s:
-    the agent waiting on its tool, and the router), and the slowest trajectory."""
+    """From a run's dumped rollouts (the trained trajectories, with their timings): the mean seconds a trajectory
+    spent in generation (generate_s: the engine's work and its queue), waiting on the checker (what the retry agent
+    reports) and elsewhere (the agent and the router's own work, and their event loop's queue), and the slowest."""
     trajs = [json.loads(line) for f in sorted(rollouts.glob("step_*.jsonl")) for line in open(f)]
+    total = [t["timings"]["total_s"] for t in trajs]
     gen = [t["timings"]["generate_s"] for t in trajs]
-    rest = [t["timings"]["total_s"] - t["timings"]["generate_s"] - t["timings"].get("reward_s", 0.0) for t in trajs]
-    return {"generate_s": statistics.mean(gen), "tool_s": statistics.mean(rest),
-            "slowest_s": max(t["timings"]["total_s"] for t in trajs)}
+    tool = [(t["metadata"].get("agent_result") or {}).get("tool_s", 0.0) for t in trajs]
+    return {"total_s": statistics.mean(total), "generate_s": statistics.mean(gen), "tool_s": statistics.mean(tool),
+            "rest_s": statistics.mean(total) - statistics.mean(gen) - statistics.mean(tool), "slowest_s": max(total)}
 
 
 def bench_agentic(args) -> dict:
@@ -454,12 +456,16 @@ def bench_agentic(args) -> dict:
         (where / name).write_text("\n".join(json.dumps({**s, "tool_latency": latency})
                                              for s in data.load_dataset(spec)))
     out = Path(tempfile.mkdtemp(prefix="loongsage_bench_agentic_"))
-    args.steps, args.prompts = args.steps or 20, args.prompts or 8
+    args.steps, args.prompts = args.steps or 16, args.prompts or 8
+    args.stale_steps = 2.0 if args.stale_steps is None else args.stale_steps
     common = [f"num_steps={args.steps}", f"prompts_per_step={args.prompts}", "samples_per_prompt=8",
               f"global_batch_size={args.prompts * 8}", f"micro_batch_size={args.prompts * 8}",
               "agent=recipes.retry.agent", "max_turns=2", "agent_timeout=120",
               f"dataset={where / 'train.jsonl'}", f"eval_dataset={where / 'eval.jsonl'}",
-              f"eval_every={args.steps}", "print_every=0", "save_every=0", "max_version_lag=2",
+              # greedy eval: a function of the weights alone, so the two modes' evals differ by what they learned,
+              # not by sampling noise (0.03 for 512 sampled answers); 128 trajectories, not 512, per eval
+              "eval_temperature=0", "eval_samples=1", f"eval_every={args.steps}", "print_every=0", "save_every=0",
+              "max_version_lag=2",
               "is_correction=token"]  # both modes: the IS weight corrects async's lag (and is ~1 in sync)
     if args.warmstart_steps is not None:
         common.append(f"warmstart_steps={args.warmstart_steps}")
@@ -487,8 +493,10 @@ def bench_agentic(args) -> dict:
         print(f"         lag of trained tokens: mean {r['lag_mean']:.2f}, max {r['lag_max']:.0f}, on-policy "
               f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound {r['masked']:.0f}")
         print(f"         RL loop time: waiting for rollouts {t['generate']:.1f} s, train {t['train']:.1f} s, weight "
-              f"sync {t['sync']:.1f} s, other {t['other']:.1f} s; a trajectory: {r['generate_s']:.2f} s in "
-              f"generation, {r['tool_s']:.2f} s waiting on its tool (mean), slowest {r['slowest_s']:.1f} s")
+              f"sync {t['sync']:.1f} s, other {t['other']:.1f} s")
+        print(f"         a trajectory (mean): {r['total_s']:.2f} s = {r['generate_s']:.2f} s in generation + "
+              f"{r['tool_s']:.2f} s waiting on the checker + {r['rest_s']:.2f} s in the agent and router; slowest "
+              f"{r['slowest_s']:.1f} s")
     print(f"  async / sync trained samples per second: {ratio:.2f}x (target >= 3x); final eval async - sync "
           f"{diff:+.3f} (matched within +-0.05: {abs(diff) <= 0.05}); max lag {res['async']['lag_max']:.0f} "
           f"(bound 2)")
@@ -500,6 +508,7 @@ def bench_modes(args) -> dict:
     by step and by wall-clock time, both curves in one PNG (runs/bench_modes/modes.png), final accuracies and
     wall times printed. The bar: async ends within 0.05 of sync's accuracy in less wall time. Sync runs in its
     fastest CPU layout (`sync_engines`: one engine per core), async as the recipe places it."""
+    args.stale_steps = 1.0 if args.stale_steps is None else args.stale_steps
     res = {}
     for name, extra in {"sync": ["mode=sync", *sync_engines()],
                         "async": ["mode=async", f"stale_steps={args.stale_steps}", "max_version_lag=2"]}.items():
@@ -879,11 +888,12 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests", type=int, default=100, help="router bench: requests of each kind")
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (step: 10, async: 24, agentic: 20)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (step: 10, async: 24, agentic: 16)")
     p.add_argument("--quick", action="store_true", help="sync/step: tiny sizes, a smoke test")
     p.add_argument("--prompts", type=int, default=None, help="async, agentic: prompts per step, 8 samples each "
                    "(async: 16, agentic: 8)")
-    p.add_argument("--stale-steps", type=float, default=1.0, help="async, agentic: the async run's stale_steps")
+    p.add_argument("--stale-steps", type=float, default=None, help="async, agentic, modes: the async run's stale_steps "
+                   "(async, modes: 1; agentic: 2)")
     p.add_argument("--tool-median", type=float, default=0.3, help="agentic bench: median seconds of a tool call")
     p.add_argument("--tool-p99", type=float, default=5.0, help="agentic bench: 99th percentile seconds of a tool call")
     p.add_argument("--tool-seed", type=int, default=0, help="agentic bench: seed of the tool calls' durations")

@@ -38,24 +38,30 @@ def tool_seconds(latency: dict, key: str, draw: int) -> float:
     return float(latency["median"]) * math.exp(float(latency["sigma"]) * rng.gauss(0.0, 1.0))
 
 
-async def check(answer: str, sample: dict) -> bool:
-    """The checker tool: is `answer` right? Takes its wall-clock time first when the sample has `tool_latency`."""
-    latency = sample.get("tool_latency")
+async def check(answer: str, sample: dict) -> tuple[bool, float]:
+    """The checker tool: (is `answer` right, seconds it took). Takes its wall-clock time first when the sample has
+    `tool_latency`."""
+    latency, seconds = sample.get("tool_latency"), 0.0
     if latency:
         key = f"{latency.get('seed', 0)}/{json.dumps(sample['messages'])}"
         _draws[key] = _draws.get(key, 0) + 1
-        await asyncio.sleep(tool_seconds(latency, key, _draws[key]))
-    return data.exact_match(answer, sample) == 1.0
+        seconds = tool_seconds(latency, key, _draws[key])
+        await asyncio.sleep(seconds)
+    return data.exact_match(answer, sample) == 1.0, seconds
 
 
-async def agent(client, sample: dict) -> str:
-    """Answer, check, and on a rejection ask the same question again, up to ATTEMPTS checked answers."""
-    messages, answer = list(sample["messages"]), ""
+async def agent(client, sample: dict) -> dict:
+    """Answer, check, and on a rejection ask the same question again, up to ATTEMPTS checked answers. Returns the
+    last answer and the seconds spent waiting on the checker (the trajectory's metadata keeps both; the reward is
+    computed on the last model turn)."""
+    messages, answer, waited = list(sample["messages"]), "", 0.0
     for _ in range(ATTEMPTS):
         r = await client.chat.completions.create(model="loongsage", messages=messages)
         answer = r.choices[0].message.content or ""
-        if await check(answer, sample):
+        right, seconds = await check(answer, sample)
+        waited += seconds
+        if right:
             break
         # rejected: the same question again, after the model's answer (the chat shows it what it said)
         messages += [{"role": "assistant", "content": answer}, sample["messages"][-1]]
-    return answer
+    return {"answer": answer, "tool_s": waited}

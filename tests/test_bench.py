@@ -128,10 +128,10 @@ def test_bench_agentic_smoke(capsys):
     assert r["sync"]["trained"] == r["async"]["trained"] == 3 * 2 * 8
     for mode in ("sync", "async"):
         m = r[mode]
-        assert m["lag_max"] <= 2 and 0 <= m["eval_end"] <= 1 and m["tool_s"] > 0
+        assert m["lag_max"] <= 2 and 0 <= m["eval_end"] <= 1 and m["tool_s"] > 0 and m["generate_s"] > 0
         assert m["time"]["generate"] + m["time"]["train"] + m["time"]["sync"] <= m["wall_s"] + 1e-6
         assert f"RL loop {m['wall_s']:.1f} s for {m['trained']} trained samples" in out
     assert r["sync"]["lag_max"] == 0  # sync trains on the weights that sampled every token
     assert r["ratio"] == pytest.approx(r["async"]["samples_per_s"] / r["sync"]["samples_per_s"])
     assert re.search(r"async / sync trained samples per second: \d+\.\d\dx", out)
-    assert out.count("waiting on its tool (mean)") == 2
+    assert out.count("s waiting on the checker + ") == 2
