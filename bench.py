@@ -28,6 +28,14 @@ measured back to back in one run is far steadier than an absolute number.
         The first run also builds the warm start (400 SFT steps), cached for the next ones. --sync-set and
         --async-set add config overrides to one run (e.g. --async-set trainer_threads=2 engine_threads=1).
 
+    python bench.py agentic [--steps 16 --prompts 8 --stale-steps 1 --tool-median 0.3 --tool-p99 5 --tool-seed 0]
+        Async vs sync where agents wait on tools: the retry agent (recipes/retry.py: answer, a checker tool, the
+        question again when the answer is rejected) with every check taking wall-clock time from a seeded lognormal
+        (median 0.3 s, p99 5 s), from the same cached warm start (recipes/arith_cpu.yaml's), the same number of
+        trained samples. Prints trained samples/s of each and the ratio (target >= 3x), the greedy eval of each
+        (within 0.05), the trained tokens' lag (max <= 2, token IS correction on), trainer wait, engine idle and
+        where each mode's loop time and each trajectory's time went. Write-up: docs/ASYNC.md.
+
     python bench.py modes [--recipe recipes/arith_cpu.yaml --stale-steps 1 --seed 1234]
         The default recipe in sync and in async mode: eval accuracy by step and by wall time in one PNG
         (runs/bench_modes/modes.png), final accuracies and RL-loop wall times.
@@ -379,7 +387,6 @@ def bench_async(args) -> dict:
             (where / name).write_text(text)
     out = Path(tempfile.mkdtemp(prefix="loongsage_bench_async_"))
     args.steps, args.prompts = args.steps or 24, args.prompts or 16
-    args.stale_steps = 1.0 if args.stale_steps is None else args.stale_steps
     common = [f"num_steps={args.steps}", f"prompts_per_step={args.prompts}", "samples_per_prompt=8",
               f"global_batch_size={args.prompts * 8}", f"micro_batch_size={args.prompts * 4}", "max_new_tokens=64",
               f"dataset={where / 'train.jsonl'}", f"eval_dataset={where / 'eval.jsonl'}", "eval_samples=4",
@@ -457,7 +464,6 @@ def bench_agentic(args) -> dict:
                                              for s in data.load_dataset(spec)))
     out = Path(tempfile.mkdtemp(prefix="loongsage_bench_agentic_"))
     args.steps, args.prompts = args.steps or 16, args.prompts or 8
-    args.stale_steps = 2.0 if args.stale_steps is None else args.stale_steps
     common = [f"num_steps={args.steps}", f"prompts_per_step={args.prompts}", "samples_per_prompt=8",
               f"global_batch_size={args.prompts * 8}", f"micro_batch_size={args.prompts * 8}",
               "agent=recipes.retry.agent", "max_turns=2", "agent_timeout=120",
@@ -508,7 +514,6 @@ def bench_modes(args) -> dict:
     by step and by wall-clock time, both curves in one PNG (runs/bench_modes/modes.png), final accuracies and
     wall times printed. The bar: async ends within 0.05 of sync's accuracy in less wall time. Sync runs in its
     fastest CPU layout (`sync_engines`: one engine per core), async as the recipe places it."""
-    args.stale_steps = 1.0 if args.stale_steps is None else args.stale_steps
     res = {}
     for name, extra in {"sync": ["mode=sync", *sync_engines()],
                         "async": ["mode=async", f"stale_steps={args.stale_steps}", "max_version_lag=2"]}.items():
@@ -892,8 +897,7 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="sync/step: tiny sizes, a smoke test")
     p.add_argument("--prompts", type=int, default=None, help="async, agentic: prompts per step, 8 samples each "
                    "(async: 16, agentic: 8)")
-    p.add_argument("--stale-steps", type=float, default=None, help="async, agentic, modes: the async run's stale_steps "
-                   "(async, modes: 1; agentic: 2)")
+    p.add_argument("--stale-steps", type=float, default=1.0, help="async, agentic, modes: the async run's stale_steps")
     p.add_argument("--tool-median", type=float, default=0.3, help="agentic bench: median seconds of a tool call")
     p.add_argument("--tool-p99", type=float, default=5.0, help="agentic bench: 99th percentile seconds of a tool call")
     p.add_argument("--tool-seed", type=int, default=0, help="agentic bench: seed of the tool calls' durations")
