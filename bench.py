@@ -493,7 +493,8 @@ def bench_agentic(args) -> dict:
           f"{args.stale_steps:g}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for name, r in res.items():
         t = r["time"]
-        print(f"  {name:5s}: RL loop {r['wall_s']:.1f} s for {r['trained']} trained samples, {r['samples_per_s']:.2f}/s; "
+        print(f"  {name:5s}: RL loop {r['wall_s']:.1f} s for {r['trained']} trained samples, "
+              f"{r['samples_per_s']:.2f}/s; "
               f"eval {r['eval_start']:.3f} -> {r['eval_end']:.3f}; trainer waits {r['wait']:.0%} of a step, engine "
               f"idle {r['idle']:.0%}")
         print(f"         lag of trained tokens: mean {r['lag_mean']:.2f}, max {r['lag_max']:.0f}, on-policy "
@@ -901,8 +902,10 @@ def main(argv=None) -> dict:
     p.add_argument("--tool-median", type=float, default=0.3, help="agentic bench: median seconds of a tool call")
     p.add_argument("--tool-p99", type=float, default=5.0, help="agentic bench: 99th percentile seconds of a tool call")
     p.add_argument("--tool-seed", type=int, default=0, help="agentic bench: seed of the tool calls' durations")
-    p.add_argument("--sync-set", nargs="*", default=[], metavar="KEY=VALUE", help="async, agentic, step: sync run overrides")
-    p.add_argument("--async-set", nargs="*", default=[], metavar="KEY=VALUE", help="async, agentic, step: async run overrides")
+    p.add_argument("--sync-set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="async, agentic, step: sync run overrides")
+    p.add_argument("--async-set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="async, agentic, step: async run overrides")
     p.add_argument("--warmstart-steps", type=int, default=None, help="async, agentic: SFT steps of the warm start "
                    "(async: 400, agentic: the arith_cpu recipe's)")
     p.add_argument("--recipe", default="recipes/arith_cpu.yaml", help="modes bench: the recipe run in both modes")
