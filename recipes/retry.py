@@ -12,7 +12,8 @@ It runs on the arithmetic warm start of recipes/arith_cpu.yaml (that model answe
 question again when asked again), so it needs no SFT of its own. `bench.py agentic` uses it to measure what async
 training does with the time agents spend waiting.
 
-Test: tests/test_bench.py (the latency distribution; the bench's smoke run drives this agent through the router).
+Test: tests/test_retry_agent.py (the loop through the real router and CPU engine: checks, retries, the waits),
+tests/test_bench.py (the latency distribution; the bench's smoke run trains with this agent in both modes).
 Left out: what a checker would say about a wrong answer (the model is only asked again), tools the model calls.
 """
 from __future__ import annotations
