@@ -28,6 +28,14 @@ measured back to back in one run is far steadier than an absolute number.
         The first run also builds the warm start (400 SFT steps), cached for the next ones. --sync-set and
         --async-set add config overrides to one run (e.g. --async-set trainer_threads=2 engine_threads=1).
 
+    python bench.py agentic [--steps 16 --prompts 8 --stale-steps 1 --tool-median 0.3 --tool-p99 5 --tool-seed 0]
+        Async vs sync where agents wait on tools: the retry agent (recipes/retry.py: answer, a checker tool, the
+        question again when the answer is rejected) with every check taking wall-clock time from a seeded lognormal
+        (median 0.3 s, p99 5 s), from the same cached warm start (recipes/arith_cpu.yaml's), the same number of
+        trained samples. Prints trained samples/s of each and the ratio (target >= 3x), the greedy eval of each
+        (within 0.05), the trained tokens' lag (max <= 2, token IS correction on), trainer wait, engine idle and
+        where each mode's loop time and each trajectory's time went. Write-up: docs/ASYNC.md.
+
     python bench.py modes [--recipe recipes/arith_cpu.yaml --stale-steps 1 --seed 1234]
         The default recipe in sync and in async mode: eval accuracy by step and by wall time in one PNG
         (runs/bench_modes/modes.png), final accuracies and RL-loop wall times.
@@ -66,6 +74,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -334,6 +343,35 @@ def longtail_sft(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dict:
             "weight_versions": [-1] * len(r)}
 
 
+def run_stats(hist: list[dict]) -> dict:
+    """What bench async and bench agentic report of one run, from its logged rows: the RL loop's wall time (evals
+    left out) and trained samples per second, eval before and after, the lag of the trained tokens, the trainer's
+    wait and the engine's idle share, and where the loop's time went (waiting for rollouts, train, weight sync)."""
+    steps = [h for h in hist if "timing/step" in h]
+    wall = sum(h["timing/step"] - h.get("timing/eval", 0.0) for h in steps)
+    trained = sum(h.get("train/samples", 0) for h in steps)
+    tokens = sum(h["rollout/generated_tokens"] for h in steps)
+    phases = {k: sum(h.get(f"timing/{k}", 0.0) for h in steps) for k in ("generate", "train", "sync")}
+    return {"wall_s": wall, "samples_per_s": trained / wall, "trained": trained,
+            "eval_start": hist[0]["eval/accuracy"],
+            "eval_end": [h for h in hist if "eval/accuracy" in h][-1]["eval/accuracy"],
+            # lag of trained tokens, over the run: token-weighted mean, max, and the share at lag 0
+            "lag_mean": sum(h["rollout/lag_mean"] * h["rollout/generated_tokens"] for h in steps) / tokens,
+            "lag_max": max(h.get("rollout/lag_max", 0) for h in steps),
+            "on_policy": sum(h["rollout/on_policy_frac"] * h["rollout/generated_tokens"] for h in steps) / tokens,
+            "partial": statistics.mean(h["rollout/partial_frac"] for h in steps),
+            "masked": sum(h.get("rollout/lag_masked_tokens", 0) for h in steps),
+            "wait": statistics.mean(h["perf/trainer_wait_frac"] for h in steps),
+            # share of the machine's CPU time busy over the steps without an eval (/proc/stat)
+            "cpu_busy": statistics.mean([h.get("perf/node_cpu_busy_frac", float("nan"))
+                                         for h in steps if "timing/eval" not in h] or [float("nan")]),
+            "idle": statistics.mean(h["perf/engine_idle_frac"] for h in steps),
+            "response_len": statistics.mean(h["rollout/response_len"] for h in steps),
+            # the loop's wall time by phase: the trainer waiting for rollouts, training, weight sync, the rest
+            # (logging, metrics, the engines' health calls)
+            "time": {**phases, "other": wall - sum(phases.values())}}
+
+
 def bench_async(args) -> dict:
     """Async vs sync on the long-tail task, same model, data, seed, algorithm and number of trained samples:
     trained samples per second of the RL loop (warm start and eval excluded) and the final eval accuracy of
@@ -350,12 +388,12 @@ def bench_async(args) -> dict:
         if not (where / name).exists() or (where / name).read_text() != text:
             (where / name).write_text(text)
     out = Path(tempfile.mkdtemp(prefix="loongsage_bench_async_"))
-    args.steps = args.steps or 24
+    args.steps, args.prompts = args.steps or 24, args.prompts or 16
     common = [f"num_steps={args.steps}", f"prompts_per_step={args.prompts}", "samples_per_prompt=8",
               f"global_batch_size={args.prompts * 8}", f"micro_batch_size={args.prompts * 4}", "max_new_tokens=64",
               f"dataset={where / 'train.jsonl'}", f"eval_dataset={where / 'eval.jsonl'}", "eval_samples=4",
               f"eval_every={args.steps}", "reward=data.last_number_match", "warmstart_example=bench.longtail_sft",
-              f"warmstart_dataset={where / 'train.jsonl'}", f"warmstart_steps={args.warmstart_steps}",
+              f"warmstart_dataset={where / 'train.jsonl'}", f"warmstart_steps={args.warmstart_steps or 400}",
               "lr=1e-3", "min_lr=1e-3", "print_every=0", "max_context_len=256",
               "is_correction=token"]  # both modes: the IS weight corrects async's lag (and is ~1 in sync)
     modes = {"sync": ["mode=sync", *sync_engines(), *args.sync_set],
@@ -368,25 +406,7 @@ def bench_async(args) -> dict:
             hist = loongsage.train(cfg)
         finally:
             ray.shutdown()
-        steps = [h for h in hist if "timing/step" in h]
-        wall = sum(h["timing/step"] - h.get("timing/eval", 0.0) for h in steps)
-        trained = sum(h.get("train/samples", 0) for h in steps)
-        tokens = sum(h["rollout/generated_tokens"] for h in steps)
-        res[name] = {"wall_s": wall, "samples_per_s": trained / wall, "trained": trained,
-                     "eval_start": hist[0]["eval/accuracy"],
-                     "eval_end": [h for h in hist if "eval/accuracy" in h][-1]["eval/accuracy"],
-                     # lag of trained tokens, over the run: token-weighted mean, max, and the share at lag 0
-                     "lag_mean": sum(h["rollout/lag_mean"] * h["rollout/generated_tokens"] for h in steps) / tokens,
-                     "lag_max": max(h.get("rollout/lag_max", 0) for h in steps),
-                     "on_policy": sum(h["rollout/on_policy_frac"] * h["rollout/generated_tokens"] for h in steps) / tokens,
-                     "partial": statistics.mean(h["rollout/partial_frac"] for h in steps),
-                     "masked": sum(h.get("rollout/lag_masked_tokens", 0) for h in steps),
-                     "wait": statistics.mean(h["perf/trainer_wait_frac"] for h in steps),
-                     # share of the machine's CPU time busy over the steps without an eval (/proc/stat)
-                     "cpu_busy": statistics.mean([h.get("perf/node_cpu_busy_frac", float("nan"))
-                                                  for h in steps if "timing/eval" not in h] or [float("nan")]),
-                     "idle": statistics.mean(h["perf/engine_idle_frac"] for h in steps),
-                     "response_len": statistics.mean(h["rollout/response_len"] for h in steps)}
+        res[name] = run_stats(hist)
     ratio = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
     diff = res["async"]["eval_end"] - res["sync"]["eval_end"]
     print(f"bench async: long-tail task, {args.steps} steps x {args.prompts} prompts x 8 samples, mean response "
@@ -404,6 +424,92 @@ def bench_async(args) -> dict:
           f"work, with every core busy all the time, would give at most {ratio / busy:.2f}x")
     res["ceiling"] = ratio / busy
     return {"ratio": ratio, **res}
+
+
+# ----------------------------------------------------------------------------------------------
+# agentic: the calc agent waiting on a slow tool, async vs sync
+
+
+def tool_waits(rollouts: Path) -> dict:
+    """From a run's dumped rollouts (the trained trajectories, with their timings): the mean seconds a trajectory
+    spent in generation (generate_s: the engine's work and its queue), waiting on the checker (what the retry agent
+    reports) and elsewhere (the agent and the router's own work, and their event loop's queue), and the slowest."""
+    trajs = [json.loads(line) for f in sorted(rollouts.glob("step_*.jsonl")) for line in open(f)]
+    total = [t["timings"]["total_s"] for t in trajs]
+    gen = [t["timings"]["generate_s"] for t in trajs]
+    tool = [(t["metadata"].get("agent_result") or {}).get("tool_s", 0.0) for t in trajs]
+    return {"total_s": statistics.mean(total), "generate_s": statistics.mean(gen), "tool_s": statistics.mean(tool),
+            "rest_s": statistics.mean(total) - statistics.mean(gen) - statistics.mean(tool), "slowest_s": max(total)}
+
+
+def bench_agentic(args) -> dict:
+    """Async vs sync where agents wait: the retry agent (recipes/retry.py: answer, a checker tool, ask again when it
+    rejects the answer; up to two model turns) on single-digit arithmetic, every check taking wall-clock time drawn
+    from a lognormal (median --tool-median s, 99th percentile --tool-p99 s, seeded by --tool-seed: a question's
+    draws are the same in both modes). Same warm start (recipes/arith_cpu.yaml's, cached), data, seed, algorithm
+    and number of trained samples in both modes. Prints trained samples per second of each and their ratio
+    (target >= 3x), the final eval of each (within 0.05), the lag of the trained tokens (max <= 2: max_version_lag=2
+    with the token IS correction, in both modes), the trainer's wait and the engines' idle share, and where each
+    mode's RL loop time went.
+
+    Sync waits each step for its slowest trajectory's checks, with the engines and the trainer idle; async keeps
+    C = B * (1 + stale_steps) groups going (window no-window: a group enters the buffer the moment it is complete,
+    whatever older group is still waiting on its tool), so other groups generate and the trainer trains while
+    agents wait. A trajectory waiting on its tool across weight updates continues on the new weights; its tokens
+    older than the bound are masked (lag_policy=mask)."""
+    sigma = math.log(args.tool_p99 / args.tool_median) / 2.3263  # z of the 99th percentile of a standard normal
+    latency = {"median": args.tool_median, "sigma": sigma, "seed": args.tool_seed}
+    where = data.default_cache_dir() / "bench_agentic"
+    where.mkdir(parents=True, exist_ok=True)
+    for name, spec in (("train.jsonl", "synthetic:arith:4096:1:9"), ("eval.jsonl", "synthetic:arith:128:2:9")):
+        (where / name).write_text("\n".join(json.dumps({**s, "tool_latency": latency})
+                                             for s in data.load_dataset(spec)))
+    out = Path(tempfile.mkdtemp(prefix="loongsage_bench_agentic_"))
+    args.steps, args.prompts = args.steps or 16, args.prompts or 8
+    common = [f"num_steps={args.steps}", f"prompts_per_step={args.prompts}", "samples_per_prompt=8",
+              f"global_batch_size={args.prompts * 8}", f"micro_batch_size={args.prompts * 8}",
+              "agent=recipes.retry.agent", "max_turns=2", "agent_timeout=120",
+              f"dataset={where / 'train.jsonl'}", f"eval_dataset={where / 'eval.jsonl'}",
+              # greedy eval: a function of the weights alone, so the two modes' evals differ by what they learned,
+              # not by sampling noise (0.03 for 512 sampled answers); 128 trajectories, not 512, per eval
+              "eval_temperature=0", "eval_samples=1", f"eval_every={args.steps}", "print_every=0", "save_every=0",
+              "max_version_lag=2",
+              "is_correction=token"]  # both modes: the IS weight corrects async's lag (and is ~1 in sync)
+    if args.warmstart_steps is not None:
+        common.append(f"warmstart_steps={args.warmstart_steps}")
+    modes = {"sync": ["mode=sync", *sync_engines(), *args.sync_set],
+             "async": ["mode=async", f"stale_steps={args.stale_steps}", "window=no-window", *args.async_set]}
+    res = {}
+    for name, extra in modes.items():
+        cfg = config.load_config("recipes/arith_cpu.yaml", common + extra + [f"output_dir={out / name}",
+                                                                            f"dump_rollouts={out / name / 'rollouts'}"])
+        try:
+            hist = loongsage.train(cfg)
+        finally:
+            ray.shutdown()
+        res[name] = {**run_stats(hist), **tool_waits(out / name / "rollouts")}
+    ratio = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
+    diff = res["async"]["eval_end"] - res["sync"]["eval_end"]
+    print(f"bench agentic: retry agent, checks lognormal (median {args.tool_median:g} s, p99 {args.tool_p99:g} s, "
+          f"seed {args.tool_seed}), {args.steps} steps x {args.prompts} prompts x 8 samples, async stale_steps "
+          f"{args.stale_steps:g}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    for name, r in res.items():
+        t = r["time"]
+        print(f"  {name:5s}: RL loop {r['wall_s']:.1f} s for {r['trained']} trained samples, "
+              f"{r['samples_per_s']:.2f}/s; "
+              f"eval {r['eval_start']:.3f} -> {r['eval_end']:.3f}; trainer waits {r['wait']:.0%} of a step, engine "
+              f"idle {r['idle']:.0%}")
+        print(f"         lag of trained tokens: mean {r['lag_mean']:.2f}, max {r['lag_max']:.0f}, on-policy "
+              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound {r['masked']:.0f}")
+        print(f"         RL loop time: waiting for rollouts {t['generate']:.1f} s, train {t['train']:.1f} s, weight "
+              f"sync {t['sync']:.1f} s, other {t['other']:.1f} s")
+        print(f"         a trajectory (mean): {r['total_s']:.2f} s = {r['generate_s']:.2f} s in generation + "
+              f"{r['tool_s']:.2f} s waiting on the checker + {r['rest_s']:.2f} s in the agent and router; slowest "
+              f"{r['slowest_s']:.1f} s")
+    print(f"  async / sync trained samples per second: {ratio:.2f}x (target >= 3x); final eval async - sync "
+          f"{diff:+.3f} (matched within +-0.05: {abs(diff) <= 0.05}); max lag {res['async']['lag_max']:.0f} "
+          f"(bound 2)")
+    return {"ratio": ratio, "eval_diff": diff, **res}
 
 
 def bench_modes(args) -> dict:
@@ -812,19 +918,27 @@ def bench_teachers(args) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("bench", help="which benchmark: rollout | router | sync | step | async | modes | teachers")
+    p.add_argument("bench", help="which benchmark: rollout | router | sync | step | async | agentic | modes | "
+                   "teachers")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests", type=int, default=100, help="router bench: requests of each kind")
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (step: 10, async: 24)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (step: 10, async: 24, agentic: 16)")
     p.add_argument("--quick", action="store_true", help="sync/step: tiny sizes, a smoke test")
-    p.add_argument("--prompts", type=int, default=16, help="async bench: prompts per step (8 samples each)")
-    p.add_argument("--stale-steps", type=float, default=1.0, help="async bench: the async run's stale_steps")
-    p.add_argument("--sync-set", nargs="*", default=[], metavar="KEY=VALUE", help="async, step: sync run overrides")
-    p.add_argument("--async-set", nargs="*", default=[], metavar="KEY=VALUE", help="async, step: async run overrides")
-    p.add_argument("--warmstart-steps", type=int, default=400, help="async bench: SFT steps of the warm start")
+    p.add_argument("--prompts", type=int, default=None, help="async, agentic: prompts per step, 8 samples each "
+                   "(async: 16, agentic: 8)")
+    p.add_argument("--stale-steps", type=float, default=1.0, help="async, agentic, modes: the async run's stale_steps")
+    p.add_argument("--tool-median", type=float, default=0.3, help="agentic bench: median seconds of a tool call")
+    p.add_argument("--tool-p99", type=float, default=5.0, help="agentic bench: 99th percentile seconds of a tool call")
+    p.add_argument("--tool-seed", type=int, default=0, help="agentic bench: seed of the tool calls' durations")
+    p.add_argument("--sync-set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="async, agentic, step: sync run overrides")
+    p.add_argument("--async-set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="async, agentic, step: async run overrides")
+    p.add_argument("--warmstart-steps", type=int, default=None, help="async, agentic: SFT steps of the warm start "
+                   "(async: 400, agentic: the arith_cpu recipe's)")
     p.add_argument("--recipe", default="recipes/arith_cpu.yaml", help="modes bench: the recipe run in both modes")
     p.add_argument("--seed", type=int, default=1234, help="modes bench: the run seed")
     p.add_argument("--workdir", default=None, help="teachers bench: where the teachers are built (default: a temp dir)")
@@ -839,11 +953,14 @@ def main(argv=None) -> dict:
         return bench_step(args)
     elif args.bench == "async":
         return bench_async(args)
+    elif args.bench == "agentic":
+        return bench_agentic(args)
     elif args.bench == "modes":
         return bench_modes(args)
     elif args.bench == "teachers":
         return bench_teachers(args)
-    raise SystemExit(f"unknown benchmark {args.bench!r}; valid: rollout, router, sync, step, async, modes, teachers")
+    raise SystemExit(f"unknown benchmark {args.bench!r}; valid: rollout, router, sync, step, async, agentic, modes, "
+                     "teachers")
 
 
 if __name__ == "__main__":

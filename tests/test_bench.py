@@ -101,3 +101,42 @@ def test_teachers_bench_3_teachers_fit_in_the_memory_of_1(tmp_path, capsys):
     assert out[3]["swaps"] == 2 and out[1]["swaps"] == 0  # batch routed to all 3: each loaded at most once
     assert out["peak_ratio"] <= 1.3 and out["added_ratio"] <= 1.3, out
     assert f"{out['peak_ratio']:.2f}x" in capsys.readouterr().out
+
+
+def test_retry_checker_latency_is_the_lognormal_asked_for():
+    """The retry agent's checker waits what bench agentic asks for: over 20,000 draws at median 0.3 s and
+    p99 5 s (sigma from bench's formula) the median lands within 3% of 0.3 and the 99th percentile within 10% of 5,
+    and a (seed, question, draw) always waits the same while another seed or draw does not, so sync and async runs
+    of the same questions wait alike whatever order their trajectories reach the tool."""
+    import statistics
+    from recipes import retry
+    sigma = math.log(5.0 / 0.3) / 2.3263
+    lat = {"median": 0.3, "sigma": sigma, "seed": 0}
+    draws = sorted(retry.tool_seconds(lat, "q", i) for i in range(20000))
+    assert statistics.median(draws) == pytest.approx(0.3, rel=0.03)
+    assert draws[int(0.99 * len(draws))] == pytest.approx(5.0, rel=0.10)
+    assert retry.tool_seconds(lat, "q", 7) == retry.tool_seconds(lat, "q", 7)
+    assert retry.tool_seconds(lat, "q", 7) != retry.tool_seconds({**lat, "seed": 1}, "q", 7)
+    assert retry.tool_seconds(lat, "q", 7) != retry.tool_seconds(lat, "q", 8)
+
+
+@pytest.mark.slow
+def test_bench_agentic_smoke(capsys):
+    """bench agentic runs both modes through the retry agent and its slow checker (on the untrained tiny model, so
+    answers are mostly wrong and most trajectories take two turns and two checks), on the same number of trained
+    samples, and reports what it says: every line's fields, async's lag within its bound of 2, trajectories that
+    waited on the tool. No speed is asserted."""
+    r = bench.main(["agentic", "--steps", "3", "--prompts", "2", "--warmstart-steps", "0", "--tool-median", "0.05",
+                    "--tool-p99", "0.5"])
+    out = capsys.readouterr().out
+    assert "bench agentic: retry agent, checks lognormal (median 0.05 s, p99 0.5 s, seed 0), 3 steps x 2 prompts" in out
+    assert r["sync"]["trained"] == r["async"]["trained"] == 3 * 2 * 8
+    for mode in ("sync", "async"):
+        m = r[mode]
+        assert m["lag_max"] <= 2 and 0 <= m["eval_end"] <= 1 and m["tool_s"] > 0 and m["generate_s"] > 0
+        assert m["time"]["generate"] + m["time"]["train"] + m["time"]["sync"] <= m["wall_s"] + 1e-6
+        assert f"RL loop {m['wall_s']:.1f} s for {m['trained']} trained samples" in out
+    assert r["sync"]["lag_max"] == 0  # sync trains on the weights that sampled every token
+    assert r["ratio"] == pytest.approx(r["async"]["samples_per_s"] / r["sync"]["samples_per_s"])
+    assert re.search(r"async / sync trained samples per second: \d+\.\d\dx", out)
+    assert out.count("s waiting on the checker + ") == 2
