@@ -211,7 +211,9 @@ def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_di
     import agentflow
     import cpu_engine
     import rollout
-    good_url, good = cpu_engine.serve(tiny_model_dir, max_batch=64, max_len=512, seed=0)
+    # seeded requests draw the same tokens on any engine under deterministic inference only (as on SGLang)
+    good_url, good = cpu_engine.serve(tiny_model_dir, max_batch=64, max_len=512, seed=0,
+                                      enable_deterministic_inference=True)
     ports = [free_port(), free_port()]
     victims = [engine_process(tiny_model_dir, port, tmp_path / f"engine{i}.log") for i, port in enumerate(ports)]
     try:
