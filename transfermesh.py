@@ -482,7 +482,24 @@ def _push_cuda_ipc(tensors, engines, bucket_bytes, config_dir, version):
     return n, nbytes
 
 
-_BROADCAST_GROUPS: dict[tuple, object] = {}
+# engine set -> (group name, this side's group): at most one, the set the last broadcast push went to. A new set (an
+# engine re-created) gets a group of a new name, the old one destroyed on both sides first: torch refuses a second
+# process group of one name, and SGLang keeps the old group (and its NCCL buffers) until told to destroy it.
+_BROADCAST_GROUPS: dict[tuple, tuple[str, object]] = {}
+
+
+def _destroy_broadcast_groups() -> None:
+    for engines, (name, group) in list(_BROADCAST_GROUPS.items()):
+        for url, _ in engines:
+            try:
+                _post(url, "/destroy_weights_update_group", {"group_name": name})
+            except (RuntimeError, httpx.HTTPError):
+                pass  # a dead engine took its side of the group with it
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:
+            pass  # built beside torch's registry (new_gloo_group): dropping it closes it
+        del _BROADCAST_GROUPS[engines]
 
 
 def broadcast_ranks(engines: list[tuple[str, int]]) -> tuple[list[int], int]:
@@ -499,6 +516,8 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
     """Flattened buckets broadcast from rank 0 (this process) to every engine rank over one process group."""
     key = tuple(engines)
     if key not in _BROADCAST_GROUPS:
+        _destroy_broadcast_groups()
+        name = f"loongsage-{uuid.uuid4().hex[:8]}"
         urls = [u for u, _ in engines]
         addr = socket.gethostbyname(socket.gethostname()) if not all(is_local(u) for u in urls) else "127.0.0.1"
         port, backend = free_port(), ("nccl" if torch.cuda.is_available() else "gloo")
@@ -506,12 +525,12 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
         with ThreadPoolExecutor(len(engines)) as pool:
             futs = [pool.submit(_post, u, "/init_weights_update_group", {
                 "master_address": addr, "master_port": port, "rank_offset": off, "world_size": world,
-                "group_name": "loongsage", "backend": backend}) for u, off in zip(urls, offsets)]
+                "group_name": name, "backend": backend}) for u, off in zip(urls, offsets)]
             group = new_gloo_group(addr, port, 0, world) if backend == "gloo" else \
-                new_sglang_group(addr, port, 0, world, "loongsage", backend)
+                new_sglang_group(addr, port, 0, world, name, backend)
             [f.result() for f in futs]
-        _BROADCAST_GROUPS[key] = group
-    group = _BROADCAST_GROUPS[key]
+        _BROADCAST_GROUPS[key] = (name, group)
+    name, group = _BROADCAST_GROUPS[key]
     n = nbytes = 0
     for bucket, last in _with_last(iter_buckets(tensors, bucket_bytes)):
         flat, metas = flatten_bucket(bucket)
@@ -519,7 +538,7 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
         if torch.cuda.is_available():  # NCCL broadcasts device memory
             flat = flat.cuda()
         payload = {"names": [m[0] for m in metas], "dtypes": [m[1] for m in metas], "shapes": [m[2] for m in metas],
-                   "group_name": "loongsage", "load_format": "flattened_bucket", "checksum": crc,
+                   "group_name": name, "load_format": "flattened_bucket", "checksum": crc,
                    **_update_fields(last, version)}
         with ThreadPoolExecutor(len(engines)) as pool:
             futs = [pool.submit(_post, u, "/update_weights_from_distributed", payload) for u, _ in engines]
