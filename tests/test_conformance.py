@@ -9,20 +9,17 @@ SGLANG_HEALTH_CHECK_TIMEOUT is 2 s here (SGLang's default is 20 s), so a 503 cos
 """
 import concurrent.futures
 import os
-import shutil
 import threading
 import time
 
 import httpx
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 import cpu_engine
 import rollout
 import transfermesh as tm
 from test_cpu_engine import engine_logprobs, hf_greedy, hf_greedy_over_cache, hf_logprobs
+from test_cpu_engine import hf_a, hf_b, other_dir  # noqa: F401 - fixtures: the tiny model, and it with every weight moved
 
 HEALTH_TIMEOUT = 2  # SGLANG_HEALTH_CHECK_TIMEOUT for every engine of this module
 PROMPT = [5, 17, 33, 100, 7, 9, 8, 41]
@@ -56,20 +53,6 @@ def serve_engine(tiny_model_dir):
 @pytest.fixture(scope="module")
 def server(serve_engine):
     return serve_engine()
-
-
-@pytest.fixture(scope="module")
-def other_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with every weight moved: what a weight update installs."""
-    out = tmp_path_factory.mktemp("other_model")
-    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        if os.path.exists(os.path.join(tiny_model_dir, f)):
-            shutil.copy(os.path.join(tiny_model_dir, f), out)
-    g = torch.Generator().manual_seed(1)
-    state = {k: v + 0.5 * v.std().clamp_min(0.02) * torch.randn(v.shape, generator=g)
-             for k, v in load_file(f"{tiny_model_dir}/model.safetensors").items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return str(out)
 
 
 def gen(url, input_ids, **sp):
@@ -255,13 +238,11 @@ def test_sampling_seed_needs_deterministic_inference(tiny_model_dir):
     assert honoured[0] == honoured[1] != honoured[2] and honoured[3] == honoured[4] != honoured[0]
 
 
-def test_prefix_cache_outlives_a_weight_update(server, other_dir, tiny_model_dir):
+def test_prefix_cache_outlives_a_weight_update(server, hf_a, hf_b, other_dir, tiny_model_dir):
     """A finished request's K/V serves the next request with the same prefix (cached_tokens). An update with
     flush_cache false keeps it: the next request runs the new weights over the old weights' K/V of its prefix,
     exactly (transformers: model B over model A's cache). /flush_cache drops it: then exactly model B's output."""
     url, handle = server
-    hf_a = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    hf_b = AutoModelForCausalLM.from_pretrained(other_dir, dtype=torch.float32).eval()
     assert rollout.post(url, "/flush_cache", {}) is not None
     try:
         first = gen(url, PROMPT, temperature=0, max_new_tokens=6, ignore_eos=True)
