@@ -40,15 +40,17 @@ ignored, and `model` is optional (one model is served).
 Token in, token out (TITO): the chat is rendered with the template once. On the next turn the router
 checks that the new messages extend the previous ones, keeps the exact token ids the model produced,
 and appends only the tokens of the new messages (loss_mask 0). Generated text is never re-tokenized,
-so the trainer sees exactly the ids — and logprobs, and weight versions — the engine sampled. A
-history that does not extend (compacted or edited) starts a new segment; all segments are kept.
+so the trainer sees exactly the ids — and logprobs, and weight versions — the engine sampled, a thinking model's
+thinking included. A history that does not extend (compacted or edited, or rendered without thinking the model
+sampled: Qwen3's template drops it at a new user query) starts a new segment; all segments are kept.
 
 Black-box agents and code-test rewards run in sandboxes (sandbox.py: limits, containment where the OS allows,
 every process killed at the end). With `cfg.agent_preload` (e.g. ["openai"]) a Python agent command is forked
 from one warm interpreter that has imported those modules, instead of starting Python per trajectory.
 
 Reading order (top to bottom): `Trajectory`, what the trainer reads; `EnginePool`, the engines behind the
-router; `ChatFormat` and `parse_tool_calls`, the chat template and the tool-call parser; `Session`, where TITO
+router; `ChatFormat`, the chat template, end tokens and the model family's tool-call and reasoning parsers
+(chat.py); `Session`, where TITO
 happens (render, check that the history extends, generate, append exactly the sampled ids); `Router`, the HTTP
 endpoints, which call wire.py at their edges only (request parsing, response and stream shapes, error bodies);
 the code-test reward; `AgentFlow`, the actor the controller calls. wire.py holds the OpenAI / Anthropic / Responses
@@ -66,6 +68,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -90,6 +93,7 @@ import uvicorn
 from fastapi import FastAPI, Request  # Request at module level: FastAPI resolves handler annotations here
 from fastapi.responses import JSONResponse, StreamingResponse
 
+import chat
 import data
 import rollout
 import sandbox
@@ -224,6 +228,11 @@ class EnginePool:
     requests in flight on an engine that leaves routing are retried on the others: nothing of a failed
     attempt was recorded, so the retry is invisible to the trajectory (and its group stays complete).
     When no engine is left, a request waits up to `wait_s` for one to be replaced before it fails.
+
+    LoRA. With `use_adapter(name, version)` (each weight sync of a LoRA run) every request sent from then on names
+    that adapter (`lora_path`), and its tokens carry that adapter's version: an engine keeps a request on the adapter
+    it named until it ends, whatever weight_version it stamps (rollout.py's contract). The adapter it replaces is
+    unloaded from every engine once no request of this pool uses it.
     """
 
     def __init__(self, urls: list[str], *, timeout_s: float = 600.0, cooldown_s: float = 5.0,
@@ -247,6 +256,9 @@ class EnginePool:
         #                                                   sent as one batch
         self._sent: dict[str, set] = {}  # engine url -> futures of requests sent to it and not answered yet
         self._watcher: asyncio.Task | None = None
+        self.adapter: tuple[str, int] | None = None  # LoRA: (adapter name, its weight version) new requests name
+        self.adapter_users: collections.Counter = collections.Counter()  # adapter name -> requests in flight on it
+        self.retired: set[str] = set()  # adapters replaced by a newer one, unloaded when their last request ends
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -289,11 +301,35 @@ class EnginePool:
                     raise
             await asyncio.sleep(0.2)
 
+    def use_adapter(self, name: str, version: int) -> None:
+        """LoRA: new requests generate with adapter `name` (weight version `version`), which every engine has loaded;
+        the one it replaces goes once its requests have ended."""
+        old, self.adapter = self.adapter, (name, int(version))
+        if old is not None and old[0] != name:
+            self.retired.add(old[0])
+            self._release(old[0])
+
+    def _release(self, name: str) -> None:
+        """Unload a retired adapter from every engine in routing, in the background, once no request uses it."""
+        if name in self.retired and not self.adapter_users[name]:
+            self.retired.discard(name)
+            asyncio.ensure_future(self._unload(name))
+
+    async def _unload(self, name: str) -> None:
+        for url in [u for u in self.urls if u not in self.dead]:
+            try:
+                r = await self.http.post(f"{url}/unload_lora_adapter", json={"lora_name": name})
+                if r.status_code >= 400:  # e.g. an engine re-created after this adapter's sync never had it
+                    log.warning("engine %s did not unload LoRA adapter %s: %s", url, name, r.text[:300])
+            except httpx.HTTPError as e:  # a dead engine leaves routing through the health checks, not here
+                log.warning("engine %s did not unload LoRA adapter %s: %r", url, name, e)
+
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
                        prefer: str | None = None, batch: str = "") -> tuple[str, dict]:
         """POST /generate on one engine (rollout.generate); returns (engine url, the engine's answer).
         A failed engine is probed and the request moves to another; at most two tries per engine.
-        `batch`: requests of one loop tick with the same key travel together (see `_coalesced`)."""
+        `batch`: requests of one loop tick with the same key travel together (see `_coalesced`).
+        LoRA: each try names the current adapter, and the answer's weight versions become that adapter's."""
         if self._watcher is None and self.check_every_s > 0:
             self._watcher = asyncio.ensure_future(self._watch())
         last_error: Exception | None = None
@@ -303,8 +339,17 @@ class EnginePool:
             url = await self._pick_or_wait(prefer if attempt == 0 else None)
             self.inflight[url] += 1
             self.running[rid] = url
+            adapter = self.adapter  # LoRA: this try's adapter, fixed now (a sync may name another meanwhile)
+            if adapter is not None:
+                self.adapter_users[adapter[0]] += 1
             try:
-                return url, await self._coalesced(url, input_ids, sampling_params, rid, batch)
+                answer = await self._coalesced(url, input_ids, sampling_params, rid, batch,
+                                               adapter[0] if adapter else None)
+                if adapter is not None:  # every token came from the adapter this request named (the docstring)
+                    n = len(answer.get("output_ids", []))
+                    answer.setdefault("meta_info", {}).update(weight_version=str(adapter[1]), weight_versions=[
+                        {"version": str(adapter[1]), "start": 0, "end": n}])
+                return url, answer
             except rollout.EngineError as e:
                 status = _http_status(e)
                 if status is not None and status < 500:
@@ -317,6 +362,9 @@ class EnginePool:
             finally:
                 self.inflight[url] -= 1
                 self.running.pop(rid, None)
+                if adapter is not None:
+                    self.adapter_users[adapter[0]] -= 1
+                    self._release(adapter[0])
             self.retried += 1
             if url not in self.dead and not await self._alive(url):
                 self.mark_dead(url, f"it failed a call ({last_error!r}) and then did not answer /server_info")
@@ -377,7 +425,7 @@ class EnginePool:
                 await self.check()
 
     async def _coalesced(self, url: str, input_ids: list[int], sampling_params: dict, rid: str,
-                         batch: str = "") -> dict:
+                         batch: str = "", lora_path: str | None = None) -> dict:
         """Requests for one engine made in the same event-loop tick with the same `batch` key travel as ONE
         batched /generate (SGLang takes lists of input_ids, sampling_params and rids). A step starts hundreds
         of trajectories at once; sent one by one, they would spend most of their time in the HTTP client's
@@ -386,7 +434,7 @@ class EnginePool:
         when all its samples are anyway, and one group's long tail then never holds back another's."""
         fut = asyncio.get_running_loop().create_future()
         pending = self._pending.setdefault((url, batch), [])
-        pending.append((input_ids, sampling_params, rid, fut))
+        pending.append((input_ids, sampling_params, rid, lora_path, fut))
         if len(pending) == 1:  # the first of this tick schedules the send, after everyone else has queued
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_batch(url, batch)))
         sent = self._sent.setdefault(url, set())
@@ -401,8 +449,10 @@ class EnginePool:
         if not batch:  # mark_dead() already failed them over
             return
         try:
+            loras = [b[3] for b in batch]
             out = await rollout.generate(self.http, url, [b[0] for b in batch], [b[1] for b in batch],
-                                         rid=[b[2] for b in batch], return_routed_experts=self.return_routed_experts)
+                                         rid=[b[2] for b in batch], return_routed_experts=self.return_routed_experts,
+                                         lora_path=loras if any(loras) else None)
             for (*_, fut), answer in zip(batch, out):
                 if not fut.done():
                     fut.set_result(answer)
@@ -418,10 +468,10 @@ class EnginePool:
             self._fail(batch, e)
 
     async def _send_one(self, url: str, item) -> None:
-        input_ids, sampling_params, rid, fut = item
+        input_ids, sampling_params, rid, lora_path, fut = item
         try:
             answer = await rollout.generate(self.http, url, input_ids, sampling_params, rid=rid,
-                                            return_routed_experts=self.return_routed_experts)
+                                            return_routed_experts=self.return_routed_experts, lora_path=lora_path)
             if not fut.done():
                 fut.set_result(answer)
         except BaseException as e:
@@ -450,90 +500,83 @@ class EnginePool:
 
 
 # ----------------------------------------------------------------------------------------------
-# chat rendering and tool-call parsing
-
-
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> tuple[str, list[dict]]:
-    """Split model text into (content, tool_calls) for `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
-
-    Each tool call is `{"id", "type": "function", "function": {"name", "arguments": dict}}`. All or
-    nothing: if any block is malformed (bad JSON, no name, arguments not an object, unclosed tag, a
-    name not among `tool_names`), the whole text comes back as plain content with no tool calls — the
-    agent then sees what the model wrote instead of a half-parsed call, and the router never crashes.
-    """
-    blocks = list(_TOOL_CALL_RE.finditer(text))
-    if not blocks:
-        return text.strip(), []
-    calls = []
-    for m in blocks:
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            return text.strip(), []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text.strip(), []
-        args = obj.get("arguments", {})
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                return text.strip(), []
-        if not isinstance(args, dict) or (tool_names is not None and obj["name"] not in tool_names):
-            return text.strip(), []
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": obj["name"], "arguments": args}})
-    rest = _TOOL_CALL_RE.sub("", text)
-    if "<tool_call>" in rest or "</tool_call>" in rest:  # an unclosed or stray tag: not a clean call
-        return text.strip(), []
-    return rest.strip(), calls
+# the chat format: template, end tokens, and the family's tool-call and reasoning parsers (chat.py)
 
 
 class ChatFormat:
-    """The tokenizer + chat template, and the few token facts TITO needs."""
+    """The tokenizer + chat template, the model family's parsers (chat.py), and the few token facts TITO needs.
 
-    # Control tokens a (possibly untrained) model may emit mid-text; they are not content for an agent.
-    _CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    End tokens: the tokenizer's eos and every eos_token_id of the model's generation config (all of them: Llama 3's
+    <|eot_id|>, <|eom_id|> and <|end_of_text|>), plus the token the template closes an assistant turn with. Control
+    tokens: the tokenizer's special tokens, less those the parsers read (<tool_call>, <think>, [TOOL_CALLS], ...):
+    dropped from what the model wrote before it is parsed."""
 
-    def __init__(self, tokenizer_path: str, chat_template: str = "", tool_parser: str = ""):
-        """`chat_template` / `tool_parser`: dotted paths to a user's Jinja template string and a user's
-        fn(text, tool_names) -> (content, tool_calls) (cfg keys of the same names); "" keeps the tokenizer's
-        template and `parse_tool_calls`."""
+    def __init__(self, tokenizer_path: str, chat_template: str = "", tool_parser: str = "", reasoning_parser: str = "",
+                 template_kwargs: dict | None = None):
+        """`chat_template`: a dotted path to a Jinja template string ("" = the tokenizer's). `tool_parser`: an SGLang
+        parser name (chat.TOOL_PARSERS), a dotted path to `fn(text, tools) -> (content, tool_calls)`, "none", or ""
+        to pick the one the template shows. `reasoning_parser`: qwen3, deepseek-r1, "none", or "" to pick from the
+        template. `template_kwargs`: variables every render gets (a request's chat_template_kwargs override them).
+        The cfg keys of the same names."""
         self.tok = data.load_tokenizer(tokenizer_path)
         self.template = data.import_object(chat_template) if chat_template else None  # None: the tokenizer's
-        self.parse_tool_calls = data.import_object(tool_parser) if tool_parser else parse_tool_calls
-        self.eos_id = self.tok.convert_tokens_to_ids(data.EOS_TOKEN)
-        self.stop_ids = sorted({self.eos_id, self.tok.pad_token_id})
+        self.template_kwargs = dict(template_kwargs or {})
+        source = self.template or self.tok.chat_template or ""
+        self.user_parser = data.import_object(tool_parser) if data.is_dotted(tool_parser) else None
+        self.tool_parser = tool_parser if tool_parser not in ("", "none") else (
+            chat.pick_tool_parser(source) if tool_parser == "" else "")
+        if self.user_parser is None and self.tool_parser and self.tool_parser not in chat.TOOL_PARSERS:
+            raise ValueError(f"tool_parser={tool_parser!r}: choose one of {chat.TOOL_PARSERS}, 'none', a dotted "
+                             "path to fn(text, tools) -> (content, tool_calls), or '' to pick from the chat template")
+        generation_prompt = self.render([{"role": "user", "content": "x"}], add_generation_prompt=True)
+        self.reasoning_parser = reasoning_parser if reasoning_parser not in ("", "none") else (
+            chat.pick_reasoning_parser(source, generation_prompt) if reasoning_parser == "" else "")
+        if self.reasoning_parser and self.reasoning_parser not in chat.REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser={reasoning_parser!r}: choose one of {chat.REASONING_PARSERS}, "
+                             "'none', or '' to pick from the chat template")
+        # the variable that switches thinking on and off in the template (Qwen3's enable_thinking), if it has one
+        self.thinking_switch = "enable_thinking" if "enable_thinking" in source else ""
         self.vocab_size = len(self.tok)
-        # What the template writes after an assistant message's content ("<|im_end|>\n" for Qwen). The
-        # model's own tokens end the content; these close the turn so the next messages can follow.
-        mark = "\x00MARK\x00"
-        probe = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}])
-        self.assistant_suffix = probe[probe.rindex(mark) + len(mark):]
-        self.eos_text = self.tok.convert_ids_to_tokens(self.eos_id)
+        # What the template writes after an assistant message's content (ChatML: its end token and a newline). The
+        # model's own tokens end the content with the turn's end token (its first token); the rest closes the turn.
+        self.assistant_suffix = chat.assistant_suffix(self.render)
+        try:
+            self.eos_text = chat.turn_end(self.assistant_suffix, self.tok.all_special_tokens)
+        except ValueError:  # a template that writes text of its own first ("]<end>"): the model ends with its eos
+            self.eos_text = self.tok.eos_token
+        self.eos_id = self.tok.convert_tokens_to_ids(self.eos_text)
+        self.stop_ids = sorted(set(chat.end_token_ids(self.tok, tokenizer_path)) | {self.eos_id})
+        specials = {i: t.content for i, t in self.tok.added_tokens_decoder.items() if t.special}
+        if self.user_parser is not None:  # it sees every special token the model wrote but the turn's end and padding
+            self._control = frozenset(self.stop_ids) | {i for i in (self.tok.bos_token_id, self.tok.pad_token_id)
+                                                        if i is not None}
+        else:
+            read = set(chat.MARKERS.get(self.tool_parser, ())) | set(chat.MARKERS.get(self.reasoning_parser, ()))
+            self._control = frozenset(i for i, t in specials.items() if t not in read)
+        self._think_end = self.tok.convert_tokens_to_ids("</think>") if "</think>" in specials.values() else None
         # close_turn_ids' two answers, tokenized once (they were 7% of AgentFlow's busy time, encoded per turn)
         after_eos = self.assistant_suffix[len(self.eos_text):] if self.assistant_suffix.startswith(self.eos_text) \
             else self.assistant_suffix
         self._close_ids = {True: self.encode(after_eos), False: self.encode(self.assistant_suffix)}
-        self._prompts: dict[str, list[int]] = {}  # prompt_ids' cache: JSON of (messages, tools) -> ids
+        self._prompts: dict[str, list[int]] = {}  # prompt_ids' cache: JSON of (messages, tools, kwargs) -> ids
 
-    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                   kwargs: dict | None = None) -> list[int]:
         """The ids of a chat rendered with the generation prompt, cached by content: the N samples of a group
         render the same first prompt, and the Jinja render was the largest per-trajectory cost of a step
-        (15% of AgentFlow's busy time, py-spy). Rendering is a pure function of (messages, tools)."""
-        key = json.dumps([messages, tools], sort_keys=True, default=str)
+        (15% of AgentFlow's busy time, py-spy). Rendering is a pure function of (messages, tools, kwargs)."""
+        key = json.dumps([messages, tools, kwargs], sort_keys=True, default=str)
         if key not in self._prompts:
             if len(self._prompts) >= 4096:  # a bound, not an LRU: the next groups' prompts refill it
                 self._prompts.clear()
-            self._prompts[key] = self.encode(self.render(messages, tools, add_generation_prompt=True))
+            self._prompts[key] = self.encode(self.render(messages, tools, add_generation_prompt=True, kwargs=kwargs))
         return list(self._prompts[key])
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None,
-               add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False,
+               kwargs: dict | None = None) -> str:
         return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, chat_template=self.template,
-                                            add_generation_prompt=add_generation_prompt)
+                                            add_generation_prompt=add_generation_prompt,
+                                            **{**self.template_kwargs, **(kwargs or {})})
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False) if text else []
@@ -542,17 +585,55 @@ class ChatFormat:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def assistant_text(self, output_ids: list[int]) -> str:
-        """Model output as text for tool-call parsing: tool tags kept, chat control tokens dropped."""
-        text = self.decode(output_ids, skip_special_tokens=False)
-        for t in self._CONTROL:
-            text = text.replace(t, "")
-        return text
+        """Model output as text for parsing: the tokens the parsers read kept, control tokens dropped."""
+        return self.decode([i for i in output_ids if i not in self._control], skip_special_tokens=False)
+
+    def parse(self, text: str, tools: list[dict] | None, parse_tools: bool = True,
+              separate_reasoning: bool = True) -> tuple[str, str, list[dict]]:
+        """(reasoning, content, tool_calls) of an assistant text: the thinking split off first, then the tool calls
+        parsed from the rest, as SGLang orders them. With `separate_reasoning` False the thinking stays in the
+        content (SGLang's request field of that name)."""
+        reasoning = ""
+        if self.reasoning_parser and separate_reasoning:
+            reasoning, text = chat.parse_reasoning(self.reasoning_parser, text)
+        calls = []
+        if parse_tools and tools:
+            if self.user_parser is not None:
+                text, calls = self.user_parser(text, tools)
+            elif self.tool_parser:
+                text, calls = chat.parse_tool_calls(self.tool_parser, text, tools)
+        return reasoning.strip(), text.strip(), calls
+
+    def reasoning_tokens(self, output_ids: list[int], reasoning: str) -> int:
+        """How many of the output tokens are thinking: through </think>, or all of them when it never closed."""
+        if not reasoning:
+            return 0
+        if self._think_end is not None and self._think_end in output_ids:
+            return output_ids.index(self._think_end) + 1
+        return len(output_ids)
+
+    def thinking_kwargs(self, enabled: bool | None) -> dict:
+        """Template variables for an Anthropic `thinking` request (SGLang's mapping): the template's switch set on
+        or off. Thinking asked of a model without a reasoning parser, or turned off where the template cannot, is
+        refused rather than ignored."""
+        if enabled is None:
+            return {}
+        if enabled and not self.reasoning_parser:
+            raise ApiError(400, "thinking was requested, but this model has no reasoning parser (cfg.reasoning_parser; "
+                           "its chat template shows no <think>...</think> format)", param="thinking")
+        if self.thinking_switch:
+            return {self.thinking_switch: enabled}
+        if not enabled and self.reasoning_parser:
+            raise ApiError(400, f"thinking is always on for this model (reasoning_parser {self.reasoning_parser!r}); "
+                           "its chat template has no switch to turn it off", param="thinking")
+        return {}
 
     def close_turn_ids(self, output_ids: list[int]) -> list[int]:
         """Template tokens that close an assistant turn after the model's own tokens (loss_mask 0).
 
-        The model normally ends with the eos token, which is the suffix's first token; then only the
-        rest ("\\n") is added. A turn cut by max_tokens gets the whole suffix. The model's ids stay as sampled.
+        The model normally ends with the turn's end token, which is the suffix's first token; then only the rest
+        ("\\n" for Qwen) is added. A turn cut by max_tokens, or ended by another end token (Llama 3's
+        <|end_of_text|>), gets the whole suffix. The model's ids stay as sampled.
         """
         return list(self._close_ids[bool(output_ids) and output_ids[-1] == self.eos_id])
 
@@ -581,6 +662,9 @@ class Segment:
     weight_versions: list[int] = field(default_factory=list)
     pending_close: list[int] = field(default_factory=list)  # ids that close the last assistant turn
     routed_experts: str = ""     # base64 routing of the segment's ids from position 0 (see Trajectory.routed_experts)
+    kwargs: dict = field(default_factory=dict)  # the chat_template_kwargs it was rendered with (a change: new segment)
+    thinking_shown: bool = True  # False once the template drops a turn's thinking from that very turn's rendering (it
+    #                              never shows past thinking, e.g. DeepSeek-R1's): the next turn starts a new segment
 
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
@@ -597,8 +681,9 @@ class TurnPlan:
     segment: Segment | None       # the segment it extends, or None for a new one
     new_ids: list[int]            # ids appended to that segment (template + new messages, loss_mask 0)
     input_ids: list[int]          # the whole context sent to the engine
-    messages: list[dict]
+    messages: list[dict]          # the chat it renders: the segment's own record of its turns, then the new messages
     tools: list[dict] | None
+    kwargs: dict                  # chat_template_kwargs
 
 
 class Session:
@@ -627,24 +712,33 @@ class Session:
         self.generate_s = 0.0
         self.batch = batch                        # EnginePool batch key: the prompt group (see _coalesced)
 
-    def plan(self, messages: list[dict], tools: list[dict] | None) -> TurnPlan:
-        """The input ids for a turn: extend the last segment if the history extends it, else start a new one."""
+    def plan(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None = None) -> TurnPlan:
+        """The input ids for a turn: extend the last segment if the history extends it, else start a new one.
+
+        The history extends when the messages continue the segment's (same roles, content and calls; thinking, which
+        clients often drop when they echo a turn, is not compared) and the template renders the new chat as the old
+        one plus more text. The model's own turns are then rendered from the segment's record, thinking included. A
+        template that drops past thinking (Qwen3 at a new user query) renders the history differently: a new segment
+        starts, and the earlier one keeps its sampled tokens (docs/AGENTFLOW.md, thinking models)."""
+        kwargs = dict(kwargs or {})
         seg = self.segments[-1] if self.segments else None
-        if seg is not None and tools == seg.tools and len(messages) >= len(seg.messages) and \
+        if seg is not None and tools == seg.tools and kwargs == seg.kwargs and seg.thinking_shown and \
+                len(messages) >= len(seg.messages) and \
                 all(_message_key(a) == _message_key(b) for a, b in zip(seg.messages, messages)):
-            full = self.chat.render(messages, tools, add_generation_prompt=True)
+            messages = seg.messages + messages[len(seg.messages):]
+            full = self.chat.render(messages, tools, add_generation_prompt=True, kwargs=kwargs)
             if full.startswith(seg.text):
                 # Reuse the segment's ids verbatim; only the new messages and the template glue are tokenized.
                 new_ids = seg.pending_close + self.chat.encode(full[len(seg.text):])
-                return TurnPlan(seg, new_ids, seg.ids() + new_ids, messages, tools)
-        prompt = self.chat.prompt_ids(messages, tools)
-        return TurnPlan(None, prompt, prompt, messages, tools)
+                return TurnPlan(seg, new_ids, seg.ids() + new_ids, messages, tools, kwargs)
+        prompt = self.chat.prompt_ids(messages, tools, kwargs)
+        return TurnPlan(None, prompt, prompt, messages, tools, kwargs)
 
     def commit(self, plan: TurnPlan, turn: Turn) -> None:
         """Append a generated turn (and the ids that led to it) to its segment."""
         seg = plan.segment
         if seg is None:
-            seg = Segment(messages=[], tools=plan.tools, text="", prompt_ids=plan.new_ids)
+            seg = Segment(messages=[], tools=plan.tools, text="", prompt_ids=plan.new_ids, kwargs=plan.kwargs)
             self.segments.append(seg)
         else:
             n = len(plan.new_ids)
@@ -661,18 +755,30 @@ class Session:
         if turn.routed_experts:  # the call ran on the whole segment from its prompt: its routing replaces the last
             seg.routed_experts = turn.routed_experts
         assistant = {"role": "assistant", "content": turn.content}
+        if turn.reasoning:
+            assistant["reasoning_content"] = turn.reasoning
         if turn.tool_calls:
             assistant["tool_calls"] = turn.tool_calls
         seg.messages = plan.messages + [assistant]
-        seg.text = self.chat.render(seg.messages, seg.tools)
+        seg.text = self.chat.render(seg.messages, seg.tools, kwargs=seg.kwargs)
+        if turn.reasoning:  # does the template show this turn's thinking (the tokens the model was trained on)?
+            head = self.chat.render(plan.messages, seg.tools, kwargs=seg.kwargs)
+            shown = seg.text[len(head):] if seg.text.startswith(head) else seg.text
+            seg.thinking_shown = turn.reasoning in shown
         self.turns += 1
         self.last_text = turn.content
         self.finish_reasons.append(turn.finish_reason)
 
     async def run_turn(self, pool: EnginePool, messages: list[dict], tools: list[dict] | None, *,
                        parse_tools: bool = True, max_tokens: int | None = None, overrides: dict | None = None,
-                       stop: list[str] | None = None) -> Turn:
-        """Render, check the budgets, generate on an engine, parse tool calls, commit. Raises ApiError."""
+                       stop: list[str] | None = None, template_kwargs: dict | None = None,
+                       separate_reasoning: bool = True) -> Turn:
+        """Render, check the budgets, generate on an engine, parse thinking and tool calls, commit. Raises ApiError.
+        `template_kwargs`: the request's chat_template_kwargs (e.g. enable_thinking)."""
+        if parse_tools and tools and not (self.chat.tool_parser or self.chat.user_parser):
+            raise ApiError(400, "this request offers tools, but no tool-call parser is set for this model and its chat "
+                           "template shows no tool-call format LoongSage knows; set cfg.tool_parser to one of "
+                           f"{chat.TOOL_PARSERS} or a dotted path", param="tools")
         async with self.lock:
             if self.closed:
                 raise ApiError(404, "this session is finished; its trajectory has been handed to the trainer",
@@ -681,7 +787,7 @@ class Session:
                 self.status = "truncated"
                 raise ApiError(400, f"this session used its {self.max_turns} turns (cfg.max_turns); "
                                "end the episode", code="max_turns_exceeded")
-            plan = self.plan(messages, tools)
+            plan = self.plan(messages, tools, template_kwargs)
             room = self.max_context_len - len(plan.input_ids)
             if room <= 0:
                 self.status = "truncated"
@@ -725,12 +831,11 @@ class Session:
             if stop and finish == "stop_string":  # the stop string itself is not part of the content
                 matched = min((x for x in stop if x in text), key=text.find)
                 text, finish = text[:text.find(matched)], "stop"
-            names = {t["function"]["name"] for t in tools or ()}
-            content, calls = self.chat.parse_tool_calls(text, names) if (parse_tools and tools) else (text.strip(), [])
+            reasoning, content, calls = self.chat.parse(text, tools, parse_tools, separate_reasoning)
             routed = _routed_prefix(meta.get("routed_experts") or "", len(plan.input_ids) + len(lps) - 1,
                                     len(plan.input_ids) + len(output_ids) - 1)
             turn = Turn(output_ids, logprobs, versions, finish, content, calls, len(plan.input_ids), url, matched,
-                        routed)
+                        routed, reasoning=reasoning, reasoning_tokens=self.chat.reasoning_tokens(output_ids, reasoning))
             self.commit(plan, turn)
             if finish == "length" and len(self.segments[-1].ids()) >= self.max_context_len:
                 self.status = "truncated"
@@ -754,7 +859,7 @@ class Session:
         if not self.segments:  # nothing was generated: keep the prompt so the trainer has a valid row
             msgs = self.sample.get("messages") or [{"role": "user", "content": ""}]
             try:
-                prompt = self.chat.encode(self.chat.render(msgs, add_generation_prompt=True))
+                prompt = self.chat.prompt_ids(msgs)
             except Exception:
                 prompt = [self.chat.eos_id]
             seg = Segment(messages=[], tools=None, text="", prompt_ids=prompt)
@@ -862,7 +967,8 @@ class Router:
             s = self._session(sid, request.headers)
             req = openai_request(await body_of(request))
             turn = await s.run_turn(self.pool, req.messages, req.tools, parse_tools=req.parse_tools,
-                                    max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop)
+                                    max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop,
+                                    template_kwargs=req.template_kwargs, separate_reasoning=req.separate_reasoning)
             if req.stream:
                 return sse(openai_stream(self.chat, turn, self.model_name, req.logprobs, req.include_usage))
             return JSONResponse(openai_response(self.chat, turn, self.model_name, req.logprobs))
@@ -872,7 +978,8 @@ class Router:
             s = self._session(sid, request.headers)
             req = anthropic_request(await body_of(request))
             turn = await s.run_turn(self.pool, req.messages, req.tools, parse_tools=req.parse_tools,
-                                    max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop)
+                                    max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop,
+                                    template_kwargs=self.chat.thinking_kwargs(req.thinking))
             if req.stream:
                 return sse(anthropic_stream(turn, self.model_name))
             return JSONResponse(anthropic_response(turn, self.model_name))
@@ -883,7 +990,8 @@ class Router:
             body = await body_of(request)
             req = responses_request(body, s.responses)
             turn = await s.run_turn(self.pool, req.messages, req.tools, parse_tools=req.parse_tools,
-                                    max_tokens=req.max_tokens, overrides=req.overrides)
+                                    max_tokens=req.max_tokens, overrides=req.overrides,
+                                    template_kwargs=req.template_kwargs)
             rid = "resp_" + uuid.uuid4().hex
             output = responses_output(turn)
             s.responses[rid] = s.segments[-1].messages  # the conversation so far, for previous_response_id
@@ -1013,7 +1121,8 @@ class AgentFlow:
         if not all(isinstance(u, str) for u in engine_urls):
             import ray  # late: AgentFlow also runs without Ray
             engine_urls = ray.get(engine_urls, timeout=cfg.actor_timeout)
-        self.chat = ChatFormat(tokenizer_path, cfg.chat_template, cfg.tool_parser)
+        self.chat = ChatFormat(tokenizer_path, cfg.chat_template, cfg.tool_parser, cfg.reasoning_parser,
+                               cfg.chat_template_kwargs)
         self.pool = EnginePool(engine_urls, health_timeout_s=cfg.engine_health_timeout,
                                check_every_s=cfg.engine_check_every, wait_s=cfg.engine_wait,
                                return_routed_experts=bool(cfg.router_replay))
@@ -1124,6 +1233,11 @@ class AgentFlow:
         """The controller re-created the engine at old_url as new_url, on the current weights: route to it."""
         self.pool.replace(old_url, new_url)
 
+    async def use_adapter(self, name: str, version: int) -> None:
+        """LoRA: after a weight sync, new requests generate with adapter `name`, weight version `version` (async: the
+        pool unloads the adapter it replaces from this actor's event loop)."""
+        self.pool.use_adapter(name, version)
+
     def engine_metrics(self) -> dict:
         return {"engines/healthy": len(self.pool.healthy()), "rollout/retried": self.pool.retried}
 
@@ -1214,8 +1328,7 @@ class AgentFlow:
             return await self._finish(s, sample, status="failed" if s.status == "ok" else s.status,
                                       error=getattr(e, "message", None) or repr(e))
         status = "truncated" if turn.finish_reason == "length" else "ok"
-        return await self._finish(s, sample, status=status,
-                                  response_text=self.chat.decode(turn.output_ids, skip_special_tokens=True))
+        return await self._finish(s, sample, status=status, response_text=turn.content)  # thinking apart
 
     async def _whitebox(self, sample: dict, sampling: dict, group_id: int) -> Trajectory:
         """`await agent(client, sample)` with an official AsyncOpenAI client bound to a fresh session."""

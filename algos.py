@@ -5,8 +5,8 @@ Every equation lives in exactly one function whose docstring gives it in plain t
 equation or section) and any departure. Variants are chosen by name with if/elif in one dispatch place per
 family (`compute_advantages`, `_pg_token_loss`, `aggregate`, `kl_estimate`, `is_weight`, `distill_loss`,
 `shape_rewards`); `validate(cfg)` rejects unknown names and invalid combinations before anything runs.
-`advantage`, `policy_loss`, `kl_type` and `distill_type` also take a dotted path to a user's function (README
-"Extension points"), called from the same dispatch with the signature given there.
+`advantage`, `policy_loss`, `kl_type` and `distill_type` also take a dotted path to a user's function
+(docs/EXTENDING.md), called from the same dispatch with the signature given there.
 
 The controller calls `validate` at config time. The trainer calls `shape_rewards` (reward shaping happens in
 the trainer, on the batch it trains), `compute_advantages`, `policy_loss`, `gap_metrics`, `sft_loss`; with
@@ -56,7 +56,7 @@ IS_LEVELS = ("", "token", "seq", "geo")
 IS_MODES = ("truncate", "mask")
 LENGTH_PENALTIES = ("", "linear", "kimi")
 DISTILL_TYPES = ("topk_kl", "forward_kl", "reverse_kl", "jsd")  # the GKD divergence of on-policy distillation
-# Fields that also take a dotted path to a user's function (README "Extension points"; data.import_object loads it)
+# Fields that also take a dotted path to a user's function (docs/EXTENDING.md; data.import_object loads it)
 PLUGGABLE = ("advantage", "policy_loss", "kl_type", "distill_type")
 
 EPS = 1e-6          # added to std in z-scores; zero-variance groups give 0 / (0 + EPS) = 0

@@ -324,7 +324,7 @@ def longtail_samples(n: int, seed: int) -> list[dict]:
 def longtail_sft(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dict:
     """Warm-start example: the letters from the prompt's down to "a", then the (possibly near-miss) answer, then
     end of turn."""
-    t = data.sft_trajectory(tok, sample, rng, label_noise)  # answer (maybe off by one) + <|im_end|>
+    t = data.sft_trajectory(tok, sample, rng, label_noise)  # answer (maybe off by one) + the end token
     answer = tok.decode(t["response_ids"][:-1])
     letters = [chr(96 + i) for i in range(sample["count"], 0, -1)]
     r = tok.encode(" ".join(letters + [answer]), add_special_tokens=False) + t["response_ids"][-1:]
@@ -491,9 +491,9 @@ def _sync_receiver(conn) -> None:
             http.shutdown()
             return
         if cmd == "join":
-            group = tm.new_gloo_group("127.0.0.1", a[0], 1, 2)
+            group = tm.new_sglang_group("127.0.0.1", a[0], 1, 2, "bench", "gloo")
         elif cmd == "shm":
-            keep(tm.read_shm_bucket(a[0]))
+            keep(tm.read_tensor_payload(a[0], "flattened_bucket", a[1]))
         elif cmd == "broadcast":
             keep(tm.recv_broadcast(group, *a))
         elif cmd == "disk":
@@ -522,7 +522,7 @@ def bench_sync(args) -> dict:
 
     port = tm.free_port()
     conn.send(("join", port))
-    group = tm.new_gloo_group("127.0.0.1", port, 0, 2)
+    group = tm.new_sglang_group("127.0.0.1", port, 0, 2, "bench", "gloo")
     assert conn.recv() == "ok"
     http = httpx.Client(timeout=600, transport=httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]))
     tmp = Path(tempfile.mkdtemp(prefix="loongsage_bench_sync_"))
@@ -531,10 +531,11 @@ def bench_sync(args) -> dict:
         buckets = list(tm.iter_buckets(named, bucket_bytes))
         tm.reserve_shm(max(tm.bucket_layout(b)[1] for b in buckets))
         for i, bucket in enumerate(buckets):
-            desc = tm.write_shm_bucket(bucket, half=i % 2)[0]
+            flat, metas, sums = tm.write_shm_bucket(bucket, half=i % 2)
+            payload = tm.tensor_payloads(flat, metas, 1)[0]
             if i:
                 assert conn.recv() == "ok"
-            conn.send(("shm", desc))
+            conn.send(("shm", payload, sums))
         assert conn.recv() == "ok"
 
     def broadcast(named):

@@ -2,24 +2,36 @@
 
 What lives here, top to bottom:
 
-* `read_hf_config` and `megatron_config`: an HF `config.json` (Qwen3, Qwen2, Llama/Mistral, Qwen3-MoE, Mixtral)
-  turned into a Megatron `TransformerConfig` plus the GPTModel arguments (`_rope`, `_moe_settings`);
-* `build_gpt_model`: a GPTModel on the local layer spec, one pipeline stage of it, with the LM head in fp32 on
-  request (`fp32_output_layer`, which Megatron-Core 0.16 has no option for);
-* the weights: `load_hf_state`, `hf_to_megatron`, `megatron_to_hf` (full, TP=1 layout, every expert; the name
-  map is written out above them) and the tensor-parallel split / gather of one parameter (`shard_for_rank`,
-  `gather_full`); `save_hf_dir` writes an HF directory the engines and transformers load.
+* `read_hf_config` and `megatron_config`: an HF `config.json` (Qwen3, Qwen2, Llama/Mistral, Qwen3-MoE, Mixtral,
+  DeepSeek-V3) turned into a Megatron `TransformerConfig` plus the GPTModel arguments (`_rope`, `_moe_settings`;
+  DeepSeek-V3's multi-latent attention, YaRN and grouped sigmoid routing: `_deepseek_settings`, an
+  `MLATransformerConfig`);
+* `layer_spec`: Transformer Engine's layer spec or Megatron's local one (cfg.layer_spec, `auto` resolved where the
+  model is built), and Megatron's fast paths set in the TransformerConfig: sequence and context parallelism,
+  activation recomputation (`megatron_config`); DeepSeek-V3's dense first layers and MoE layers come from Megatron's
+  per-layer block spec;
+* `build_gpt_model`: a GPTModel on that spec, one pipeline stage of it, with the LM head in fp32 on request
+  (`fp32_output_layer`, which Megatron-Core 0.16 has no option for);
+* the weights: `load_hf_state`, `hf_to_megatron`, `megatron_to_hf` (full, TP=1 layout, every expert, local-spec
+  names; the name map is written out above them; `fused_norm_names` gives the TE spec's names for the two norms it
+  fuses) and the tensor-parallel split / gather of one parameter (`shard_for_rank`, `gather_full`); `save_hf_dir`
+  writes an HF directory the engines and transformers load.
 
 Which shard of a full tensor a rank holds under TP / EP / PP is the trainer's `Model.load` / `Model.gather`;
 this file knows one tensor's TP split only.
 
 Megatron-Core and transformers agree bit for bit on these conversions: a Qwen3 checkpoint loaded here gives
-transformers' fp32 logprobs with max abs diff 0.0 on CPU (DESIGN.md), so the tests that use them are strict.
+transformers' fp32 logprobs with max abs diff 0.0 on CPU (docs/CPU.md), so the tests that use them are strict.
 
 Test: `.venv/bin/pytest tests/test_trainer.py -k "parity or tensor_parallel or save_hf"` (against transformers,
-other families, TP=2, the HF round trip), tests/test_moe.py (experts and routers, EP=2), tests/test_pipeline.py.
+other families, TP=2, the HF round trip), tests/test_moe.py (experts and routers, EP=2), tests/test_pipeline.py,
+tests/test_deepseek.py (DeepSeek-V3 at TP=1 and TP=2, YaRN, without q compression, real configs),
+tests/test_fast_paths.py (the spec's names, recomputation on CPU; the TE spec itself needs CUDA: scripts/gpu_check.sh).
 Left out: sliding-window attention (exact below the window), biases other than Qwen2's qkv biases, activations
-other than SwiGLU, rope scalings other than Llama-3.1's, models that mix dense and MoE layers.
+other than SwiGLU, rope scalings other than Llama-3.1's (and YaRN for DeepSeek-V3), Qwen3-MoE models that mix dense
+and MoE layers, DeepSeek-V3's multi-token-prediction layers (dropped on load: RL trains the main model only),
+DeepSeek-V3 with rope_interleave=false or norm_topk_prob=false, TE's grouped-GEMM experts (their weights are named
+per GEMM, not per expert), FP8.
 """
 from __future__ import annotations
 
@@ -36,7 +48,7 @@ import cpu
 # Megatron-Core is imported inside the functions that use it (`# Megatron: late`): it takes ~2 s to import, and the
 # controller reads HF configs here without building a model.
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "mixtral", "deepseek_v3")
 # Files copied next to the weights by `save_hf_dir` so transformers (and the engines) can load the directory.
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja",
@@ -58,10 +70,15 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     return hf
 
 
+def _rope_theta(hf: dict, params: dict) -> float:
+    """RoPE's base: in the rope parameters (transformers 5) or at the top level (transformers 4)."""
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
 def _rope(hf: dict) -> tuple[float, bool, float]:
     """(rotary_base, rope_scaling, rope_scaling_factor) from either transformers 4 or 5 config keys."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = _rope_theta(hf, params)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type == "default":
         return theta, False, 1.0
@@ -92,23 +109,138 @@ def _moe_settings(hf: dict) -> dict:
     else:  # mixtral: softmax over the top-k logits
         n_exp, topk, ffn, pre_softmax = _num_experts(hf), hf["num_experts_per_tok"], hf["intermediate_size"], False
     return dict(num_moe_experts=n_exp, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
-                moe_router_pre_softmax=pre_softmax, moe_router_load_balancing_type="none",
-                moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
-                moe_router_dtype="fp32")
+                moe_router_pre_softmax=pre_softmax, **_MOE_COMMON)
+
+
+# Every MoE model here: no aux losses, experts as plain per-expert MLPs (no grouped GEMM, which needs
+# Transformer Engine), the allgather token dispatcher (gloo has no all-to-all), router math in fp32.
+_MOE_COMMON = dict(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                   moe_token_dispatcher_type="allgather", moe_router_dtype="fp32")
+
+
+def _yarn(hf: dict, params: dict) -> dict:
+    """MLATransformerConfig's YaRN fields for a DeepSeek-V3 `rope_scaling` of type yarn, checked to give
+    transformers' numbers: the same inverse frequencies (factor, original length, beta_fast/slow, truncated
+    correction range), cos/sin scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim), and the softmax
+    scale multiplied by mscale(factor, mscale_all_dim)^2 (mscale(s, m) = 0.1 m ln s + 1, arXiv 2309.00071)."""
+    factor = params.get("factor") or hf["max_position_embeddings"] / params["original_max_position_embeddings"]
+    if params.get("truncate", True) is not True or params.get("attention_factor") is not None:
+        raise ValueError(f"yarn rope_scaling {params} sets truncate / attention_factor, which Megatron's MLA YaRN "
+                         "does not take; only DeepSeek-V3's standard YaRN settings are supported")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if not mscale_all_dim and mscale not in (None, 1, 1.0):
+        # transformers ignores mscale without mscale_all_dim; Megatron would scale cos/sin by it
+        raise ValueError(f"yarn rope_scaling with mscale={mscale} but no mscale_all_dim is not supported; "
+                         "give both (as DeepSeek-V3 does) or neither")
+    return dict(rope_type="yarn", rotary_scaling_factor=float(factor),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                mscale=float(mscale if mscale_all_dim else 1.0), mscale_all_dim=float(mscale_all_dim or 0.0))
+
+
+def _deepseek_settings(hf: dict) -> dict:
+    """MLATransformerConfig fields for a DeepSeek-V3-family config (DeepSeek-V3/R1, Moonlight, Kimi-K2 layouts).
+
+    Attention is multi-latent (arXiv 2405.04434): q = W_qb RMSNorm(W_qa h) (or W_q h without q_lora_rank), a
+    shared latent c = RMSNorm(W_kva h)[:kv_lora_rank] expanded per head by W_kvb into k_nope | v, one RoPE'd key
+    part shared by all heads; transformers' rope_interleave=true is what Megatron's MLA RoPE computes (it
+    de-interleaves the rotary half itself). MoE (arXiv 2412.19437): sigmoid scores s; experts chosen by s + b (b:
+    the score-correction bias) among the topk_group groups of highest top-2 sums; gates = s of the chosen ones,
+    normalised, times routed_scaling_factor; shared experts added; the first first_k_dense_replace layers dense.
+    b is frozen (a pre-training load balancer; a trainer that moved it would route differently from the engines
+    serving the same weights): build_gpt_model adds it to each router as a parameter without gradient."""
+    n_exp, topk = hf["n_routed_experts"], hf["num_experts_per_tok"]
+    n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    problems = []
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        problems.append(f"scoring_func={hf.get('scoring_func')!r} / topk_method={hf.get('topk_method')!r} (only "
+                        "sigmoid scores with noaux_tc bias-corrected selection, DeepSeek-V3's)")
+    if not hf.get("norm_topk_prob", True) and topk > 1:
+        problems.append("norm_topk_prob=false (Megatron normalises the top-k sigmoid gates)")
+    if hf.get("rope_interleave", True) is False:
+        problems.append("rope_interleave=false (Megatron's MLA RoPE is the interleaved one)")
+    if hf.get("moe_layer_freq", 1) != 1:
+        problems.append(f"moe_layer_freq={hf.get('moe_layer_freq')} (every layer after the dense ones must be MoE)")
+    grouped = n_group > 1 and topk_group < n_group  # else every group is allowed: plain top-k
+    if grouped and topk // topk_group != 2:
+        # transformers scores a group by its top-2 sum; Megatron's group_limited_topk by its top-(topk/topk_group)
+        problems.append(f"num_experts_per_tok={topk} / topk_group={topk_group} != 2 (Megatron scores a group by "
+                        "the sum of its top topk/topk_group experts, transformers by its top 2)")
+    if problems:
+        raise ValueError("deepseek_v3 with " + "; ".join(problems) + " is not supported by the conversion")
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"deepseek_v3 with rope_type={rope_type!r} is not supported; use default or yarn rope")
+    dense = int(hf.get("first_k_dense_replace") or 0)
+    return dict(
+        multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+        qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        kv_channels=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+        qk_layernorm=True,  # builds q_layernorm / kv_layernorm: the RMSNorms on the two latents
+        rotary_base=_rope_theta(hf, params),
+        **(_yarn(hf, params) if rope_type == "yarn" else dict(rope_type="rope")),
+        num_moe_experts=n_exp, moe_router_topk=topk, moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf["n_shared_experts"]
+        if hf.get("n_shared_experts") else None,
+        moe_layer_freq=[0] * dense + [1] * (hf["num_hidden_layers"] - dense),
+        moe_router_score_function="sigmoid",  # + the score-correction bias: build_gpt_model gives each router one
+        moe_router_num_groups=n_group if grouped else None, moe_router_group_topk=topk_group if grouped else None,
+        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0), moe_router_pre_softmax=False,
+        **_MOE_COMMON)
+
+
+def _te_import_error() -> str | None:
+    """Why `transformer_engine` does not import here, or None when it does."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401  Transformer Engine: only probed, Megatron's spec uses it
+    except (ImportError, OSError) as e:  # OSError: installed, but its CUDA libraries do not load
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def layer_spec(cfg, on_cpu: bool) -> str:
+    """"te" (Transformer Engine's layer spec: fused norm+linear layers, TE's flash attention, sequence and context
+    parallelism) or "local" (Megatron's own modules; on CPU with cpu.SDPACoreAttention and norms that take sequence
+    parallelism, cpu.apply_cpu_shims): cfg.layer_spec with `auto` resolved on this machine, where the model is built
+    (config.check_fast_paths has checked what --check can know)."""
+    if cfg.layer_spec == "local" or (cfg.layer_spec == "auto" and on_cpu):
+        spec, why = "local", f"layer_spec={cfg.layer_spec!r}" + (" on CPU" if on_cpu else "")
+    elif on_cpu:
+        raise ValueError("layer_spec='te' needs CUDA (Transformer Engine's kernels); set layer_spec=auto or local")
+    else:
+        error = _te_import_error()
+        if error and cfg.layer_spec == "te":
+            raise ValueError(f"layer_spec='te' but transformer_engine does not import on this trainer ({error}); "
+                             "install Transformer Engine for this torch and CUDA, or set layer_spec=auto")
+        spec, why = ("local", f"transformer_engine does not import here ({error})") if error else ("te", "")
+    if spec == "local" and int(cfg.context_parallel) > 1:
+        raise ValueError(f"context_parallel={cfg.context_parallel} needs Transformer Engine's attention, and this "
+                         f"trainer builds the local spec ({why}); install Transformer Engine, or set "
+                         "context_parallel=1")
+    if spec == "local" and cfg.sequence_parallel and not on_cpu:  # on CPU the shims mark the torch norms (cpu.py)
+        raise ValueError(f"sequence_parallel=true needs Transformer Engine's layer spec on CUDA, and this trainer "
+                         f"builds the local one ({why}), whose torch norms refuse it; install Transformer Engine, or "
+                         "set sequence_parallel=false")
+    return spec
 
 
 def megatron_config(hf: dict, cfg, cpu: bool):
-    """(TransformerConfig, GPTModel kwargs) for an HF config dict, with cfg's parallel sizes and dtype.
+    """(TransformerConfig, GPTModel kwargs) for an HF config dict, with cfg's parallel sizes, dtype and fast paths
+    (sequence / context parallelism, recomputation); the kwargs carry the layer spec (`layer_spec`).
 
-    `cfg.megatron` (a dict) is passed through last, so any TransformerConfig field can be overridden
-    from a recipe.
+    `cfg.megatron` (a dict) is passed through last, so any other TransformerConfig field can be overridden
+    from a recipe (config.MEGATRON_OWNED lists those LoongSage sets from its own fields).
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig  # Megatron: late
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # Megatron: late
 
     mt, tp = hf["model_type"], int(cfg.tensor_parallel)
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
-    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                    ("vocab_size", hf["vocab_size"])):
+    split = [("num_attention_heads", heads), ("num_key_value_heads", kv_heads), ("vocab_size", hf["vocab_size"])]
+    if mt == "deepseek_v3":  # the local spec's MLA down-projections are column-parallel: their outputs split too
+        split += [("kv_lora_rank + qk_rope_head_dim", hf["kv_lora_rank"] + hf["qk_rope_head_dim"])]
+        split += [("q_lora_rank", hf["q_lora_rank"])] if hf.get("q_lora_rank") else []
+    for what, n in split:
         if n % tp:
             divisors = [d for d in range(1, n + 1) if n % d == 0 and d <= 16]
             raise ValueError(f"tensor_parallel={tp} does not divide {what}={n}; choose one of {divisors}")
@@ -140,13 +272,16 @@ def megatron_config(hf: dict, cfg, cpu: bool):
         # Each micro-batch loss is pre-divided by global counts: DDP must SUM gradients over DP ranks.
         calculate_per_token_loss=True,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=int(cfg.pipeline_parallel),
-        expert_model_parallel_size=int(cfg.expert_parallel), sequence_parallel=False,
+        expert_model_parallel_size=int(cfg.expert_parallel), sequence_parallel=bool(cfg.sequence_parallel),
+        context_parallel_size=int(cfg.context_parallel),
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         # perform_initialization stays on although the HF weights overwrite the init: it is also what marks
         # TP-sharded parameters (`tensor_model_parallel`), which grad-norm and clipping rely on.
         use_cpu_initialization=cpu,
         **_moe_settings(hf) if mt in ("qwen3_moe", "mixtral") else {},
     )
+    if mt == "deepseek_v3":
+        base.update(_deepseek_settings(hf))  # MLA heads, RoPE and MoE in place of the fields above
     if int(cfg.pipeline_parallel) > 1:
         if hf.get("tie_word_embeddings", False):
             raise ValueError("pipeline_parallel > 1 with tie_word_embeddings=true is not supported (the first and the "
@@ -159,17 +294,45 @@ def megatron_config(hf: dict, cfg, cpu: bool):
         # Megatron refuses it with the allgather token dispatcher, and its alltoall dispatcher makes a CUDA stream.
         base.update(batch_p2p_comm=False)
     if cfg.router_replay:
-        if mt not in ("qwen3_moe", "mixtral"):
+        if not _is_moe(hf):
             raise ValueError(f"router_replay=true needs an MoE model; {mt} has no router. Set router_replay=false")
         base["moe_enable_routing_replay"] = True  # each TopKRouter gets a RouterReplay (see replay_routing)
+    if cfg.recompute == "full":  # keep each layer's input, run the layer again in the backward
+        base.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif cfg.recompute == "selective":  # recompute the core attention only (Megatron's default recompute_modules)
+        base.update(recompute_granularity="selective")
     base.update(dict(cfg.megatron))
-    tcfg = TransformerConfig(**base)
-    rotary_base, rope_scaling, rope_factor = _rope(hf)
+    tcfg = (MLATransformerConfig if mt == "deepseek_v3" else TransformerConfig)(**base)
+    # MLA builds its own rotary embedding from tcfg (GPTModel's is not made then)
+    rotary_base, rope_scaling, rope_factor = (tcfg.rotary_base, False, 1.0) if mt == "deepseek_v3" else _rope(hf)
     model_kwargs = dict(vocab_size=hf["vocab_size"], max_sequence_length=hf.get("max_position_embeddings", 4096),
                         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
                         position_embedding_type="rope", rotary_percent=1.0, rotary_base=rotary_base,
-                        rope_scaling=rope_scaling, rope_scaling_factor=rope_factor, parallel_output=True)
+                        rope_scaling=rope_scaling, rope_scaling_factor=rope_factor, parallel_output=True,
+                        transformer_layer_spec=_layer_spec_module(tcfg, layer_spec(cfg, cpu)))
     return tcfg, model_kwargs
+
+
+def _layer_spec_module(tcfg, spec: str):
+    """Megatron's ModuleSpec of one transformer layer: TE's ("te") or the local one (CPU: its core attention is
+    cpu.SDPACoreAttention via the shims). Experts stay one MLP each (no grouped GEMM): both specs name them alike."""
+    from megatron.core.models.gpt import gpt_layer_specs  # Megatron: late
+    if tcfg.multi_latent_attention:  # DeepSeek-V3: dense and MoE layers (moe_layer_freq), one spec per layer
+        if spec == "local":
+            cpu.moe_router_without_te()
+            cpu.mla_without_te()
+        from megatron.core import parallel_state  # the layers of this pipeline stage; rank 0 outside a trainer
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() \
+            else 0
+        return gpt_layer_specs.get_gpt_decoder_block_spec(tcfg, use_transformer_engine=spec == "te",
+                                                          normalization="RMSNorm", pp_rank=pp_rank)
+    if spec == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=tcfg.qk_layernorm)
+    if tcfg.num_moe_experts:
+        cpu.moe_router_without_te()
+    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
 
 
 def fp32_output_layer(gpt) -> None:
@@ -190,19 +353,23 @@ def fp32_output_layer(gpt) -> None:
 
 def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, pre_process: bool = True,
                     post_process: bool = True, fp32_lm_head: bool = False):
-    """A GPTModel on the local layer spec (CPU: its core attention is cpu.SDPACoreAttention via the shims). With
-    pipeline parallelism: one stage, its share of the layers (+ embedding on the first, final norm and output
-    layer on the last: `pre_process` / `post_process`). `fp32_lm_head`: logits computed in fp32
-    (`fp32_output_layer`)."""
+    """A GPTModel on the layer spec in `model_kwargs` (megatron_config). With pipeline parallelism: one stage, its
+    share of the layers (+ embedding on the first, final norm and output layer on the last: `pre_process` /
+    `post_process`). `fp32_lm_head`: logits computed in fp32 (`fp32_output_layer`)."""
     from megatron.core.models.gpt import GPTModel  # Megatron: late
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # Megatron: late
 
-    if tcfg.num_moe_experts:
-        cpu.moe_router_without_te()
-    spec = get_gpt_layer_local_spec(num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
-    model = GPTModel(config=tcfg, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
-                     **model_kwargs)
+    model = GPTModel(config=tcfg, pre_process=pre_process, post_process=post_process, **model_kwargs)
+    if tcfg.multi_latent_attention and tcfg.num_moe_experts:
+        from megatron.core.transformer.moe.router import TopKRouter  # Megatron: late
+        for router in [m for m in model.modules() if isinstance(m, TopKRouter)]:
+            # DeepSeek-V3's score-correction bias (e_score_correction_bias), which the router adds to the sigmoid
+            # scores to choose experts (see _deepseek_settings). It is a checkpoint tensor: as a frozen parameter
+            # it is loaded, replicated over TP, gathered and exported with the weights. Megatron's own
+            # (moe_router_enable_expert_bias) is a buffer it moves by token counts, counted with a padding mask
+            # of the wrong shape in 0.16 (a RuntimeError under padding_mask); frozen, the bias never moves, and
+            # trainer and engines route alike.
+            router.expert_bias = torch.nn.Parameter(torch.zeros(tcfg.num_moe_experts, dtype=torch.float32),
+                                                    requires_grad=False)
     if fp32_lm_head and post_process:
         fp32_output_layer(model)
     return model.to(device)
@@ -226,8 +393,33 @@ def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, pre_process:
 #   decoder.layers.L.mlp.router.weight          <- mlp.gate.weight (Qwen3-MoE) / block_sparse_moe.gate (Mixtral)
 #   decoder.layers.L.mlp.experts.local_experts.E.linear_fc{1,2}.weight <- experts.E.{gate,up,down}_proj
 #                                                  (Mixtral: w1 = gate, w3 = up, w2 = down)
+#   DeepSeek-V3 (multi-latent attention; rows keep their layouts):
+#   decoder.layers.L.self_attention.linear_q_down_proj / linear_q_up_proj / linear_q_proj.weight
+#                                               <- self_attn.q_a_proj / q_b_proj / q_proj (no q_lora_rank)
+#   decoder.layers.L.self_attention.{q,kv}_layernorm.weight <- self_attn.{q,kv}_a_layernorm.weight
+#   decoder.layers.L.self_attention.linear_kv_down_proj / linear_kv_up_proj.weight
+#                                               <- self_attn.kv_a_proj_with_mqa / kv_b_proj
+#   decoder.layers.L.mlp.router.expert_bias     <- mlp.gate.e_score_correction_bias
+#   decoder.layers.L.mlp.shared_experts.linear_fc{1,2}.weight <- mlp.shared_experts.{gate,up,down}_proj
 #   decoder.final_layernorm.weight              <- model.norm.weight
 #   output_layer.weight                         <- lm_head.weight (absent when embeddings are tied)
+
+
+# The TE spec fuses two norms into the linear layer after them (TELayerNormColumnParallelLinear), whose parameter
+# then holds the norm's weight: {fused name: local-spec name}. In MoE layers the pre-MLP norm stays a norm of its own.
+TE_FUSED_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                  "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def fused_norm_names(param_names) -> dict[str, str]:
+    """{local-spec name: the model's own name} for every norm the model's layer spec fused into a linear layer;
+    empty for the local spec. The conversions here speak local-spec names; trainer.Model translates with this."""
+    out = {}
+    for name in param_names:
+        for fused, local in TE_FUSED_NORMS.items():
+            if name.endswith("." + fused):
+                out[name[:-len(fused)] + local] = name
+    return out
 
 
 def load_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -264,11 +456,27 @@ def _router_name(hf: dict, layer: int) -> str:
 
 
 def _is_moe(hf: dict) -> bool:
-    return hf["model_type"] in ("qwen3_moe", "mixtral")
+    return hf["model_type"] in ("qwen3_moe", "mixtral", "deepseek_v3")
+
+
+def _moe_layer(hf: dict, layer: int) -> bool:
+    """Whether `layer` routes over experts (DeepSeek-V3's first first_k_dense_replace layers are dense)."""
+    return _is_moe(hf) and layer >= int(hf.get("first_k_dense_replace") or 0)
 
 
 def _num_experts(hf: dict) -> int:
-    return hf.get("num_experts") or hf.get("num_local_experts") or 0
+    return hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
+
+
+# DeepSeek-V3 multi-latent attention, HF name -> Megatron name under a layer (one of q_proj or q_a/q_b is present:
+# q_lora_rank null or set); o_proj -> linear_proj as for every model
+_MLA_NAMES = (("self_attn.q_proj.weight", "self_attention.linear_q_proj.weight"),
+              ("self_attn.q_a_proj.weight", "self_attention.linear_q_down_proj.weight"),
+              ("self_attn.q_a_layernorm.weight", "self_attention.q_layernorm.weight"),
+              ("self_attn.q_b_proj.weight", "self_attention.linear_q_up_proj.weight"),
+              ("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight"),
+              ("self_attn.kv_a_layernorm.weight", "self_attention.kv_layernorm.weight"),
+              ("self_attn.kv_b_proj.weight", "self_attention.linear_kv_up_proj.weight"))
 
 
 class _Tracked(dict):
@@ -283,6 +491,13 @@ class _Tracked(dict):
         return super().__getitem__(name)
 
 
+def _mtp_weight(name: str, hf: dict) -> bool:
+    """A weight of DeepSeek-V3's multi-token-prediction layers, stored after the last layer (model.layers.61.* in
+    V3): a draft head for speculative decoding, not part of the model RL trains (transformers skips it too)."""
+    n, extra = hf["num_hidden_layers"], int(hf.get("num_nextn_predict_layers") or 0)
+    return name.startswith("model.layers.") and n <= int(name.split(".")[2]) < n + extra
+
+
 def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
     """Full (unsharded, TP=1 layout) Megatron state dict from an HF state dict; all experts included."""
     heads, kv, d = _dims(hf)
@@ -295,11 +510,14 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, tor
         out["output_layer.weight"] = hf_state["lm_head.weight"]
     for L in range(hf["num_hidden_layers"]):
         h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
-        q = hf_state[h + "self_attn.q_proj.weight"].view(kv, q_per_group, d, -1)  # (G, Nq/G, D, H)
-        k = hf_state[h + "self_attn.k_proj.weight"].view(kv, 1, d, -1)  # (G, 1, D, H)
-        v = hf_state[h + "self_attn.v_proj.weight"].view(kv, 1, d, -1)  # (G, 1, D, H)
-        qkv = torch.cat([q, k, v], 1)  # (G, Nq/G + 2, D, H): per group its q heads, its k head, its v head
-        out[m + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, qkv.size(-1))  # (G*(Nq/G+2)*D, H)
+        if hf["model_type"] == "deepseek_v3":  # multi-latent attention: the projections keep their row layouts
+            out.update({m + mn: hf_state[h + hn] for hn, mn in _MLA_NAMES if h + hn in hf_state})
+        else:
+            q = hf_state[h + "self_attn.q_proj.weight"].view(kv, q_per_group, d, -1)  # (G, Nq/G, D, H)
+            k = hf_state[h + "self_attn.k_proj.weight"].view(kv, 1, d, -1)  # (G, 1, D, H)
+            v = hf_state[h + "self_attn.v_proj.weight"].view(kv, 1, d, -1)  # (G, 1, D, H)
+            qkv = torch.cat([q, k, v], 1)  # (G, Nq/G + 2, D, H): per group its q heads, its k head, its v head
+            out[m + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, qkv.size(-1))  # (G*(Nq/G+2)*D, H)
         if h + "self_attn.q_proj.bias" in hf_state:
             qb = hf_state[h + "self_attn.q_proj.bias"].view(kv, q_per_group, d)  # (G, Nq/G, D)
             kb = hf_state[h + "self_attn.k_proj.bias"].view(kv, 1, d)
@@ -311,20 +529,24 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, tor
             out[m + "self_attention.k_layernorm.weight"] = hf_state[h + "self_attn.k_norm.weight"]
         out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
-        if _is_moe(hf):
+        if _moe_layer(hf, L):
             out[m + "mlp.router.weight"] = hf_state[_router_name(hf, L)]
+            if h + "mlp.gate.e_score_correction_bias" in hf_state:  # DeepSeek-V3
+                out[m + "mlp.router.expert_bias"] = hf_state[h + "mlp.gate.e_score_correction_bias"]
             for e in range(_num_experts(hf)):
                 g, u, dn = _expert_names(hf, L, e)
                 x = f"{m}mlp.experts.local_experts.{e}."
                 out[x + "linear_fc1.weight"] = torch.cat([hf_state[g], hf_state[u]], 0)  # (2F, H)
                 out[x + "linear_fc2.weight"] = hf_state[dn]  # (H, F)
-        else:
-            out[m + "mlp.linear_fc1.weight"] = torch.cat([hf_state[h + "mlp.gate_proj.weight"],
-                                                          hf_state[h + "mlp.up_proj.weight"]], 0)  # (2F, H)
-            out[m + "mlp.linear_fc2.weight"] = hf_state[h + "mlp.down_proj.weight"]
+        # the dense MLP, or an MoE layer's shared experts (DeepSeek-V3: one MLP of n_shared_experts * F)
+        mlp = "mlp.shared_experts." if _moe_layer(hf, L) else "mlp."  # the same names on both sides
+        if h + mlp + "gate_proj.weight" in hf_state:
+            out[m + mlp + "linear_fc1.weight"] = torch.cat([hf_state[h + mlp + "gate_proj.weight"],
+                                                            hf_state[h + mlp + "up_proj.weight"]], 0)  # (2F, H)
+            out[m + mlp + "linear_fc2.weight"] = hf_state[h + mlp + "down_proj.weight"]
     if hf.get("tie_word_embeddings", False):
         unused.discard("lm_head.weight")  # some tied checkpoints still store the shared matrix twice
-    unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
+    unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq") and not _mtp_weight(n, hf)}
     if unused:
         raise ValueError(f"HF weights with no Megatron counterpart: {sorted(unused)[:8]} ({len(unused)} in all); "
                          "this architecture variant is not supported by the conversion")
@@ -338,32 +560,38 @@ def megatron_to_hf(meg: dict[str, torch.Tensor], hf: dict) -> list[tuple[str, to
     out = [("model.embed_tokens.weight", meg["embedding.word_embeddings.weight"])]
     for L in range(hf["num_hidden_layers"]):
         h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
-        qkv = meg[m + "self_attention.linear_qkv.weight"]
-        qkv = qkv.view(kv, q_per_group + 2, d, qkv.size(-1))  # (G, Nq/G+2, D, H)
-        out += [(h + "self_attn.q_proj.weight", qkv[:, :q_per_group].reshape(heads * d, -1)),
-                (h + "self_attn.k_proj.weight", qkv[:, q_per_group].reshape(kv * d, -1)),
-                (h + "self_attn.v_proj.weight", qkv[:, q_per_group + 1].reshape(kv * d, -1))]
+        if hf["model_type"] == "deepseek_v3":
+            out += [(h + hn, meg[m + mn]) for hn, mn in _MLA_NAMES if m + mn in meg]
+        else:
+            qkv = meg[m + "self_attention.linear_qkv.weight"]
+            qkv = qkv.view(kv, q_per_group + 2, d, qkv.size(-1))  # (G, Nq/G+2, D, H)
+            out += [(h + "self_attn.q_proj.weight", qkv[:, :q_per_group].reshape(heads * d, -1)),
+                    (h + "self_attn.k_proj.weight", qkv[:, q_per_group].reshape(kv * d, -1)),
+                    (h + "self_attn.v_proj.weight", qkv[:, q_per_group + 1].reshape(kv * d, -1))]
         if m + "self_attention.linear_qkv.bias" in meg:
             b = meg[m + "self_attention.linear_qkv.bias"].view(kv, q_per_group + 2, d)  # (G, Nq/G+2, D)
             out += [(h + "self_attn.q_proj.bias", b[:, :q_per_group].reshape(-1)),
                     (h + "self_attn.k_proj.bias", b[:, q_per_group].reshape(-1)),
                     (h + "self_attn.v_proj.bias", b[:, q_per_group + 1].reshape(-1))]
         out.append((h + "self_attn.o_proj.weight", meg[m + "self_attention.linear_proj.weight"]))
-        if m + "self_attention.q_layernorm.weight" in meg:
+        if m + "self_attention.q_layernorm.weight" in meg and hf["model_type"] != "deepseek_v3":
             out += [(h + "self_attn.q_norm.weight", meg[m + "self_attention.q_layernorm.weight"]),
                     (h + "self_attn.k_norm.weight", meg[m + "self_attention.k_layernorm.weight"])]
         out += [(h + "input_layernorm.weight", meg[m + "input_layernorm.weight"]),
                 (h + "post_attention_layernorm.weight", meg[m + "pre_mlp_layernorm.weight"])]
-        if _is_moe(hf):
+        if _moe_layer(hf, L):
             out.append((_router_name(hf, L), meg[m + "mlp.router.weight"]))
+            if m + "mlp.router.expert_bias" in meg:
+                out.append((h + "mlp.gate.e_score_correction_bias", meg[m + "mlp.router.expert_bias"]))
             for e in range(_num_experts(hf)):
                 g, u, dn = _expert_names(hf, L, e)
                 gate, up = meg[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"].chunk(2, 0)
                 out += [(g, gate), (u, up), (dn, meg[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"])]
-        else:
-            gate, up = meg[m + "mlp.linear_fc1.weight"].chunk(2, 0)
-            out += [(h + "mlp.gate_proj.weight", gate), (h + "mlp.up_proj.weight", up),
-                    (h + "mlp.down_proj.weight", meg[m + "mlp.linear_fc2.weight"])]
+        mlp = "mlp.shared_experts." if _moe_layer(hf, L) else "mlp."
+        if m + mlp + "linear_fc1.weight" in meg:
+            gate, up = meg[m + mlp + "linear_fc1.weight"].chunk(2, 0)
+            out += [(h + mlp + "gate_proj.weight", gate), (h + mlp + "up_proj.weight", up),
+                    (h + mlp + "down_proj.weight", meg[m + mlp + "linear_fc2.weight"])]
     out.append(("model.norm.weight", meg["decoder.final_layernorm.weight"]))
     if "output_layer.weight" in meg:
         out.append(("lm_head.weight", meg["output_layer.weight"]))
@@ -373,11 +601,15 @@ def megatron_to_hf(meg: dict[str, torch.Tensor], hf: dict) -> list[tuple[str, to
 def tp_split_dim(name: str) -> int | None:
     """The dim a parameter is split on across tensor-parallel ranks (None: replicated)."""
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight",
-                      "output_layer.weight")):
-        return 0  # column-parallel (and vocab-parallel) layers: output rows split
+                      "output_layer.weight", "linear_q_proj.weight", "linear_q_up_proj.weight",
+                      "linear_kv_up_proj.weight", "linear_q_down_proj.weight", "linear_kv_down_proj.weight")):
+        # column-parallel (and vocab-parallel) layers: output rows split. MLA's up-projections are head-major, so
+        # a row split keeps whole heads; its down-projections' rows are gathered back before use (the latents
+        # are needed whole on every rank)
+        return 0
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1  # row-parallel layers: input columns split
-    return None  # norms, router
+    return None  # norms, router, its expert bias
 
 
 def shard_for_rank(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:

@@ -10,8 +10,9 @@ a GPU reader can skip this file. Two sections:
    `os.sched_getaffinity` (macOS) nothing is pinned (`usable_cores`).
 2. Megatron on CPU (trainer side):
    * `apply_cpu_shims`: the changes that let Megatron-Core's GPTModel, its DistributedDataParallel, its
-     tensor-parallel layers and its 1F1B pipeline schedule run on CPU over gloo (`SDPACoreAttention`, `_TorchOnCpu`);
-     `moe_router_without_te`, which any machine without Transformer Engine needs (every CPU machine is one);
+     tensor-parallel layers, its 1F1B pipeline schedule and its activation recomputation run on CPU over gloo
+     (`SDPACoreAttention`, `_TorchOnCpu`); `moe_router_without_te` and `mla_without_te`, which any machine
+     without Transformer Engine needs (every CPU machine is one);
    * `adamw`, `clip_grad_norm`: the optimizer and its TP/EP/PP-aware gradient clipping, because Megatron's
      optimizer wrappers allocate CUDA tensors;
    * `BorrowedCores`: a trainer rank computing on the cores of CPU engines while they have nothing to generate
@@ -23,14 +24,18 @@ Test: `.venv/bin/pytest tests/test_async.py -k "cores or pinned or idle_engine o
 8-core node, real pinning of a trainer and an engine, a trainer computing on an idle engine's core),
 `tests/test_loongsage.py -k no_affinity` (no `os.sched_getaffinity`: --check and a run, unpinned), and
 `tests/test_trainer.py -k "core_attention or parity"` (the attention against torch's kernel and the whole model
-against transformers); every trainer test on CPU runs through the shims.
+against transformers), `tests/test_fast_paths.py -k recompute` (equal gradients with recomputation); every trainer
+test on CPU runs through the shims.
 Left out: NUMA placement and hyper-thread siblings (cores are taken in the order the OS lists them), pinning on a
 Ray cluster (its nodes' cores are not this process's to plan), Megatron's fused kernels and Transformer Engine on
-CPU (the fusions are switched off in convert.megatron_config), mixed precision on CPU (bf16 is rejected there).
+CPU (the fusions are switched off in convert.megatron_config), mixed precision on CPU (bf16 is rejected there), and
+with TE what needs it: sequence and context parallelism; Megatron's distributed optimizer (config.check_fast_paths
+rejects them on CPU).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import mmap
 import os
 import sys
@@ -142,7 +147,9 @@ class SDPACoreAttention(torch.nn.Module):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None):
+        # k_channels / v_channels: the head sizes multi-latent attention passes; forward reads them off the tensors
         super().__init__()
         self.config = config
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -154,9 +161,10 @@ class SDPACoreAttention(torch.nn.Module):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPACoreAttention supports padded causal batches only (no packed sequences, "
                              "no attention bias); feed right-padded (B, T) micro-batches")
-        # query (Sq, B, Nq, D); key/value (Sk, B, Nkv, D), Megatron's sequence-first layout.
+        # query/key (S, B, Nq|Nkv, D); value (S, B, Nkv, Dv), Megatron's sequence-first layout. Dv differs from D
+        # under multi-latent attention (DeepSeek-V3: q/k carry a RoPE part on top of the v head size).
         S, B, Hq, D = query.shape
-        KV = key.size(2)
+        KV, Dv = key.size(2), value.size(-1)
         G = Hq // KV  # GQA: query head h reads kv head h // G
         dropout = self.dropout_p if self.training else 0.0
         if dropout == 0.0 and B * Hq * S * S <= EXPLICIT_ATTENTION_MAX_SCORES and key.size(0) == S:
@@ -167,17 +175,17 @@ class SDPACoreAttention(torch.nn.Module):
             mask = self._causal[S]                                                           # (G*S, S)
             q = query.view(S, B, KV, G, D).permute(1, 2, 3, 0, 4).reshape(B * KV, G * S, D)  # (B*KV, G*S, D)
             k = key.permute(1, 2, 0, 3).reshape(B * KV, S, D)                                  # (B*KV, S, D)
-            v = value.permute(1, 2, 0, 3).reshape(B * KV, S, D)                                # (B*KV, S, D)
+            v = value.permute(1, 2, 0, 3).reshape(B * KV, S, Dv)                               # (B*KV, S, Dv)
             scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)                 # (B*KV, G*S, S)
-            out = torch.bmm(torch.softmax(scores, dim=-1), v)                                 # (B*KV, G*S, D)
-            return out.view(B, KV, G, S, D).permute(3, 0, 1, 2, 4).reshape(S, B, Hq * D)      # (S, B, Nq*D)
+            out = torch.bmm(torch.softmax(scores, dim=-1), v)                                 # (B*KV, G*S, Dv)
+            return out.view(B, KV, G, S, Dv).permute(3, 0, 1, 2, 4).reshape(S, B, Hq * Dv)    # (S, B, Nq*Dv)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (B, N, S, D)
         if G > 1:  # GQA: each kv head serves G consecutive query heads
             k = k.repeat_interleave(G, dim=1)  # (B, Nq, Sk, D)
             v = v.repeat_interleave(G, dim=1)  # (B, Nq, Sk, D)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                             dropout_p=dropout)  # (B, Nq, Sq, D)
-        return out.permute(2, 0, 1, 3).reshape(S, B, -1)  # (Sq, B, Nq * D)
+                                             dropout_p=dropout)  # (B, Nq, Sq, Dv)
+        return out.permute(2, 0, 1, 3).reshape(S, B, -1)  # (Sq, B, Nq * Dv)
 
 
 class _TorchOnCpu:
@@ -200,7 +208,7 @@ _SHIMS_APPLIED = False
 def apply_cpu_shims() -> bool:
     """Make Megatron-Core run on CPU; a no-op (returning False) when CUDA is present.
 
-    The shims (measured necessary and sufficient here, see DESIGN.md):
+    The shims (measured necessary and sufficient here, see docs/CPU.md):
     1. `torch.cuda.current_device()` yields the CPU device: Megatron places its grad buffers, rotary
        tables and a few scratch tensors on "the current CUDA device".
     2. the local layer spec's core attention becomes `SDPACoreAttention` (Megatron's
@@ -217,6 +225,18 @@ def apply_cpu_shims() -> bool:
        start on these cores. On CPU the helpers then run as plain functions, like the rest of the CPU path (the
        fusions are off in convert.megatron_config, so the model calls none of them). Where Megatron was already
        imported, this shim changes nothing.
+    6. (activation recomputation, sequence parallelism) Megatron's checkpoint function saves and restores the CUDA
+       RNG state around each recomputed block (`_get_cuda_rng_state` / `_set_cuda_rng_state` in
+       tensor_parallel/random.py), and under sequence parallelism the embedding's dropout runs inside a fork of the
+       model-parallel CUDA RNG state (`CudaRNGStatesTracker.fork`, whose state only model_parallel_cuda_manual_seed
+       adds), which all fail without CUDA. On CPU there is no CUDA RNG: the three become no-ops, and every draw
+       (dropout, off in convert.megatron_config) is the CPU generator's, which the checkpoint function still saves
+       and restores.
+    7. (sequence parallelism, cfg.sequence_parallel) the local spec's norms are Megatron's WrappedTorchNorm (torch's
+       RMSNorm / LayerNorm), which refuses sequence parallelism: under it each TP rank normalises its own share of
+       the positions, so a norm weight's gradient is partial there and must be summed over TP ranks, which
+       finalize_model_grads does for weights marked `sequence_parallel` (Megatron's Apex and TE norms mark theirs).
+       Here the torch norm is built as usual and its weights are marked the same way.
     Also: models are built with `use_cpu_initialization=True` (convert.megatron_config), which avoids
     `model_parallel_cuda_manual_seed`, another CUDA-only call.
     Returns True when the shims are active.
@@ -236,8 +256,29 @@ def apply_cpu_shims() -> bool:
         LocalSpecProvider.core_attention = lambda self: SDPACoreAttention  # shim 2
         from megatron.core.pipeline_parallel import schedules  # Megatron: late
         schedules.torch = _TorchOnCpu()  # shim 4
+        from megatron.core.tensor_parallel import random as megatron_random  # Megatron: late
+        megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)  # shim 6
+        megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
+        megatron_random.CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm  # Megatron: late
+        WrappedTorchNorm.__new__ = _norm_taking_sequence_parallel(WrappedTorchNorm.__new__)  # shim 7
         _SHIMS_APPLIED = True
     return True
+
+
+def _norm_taking_sequence_parallel(plain):
+    """Shim 7: WrappedTorchNorm's constructor (`plain`) for a config with sequence parallelism: the same torch norm,
+    its weights marked `sequence_parallel` (their gradients then summed over TP ranks by finalize_model_grads)."""
+    def new(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return plain(cls, config, hidden_size, *args, **kwargs)
+        whole = copy.copy(config)  # what the norm reads of the config, with the flag it refuses off
+        whole.sequence_parallel = False
+        norm = plain(cls, whole, hidden_size, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+    return new
 
 
 def moe_router_without_te() -> None:
@@ -247,6 +288,17 @@ def moe_router_without_te() -> None:
     from megatron.core.transformer.moe import moe_utils  # Megatron: late
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def mla_without_te() -> None:
+    """Megatron-Core 0.16's multi-latent attention takes Transformer Engine's layer classes from a module that puts
+    MagicMocks in their place when TE is not installed, so its own HAVE_TE reads True and its isinstance check on
+    TELinear raises a TypeError while the layer is built. Mark TE absent there so the plain torch path runs. Needed
+    wherever TE is absent, CPU or GPU; a no-op when TE is there."""
+    from megatron.core.extensions import transformer_engine as te_extension  # Megatron: late
+    from megatron.core.transformer import multi_latent_attention  # Megatron: late
+    if not te_extension.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
 
 
 def adamw(model, cfg, lr: float) -> torch.optim.AdamW:

@@ -13,7 +13,9 @@ pass's helpers; `ModelRunner` (the model and its KV cache); `CpuEngine` (the sch
   cache of shape (layers, slots, kv_heads, max_len, head_dim). The forward pass reuses the model's own modules and
   parameters (embeddings, norms, q/k norms, rotary embedding, o/down projections, activation, lm_head), with q|k|v
   and gate|up each run as one matmul over fused weights that the modules' parameters are views of, and its own
-  attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama, Mistral and Qwen3-MoE layouts work.
+  attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama, Mistral, Qwen3-MoE and DeepSeek-V3
+  (multi-latent attention, its keys and values cached expanded per head; grouped sigmoid routing, shared experts,
+  dense first layers) layouts work.
   Decode-step costs that need not recur are paid once: weight matrices are kept in oneDNN's blocked layout
   (re-blocked when a weight update touches them), RoPE cos/sin come from a table, K/V land in the cache with one
   index_copy_.
@@ -24,9 +26,18 @@ pass's helpers; `ModelRunner` (the model and its KV cache); `CpuEngine` (the sch
   recently used given up when a slot is needed (`--disable-radix-cache` turns it off).
 * Weight updates as SGLang 0.5.23 takes them: `/update_weights_from_tensor` and `/update_weights_from_distributed`
   are refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine
-  reads `serialized_named_tensors[0]` (it is TP rank 0 of one), and takes `load_format: "flattened_bucket"` in
-  SGLang's packed layout (for tensor updates: a transfermesh shared-memory descriptor). A bucket whose checksum does
-  not match the sender's is refused (400) and the engine keeps its weights.
+  reads `serialized_named_tensors[0]` (it is TP rank 0 of one): SGLang's payload, base64 of a pickle that its
+  SafeUnpickler accepts, of a `flattened_bucket` dict or of (name, tensor) pairs, CPU tensors shared through torch's
+  file_system strategy (`transfermesh.read_tensor_payload`); anything else is refused (400) as SGLang refuses it.
+  Broadcasts join SGLang's own rendezvous (`transfermesh.new_sglang_group`, gloo). A bucket whose checksum does not
+  match the sender's is refused (400) and the engine keeps its weights.
+* LoRA adapters as SGLang 0.5.23 serves them (started with `lora={...}`, SGLang's --enable-lora --max-lora-rank
+  --lora-target-modules): `/load_lora_adapter` (a PEFT directory), `/load_lora_adapter_from_tensors` (entry 0 of
+  serialized_named_tensors read as a weight update's, `transfermesh.read_tensor_payload`: a flattened bucket, or
+  with load_format null a {name: tensor} dict; SGLang's `expected_checksums`, sha256 per tensor, verified),
+  `/unload_lora_adapter` (waits until no request uses the adapter), and `/generate`'s `lora_path`, resolved to one
+  adapter when the request arrives and kept to its end. A request's adapter adds scale * (x A^T) B^T beside each
+  adapted projection, unmerged, as the trainer computes it.
 * `SGLANG_BEHAVIOURS`, below: where SGLang refuses, blocks, ignores or dies, the CPU engine does the same, and the
   table names the SGLang source of each such behaviour; tests/test_conformance.py has one test per row.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
@@ -39,9 +50,11 @@ to float ties in the batched matmuls).
 
 Run: `python cpu_engine.py --model-path DIR --port 30000`. Test: `pytest tests/test_cpu_engine.py` (against
 transformers on the same weights, over real HTTP) and `tests/test_conformance.py` (SGLANG_BEHAVIOURS); routed experts
-in `tests/test_moe.py`, the memory hand-off in `tests/test_colocate.py`.
-Left out: streaming, text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA, multimodal input,
-a deferred `/flush_cache?timeout=`; a dropped HTTP connection does not abort its request (call /abort_request).
+in `tests/test_moe.py`, DeepSeek-V3 in `tests/test_deepseek.py`, the memory hand-off in `tests/test_colocate.py`, LoRA
+adapters in `tests/test_lora.py`.
+Left out: streaming, text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA on MoE experts,
+multi-latent attention, embeddings or the LM head, multimodal input, a deferred `/flush_cache?timeout=`; a dropped
+HTTP connection does not abort its request (call /abort_request).
 """
 from __future__ import annotations
 
@@ -74,9 +87,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+import lora
 import transfermesh
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe")  # layouts the CPU forward pass handles
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "deepseek_v3")  # layouts forward handles
 
 
 class BadRequest(ValueError):
@@ -309,6 +323,7 @@ class Req:
     slot: int = -1                        # KV-cache slot while running, -1 while waiting
     kv_len: int = 0                       # tokens whose K/V sit in the slot
     cached_tokens: int = 0                # context tokens whose K/V another request's prefill made (SGLang's field)
+    adapter: "LoraAdapter | None" = None  # the LoRA adapter its lora_path named when it arrived; None = the base
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,8 +348,9 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_add: torch.Tensor,
                scale: float) -> torch.Tensor:
-    """Grouped-query attention of q (B, T, Hq, D) over keys/values (B, KV, S, D); mask_add (B*KV, G*T, S) holds 0
-    where a key is visible and -inf elsewhere.
+    """Grouped-query attention of q (B, T, Hq, D) over keys (B, KV, S, D) and values (B, KV, S, Dv); mask_add
+    (B*KV, G*T, S) holds 0 where a key is visible and -inf elsewhere. Dv differs from D under multi-latent
+    attention (DeepSeek-V3).
 
     Written out instead of calling scaled_dot_product_attention: it reads the slot cache's strided views without
     copies, folds the mask and scale into one baddbmm, and measured ~20% faster than the CPU SDPA kernel for the
@@ -342,12 +358,12 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_a
     lays them out.
     """
     B, T, Hq, D = q.shape
-    KV, S = keys.shape[1], keys.shape[2]
+    KV, S, Dv = keys.shape[1], keys.shape[2], values.shape[3]
     G = Hq // KV
     q = q.reshape(B, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B * KV, G * T, D)       # (B*KV, G*T, D)
     scores = torch.baddbmm(mask_add, q, keys.reshape(B * KV, S, D).transpose(1, 2), alpha=scale)  # (B*KV, G*T, S)
-    out = torch.softmax(scores, dim=-1) @ values.reshape(B * KV, S, D)                   # (B*KV, G*T, D)
-    return out.view(B, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)           # (B, T, Hq, D)
+    out = torch.softmax(scores, dim=-1) @ values.reshape(B * KV, S, Dv)                  # (B*KV, G*T, Dv)
+    return out.view(B, KV, G, T, Dv).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, Dv)        # (B, T, Hq, Dv)
 
 
 def _fuse_rows(params: list) -> torch.Tensor:
@@ -359,6 +375,17 @@ def _fuse_rows(params: list) -> torch.Tensor:
         p.data = fused[offset:offset + p.shape[0]]
         offset += p.shape[0]
     return fused
+
+
+@dataclasses.dataclass(eq=False)
+class LoraAdapter:
+    """A loaded LoRA adapter (SGLang's LoRAAdapter): per layer, for each fused weight the forward pass multiplies
+    by ("qkv", "o", "gate_up", "down"), the (column offset in its output, A (r, in), B (rows, r)) of every projection
+    it adapts there."""
+    name: str
+    path: str                 # where it came from (SGLang's lora_path; "__tensor__" for tensors)
+    scale: float              # lora_alpha / r
+    layers: list              # [{fused key: [(offset, A, B), ...]}] per layer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,20 +416,33 @@ class ModelRunner:
         self.fp32_lm_head = bool(fp32_lm_head)  # logits from an fp32 matmul (a no-op for fp32 weights), as SGLang's flag
 
         attn = self.model.model.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        # DeepSeek-V3's multi-latent attention: every head has its own key (a no-RoPE part expanded from the shared
+        # latent, then the RoPE part all heads share) and its own value, of another size. The cache holds those
+        # expanded keys and values, as transformers' attention reads them (SGLang's MLA keeps the latent instead).
+        self.mla = cfg.model_type == "deepseek_v3"
+        if self.mla:
+            if cfg.attention_bias or not cfg.rope_interleave:
+                raise ValueError(f"{self.model_path}: deepseek_v3 with attention_bias={cfg.attention_bias} / "
+                                 f"rope_interleave={cfg.rope_interleave} is not supported by the CPU engine (it runs "
+                                 "DeepSeek-V3's layout: no attention biases, interleaved RoPE)")
+            self.head_dim, self.v_head_dim = attn.qk_head_dim, attn.v_head_dim
+            self.n_heads = self.n_kv_heads = cfg.num_attention_heads
+        else:
+            self.head_dim = self.v_head_dim = attn.head_dim
+            self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         # One q|k|v and one gate|up matmul per layer instead of five: fewer, larger matmuls and fewer ops per step.
         # The transformers modules' parameters become views of the fused tensors, so loading weights into the
         # model by name (load_weights) updates what the forward pass reads.
         self.qkv_w, self.qkv_b, self.gate_up_w = [], [], []
-        self.moe = cfg.model_type == "qwen3_moe"
-        if self.moe:
+        self.moe = cfg.model_type in ("qwen3_moe", "deepseek_v3")
+        if cfg.model_type == "qwen3_moe":
             hf = cfg.to_dict()  # the HF config: older ones lack these keys
             if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
                 raise ValueError(f"{self.model_path}: the CPU engine runs all-MoE Qwen3-MoE models only "
                                  f"(mlp_only_layers={hf.get('mlp_only_layers')}, "
                                  f"decoder_sparse_step={hf.get('decoder_sparse_step')})")
-            self.num_experts, self.topk = cfg.num_experts, cfg.num_experts_per_tok
+        if self.moe:
+            self.num_experts, self.topk = cfg.num_local_experts, cfg.num_experts_per_tok
             self.norm_topk_prob = bool(cfg.norm_topk_prob)
         for p in self.model.parameters():  # weights mmap'd from the checkpoint: own them, so a release can free them
             if not p.untyped_storage().resizable():
@@ -410,21 +450,32 @@ class ModelRunner:
         # transformers keeps each layer's experts as two 3-D parameters (gate|up and down, expert-major); checkpoints
         # and weight updates name every expert's matrix on its own, so map those names onto views of the 3-D tensors
         self.expert_views = {}
-        for li, layer in enumerate(self.model.model.layers if self.moe else []):
+        for li, layer in enumerate(self.model.model.layers):
+            if not hasattr(layer.mlp, "experts"):  # a dense model, or DeepSeek-V3's first dense layers
+                continue
             ex, F_ = layer.mlp.experts, cfg.moe_intermediate_size
             for e in range(self.num_experts):
                 p = f"model.layers.{li}.mlp.experts.{e}."
                 self.expert_views.update({p + "gate_proj.weight": ex.gate_up_proj.data[e, :F_],
                                           p + "up_proj.weight": ex.gate_up_proj.data[e, F_:],
                                           p + "down_proj.weight": ex.down_proj.data[e]})
-        for layer in self.model.model.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            if not self.moe and getattr(mlp.gate_proj, "bias", None) is not None:
+        # per layer, the SwiGLU MLP run as gate|up and down matmuls: the dense MLP, DeepSeek-V3's shared experts in
+        # an MoE layer (every token goes through them), None for a Qwen3-MoE layer
+        self.dense_mlp = [layer.mlp if not hasattr(layer.mlp, "experts") else getattr(layer.mlp, "shared_experts", None)
+                          for layer in self.model.model.layers]
+        for layer, mlp in zip(self.model.model.layers, self.dense_mlp):
+            a = layer.self_attn
+            if mlp is not None and getattr(mlp.gate_proj, "bias", None) is not None:
                 raise ValueError(f"{self.model_path}: MLP biases are not supported by the CPU engine")
-            self.qkv_w.append(_fuse_rows([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-            self.qkv_b.append(_fuse_rows([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-                              if a.q_proj.bias is not None else None)  # Qwen2 has q/k/v biases
-            self.gate_up_w.append(None if self.moe else _fuse_rows([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            if self.mla:  # the two projections of h: q's latent (or q itself without q_lora_rank) | the kv latent
+                self.qkv_w.append(_fuse_rows([(a.q_a_proj if a.q_lora_rank else a.q_proj).weight,
+                                              a.kv_a_proj_with_mqa.weight]))
+                self.qkv_b.append(None)
+            else:
+                self.qkv_w.append(_fuse_rows([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+                self.qkv_b.append(_fuse_rows([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                                  if a.q_proj.bias is not None else None)  # Qwen2 has q/k/v biases
+            self.gate_up_w.append(_fuse_rows([mlp.gate_proj.weight, mlp.up_proj.weight]) if mlp is not None else None)
         # RoPE cos/sin for every position, computed once by the model's own rotary module (elementwise per
         # position, so a table lookup gives the very same values); rope types that rescale with the sequence
         # length ("dynamic", "longrope") are computed per step instead.
@@ -437,10 +488,11 @@ class ModelRunner:
         self._pack_weights()
         # kv heads before positions: a slot's keys for one head are one (S, D) block, so attention reads a
         # batch of slots as a strided view and the matmuls need no copy
-        cache_shape = (cfg.num_hidden_layers, self.max_batch, self.n_kv_heads, self.max_len, self.head_dim)
-        self.k_cache = torch.zeros(cache_shape, dtype=self.dtype)  # (L, slots, KV, max_len, D)
-        self.v_cache = torch.zeros(cache_shape, dtype=self.dtype)  # (L, slots, KV, max_len, D)
+        cache_shape = (cfg.num_hidden_layers, self.max_batch, self.n_kv_heads, self.max_len)
+        self.k_cache = torch.zeros(cache_shape + (self.head_dim,), dtype=self.dtype)    # (L, slots, KV, max_len, D)
+        self.v_cache = torch.zeros(cache_shape + (self.v_head_dim,), dtype=self.dtype)  # (L, slots, KV, max_len, Dv)
         self.released: dict[str, list] = {}  # tag -> [(storage, nbytes)] handed back by release()
+        self.step_adapters: list = []  # LoRA: the adapters of the rows of the forward pass running (see _lora)
 
     def _eos_ids(self) -> frozenset:
         ids = set()
@@ -460,9 +512,14 @@ class ModelRunner:
             self.dtype == torch.float32
         weights = {"lm_head": self.model.lm_head.weight}
         for li, layer in enumerate(self.model.model.layers):
-            weights.update({("qkv", li): self.qkv_w[li], ("o", li): layer.self_attn.o_proj.weight})
-            if not self.moe:  # experts run as small per-expert matmuls (_moe_mlp): nothing to pack
-                weights.update({("gate_up", li): self.gate_up_w[li], ("down", li): layer.mlp.down_proj.weight})
+            a = layer.self_attn
+            weights.update({("qkv", li): self.qkv_w[li], ("o", li): a.o_proj.weight})
+            if self.mla:  # the latents' up-projections
+                weights[("kv_b", li)] = a.kv_b_proj.weight
+                if a.q_lora_rank:
+                    weights[("q_b", li)] = a.q_b_proj.weight
+            if self.dense_mlp[li] is not None:  # experts run as small per-expert matmuls (_moe_mlp): not packed
+                weights.update({("gate_up", li): self.gate_up_w[li], ("down", li): self.dense_mlp[li].down_proj.weight})
         if names is None:
             self.packed = {}
             # HF parameter name -> the packed weights it lives in (by storage: fused views and tied embeddings too)
@@ -494,13 +551,20 @@ class ModelRunner:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     def forward(self, slot_ids: list[int], kv_lens: list[int], chunks: list[list[int]],
-                return_routed: bool = False) -> tuple[torch.Tensor, list | None]:
+                return_routed: bool = False, adapters: list | None = None) -> tuple[torch.Tensor, list | None]:
         """Run the transformer over right-padded chunks, chunk b's K/V written into slot `slot_ids[b]` from
-        position `kv_lens[b]` on (the tokens already there), each chunk attending over everything in its slot.
-        Returns (logits at each chunk's last token (B, V), and with `return_routed` on an MoE model the
-        (len(chunk), layers, top_k) int32 experts each chunk's tokens were routed to, else None)."""
+        position `kv_lens[b]` on (the tokens already there), each chunk attending over everything in its slot, chunk b
+        through LoRA adapter `adapters[b]` (None: the base model). Returns (logits at each chunk's last token (B, V),
+        and with `return_routed` on an MoE model the (len(chunk), layers, top_k) int32 experts each chunk's tokens were
+        routed to, else None)."""
         m = self.model.model
-        B, T, D = len(chunks), max(len(c) for c in chunks), self.head_dim
+        # LoRA: [(adapter, its rows as an index tensor, or None when every row has it)], read by _lora
+        groups: dict = {}
+        for b, a in enumerate(adapters or ()):
+            if a is not None:
+                groups.setdefault(a, []).append(b)
+        self.step_adapters = [(a, None if len(rows) == len(chunks) else torch.tensor(rows)) for a, rows in groups.items()]
+        B, T, D, Dv = len(chunks), max(len(c) for c in chunks), self.head_dim, self.v_head_dim
         Hq, KV = self.n_heads, self.n_kv_heads
         lens = torch.tensor([len(c) for c in chunks])                                     # (B,)
         start = torch.tensor(kv_lens)                                                     # (B,) cache offset
@@ -529,7 +593,7 @@ class ModelRunner:
         s0 = int(slots.min())
         contiguous = bool((slots == torch.arange(s0, s0 + B)).all())  # then read the cache as a view, no gather
 
-        routed = []  # MoE: per layer, (n_valid, top_k) experts chosen for each real token
+        routed = []  # MoE: per layer, (n_valid, top_k) experts chosen for each real token (0s in a dense layer)
         x = m.embed_tokens(ids)                                                           # (B, T, H)
         if self.rope_table is not None:
             cos, sin = self.rope_table[0][pos], self.rope_table[1][pos]                  # (B, T, D) each, sin signed
@@ -540,30 +604,36 @@ class ModelRunner:
         for li, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, *self.norms[li][0])                                          # (B, T, H)
-            qkv = self._linear(h, ("qkv", li), self.qkv_b[li]).view(B, T, Hq + 2 * KV, D)
-            qk, v = qkv[:, :, :Hq + KV], qkv[:, :, Hq + KV:]                              # (B, T, Hq+KV|KV, D)
-            if self.norms[li][1]:  # Qwen3: RMSNorm over each head before RoPE (q_norm's weight on q, k_norm's on k)
-                qk = _rms_norm(qk, *self.norms[li][1])                                    # (B, T, Hq+KV, D)
-            # RoPE on q and k at once, as transformers computes it: x * cos + rotate_half(x) * sin (see _signed_sin)
-            qk = qk * cos + qk.roll(D // 2, dims=-1) * sin                               # (B, T, Hq+KV, D)
-            q, k = qk[:, :, :Hq], qk[:, :, Hq:]                                           # (B, T, Hq|KV, D)
-            if all_valid:
-                k_new, v_new = k.reshape(B * T, KV, D), v.reshape(B * T, KV, D)          # (n_valid, KV, D)
+            if self.mla:
+                q, k, v = self._mla_qkv(h, li, attn, cos, sin)                            # (B, T, Hq, D|D|Dv)
             else:
-                k_new, v_new = k[valid], v[valid]                                         # (n_valid, KV, D)
+                qkv = self._lora(self._linear(h, ("qkv", li), self.qkv_b[li]), h, li, "qkv").view(B, T, Hq + 2 * KV, D)
+                qk, v = qkv[:, :, :Hq + KV], qkv[:, :, Hq + KV:]                          # (B, T, Hq+KV|KV, D)
+                if self.norms[li][1]:  # Qwen3: RMSNorm over each head before RoPE (q_norm's weight on q, k_norm's on k)
+                    qk = _rms_norm(qk, *self.norms[li][1])                                # (B, T, Hq+KV, D)
+                # RoPE on q and k at once, as transformers computes it: x * cos + rotate_half(x) * sin (_signed_sin)
+                qk = qk * cos + qk.roll(D // 2, dims=-1) * sin                           # (B, T, Hq+KV, D)
+                q, k = qk[:, :, :Hq], qk[:, :, Hq:]                                       # (B, T, Hq|KV, D)
+            if all_valid:
+                k_new, v_new = k.reshape(B * T, KV, D), v.reshape(B * T, KV, Dv)         # (n_valid, KV, D|Dv)
+            else:
+                k_new, v_new = k[valid], v[valid]                                         # (n_valid, KV, D|Dv)
             self.k_cache[li].view(-1, D).index_copy_(0, write_rows, k_new.reshape(-1, D))  # into the slots
-            self.v_cache[li].view(-1, D).index_copy_(0, write_rows, v_new.reshape(-1, D))
+            self.v_cache[li].view(-1, Dv).index_copy_(0, write_rows, v_new.reshape(-1, Dv))
             if contiguous:
                 keys, values = self.k_cache[li, s0:s0 + B, :, :S], self.v_cache[li, s0:s0 + B, :, :S]
             else:
                 keys, values = self.k_cache[li, slots, :, :S], self.v_cache[li, slots, :, :S]  # (B, KV, S, D)
-            out = _attention(q, keys, values, mask_add, attn.scaling)                     # (B, T, Hq, D)
-            x = x + self._linear(out.reshape(B, T, Hq * D), ("o", li), attn.o_proj.bias)  # (B, T, H)
-            if self.moe:
-                x = x + self._moe_mlp(_rms_norm(x, *self.norms[li][2]), mlp, valid, routed)  # (B, T, H)
+            out = _attention(q, keys, values, mask_add, attn.scaling)                     # (B, T, Hq, Dv)
+            out = out.reshape(B, T, Hq * Dv)                                              # (B, T, Hq*Dv)
+            x = x + self._lora(self._linear(out, ("o", li), attn.o_proj.bias), out, li, "o")  # (B, T, H)
+            h = _rms_norm(x, *self.norms[li][2])                                          # (B, T, H)
+            if hasattr(mlp, "experts"):
+                x = x + self._moe_mlp(h, li, mlp, valid, routed)                          # (B, T, H)
                 continue
-            gate, up = self._linear(_rms_norm(x, *self.norms[li][2]), ("gate_up", li)).chunk(2, dim=-1)
-            x = x + self._linear(mlp.act_fn(gate) * up, ("down", li))                     # (B, T, H)
+            if self.moe:  # DeepSeek-V3's dense first layers route nothing: SGLang reports 0s for them
+                routed.append(torch.zeros(int(valid.sum()), self.topk, dtype=torch.long))
+            x = x + self._dense_mlp(h, li)                                                # (B, T, H)
         last = x[torch.arange(B), lens - 1]                                               # (B, H) last real token
         per_chunk = None
         if routed and return_routed:
@@ -574,18 +644,74 @@ class ModelRunner:
             return F.linear(h.float(), self.model.lm_head.weight.float()), per_chunk      # (B, V) fp32
         return self._linear(h, "lm_head").float(), per_chunk                              # (B, V)
 
-    def _moe_mlp(self, h: torch.Tensor, mlp, valid: torch.Tensor, routed: list) -> torch.Tensor:
-        """Qwen3-MoE sparse block on the real tokens of h (B, T, H), as transformers computes it: softmax over the
-        router logits, top-k, the k probabilities renormalised when norm_topk_prob, each expert a SwiGLU MLP over the
-        tokens routed to it, outputs summed with those weights. Appends this layer's (n_valid, top_k) expert ids to
-        `routed` (what `return_routed_experts` reports)."""
+    def _mla_qkv(self, h: torch.Tensor, li: int, attn, cos: torch.Tensor, sin: torch.Tensor):
+        """DeepSeek-V3's multi-latent attention up to per-head q, k (B, T, Hq, D) and v (B, T, Hq, Dv), as
+        transformers computes it: q = W_qb RMSNorm(W_qa h) (or W_q h), the latent c = RMSNorm(W_kva h)[:kv_lora_rank]
+        expanded by W_kvb into each head's k_nope | v, and RoPE on q's rotary part and on the one rotary key part
+        all heads share (its last qk_rope_head_dim columns of W_kva h). D = qk_nope_head_dim + qk_rope_head_dim.
+
+        RoPE here is the interleaved one (transformers' rope_interleave=true): pairs (x0, x1), (x2, x3), ... each
+        turned by one frequency, written out de-interleaved, [x_even cos - x_odd sin | x_odd cos + x_even sin]."""
+        B, T, _ = h.shape
+        Hq, Dn, Dr, Dv = self.n_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, self.v_head_dim
+        down = self._linear(h, ("qkv", li))                               # (B, T, q_lora_rank or Hq*D, + kv_lora + Dr)
+        q, latent, k_rot = down.split([down.shape[-1] - attn.kv_lora_rank - Dr, attn.kv_lora_rank, Dr], dim=-1)
+        if attn.q_lora_rank:
+            qn = attn.q_a_layernorm
+            q = self._linear(_rms_norm(q, qn.weight, qn.variance_epsilon), ("q_b", li))  # (B, T, Hq*D)
+        q = q.view(B, T, Hq, Dn + Dr)                                                     # (B, T, Hq, D)
+        kvn = attn.kv_a_layernorm
+        kv = self._linear(_rms_norm(latent, kvn.weight, kvn.variance_epsilon), ("kv_b", li)).view(B, T, Hq, Dn + Dv)
+        # the table's cos/sin repeat their first half (cat(freqs, freqs)); sin's second half carries its own sign
+        c, s = cos[..., :Dr // 2], sin[..., Dr // 2:]                                      # (B, T, 1, Dr/2) each
+
+        def rope(x):  # (B, T, heads, Dr)
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        q = torch.cat([q[..., :Dn], rope(q[..., Dn:])], dim=-1)                         # (B, T, Hq, D)
+        k_rot = rope(k_rot.view(B, T, 1, Dr)).expand(B, T, Hq, Dr)                        # (B, T, Hq, Dr) shared
+        return q, torch.cat([kv[..., :Dn], k_rot], dim=-1), kv[..., Dn:]
+
+    def _dense_mlp(self, h: torch.Tensor, li: int) -> torch.Tensor:
+        """Layer li's SwiGLU MLP (the dense one, or DeepSeek-V3's shared experts): down(act(gate h) * up h)."""
+        gate, up = self._lora(self._linear(h, ("gate_up", li)), h, li, "gate_up").chunk(2, dim=-1)  # (B, T, F) each
+        act = self.dense_mlp[li].act_fn(gate) * up                                        # (B, T, F)
+        return self._lora(self._linear(act, ("down", li)), act, li, "down")              # (B, T, H)
+
+    def _route(self, tokens: torch.Tensor, gate) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gates, experts), each (N, top_k), of the tokens (N, H), as transformers' routers compute them.
+
+        Qwen3-MoE: softmax over the router logits, top-k, the k probabilities renormalised when norm_topk_prob; the
+        gates in the tokens' dtype. DeepSeek-V3 (arXiv 2412.19437, noaux_tc): sigmoid scores s in fp32; the experts
+        with the highest s + e_score_correction_bias among the topk_group groups whose top-2 sums of it are highest;
+        gates s of those, normalised (norm_topk_prob, + 1e-20), times routed_scaling_factor, kept in fp32."""
+        if not self.mla:
+            probs = torch.softmax(F.linear(tokens, gate.weight), dim=-1, dtype=torch.float)  # (N, E)
+            top_p, top_i = torch.topk(probs, self.topk, dim=-1)                           # (N, K) each
+            if self.norm_topk_prob:
+                top_p = top_p / top_p.sum(dim=-1, keepdim=True)                           # (N, K)
+            return top_p.to(tokens.dtype), top_i
+        N, E, G = tokens.shape[0], self.num_experts, gate.num_group
+        scores = F.linear(tokens.float(), gate.weight.float()).sigmoid()                  # (N, E)
+        choice = scores + gate.e_score_correction_bias                                    # (N, E)
+        group_scores = choice.view(N, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)           # (N, G)
+        kept = torch.zeros_like(group_scores).scatter_(
+            1, torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1], 1)   # (N, G) 1 = group allowed
+        choice = choice.masked_fill(~kept.bool().repeat_interleave(E // G, dim=1), float("-inf"))  # (N, E)
+        top_i = torch.topk(choice, k=self.topk, dim=-1, sorted=False)[1]                 # (N, K)
+        top_w = scores.gather(1, top_i)                                                   # (N, K)
+        if self.norm_topk_prob:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_w * gate.routed_scaling_factor, top_i
+
+    def _moe_mlp(self, h: torch.Tensor, li: int, mlp, valid: torch.Tensor, routed: list) -> torch.Tensor:
+        """Layer li's sparse block on the real tokens of h (B, T, H), as transformers computes it: the router's top-k
+        experts and gates (`_route`), each expert a SwiGLU MLP over the tokens routed to it, outputs summed with
+        those gates; plus DeepSeek-V3's shared experts over every token. Appends this layer's (n_valid, top_k)
+        expert ids to `routed` (what `return_routed_experts` reports)."""
         B, T, H = h.shape
         tokens = h[valid]                                                                  # (N, H) real tokens only
-        probs = torch.softmax(F.linear(tokens, mlp.gate.weight), dim=-1, dtype=torch.float)  # (N, E)
-        top_p, top_i = torch.topk(probs, self.topk, dim=-1)                               # (N, K) each
-        if self.norm_topk_prob:
-            top_p = top_p / top_p.sum(dim=-1, keepdim=True)                               # (N, K)
-        top_p = top_p.to(h.dtype)
+        top_w, top_i = self._route(tokens, mlp.gate)                                       # (N, K) each
         routed.append(top_i)
         ex = mlp.experts
         out = torch.zeros_like(tokens)                                                     # (N, H)
@@ -593,10 +719,75 @@ class ModelRunner:
             tok, slot = torch.where(top_i == e)                                            # tokens routed to e
             gate, up = F.linear(tokens[tok], ex.gate_up_proj[e]).chunk(2, dim=-1)         # (n_e, F) each
             y = F.linear(ex.act_fn(gate) * up, ex.down_proj[e])                            # (n_e, H)
-            out.index_add_(0, tok, y * top_p[tok, slot, None])
+            out.index_add_(0, tok, (y * top_w[tok, slot, None]).to(h.dtype))
         full = torch.zeros(B, T, H, dtype=h.dtype)                                         # (B, T, H) 0 on padding
         full[valid] = out
+        if self.dense_mlp[li] is not None:  # DeepSeek-V3: + the shared experts' output
+            full = full + self._dense_mlp(h, li)                                           # (B, T, H)
         return full
+
+    def make_adapter(self, name: str, path: str, config: dict, named: list, max_rank: int,
+                     server_targets: list[str]) -> LoraAdapter:
+        """A LoraAdapter from PEFT-named tensors and their adapter_config, checked as SGLang checks an adapter (its
+        rank within --max-lora-rank, its targets within --lora-target-modules, no DoRA) and against this model's
+        shapes; the tensors are copied. Raises BadRequest naming what does not fit."""
+        try:
+            r, alpha, targets = int(config["r"]), float(config["lora_alpha"]), config["target_modules"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadRequest(f"LoRA adapter {name}: its config needs r, lora_alpha and target_modules ({e!r})") from None
+        targets = [targets] if isinstance(targets, str) else list(targets)
+        if config.get("use_dora"):
+            raise BadRequest(f"Failed to load {name} because LoRA serving currently doesn't support DoRA adapters")
+        if r > max_rank or not set(targets) <= set(server_targets):
+            raise BadRequest(f"LoRA adapter {name} with rank {r} is incompatible with the current LoRA memory pool "
+                             f"configuration. Please ensure that the LoRA adapter's rank is within the configured "
+                             f"`--max-lora-rank` ({max_rank}) and that the target modules ({sorted(targets)}) are "
+                             f"included in `--lora-target-modules` ({sorted(server_targets)}).")
+        if self.mla or self.moe:
+            raise BadRequest(f"LoRA adapter {name}: the CPU engine serves adapters on dense models only, and "
+                             f"{self.model_path} is {self.model.config.model_type}; use engine=sglang")
+        cfg = self.model.config
+        H, D, F_ = cfg.hidden_size, self.head_dim, cfg.intermediate_size
+        Hq, KV = self.n_heads * D, self.n_kv_heads * D
+        # projection -> (fused key, column offset, rows, input size), as forward lays the fused weights out
+        where = {"q_proj": ("qkv", 0, Hq, H), "k_proj": ("qkv", Hq, KV, H), "v_proj": ("qkv", Hq + KV, KV, H),
+                 "o_proj": ("o", 0, H, Hq), "gate_proj": ("gate_up", 0, F_, H), "up_proj": ("gate_up", F_, F_, H),
+                 "down_proj": ("down", 0, H, F_)}
+        mats: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for full_name, t in named:
+            m = lora.PEFT_NAME.match(full_name)
+            if m is None or int(m.group(1)) >= cfg.num_hidden_layers or m.group(3) not in where:
+                raise BadRequest(f"LoRA adapter {name}: tensor {full_name!r} is not a PEFT adapter matrix of this "
+                                 f"model's q/k/v/o/gate/up/down projections (base_model.model.model.layers.<L>.self_attn"
+                                 f".q_proj.lora_A.weight, ...)")
+            if m.group(3) not in targets:
+                raise BadRequest(f"LoRA adapter {name}: tensor {full_name!r} adapts {m.group(3)}, which is not in its "
+                                 f"target_modules {targets}")
+            mats.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = t
+        layers = [dict() for _ in range(cfg.num_hidden_layers)]
+        for (li, proj), ab in sorted(mats.items()):
+            key, offset, rows, n_in = where[proj]
+            a, b = ab.get("A"), ab.get("B")
+            if a is None or b is None or tuple(a.shape) != (r, n_in) or tuple(b.shape) != (rows, r):
+                raise BadRequest(f"LoRA adapter {name}: layer {li} {proj} needs lora_A ({r}, {n_in}) and lora_B "
+                                 f"({rows}, {r}); got {None if a is None else tuple(a.shape)} and "
+                                 f"{None if b is None else tuple(b.shape)}")
+            layers[li].setdefault(key, []).append((offset, a.to(self.dtype).clone(), b.to(self.dtype).clone()))
+        return LoraAdapter(name=name, path=path, scale=alpha / r, layers=layers)
+
+    def _lora(self, y: torch.Tensor, x: torch.Tensor, li: int, key: str) -> torch.Tensor:
+        """y (B, T, N), the output of fused weight `key` of layer li for input x (B, T, K), plus each row's adapter:
+        scale * (x A^T) B^T in the projection's columns, computed apart from the base matmul as the trainer does
+        (lora.Adapters). Rows group by adapter (`self.step_adapters`, set by forward); rows without one are left."""
+        for adapter, rows in self.step_adapters:
+            for offset, A, B in adapter.layers[li].get(key, ()):
+                xs = x if rows is None else x[rows]                                       # (b, T, K)
+                delta = adapter.scale * ((xs @ A.T) @ B.T)                                  # (b, T, rows of the proj)
+                if rows is None:
+                    y[..., offset:offset + B.shape[0]] += delta
+                else:
+                    y[rows, :, offset:offset + B.shape[0]] += delta
+        return y
 
     def copy_kv(self, src: int, dst: int, n: int) -> None:
         """K/V rows [0, n) of slot `src` into slot `dst`, every layer at once (a prefill shared by equal contexts)."""
@@ -682,10 +873,12 @@ class CpuEngine:
 
     def _build(self, model_path: str, *, max_batch: int = 64, max_len: int | None = None, seed: int = 0,
                dtype: str = "float32", max_prefill_tokens: int = 8192, weight_version: str = "0",
-               fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None,
+               fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None, lora: dict | None = None,
                enable_deterministic_inference: bool = False, disable_radix_cache: bool = False) -> None:
         """`busy_flag` (file, i): keep byte i of that file at 1 while there are requests to compute, 0 otherwise, for
-        trainer ranks that borrow this engine's cores while it idles (cpu.lent_cores).
+        trainer ranks that borrow this engine's cores while it idles (cpu.lent_cores). `lora`: serve LoRA adapters,
+        {"max_lora_rank": r, "lora_target_modules": [...]} (SGLang's --enable-lora and its two flags); None: refuse
+        them, as SGLang without --enable-lora does.
         `enable_deterministic_inference`, `disable_radix_cache`: SGLang's server flags of those names (the module
         docstring's Determinism; the prefix cache)."""
         hf_logging.disable_progress_bar()
@@ -700,15 +893,18 @@ class CpuEngine:
         self.uniforms = torch.zeros(self.max_batch, self.max_len)  # (slots, max_len) running requests' draws
         self.deterministic = bool(enable_deterministic_inference)
         self.radix_cache = not disable_radix_cache
-        # the prefix cache: slot -> routed experts of its cached rows (or None), least recently used first; the token
-        # ids whose K/V a cached slot holds are row `slot` of _cache_ids, -1 past them (no token id matches -1)
-        self._cache: collections.OrderedDict[int, torch.Tensor | None] = collections.OrderedDict()
+        # the prefix cache: slot -> (routed experts of its cached rows or None, their LoRA adapter or None), least
+        # recently used first; the token ids whose K/V a cached slot holds are row `slot` of _cache_ids, -1 past them
+        # (no token id matches -1)
+        self._cache: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._cache_ids = torch.full((self.max_batch, self.max_len), -1, dtype=torch.long)  # (slots, max_len)
         self.offload_tags: set[str] = set()  # SGLang's name: the memory tags released and not yet resumed
         self.weight_update_groups: dict = {}  # group_name -> the gloo group of /init_weights_update_group
         self.last_answer = time.monotonic()  # when the scheduler last answered anything (what /health waits for)
         self.died: str | None = None  # why the scheduler ended the server, as SGLang's does on an exception
         self.on_death = None  # called once the scheduler has died (serve: stop the HTTP server)
+        self.lora = dict(lora) if lora else None
+        self.adapters: dict[str, LoraAdapter] = {}  # loaded LoRA adapters by name (SGLang's registry)
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[Req] = collections.deque()
@@ -770,9 +966,10 @@ class CpuEngine:
     def make_request(self, input_ids, sampling_params: dict | None = None, *, rid: str | None = None,
                      return_logprob: bool = True, return_text_in_logprobs: bool = False,
                      return_routed_experts: bool = False, routed_experts_start_len: int = 0,
-                     seed: int | None = None) -> Req:
+                     seed: int | None = None, lora_path: str | None = None) -> Req:
         """Validate one prompt into a Req (raises BadRequest); `submit` it to run it. `seed`: for the engine's own
-        requests (the health check), which take no arrival index."""
+        requests (the health check), which take no arrival index. `lora_path`: the name of a loaded LoRA adapter to
+        generate with (SGLang's field), None for the base model."""
         if not isinstance(input_ids, list) or not input_ids:
             raise BadRequest(f"input_ids must be a non-empty list of token ids, got {str(input_ids)[:80]}")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
@@ -790,6 +987,16 @@ class CpuEngine:
         if not isinstance(routed_experts_start_len, int) or not 0 <= routed_experts_start_len <= len(input_ids):
             raise BadRequest(f"routed_experts_start_len={routed_experts_start_len!r} must be an integer in "
                              f"[0, {len(input_ids)}] (the number of input tokens)")
+        adapter = None
+        if lora_path is not None:
+            if self.lora is None:
+                raise BadRequest(f"LoRA adapter '{lora_path}' was requested, but LoRA is not enabled. Please launch "
+                                 "the server with --enable-lora flag and preload adapters using --lora-paths or "
+                                 "/load_lora_adapter endpoint.")
+            adapter = self.adapters.get(lora_path)
+            if adapter is None:
+                raise BadRequest(f"Got LoRA adapter that has never been loaded: {lora_path}\n"
+                                 f"All loaded adapters: {sorted(self.adapters)}.")
         max_new = min(params.max_new_tokens, self.max_len - len(input_ids))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.runner.eos_ids)
         if seed is None and self.deterministic:  # SGLang: the request's sampling_seed, else 42 (sampling_batch_info.py)
@@ -803,7 +1010,8 @@ class CpuEngine:
                    params=params, return_logprob=bool(return_logprob), future=concurrent.futures.Future(),
                    max_new=max_new, stop_ids=stop_ids, uniforms=uniforms,
                    return_text_in_logprobs=bool(return_text_in_logprobs),
-                   return_routed_experts=bool(return_routed_experts), routed_experts_start_len=routed_experts_start_len)
+                   return_routed_experts=bool(return_routed_experts), routed_experts_start_len=routed_experts_start_len,
+                   adapter=adapter)
 
     def submit(self, *reqs: Req) -> list[concurrent.futures.Future]:
         """Queue requests (one message, so a batch is admitted together); returns their futures."""
@@ -839,6 +1047,34 @@ class CpuEngine:
         """SGLang's /flush_cache: drop the prefix cache; False (nothing dropped) unless the engine is idle."""
         return self.call(self._flush_cache).result()
 
+    def load_adapter(self, name: str, path: str, config: dict, named: list) -> dict:
+        """SGLang's /load_lora_adapter(_from_tensors): add LoRA adapter `name` (PEFT-named tensors + its
+        adapter_config) between two steps; raises BadRequest with SGLang's reasons (LoRA off, a name already loaded,
+        a rank or targets the server was not started for). Returns {name: path} of every loaded adapter."""
+        def _load():
+            if self.lora is None:
+                raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+            if name in self.adapters:
+                raise BadRequest(f"Failed to load LoRA adapter {name} because it is already loaded")
+            self.adapters[name] = self.runner.make_adapter(name, path, config, named, int(self.lora["max_lora_rank"]),
+                                                           list(self.lora["lora_target_modules"]))
+            return {n: a.path for n, a in self.adapters.items()}
+        return self.call(_load).result()
+
+    def unload_adapter(self, name: str) -> dict:
+        """SGLang's /unload_lora_adapter: new requests can no longer name it at once; it is dropped when no request
+        that named it is running or waiting (this call waits for that, as SGLang's does). Returns the loaded ones."""
+        def _unregister():
+            if self.lora is None:
+                raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+            if name not in self.adapters:
+                raise BadRequest(f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self.adapters)}")
+            return self.adapters.pop(name)
+        adapter = self.call(_unregister).result()
+        while self.call(lambda: any(r.adapter is adapter for r in self._running + list(self._waiting))).result():
+            time.sleep(0.05)
+        return self.call(lambda: {n: a.path for n, a in self.adapters.items()}).result()
+
     def release_memory(self, tags: list[str] | None) -> None:
         """SGLang's /release_memory_occupation: hand the memory of `tags` back (see ModelRunner.release)."""
         self.call(self._release_memory, _memory_tags(tags)).result()
@@ -859,6 +1095,7 @@ class CpuEngine:
         def _snap():
             return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
                     "paused": self._paused, "weight_version": self.weight_version, **self.stats,
+                    "loaded_adapters": sorted(self.adapters),
                     "released": sorted(self.offload_tags), "cached_slots": len(self._cache),
                     "weight_update_groups": sorted(self.weight_update_groups),
                     "running": [{"rid": r.rid, "completion_tokens": len(r.output_ids)} for r in self._running]}
@@ -945,7 +1182,7 @@ class CpuEngine:
         while self._waiting:
             req = self._waiting[0]
             context = req.prompt_ids + req.output_ids
-            source, hit = self._match(context, req.return_routed_experts)
+            source, hit = self._match(context, req.return_routed_experts, req.adapter)
             n = len(context) - hit
             if admitted and n > budget:
                 break
@@ -957,7 +1194,7 @@ class CpuEngine:
             if slot < 0 and source is None:
                 break  # every slot runs a request
             self._waiting.popleft()
-            routed = self._cache.get(source) if source is not None else None
+            routed = self._cache[source][0] if source is not None else None
             if slot < 0:  # the source is the only slot left: take it over, its rows [0, hit) stay in place
                 slot = source
                 del self._cache[source]
@@ -979,7 +1216,8 @@ class CpuEngine:
         K/V is computed and copied into the others' slots, and each samples from its logits with its own draw."""
         contexts = [r.prompt_ids + r.output_ids for r in reqs]
         first: dict[tuple, int] = {}
-        src = [first.setdefault(tuple(c), i) for i, c in enumerate(contexts)]  # request whose prefill i shares
+        # request whose prefill i shares: the same context under the same adapter (LoRA changes every K/V)
+        src = [first.setdefault((tuple(c), id(r.adapter)), i) for i, (c, r) in enumerate(zip(contexts, reqs))]
         own = sorted(first.values())
         logits = self._forward([reqs[i] for i in own], [contexts[i][reqs[i].kv_len:] for i in own])  # (U, V)
         for r, j in zip(reqs, src):
@@ -993,11 +1231,13 @@ class CpuEngine:
 
     # --- the prefix cache (SGLang's radix cache, one entry per slot)
 
-    def _match(self, context: list[int], routed: bool) -> tuple[int | None, int]:
+    def _match(self, context: list[int], routed: bool, adapter) -> tuple[int | None, int]:
         """(cached slot, n): the slot whose K/V rows [0, n) were computed for context[:n], n the longest such (at
         most len(context) - 1: the last token is always run, for its logits); (None, 0) when none. `routed`: the
-        request returns routed experts, so only slots that kept theirs can serve it."""
-        slots = [s for s, r in self._cache.items() if r is not None or not routed]
+        request returns routed experts, so only slots that kept theirs can serve it. Only rows computed under the
+        request's LoRA adapter (or none) match: SGLang keys its radix cache by the adapter (schedule_batch.py Req,
+        lora_id in extra_key)."""
+        slots = [s for s, (r, a) in self._cache.items() if a is adapter and (r is not None or not routed)]
         n = len(context) - 1
         if not slots or n < 1:
             return None, 0
@@ -1031,7 +1271,8 @@ class CpuEngine:
             return
         self._cache_ids[req.slot] = -1
         self._cache_ids[req.slot, :req.kv_len] = torch.tensor((req.prompt_ids + req.output_ids)[:req.kv_len])
-        self._cache[req.slot] = torch.cat(req.routed)[:req.kv_len] if req.routed else None  # (kv_len, L, K)
+        # (routed experts (kv_len, L, K) or None, the adapter that computed the rows)
+        self._cache[req.slot] = (torch.cat(req.routed)[:req.kv_len] if req.routed else None, req.adapter)
 
     def _flush_cache(self) -> bool:
         """SGLang's flush_cache: only when nothing runs and nothing waits (waiting requests do not count while
@@ -1061,7 +1302,7 @@ class CpuEngine:
     def _forward(self, reqs: list[Req], chunks: list[list[int]]) -> torch.Tensor:
         """The runner's forward over each request's slot; advances kv_len and keeps the routing it was asked for."""
         logits, routed = self.runner.forward([r.slot for r in reqs], [r.kv_len for r in reqs], chunks,
-                                             any(r.return_routed_experts for r in reqs))
+                                             any(r.return_routed_experts for r in reqs), [r.adapter for r in reqs])
         for i, (req, chunk) in enumerate(zip(reqs, chunks)):
             req.kv_len += len(chunk)
             if routed is not None and req.return_routed_experts:
@@ -1299,10 +1540,12 @@ def build_app(engine: CpuEngine):
         lps = _per_item(body.get("return_logprob", False), n, "return_logprob")
         # one value for the whole batch, as SGLang's GenerateReqInput holds them
         routed = (bool(body.get("return_routed_experts", False)), body.get("routed_experts_start_len", 0))
+        loras = _per_item(body.get("lora_path"), n, "lora_path")  # an adapter name per prompt, or one for all
         reqs = [engine.make_request(p, sp, rid=r, return_logprob=bool(lp),
                                     return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
-                                    return_routed_experts=routed[0], routed_experts_start_len=routed[1])
-                for p, sp, r, lp in zip(prompts, sps, rids, lps)]
+                                    return_routed_experts=routed[0], routed_experts_start_len=routed[1],
+                                    lora_path=lp_name)
+                for p, sp, r, lp, lp_name in zip(prompts, sps, rids, lps, loras)]
         outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in engine.submit(*reqs)))
         return outs if batched else outs[0]
 
@@ -1404,23 +1647,70 @@ def build_app(engine: CpuEngine):
                                  f"and end_weight_update()"}, status_code=400)
         return None
 
+    async def own_payload(body: dict, endpoint: str, adapter: bool = False) -> list:
+        """The tensors of `serialized_named_tensors` (one entry per TP rank) that this engine reads: entry 0, as
+        SGLang's TP rank 0 does (the CPU engine is one rank), in SGLang's payload (transfermesh.read_tensor_payload;
+        `adapter`: a LoRA adapter's, a dict where load_format is null). Views of the sender's shared memory: the
+        caller copies them out. A bad payload or checksum is a BadRequest, and nothing is loaded."""
+        items = body.get("serialized_named_tensors")
+        if not isinstance(items, list) or not items:
+            raise BadRequest(f"{endpoint} needs serialized_named_tensors (a non-empty list, one entry per TP rank)")
+        try:  # checksum: a LoongSage addition
+            return await asyncio.to_thread(transfermesh.read_tensor_payload, items[0], body.get("load_format"),
+                                           body.get("checksum"), adapter)
+        except ValueError as e:  # a bad payload or checksum: refuse it, keep what is loaded
+            raise BadRequest(str(e)) from None
+
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         body = await _json_body(request)
         if (refused := refuse_outside_session("update_weights_from_tensor")) is not None:
             return refused
-        items = body.get("serialized_named_tensors")
-        if not isinstance(items, list) or not items:
-            raise BadRequest("update_weights_from_tensor needs serialized_named_tensors (a non-empty list, one entry "
-                             "per TP rank)")
-        if body.get("load_format") != "flattened_bucket":
-            raise BadRequest(f"the CPU engine takes load_format 'flattened_bucket' (a shared-memory descriptor from "
-                             f"transfermesh per TP rank), got {body.get('load_format')!r}")
-        try:  # the CPU engine is one TP rank: it reads entry 0, as SGLang's rank 0 does
-            named = await asyncio.to_thread(transfermesh.read_shm_bucket, items[0])
-        except ValueError as e:  # a bad descriptor or checksum: refuse the bucket, keep the old weights
-            raise BadRequest(str(e)) from None
-        return await load(named, body)
+        return await load(await own_payload(body, "update_weights_from_tensor"), body)
+
+    # LoRA adapters, as SGLang 0.5.23 answers them: LoRAUpdateOutput {success, error_message, loaded_adapters},
+    # HTTP 400 with success false when refused. No weight-update session: SGLang loads adapters outside one.
+    async def lora_answer(work):
+        """`work`: a coroutine that loads or unloads and returns the loaded adapters."""
+        try:
+            return {"success": True, "error_message": None, "loaded_adapters": await work}
+        except ValueError as e:  # a BadRequest, or a payload or checksum refused
+            return JSONResponse({"success": False, "error_message": str(e), "loaded_adapters": None}, status_code=400)
+
+    def lora_name(body: dict) -> str:
+        if not isinstance(body.get("lora_name"), str) or not body["lora_name"]:
+            raise BadRequest(f"lora_name must be a non-empty string, got {body.get('lora_name')!r}")
+        return body["lora_name"]
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await _json_body(request)
+        name, path = lora_name(body), body.get("lora_path")
+        if not isinstance(path, str) or not os.path.isfile(os.path.join(path, lora.PEFT_CONFIG)):
+            raise BadRequest(f"lora_path {path!r} is not a PEFT adapter directory (with {lora.PEFT_CONFIG} and "
+                             f"{lora.PEFT_WEIGHTS})")
+        config = json.loads(open(os.path.join(path, lora.PEFT_CONFIG)).read())
+        named = await asyncio.to_thread(read_safetensors_dir, path)
+        return await lora_answer(asyncio.to_thread(engine.load_adapter, name, path, config, named))
+
+    @app.post("/load_lora_adapter_from_tensors")
+    async def load_lora_adapter_from_tensors(request: Request):
+        body = await _json_body(request)
+        name, config = lora_name(body), body.get("config_dict")
+        if not isinstance(config, dict):
+            raise BadRequest("load_lora_adapter_from_tensors needs config_dict, the adapter's adapter_config.json")
+
+        async def read_and_load():  # the weight updates' reader; load_adapter copies the tensors out
+            named = await own_payload(body, "load_lora_adapter_from_tensors", adapter=True)
+            # expected_checksums: SGLang's own field (a mismatch refuses the adapter there too)
+            await asyncio.to_thread(transfermesh.verify_adapter_sha256, named, body.get("expected_checksums"))
+            return await asyncio.to_thread(engine.load_adapter, name, "__tensor__", config, named)
+        return await lora_answer(read_and_load())
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await _json_body(request)
+        return await lora_answer(asyncio.to_thread(engine.unload_adapter, lora_name(body)))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
@@ -1437,9 +1727,9 @@ def build_app(engine: CpuEngine):
                                  "name."}, status_code=400)
         # Blocks until the trainer joins the rendezvous, so it runs off the event loop (and off the scheduler).
         # The CPU engine is TP rank 0 of itself: it joins at rank_offset + 0.
-        groups[name] = await asyncio.to_thread(transfermesh.new_gloo_group, body["master_address"],
-                                               int(body["master_port"]), int(body["rank_offset"]),
-                                               int(body["world_size"]))
+        groups[name] = await asyncio.to_thread(
+            transfermesh.new_sglang_group, body["master_address"], int(body["master_port"]),
+            int(body["rank_offset"]), int(body["world_size"]), name, "gloo")
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     @app.post("/update_weights_from_distributed")
@@ -1465,10 +1755,12 @@ def build_app(engine: CpuEngine):
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
         body = await _json_body(request)
-        # The group was built beside (not inside) torch.distributed's registry, so dropping it closes it.
-        if groups.pop(body.get("group_name", "weight_update_group"), None) is None:
+        # Registered by name with torch.distributed (as SGLang's is): destroyed there too, so the name can be reused
+        pg = groups.pop(body.get("group_name", "weight_update_group"), None)
+        if pg is None:
             return JSONResponse({"success": False, "message": "The group to be destroyed does not exist."},
                                 status_code=400)
+        await asyncio.to_thread(torch.distributed.destroy_process_group, pg)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     return app
@@ -1529,10 +1821,15 @@ def main() -> None:
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="honour sampling_params.sampling_seed (SGLang's flag; without it the seed is ignored)")
     p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (SGLang's flag)")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--lora-target-modules", nargs="*", default=list(lora.TARGETS))
     a = p.parse_args()
     url, handle = serve(a.model_path, a.host, a.port, max_batch=a.max_batch, max_len=a.max_len, seed=a.seed,
                         dtype=a.dtype, enable_deterministic_inference=a.enable_deterministic_inference,
-                        disable_radix_cache=a.disable_radix_cache)
+                        disable_radix_cache=a.disable_radix_cache,
+                        lora=dict(max_lora_rank=a.max_lora_rank, lora_target_modules=a.lora_target_modules)
+                        if a.enable_lora else None)
     print(f"CPU rollout engine for {a.model_path} serving at {url} (Ctrl-C to stop)", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a clean shutdown on `kill` too
     try:

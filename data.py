@@ -2,19 +2,24 @@
 
 Nothing here can be downloaded on an offline laptop, so the tiny recipes build their own pieces:
 
-* `build_tiny_tokenizer(dir)`: a byte-level BPE tokenizer in HF format (tokenizer.json +
-  tokenizer_config.json with a Qwen-style chat template that renders tools, tool calls and tool
-  results), trained deterministically on a synthetic corpus. A few hundred tokens; digits are always
-  single tokens so arithmetic is learnable.
+* `build_tiny_tokenizer(dir, chat_format=...)`: a byte-level BPE tokenizer in HF format (tokenizer.json +
+  tokenizer_config.json with a chat template that renders tools, tool calls, tool results and, where the family
+  has it, thinking), trained deterministically on a synthetic corpus. A few hundred tokens; digits are always
+  single tokens so arithmetic is learnable. The family (chat.FAMILIES) gives the special tokens, bos/eos/pad
+  and template: chatml (the tiny recipes' compact Qwen-style default), qwen3, llama3, mistral, deepseek_v3.
 * `build_tiny_model(dir, ...)`: a randomly initialised Qwen3-architecture causal LM (HF config +
   safetensors) on that tokenizer, cached and rebuilt when its settings change (`norm_std > 0`
-  randomises the norm weights too, as the test models do; `num_experts > 0` builds a Qwen3-MoE, every
-  layer sparse, for expert parallelism and routed-expert replay).
+  randomises the norm weights too, as the test models do; `chat_format` picks the tokenizer's family and writes its
+  end tokens to generation_config.json; `num_experts > 0` builds a Qwen3-MoE, every
+  layer sparse, for expert parallelism and routed-expert replay; `model_type="deepseek_v3"` a DeepSeek-V3:
+  multi-latent attention, dense first layers, then routed + shared experts with grouped sigmoid routing).
 * `arith_samples(n, seed)`: the synthetic arithmetic task of the default CPU recipe.
+* `sft_trajectory`, `reply_ids`, `turn_end`: warm-start examples in any chat format (the model's turn as the
+  tokenizer's template renders it, through its end-of-turn token).
 * rewards: plain functions `reward(response_text, sample) -> float` named in recipes by dotted path.
 * `load_dataset(spec)`: jsonl / parquet files or `synthetic:<task>:<n>:<seed>`.
-* `import_object(dotted)`: the one resolver of every extension point (`mod.fn` or `mod:fn`, README "Extension
-  points").
+* `import_object(dotted)`: the one resolver of every extension point (`mod.fn` or `mod:fn`,
+  docs/EXTENDING.md).
 
 Run `python data.py /tmp/tiny` to build the tiny model and print its size. Tested by tests/test_data.py.
 Left out: streaming datasets and on-the-fly packing; datasets here are lists of dicts held in memory.
@@ -34,42 +39,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import chat
 # transformers is imported inside the functions that use it: its model classes pull in torch._dynamo and
 # torch.distributed.tensor (~2-3 s per process on 2 cores), and every process that imports loongsage or trainer
 # (Ray actors, `loongsage.py --check`) imports this module, mostly without building a model.
-
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                  "<tool_response>", "</tool_response>", "<think>", "</think>"]
-PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
-
-# Qwen-style chat template (transformers renders it with trim_blocks, so a newline right after a tag
-# is written as {{ '\n' }}). Tools are listed in the system turn; assistant tool calls are rendered as
-# <tool_call>{json}</tool_call>; tool results go back as a user turn wrapped in <tool_response>.
-CHAT_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n"
-    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>. Tools:"
-    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}<|im_end|>\n"
-    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{% if message.role == 'user' %}<|im_start|>user\n{{ message.content }}<|im_end|>\n"
-    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n"
-    "{% if message.content %}{{ message.content }}{% endif %}"
-    "{% if message.tool_calls %}{% for tc in message.tool_calls %}"
-    "{% set fn = tc.function if tc.function is defined else tc %}"
-    "{% if message.content or not loop.first %}{{ '\\n' }}{% endif %}"
-    "<tool_call>\n{\"name\": \"{{ fn.name }}\", \"arguments\": "
-    "{% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}"
-    "}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
-    "{% elif message.role == 'tool' %}"
-    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "{{ '\\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
-    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 # Qwen2-style pre-tokenizer split: digits one at a time, words with an optional leading space.
 _SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -129,31 +103,48 @@ def _corpus(seed: int = 0) -> list[str]:
 # the tiny tokenizer and model
 
 
-def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 384) -> None:
-    """Train a byte-level BPE tokenizer on `_corpus()` and save it in HF format with the chat template."""
+def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 384, chat_format: str = "chatml") -> None:
+    """Train a byte-level BPE tokenizer on `_corpus()` and save it in HF format with the chat template of family
+    `chat_format` (chat.FAMILIES: its special tokens, bos/eos/pad and template; the template's fixed prose joins
+    the corpus so it costs few tokens)."""
     from transformers import PreTrainedTokenizerFast  # late: see the note at the top
 
+    if chat_format not in chat.FAMILIES:
+        raise ValueError(f"chat_format={chat_format!r}: the tiny tokenizer is built in one of {sorted(chat.FAMILIES)}")
+    fam = chat.FAMILIES[chat_format]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=fam["special"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
-                                 additional_special_tokens=SPECIAL_TOKENS[1:], clean_up_tokenization_spaces=False)
-    hf.chat_template = CHAT_TEMPLATE
+    tok.train_from_iterator(_corpus() + fam["corpus"] * 50, trainer=trainer)
+    names = {k: fam[k] for k in ("bos", "eos", "pad") if fam[k]}
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, **{f"{k}_token": v for k, v in names.items()},
+                                 additional_special_tokens=fam["special"][1:], clean_up_tokenization_spaces=False)
+    hf.chat_template = fam["template"]
     hf.save_pretrained(str(out_dir))
 
 
 TINY_DEFAULTS = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=32, intermediate_size=384, max_position_embeddings=512, vocab_multiple=64,
                      tie_word_embeddings=False, seed=0, tokenizer_vocab=384, norm_std=0.0,
-                     num_experts=0, num_experts_per_tok=2, moe_intermediate_size=96)
-# MoE settings count only when num_experts > 0: a dense model's cache stamp (and so every cached dense model and its
-# SFT warm start) stays what it was before these keys existed.
+                     num_experts=0, num_experts_per_tok=2, moe_intermediate_size=96,
+                     model_type="qwen3",  # "qwen3" (Qwen3-MoE with num_experts > 0) or "deepseek_v3"
+                     chat_format="chatml",  # the tokenizer's family (chat.FAMILIES): chatml, qwen3, llama3, ...
+                     # deepseek_v3 only (num_key_value_heads and head_dim do not apply to it; q_lora_rank 0: no q
+                     # compression, one q_proj): latent ranks and head sizes of multi-latent attention, the MoE
+                     q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                     n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                     routed_scaling_factor=1.0)
+# MoE settings count only when num_experts > 0, DeepSeek-V3's only for model_type deepseek_v3, chat_format only when
+# it is not chatml: a dense Qwen3's cache stamp (and so every cached dense model and its SFT warm start) stays what it
+# was before these keys existed.
 TINY_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+TINY_DEEPSEEK_KEYS = ("model_type", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                      "v_head_dim", "n_shared_experts", "n_group", "topk_group", "first_k_dense_replace",
+                      "routed_scaling_factor")
 
 
 def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
@@ -165,18 +156,28 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
     """
 
     # late: see the note at the top (transformers' model classes cost seconds to import)
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     s = {**TINY_DEFAULTS, **settings}
     unknown = set(settings) - set(TINY_DEFAULTS)
     if unknown:
         raise ValueError(f"unknown tiny-model setting(s) {sorted(unknown)}; valid: {sorted(TINY_DEFAULTS)}")
-    moe = int(s["num_experts"]) > 0
+    if s["model_type"] not in ("qwen3", "deepseek_v3"):
+        raise ValueError(f"model_type={s['model_type']!r}: the tiny builder makes 'qwen3' or 'deepseek_v3' models")
+    deepseek, moe = s["model_type"] == "deepseek_v3", int(s["num_experts"]) > 0
+    if deepseek and not moe:
+        raise ValueError("model_type='deepseek_v3' needs num_experts > 0 (its layers after first_k_dense_replace "
+                         "route over experts)")
     if moe and not 1 <= s["num_experts_per_tok"] <= s["num_experts"]:
         raise ValueError(f"num_experts_per_tok={s['num_experts_per_tok']} must be in [1, num_experts="
                          f"{s['num_experts']}]")
     if not moe:
         s = {k: v for k, v in s.items() if k not in TINY_MOE_KEYS}
+    if not deepseek:
+        s = {k: v for k, v in s.items() if k not in TINY_DEEPSEEK_KEYS}
+    if s["chat_format"] == "chatml":
+        del s["chat_format"]
     out = Path(out_dir)
     stamp = out / "loongsage_tiny.json"
     if stamp.exists() and json.loads(stamp.read_text()) == s and (out / "model.safetensors").exists():
@@ -184,7 +185,7 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    build_tiny_tokenizer(out, s["tokenizer_vocab"])
+    build_tiny_tokenizer(out, s["tokenizer_vocab"], s.get("chat_format", "chatml"))
     tok = AutoTokenizer.from_pretrained(str(out))
     m = s["vocab_multiple"]
     common = dict(
@@ -192,24 +193,44 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
         intermediate_size=s["intermediate_size"], num_hidden_layers=s["num_hidden_layers"],
         num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"],
         head_dim=s["head_dim"], max_position_embeddings=s["max_position_embeddings"], rms_norm_eps=1e-6,
-        tie_word_embeddings=s["tie_word_embeddings"], bos_token_id=None,
-        eos_token_id=tok.convert_tokens_to_ids(EOS_TOKEN), pad_token_id=tok.pad_token_id)
-    if moe:  # every layer sparse (mlp_only_layers=[]), top-k probabilities renormalised as Qwen3-MoE ships
+        tie_word_embeddings=s["tie_word_embeddings"], bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if deepseek:  # every head its own k and v (MLA): no key-value groups, no head_dim; no multi-token prediction
+        common = {k: v for k, v in common.items() if k not in ("num_key_value_heads", "head_dim")}
+        config = DeepseekV3Config(
+            **common, n_routed_experts=s["num_experts"], num_experts_per_tok=s["num_experts_per_tok"],
+            moe_intermediate_size=s["moe_intermediate_size"], n_shared_experts=s["n_shared_experts"],
+            n_group=s["n_group"], topk_group=s["topk_group"], first_k_dense_replace=s["first_k_dense_replace"],
+            routed_scaling_factor=s["routed_scaling_factor"], norm_topk_prob=True, q_lora_rank=s["q_lora_rank"] or None,
+            kv_lora_rank=s["kv_lora_rank"], qk_nope_head_dim=s["qk_nope_head_dim"],
+            qk_rope_head_dim=s["qk_rope_head_dim"], v_head_dim=s["v_head_dim"], num_nextn_predict_layers=0,
+            architectures=["DeepseekV3ForCausalLM"])
+        cls = DeepseekV3ForCausalLM
+    elif moe:  # every layer sparse (mlp_only_layers=[]), top-k probabilities renormalised as Qwen3-MoE ships
         config = Qwen3MoeConfig(**common, num_experts=s["num_experts"], num_experts_per_tok=s["num_experts_per_tok"],
                                 moe_intermediate_size=s["moe_intermediate_size"], norm_topk_prob=True,
                                 decoder_sparse_step=1, mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"])
+        cls = Qwen3MoeForCausalLM
     else:
-        config = Qwen3Config(**common, architectures=["Qwen3ForCausalLM"])
+        config, cls = Qwen3Config(**common, architectures=["Qwen3ForCausalLM"]), Qwen3ForCausalLM
     torch.manual_seed(s["seed"])
-    model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config).to(torch.float32)
+    model = cls(config).to(torch.float32)
     if s["norm_std"]:
         # Tests: norm weights (RMSNorm, q_norm/k_norm) initialise to exactly 1, so a conversion or engine that
         # dropped or swapped one would give the same outputs. Drawing them as 1 + norm_std * N(0, 1) makes
-        # every parameter of the test models random, and such a bug visible.
+        # every parameter of the test models random, and such a bug visible. DeepSeek-V3's score-correction
+        # biases start at 0 for the same effect: they get norm_std/4 * N(0, 1), about the spread of the
+        # routers' sigmoid scores, so they change which experts win.
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.add_(s["norm_std"] * torch.randn_like(p))
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.add_(s["norm_std"] / 4 * torch.randn_like(b))
+    # every token that ends a generation, as the family's published generation_config.json lists them
+    stop = chat.FAMILIES[s.get("chat_format", "chatml")]["stop"]
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids(stop)
     model.save_pretrained(str(out))  # safetensors
     stamp.write_text(json.dumps(s))
     return str(out)
@@ -281,8 +302,31 @@ def prompt_ids(tok, sample: dict, tools: list | None = None) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
+_TURN_ENDS: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, its end-of-turn token): one probe render each; the
+#                                    reference held keeps the id from being reused by another tokenizer
+
+
+def turn_end(tok) -> str:
+    """The token a tokenizer's chat template closes an assistant turn with (<|eot_id|> for Llama 3, </s>, ...): the
+    special token its assistant suffix starts with."""
+    if id(tok) not in _TURN_ENDS:
+        suffix = chat.assistant_suffix(lambda m: tok.apply_chat_template(m, tokenize=False))
+        _TURN_ENDS[id(tok)] = (tok, chat.turn_end(suffix, tok.all_special_tokens))
+    return _TURN_ENDS[id(tok)][1]
+
+
+def reply_ids(tok, messages: list[dict], reply: dict, tools: list | None = None) -> tuple[list[int], list[int]]:
+    """(prompt ids, reply ids): the chat's generation prompt, and what the model writes for `reply` in the chat
+    template's format through its end-of-turn token (thinking block, tool-call syntax and all)."""
+    def render(msgs, gen):
+        return tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
+    prompt, text = chat.reply_text(render, messages, reply, turn_end(tok))
+    return tok.encode(prompt, add_special_tokens=False), tok.encode(text, add_special_tokens=False)
+
+
 def sft_trajectory(tok, sample: dict, rng: random.Random | None = None, label_noise: float = 0.0) -> dict:
-    """A supervised example in trajectory form: the answer followed by <|im_end|>, all of it in the loss.
+    """A supervised example in trajectory form: the answer as the model's turn (the chat template's rendering of it,
+    its end-of-turn token included: "42<|eot_id|>" for Llama 3), all of it in the loss.
 
     With probability `label_noise` the answer is replaced by a near miss (the right number plus or
     minus one). The tiny recipes warm-start on such labels on purpose: the policy then knows the
@@ -291,8 +335,7 @@ def sft_trajectory(tok, sample: dict, rng: random.Random | None = None, label_no
     answer = str(sample["answer"])
     if label_noise and rng is not None and rng.random() < label_noise and answer.lstrip("-").isdigit():
         answer = str(int(answer) + rng.choice((-1, 1)))
-    p = prompt_ids(tok, sample)
-    r = tok.encode(answer, add_special_tokens=False) + [tok.convert_tokens_to_ids(EOS_TOKEN)]
+    p, r = reply_ids(tok, sample["messages"], {"role": "assistant", "content": answer})
     return {"prompt_ids": p, "response_ids": r, "loss_mask": [1] * len(r), "rollout_logprobs": [0.0] * len(r),
             "weight_versions": [-1] * len(r), "reward": 0.0, "status": "ok", "group_id": 0, "sample_index": 0}
 
@@ -348,7 +391,7 @@ def is_dotted(name) -> bool:
 
 def import_object(dotted: str):
     """`"recipes.calc.agent"` or `"mypkg.mod:agent"` -> the object. The one resolver of every extension point
-    (README "Extension points"): the module may live anywhere on sys.path / PYTHONPATH, outside this repo too.
+    (docs/EXTENDING.md): the module may live anywhere on sys.path / PYTHONPATH, outside this repo too.
     After a ':' the rest is an attribute path (`mod:Class.method`)."""
     if ":" in dotted:
         module, _, name = dotted.partition(":")

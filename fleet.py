@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 import cpu
 import data
+import lora
 import teacher
 import trainer  # cheap: Megatron loads inside the trainer actors, not here
 import transfermesh
@@ -407,7 +408,9 @@ def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: i
     ray.kill(fleet.actors[i], no_restart=True)  # a hung engine still holds its bundle (and port, GPU)
     fleet.actors[i] = start_engine(cfg, fleet, i)
     url = wait(fleet.actors[i].url.remote(), f"re-creating rollout engine {i}", cfg.actor_timeout, "actor_timeout")
-    if version > 0:  # it loaded fleet.model (version 0); every later version lives only in the trainers
+    # it loaded fleet.model (version 0); every later version lives only in the trainers, and with LoRA the router
+    # names the current adapter (version 0's too, after a warm start), which this engine must have
+    if version > 0 or cfg.lora_rank:
         wait([t.sync_weights.remote([url], version) for t in trainers], f"weight sync to re-created engine {i}",
              cfg.weight_sync_timeout, "weight_sync_timeout")
     fleet.released[i] = set()
@@ -469,17 +472,19 @@ def update_engines(cfg: Config, fleet: Fleet, urls: list[str], push):
                 _post_each(urls, "/continue_generation", {}, cfg.weight_sync_timeout)
 
 
-def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int) -> dict:
+def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int, base: bool = False) -> dict:
     """Weights -> engines (TransferMesh) as version `version` (update_engines: the live engines pause, take every
     bucket, drop the K/V the old weights computed, then continue on the new weights). A dead engine is skipped and
     re-created on these weights afterwards; one that dies during the push fails it, so probe and push once more to
-    the engines left (a push is idempotent). Returns the trainers' `weights/` metrics."""
+    the engines left (a push is idempotent). Returns the trainers' `weights/` metrics.
+    LoRA: the adapters alone travel, as a new adapter that AgentFlow then names in new requests (those in flight
+    finish on theirs); `base` sends the base weights too (the engines loaded another checkpoint than the trainers)."""
     for attempt in (1, 2):
         dead = check_engines(cfg, fleet, flow)
         live = [u for u in fleet.urls if u not in dead]
         try:
             stats = update_engines(cfg, fleet, live, lambda: wait(
-                [t.sync_weights.remote(live, version) for t in trainers],
+                [t.sync_weights.remote(live, version, base) for t in trainers],
                 f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
                 "weight_sync_timeout")[0])
             break
@@ -488,6 +493,9 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int) -> dic
                 raise  # no engine died: the error is the sync's own
             print(f"weight sync of version {version} failed as an engine died ({str(e).splitlines()[0]}); "
                   "pushing again to the others")
+    if cfg.lora_rank:  # every live engine has the new adapter: new requests name it
+        wait(flow.use_adapter.remote(lora.adapter_name(version), version), "AgentFlow.use_adapter", cfg.actor_timeout,
+             "actor_timeout")
     check_engines(cfg, fleet, flow, trainers, version)
     return stats
 
@@ -701,6 +709,8 @@ class Logger:
         line = f"step {step:4d} | " + " | ".join(f"{k} {m[v]:.4g}" for k, v in keys if v in m)
         if "rollout/on_policy_frac" in m:  # how on-policy the step was
             line += f" | on-policy {m['rollout/on_policy_frac']:.0%} · max lag {m['rollout/lag_max']:.0f}"
+        if "weights/full_bytes" in m:  # LoRA: the bytes one sync moved, against a full sync's
+            line += f" | sync {m['weights/bytes'] / 1e6:.3g} MB (full {m['weights/full_bytes'] / 1e6:.3g} MB)"
         return line
 
     def plot(self) -> Path | None:

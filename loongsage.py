@@ -95,7 +95,8 @@ def train(cfg: Config) -> list[dict]:
     teacher_paths = prepare_teachers(cfg, trainers) if cfg.teachers else {}
     fleet.model = prepare_model(cfg, trainers)  # base, or its warm start (a re-created engine loads this one)
     check_teacher_vocab(fleet.model, teacher_paths)  # the built dirs, before any teacher starts
-    ray.get([t.load_hf.remote(fleet.model) for t in trainers])
+    built = ray.get([t.load_hf.remote(fleet.model) for t in trainers])
+    print(f"trainer: Megatron-Core with {built[0]['megatron']}")  # what `auto` resolved to on the trainers
     flow = start_rollout(cfg, fleet) if late else flow
     fleet.urls = wait([e.url.remote() for e in fleet.actors], "starting the rollout engines", cfg.actor_timeout,
                       "actor_timeout")
@@ -109,10 +110,10 @@ def train(cfg: Config) -> list[dict]:
     start_step, state = load_run_state(cfg, trainers) if cfg.resume else (0, None)
     if state:
         set_rng_state(state["rng"])
-        sync_engines(cfg, fleet, flow, trainers, start_step)  # the engines get the checkpoint's weights
+        sync_engines(cfg, fleet, flow, trainers, start_step, base=True)  # the engines get the checkpoint's
         print(f"resumed after step {start_step - 1}")
     elif fleet.model != base and not late:
-        sync_engines(cfg, fleet, flow, trainers, 0)  # the warm start: version 0 == the trainers' weights
+        sync_engines(cfg, fleet, flow, trainers, 0, base=True)  # the warm start: version 0 == the trainers' weights
     logger = Logger(cfg, resume_step=start_step if state else None)
 
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
@@ -211,8 +212,9 @@ def train(cfg: Config) -> list[dict]:
     # --- end: stop the producer, export HF weights, plot
     ray.get(flow.abort.remote())
     if not cfg.rollout_only:
-        ray.get([t.save_hf.remote(str(out / "final_hf")) for t in trainers])
-        print(f"final HF checkpoint: {out / 'final_hf'}")
+        ray.get([t.save_hf.remote(str(out / "final_hf"), str(out / "final_adapter")) for t in trainers])
+        print(f"final HF checkpoint: {out / 'final_hf'}" + (f" (LoRA merged in; the PEFT adapter: "
+                                                            f"{out / 'final_adapter'})" if cfg.lora_rank else ""))
     print(f"reward curve: {logger.plot()}\nmetrics: {out / 'metrics.jsonl'}")
     logger.close()
     if fleet.busy_file:  # async on a CPU node (cpu.engine_busy_file)

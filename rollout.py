@@ -7,7 +7,7 @@ so the same client lines drive either engine:
 * `RolloutEngine(cfg, rank)`: the object the controller wraps with `ray.remote(...)`. With `cfg.engine ==
   "sglang"` it launches a real SGLang server as a subprocess (CUDA only, `sglang_command`); with `"cpu"` it serves
   the CPU engine (cpu_engine.py, a stand-in as strict as SGLang) in-process; with a dotted path it calls the user's
-  `start(cfg, rank, host, seed) -> (url, handle)` (README "Extension points"). Either way `url()` is all a caller
+  `start(cfg, rank, host, seed) -> (url, handle)` (docs/EXTENDING.md). Either way `url()` is all a caller
   needs.
 * client helpers shared by every caller: `generate` (async), `post` / `get` (sync), each raising `EngineError` with
   the server's own message; `wait_healthy`.
@@ -55,6 +55,22 @@ Routed experts (Qwen3-MoE). A request with `return_routed_experts: true` (SGLang
 layer's router chose for every token the model ran on, i.e. positions [routed_experts_start_len, prompt + output - 1)
 (the last sampled token is never fed back). The trainer replays them (R3, trainer.py) so training routes every token
 as inference did.
+
+LoRA adapters (cfg.lora_rank > 0; SGLang's server flags --enable-lora --max-lora-rank --lora-target-modules, which
+`sglang_command` adds; --max-loras-per-batch, 8 by default, bounds the adapters one batch mixes). Adapters are
+loaded by name: `/load_lora_adapter` {lora_name, lora_path: a PEFT directory, pinned} or
+`/load_lora_adapter_from_tensors` {lora_name, config_dict: the adapter_config.json dict, serialized_named_tensors:
+one payload per TP rank, each with the FULL tensors under their PEFT names (SGLang slices them per rank itself),
+load_format: null (a pickled {name: tensor} dict) or "flattened_bucket", pinned, expected_checksums: {name:
+sha256}}; both answer LoRAUpdateOutput {success, error_message, loaded_adapters: {name: path}}, HTTP 400 when
+refused: LoRA not enabled, a name already loaded ("... because it is already loaded": a name is loaded once, never
+replaced), a rank above --max-lora-rank or targets outside --lora-target-modules, DoRA. Neither needs a weight-update
+session, nor takes a weight_version (`/update_weight_version` sets it apart). `/unload_lora_adapter` {lora_name}
+first stops new requests from naming it, then waits until no request that named it is left, then drops it.
+`/generate` takes `lora_path`: an adapter name (or one per prompt of a batch; null = the base model), resolved to
+one adapter when the request arrives and kept until it ends, so a request in flight across a LoRA sync finishes on
+the adapter it started with, while `meta_info.weight_versions` stamps its tokens with the server's version; the
+router (agentflow.EnginePool) therefore takes a LoRA request's token versions from the adapter it named.
 
 Run: nothing on its own (the controller starts RolloutEngine actors); `python cpu_engine.py --model-path DIR` serves
 the CPU engine alone. Test: `pytest tests/test_rollout.py` (RolloutEngine, the SGLang command line, the SGLang child's
@@ -128,13 +144,17 @@ def get(url: str, path: str, timeout: float = 30.0):
 
 async def generate(client: httpx.AsyncClient, url: str, input_ids: list[int] | list[list[int]],
                    sampling_params: dict, *, rid: str | list[str] | None = None, return_logprob: bool = True,
-                   return_routed_experts: bool = False, timeout: float | None = None) -> dict | list[dict]:
+                   return_routed_experts: bool = False, lora_path: str | list | None = None,
+                   timeout: float | None = None) -> dict | list[dict]:
     """POST /generate with token ids; returns SGLang's answer: {"text", "output_ids", "meta_info": {...}}
     (a list of those for a batch of input_ids). Raises EngineError on a non-2xx answer. `return_routed_experts`:
-    meta_info.routed_experts of every position from 0 (MoE models; see the module docstring)."""
+    meta_info.routed_experts of every position from 0 (MoE models; see the module docstring). `lora_path`: the LoRA
+    adapter to generate with (one name, or one per prompt; None = the base model)."""
     payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
     if return_routed_experts:
         payload["return_routed_experts"] = True
+    if lora_path is not None:
+        payload["lora_path"] = lora_path
     if rid is not None:
         payload["rid"] = rid
     resp = await client.post(f"{url}/generate", json=payload, timeout=timeout)
@@ -207,6 +227,10 @@ def sglang_options(cfg, seed: int) -> dict:
         opts.setdefault("enable_memory_saver", True)
     if cfg.router_replay:  # R3: the server captures routed experts only with this flag
         opts.setdefault("enable_return_routed_experts", True)
+    if cfg.lora_rank:  # LoRA: adapters loaded at every sync (no --lora-paths, so rank and targets are given)
+        opts.setdefault("enable_lora", True)
+        opts.setdefault("max_lora_rank", cfg.lora_rank)
+        opts.setdefault("lora_target_modules", list(cfg.lora_targets))
     return opts
 
 
@@ -234,7 +258,8 @@ class RolloutEngine:
     """One rollout engine (SGLang server or CPU engine) as a plain class; the controller wraps it in ray.remote.
 
     Reads cfg.model_path, cfg.engine ("auto"|"cpu"|"sglang"|a dotted path), cfg.engine_max_batch, cfg.max_prompt_len,
-    cfg.max_new_tokens, cfg.max_context_len, cfg.seed, cfg.dtype, cfg.sglang, cfg.gpus_per_engine, cfg.output_dir.
+    cfg.max_new_tokens, cfg.max_context_len, cfg.seed, cfg.dtype, cfg.sglang, cfg.gpus_per_engine, cfg.output_dir,
+    cfg.lora_rank and cfg.lora_targets (LoRA adapters on: the CPU engine's `lora`, SGLang's flags).
     """
 
     def __init__(self, cfg, rank: int, gpu_ids: list[str] | None = None):
@@ -258,7 +283,10 @@ class RolloutEngine:
                                                cfg, "engine_busy_file", "") else None,
                                            enable_deterministic_inference=bool(
                                                flags.get("enable_deterministic_inference")),
-                                           disable_radix_cache=bool(flags.get("disable_radix_cache")))
+                                           disable_radix_cache=bool(flags.get("disable_radix_cache")),
+                                           lora=dict(max_lora_rank=cfg.lora_rank,
+                                                     lora_target_modules=list(cfg.lora_targets))
+                                           if cfg.lora_rank else None)
         elif engine == "sglang":
             if not torch.cuda.is_available():
                 raise RuntimeError("engine=sglang needs CUDA, and none is visible to this actor; use engine=cpu "

@@ -57,9 +57,12 @@ _NOT_ARCH = ("architectures", "torch_dtype", "dtype", "transformers_version", "_
 
 
 def teacher_cfg(cfg):
-    """The Config a teacher group runs with: the teachers' own tensor parallelism, no PP/EP, no optimizer."""
+    """The Config a teacher group runs with: the teachers' own tensor parallelism, no PP/EP, no optimizer, and no
+    sequence or context parallelism (a forward keeps no activations, and the hidden-state targets read the output
+    layer's input, which sequence parallelism would leave split over TP ranks)."""
     t = copy.copy(cfg)
     t.tensor_parallel, t.pipeline_parallel, t.expert_parallel = int(cfg.teacher_tp), 1, 1
+    t.context_parallel, t.sequence_parallel = 1, False
     t.router_replay = False  # the routed experts in a trajectory are the student's routing, not a teacher's
     t.trainer_workers = int(cfg.teacher_tp)
     t.micro_batch_size = int(cfg.teacher_micro_batch)

@@ -31,14 +31,20 @@ gradient on 1 data-parallel rank or N.
 
 Parallel layouts: TP, DP, PP (each stage its share of the layers; `Model.run` goes through Megatron-Core's 1F1B
 schedule when PP > 1), EP (experts split over ranks that are data-parallel for the dense layers; `Model.run` keeps
-expert ranks in step with padding-only micro-batches).
+expert ranks in step with padding-only micro-batches), sequence parallelism (micro-batches padded to a multiple
+of TP; on CUDA with Transformer Engine's layer spec, on CPU through the shims) and, on CUDA with TE's spec, CP
+(each rank runs its share of every sequence, `cp_positions`; the last stage's outputs are gathered back into whole
+sequences, `gather_sequence`, so every pass after the model is the same). Megatron's distributed optimizer
+(cfg.use_distributed_optimizer) shards the optimizer state over DP ranks (`Optim`); activation recomputation
+(cfg.recompute) is a TransformerConfig setting (convert.megatron_config) and runs on CPU too.
 
 Test: `.venv/bin/pytest tests/test_trainer.py` (real Ray actors, real Megatron-Core over gloo; parity
 against transformers, TP=2 and DP=2 equivalence, HF round trip, checkpoint resume), tests/test_pipeline.py
-(PP=2 against one rank), tests/test_moe.py (EP=2 against one rank, R3), tests/test_critic.py.
-Left out: sequence/context parallelism, virtual pipeline stages, PP together with EP, PP with tied
-embeddings, packed sequences, an HF export of the critic (it lives in the Megatron checkpoints only), the critic with
-pipeline or expert parallelism (rejected at `--check`).
+(PP=2 against one rank), tests/test_moe.py (EP=2 against one rank, R3), tests/test_critic.py, tests/test_lora.py.
+Left out: context parallelism and the distributed optimizer on CPU (they need CUDA; rejected at `--check`), CP with
+EP, R3 with SP or CP, virtual pipeline stages, PP together with EP, PP with tied embeddings, packed sequences, an HF
+export of the critic (it lives in the Megatron checkpoints only), the critic with pipeline or expert parallelism
+(rejected at `--check`).
 """
 from __future__ import annotations
 
@@ -57,6 +63,7 @@ import torch.nn.functional as F
 import algos
 import convert
 import cpu
+import lora
 import transfermesh
 # Megatron-Core is imported inside the functions that use it (`# Megatron: late`): it takes ~2 s to import, a cost
 # for the trainer actors only, while the controller imports this module (loongsage, teacher) and builds no model.
@@ -131,6 +138,43 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_g
 
 # ----------------------------------------------------------------------------------------------
 # batches: trajectory dicts -> padded tensors
+
+
+def cp_positions(T: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """The positions of a length-T sequence that context-parallel rank `cp_rank` computes: the sequence cut into
+    2*cp_size equal chunks, rank r holding chunks r and 2*cp_size-1-r, so under a causal mask every rank has the
+    same attention work. It is the layout TE's context-parallel attention expects and Megatron's RoPE slices its
+    table by (get_pos_emb_on_this_cp_rank). T: a multiple of 2*cp_size. Returns (T/cp_size,) positions."""
+    c = T // (2 * cp_size)
+    late = 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c), torch.arange(late * c, (late + 1) * c)])
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Every CP rank's share of dim 1 (`cp_positions`) gathered into whole sequences, in order. Every rank then
+    computes the same loss from the whole tensor, so the gradient of a rank's own share is the whole gradient at its
+    positions (a slice, not a sum over ranks); Megatron's DDP sums the ranks' parameter gradients over DP x CP."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        T = x.size(1) * size
+        parts = [torch.empty_like(x) for _ in range(size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)  # size x (B, T/cp, ...)
+        whole = x.new_empty((x.size(0), T, *x.shape[2:]))  # (B, T, ...)
+        for r, part in enumerate(parts):
+            whole[:, cp_positions(T, r, size).to(x.device)] = part
+        ctx.mine = cp_positions(T, rank, size).to(x.device)
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:, ctx.mine], None  # (B, T/cp, ...)
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, T/cp, ...) this CP rank's share -> (B, T, ...) whole sequences, with the gradient of `_GatherSequence`."""
+    return _GatherSequence.apply(x, group)
 
 
 def decode_routed_experts(b64: str, layers: int, topk: int) -> torch.Tensor:
@@ -491,8 +535,8 @@ def opd_terms(cfg, mb: dict, logp, logits, targets: list[dict], denom: dict, hea
 
 
 class Parallel:
-    """This process's place in Megatron-Core's rank layout (TP varies fastest, then DP with EP inside it, then
-    PP), and the collectives the workers' metrics use. A trainer rank and a teacher rank build one each."""
+    """This process's place in Megatron-Core's rank layout (TP varies fastest, then CP, then DP with EP inside it,
+    then PP), and the collectives the workers' metrics use. A trainer rank and a teacher rank build one each."""
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
         self.rank, self.world_size = rank, world_size
@@ -501,12 +545,13 @@ class Parallel:
         if cfg.trainer_threads > 0:  # see Config.trainer_threads: sync uses every core
             torch.set_num_threads(int(cfg.trainer_threads))
         tp, pp, ep = int(cfg.tensor_parallel), int(cfg.pipeline_parallel), int(cfg.expert_parallel)
+        cp = int(cfg.context_parallel)
         if pp > 1 and ep > 1:
             raise ValueError(f"pipeline_parallel={pp} with expert_parallel={ep} is not wired in (the padding that "
                              "keeps expert ranks in step runs outside the pipeline schedule); use one of them")
-        if world_size % (tp * pp):
-            raise ValueError(f"world_size={world_size} is not a multiple of tensor_parallel*pipeline_parallel="
-                             f"{tp * pp}; use a world size of k*{tp * pp}")
+        if world_size % (tp * pp * cp):
+            raise ValueError(f"world_size={world_size} is not a multiple of tensor_parallel*pipeline_parallel*"
+                             f"context_parallel={tp * pp * cp}; use a world size of k*{tp * pp * cp}")
         if self.on_cpu:
             self.device = torch.device("cpu")
         else:
@@ -516,13 +561,15 @@ class Parallel:
             torch.distributed.init_process_group("gloo" if self.on_cpu else "nccl", rank=rank, world_size=world_size,
                                                  init_method=f"tcp://{master_addr}:{master_port}")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 expert_model_parallel_size=ep)
+                                                 context_parallel_size=cp, expert_model_parallel_size=ep)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_size = tp
         self.dp_group_gloo = parallel_state.get_data_parallel_group_gloo()  # for python-object collectives
-        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()  # CP ranks of one replica share it: the same rows
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.cp_size, self.cp_rank = cp, parallel_state.get_context_parallel_rank()
+        self.cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
         # EP > 1: Megatron's allgather token dispatcher all-gathers every expert rank's (T*B, H) tokens, so those ranks
         # (data-parallel replicas of the dense layers, each with its own samples) must run the same number of forwards
         # with the same shapes; Model.run and Model.output pad them to that (None: no padding needed)
@@ -599,36 +646,53 @@ class Model:
         self.module = self.gpt  # what a forward calls: the GPTModel, or Megatron's DDP around it (wrap_ddp)
         self.layer_offset = get_transformer_layer_offset(tcfg) if par.pp_size > 1 else 0  # first global layer
         self.n_local_layers = len(self.gpt.decoder.layers)
+        self.distributed_optimizer = False  # set by wrap_ddp
+        # the TE spec's names for the norms it fuses into linear layers ({local-spec name: its name}; {} for local)
+        self.fused = convert.fused_norm_names(n for n, _ in self.gpt.named_parameters())
+        self.unfused = {v: k for k, v in self.fused.items()}
+        # a micro-batch's length is padded to a multiple of this: sequence parallelism splits it over TP ranks, and
+        # context parallelism into 2*CP chunks (cp_positions), each then split over TP ranks again
+        self.seq_multiple = (par.tp_size if tcfg.sequence_parallel else 1) * (2 * par.cp_size if par.cp_size > 1
+                                                                             else 1)
         # R3: (layers, top_k) of the routed_experts rows that collate decodes; None without router replay (or for a
         # model that routes by itself: `replay` False)
         self.routed_shape = ((tcfg.num_layers, tcfg.moe_router_topk)
                              if replay and tcfg.moe_enable_routing_replay else None)
 
-    def wrap_ddp(self) -> None:
+    def wrap_ddp(self, distributed_optimizer: bool = False) -> None:
         """Make it trainable: Megatron's DistributedDataParallel around the GPTModel, fp32 gradient buffers summed
-        over DP ranks (the losses are pre-divided by global counts, see the module docstring)."""
+        over DP ranks (the losses are pre-divided by global counts, see the module docstring). With
+        `distributed_optimizer` (CUDA; `Optim` then builds Megatron's DistributedOptimizer) the gradients are
+        reduce-scattered, each DP rank steps its shard, and the parameters are all-gathered after the step into one
+        buffer per dtype, which every parameter then views."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # Megatron: late
+        if distributed_optimizer and self.par.on_cpu:
+            raise ValueError("use_distributed_optimizer=true needs CUDA (Megatron's optimizers allocate CUDA tensors); "
+                             "set use_distributed_optimizer=false on CPU")
+        self.distributed_optimizer = bool(distributed_optimizer)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
+                                                   use_distributed_optimizer=self.distributed_optimizer)
         self.module = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_config, module=self.gpt)
 
     # --- weights in and out -------------------------------------------------------------------------------
 
     def _stage_name(self, name: str) -> str | None:
-        """A full-model Megatron name as this pipeline stage names it (its layers count from 0), or None when
-        another stage holds the tensor. PP=1: the name itself."""
+        """A full-model Megatron name (local spec) as this pipeline stage's layer spec names it (its layers count
+        from 0), or None when another stage holds the tensor. PP=1 on the local spec: the name itself."""
         if self.par.pp_size == 1:
-            return name
+            return self.fused.get(name, name)
         if name.startswith("embedding."):
             return name if self.par.pre_process else None
         if name.startswith(("decoder.final_layernorm.", "output_layer.")):
             return name if self.par.post_process else None
         _, _, layer, rest = name.split(".", 3)  # decoder.layers.<L>.<rest>
         local = int(layer) - self.layer_offset
-        return f"decoder.layers.{local}.{rest}" if 0 <= local < self.n_local_layers else None
+        name = f"decoder.layers.{local}.{rest}"
+        return self.fused.get(name, name) if 0 <= local < self.n_local_layers else None
 
     def _global_name(self, name: str) -> str:
-        """Inverse of _stage_name: this stage's parameter name as the full model names it."""
+        """Inverse of _stage_name: this stage's parameter name as the full model names it on the local spec."""
+        name = self.unfused.get(name, name)
         if self.par.pp_size == 1 or not name.startswith("decoder.layers."):
             return name
         _, _, layer, rest = name.split(".", 3)
@@ -679,7 +743,7 @@ class Model:
         par = self.par
         ep_rank, ep_size, _, etp_size = par.experts(self.tcfg.num_moe_experts)
         keep = par.rank == 0 if par.pp_size == 1 else par.tp_rank == 0  # dp_rank is 0 from here on
-        if par.dp_rank != 0 and ep_size == 1:  # another replica: same weights, no need to gather
+        if (par.dp_rank != 0 or par.cp_rank != 0) and ep_size == 1:  # another replica (or CP rank): same weights
             return None
         full = {}
         etp_group = parallel_state.get_expert_tensor_parallel_group() if self.tcfg.num_moe_experts else None
@@ -687,6 +751,8 @@ class Model:
         n_local = (self.tcfg.num_moe_experts or 0) // ep_size
         with torch.no_grad():
             for name, p in self.gpt.named_parameters():
+                if lora.is_adapter(name):  # LoRA: the adapters travel on their own (lora.gather)
+                    continue
                 if ".local_experts." not in name:
                     t = convert.gather_full(name, p.detach(), par.tp_group if par.tp_size > 1 else None)
                     if keep:
@@ -725,6 +791,7 @@ class Model:
             size = torch.tensor([B, T], device=par.device)
             torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX, group=par.ep_group)
             B, T = size.tolist()
+        T = -(-T // self.seq_multiple) * self.seq_multiple  # SP / CP split the sequence evenly
         if (B, T) != (B0, T0):  # pad with rows / columns of padding
             tokens = F.pad(tokens, (0, T - T0, 0, B - B0))  # (B, T) zeros after each row / as extra rows
             if replay is not None:  # padded positions route to experts 0..K-1 (never a loss token)
@@ -738,6 +805,10 @@ class Model:
             seq_len = (mb["resp_pos"][:, :1] + 1 + mb["resp_len"].unsqueeze(1)).to(par.device)  # (B0, 1) real tokens
             seq_len = F.pad(seq_len, (0, 0, 0, B - B0))  # (B, 1) EP padding rows: no real token
             extra["padding_mask"] = position_ids >= seq_len  # (B, T) True on padding: kept out of expert routing
+        if par.cp_size > 1:  # this rank's share of every sequence; Megatron's RoPE takes the same positions
+            mine = cp_positions(T, par.cp_rank, par.cp_size).to(par.device)  # (T/cp,)
+            tokens, position_ids = tokens[:, mine], position_ids[:, mine]  # (B, T/cp)
+            extra = {k: v[:, mine] for k, v in extra.items()}
         if replay is not None:
             replay_routing(self.module, replay.to(par.device))
         try:
@@ -745,6 +816,8 @@ class Model:
         finally:
             if replay is not None:  # the indices were used in the forward; backward needs no re-routing
                 replay_routing(self.module, None)
+        if par.cp_size > 1 and par.post_process:  # (B, T/cp, V/tp) -> (B, T, V/tp): what follows sees whole rows
+            output = gather_sequence(output, par.cp_group)
         return output, (B0, T0)
 
     def head(self, head: str, mb: dict[str, torch.Tensor], output: torch.Tensor, shape: tuple[int, int]) -> dict:
@@ -827,7 +900,8 @@ class Model:
         from megatron.core.pipeline_parallel import get_forward_backward_func  # Megatron: late
         # one (B, T) for every micro-batch of this run: the shape the stages send each other (same on every stage:
         # they hold the same rows)
-        pad_to = (max(mb["tokens"].size(0) for mb in mbs), max(mb["tokens"].size(1) for mb in mbs))
+        T = max(mb["tokens"].size(1) for mb in mbs)
+        pad_to = (max(mb["tokens"].size(0) for mb in mbs), -(-T // self.seq_multiple) * self.seq_multiple)
 
         def forward_step(data_iterator, stage_model):  # stage_model: self.module, this stage's layers
             i, mb = next(data_iterator)
@@ -886,8 +960,9 @@ class Model:
 
 class Optim:
     """AdamW over one trained Model (the policy's or the critic's), its learning rate and its step count.
-    CUDA: Megatron's optimizer (fp32 master weights, clipping inside); CPU: cpu.adamw with cpu.clip_grad_norm
-    (Megatron's optimizer wrappers need CUDA)."""
+    CUDA: Megatron's optimizer (fp32 master weights, clipping inside; with the Model's `distributed_optimizer`
+    Megatron's DistributedOptimizer, each DP rank holding 1/DP of the moments and masters); CPU: cpu.adamw with
+    cpu.clip_grad_norm (Megatron's optimizer wrappers need CUDA)."""
 
     def __init__(self, model: Model, cfg, lr: float | None = None, name: str = "policy"):
         """`lr`: a constant learning rate; None: cfg's schedule (`lr_at`)."""
@@ -902,7 +977,8 @@ class Optim:
                                    weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
                                    adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
                                    clip_grad=float(cfg.grad_clip or 0.0), bf16=model.tcfg.bf16,
-                                   params_dtype=model.tcfg.params_dtype)
+                                   params_dtype=model.tcfg.params_dtype,
+                                   use_distributed_optimizer=model.distributed_optimizer)
             self.optimizer = get_megatron_optimizer(ocfg, [model.module])  # norms and biases get no decay
 
     def step(self) -> tuple[float, float]:
@@ -943,13 +1019,42 @@ class Optim:
         totals["lr"] = lr
 
     def tensors(self) -> list[torch.Tensor]:
-        """The optimizer's state tensors (Adam's moments; on CUDA also Megatron's fp32 master weights)."""
+        """The optimizer's state tensors (Adam's moments; on CUDA also Megatron's fp32 master weights, this DP
+        rank's shard of them under the distributed optimizer)."""
         out = []
         for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = getattr(o, "optimizer", o)  # Megatron wraps a torch optimizer; on CPU it is one
             out += [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t)]
-            out += [p for group in getattr(o, "fp32_from_float16_groups", []) for p in group]  # masters
+            for masters in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):  # bf16 weights' masters
+                out += [p for group in getattr(o, masters, []) for p in group]
         return out
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the optimizer (each rank writes its own file). Megatron's DistributedOptimizer
+        leaves the moments and fp32 masters out of its state_dict() (Megatron saves them apart, gathered over DP
+        ranks); here each rank keeps its own shard instead: each inner torch optimizer's state and its parameters,
+        which are the masters (`load_state_dict` needs the same layout, which load_checkpoint checks)."""
+        if not self.model.distributed_optimizer:
+            return self.optimizer.state_dict()
+        return {"shards": [(o.optimizer.state_dict(), [p for g in o.optimizer.param_groups for p in g["params"]])
+                           for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of state_dict."""
+        if not self.model.distributed_optimizer:
+            self.optimizer.load_state_dict(state)
+            return
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for o, (inner_state, masters) in zip(chained, state["shards"], strict=True):
+            o.optimizer.load_state_dict(inner_state)
+            with torch.no_grad():
+                for p, saved in zip([p for g in o.optimizer.param_groups for p in g["params"]], masters, strict=True):
+                    p.copy_(saved)
+
+
+def _storage_bytes(storage) -> torch.Tensor:
+    """A uint8 tensor over all of `storage` (an untyped storage), on its device."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -962,16 +1067,22 @@ class ValueHead(torch.nn.Module):
     on the final-normed hidden states (S, B, H) and returns the result batch-first, so the critic's forward
     gives (B, S, 1) with no change to Megatron. Replicated on every TP rank (H is whole there, 1 output is
     not worth splitting); zero-initialised, so a fresh critic says V = 0 and its first GAE is the
-    return-to-go."""
+    return-to-go. With sequence parallelism each TP rank holds S/tp positions of the hidden states: they are
+    gathered first (the LM head's ColumnParallelLinear does the same), and since every TP rank then computes the
+    same values and loss, the backward takes its own slice of that gradient rather than a sum over ranks."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
         self.linear = torch.nn.Linear(hidden_size, 1, dtype=dtype)
+        self.sequence_parallel = sequence_parallel
         torch.nn.init.zeros_(self.linear.weight)
         torch.nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         # weight: the tied embedding GPTModel offers its LM head; a value head has its own
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region  # Megatron: late
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return self.linear(hidden_states), None  # (S, B, 1)
 
 
@@ -981,12 +1092,15 @@ class Critic:
     cfg.critic_lr; saved in the policy's checkpoint file. It routes MoE tokens by itself: the engine's routing
     (R3) is the policy's."""
 
-    def __init__(self, par: Parallel, cfg, tcfg, model_kwargs: dict, full: dict[str, torch.Tensor]):
+    def __init__(self, par: Parallel, cfg, tcfg, model_kwargs: dict, full: dict[str, torch.Tensor], hf: dict):
         self.cfg = cfg
         self.model = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, replay=False)
         self.model.load(full)  # the policy's checkpoint (LM head included, then replaced)
-        self.model.gpt.output_layer = ValueHead(tcfg.hidden_size, tcfg.params_dtype).to(par.device)
-        self.model.wrap_ddp()
+        if cfg.lora_rank:  # LoRA: the critic's trunk is frozen too; its adapters and its value head train
+            lora.add_adapters(self.model.gpt, cfg, hf, par.tp_group if par.tp_size > 1 else None)
+        self.model.gpt.output_layer = ValueHead(tcfg.hidden_size, tcfg.params_dtype,
+                                                tcfg.sequence_parallel).to(par.device)
+        self.model.wrap_ddp(cfg.use_distributed_optimizer)
         self.optim = Optim(self.model, cfg, float(cfg.critic_lr), name="critic")
 
     def values(self, rows: list[dict]) -> list[torch.Tensor]:
@@ -1035,6 +1149,10 @@ class TrainerWorker:
     Its parts: `par` (this rank in the layout), `policy` (the trained Model) with `optim`, `ref` (the frozen
     reference, when a KL term needs one), `critic` (advantage: gae). Rank 0 returns the gathered weights and writes
     HF files; metrics are identical on every rank (pipeline stages get the last stage's).
+
+    LoRA (cfg.lora_rank > 0, lora.py): the policy's (and the critic's) base weights are frozen and only the adapters
+    are in the optimizer; the reference is the policy with its adapters off (no second model); a weight sync sends
+    the adapters alone; the HF export is the merged model, beside it a PEFT adapter directory.
     """
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
@@ -1044,6 +1162,8 @@ class TrainerWorker:
         self.offloaded: dict[str, tuple] = {}  # tag -> (freed storages, file) while offloaded (colocated hand-off)
         self.borrowed: cpu.BorrowedCores | None = None  # borrow_cores
         self.teacher_heads: dict[str, torch.Tensor] = {}  # set_teacher_heads
+        self.lora: dict | None = None  # LoRA: the adapters' PEFT config (lora.peft_config), set by load_hf
+        self.full_bytes = 0  # bytes of the full weights (what a sync without LoRA moves), for weights/full_bytes
 
     # --- model, optimizer, reference, critic ------------------------------------------------------------
 
@@ -1053,6 +1173,8 @@ class TrainerWorker:
         `lr` set: a constant learning rate instead of cfg's schedule (the SFT warm start uses it).
         Calling it again rebuilds everything from the new directory (optimizer state and step reset).
         With `advantage: gae` (and no `lr`: the warm start trains the policy only) it also builds the critic.
+        With `lora_rank` (and no `lr`: the warm start makes the base, so it trains every weight) the policy gets
+        adapters on a frozen base and no reference copy (`_reference_logp` switches the adapters off instead).
         """
         cfg, par = self.cfg, self.par
         self.hf_path = str(path)
@@ -1064,19 +1186,44 @@ class TrainerWorker:
             from megatron.core.transformer.moe.router_replay import RouterReplay  # forget the previous models'
             RouterReplay.clear_global_router_replay_instances()
         full = convert.hf_to_megatron(convert.load_hf_state(path), self.hf_config)
+        self.full_bytes = sum(t.numel() * t.element_size() for t in full.values())
         self.policy = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, fp32_lm_head=cfg.fp32_lm_head)
         self.policy.load(full)
-        self.policy.wrap_ddp()
+        self.lora = lora.peft_config(cfg, path) if cfg.lora_rank and lr is None else None
+        if self.lora:  # before DDP: it keeps gradient buffers for the parameters that train only
+            lora.add_adapters(self.policy.gpt, cfg, self.hf_config, par.tp_group if par.tp_size > 1 else None)
+        self.policy.wrap_ddp(cfg.use_distributed_optimizer)
         self.optim = Optim(self.policy, cfg, lr)
-        if float(cfg.kl_coef) > 0 or bool(cfg.kl_in_reward):
+        if (float(cfg.kl_coef) > 0 or bool(cfg.kl_in_reward)) and not self.lora:
             self.ref = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, fp32_lm_head=cfg.fp32_lm_head)
             self.ref.load(full)
             self.ref.gpt.requires_grad_(False).eval()
         if cfg.advantage == "gae" and lr is None:
-            self.critic = Critic(par, cfg, tcfg, model_kwargs, full)
+            self.critic = Critic(par, cfg, tcfg, model_kwargs, full, self.hf_config)
         self._hook_layers()
+        fast = (f"layer spec {convert.layer_spec(cfg, par.on_cpu)}, distributed optimizer "
+                f"{'on' if self.policy.distributed_optimizer else 'off'}, sequence parallel "
+                f"{'on' if tcfg.sequence_parallel else 'off'}, context parallel {tcfg.context_parallel_size}, "
+                f"recompute {tcfg.recompute_granularity or 'none'}")
+        optimized = {id(p): p for g in self.optim.optimizer.param_groups for p in g["params"]}
         return {"params_this_rank": sum(p.numel() for p in self.policy.gpt.parameters()),
-                "reference": self.ref is not None, "critic": self.critic is not None}
+                "trained_params_this_rank": sum(p.numel() for p in self.policy.gpt.parameters() if p.requires_grad),
+                "optimizer_params_this_rank": sum(p.numel() for p in optimized.values()),
+                "reference": self.ref is not None, "reference_by_disabling_adapters": bool(self.lora) and
+                self._needs_reference(), "critic": self.critic is not None, "megatron": fast}
+
+    def _needs_reference(self) -> bool:
+        return float(self.cfg.kl_coef) > 0 or bool(self.cfg.kl_in_reward)
+
+    def _reference_logp(self, rows: list[dict]) -> list[torch.Tensor] | None:
+        """Per-row reference logprobs for a KL term (None without one): the frozen reference model's; with LoRA the
+        policy's own base, its adapters switched off for the forward (the reference LoRA keeps no copy of)."""
+        if self.ref is not None:
+            return self.ref.logp(rows)
+        if self.lora and self._needs_reference():
+            with lora.disabled(self.policy.gpt):
+                return self.policy.logp(rows)
+        return None
 
     def _models(self) -> list[Model]:
         return [m for m in (self.policy, self.ref, self.critic and self.critic.model) if m is not None]
@@ -1144,7 +1291,7 @@ class TrainerWorker:
             rest = [j for j in range(len(local)) if j not in first]
             computed = dict(zip(rest, self.policy.logp([local[j] for j in rest])))
             old = [computed.get(j) for j in range(len(local))]  # None: filled by mini-batch 0's forward
-        ref = self.ref.logp(local) if self.ref is not None else None
+        ref = self._reference_logp(local)
         values = self.critic.values(local) if self.critic is not None else None  # CRITIC: V_old(s_t) per row
 
         # --- 2. advantages over this rank's whole groups (every rank calls: batch norm all-reduces), one per
@@ -1325,11 +1472,11 @@ class TrainerWorker:
 
     # --- forward-only passes ------------------------------------------------------------------------
 
-    def compute_logprobs(self, batch: list[dict]) -> list[list[float]]:
+    def compute_logprobs(self, batch: list[dict], reference: bool = False) -> list[list[float]]:
         """Per response token logprobs for every sample (every rank computes all samples; for parity
-        tests and debugging, not the training hot path)."""
+        tests and debugging, not the training hot path). `reference`: the KL term's reference model's instead."""
         self.onload(["weights"])
-        return [row.tolist() for row in self.policy.logp(batch)]
+        return [row.tolist() for row in (self._reference_logp(batch) if reference else self.policy.logp(batch))]
 
     def compute_values(self, samples: list[dict]) -> list[torch.Tensor]:
         """CRITIC: per-sample 1-D V(s_t) of every response token (for tests)."""
@@ -1342,27 +1489,56 @@ class TrainerWorker:
     # --- weights out --------------------------------------------------------------------------------
 
     def export_hf_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """HF-named full tensors (CPU) on rank 0, [] elsewhere. Every rank must call it (Model.gather)."""
+        """HF-named full tensors (CPU) on rank 0, [] elsewhere. Every rank must call it (Model.gather). With LoRA:
+        the frozen base (the adapters are `export_adapters`)."""
         self.onload(["weights"])  # colocated: a re-created engine may need them while they are offloaded
         full = self.policy.gather()
         return convert.megatron_to_hf(full, self.hf_config) if full is not None else []
 
-    def sync_weights(self, engine_urls: list[str], version: int) -> dict:
-        """Push the current weights to the rollout engines (rank 0 sends; the others join the gather)."""
-        named = self.export_hf_weights()
+    def export_adapters(self) -> dict[str, torch.Tensor]:
+        """LoRA: every adapter matrix, full (TP shards gathered), by its PEFT name, on rank 0; {} elsewhere and
+        without LoRA. Every rank must call it (the TP gather)."""
+        if not self.lora or self.par.dp_rank != 0:  # another data-parallel replica holds the same adapters
+            return {}
+        self.onload(["weights"])
+        return lora.gather(self.policy.gpt, self.par.tp_group if self.par.tp_size > 1 else None, self.par.rank == 0)
+
+    def sync_weights(self, engine_urls: list[str], version: int, base: bool = False) -> dict:
+        """Push the current weights to the rollout engines as `version` (rank 0 sends; the others join the gather).
+        With LoRA only the adapters travel, as the engines' adapter lora.adapter_name(version); `base` also sends
+        the frozen base weights first (the engines started from another checkpoint: a warm start, a resume).
+        Returns `weights/` metrics; with LoRA also weights/full_bytes, what a full sync would have moved."""
+        named = self.export_hf_weights() if base or not self.lora else []
+        adapters = self.export_adapters()
         if self.par.rank != 0:
             return {}
         # SGLang engines run with tensor parallel size tp_size (cfg.gpus_per_engine unless cfg.sglang sets it);
         # the CPU engine is one rank
         sglang = self.cfg.engine == "sglang" or (self.cfg.engine == "auto" and torch.cuda.is_available())
         tp = int((self.cfg.sglang or {}).get("tp_size") or self.cfg.gpus_per_engine) if sglang else 1
-        return transfermesh.push_weights(named, [(u, tp) for u in engine_urls], version, transport=self.cfg.transfer,
-                                         bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path)
+        engines = [(u, tp) for u in engine_urls]
+        stats = transfermesh.push_weights(named, engines, version, transport=self.cfg.transfer,
+                                          bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path) if named else {}
+        if self.lora:  # LORA: the adapters alone, loaded as a new adapter of the engines (SGLang's LoRA endpoints)
+            sent = transfermesh.push_adapter(adapters, self.lora, engines, version, lora.adapter_name(version),
+                                             transport=self.cfg.transfer)
+            for key in ("weights/bytes", "weights/buckets", "weights/seconds"):  # + the base, when it went too
+                sent[key] += stats.get(key, 0)
+            sent["weights/gbps"] = sent["weights/bytes"] / max(sent["weights/seconds"], 1e-9) / 1e9
+            stats = {**sent, "weights/full_bytes": self.full_bytes}
+        return stats
 
-    def save_hf(self, path: str) -> str:
-        """Write an HF model directory (safetensors + the source dir's config and tokenizer files)."""
+    def save_hf(self, path: str, adapter_path: str | None = None) -> str:
+        """Write an HF model directory (safetensors + the source dir's config and tokenizer files). With LoRA the
+        adapters are merged into it (W + scale B A), and `adapter_path` gets them as a PEFT adapter directory on
+        the base this run started from (lora.save_peft)."""
         named = self.export_hf_weights()
+        adapters = self.export_adapters()
         if self.par.rank == 0:
+            if adapters:
+                named = lora.merge(named, adapters, float(self.cfg.lora_alpha) / int(self.cfg.lora_rank))
+                if adapter_path:
+                    lora.save_peft(adapters, self.lora, adapter_path)
             convert.save_hf_dir(named, path, self.hf_path)
         torch.distributed.barrier()
         return str(path)
@@ -1380,9 +1556,9 @@ class TrainerWorker:
         os.makedirs(directory, exist_ok=True)
         path = Path(directory) / f"rank_{self.par.rank:05d}.pt"
         critic = {} if self.critic is None else {  # CRITIC: its weights and optimizer travel in the same file
-            "critic": self.critic.model.gpt.state_dict(), "critic_optimizer": self.critic.optim.optimizer.state_dict(),
+            "critic": self.critic.model.gpt.state_dict(), "critic_optimizer": self.critic.optim.state_dict(),
             "critic_steps": self.critic.optim.steps}
-        torch.save({"model": self.policy.gpt.state_dict(), "optimizer": self.optim.optimizer.state_dict(),
+        torch.save({"model": self.policy.gpt.state_dict(), "optimizer": self.optim.state_dict(),
                     "optim_steps": self.optim.steps, "lr_override": self.optim.lr, "rng": rng_states(self.par.on_cpu),
                     "world_size": self.par.world_size, "tensor_parallel": self.par.tp_size, **critic},
                    str(path) + ".tmp")
@@ -1407,7 +1583,7 @@ class TrainerWorker:
                              f"tensor_parallel={state['tensor_parallel']}; this run has {par.world_size}, "
                              f"{par.tp_size}. Resume with the same layout")
         self.policy.gpt.load_state_dict(state["model"])
-        self.optim.optimizer.load_state_dict(state["optimizer"])
+        self.optim.load_state_dict(state["optimizer"])
         self.optim.steps = int(state["optim_steps"])
         self.optim.lr = state.get("lr_override")
         if self.critic is not None:
@@ -1416,7 +1592,7 @@ class TrainerWorker:
                                  "advantage='gae'); resume it with its own advantage, or start this gae run in a new "
                                  "output_dir")
             self.critic.model.gpt.load_state_dict(state["critic"])
-            self.critic.optim.optimizer.load_state_dict(state["critic_optimizer"])
+            self.critic.optim.load_state_dict(state["critic_optimizer"])
             self.critic.optim.steps = int(state["critic_steps"])
         restore_rng_states(state["rng"], par.on_cpu)
         return self.optim.steps
@@ -1427,9 +1603,11 @@ class TrainerWorker:
     # next step. Tags: "weights" (the policy's, the critic's and the frozen reference's parameters), "optimizer"
     # (Adam's moments and, on CUDA, Megatron's fp32 master weights), "grads" (DDP's gradient buffers: zero between
     # steps, so nothing is kept, and their storage is resized to zero and back, so every param.main_grad view stays
-    # valid). Weights and optimizer tensors keep their identity (the optimizer and DDP hold them) and swap their
-    # `.data`: to pinned host memory on CUDA; on CPU to a file in output_dir/offload (cpu.offload_to_file), so the
-    # bytes really leave this process.
+    # valid). Weights and optimizer tensors keep their identity (the optimizer and DDP hold them): on CUDA their
+    # storages' bytes go to pinned host memory and the storages are resized to zero and back (one entry per storage,
+    # so under the distributed optimizer DDP's parameter buffer, which every parameter views, goes as one); on CPU
+    # their `.data` is swapped for a file in output_dir/offload (cpu.offload_to_file), so the bytes really leave
+    # this process.
 
     OFFLOAD_TAGS = ("weights", "optimizer", "grads")
 
@@ -1460,11 +1638,14 @@ class TrainerWorker:
                     t.untyped_storage().resize_(0)
             elif self.par.on_cpu:
                 entries = cpu.offload_to_file(tensors, path)
-            else:
+            else:  # each storage's bytes to pinned host memory, then the storage emptied: every tensor viewing it
+                # (under the distributed optimizer, every parameter views DDP's parameter buffer) stays valid
                 entries = []
                 for t in tensors:
-                    entries.append((t, torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.data)))
-                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+                    storage = t.untyped_storage()
+                    entries.append((storage, torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
+                                    .copy_(_storage_bytes(storage))))
+                    storage.resize_(0)
             self.offloaded[tag] = (entries, path)
         if "weights" in tags:
             transfermesh.release_shm()  # the weight-sync staging segment is a further copy of the weights
@@ -1484,8 +1665,9 @@ class TrainerWorker:
             elif self.par.on_cpu:
                 cpu.onload_from_file(entries, path)
             else:
-                for t, host in entries:
-                    t.data = host.to(self.par.device, non_blocking=True)
+                for storage, host in entries:
+                    storage.resize_(host.numel())
+                    _storage_bytes(storage).copy_(host, non_blocking=True)
         return self.memory()
 
     def memory(self) -> dict:

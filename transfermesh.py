@@ -17,10 +17,11 @@ Transports (chosen per engine by `pick_transport`, or forced with `transfer=` in
 
 | name      | receiver                    | how                                                        |
 |-----------|-----------------------------|------------------------------------------------------------|
-| shm       | same machine, CPU engine    | bucket written once into POSIX shared memory, every local  |
-|           |                             | engine copies it out (`/update_weights_from_tensor`,       |
-|           |                             | load_format "flattened_bucket", a JSON descriptor of the   |
-|           |                             | segment per TP rank); the CPU analogue of CUDA IPC         |
+| shm       | same machine, CPU engine    | bucket written once into shared memory, every local engine |
+|           |                             | copies it out (`/update_weights_from_tensor`, load_format  |
+|           |                             | "flattened_bucket", SGLang's own payload: a pickled handle |
+|           |                             | of the shared tensor per TP rank); the CPU analogue of     |
+|           |                             | CUDA IPC                                                   |
 | cuda_ipc  | same machine, SGLang on GPU | CUDA IPC handles of the trainer's tensors, serialised the  |
 |           |                             | way SGLang expects: one dump per TP rank, devices named by |
 |           |                             | UUID (`/update_weights_from_tensor`)                        |
@@ -34,7 +35,7 @@ Transports (chosen per engine by `pick_transport`, or forced with `transfer=` in
 
 `transfer=` may also name a user's push function by dotted path: `push(tensors, engines, bucket_bytes,
 config_dir, version) -> (buckets, bytes)`, the built-ins' signature, called inside the engines' weight-update
-session (README "Extension points").
+session (docs/EXTENDING.md).
 
 The flattened layout is SGLang's: the tensors' bytes back to back in one uint8 buffer, no padding, each
 tensor's offset a multiple of its dtype's size (`iter_buckets` starts a new bucket rather than misalign one).
@@ -45,30 +46,34 @@ serve the colocated memory hand-off (engines and trainers measure and give back 
 `python bench.py sync` measures
 each transport here against a memcpy.
 
+Processes: senders and receivers of shm buckets are separate processes, as in a run (trainer rank 0, engine actors).
+torch's shared-memory manager table is per process, and a new segment is registered with whichever manager the table
+lists first: a process that has mapped another sender's segment and then allocates its own can reach that sender's
+manager after it exited (RuntimeError: Broken pipe).
+
 Left out: RDMA/NIXL transports, pipelining buckets over several collectives at once, and atomicity across
 buckets (a refused bucket leaves the earlier buckets of the same sync loaded, as in SGLang; the weight version
 only moves when the last bucket lands).
 """
 from __future__ import annotations
 
-import atexit
 import base64
+import binascii
+import contextlib
 import ctypes
 import ctypes.util
-import glob
+import hashlib
 import io
-import json
-import mmap
 import os
+import pickle
 import shutil
 import socket
 import tempfile
 import time
+import types
 import uuid
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from multiprocessing import shared_memory
 from multiprocessing.reduction import ForkingPickler
 from typing import Iterable
 from urllib.parse import urlparse
@@ -83,6 +88,7 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 from torch.multiprocessing import reductions  # importing it also registers torch's tensor reducers with ForkingPickler
 
 import data
+import lora
 
 TRANSPORTS = ("auto", "shm", "cuda_ipc", "broadcast", "disk")
 
@@ -177,6 +183,24 @@ def verify_checksum(flat: torch.Tensor, expected: list[int] | None) -> None:
         raise ValueError(f"weight bucket checksum mismatch: XXH3-64 {got} over {flat.numel()} bytes, the sender wrote "
                          f"{list(expected)} (first differing chunk: {bad[0]}); the bytes were corrupted, reordered or "
                          f"shifted in transit, so the bucket was not loaded and the engine keeps its old weights")
+
+
+def verify_adapter_sha256(named: list[tuple[str, torch.Tensor]], expected: dict[str, str] | None) -> None:
+    """SGLang 0.5.23's `expected_checksums` of /load_lora_adapter_from_tensors (None: nothing to check): sha256 hex
+    of each tensor's bytes by name. Raise ValueError, as SGLang refuses the adapter, on any value mismatch, any
+    expected name missing or any tensor not expected."""
+    if expected is None:
+        return
+    if not isinstance(expected, dict):
+        raise ValueError(f"expected_checksums must map tensor names to sha256 hex strings, got {type(expected).__name__}")
+    got = {n: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+           for n, t in named}
+    mismatch = [n for n, want in expected.items() if n in got and got[n] != want]
+    missing, extra = [n for n in expected if n not in got], [n for n in got if n not in expected]
+    if mismatch or missing or extra:
+        raise ValueError(f"adapter sync mismatch of {len(expected)} expected tensors (sha256): {len(mismatch)} "
+                         f"value-diff {mismatch[:5]}, {len(missing)} missing {missing[:5]}, {len(extra)} extra "
+                         f"{extra[:5]}; the adapter was not loaded")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,6 +322,68 @@ def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: lis
     return stats
 
 
+def adapter_transport(url: str, requested: str) -> str:
+    """The transport of a LoRA adapter to the engine at `url`: pick_transport's, except that `auto` sends a remote
+    engine a PEFT directory ("disk") where full weights would go by broadcast (SGLang has no adapter broadcast)."""
+    kind = pick_transport(url, requested)
+    return "disk" if kind == "broadcast" and requested == "auto" else kind
+
+
+def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list, version: int, name: str, *,
+                 transport: str = "auto") -> dict:
+    """LoRA: load `adapters` ({PEFT name: full tensor}, lora.gather) into every engine as a new adapter `name`, with
+    its PEFT `config` (adapter_config.json), then make `version` the engines' weight version. No weight-update
+    session: SGLang 0.5.23 loads adapters outside one (they never change the weights a running request uses). One
+    adapter per version: SGLang refuses a name already loaded, and a request keeps the adapter it named until it
+    ends, so the requests in flight finish on their own adapter (AgentFlow names the new one for new requests and
+    unloads the old one once no request of its uses it). `engines`: urls or (url, tp_size) pairs.
+
+    Transports (SGLang has no adapter broadcast): "shm" (CPU engine) and "cuda_ipc" (SGLang, same machine):
+    `/load_lora_adapter_from_tensors` with one payload per TP rank of the full tensors (SGLang slices them per rank
+    itself), SGLang's own payload as for weight updates: a flattened bucket in shared memory (`tensor_payloads`), or
+    CUDA IPC handles of a {name: tensor} dict (`cuda_ipc_payloads`, load_format null); "disk": a
+    PEFT directory and `/load_lora_adapter`, which `auto` picks for an engine on another machine (where full weights
+    would be broadcast; it needs a disk both see, as the disk transport does). Returns `weights/` metrics: bytes,
+    buckets, seconds, GB/s."""
+    t0 = time.perf_counter()
+    engines = _engines(engines)
+    tensors = sorted(adapters.items())
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    kinds = {adapter_transport(u, transport) for u, _ in engines}
+    for kind in kinds:
+        if kind not in ("shm", "cuda_ipc", "disk"):
+            raise ValueError(f"transfer={kind!r} cannot carry a LoRA adapter (SGLang 0.5.23 loads adapters from "
+                             "tensors or from disk only); use transfer=auto, shm, cuda_ipc or disk")
+    fields = {"lora_name": name, "config_dict": config}
+    if "shm" in kinds:  # written once, read by every local engine; checksum: LoongSage's field, as for weights
+        flat, metas, sums = write_shm_bucket(tensors)
+
+    def load(engine):
+        url, tp = engine
+        kind = adapter_transport(url, transport)
+        if kind == "shm":
+            _post(url, "/load_lora_adapter_from_tensors", {**fields, "load_format": "flattened_bucket", "checksum": sums,
+                                                          "serialized_named_tensors": tensor_payloads(flat, metas, tp)})
+        elif kind == "cuda_ipc":
+            on_gpu = {n: t.detach().cuda().contiguous() for n, t in tensors}
+            _post(url, "/load_lora_adapter_from_tensors", {**fields, "serialized_named_tensors":
+                                                          cuda_ipc_payloads(on_gpu, tp)})
+            torch.cuda.synchronize()
+        else:
+            out = tempfile.mkdtemp(prefix="loongsage_adapter_")
+            try:
+                _post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": lora.save_peft(adapters, config, out)})
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+        # abort_all_requests defaults to true in SGLang: requests in flight must survive the version change
+        _post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+    _each(load, engines)
+    seconds = time.perf_counter() - t0
+    # bytes of one copy, as push_weights counts them: what one engine receives
+    return {"weights/version": version, "weights/buckets": 1, "weights/bytes": nbytes, "weights/seconds": seconds,
+            "weights/gbps": nbytes / max(seconds, 1e-9) / 1e9}
+
+
 def _update_fields(last: bool, version: str) -> dict:
     """Fields every update request carries: no cache flush (requests are running, paused in place), no abort,
     and the new version on the last bucket only (SGLang sets it when that request succeeds)."""
@@ -320,41 +406,54 @@ def _with_last(iterable):
     yield prev, True
 
 
-_SEGMENT: list = []  # [SharedMemory, numpy uint8 view of it]: one segment of two halves, reused by every sync
+_SEGMENT: list = []  # [uint8 tensor in shared memory, numpy view of it]: one segment of two halves, every sync
+
+
+@contextlib.contextmanager
+def _file_system_sharing():
+    """torch's "file_system" sharing strategy for the tensors shared inside: their storage is a named file in
+    /dev/shm that any process on the machine can map. The default "file_descriptor" strategy passes a file
+    descriptor through multiprocessing's resource sharer, which authenticates with the sender's authkey, so only the
+    sender's own children can open it (an engine started by Ray or by hand gets AuthenticationError). Scoped: the
+    process-wide default stays as it was for everything else in the process."""
+    old = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(old)
 
 
 def reserve_shm(nbytes: int) -> None:
-    """Make this process's segment hold two buckets of `nbytes` (a new segment if it is smaller). Growing unlinks
-    the old segment, so it must not happen while a receiver may still open it: `_push_shm` reserves for the
-    sync's largest bucket before sending any."""
+    """Make this process's segment hold two buckets of `nbytes` (a new segment if it is smaller). The old segment
+    lives on while a receiver still maps it (torch counts the mappings and removes the file after the last one):
+    `_push_shm` reserves for the sync's largest bucket before sending any, so one sync writes into one segment."""
     half = -(-max(nbytes, 1) // 4096) * 4096  # whole pages: the second half starts aligned for any dtype's view
-    if not _SEGMENT or _SEGMENT[0].size < 2 * half:
-        _unlink_segment()
-        _unlink_orphans()
-        shm = shared_memory.SharedMemory(create=True, size=2 * half,
-                                         name=f"loongsage_{os.getpid()}_{uuid.uuid4().hex[:8]}")
-        _SEGMENT.extend([shm, np.frombuffer(shm.buf, dtype=np.uint8)])
+    if not _SEGMENT or _SEGMENT[0].numel() < 2 * half:
+        _SEGMENT.clear()
+        with _file_system_sharing():
+            seg = torch.empty(2 * half, dtype=torch.uint8).share_memory_()
+        _SEGMENT.extend([seg, seg.numpy()])
 
 
 HASH_STEP = 2**20  # bytes copied into the segment, then hashed while they are still in L2 (1 MB; L2 is 2 MB per core here)
 
 
-def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]], half: int = 0) -> tuple[str, int]:
+def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]], half: int = 0) -> tuple[torch.Tensor, list[list], list[int]]:
     """Write a bucket into one half (0 or 1) of this process's shared-memory segment in the packed layout; returns
-    its JSON descriptor and size in bytes. Two halves let the next bucket be written while receivers copy the
-    previous one out. The segment and its mapping are reused (grown when a bucket needs more): fresh pages cost a
-    page fault each on first write, so a new segment per bucket ran several times slower than the copy itself;
-    after the first sync the copy runs at memcpy speed. Reuse is safe because a half is written again only after
-    every receiver answered the update request that read it. The segment is unlinked at exit; one left by a killed
-    process (Ray kills actors at shutdown) is unlinked by the next one created.
+    the bucket's bytes (a view of the segment), its layout and its checksum. Two halves let the next bucket be
+    written while receivers copy the previous one out. The segment is reused (grown when a bucket needs more): fresh
+    pages cost a page fault each on first write, so a new segment per bucket ran several times slower than the copy
+    itself; after the first sync the copy runs at memcpy speed. Reuse is safe because a half is written again only
+    after every receiver answered the update request that read it.
 
     Copy and checksum are one pass over memory: each HASH_STEP-sized piece is hashed right after it is copied,
     while it is still in cache (a copy of the whole bucket and then a hash of it read every byte from memory twice).
     The streamed XXH3 of a chunk equals the one-shot hash, so the list is exactly `checksum()` of the bytes."""
     metas, total = bucket_layout(bucket)
     reserve_shm(total)
-    shm, seg = _SEGMENT
-    base = half * (shm.size // 2)  # byte offset of the half in the segment
+    seg_t, seg = _SEGMENT
+    base = half * (seg.size // 2)  # byte offset of the half in the segment
     sums, h = [], xxhash.xxh3_64()  # one XXH3-64 per CHECKSUM_CHUNK bytes of the bucket, in order
     for (_, t), (*_, off) in zip(bucket, metas):
         src = t.detach().contiguous().view(-1).view(torch.uint8).numpy()  # (nbytes,) raw bytes of the tensor
@@ -372,43 +471,34 @@ def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]], half: int = 0) -> t
                 h.reset()
     if total % CHECKSUM_CHUNK or not total:  # the last, partial chunk (an empty bucket hashes the empty string)
         sums.append(h.intdigest())
-    desc = json.dumps({"shm": shm.name, "offset": base, "size": total, "tensors": metas, "checksum": sums})
-    return desc, total
+    return seg_t[base:base + total], metas, sums
 
 
-def _unlink_orphans() -> None:
-    """Unlink the segments of LoongSage processes that no longer exist (Linux: /dev/shm/loongsage_<pid>_*)."""
-    for path in glob.glob("/dev/shm/loongsage_*_*"):
-        try:
-            os.kill(int(os.path.basename(path).split("_")[1]), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        except (ValueError, PermissionError):
-            pass  # not ours, or another user's live process
-
-
-@atexit.register
-def _unlink_segment() -> None:
-    if _SEGMENT:
-        shm = _SEGMENT[0]
-        _SEGMENT.clear()  # drops the numpy view, so the mapping can close
-        try:
-            shm.unlink()
-        except OSError:
-            pass
-        try:
-            shm.close()
-        except BufferError:  # a caller still holds a view; the mapping goes when it does
-            pass
+def tensor_payloads(flat: torch.Tensor, metas: list[list], tp_size: int) -> list[str]:
+    """SGLang 0.5.23's serialized_named_tensors for a load_format "flattened_bucket" update: per TP rank, base64 of
+    a ForkingPickler dump (SGLang's MultiprocessingSerializer) of {"flattened_tensor": uint8 tensor, "metadata":
+    [FlattenedTensorMetadata]}. The tensor travels as a handle of its shared-memory storage (torch's own reduction,
+    file_system strategy), so the receiver maps the sender's bytes: no copy through HTTP. The metadata entries are
+    types.SimpleNamespace objects with FlattenedTensorMetadata's fields (name, shape, dtype, start_idx, end_idx,
+    numel in bytes): SGLang reads them by attribute and its SafeUnpickler allows SimpleNamespace, while pickling its
+    own class would need sglang imported here. One dump per TP rank: each dump takes one reference on the storage
+    and each rank's load gives one back."""
+    meta = [types.SimpleNamespace(name=name, shape=torch.Size(shape), dtype=getattr(torch, dtype), start_idx=off,
+                                  end_idx=off + _nbytes(getattr(torch, dtype), shape),
+                                  numel=_nbytes(getattr(torch, dtype), shape)) for name, dtype, shape, off in metas]
+    out = []
+    for _ in range(tp_size):
+        buf = io.BytesIO()
+        with _file_system_sharing():
+            ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": meta})
+        out.append(base64.b64encode(buf.getvalue()).decode())
+    return out
 
 
 def release_shm() -> None:
     """Give back this process's shared-memory staging (colocated hand-off): the sender's kept segment and the
-    receiver's kept mappings of one. The next sync creates / maps them again (first-touch page faults once)."""
-    _unlink_segment()
+    receiver's kept mapping of one. The next sync creates / maps them again (first-touch page faults once)."""
+    _SEGMENT.clear()
     _MAPPED.clear()
 
 
@@ -422,15 +512,15 @@ def _push_shm(tensors, engines, bucket_bytes, config_dir, version):
     pending = None
     with ThreadPoolExecutor(1, thread_name_prefix="shm-update") as pool:
         for bucket, last in _with_last(buckets):
-            desc, total = write_shm_bucket(bucket, half=n % 2)
-            fields = _update_fields(last, version)
+            flat, metas, sums = write_shm_bucket(bucket, half=n % 2)
+            # checksum: a LoongSage field (SGLang ignores unknown fields); the CPU engine verifies it before loading
+            body = {"load_format": "flattened_bucket", "checksum": sums, **_update_fields(last, version)}
             if pending is not None:
                 pending.result()  # bucket n-1 loaded everywhere; also frees the half bucket n+1 will overwrite
-            # serialized_named_tensors is indexed by TP rank: every rank of a local engine reads the same segment
-            body = {"load_format": "flattened_bucket", **fields}
-            pending = pool.submit(_each, lambda e, desc=desc, body=body: _post(e[0], "/update_weights_from_tensor", {
-                "serialized_named_tensors": [desc] * e[1], **body}), engines)
-            n, nbytes = n + 1, nbytes + total
+            pending = pool.submit(_each, lambda e, flat=flat, metas=metas, body=body: _post(
+                e[0], "/update_weights_from_tensor",
+                {"serialized_named_tensors": tensor_payloads(flat, metas, e[1]), **body}), engines)
+            n, nbytes = n + 1, nbytes + flat.numel()
         if pending is not None:
             pending.result()
     return n, nbytes
@@ -453,9 +543,10 @@ def _reduce_tensor_with_device_uuid(t: torch.Tensor):
     return rebuild, args
 
 
-def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
-    """SGLang's serialized_named_tensors for one bucket: base64 of a ForkingPickler dump of [(name, tensor), ...],
-    one per TP rank. Each rank deserializes only entry tp_rank, and each entry is its own dump: CUDA IPC counts
+def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], tp_size: int) -> list[str]:
+    """SGLang's serialized_named_tensors for one bucket: base64 of a ForkingPickler dump of [(name, tensor), ...]
+    (a weight update) or {name: tensor} (a LoRA adapter, /load_lora_adapter_from_tensors), one per TP rank. Each
+    rank deserializes only entry tp_rank, and each entry is its own dump: CUDA IPC counts
     references per dump on the sender, so one dump read by two ranks would be released twice. CUDA devices travel
     as UUIDs (`_reduce_tensor_with_device_uuid`). The dump holds only what SGLang's SafeUnpickler allows (lists,
     tuples, str, torch's tensor rebuild functions, dtypes). Works on CPU tensors too (shared-memory handles)."""
@@ -495,10 +586,7 @@ def _destroy_broadcast_groups() -> None:
                 _post(url, "/destroy_weights_update_group", {"group_name": name})
             except (RuntimeError, httpx.HTTPError):
                 pass  # a dead engine took its side of the group with it
-        try:
-            dist.destroy_process_group(group)
-        except ValueError:
-            pass  # built beside torch's registry (new_gloo_group): dropping it closes it
+        dist.destroy_process_group(group)  # registered by name (new_sglang_group): the name is free again
         del _BROADCAST_GROUPS[engines]
 
 
@@ -526,8 +614,8 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
             futs = [pool.submit(_post, u, "/init_weights_update_group", {
                 "master_address": addr, "master_port": port, "rank_offset": off, "world_size": world,
                 "group_name": name, "backend": backend}) for u, off in zip(urls, offsets)]
-            group = new_gloo_group(addr, port, 0, world) if backend == "gloo" else \
-                new_sglang_group(addr, port, 0, world, name, backend)
+            # SGLang's rendezvous on every backend (gloo too), so a CPU trainer meets a real SGLang as a GPU one does
+            group = new_sglang_group(addr, port, 0, world, name, backend)
             [f.result() for f in futs]
         _BROADCAST_GROUPS[key] = (name, group)
     name, group = _BROADCAST_GROUPS[key]
@@ -597,71 +685,89 @@ def trim_freed_memory() -> None:
 # receiver side (used by the engine's HTTP handlers in cpu_engine.py)
 
 
-_MAPPED: dict = {}  # segment name -> read-only shared mapping of it as a uint8 tensor; the latest segment only
+_MAPPED: dict = {}  # "last" -> the last bucket received from shared memory: keeps its mapping for the next one
 
 
-def _map_segment(name: str, size: int) -> torch.Tensor:
-    """The segment `name` as a read-only uint8 tensor of at least `size` bytes. The mapping is kept for the next
-    bucket and the next sync (a sender reuses its segment), so its pages are faulted in once, not per bucket; it
-    is replaced when a segment of another name arrives. MAP_POPULATE maps every page in one call."""
-    if name not in _MAPPED or _MAPPED[name].numel() < size:
-        _MAPPED.clear()
-        try:
-            if os.path.exists(f"/dev/shm/{name}"):  # Linux: map the segment's tmpfs file, no resource tracker
-                with open(f"/dev/shm/{name}", "rb") as f:
-                    mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                   prot=mmap.PROT_READ)
-            else:  # other POSIX systems: through multiprocessing (kept open while mapped)
-                mm = shared_memory.SharedMemory(name=name).buf
-        except OSError as e:
-            raise ValueError(f"shared-memory segment {name!r} cannot be mapped ({e}); the sender must run on this "
-                             f"machine and keep the segment until the update request answers") from None
-        with warnings.catch_warnings():  # "buffer is not writable": by design, the receiver only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            _MAPPED[name] = torch.frombuffer(mm, dtype=torch.uint8) if len(mm) else torch.empty(0, dtype=torch.uint8)
-    seg = _MAPPED[name]
-    if seg.numel() < size:
-        raise ValueError(f"shared-memory segment {name} holds {seg.numel()} bytes but the descriptor says {size}; "
-                         f"the sender's descriptor does not match its segment")
-    return seg[:size]
+class _BucketUnpickler(pickle.Unpickler):
+    """SGLang 0.5.23's SafeUnpickler (utils/common.py), as far as a tensor update from CPU memory needs it: the
+    globals below are all in its allow-list, and any other global is refused as SGLang refuses it. SGLang's own
+    FlattenedTensorMetadata class (what a client that imports sglang pickles) loads as a SimpleNamespace with the
+    same fields, so the CPU engine takes both forms without importing sglang."""
+    ALLOWED = {("builtins", n) for n in ("bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int",
+                                         "list", "range", "set", "slice", "str", "tuple")} | \
+        {("collections", n) for n in ("OrderedDict", "defaultdict", "deque", "Counter")} | \
+        {("torch._utils", n) for n in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3",
+                                       "_rebuild_parameter", "_rebuild_parameter_with_state")} | \
+        {("torch.multiprocessing.reductions", n) for n in ("rebuild_tensor", "rebuild_typed_storage",
+                                                           "rebuild_typed_storage_child", "rebuild_storage_filename",
+                                                           "rebuild_storage_fd", "rebuild_storage_empty")} | \
+        {("copyreg", "__newobj__"), ("copyreg", "__newobj_ex__"), ("types", "SimpleNamespace"), ("_codecs", "encode"),
+         ("torch", "Size"), ("torch", "Tensor"), ("torch", "device"), ("torch.nn.parameter", "Parameter"),
+         ("torch._tensor", "_rebuild_from_type_v2"), ("torch.storage", "UntypedStorage"),
+         ("torch.storage", "TypedStorage"), ("multiprocessing.resource_sharer", "DupFd")}
+
+    def find_class(self, module, name):
+        if (module, name) == ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"):
+            return types.SimpleNamespace
+        if (module, name) == ("torch.storage", "_load_from_bytes"):  # a tensor pickled by value, as SGLang loads it
+            return lambda b: torch.load(io.BytesIO(b), weights_only=True)
+        # torch's dtypes and storage classes by name (torch.float32, torch.FloatStorage, torch.UntypedStorage, ...)
+        torch_data = module == "torch" and (isinstance(getattr(torch, name, None), torch.dtype) or name.endswith("Storage"))
+        if (module, name) in self.ALLOWED or torch_data:
+            return super().find_class(module, name)
+        raise ValueError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization (SGLang's "
+                         f"SafeUnpickler refuses it too)")
 
 
-def read_shm_bucket(descriptor: str) -> list[tuple[str, torch.Tensor]]:
-    """Map one shared-memory bucket, verify its checksum, and return its tensors: read-only views of the sender's
-    segment, valid until the sender writes into the same half again, which it does only after this update request
-    has answered (copy them before answering, as the engine's load does). No copy here: the engine's own copy into its
-    parameters is the only one. Raises ValueError on a bad descriptor or checksum."""
+def read_tensor_payload(entry, load_format: str | None, expected_checksum: list[int] | None = None,
+                        adapter: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """One serialized_named_tensors entry of `/update_weights_from_tensor` as SGLang 0.5.23 reads it: base64 of a
+    ForkingPickler dump; with load_format "flattened_bucket" a dict {"flattened_tensor": uint8 tensor, "metadata":
+    [entries with name, shape, dtype, start_idx, end_idx, numel]} cut into tensors as SGLang's FlattenedTensorBucket
+    does (slice, view as dtype, reshape); with load_format None a list of (name, tensor) pairs, or with `adapter`
+    (`/load_lora_adapter_from_tensors`, whose SGLang handler iterates the dump's items()) a {name: tensor} dict;
+    otherwise SGLang reads an adapter's entry as it reads a weight update's. CPU tensors arrive as handles of the
+    sender's shared memory (torch's file_system strategy; `tensor_payloads`): no copy here, the engine's own copy
+    into its parameters is the only one. The bytes of a bucket are verified against the sender's checksum (if sent)
+    before any tensor is returned. Raises ValueError on anything SGLang would refuse."""
     try:
-        d = json.loads(descriptor)
-        size, metas, name, offset = int(d["size"]), d["tensors"], d["shm"], int(d.get("offset", 0))
-    except (ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"a flattened_bucket entry for the CPU engine is a JSON descriptor of a shared-memory "
-                         f"segment with keys shm, offset, size, tensors, checksum (as transfermesh writes it); got "
-                         f"{str(descriptor)[:120]!r} ({type(e).__name__}: {e})") from None
-    expected, total = packed_layout([m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas])
-    if [m[3] for m in metas] != [m[3] for m in expected] or total != size:
-        raise ValueError(f"shared-memory bucket {name}: offsets/size do not follow the packed flattened_bucket layout "
-                         f"(size {size}, offsets {[m[3] for m in metas][:8]}; the tensors need {total} bytes back "
-                         f"to back at offsets {[m[3] for m in expected][:8]})")
-    flat = _map_segment(name, offset + size)[offset:] if size else torch.empty(0, dtype=torch.uint8)
-    # The whole bucket is verified before any byte is loaded, a separate pass: hashing each piece as it is copied
-    # into the engine's parameters (as the sender does) would have loaded the front of a bucket whose tail is bad,
-    # and a refused bucket must leave the old weights in place. The pass is the cheap one: XXH3 of the mapping ran
-    # ~14 GB/s here against ~7-9 GB/s for the copy out, and hashing 1 MB then copying it from cache gained ~15%.
-    verify_checksum(flat, d.get("checksum"))
-    return unflatten_bucket(flat, metas)
-
-
-def new_gloo_group(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float = 300):
-    """A standalone process group (not the default one) between the trainer and engines.
-
-    Built from a TCPStore directly, so it lives beside whatever default group the process has
-    (Megatron's, in the trainer). On GPU, SGLang builds its own NCCL group from the same fields.
-    """
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0),
-                          timeout=timedelta(seconds=timeout_s))
-    return dist.ProcessGroupGloo(dist.PrefixStore("loongsage_weights", store), rank, world_size,
-                                 timedelta(seconds=timeout_s))
+        raw = base64.b64decode(entry, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise ValueError(f"serialized_named_tensors entries are base64 strings of SGLang's MultiprocessingSerializer "
+                         f"payload (Expected base64-encoded bytes); got {str(entry)[:80]!r}") from None
+    try:
+        obj = _BucketUnpickler(io.BytesIO(raw)).load()
+    except ValueError:
+        raise
+    except Exception as e:  # a truncated pickle, or a storage handle that cannot be opened on this machine
+        raise ValueError(f"serialized_named_tensors entry could not be unpickled ({type(e).__name__}: {e}); CPU "
+                         f"tensors must come from a process on this machine sharing them through torch's "
+                         f"file_system strategy") from None
+    if load_format is None and adapter:
+        if not (isinstance(obj, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in obj.items())):
+            raise ValueError(f"load_format null takes a {{name: tensor}} dict for a LoRA adapter (SGLang reads its "
+                             f"items()); got {type(obj).__name__}")
+        return list(obj.items())
+    if load_format is None:
+        if not (isinstance(obj, list) and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                                              and isinstance(p[1], torch.Tensor) for p in obj)):
+            raise ValueError(f"load_format null takes a list of (name, tensor) pairs; got {type(obj).__name__}")
+        return obj
+    if load_format != "flattened_bucket":
+        raise ValueError(f"load_format {load_format!r} is not one the CPU engine loads; use 'flattened_bucket' or "
+                         f"null (SGLang also takes 'direct' and custom loaders, which need its model classes)")
+    try:
+        flat, metas = obj["flattened_tensor"], obj["metadata"]
+        assert isinstance(flat, torch.Tensor) and flat.dtype == torch.uint8 and flat.dim() == 1, "flattened_tensor"
+        verify_checksum(flat, expected_checksum)
+        out = [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in metas]
+    except (TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as e:
+        raise ValueError(f"a flattened_bucket payload is {{'flattened_tensor': 1-D uint8 tensor, 'metadata': "
+                         f"[FlattenedTensorMetadata]}} whose entries cut the tensor into named tensors; this one "
+                         f"does not ({type(e).__name__}: {e})") from None
+    _MAPPED["last"] = flat  # the sender reuses its segment: keeping it mapped saves a page fault per page per sync
+    return out
 
 
 def new_sglang_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,

@@ -2,9 +2,15 @@
 
 The router (agentflow.py) calls this module at its edges only: a request body comes in, is checked against what
 the API accepts and becomes one internal chat (`ChatRequest`: messages {role, content: str, tool_calls?,
-tool_call_id?}, function tools in the OpenAI shape the chat template renders, sampling overrides); a generated
-`Turn` goes out as the API's response or stream events. Nothing here holds state or talks to an engine, so each
-function can be read, and tested, on its own.
+tool_call_id?, reasoning_content?}, function tools in the OpenAI shape the chat template renders, sampling
+overrides, template variables); a generated `Turn` goes out as the API's response or stream events.
+
+A thinking model's thinking (split off by its reasoning parser, chat.py) goes out as each API shows it: Chat
+Completions `reasoning_content` (SGLang's field; in the stream, delta chunks before the content), Messages
+`thinking` blocks (the request's `thinking` switches it via the template, as SGLang maps it), Responses `reasoning`
+items. Thinking sent back in a history (those same fields) becomes the turn's `reasoning_content`.
+
+Nothing here holds state or talks to an engine, so each function can be read, and tested, on its own.
 
 Reading order: error bodies; request parsing (`openai_request`, `anthropic_request`, and below them
 `*_messages`, `*_tools`, the field checks); response shapes (`openai_response` / `openai_stream`,
@@ -12,8 +18,12 @@ Reading order: error bodies; request parsing (`openai_request`, `anthropic_reque
 and `responses_tools`, then `responses_output`, `responses_response`, `responses_stream`).
 
 What an API refuses gets an `ApiError` (HTTP status, message naming the field and the value seen), rendered in
-that API's error shape by the router. Options the engine cannot honour are refused rather than ignored, so the
-trainer never sees a sample drawn from a different distribution than the agent asked for.
+that API's error shape by the router. In Chat Completions and Messages, options the engine cannot honour are
+refused rather than ignored, so the trainer never sees a sample drawn from a different distribution than the agent
+asked for. The Responses API is checked less: its input items, tools, `previous_response_id`, `max_output_tokens`
+and sampling fields are, but other top-level fields (`text.format`, `reasoning`, a typo) are ignored.
+`chat_template_kwargs` (Chat Completions and Responses, SGLang's extension) sets template variables such as Qwen3's
+`enable_thinking`.
 
 Test: `.venv/bin/pytest tests/test_agentflow.py tests/test_responses.py` (through the router, with the official
 openai and anthropic clients). Left out: images/audio parts, built-in (non-function) Responses tools, n > 1.
@@ -25,7 +35,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,6 +159,12 @@ def openai_messages(raw) -> list[dict]:
                            param=f"{where}.content")
         parts = ("text", "refusal") if role == "assistant" else ("text",)
         msg = {"role": role, "content": _text_of(m.get("content"), where, parts=parts), "where": where}
+        if role == "assistant" and m.get("reasoning_content") is not None:  # SGLang's field for a turn's thinking
+            if not isinstance(m["reasoning_content"], str):
+                raise ApiError(400, f"{where}.reasoning_content must be a string, got {m['reasoning_content']!r:.100}",
+                               param=f"{where}.reasoning_content")
+            if m["reasoning_content"]:
+                msg["reasoning_content"] = m["reasoning_content"]
         if role == "assistant" and m.get("tool_calls") is not None:
             if not isinstance(m["tool_calls"], list):
                 raise ApiError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
@@ -242,11 +258,16 @@ def anthropic_messages(system, raw) -> list[dict]:
         if not isinstance(content, list) or not content:
             raise ApiError(400, f"{where}.content must be a non-empty string or a non-empty list of content blocks",
                            param=where)
-        texts, calls = [], []
+        texts, calls, thinking = [], [], []
         for j, b in enumerate(content):
             kind = b.get("type") if isinstance(b, dict) else None
             bw = f"{where}.content.{j}"
-            if kind == "text" and isinstance(b.get("text"), str):
+            if kind == "thinking" and m["role"] == "assistant" and isinstance(b.get("thinking"), str):
+                thinking.append(b["thinking"])  # an earlier turn's thinking, echoed back: its reasoning_content
+            elif kind == "redacted_thinking" and m["role"] == "assistant":
+                raise ApiError(400, f"{bw}: redacted_thinking blocks are not supported (this model's thinking is never "
+                               "redacted; send its thinking blocks back as they came)", param=bw)
+            elif kind == "text" and isinstance(b.get("text"), str):
                 if not b["text"]:
                     raise ApiError(400, f"{bw}: text content blocks must be non-empty", param=bw)
                 texts.append(b["text"])
@@ -263,9 +284,12 @@ def anthropic_messages(system, raw) -> list[dict]:
                             "tool_call_id": b["tool_use_id"], "where": bw})
             else:
                 raise ApiError(400, f"{bw} has unsupported block type {kind!r} for role {m['role']!r} "
-                               "(supported: text, tool_use in assistant turns, tool_result in user turns)", param=bw)
-        if texts or calls:
+                               "(supported: text, tool_use and thinking in assistant turns, tool_result in user turns)",
+                               param=bw)
+        if texts or calls or thinking:
             msg = {"role": m["role"], "content": "".join(texts), "where": where}
+            if thinking and any(thinking):
+                msg["reasoning_content"] = "\n".join(t for t in thinking if t)
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
@@ -296,7 +320,8 @@ def anthropic_tools(raw) -> list[dict] | None:
 # metadata, caching, billing hints), only type-checked; honoured only at their default value, because the
 # engine cannot do otherwise and ignoring them would hand the trainer a different sample than was asked for.
 _OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options",
-                    "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs"}
+                    "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs", "chat_template_kwargs",
+                    "separate_reasoning"}  # the last two: SGLang's extensions (template variables; thinking apart)
 _OPENAI_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
                  "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str, "seed": int,
                  "parallel_tool_calls": bool, "reasoning_effort": str, "verbosity": str, "moderation": dict}
@@ -304,10 +329,10 @@ _OPENAI_DEFAULT_ONLY = {"n": [1], "top_logprobs": [0], "frequency_penalty": [0],
                         "logit_bias": [{}], "response_format": [{"type": "text"}], "modalities": [["text"]],
                         "audio": [], "prediction": [], "web_search_options": [], "functions": [], "function_call": []}
 _ANTHROPIC_HONOURED = {"messages", "model", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
-                       "top_k", "tools", "tool_choice"}
+                       "top_k", "tools", "tool_choice", "thinking"}
 _ANTHROPIC_INERT = {"metadata": dict, "service_tier": str, "cache_control": dict, "inference_geo": str, "speed": str,
                     "diagnostics": dict, "user_profile_id": str, "workspace_id": str, "container": (str, dict)}
-_ANTHROPIC_DEFAULT_ONLY = {"thinking": [{"type": "disabled"}], "output_config": [{}], "mcp_servers": [[]]}
+_ANTHROPIC_DEFAULT_ONLY = {"output_config": [{}], "mcp_servers": [[]]}
 
 
 def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict) -> None:
@@ -374,6 +399,49 @@ def _sampling_overrides(body: dict, temperature_max: float) -> dict:
     return out
 
 
+# apply_chat_template's own parameters: a chat_template_kwargs key of one of these names would change how the chat is
+# rendered or tokenized instead of setting a template variable
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                       "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                                       "return_assistant_tokens_mask", "tokenizer_kwargs", "add_generation_prompt",
+                                       "continue_final_message"})
+
+
+def _template_kwargs(v) -> dict:
+    """SGLang's `chat_template_kwargs`: variables for the chat template (Qwen3's enable_thinking, ...)."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise ApiError(400, f"'chat_template_kwargs' must be an object of template variables, got {v!r:.200}",
+                       param="chat_template_kwargs")
+    reserved = sorted(set(v) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {reserved}: they are arguments of the renderer, not "
+                       "template variables", param="chat_template_kwargs")
+    return dict(v)
+
+
+def _anthropic_thinking(v) -> bool | None:
+    """The Messages `thinking` field -> thinking on (enabled, adaptive) / off (disabled) / not asked (None). Checked
+    as the SDK's three variants: enabled needs budget_tokens >= 1024; disabled takes no other field; adaptive no
+    budget. The budget is accepted and not enforced (the API calls it a target; max_tokens still caps the turn)."""
+    if v is None:
+        return None
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise ApiError(400, f"thinking {v!r:.200} must be {{'type': 'enabled', 'budget_tokens': n}}, "
+                       "{'type': 'adaptive'} or {'type': 'disabled'}", param="thinking")
+    extra = sorted(set(v) - {"type", "budget_tokens", "display"})
+    budget = v.get("budget_tokens")
+    if extra or (kind == "enabled" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024)) or \
+            (kind != "enabled" and budget is not None) or (kind == "disabled" and v.get("display") is not None) or \
+            v.get("display") not in (None, "summarized", "omitted"):
+        raise ApiError(400, f"thinking {v!r:.200}: 'enabled' needs an integer budget_tokens >= 1024, 'adaptive' takes "
+                       "no budget_tokens, 'disabled' no other field; display is 'summarized' or 'omitted'",
+                       param="thinking")
+    return kind != "disabled"
+
+
 @dataclass
 class ChatRequest:
     """A validated chat request, whichever API it came in."""
@@ -386,6 +454,9 @@ class ChatRequest:
     stream: bool
     logprobs: bool = False         # OpenAI: return per-token logprobs
     include_usage: bool = False    # OpenAI streaming: a final usage chunk
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs: variables for the chat template
+    separate_reasoning: bool = True  # OpenAI (SGLang's field): thinking in reasoning_content, or left in the content
+    thinking: bool | None = None   # Anthropic `thinking`: on, off, or not asked (the model's default)
 
 
 def openai_request(body: dict) -> ChatRequest:
@@ -418,7 +489,9 @@ def openai_request(body: dict) -> ChatRequest:
     if stop is not None and len(stop) > 4:
         raise ApiError(400, f"'stop' takes at most 4 sequences, got {len(stop)}", param="stop")
     return ChatRequest(messages, tools, choice != "none", body.get("max_completion_tokens") or body.get("max_tokens"),
-                       _sampling_overrides(body, temperature_max=2.0), stop, stream, logprobs, include_usage)
+                       _sampling_overrides(body, temperature_max=2.0), stop, stream, logprobs, include_usage,
+                       _template_kwargs(body.get("chat_template_kwargs")),
+                       body.get("separate_reasoning") is None or _flag(body, "separate_reasoning"))
 
 
 def anthropic_request(body: dict) -> ChatRequest:
@@ -448,7 +521,8 @@ def anthropic_request(body: dict) -> ChatRequest:
         raise ApiError(400, f"'stop_sequences' must be a list of strings, got {stop!r:.100}", param="stop_sequences")
     return ChatRequest(msgs, tools, (choice or {}).get("type") != "none",
                        _positive_int(body["max_tokens"], "max_tokens"), _sampling_overrides(body, temperature_max=1.0),
-                       _stop_list(stop, "stop_sequences"), _flag(body, "stream"))
+                       _stop_list(stop, "stop_sequences"), _flag(body, "stream"),
+                       thinking=_anthropic_thinking(body.get("thinking")))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,6 +542,8 @@ class Turn:
     engine: str
     stop_sequence: str | None = None  # the stop string that ended the turn, if one did
     routed_experts: str = ""      # the engine's routing of input + output ids (minus the last), base64; "" if none
+    reasoning: str = ""           # the thinking the reasoning parser split off ("" when the model did not think)
+    reasoning_tokens: int = 0     # how many output tokens are thinking
 
 
 def _openai_tool_calls(turn: Turn) -> list[dict]:
@@ -499,19 +575,29 @@ def _openai_logprobs(chat, turn: Turn) -> dict:
     return {"content": content, "refusal": None}
 
 
+def _openai_usage(turn: Turn) -> dict:
+    usage = {"prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.output_ids),
+             "total_tokens": turn.prompt_tokens + len(turn.output_ids)}
+    if turn.reasoning_tokens:
+        usage["completion_tokens_details"] = {"reasoning_tokens": turn.reasoning_tokens}
+    return usage
+
+
 def openai_response(chat, turn: Turn, model: str, logprobs: bool) -> dict:
-    message = {"role": "assistant", "content": turn.content if (turn.content or not turn.tool_calls) else None}
+    # reasoning_content: SGLang's field for the thinking (null when the model did not think)
+    message = {"role": "assistant", "content": turn.content if (turn.content or not turn.tool_calls) else None,
+               "reasoning_content": turn.reasoning or None}
     if turn.tool_calls:
         message["tool_calls"] = _openai_tool_calls(turn)
     return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": message, "finish_reason": _finish_openai(turn),
                                          "logprobs": _openai_logprobs(chat, turn) if logprobs else None}],
-            "usage": {"prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.output_ids),
-                      "total_tokens": turn.prompt_tokens + len(turn.output_ids)}}
+            "usage": _openai_usage(turn)}
 
 
 def openai_stream(chat, turn: Turn, model: str, logprobs: bool, include_usage: bool):
-    """The chunk sequence of a streamed reply: role, content, tool calls, finish, [usage], [DONE]."""
+    """The chunk sequence of a streamed reply: role, reasoning_content, content, tool calls, finish, [usage],
+    [DONE]. The logprobs of all output tokens ride on the first text chunk."""
     base = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model}
 
@@ -520,25 +606,31 @@ def openai_stream(chat, turn: Turn, model: str, logprobs: bool, include_usage: b
                                                            "logprobs": lp}]}) + "\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
+    lp = _openai_logprobs(chat, turn) if logprobs else None
+    if turn.reasoning:
+        yield chunk({"reasoning_content": turn.reasoning}, lp=lp)
+        lp = None
     if turn.content:
-        yield chunk({"content": turn.content}, lp=_openai_logprobs(chat, turn) if logprobs else None)
+        yield chunk({"content": turn.content}, lp=lp)
     for i, c in enumerate(_openai_tool_calls(turn)):
         yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
                                      "function": {"name": c["function"]["name"], "arguments": ""}}]})
         yield chunk({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
     yield chunk({}, finish=_finish_openai(turn))
     if include_usage:
-        usage = {"prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.output_ids),
-                 "total_tokens": turn.prompt_tokens + len(turn.output_ids)}
-        yield "data: " + json.dumps({**base, "choices": [], "usage": usage}) + "\n\n"
+        yield "data: " + json.dumps({**base, "choices": [], "usage": _openai_usage(turn)}) + "\n\n"
     yield "data: [DONE]\n\n"
 
 
 def _anthropic_blocks(turn: Turn) -> list[dict]:
-    blocks = [{"type": "text", "text": turn.content}] if (turn.content or not turn.tool_calls) else []
+    """A thinking block (its signature empty: nothing signs this model's thinking), the text, the tool_use blocks. A
+    tool_use id is the call's own id, so it comes back unchanged in tool_result (Mistral's templates render ids)."""
+    blocks = [{"type": "thinking", "thinking": turn.reasoning, "signature": ""}] if turn.reasoning else []
+    if turn.content or not turn.tool_calls:
+        blocks.append({"type": "text", "text": turn.content})
     for c in turn.tool_calls:
-        blocks.append({"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"),
-                       "name": c["function"]["name"], "input": c["function"]["arguments"]})
+        blocks.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                       "input": c["function"]["arguments"]})
     return blocks
 
 
@@ -550,7 +642,7 @@ def anthropic_response(turn: Turn, model: str) -> dict:
 
 
 def anthropic_stream(turn: Turn, model: str):
-    """message_start, per block (start, delta, stop), message_delta, message_stop."""
+    """message_start, per block (start, delta, stop; thinking first), message_delta, message_stop."""
     def event(kind, body):
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **body})}\n\n"
 
@@ -558,7 +650,11 @@ def anthropic_stream(turn: Turn, model: str):
     yield event("message_start", {"message": {**msg, "content": [], "stop_reason": None,
                                               "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": 0}}})
     for i, b in enumerate(msg["content"]):
-        if b["type"] == "text":
+        if b["type"] == "thinking":
+            yield event("content_block_start", {"index": i, "content_block": {**b, "thinking": ""}})
+            yield event("content_block_delta", {"index": i, "delta": {"type": "thinking_delta",
+                                                                       "thinking": b["thinking"]}})
+        elif b["type"] == "text":
             yield event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
             if b["text"]:
                 yield event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": b["text"]}})
@@ -585,9 +681,10 @@ def _response_parts_text(content, where: str) -> str:
 
 
 def responses_messages(instructions, raw, previous: list[dict] | None) -> list[dict]:
-    """Responses `input` (a string, or a list of message / function_call / function_call_output items) after the
-    conversation of `previous_response_id` -> internal messages; `instructions` become the system message (they
-    are not carried over from the previous response, as in the API)."""
+    """Responses `input` (a string, or a list of message / function_call / function_call_output / reasoning items)
+    after the conversation of `previous_response_id` -> internal messages; `instructions` become the system message
+    (they are not carried over from the previous response, as in the API). A reasoning item's text becomes the
+    reasoning_content of the assistant turn that follows it."""
     msgs = [m for m in (previous or []) if m["role"] != "system"]
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -598,6 +695,14 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
         raw = [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, "'input' must be a non-empty string or list of input items", param="input")
+    thinking = ""  # a reasoning item's text, for the next assistant turn
+
+    def assistant(msg: dict) -> dict:
+        nonlocal thinking
+        if thinking:
+            msg["reasoning_content"], thinking = thinking, ""
+        return msg
+
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -611,13 +716,14 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
             if role == "system" and msgs:
                 raise ApiError(400, f"{where}: a system/developer message is only allowed first; use "
                                "'instructions'", param=where)
-            msgs.append({"role": role, "content": _response_parts_text(item.get("content"), where)})
+            msg = {"role": role, "content": _response_parts_text(item.get("content"), where)}
+            msgs.append(assistant(msg) if role == "assistant" else msg)
         elif kind == "function_call":
             call = _tool_call(item.get("name"), item.get("arguments", "{}"), item.get("call_id"), where)
-            if msgs and msgs[-1]["role"] == "assistant":  # several calls of one turn join its message
+            if msgs and msgs[-1]["role"] == "assistant" and not thinking:  # several calls of one turn join its message
                 msgs[-1].setdefault("tool_calls", []).append(call)
             else:
-                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                msgs.append(assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
         elif kind == "function_call_output":
             issued = {c["id"] for m in msgs for c in m.get("tool_calls") or ()}
             if item.get("call_id") not in issued:
@@ -627,7 +733,12 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
             msgs.append({"role": "tool", "tool_call_id": item["call_id"],
                          "content": output if isinstance(output, str) else _response_parts_text(output, where)})
         elif kind == "reasoning":
-            continue  # the template has no place for it; the model's own tokens already hold its reasoning
+            parts = item.get("content") or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                     for p in parts):
+                raise ApiError(400, f"{where}.content must be a list of {{'type': 'reasoning_text', 'text': ...}}",
+                               param=f"{where}.content")
+            thinking = "".join(p["text"] for p in parts)
         else:
             raise ApiError(400, f"{where}.type is {kind!r}; supported: message, function_call, "
                            "function_call_output, reasoning", param=f"{where}.type")
@@ -662,12 +773,17 @@ def responses_request(body: dict, previous: dict[str, list[dict]]) -> ChatReques
     msgs = responses_messages(body.get("instructions"), body["input"], previous.get(prev))
     return ChatRequest(msgs, responses_tools(body.get("tools")), body.get("tool_choice", "auto") != "none",
                        _positive_int(body.get("max_output_tokens"), "max_output_tokens"),
-                       _sampling_overrides(body, temperature_max=2.0), None, bool(body.get("stream")))
+                       _sampling_overrides(body, temperature_max=2.0), None, bool(body.get("stream")),
+                       template_kwargs=_template_kwargs(body.get("chat_template_kwargs")))
 
 
 def responses_output(turn: Turn) -> list[dict]:
-    """The output items of a turn: a message (its text) and one function_call item per tool call."""
+    """The output items of a turn: a reasoning item (its thinking, if any), a message (its text) and one function_call
+    item per tool call."""
     out = []
+    if turn.reasoning:
+        out.append({"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "status": "completed", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": turn.reasoning}]})
     if turn.content or not turn.tool_calls:
         out.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
                     "content": [{"type": "output_text", "text": turn.content, "annotations": [], "logprobs": []}]})
@@ -689,7 +805,7 @@ def responses_response(turn: Turn, model: str, rid: str, body: dict, output: lis
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "text": {"format": {"type": "text"}},
             "usage": {"input_tokens": turn.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": n, "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
                       "total_tokens": turn.prompt_tokens + n}}
 
 
@@ -704,7 +820,14 @@ def responses_stream(response: dict):
     yield event("response.created", response={**response, "status": "in_progress", "output": []})
     yield event("response.in_progress", response={**response, "status": "in_progress", "output": []})
     for i, item in enumerate(response["output"]):
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
+                                                                             "content": []})
+            where = dict(item_id=item["id"], output_index=i, content_index=0)
+            yield event("response.reasoning_text.delta", **where, delta=text)
+            yield event("response.reasoning_text.done", **where, text=text)
+        elif item["type"] == "message":
             part = item["content"][0]
             yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
                                                                              "content": []})

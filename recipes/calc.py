@@ -94,16 +94,19 @@ def sft_trajectory(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dic
     """A supervised transcript of the ideal episode, in trajectory form, to warm-start the tiny model:
     call the calculator on the question, read the result, answer with it.
 
-    Token for token what the router records for the same episode (tests/test_agentflow.py checks it):
-    the prompt is the chat with the tool list; the model's turns (tool call, final answer, each ending
-    in <|im_end|>) have loss_mask 1; the template glue and the tool result have 0. With probability
-    `label_noise` the final answer is off by one, so RL has something left to fix.
+    Token for token what the router records for the same episode (tests/test_agentflow.py checks it), in the
+    tokenizer's chat format: the prompt is the chat with the tool list; the model's turns (tool call, final
+    answer, each through the template's end-of-turn token) have loss_mask 1; the template
+    glue and the tool result have 0. With probability `label_noise` the final answer is off by one, so RL has
+    something left to fix.
     """
     expr = sample["messages"][-1]["content"]
     answer = calculator(expr)
     if label_noise and rng is not None and rng.random() < label_noise and answer.lstrip("-").isdigit():
         answer = str(int(answer) + rng.choice((-1, 1)))
-    call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}
+    # 9 alphanumeric characters: Mistral's templates render call ids and take only that shape (the others ignore ids)
+    call = {"id": "call00000", "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": expr}}}
 
     def render(messages, gen=False):
         return tok.apply_chat_template(messages, tools=[CALCULATOR_TOOL], tokenize=False, add_generation_prompt=gen)
@@ -111,21 +114,33 @@ def sft_trajectory(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dic
     def enc(text):
         return tok.encode(text, add_special_tokens=False)
 
-    eos = data.EOS_TOKEN
+    eos = data.turn_end(tok)
+    # A template that renders thinking (Qwen3's) shows an earlier turn's thinking only if it has some, so the call
+    # turn thinks (the expression): the rendered chat then grows turn by turn, as the router's trajectory does.
+    probe = tok.apply_chat_template([{"role": "user", "content": "x"},
+                                     {"role": "assistant", "content": "y", "reasoning_content": "\x00R\x00"}],
+                                    tokenize=False)
+    if "\x00R\x00" in probe:
+        call_turn = {"role": "assistant", "content": "", "reasoning_content": expr, "tool_calls": [call]}
+    else:
+        call_turn = {"role": "assistant", "content": "", "tool_calls": [call]}
     history = list(sample["messages"])
     prev = render(history, gen=True)
     prompt_ids, response_ids, loss_mask = enc(prev), [], []
-    for reply in ({"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "assistant", "content": answer}):
+    for reply in (call_turn, {"role": "assistant", "content": answer}):
         history.append(reply)
         full = render(history)
-        model_text = full[len(prev):full.rindex(eos) + len(eos)]  # what the model writes, its <|im_end|> included
+        model_text = full[len(prev):full.rindex(eos) + len(eos)]  # what the model writes, its end token included
         ids = enc(model_text)
         response_ids += ids
         loss_mask += [1] * len(ids)
         if "tool_calls" not in reply:
             break
-        history.append({"role": "tool", "tool_call_id": "call_0", "content": calculator(expr)})
+        history.append({"role": "tool", "tool_call_id": call["id"], "content": calculator(expr)})
         nxt = render(history, gen=True)
+        if not nxt.startswith(prev + model_text):
+            raise ValueError("the chat template renders the call turn differently once the tool result follows; "
+                             "the calc transcript needs a template whose chat grows turn by turn")
         glue = enc(nxt[len(prev) + len(model_text):])  # turn end, the tool result, the next assistant header
         response_ids += glue
         loss_mask += [0] * len(glue)

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# The CUDA paths of LoongSage in one run on one GPU (about 10 minutes): one PASS / FAIL / SKIP line per item.
-#   ./bootstrap.sh && scripts/gpu_check.sh            (bootstrap installs the [gpu] extra where a GPU is visible)
-#   scripts/gpu_check.sh --dry-run                    (any machine: builds the tiny model and validates every run's
-#                                                      config with `loongsage.py --check` and the SGLang command line)
-# Items: SGLang server launch and /generate (with per-token weight_versions spans); Megatron-Core on CUDA (Megatron's
-# optimizer, bf16) for a train step; the FP32 LM head on both sides (fp32_lm_head, SGLang --enable-fp32-lm-head), its
-# train-inference gap beside the bf16 head's; TransferMesh CUDA IPC into SGLang (per-TP-rank payloads, device UUIDs)
-# and NCCL broadcast (two GPUs: NCCL puts no two ranks on one device; SKIP on one), each in a 3-step async run of the
-# whole pipeline; the colocated memory hand-off (engines release weights + KV cache, trainer offloads) with device
-# memory per stage. Every run is colocated (trainer and engine share the GPU), so each also exercises the hand-off.
-# The tiny model is built locally (no hub access needed). Logs go to runs/gpu_check/.
+# The CUDA paths of LoongSage with SGLang on one GPU: one PASS / FAIL / SKIP line per item, in four runs of under
+# 10 minutes each (a GPU machine with the registries: bootstrap installs the [gpu] extra where a GPU is visible):
+#   ./bootstrap.sh && scripts/gpu_check.sh --run 1   SGLang launch + /generate spans; Megatron bf16 step; FP32 head
+#   scripts/gpu_check.sh --run 2                      3-step async runs: CUDA IPC, NCCL broadcast (2 GPUs); hand-off
+#   scripts/gpu_check.sh --run 3                      the sync, proven: SGLang's own /weights_checker checksum after
+#                                                     each push equals the one of the trainer's weights loaded from
+#                                                     disk; pause in place -> update -> continue with requests in
+#                                                     flight; GPU memory read after the KV cache resumes
+#   scripts/gpu_check.sh --run 4                      Megatron's fast paths: the layer spec picked, the distributed
+#                                                     optimizer + recompute=full through a checkpoint and a resume,
+#                                                     with two GPUs SP (TP=2) and CP (CP=2, needs TE)
+#   scripts/gpu_check.sh --dry-run                    (any machine: every run's config through `loongsage.py --check`
+#                                                     and the SGLang command line; run 3's flow against a CPU engine)
+# Every whole-pipeline run asserts engines/restarts == 0 and weights/bytes > 0 on every step. The tiny model is built
+# locally (no hub access needed). Logs go to runs/gpu_check/. The GPU machine without registries, Ray or SGLang has
+# scripts/gpu_check.py instead.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -18,7 +23,11 @@ exec "$PY" - "$@" <<'PYEOF'
 import json, os, subprocess, sys, time, traceback
 sys.path.insert(0, os.getcwd())
 DRY = "--dry-run" in sys.argv[1:]
+RUN = sys.argv[sys.argv.index("--run") + 1] if "--run" in sys.argv else None  # None: all (the dry run)
 results = []
+
+def in_run(n: str) -> bool:
+    return DRY or RUN is None or RUN == n
 
 def item(name):
     def run(fn):
@@ -51,10 +60,16 @@ def run(name: str, *overrides: str) -> list[dict]:
     r = subprocess.run(cmd + (["--check"] if DRY else []), capture_output=True, text=True, timeout=600)
     open(f"{d}.log", "w").write(" ".join(cmd) + "\n" + r.stdout + r.stderr)
     assert r.returncode == 0, f"{name}: " + r.stderr[-2000:]
-    return [] if DRY else [x for x in map(json.loads, open(f"{d}/metrics.jsonl")) if "train/loss" in x]
+    rows = [] if DRY else [x for x in map(json.loads, open(f"{d}/metrics.jsonl")) if "train/loss" in x]
+    for x in rows:  # what every run must show: no engine was re-created, and every step's sync moved bytes
+        assert x.get("engines/restarts", 0) == 0, f"{name}: engines/restarts {x.get('engines/restarts')} at {x}"
+        assert x.get("weights/bytes", 0) > 0, f"{name}: weights/bytes {x.get('weights/bytes')} at {x}"
+    return rows
 
 @item("sglang launch + /generate with weight_versions spans")
 def _():
+    if not in_run("1"):
+        return "not in this run"
     cfg = config.load_config(None, [f"model_path={model}", "device=cuda", "engine=sglang", "output_dir=runs/gpu_check",
                                     "sglang.mem_fraction_static=0.3", "fp32_lm_head=true", "colocate=true"])
     cmd = rollout.sglang_command(cfg, "127.0.0.1", 30000, 0)
@@ -76,6 +91,8 @@ gaps = {}
 
 @item("megatron on cuda: bf16 train step with Megatron's optimizer")
 def _():
+    if not in_run("1"):
+        return "not in this run"
     rows = run("bf16", "dtype=bfloat16", "num_steps=1")
     if rows:
         gaps["bf16 head"] = rows[-1].get("train/gap_k3")
@@ -83,6 +100,8 @@ def _():
 
 @item("fp32 LM head on both sides (fp32_lm_head=true, SGLang --enable-fp32-lm-head)")
 def _():
+    if not in_run("1"):
+        return "not in this run"
     rows = run("fp32_head", "dtype=bfloat16", "num_steps=1", "fp32_lm_head=true")
     if rows:
         gaps["fp32 head"] = rows[-1].get("train/gap_k3")
@@ -90,6 +109,8 @@ def _():
 
 @item("transfermesh cuda_ipc into sglang, 3-step async run")
 def _():
+    if not in_run("2"):
+        return "not in this run"
     rows = run("async_cuda_ipc", "mode=async", "stale_steps=1", "max_version_lag=1", "num_steps=3", "transfer=cuda_ipc")
     if rows:
         assert [x["weights/version"] for x in rows] == [1, 2, 3], rows
@@ -98,6 +119,8 @@ def _():
 if DRY or torch.cuda.device_count() >= 2:
     @item("transfermesh nccl broadcast into sglang, 3-step async run (trainer and engine on two GPUs)")
     def _():
+        if not in_run("2"):
+            return "not in this run"
         rows = run("async_broadcast", "colocate=false", "mode=async", "stale_steps=1", "max_version_lag=1",
                    "num_steps=3", "transfer=broadcast")
         if rows:
@@ -109,6 +132,8 @@ else:  # NCCL refuses a communicator with two ranks on one device ("Duplicate GP
 
 @item("colocated memory hand-off on one GPU (release/resume_memory_occupation, trainer offload)")
 def _():
+    if not in_run("2"):
+        return "not in this run"
     rows = run("colocate", "colocate=true", "num_steps=2", "dtype=bfloat16")
     for m in rows:  # device memory in use after each stage: engines' weights + KV come back only for the rollouts
         used = [m[f"memory/{s}_gpu_used_mb"] for s in ("train", "sync", "rollout")]
@@ -116,6 +141,120 @@ def _():
     if rows:
         return "GPU MB in use after train/sync/rollout stages: " + "; ".join(
             str([round(m[f"memory/{s}_gpu_used_mb"]) for s in ("train", "sync", "rollout")]) for m in rows)
+
+@item("the sync proven on SGLang: checksums, pause in place with requests in flight, memory after KV resume")
+def _():
+    """A trainer (Megatron on CUDA) and one SGLang engine on the GPU, driven step by step. After each of two
+    train-and-push steps: SGLang's /weights_checker checksum of the pushed weights equals the checksum of the same
+    engine after it loads the trainer's own HF export from disk (so the push delivered the trainer's weights bit for
+    bit, whatever SGLang's internal layout); the push runs as train() runs it, pause in place -> update -> continue,
+    with /generate requests in flight that finish with weight_versions spans across both versions. Then the
+    colocated release -> resume weights -> push -> resume KV cache, and the device memory read after the resume.
+    Dry run: the same flow against a CPU engine (no checksum route there)."""
+    if not in_run("3"):
+        return "not in this run"
+    import threading, httpx, trainer, transfermesh as tm
+    overrides = [f"model_path={model}", "output_dir=runs/gpu_check/sync3", "eval_every=0", "warmstart_steps=0",
+                 "prompts_per_step=2", "samples_per_prompt=4", "global_batch_size=8", "micro_batch_size=8"]
+    overrides += ["device=cpu", "engine=cpu"] if DRY else ["device=cuda", "engine=sglang", "transfer=cuda_ipc",
+                                                          "sglang.mem_fraction_static=0.3", "colocate=true",
+                                                          "dtype=bfloat16"]
+    cfg = config.load_config(None, overrides)
+    eng = rollout.RolloutEngine(cfg, 0)
+    url, notes = eng.url(), []
+    w = trainer.TrainerWorker(cfg, 0, 1, "127.0.0.1", tm.free_port())
+    try:
+        w.load_hf(model)
+        tok = data.load_tokenizer(model)
+        prompts = [data.prompt_ids(tok, s) for s in data.arith_samples(2, 0)]
+        for version in (1, 2):
+            batch = []
+            for g, p in enumerate(prompts):
+                for i in range(4):
+                    r = rollout.post(url, "/generate", {"input_ids": p, "return_logprob": True, "sampling_params": {
+                        "temperature": 1.0, "max_new_tokens": 8}})
+                    n = len(r["output_ids"])
+                    batch.append({"prompt_ids": p, "response_ids": r["output_ids"], "loss_mask": [1] * n,
+                                  "rollout_logprobs": [x[0] for x in r["meta_info"]["output_token_logprobs"]],
+                                  "weight_versions": [version - 1] * n, "reward": float(i % 2), "status": "ok",
+                                  "group_id": g, "sample_index": i})
+            w.train_step(batch, version - 1)
+            answers = []  # requests in flight across the update
+            flights = [threading.Thread(target=lambda p=p: answers.append(rollout.post(url, "/generate", {
+                "input_ids": p, "sampling_params": {"temperature": 1.0, "max_new_tokens": 256, "ignore_eos": True}},
+                timeout=600))) for p in prompts]
+            [t.start() for t in flights]
+            time.sleep(0.3)  # long enough for the requests to be admitted, well short of 256 tokens' decode
+            tm.pause_engines([url])
+            stats = w.sync_weights([url], version)
+            tm.continue_engines([url])
+            [t.join(timeout=600) for t in flights]
+            assert stats["weights/bytes"] > 0 and len(answers) == len(prompts), (stats, len(answers))
+            spans = [a["meta_info"].get("weight_versions") for a in answers]
+            assert any(s and {x["version"] for x in s} == {str(version - 1), str(version)} for s in spans), spans
+            if not DRY:
+                pushed = rollout.post(url, "/weights_checker", {"action": "checksum"})["per_engine_checksum"]
+                export = w.save_hf(f"runs/gpu_check/sync3/step{version}")
+                rollout.post(url, "/update_weights_from_disk", {"model_path": export, "flush_cache": False,
+                                                               "abort_all_requests": False})
+                own = rollout.post(url, "/weights_checker", {"action": "checksum"})["per_engine_checksum"]
+                assert pushed == own, f"step {version}: SGLang's checksum after the push {pushed} != trainer's {own}"
+                notes.append(f"step {version}: checksum {pushed[:12]} = trainer's")
+        # the colocated hand-off by hand: memory read after the KV cache comes back
+        import torch
+        used = lambda: (lambda f, t: (t - f) / 2**20)(*torch.cuda.mem_get_info()) if not DRY else tm.rss_bytes() / 2**20
+        tm.pause_engines([url])
+        rollout.post(url, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+        released = used()
+        rollout.post(url, "/resume_memory_occupation", {"tags": ["weights"]})
+        w.sync_weights([url], 3)
+        rollout.post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+        resumed = used()
+        tm.continue_engines([url])
+        out = rollout.post(url, "/generate", {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 4}})
+        assert out["meta_info"]["weight_version"] == "3", out["meta_info"]
+        if not DRY:
+            assert resumed > released + 64, f"device MB in use: {released:.0f} released, {resumed:.0f} resumed"
+        notes.append(f"MB in use: {released:.0f} released -> {resumed:.0f} after the KV resume")
+        return "; ".join(notes)
+    finally:
+        eng.shutdown()
+
+def te_importable() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        return True
+    except (ImportError, OSError):
+        return False
+
+@item("megatron fast paths: layer spec, distributed optimizer + recompute=full, checkpoint and resume")
+def _():
+    if not in_run("4"):
+        return "not in this run"
+    fast = ["dtype=bfloat16", "use_distributed_optimizer=true", "recompute=full", "save_every=1"]
+    rows = run("fastpaths", *fast, "num_steps=2")
+    if DRY:
+        return ""
+    rows = run("fastpaths", *fast, "num_steps=3", "resume=true")  # the optimizer's shards come back from rank files
+    assert [x["step"] for x in rows][-3:] == [0, 1, 2] and all(x["train/loss"] == x["train/loss"] for x in rows), rows
+    spec = next(x for x in open("runs/gpu_check/fastpaths.log") if x.startswith("trainer: Megatron-Core"))
+    return f"{spec.strip()}; losses {[round(x['train/loss'], 4) for x in rows]}"
+
+if DRY or torch.cuda.device_count() >= 2:
+    @item("sequence parallel (TP=2) and context parallel (CP=2), 2-step runs on two GPUs")
+    def _():
+        if not in_run("4"):
+            return "not in this run"
+        if not DRY and not te_importable():
+            return "SKIP: transformer_engine does not import here (sequence and context parallelism need its spec)"
+        sp = run("sequence_parallel", "dtype=bfloat16", "num_steps=2", "trainer_workers=2", "tensor_parallel=2",
+                 "sequence_parallel=true")
+        cp = run("context_parallel", "dtype=bfloat16", "num_steps=2", "trainer_workers=2", "context_parallel=2")
+        if sp:
+            return f"losses SP {[round(x['train/loss'], 4) for x in sp]}, CP {[round(x['train/loss'], 4) for x in cp]}"
+else:
+    results.append(("SKIP", "sequence / context parallelism: needs 2 GPUs", ""))
+    print(f"SKIP {results[-1][1]}", flush=True)
 
 print("\nsummary:")
 for status, name, note in results:

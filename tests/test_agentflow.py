@@ -92,25 +92,7 @@ def open_session(flow, max_context_len=512, max_turns=8, sampling=SAMPLING):
 
 
 # ----------------------------------------------------------------------------------------------
-# tool calls: parsing (pure) and rendering through the chat template
-
-
-def test_parse_tool_calls_valid_malformed_and_unknown():
-    ok = 'let me compute\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
-    content, calls = agentflow.parse_tool_calls(ok, {"calculator"})
-    assert content == "let me compute"
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
-        [("calculator", {"expression": "1+2"})]
-    two = ('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>'
-           '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2\\"}"}</tool_call>')
-    assert [c["function"]["arguments"]["expression"] for c in agentflow.parse_tool_calls(two)[1]] == ["1", "2"]
-    # Anything malformed comes back whole as plain content, never as a partial call or an exception.
-    for bad in ['<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',  # bad JSON
-                '<tool_call>{"arguments": {}}</tool_call>',                                   # no name
-                '<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>',            # args not an object
-                '<tool_call>{"name": "calculator", "arguments": {}}',                         # unclosed
-                '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>']:                 # unknown tool
-        assert agentflow.parse_tool_calls(bad, {"calculator"}) == (bad.strip(), [])
+# tool calls: rendering through the chat template (the parsers: tests/test_chat.py)
 
 
 def test_prompt_ids_are_rendered_once_per_distinct_chat(tiny_model_dir):

@@ -20,6 +20,7 @@ import rollout
 import transfermesh as tm
 from test_cpu_engine import engine_logprobs, hf_greedy, hf_greedy_over_cache, hf_logprobs
 from test_cpu_engine import hf_a, hf_b, other_dir  # noqa: F401 - fixtures: the tiny model, and it with every weight moved
+from test_transfermesh import _EngineProcess
 
 HEALTH_TIMEOUT = 2  # SGLANG_HEALTH_CHECK_TIMEOUT for every engine of this module
 PROMPT = [5, 17, 33, 100, 7, 9, 8, 41]
@@ -300,22 +301,33 @@ def test_flush_is_refused_while_busy(server, tiny_model_dir):
         rollout.post(url, "/update_weight_version", {"new_version": "0", "abort_all_requests": False})
 
 
-def test_weight_update_group_names_are_unique(server):
+def test_weight_update_group_names_are_unique(tiny_model_dir):
     """A second /init_weights_update_group under a name in use fails (torch refuses it; this process joins the
-    first rendezvous as rank 0); destroying the group frees the name; destroying it again fails."""
-    url, handle = server
-    port = tm.free_port()
-    joined = {}
-    trainer_side = threading.Thread(target=lambda: joined.update(g=tm.new_gloo_group("127.0.0.1", port, 0, 2)))
+    first rendezvous as rank 0); destroying the group frees the name; destroying it again fails. The engine runs in
+    a process of its own: a group registers its name once per process, on both sides, as SGLang's does."""
+    import torch.distributed as dist
+    engine = _EngineProcess(tiny_model_dir)
+    url, port, joined = engine.url, tm.free_port(), {}
+
+    def groups():
+        return rollout.get(url, "/server_info")["internal_states"][0]["weight_update_groups"]
+
+    trainer_side = threading.Thread(target=lambda: joined.update(
+        g=tm.new_sglang_group("127.0.0.1", port, 0, 2, "weights-a", "gloo")))
     trainer_side.start()
-    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": "weights-a", "backend": "gloo"}
-    assert rollout.post(url, "/init_weights_update_group", body)["success"]
-    trainer_side.join(timeout=60)
-    assert handle.engine.state()["weight_update_groups"] == ["weights-a"] and "g" in joined
-    r = httpx.post(url + "/init_weights_update_group", json={**body, "master_port": tm.free_port()}, timeout=30)
-    assert r.status_code == 400 and "group name has already been created" in r.json()["message"]
-    assert rollout.post(url, "/destroy_weights_update_group", {"group_name": "weights-a"})["success"]
-    assert handle.engine.state()["weight_update_groups"] == []
-    r = httpx.post(url + "/destroy_weights_update_group", json={"group_name": "weights-a"}, timeout=30)
-    assert r.status_code == 400 and r.json()["message"] == "The group to be destroyed does not exist."
+    try:
+        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "group_name": "weights-a", "backend": "gloo"}
+        assert rollout.post(url, "/init_weights_update_group", body)["success"]
+        trainer_side.join(timeout=60)
+        assert groups() == ["weights-a"] and "g" in joined
+        r = httpx.post(url + "/init_weights_update_group", json={**body, "master_port": tm.free_port()}, timeout=30)
+        assert r.status_code == 400 and "group name has already been created" in r.json()["message"]
+        assert rollout.post(url, "/destroy_weights_update_group", {"group_name": "weights-a"})["success"]
+        assert groups() == []
+        r = httpx.post(url + "/destroy_weights_update_group", json={"group_name": "weights-a"}, timeout=30)
+        assert r.status_code == 400 and r.json()["message"] == "The group to be destroyed does not exist."
+    finally:
+        engine.shutdown()
+        if "g" in joined:
+            dist.destroy_process_group(joined["g"])

@@ -1,4 +1,4 @@
-"""Extension points (README "Extension points"): each one plugged in by dotted path from a user module that lives
+"""Extension points (docs/EXTENDING.md): each one plugged in by dotted path from a user module that lives
 outside the repository (written into tmp_path and put on sys.path, or on PYTHONPATH for Ray actors), and shown to
 be really used: every user function here produces a number or a behaviour no built-in produces.
 

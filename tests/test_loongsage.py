@@ -397,3 +397,11 @@ def test_no_affinity_call_check_and_run_go_unpinned(tmp_path, monkeypatch, capsy
     steps = [h for h in rows if "train/loss" in h]
     assert len(steps) == 2 and all(math.isfinite(h["train/loss"]) and h["train/grad_norm"] > 0 for h in steps)
     assert not any("perf/trainer_borrowed_frac" in h for h in rows)
+
+
+def test_bf16_training_on_cpu_is_refused_at_check():
+    """An option that validates must work: the trainer cannot train in bf16 without CUDA, so --check refuses
+    dtype=bfloat16 on a CPU device with the reason and what to set instead."""
+    with pytest.raises(ValueError, match=r"dtype='bfloat16' with device='cpu'.*use dtype=float32"):
+        config.load_config(str(ROOT / "recipes" / "arith_cpu.yaml"), ["dtype=bfloat16", "device=cpu"])
+    assert config.load_config(str(ROOT / "recipes" / "arith_cpu.yaml"), ["dtype=float32"]).dtype == "float32"

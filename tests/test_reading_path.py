@@ -1,4 +1,4 @@
-"""The reading path stays as STYLE and README describe it: loongsage.py opens with train() (at most 150 lines, and
+"""The reading path stays as STYLE and docs/READING.md describe it: loongsage.py opens with train() (at most 150 lines, and
 it never writes the config it was given), config.py and cpu.py stand below the controller (no import back up),
 agentflow.py's comment ratio, Config as the only source of defaults, imports at the top of the modules
 converted so far (a late import says why), and no two modules that import each other. Pure source reading, no
@@ -18,7 +18,7 @@ MODULES = sorted(ROOT.glob("*.py"))
 # and not needed by `--check`, after a setup step). A new module joins this list.
 TOP_IMPORTS = ("agentflow.py", "wire.py", "data.py", "algos.py", "teacher.py", "viewer.py", "loongsage.py",
                "rollout.py", "cpu_engine.py", "transfermesh.py", "trainer.py", "bench.py", "convert.py", "cpu.py",
-               "config.py", "fleet.py")
+               "config.py", "fleet.py", "chat.py", "lora.py")
 
 
 def comment_ratio(source: str) -> float:

@@ -6,6 +6,8 @@ reward the right way, on the recipes' own model and settings, shortened (the ful
   number followed by <|im_end|>, and 10 GRPO steps (40 optimizer steps) raise the eval accuracy on a fixed seed.
 * calc: after the warm start the first turn is a well-formed calculator call (JSON arguments with a string
   `expression`) in at least 80% of samples, on the real engine through the router.
+* think: after the warm start the model thinks (column sums in <think>, handed to the agent as reasoning_content)
+  and then answers with a number in at least 90% of samples, the thinking right in at least 70%.
 Fewer warm-start steps than the recipes: the format is learned within ~100 steps (what is checked here); copying
 the numbers right takes the rest of the recipe's steps. The share of well-formed first turns is not monotonic in
 the steps, and moves with the order of floating-point additions: seed 7 measured 28 of 32 after 60 steps once;
@@ -95,7 +97,8 @@ def test_calc_warm_start_first_turn_is_a_well_formed_tool_call(tmp_path, monkeyp
 
 def test_recipes_script_judges_each_recipe_by_its_bar():
     """scripts/recipes.py's verdict, on made-up runs: every seed must rise by the recipe's bar (0.3 arith/calc,
-    0.2 black-box), calc must also call the tool in >= 90% of step-0 samples; spread and smallest rise by hand."""
+    0.2 black-box and think), calc must also call the tool in >= 90% of step-0 samples; spread and smallest rise by
+    hand."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("recipes_script", ROOT / "scripts" / "recipes.py")
     script = importlib.util.module_from_spec(spec)
@@ -108,7 +111,36 @@ def test_recipes_script_judges_each_recipe_by_its_bar():
     assert s["ok"] and s["min_rise"] == pytest.approx(0.35) and s["end_spread"] == pytest.approx(0.05)
     assert not script.summarize("arith_cpu", [run("arith_cpu", 0.4, 0.75), run("arith_cpu", 0.4, 0.65)])["ok"]
     assert script.summarize("blackbox_cpu", [run("blackbox_cpu", 0.4, 0.62)])["ok"]  # 0.22 >= 0.2
+    assert not script.summarize("think_cpu", [run("think_cpu", 0.4, 0.59)])["ok"]  # 0.19 < 0.2
     assert script.summarize("calc_cpu", [run("calc_cpu", 0.3, 0.7, tool=0.95)])["ok"]
     assert not script.summarize("calc_cpu", [run("calc_cpu", 0.3, 0.7, tool=0.85)])["ok"]  # protocol not followed
     table = script.table([run("calc_cpu", 0.3, 0.7, tool=0.95)], [script.summarize("calc_cpu", [run("calc_cpu", 0.3, 0.7, tool=0.95)])])
     assert "| calc_cpu | 0 | 0.300 -> 0.700 | +0.400 | 0.95 | 3.0 |" in table and table.rstrip().endswith("yes |")
+
+
+def test_think_warm_start_thinks_in_the_format_then_answers(tmp_path, monkeypatch, ray_session):
+    """think: after the warm start the model thinks before it answers, on the real engine through the router: in at
+    least 90% of step-0 samples the agent reads, through the official client, a `reasoning_content` of column sums
+    ("7+5=12", "4+8+1=13": one line per column, each right for the question in at least 70% of them) and a number as
+    the `content`; the thinking tokens are the model's (all in the loss). A warm start that lost the thinking format
+    (or a router that did not split it off) gives none."""
+    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
+    dump = tmp_path / "dump"
+    cfg = config.load_config(str(ROOT / "recipes/think_cpu.yaml"), [
+        f"output_dir={tmp_path}/run", "seed=7", "warmstart_steps=150", "rollout_only=true", "num_steps=1",
+        "eval_every=0", "prompts_per_step=16", "samples_per_prompt=2", "global_batch_size=32", "print_every=0",
+        f"dump_rollouts={dump}"])
+    loongsage.train(cfg)
+    from recipes.think import scratchpad
+    trajs = _rows(dump / "step_00000.jsonl")
+    assert len(trajs) == 32
+    formed, right = [], []
+    for t in trajs:
+        result = t["metadata"].get("agent_result") or {}
+        thinking, answer = result.get("thinking", ""), result.get("answer", "")
+        formed.append(re.fullmatch(r"(\d\+\d(\+1)?=\d+\n)*\d\+\d(\+1)?=\d+", thinking) is not None
+                      and re.fullmatch(r"\d+", answer) is not None and set(t["loss_mask"]) == {1})
+        a, b = map(int, t["prompt_text"].split("<|im_start|>user\n")[1].split("<|im_end|>")[0].split("+"))
+        right.append(thinking == scratchpad(a, b))
+    assert sum(formed) / len(formed) >= 0.9, [(t["metadata"].get("agent_result"), t["response_text"]) for t in trajs]
+    assert sum(right) / len(right) >= 0.7, sum(right)

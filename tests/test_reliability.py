@@ -363,7 +363,10 @@ ANTHROPIC_BAD = {  # each a body the Anthropic API answers with a 400
     "empty content": ({"messages": [{"role": "user", "content": ""}]}, "non-empty content"),
     "tool_choice as a string": ({"messages": [AUSER], "tool_choice": "auto"}, "must be {'type'"),
     "unknown field": ({"messages": [AUSER], "stop_sequence": ["x"]}, "did you mean 'stop_sequences'"),
-    "thinking": ({"messages": [AUSER], "thinking": {"type": "enabled", "budget_tokens": 1024}}, "not supported"),
+    "thinking, of a model without a reasoning parser": ({"messages": [AUSER], "thinking": {
+        "type": "enabled", "budget_tokens": 1024}}, "no reasoning parser"),
+    "thinking budget under 1024": ({"messages": [AUSER], "thinking": {"type": "enabled", "budget_tokens": 100}},
+                                   "budget_tokens >= 1024"),
     "server tool": ({"messages": [AUSER], "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
                     "server tools are not supported"),
     "no max_tokens": ({"messages": [AUSER], "max_tokens": None}, "max_tokens must be a positive integer"),

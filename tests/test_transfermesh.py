@@ -56,40 +56,43 @@ def test_checksum_sees_flips_swaps_and_shifts():
     assert len(tm.checksum(big)) == 2 and tm.checksum(big_swapped) != tm.checksum(big)
 
 
+def _roundtrip(bucket, half=0):
+    """A bucket written as _push_shm writes it, then read back as the CPU engine reads SGLang's payload."""
+    flat, metas, sums = tm.write_shm_bucket(bucket, half=half)
+    return flat, tm.read_tensor_payload(tm.tensor_payloads(flat, metas, 1)[0], "flattened_bucket", sums)
+
+
 def test_shm_segment_is_reused_and_every_bucket_reads_back_its_own_bytes():
-    """The sender reuses one segment (and its mapping) for every bucket, the receiver keeps its mapping of it: each
-    read must still see the bucket just written, not a copy of an earlier one, and a grown segment (a new name)
-    must be mapped afresh. Also: a descriptor whose size exceeds the segment is refused with a clear error."""
+    """The sender reuses one shared segment for every bucket, the receiver keeps its mapping of it: each read must
+    still see the bucket just written, not a copy of an earlier one, and a grown segment must be mapped afresh.
+    Also: a payload whose metadata reaches past its tensor is refused with a clear error."""
     tm.release_shm()  # start from no segment: an earlier test in this process may have grown one past `grown`
     first = [("a", torch.randn(1000)), ("b", torch.randn(10))]
     second = [("a", torch.randn(1000)), ("b", torch.randn(10))]           # same layout, other bytes
-    desc1, _ = tm.write_shm_bucket(first)
-    got1 = [(n, t.clone()) for n, t in tm.read_shm_bucket(desc1)]
-    desc2, _ = tm.write_shm_bucket(second)
-    assert json.loads(desc2)["shm"] == json.loads(desc1)["shm"]          # the same segment, reused
-    got2 = tm.read_shm_bucket(desc2)
+    flat1, got1 = _roundtrip(first)
+    got1 = [(n, t.clone()) for n, t in got1]
+    flat2, got2 = _roundtrip(second)
+    assert flat2.untyped_storage().data_ptr() == flat1.untyped_storage().data_ptr()  # the same segment, reused
     for (n, t), (m, u), (_, v) in zip(first, got1, got2):
         assert n == m and torch.equal(u, t)
     assert all(torch.equal(t, v) for (_, t), (_, v) in zip(second, got2))
     # the two halves: a bucket in half 1 leaves the one in half 0 intact (the sender writes the next bucket while
     # receivers still read the previous one)
-    desc_h1, _ = tm.write_shm_bucket(first, half=1)
-    assert json.loads(desc_h1)["offset"] % 4096 == 0 and json.loads(desc_h1)["offset"] > 0
-    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(second, tm.read_shm_bucket(desc2)))
-    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(first, tm.read_shm_bucket(desc_h1)))
+    flat_h1, got_h1 = _roundtrip(first, half=1)
+    assert flat_h1.storage_offset() % 4096 == 0 and flat_h1.storage_offset() > 0
+    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(second, got2))
+    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(first, got_h1))
     grown = [("big", torch.randn(50_001))]                                # larger than the segment: a new one
-    desc3, _ = tm.write_shm_bucket(grown)
-    assert json.loads(desc3)["shm"] != json.loads(desc1)["shm"]
-    assert torch.equal(tm.read_shm_bucket(desc3)[0][1], grown[0][1])
+    flat3, got3 = _roundtrip(grown)
+    assert flat3.untyped_storage().data_ptr() != flat1.untyped_storage().data_ptr()
+    assert torch.equal(got3[0][1], grown[0][1])
     # sized for a 200,004-byte bucket, the second half still starts where a float64 view may begin
     odd = [("x", torch.randn(3, dtype=torch.float64)), ("y", torch.tensor([1], dtype=torch.uint8))]
-    desc_odd, _ = tm.write_shm_bucket(odd, half=1)
-    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(odd, tm.read_shm_bucket(desc_odd)))
-    lying = json.loads(desc3)
-    lying["tensors"], lying["offset"] = [["big", "float32", [10**7], 0]], 0
-    lying["size"] = 4 * 10**7
-    with pytest.raises(ValueError, match="holds .* bytes but the descriptor says 40000000"):
-        tm.read_shm_bucket(json.dumps(lying))
+    assert all(torch.equal(t, v) for (_, t), (_, v) in zip(odd, _roundtrip(odd, half=1)[1]))
+    flat, metas, sums = tm.write_shm_bucket(grown)
+    lying = [["big", "float32", [10**7], 0]]                              # 40 MB claimed of a 200 KB tensor
+    with pytest.raises(ValueError, match="cut the tensor into named tensors"):
+        tm.read_tensor_payload(tm.tensor_payloads(flat, lying, 1)[0], "flattened_bucket")
 
 
 def test_shm_checksum_hashed_while_copying_equals_the_checksum_of_the_bytes():
@@ -105,11 +108,61 @@ def test_shm_checksum_hashed_while_copying_equals_the_checksum_of_the_bytes():
         [("a", torch.randn(3, 1)), ("b", torch.randint(0, 9, (7,), dtype=torch.int16))],  # far below one step
     ]
     for bucket in buckets:
-        desc, total = tm.write_shm_bucket(bucket, half=1)
-        sums = json.loads(desc)["checksum"]
+        flat, metas, sums = tm.write_shm_bucket(bucket, half=1)
         assert sums == tm.checksum(tm.flatten_bucket(bucket)[0])
-        assert len(sums) == max(1, -(-total // chunk))
-        assert all(torch.equal(t, u) for (_, t), (_, u) in zip(bucket, tm.read_shm_bucket(desc)))
+        assert len(sums) == max(1, -(-flat.numel() // chunk))
+        got = tm.read_tensor_payload(tm.tensor_payloads(flat, metas, 1)[0], "flattened_bucket", sums)
+        assert all(torch.equal(t, u) for (_, t), (_, u) in zip(bucket, got))
+
+
+_SENDER = """
+import sys, json, torch
+sys.path.insert(0, {root!r})
+import transfermesh as tm
+bucket = [("w", torch.arange(12.0).reshape(3, 4)), ("b", torch.arange(5, dtype=torch.bfloat16))]
+flat, metas, sums = tm.write_shm_bucket(bucket)
+print(json.dumps([tm.tensor_payloads(flat, metas, 1)[0], sums]), flush=True)
+sys.stdin.readline()  # keep the segment until the reader is done, as _push_shm does until the engine answers
+"""
+
+
+def test_a_bucket_crosses_to_an_unrelated_process_without_a_copy():
+    """The shm payload opens in a process that the sender did not start (an engine launched by Ray or by hand):
+    torch's file_system sharing, where the default file_descriptor strategy authenticates with the sender's
+    multiprocessing authkey and fails there. The receiver's tensors are views of the sender's memory."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = _SENDER.format(root=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        payload, sums = json.loads(proc.stdout.readline())
+        got = dict(tm.read_tensor_payload(payload, "flattened_bucket", sums))
+        assert torch.equal(got["w"], torch.arange(12.0).reshape(3, 4))
+        assert got["b"].dtype == torch.bfloat16 and torch.equal(got["b"], torch.arange(5, dtype=torch.bfloat16))
+        assert got["w"].is_shared()  # a view of the mapped segment, not a copy
+    finally:
+        proc.communicate("done\n", timeout=60)
+    assert proc.returncode == 0
+
+
+def test_the_receiver_refuses_what_sglangs_refuses():
+    """The CPU engine's reader refuses what SGLang 0.5.23 refuses: a string that is not base64 (the JSON
+    descriptor of earlier versions: SGLang answers 400 "Expected base64-encoded bytes"), a pickle naming a global
+    outside SGLang's SafeUnpickler allow-list, and a load_format it has no loader for."""
+    import base64
+    import pickle
+    desc = json.dumps({"shm": "loongsage_1_ab", "offset": 0, "size": 4, "tensors": [["w", "float32", [1], 0]]})
+    with pytest.raises(ValueError, match="Expected base64-encoded bytes"):
+        tm.read_tensor_payload(desc, "flattened_bucket")
+    evil = base64.b64encode(pickle.dumps(print)).decode()  # builtins.print: not in the allow-list
+    with pytest.raises(ValueError, match=r"Blocked unsafe global \(builtins.print\)"):
+        tm.read_tensor_payload(evil, "flattened_bucket")
+    flat, metas, _ = tm.write_shm_bucket([("w", torch.ones(2))])
+    with pytest.raises(ValueError, match="load_format 'direct' is not one the CPU engine loads"):
+        tm.read_tensor_payload(tm.tensor_payloads(flat, metas, 1)[0], "direct")
+    pairs = base64.b64encode(pickle.dumps([("w", torch.ones(2))])).decode()  # load_format null: (name, tensor) pairs
+    assert torch.equal(dict(tm.read_tensor_payload(pairs, None))["w"], torch.ones(2))
 
 
 def test_broadcast_ranks_count_every_tp_rank():
@@ -178,10 +231,33 @@ def push_and_flush(named, urls, **kw):
     return stats
 
 
+class _EngineProcess:
+    """A CPU engine in a process of its own (`python cpu_engine.py`), as Ray runs one: a broadcast group is one
+    rank per process (torch registers a group's name once per process, as SGLang's TP ranks do). `flags`: more of
+    cpu_engine.py's flags (e.g. --enable-lora)."""
+
+    def __init__(self, model_dir, seed=0, flags=()):
+        import subprocess
+        import sys
+        from pathlib import Path
+        port = tm.free_port()
+        self.proc = subprocess.Popen([sys.executable, "cpu_engine.py", "--model-path", str(model_dir), "--port",
+                                      str(port), "--max-batch", "4", "--max-len", "128", "--seed", str(seed), *flags],
+                                     cwd=str(Path(__file__).resolve().parents[1]), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+        rollout.wait_healthy(self.url, timeout=180, proc=self.proc)
+
+    def shutdown(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
 @pytest.mark.parametrize("transport", ["shm", "broadcast", "disk"])
 def test_each_transport_installs_the_weights(transport, tiny_model_dir, other_model):
     from safetensors.torch import load_file
-    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=4, max_len=128)
+    handle = _EngineProcess(tiny_model_dir)
+    url = handle.url
     try:
         prompt = data.prompt_ids(data.load_tokenizer(tiny_model_dir), {"messages": [{"role": "user", "content": "3+4"}]})
         before, _, v0 = _engine_logprobs(url, prompt)
@@ -209,7 +285,10 @@ def test_trainer_to_engine_sync_gives_equal_logprobs(tiny_model_dir, tmp_path):
     cfg = config.load_config(None, [f"model_path={tiny_model_dir}", "prompts_per_step=2", "samples_per_prompt=4",
                                     "global_batch_size=8", "micro_batch_size=8", "lr=1e-2", f"output_dir={tmp_path}"])
     ray.init(num_cpus=2, include_dashboard=False)
-    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=8, max_len=128, seed=3)
+    # the engine in a process of its own, as in a run: this process also sends shared memory in other tests, and a
+    # process that has mapped a segment of a sender that later exits cannot allocate through torch's shm manager
+    handle = _EngineProcess(tiny_model_dir, seed=3)
+    url = handle.url
     try:
         w = ray.remote(trainer.TrainerWorker).remote(cfg, 0, 1, "127.0.0.1", tm.free_port())
         ray.get(w.load_hf.remote(tiny_model_dir))
@@ -253,8 +332,8 @@ def test_every_transport_reaches_every_engine(tiny_model_dir, other_model):
     and the broadcast group reused for a second sync. After each push BOTH engines give the pushed model's
     logprobs and report the pushed version (a rank offset or a bucket that reached only one engine shows)."""
     from safetensors.torch import load_file
-    started = [cpu_engine.serve(tiny_model_dir, max_batch=4, max_len=128, seed=i) for i in range(2)]
-    urls = [url for url, _ in started]
+    started = [_EngineProcess(tiny_model_dir, seed=i) for i in range(2)]
+    urls = [e.url for e in started]
     prompt = data.prompt_ids(data.load_tokenizer(tiny_model_dir), {"messages": [{"role": "user", "content": "12+7"}]})
     other = sorted(load_file(f"{other_model}/model.safetensors").items())
     tiny = sorted(load_file(f"{tiny_model_dir}/model.safetensors").items())
@@ -274,8 +353,8 @@ def test_every_transport_reaches_every_engine(tiny_model_dir, other_model):
         push_and_flush(other, urls, version=5, transport="broadcast", bucket_mb=0.05)  # the group, reused
         check(other_model, 5)
     finally:
-        for _, handle in started:
-            handle.shutdown()
+        for e in started:
+            e.shutdown()
 
 
 def test_a_new_engine_set_gets_a_new_broadcast_group_and_the_old_one_goes(tiny_model_dir, other_model):
@@ -284,12 +363,12 @@ def test_a_new_engine_set_gets_a_new_broadcast_group_and_the_old_one_goes(tiny_m
     that stayed, on the one replaced (still up here) and on this side, before the new one is built: the push lands
     on both engines of the new set, each holding exactly the new group."""
     from safetensors.torch import load_file
-    started = [cpu_engine.serve(tiny_model_dir, max_batch=2, max_len=128, seed=i) for i in range(3)]
-    (a, b, c), handles = [u for u, _ in started], [h for _, h in started]
+    handles = [_EngineProcess(tiny_model_dir, seed=i) for i in range(3)]
+    a, b, c = [h.url for h in handles]
     other = sorted(load_file(f"{other_model}/model.safetensors").items())
 
     def groups(i):
-        return handles[i].engine.state()["weight_update_groups"]
+        return rollout.get(handles[i].url, "/server_info")["internal_states"][0]["weight_update_groups"]
 
     try:
         tm.push_weights(other, [a, b], version=1, transport="broadcast", bucket_mb=0.05)
@@ -352,37 +431,31 @@ def engine(tiny_model_dir):
 
 
 def _shm_bucket(named):
-    """A shared-memory bucket as _push_shm writes it: (segment, flat view of it, descriptor)."""
-    from multiprocessing import shared_memory
-    metas, total = tm.bucket_layout(named)
-    shm = shared_memory.SharedMemory(create=True, size=total)
-    flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total)
-    tm.flatten_bucket(named, out=flat)
-    return shm, flat, {"shm": shm.name, "size": total, "tensors": metas, "checksum": tm.checksum(flat)}
+    """A bucket as _push_shm sends it: (flat view of the shared segment, SGLang payload entry, checksum)."""
+    flat, metas, sums = tm.write_shm_bucket(named)
+    return flat, tm.tensor_payloads(flat, metas, 1)[0], sums
 
 
 def test_updates_outside_a_session_are_refused_as_sglang_does(engine, tiny_model_dir):
     from safetensors.torch import load_file
     named = sorted(load_file(f"{tiny_model_dir}/model.safetensors").items())[:2]
-    shm, flat, desc = _shm_bucket(named)
-    try:
-        body = {"serialized_named_tensors": [json.dumps(desc)], "load_format": "flattened_bucket"}
-        r = httpx.post(engine + "/update_weights_from_tensor", json=body, timeout=30)
-        assert r.status_code == 400 and r.json()["success"] is False
-        assert r.json()["message"] == ("update_weights_from_tensor must run between begin_weight_update() and "
-                                       "end_weight_update()")
-        r = httpx.post(engine + "/update_weights_from_distributed", json={"names": [], "dtypes": [], "shapes": []},
-                       timeout=30)
-        assert r.status_code == 400 and "update_weights_from_distributed must run between" in r.json()["message"]
-        # inside a session the same bucket loads (entry 0 = this engine's TP rank); afterwards it is refused again
-        rollout.post(engine, "/begin_weight_update", {"selector": "all"})
-        assert rollout.post(engine, "/update_weights_from_tensor", body)["message"] == "Loaded 2 tensors."
-        rollout.post(engine, "/end_weight_update", {})
-        assert httpx.post(engine + "/update_weights_from_tensor", json=body, timeout=30).status_code == 400
-    finally:
-        del flat
-        shm.close()
-        shm.unlink()
+    flat, payload, sums = _shm_bucket(named)
+    body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket", "checksum": sums}
+    r = httpx.post(engine + "/update_weights_from_tensor", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert r.json()["message"] == ("update_weights_from_tensor must run between begin_weight_update() and "
+                                   "end_weight_update()")
+    r = httpx.post(engine + "/update_weights_from_distributed", json={"names": [], "dtypes": [], "shapes": []},
+                   timeout=30)
+    assert r.status_code == 400 and "update_weights_from_distributed must run between" in r.json()["message"]
+    # inside a session the same bucket loads (entry 0 = this engine's TP rank); afterwards it is refused again
+    rollout.post(engine, "/begin_weight_update", {"selector": "all"})
+    assert rollout.post(engine, "/update_weights_from_tensor", body)["message"] == "Loaded 2 tensors."
+    # a second payload of the same bytes: every dump is one reference on the segment, every load gives one back
+    body["serialized_named_tensors"] = [_shm_bucket(named)[1]]
+    assert rollout.post(engine, "/update_weights_from_tensor", body)["message"] == "Loaded 2 tensors."
+    rollout.post(engine, "/end_weight_update", {})
+    assert httpx.post(engine + "/update_weights_from_tensor", json=body, timeout=30).status_code == 400
 
 
 @pytest.mark.parametrize("corruption", ["flipped_bit", "swapped_chunks", "shifted_buffer"])
@@ -393,28 +466,24 @@ def test_engine_refuses_a_corrupted_bucket_and_keeps_its_weights(corruption, eng
     prompt = [5, 6, 7, 8, 9]
     before_ids, before_lp, v0 = _engine_logprobs(engine, prompt)
     named = sorted(load_file(f"{other_model}/model.safetensors").items())  # every weight, one bucket
-    shm, flat, desc = _shm_bucket(named)
-    try:
-        if corruption == "flipped_bit":
-            flat[flat.numel() // 3] ^= 1 << 2
-        elif corruption == "swapped_chunks":  # two 4 KiB chunks trade places: the same bytes, reordered
-            a, b = flat[4096:8192].clone(), flat[8192:12288].clone()
-            flat[4096:8192], flat[8192:12288] = b, a
-        else:
-            flat.copy_(torch.roll(flat.clone(), 4))  # every byte one float32 later
-        rollout.post(engine, "/begin_weight_update", {"selector": "all"})
-        r = httpx.post(engine + "/update_weights_from_tensor", json={
-            "serialized_named_tensors": [json.dumps(desc)], "load_format": "flattened_bucket",
-            "weight_version": "9", "flush_cache": False}, timeout=60)
-        rollout.post(engine, "/end_weight_update", {})
-        assert r.status_code == 400
-        assert "checksum mismatch" in r.text and "keeps its old weights" in r.text
-        after_ids, after_lp, v1 = _engine_logprobs(engine, prompt)
-        assert (after_ids, after_lp, v1) == (before_ids, before_lp, v0)
-    finally:
-        del flat
-        shm.close()
-        shm.unlink()
+    tm.release_shm()  # a segment of this bucket's size: the corruptions below stay inside it
+    flat, payload, sums = _shm_bucket(named)
+    if corruption == "flipped_bit":
+        flat[flat.numel() // 3] ^= 1 << 2
+    elif corruption == "swapped_chunks":  # two 4 KiB chunks trade places: the same bytes, reordered
+        a, b = flat[4096:8192].clone(), flat[8192:12288].clone()
+        flat[4096:8192], flat[8192:12288] = b, a
+    else:
+        flat.copy_(torch.roll(flat.clone(), 4))  # every byte one float32 later
+    rollout.post(engine, "/begin_weight_update", {"selector": "all"})
+    r = httpx.post(engine + "/update_weights_from_tensor", json={
+        "serialized_named_tensors": [payload], "load_format": "flattened_bucket", "checksum": sums,
+        "weight_version": "9", "flush_cache": False}, timeout=60)
+    rollout.post(engine, "/end_weight_update", {})
+    assert r.status_code == 400
+    assert "checksum mismatch" in r.text and "keeps its old weights" in r.text
+    after_ids, after_lp, v1 = _engine_logprobs(engine, prompt)
+    assert (after_ids, after_lp, v1) == (before_ids, before_lp, v0)
 
 
 def test_pause_and_continue_are_separate_calls(engine):

@@ -1,0 +1,768 @@
+"""Chat formats of model families: their templates, special tokens, end tokens, tool-call and reasoning parsers.
+
+A chat model is trained on one format: how turns are laid out, which token ends a turn, how the model writes a tool
+call and its thinking. LoongSage reads all of that from the model's tokenizer (its chat template, special tokens,
+eos) and generation config (every end token), and parses what the model writes with the parser of its family,
+named as SGLang 0.5.23 names them (`--tool-call-parser`, `--reasoning-parser`):
+
+    tool_parser       hermes | qwen25 (alias qwen) | llama3 | mistral | deepseekv3
+    reasoning_parser  qwen3 | deepseek-r1
+
+Each parser is a plain function: `parse_<name>(text, tools) -> (content, tool_calls)` and
+`reason_<name>(text) -> (reasoning, content)`, with `tools` the request's OpenAI tool list. They follow SGLang's
+detectors (`sglang/srt/function_call/*_detector.py`, `detect_and_parse`; `sglang/srt/parser/reasoning_parser.py`)
+on the same text, and depart from them only where the router needs a call it can hand to both APIs:
+* arguments must be a JSON object (or a string holding one); anything else makes the whole text plain content with
+  no calls, as SGLang does when a block fails to parse;
+* a call gets an id of its family's shape: Mistral's templates take 9 alphanumeric characters (and the model writes
+  the id it was shown, which is kept), the others `call_` + 24 hex digits as SGLang gives.
+Like SGLang, a call naming a tool the request did not offer is dropped.
+
+`pick_tool_parser` / `pick_reasoning_parser` choose a parser from the chat template where the template shows one
+format only. The tiny tokenizers (data.build_tiny_tokenizer) are built from `FAMILIES`: each family's special
+tokens, end tokens and a template written here that renders the family's published format.
+
+Test: `.venv/bin/python -m pytest tests/test_chat.py` (parsers on each family's text, templates against the
+published layouts, TITO per family through the router, the official clients). Imports nothing heavy (no
+transformers, no sglang), so a conformance test can run it beside SGLang's own parsers.
+Left out: streaming (incremental) parsing; pythonic, XML (qwen3_coder) and harmony tool formats; Mistral's
+compact `[TOOL_CALLS]name[ARGS]{...}` tokens as special tokens of a tiny tokenizer (the parser reads that form).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import re
+import secrets
+import string
+import uuid
+from pathlib import Path
+
+TOOL_PARSERS = ("hermes", "qwen25", "qwen", "llama3", "mistral", "deepseekv3")
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
+
+
+# ----------------------------------------------------------------------------------------------
+# templates of the tiny tokenizers, one per family. Rendered by transformers (trim_blocks, lstrip_blocks); every
+# tag strips the whitespace around it, so layout here is for reading only. Each was checked against its source.
+
+# The tiny recipes' compact ChatML (Qwen2.5 layout, a short tool preamble: the tiny model's prompts stay short).
+# Qwen's turn layout: <|im_start|>role\n...<|im_end|>\n; tools listed in the system turn; calls as
+# <tool_call>\n{json}\n</tool_call>; tool results back as a user turn of <tool_response> blocks.
+CHATML_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>. Tools:"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' %}<|im_start|>user\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if message.content %}{{ message.content }}{% endif %}"
+    "{% if message.tool_calls %}{% for tc in message.tool_calls %}"
+    "{% set fn = tc.function if tc.function is defined else tc %}"
+    "{% if message.content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ fn.name }}\", \"arguments\": "
+    "{% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}"
+    "}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen3 with thinking. Checked against Qwen3-8B's tokenizer_config.json chat template (the revision SkyRL's
+# templates/README.md links) and SGLang's Qwen25Detector / Qwen3Detector docstrings. What it renders:
+# * tools: the system turn "# Tools ... <tools>\n{tool json per line}\n</tools> ... <tool_call> ...";
+# * an assistant turn: <think>\n{reasoning}\n</think>\n\n{content}, then each call on its own line as
+#   <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, then <|im_end|>\n;
+# * thinking is rendered only for assistant turns after the last real user query (a user turn that is not just
+#   <tool_response> blocks), and there only when the turn has some or is the last message (which gets an empty
+#   <think>\n\n</think>\n\n block): earlier turns' thinking is dropped from the prompt;
+# * `enable_thinking=false` (a chat_template_kwargs key) ends the generation prompt with an empty think block.
+QWEN3_TEMPLATE = r"""
+{%- if tools %}
+  {{- '<|im_start|>system\n' }}
+  {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+  {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n" }}
+  {{- "You are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+  {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+  {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+      "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+      "<args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages[0].role == 'system' %}
+  {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+  {%- set index = (messages|length - 1) - loop.index0 %}
+  {%- if ns.multi_step_tool and message.role == 'user' and message.content is string
+        and not (message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+    {%- set ns.multi_step_tool = false %}
+    {%- set ns.last_query_index = index %}
+  {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+  {%- set content = message.content if message.content is string else '' %}
+  {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+    {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+  {%- elif message.role == 'assistant' %}
+    {%- set reasoning = '' %}
+    {%- if message.reasoning_content is string %}
+      {%- set reasoning = message.reasoning_content %}
+    {%- elif '</think>' in content %}
+      {%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+      {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+    {%- endif %}
+    {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}
+      {{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+    {%- else %}
+      {{- '<|im_start|>assistant\n' + content }}
+    {%- endif %}
+    {%- for tc in message.tool_calls or [] %}
+      {%- if content or not loop.first %}{{- '\n' }}{%- endif %}
+      {%- set fn = tc.function if tc.function else tc %}
+      {{- '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' }}
+      {{- fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}
+      {{- '}\n</tool_call>' }}
+    {%- endfor %}
+    {{- '<|im_end|>\n' }}
+  {%- elif message.role == 'tool' %}
+    {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+    {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+    {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+  {{- '<|im_start|>assistant\n' }}
+  {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}
+"""
+
+# The same, except that every assistant turn keeps its thinking: a conversation then only ever grows, so a
+# multi-turn trajectory stays one segment (chat_template: chat.QWEN3_KEEP_THINKING_TEMPLATE). The model is then
+# trained on prompts its own template would not show it; the choice is the user's (docs/AGENTFLOW.md).
+QWEN3_KEEP_THINKING_TEMPLATE = QWEN3_TEMPLATE.replace(
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}", "{%- if true %}")
+
+# Llama 3.1 / 3.2 with JSON tool calls. Checked against Meta-Llama-3.1-8B-Instruct's tokenizer_config.json chat
+# template (as quoted in the ldp and BFCL handlers found by code search) and the model card's "JSON based tool
+# calling" section; the call syntax against SGLang's Llama32Detector. What it renders:
+# * <|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n, "Environment: ipython\n" when tools are given,
+#   the knowledge and today dates (fixed: "26 Jul 2024", the template's default), the system message, <|eot_id|>;
+# * tools go into the first user turn: the instruction, each tool as JSON indented by 4, then that user's text;
+# * a tool call is the assistant turn {"name": ..., "parameters": {...}}<|eot_id|> (one call per turn);
+# * a tool result is an ipython turn; its content goes through tojson, so a string result arrives quoted (the
+#   published template's `is iterable` test is true for strings too: kept as published);
+# * every turn's text is trimmed; the generation prompt is the assistant header.
+LLAMA3_TEMPLATE = r"""
+{{- bos_token }}
+{%- set date_string = date_string if date_string is defined else '26 Jul 2024' %}
+{%- if messages[0].role == 'system' %}
+  {%- set system_message = messages[0].content | trim %}
+  {%- set messages = messages[1:] %}
+{%- else %}
+  {%- set system_message = '' %}
+{%- endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}
+{%- if tools %}{{- 'Environment: ipython\n' }}{%- endif %}
+{{- 'Cutting Knowledge Date: December 2023\nToday Date: ' + date_string + '\n\n' }}
+{{- system_message + '<|eot_id|>' }}
+{%- if tools %}
+  {%- if not messages %}{{- raise_exception('tools go into the first user message, and there is none') }}{%- endif %}
+  {{- '<|start_header_id|>user<|end_header_id|>\n\n' }}
+  {{- 'Given the following functions, please respond with a JSON for a function call with its proper arguments '
+      'that best answers the given prompt.\n\n' }}
+  {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
+      'Do not use variables.\n\n' }}
+  {%- for tool in tools %}{{- (tool | tojson(indent=4)) + '\n\n' }}{%- endfor %}
+  {{- (messages[0].content | trim) + '<|eot_id|>' }}
+  {%- set messages = messages[1:] %}
+{%- endif %}
+{%- for message in messages %}
+  {%- if message.role == 'tool' or message.role == 'ipython' %}
+    {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' }}
+    {{- (message.content | tojson) if (message.content is mapping or message.content is iterable)
+        else message.content }}
+    {{- '<|eot_id|>' }}
+  {%- elif message.tool_calls %}
+    {%- if message.tool_calls | length != 1 %}{{- raise_exception('Llama 3 makes one tool call per turn') }}{%- endif %}
+    {%- set fn = message.tool_calls[0].function %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "' + fn.name + '", "parameters": ' }}
+    {{- (fn.arguments | tojson) + '}<|eot_id|>' }}
+  {%- else %}
+    {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + (message.content | trim) + '<|eot_id|>' }}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
+"""
+
+# Mistral v0.3 (Mistral-7B-Instruct-v0.3, the reference of SGLang's MistralDetector). Checked against that
+# model's tokenizer_config.json chat template as quoted in the BFCL MistralFCHandler found by code search. It
+# renders: <s>; [AVAILABLE_TOOLS] [{"type": "function", "function": {...}}, ...][/AVAILABLE_TOOLS] just before
+# the LAST user message; [INST] {user}[/INST]; the system message only when a user message is the last message,
+# as "[INST] {system}\n\n{user}[/INST]"; an answer as " {content}</s>"; tool calls as
+# [TOOL_CALLS] [{"name": ..., "arguments": {...}, "id": "<9 chars>"}, ...]</s> (the content of such a turn is
+# not rendered); a result as [TOOL_RESULTS] {"content": {result}, "call_id": "<9 chars>"}[/TOOL_RESULTS]. No
+# generation prompt: the model answers right after [/INST] or [/TOOL_RESULTS]. Tool call ids must be 9
+# characters long, and user/assistant turns must alternate (as published).
+MISTRAL_TEMPLATE = r"""
+{%- if messages[0].role == 'system' %}
+  {%- set system_message = messages[0].content %}
+  {%- set loop_messages = messages[1:] %}
+{%- else %}
+  {%- set loop_messages = messages %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr('role', 'equalto', 'user') | list %}
+{%- set ns = namespace(index=0) %}
+{%- for message in loop_messages %}
+  {%- if not (message.role == 'tool' or message.tool_calls) %}
+    {%- if (message.role == 'user') != (ns.index % 2 == 0) %}
+      {{- raise_exception('After the optional system message, conversation roles must alternate '
+                          'user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- set ns.index = ns.index + 1 %}
+  {%- endif %}
+{%- endfor %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+  {%- if message.role == 'user' %}
+    {%- if tools and message == user_messages[-1] %}
+      {{- '[AVAILABLE_TOOLS] [' }}
+      {%- for tool in tools %}
+        {{- '{"type": "function", "function": {' }}
+        {%- for key, val in tool.function.items() if key != 'return' %}
+          {{- '"' + key + '": ' + (('"' + val + '"') if val is string else (val | tojson)) }}
+          {%- if not loop.last %}{{- ', ' }}{%- endif %}
+        {%- endfor %}
+        {{- '}}' + (', ' if not loop.last else ']') }}
+      {%- endfor %}
+      {{- '[/AVAILABLE_TOOLS]' }}
+    {%- endif %}
+    {%- if loop.last and system_message is defined %}
+      {{- '[INST] ' + system_message + '\n\n' + message.content + '[/INST]' }}
+    {%- else %}
+      {{- '[INST] ' + message.content + '[/INST]' }}
+    {%- endif %}
+  {%- elif message.tool_calls %}
+    {{- '[TOOL_CALLS] [' }}
+    {%- for tc in message.tool_calls %}
+      {%- if tc.id is not defined or tc.id | length != 9 %}
+        {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+      {%- endif %}
+      {{- (tc.function | tojson)[:-1] + ', "id": "' + tc.id + '"}' + (', ' if not loop.last else ']' + eos_token) }}
+    {%- endfor %}
+  {%- elif message.role == 'assistant' %}
+    {{- ' ' + (message.content | trim) + eos_token }}
+  {%- elif message.role == 'tool' %}
+    {%- if message.tool_call_id is not defined or message.tool_call_id | length != 9 %}
+      {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+    {%- endif %}
+    {{- '[TOOL_RESULTS] {"content": ' + (message.content | string) + ', "call_id": "' + message.tool_call_id
+        + '"}[/TOOL_RESULTS]' }}
+  {%- else %}
+    {{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional '
+                        'system message!') }}
+  {%- endif %}
+{%- endfor %}
+"""
+
+# DeepSeek-V3. Turns as DeepSeek-V3-0324's tokenizer_config.json chat template lays them out (the reference of
+# SGLang's DeepSeekV3Detector); tools listed in the system prompt as SGLang's
+# examples/chat_template/tool_chat_template_deepseekv3.jinja (the template SGLang documents for the deepseekv3
+# parser) writes them. It renders: <｜begin▁of▁sentence｜>{system}; <｜User｜>{user}<｜Assistant｜>; an answer as
+# {content}<｜end▁of▁sentence｜>; calls as {content}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>
+# {name}\n```json\n{arguments}\n```<｜tool▁call▁end｜> (several joined by \n), then
+# <｜tool▁calls▁end｜><｜end▁of▁sentence｜>; results as <｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{result}
+# <｜tool▁output▁end｜> (several joined by \n) and <｜tool▁outputs▁end｜>, after which the model answers with no
+# header. Arguments are rendered as JSON for every call (the SGLang example renders the first call's with tojson
+# and concatenates the others' as strings, which fails on an object).
+DEEPSEEK_V3_TEMPLATE = r"""
+{%- set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', is_first_sp=true,
+                       is_last_user=false) %}
+{%- for message in messages if message.role == 'system' %}
+  {%- set ns.system_prompt = ns.system_prompt + ('' if loop.first else '\n\n') + message.content %}
+{%- endfor %}
+{%- if tools %}
+  {%- set tns = namespace(text='You are a helpful assistant with tool calling capabilities. When a tool call is '
+                 'needed, you MUST use the following format to issue the call:\n<｜tool▁calls▁begin｜>'
+                 '<｜tool▁call▁begin｜>function<｜tool▁sep｜>FUNCTION_NAME\n```json\n{"param1": "value1", "param2": '
+                 '"value2"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>\n\nMake sure the JSON is valid.## Tools\n\n'
+                 '### Function\n\nYou have the following functions available:\n\n') %}
+  {%- for tool in tools %}{%- set tns.text = tns.text + '\n```json\n' + (tool | tojson) + '\n```\n' %}{%- endfor %}
+  {%- set ns.system_prompt = ns.system_prompt + '\n\n' + tns.text %}
+{%- endif %}
+{{- bos_token + ns.system_prompt }}
+{%- for message in messages %}
+  {%- if message.role == 'user' %}
+    {%- set ns.is_tool = false %}{%- set ns.is_first = false %}{%- set ns.is_last_user = true %}
+    {{- '<｜User｜>' + message.content + '<｜Assistant｜>' }}
+  {%- elif message.role == 'assistant' and message.tool_calls %}
+    {%- set ns.is_last_user = false %}
+    {%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' }}{%- endif %}
+    {%- set ns.is_tool = false %}{%- set ns.is_output_first = true %}
+    {{- message.content or '' }}
+    {%- for tc in message.tool_calls %}
+      {{- ('<｜tool▁calls▁begin｜>' if loop.first else '\n') + '<｜tool▁call▁begin｜>' + tc.type + '<｜tool▁sep｜>'
+          + tc.function.name + '\n```json\n' }}
+      {{- (tc.function.arguments if tc.function.arguments is string else (tc.function.arguments | tojson))
+          + '\n```<｜tool▁call▁end｜>' }}
+    {%- endfor %}
+    {{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}
+  {%- elif message.role == 'assistant' %}
+    {%- set ns.is_last_user = false %}
+    {%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' }}{%- set ns.is_tool = false %}{%- endif %}
+    {{- message.content + '<｜end▁of▁sentence｜>' }}
+  {%- elif message.role == 'tool' %}
+    {%- set ns.is_last_user = false %}{%- set ns.is_tool = true %}
+    {%- if ns.is_output_first %}
+      {{- 'Use the results below to formulate an answer to the user question unless additional information is '
+          'needed.<｜tool▁outputs▁begin｜>' }}
+      {%- set ns.is_output_first = false %}
+    {%- else %}
+      {{- '\n' }}
+    {%- endif %}
+    {{- '<｜tool▁output▁begin｜>' + message.content + '<｜tool▁output▁end｜>' }}
+  {%- endif %}
+{%- endfor %}
+{%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' }}{%- endif %}
+{%- if add_generation_prompt and not ns.is_last_user and not ns.is_tool %}{{- '<｜Assistant｜>' }}{%- endif %}
+"""
+
+# A function tool as the tiny tasks offer it: the tiny tokenizers' corpus holds its JSON in each family's layout.
+_TOOL_JSON = {"type": "function", "function": {"name": "calculator", "description": "evaluate an arithmetic expression",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "expression": {"type": "string"}}, "required": ["expression"]}}}
+_DS_TOOL_TOKENS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                   "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                   "<｜tool▁output▁end｜>"]
+
+# The tiny tokenizers' families: special tokens (each one token; the first takes id 0), the tokenizer's bos/eos/pad,
+# the generation config's end tokens (every token that ends a generation, as the published generation_config.json
+# lists them), the chat template, and text the BPE vocabulary is trained on (repeated, so it is merged) so that
+# the template's fixed prose costs few tokens.
+FAMILIES = {
+    "chatml": dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                            "<tool_response>", "</tool_response>", "<think>", "</think>"],
+                   bos=None, eos="<|im_end|>", pad="<|endoftext|>", stop=["<|im_end|>", "<|endoftext|>"],
+                   template=CHATML_TEMPLATE, corpus=[]),
+    # Qwen3: generation_config.json eos_token_id [151645 <|im_end|>, 151643 <|endoftext|>]
+    "qwen3": dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                           "<tool_response>", "</tool_response>", "<think>", "</think>"],
+                  bos=None, eos="<|im_end|>", pad="<|endoftext|>", stop=["<|im_end|>", "<|endoftext|>"],
+                  template=QWEN3_TEMPLATE,
+                  corpus=["# Tools You may call one or more functions to assist with the user query.",
+                          "You are provided with function signatures within <tools></tools> XML tags:",
+                          "For each function call, return a json object with function name and arguments within",
+                          '{"name": <function-name>, "arguments": <args-json-object>}']),
+    # Llama 3.1 Instruct: generation_config.json eos_token_id [128001 <|end_of_text|>, 128008 <|eom_id|>,
+    # 128009 <|eot_id|>]; tokenizer eos <|eot_id|>
+    "llama3": dict(special=["<|finetune_right_pad_id|>", "<|begin_of_text|>", "<|end_of_text|>",
+                            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                            "<|python_tag|>"],
+                   bos="<|begin_of_text|>", eos="<|eot_id|>", pad="<|finetune_right_pad_id|>",
+                   stop=["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], template=LLAMA3_TEMPLATE,
+                   corpus=["Environment: ipython", "Cutting Knowledge Date: December 2023", "Today Date: 26 Jul 2024",
+                           "Given the following functions, please respond with a JSON for a function call with its "
+                           "proper arguments that best answers the given prompt.",
+                           'Respond in the format {"name": function name, "parameters": dictionary of argument name '
+                           'and its value}.Do not use variables.', json.dumps(_TOOL_JSON, indent=4),
+                           '{"name": "calculator", "parameters": {"expression": "1+2"}}']),
+    # Mistral-7B-Instruct-v0.3: generation_config.json eos_token_id 2 (</s>); no pad token
+    "mistral": dict(special=["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                             "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
+                    bos="<s>", eos="</s>", pad=None, stop=["</s>"], template=MISTRAL_TEMPLATE,
+                    corpus=['{"type": "function", "function": {"name": "calculator", "description":',
+                            '[{"name": "calculator", "arguments": {"expression": "1+2"}, "id": "a1b2c3d4e"}]',
+                            '{"content": 3, "call_id": "a1b2c3d4e"}']),
+    # DeepSeek-V3: generation_config.json eos_token_id 1 (<｜end▁of▁sentence｜>), bos 0; pad = eos
+    "deepseek_v3": dict(special=["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                                 *_DS_TOOL_TOKENS, "<think>", "</think>"],
+                        bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", pad="<｜end▁of▁sentence｜>",
+                        stop=["<｜end▁of▁sentence｜>"], template=DEEPSEEK_V3_TEMPLATE,
+                        corpus=["You are a helpful assistant with tool calling capabilities. When a tool call is "
+                                "needed, you MUST use the following format to issue the call:",
+                                "Make sure the JSON is valid.## Tools ### Function You have the following functions "
+                                "available:", "```json", "function",
+                                "Use the results below to formulate an answer to the user question unless "
+                                "additional information is needed."]),
+}
+
+# Special tokens a parser reads: kept in the text it parses (every other special token is a control token the
+# router drops from what the model wrote).
+MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen25": ("<tool_call>", "</tool_call>"),
+           "qwen": ("<tool_call>", "</tool_call>"), "llama3": ("<|python_tag|>",),
+           "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"), "deepseekv3": tuple(_DS_TOOL_TOKENS[:5]),
+           "qwen3": ("<think>", "</think>"), "deepseek-r1": ("<think>", "</think>")}
+
+
+# ----------------------------------------------------------------------------------------------
+# picking a parser from the template, and the end tokens
+
+
+def pick_tool_parser(template: str) -> str:
+    """The tool parser a chat template's syntax shows, or "" where it shows none or several."""
+    seen = [name for name, marks in (("deepseekv3", ("<｜tool▁calls▁begin｜>",)), ("mistral", ("[TOOL_CALLS]",)),
+                                     ("llama3", ("<|python_tag|>", "<|start_header_id|>ipython")),
+                                     ("hermes", ("<tool_call>",)))
+            if any(m in (template or "") for m in marks)]
+    return seen[0] if len(seen) == 1 else ""
+
+
+def pick_reasoning_parser(template: str, generation_prompt: str) -> str:
+    """"deepseek-r1" where the generation prompt itself opens the thinking (the model never writes <think>),
+    "qwen3" where the template knows </think> (the model opens and closes it), else ""."""
+    if generation_prompt.rstrip().endswith("<think>"):
+        return "deepseek-r1"
+    return "qwen3" if "</think>" in (template or "") else ""
+
+
+def end_token_ids(tok, model_dir: str | None = None) -> list[int]:
+    """Every token that ends a generation: the tokenizer's eos and each eos_token_id of the model's
+    generation_config.json and config.json (an int or a list: Llama 3.1 lists <|end_of_text|>, <|eom_id|> and
+    <|eot_id|>; Qwen3 <|im_end|> and <|endoftext|>)."""
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir or "") / name
+        if model_dir and path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if not ids:
+        raise ValueError(f"the tokenizer of {model_dir} has no eos token and its configs list no eos_token_id; a "
+                         "chat model needs one to end its turns")
+    return sorted(ids)
+
+
+def assistant_suffix(render) -> str:
+    """What a template writes after an assistant message's content ("<|im_end|>\\n" for Qwen, "<|eot_id|>" for
+    Llama 3). `render(messages) -> str` renders without a generation prompt."""
+    mark = "\x00MARK\x00"
+    probe = render([{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}])
+    return probe[probe.rindex(mark) + len(mark):]
+
+
+def turn_end(suffix: str, special_tokens) -> str:
+    """The token a template closes an assistant turn with: the special token its assistant suffix starts with."""
+    hits = [t for t in special_tokens if t and suffix.startswith(t)]
+    if not hits:
+        raise ValueError(f"the chat template closes an assistant turn with {suffix!r}, which starts with none of the "
+                         "tokenizer's special tokens; cannot tell where the model's turn ends")
+    return max(hits, key=len)
+
+
+def reply_text(render, messages: list[dict], reply: dict, end: str) -> tuple[str, str]:
+    """(prompt, reply text): the generation prompt of `messages`, and the text the template writes for the assistant
+    message `reply` after it, up to and including the end-of-turn token `end`: exactly what the model must write
+    (SFT targets). `render(messages, add_generation_prompt) -> str`."""
+    prompt, full = render(messages, True), render(messages + [reply], False)
+    if not full.startswith(prompt):
+        raise ValueError("the chat template renders the reply's turn differently from its generation prompt; "
+                         f"prompt ends {prompt[-80:]!r}, the rendered turn {full[len(prompt) - 80:][:160]!r}")
+    body = full[len(prompt):]
+    if end not in body:
+        raise ValueError(f"the chat template ends an assistant turn without the end token {end!r}: {body[-80:]!r}")
+    return prompt, body[:body.rindex(end) + len(end)]
+
+
+# ----------------------------------------------------------------------------------------------
+# tool-call parsers: (text, tools) -> (content, tool_calls), each call {"id", "type": "function",
+# "function": {"name", "arguments": dict}}
+
+
+class _NotACall(ValueError):
+    """A tool-call block that is not one the router can hand on: the whole text stays content."""
+
+
+def _call_id(style: str = "openai", written=None) -> str:
+    if style == "mistral":  # Mistral's templates take 9 alphanumeric characters; keep the one the model wrote
+        if isinstance(written, str) and len(written) == 9 and written.isalnum():
+            return written
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _calls(actions, tools, style: str = "openai") -> list[dict]:
+    """Call objects ({"name", "arguments" | "parameters"}) -> tool calls, as SGLang's parse_base_json reads them:
+    "parameters" first when truthy, then "arguments"; a call of a tool not offered is dropped. One departure, on
+    purpose: arguments written as a JSON string holding an object are decoded (SGLang forwards the string), and
+    arguments that are neither make the whole text content, because the router's histories hold arguments as
+    objects and the agent must be able to send the call back."""
+    names = {t["function"]["name"] for t in tools or ()}
+    out = []
+    for act in actions if isinstance(actions, list) else [actions]:
+        if not isinstance(act, dict):
+            raise _NotACall(f"a call must be an object, got {act!r:.80}")
+        name = act.get("name")
+        if not (isinstance(name, str) and name in names):
+            continue
+        args = act.get("parameters") or act.get("arguments", {})
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                raise _NotACall(f"arguments {args!r:.80} are not JSON") from None
+        if not isinstance(args, dict):
+            raise _NotACall(f"arguments must be a JSON object, got {args!r:.80}")
+        out.append({"id": _call_id(style, act.get("id")), "type": "function",
+                    "function": {"name": name, "arguments": args}})
+    return out
+
+
+_HERMES_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def parse_hermes(text: str, tools) -> tuple[str, list[dict]]:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, whitespace inside free; an unclosed last
+    block counts. Content: the text before the first block. (SGLang HermesDetector)"""
+    idx = text.find("<tool_call>")
+    if idx == -1:
+        return text, []
+    try:
+        calls = []
+        for closed, unclosed in _HERMES_RE.findall(text):
+            raw = closed or unclosed
+            if raw:
+                calls += _calls(json.loads(raw.strip()), tools)
+        return text[:idx].strip(), calls
+    except (ValueError, AttributeError):  # bad JSON or a block that is no call: all of it is content
+        return text, []
+
+
+_QWEN25_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+
+
+def parse_qwen25(text: str, tools) -> tuple[str, list[dict]]:
+    """`<tool_call>\\n{json}\\n</tool_call>` blocks (Qwen2.5 / Qwen3); a block that is not JSON is skipped.
+    Content: the text before the first block. (SGLang Qwen25Detector, parser names qwen25 and qwen)"""
+    idx = text.find("<tool_call>\n")
+    if idx == -1:
+        return text, []
+    calls = []
+    for raw in _QWEN25_RE.findall(text):
+        try:
+            calls += _calls(json.loads(raw.strip()), tools)
+        except json.JSONDecodeError:
+            continue
+        except _NotACall:
+            return text, []
+    return text[:idx].strip(), calls
+
+
+def parse_llama3(text: str, tools) -> tuple[str, list[dict]]:
+    """Llama 3.x JSON calls: text that starts with `{`, or follows <|python_tag|>, holds call objects
+    `{"name": ..., "parameters": {...}}` separated by `;` (a Python dict literal is read too). Content: the text
+    before <|python_tag|> and whatever follows the last object. (SGLang Llama32Detector, parser name llama3)"""
+    tag = "<|python_tag|>"
+    if tag not in text and not text.startswith("{"):
+        return text, []
+    normal, action = text.split(tag, 1) if tag in text else ("", text)
+    decoder, idx, safe, found = json.JSONDecoder(), 0, 0, []
+    while idx < len(action):
+        try:
+            obj, end = decoder.raw_decode(action[idx:])
+            found.append(obj)
+            idx = safe = idx + end + 1  # past the object and its ";" separator
+            continue
+        except json.JSONDecodeError:
+            pass
+        close = _brace_end(action, idx)
+        if close > idx:  # a Python dict literal ({'name': ...}) as Llama models sometimes write
+            try:
+                obj = ast.literal_eval(action[idx:close].strip())
+                if isinstance(obj, dict):
+                    found.append(obj)
+                    idx = safe = close + 1
+                    continue
+            except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
+                pass
+        nxt = action.find('{"name":', idx + 1)
+        if nxt == -1:
+            break
+        idx = nxt
+    try:
+        calls = _calls(found, tools) if found else []
+    except _NotACall:
+        return text, []
+    return normal + (action[safe:].strip() if safe < len(action) else ""), calls
+
+
+def _brace_end(text: str, start: int) -> int:
+    """The index after the first `}` that brings the brace count from `start` back to 0 (SGLang's count: strings
+    not skipped), or `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return start
+
+
+def _json_span(text: str, start: int) -> int:
+    """The index after the JSON object or array opening at `start` (brackets counted outside strings), or -1."""
+    if start >= len(text) or text[start] not in "{[":
+        return -1
+    opening = text[start]
+    closing = "}" if opening == "{" else "]"
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == '"':
+            in_string = not in_string
+        elif not in_string and ch == opening:
+            depth += 1
+        elif not in_string and ch == closing:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
+def parse_mistral(text: str, tools) -> tuple[str, list[dict]]:
+    """Mistral calls: `[TOOL_CALLS] [{"name": ..., "arguments": {...}, "id": ...}, ...]` (v0.3), or the compact
+    `[TOOL_CALLS]name[ARGS]{...}` of newer templates, repeated. Content: the text before [TOOL_CALLS] and after the
+    calls. Ids are the model's own where it wrote 9 alphanumeric characters. (SGLang MistralDetector)"""
+    marker = text.find("[TOOL_CALLS")
+    if marker == -1:
+        return text, []
+    normal, part = text[:marker].strip(), text[marker:]
+    if "[TOOL_CALLS] [" in part:
+        start = part.find("[TOOL_CALLS] [") + len("[TOOL_CALLS] ")
+        end = _json_span(part, start)
+        if end == -1:
+            return normal, []
+        try:
+            arr = json.loads(part[start:end])
+            calls = _calls(arr if isinstance(arr, list) else [arr], tools, style="mistral")
+        except json.JSONDecodeError:
+            calls = []
+        except _NotACall:
+            return text, []
+        trailing = part[end:].strip()
+        return (normal + " " + trailing).strip() if trailing else normal, calls
+    calls, rest = [], part
+    while rest:
+        found = _mistral_compact(rest)
+        if found is None:
+            break
+        name, args, used = found
+        try:
+            calls += _calls({"name": name, "arguments": args}, tools, style="mistral")
+        except _NotACall:
+            return text, []
+        rest = rest[used:].strip()
+    if not calls:
+        return normal, []
+    return (normal + " " + rest).strip() if rest else normal, calls
+
+
+def _mistral_compact(text: str):
+    """(name, arguments, end index) of a `[TOOL_CALLS]name[ARGS]{...}` call at the start of `text`, or None."""
+    i = text.find("[TOOL_CALLS")
+    if i == -1:
+        return None
+    i += len("[TOOL_CALLS")
+    i += text[i:i + 1] == "]"
+    args_at = text.find("[ARGS", i)
+    name = text[i:args_at].strip() if args_at != -1 else ""
+    if not name:
+        return None
+    j = args_at + len("[ARGS")
+    j += text[j:j + 1] == "]"
+    while j < len(text) and text[j].isspace():
+        j += 1
+    end = _json_span(text, j)
+    if end == -1:
+        return None
+    try:
+        return name, json.loads(text[j:end]), end
+    except json.JSONDecodeError:
+        return None
+
+
+_DS_CALL_RE = re.compile(r"<｜tool▁call▁begin｜>.*?<｜tool▁call▁end｜>", re.DOTALL)
+_DS_DETAIL_RE = re.compile(r"<｜tool▁call▁begin｜>(.*)<｜tool▁sep｜>(.*)\n```json\n(.*)\n```<｜tool▁call▁end｜>", re.DOTALL)
+
+
+def parse_deepseekv3(text: str, tools) -> tuple[str, list[dict]]:
+    """DeepSeek-V3 calls: <｜tool▁calls▁begin｜> then per call <｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}
+    \\n```json\\n{arguments}\\n```<｜tool▁call▁end｜>. Content: the text before <｜tool▁calls▁begin｜>.
+    (SGLang DeepSeekV3Detector, parser name deepseekv3)"""
+    idx = text.find("<｜tool▁calls▁begin｜>")
+    if idx == -1:
+        return text, []
+    try:
+        calls = []
+        for block in _DS_CALL_RE.findall(text):
+            m = _DS_DETAIL_RE.search(block)
+            if m is None:
+                raise _NotACall(f"not a DeepSeek-V3 call: {block!r:.80}")
+            calls += _calls({"name": m.group(2), "parameters": json.loads(m.group(3))}, tools)
+        return text[:idx].strip(), calls
+    except ValueError:
+        return text, []
+
+
+def parse_tool_calls(parser: str, text: str, tools) -> tuple[str, list[dict]]:
+    """Dispatch on the parser's name (TOOL_PARSERS)."""
+    if parser == "hermes":
+        return parse_hermes(text, tools)
+    elif parser in ("qwen25", "qwen"):
+        return parse_qwen25(text, tools)
+    elif parser == "llama3":
+        return parse_llama3(text, tools)
+    elif parser == "mistral":
+        return parse_mistral(text, tools)
+    elif parser == "deepseekv3":
+        return parse_deepseekv3(text, tools)
+    raise ValueError(f"tool_parser {parser!r} is not one of {TOOL_PARSERS} (or a dotted path to your own)")
+
+
+# ----------------------------------------------------------------------------------------------
+# reasoning parsers: text -> (reasoning, content). "" reasoning: the model did not think.
+
+
+def _split_thinking(text: str, forced: bool, tool_start: str | None) -> tuple[str, str]:
+    """SGLang's BaseReasoningFormatDetector.detect_and_parse: inside thinking from the start when `forced` (the
+    generation prompt opened it) or when <think> appears; leading <think> tags stripped; thinking ends at the first
+    </think>. Unclosed: all of it is thinking (the turn was cut), unless `tool_start` opens a tool call first."""
+    if not forced and "<think>" not in text:
+        return "", text
+    while text.startswith("<think>"):
+        text = text[len("<think>"):]
+    if "</think>" not in text:
+        cut = text.find(tool_start) if tool_start else -1
+        return (text[:cut], text[cut:]) if cut != -1 else (text, "")
+    reasoning, content = text.split("</think>", 1)
+    return reasoning, content
+
+
+def reason_qwen3(text: str) -> tuple[str, str]:
+    """Qwen3: the model writes <think>...</think> itself (or not at all, enable_thinking=false); an unclosed
+    thinking ends at a <tool_call>. (SGLang Qwen3Detector)"""
+    return _split_thinking(text, forced=False, tool_start="<tool_call>")
+
+
+def reason_deepseek_r1(text: str) -> tuple[str, str]:
+    """DeepSeek-R1: the generation prompt opens the thinking, so everything up to </think> is thinking, with or
+    without a <think> the model repeats. (SGLang DeepSeekR1Detector)"""
+    return _split_thinking(text, forced=True, tool_start=None)
+
+
+def parse_reasoning(parser: str, text: str) -> tuple[str, str]:
+    """Dispatch on the parser's name (REASONING_PARSERS)."""
+    if parser == "qwen3":
+        return reason_qwen3(text)
+    elif parser == "deepseek-r1":
+        return reason_deepseek_r1(text)
+    raise ValueError(f"reasoning_parser {parser!r} is not one of {REASONING_PARSERS}")
