@@ -84,7 +84,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 from safetensors.torch import save_file
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 from torch.multiprocessing import reductions  # importing it also registers torch's tensor reducers with ForkingPickler
 
 import data
@@ -580,14 +580,14 @@ _BROADCAST_GROUPS: dict[tuple, tuple[str, object]] = {}
 
 
 def _destroy_broadcast_groups() -> None:
-    for engines, (name, group) in list(_BROADCAST_GROUPS.items()):
+    for engines in list(_BROADCAST_GROUPS):
+        name, group = _BROADCAST_GROUPS.pop(engines)
         for url, _ in engines:
             try:
                 _post(url, "/destroy_weights_update_group", {"group_name": name})
             except (RuntimeError, httpx.HTTPError):
                 pass  # a dead engine took its side of the group with it
         dist.destroy_process_group(group)  # registered by name (new_sglang_group): the name is free again
-        del _BROADCAST_GROUPS[engines]
 
 
 def broadcast_ranks(engines: list[tuple[str, int]]) -> tuple[list[int], int]:
@@ -780,6 +780,7 @@ def new_sglang_group(master_address: str, master_port: int, rank: int, world_siz
     store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                       group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # as SGLang's: destroy_process_group reads it
     return pg
 
 

@@ -430,6 +430,7 @@ def test_weight_updates_change_outputs_and_bump_version(server, hf_a, hf_b, othe
         # broadcast: tests/test_transfermesh.py, into engines in processes of their own (a weight-update group is
         # registered by name once per process, on both sides, as SGLang's is)
         transfermesh.push_weights(hf_b.state_dict().items(), [url], 8, transport="disk", bucket_mb=0.05)
+        rollout.post(url, "/flush_cache")
         check(hf_b, "8")
     finally:
         rollout.post(url, "/update_weights_from_disk", {"model_path": tiny_model_dir, "weight_version": "0"})
