@@ -22,8 +22,8 @@ pass's helpers; `ModelRunner` (the model and its KV cache); `CpuEngine` (the sch
 * `CpuEngine`: continuous batching. A scheduler thread owns all engine state; requests join the running batch as they
   arrive and leave as they finish, each in a KV slot of its own. Weight loads, pauses and memory release are applied
   between two steps, so every step runs under one set of weights. A finished (or retracted) request leaves its K/V in
-  its slot for later requests that start with the same tokens: SGLang's radix cache, one entry per slot, the least
-  recently used given up when a slot is needed (`--disable-radix-cache` turns it off).
+  its slot for later requests that start with the same tokens under the same LoRA adapter: SGLang's radix cache, one
+  entry per slot, the least recently used given up when a slot is needed (`--disable-radix-cache` turns it off).
 * Weight updates as SGLang 0.5.23 takes them: `/update_weights_from_tensor` and `/update_weights_from_distributed`
   are refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine
   reads `serialized_named_tensors[0]` (it is TP rank 0 of one): SGLang's payload, base64 of a pickle that its
@@ -144,10 +144,12 @@ SGLANG_BEHAVIOURS = {
         "without one then uses 42); otherwise it is ignored",
         "sampling/sampling_batch_info.py SamplingBatchInfo.from_schedule_batch"),
     "prefix_cache_outlives_a_weight_update": (
-        "a finished or retracted request leaves its prefix K/V for later requests (meta_info.cached_tokens); an "
+        "a finished or retracted request leaves its prefix K/V for later requests under the same LoRA adapter "
+        "(meta_info.cached_tokens; tests/test_lora.py for the adapter); an "
         "update with flush_cache false keeps it, so new requests run over K/V the old weights computed, until "
         "/flush_cache, an update with flush_cache true (the default) or a kv_cache release drops it",
-        "mem_cache/radix_cache.py; managers/scheduler_components/weight_updater.py "
+        "mem_cache/radix_cache.py; managers/schedule_batch.py Req (lora_id in extra_key); "
+        "managers/scheduler_components/weight_updater.py "
         "flush_cache_after_weight_update, release_memory_occupation"),
     "flush_is_refused_while_busy": (
         "/flush_cache answers 400 while a request runs (or waits, unless paused); an update with flush_cache true "
