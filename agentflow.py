@@ -30,7 +30,7 @@ OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function
 `previous_response_id` within the session), Anthropic `POST /messages` and `GET /models`, plain and streaming,
 with tool calls. A session sticks to one engine (its KV prefix cache stays warm); new sessions go to
 the engine with the fewest requests in flight. An engine that fails a call, or misses a periodic
-`/health` probe, leaves routing at once (dead or hung) and its requests move to the other engines;
+`/server_info` probe, leaves routing at once (dead or hung) and its requests move to the other engines;
 the controller re-creates it and `replace_engine` routes to its successor.
 
 Requests are checked against the APIs' request schemas (`openai_request`, `anthropic_request`, in wire.py): what
@@ -220,7 +220,7 @@ class EnginePool:
     A request goes to the session's engine if it has one and it is healthy (so its prefix cache stays
     warm), else to the healthy engine with the fewest requests in flight (ties rotate).
 
-    Health. Every failed call (connection error, 5xx) is followed at once by a `/health` probe of that
+    Health. Every failed call (connection error, 5xx) is followed at once by a `/server_info` probe of that
     engine: no answer within `health_timeout_s` means dead (or hung), and a dead engine leaves routing
     until `replace()` puts its successor in; an engine that answers the probe only sits out `cooldown_s`.
     `check()` probes every engine the same way; a background task runs it every `check_every_s` while
@@ -272,7 +272,7 @@ class EnginePool:
         return self._http
 
     def healthy(self) -> list[str]:
-        # An engine that failed a call but still answers /health sits out a cool-down (down_until) rather than
+        # An engine that failed a call but still answers the probe sits out a cool-down (down_until) rather than
         # leaving for good: it is more likely overloaded or restarting than dead.
         now = time.monotonic()
         return [u for u in self.urls if u not in self.dead and self.down_until[u] <= now]
@@ -367,17 +367,19 @@ class EnginePool:
                     self._release(adapter[0])
             self.retried += 1
             if url not in self.dead and not await self._alive(url):
-                self.mark_dead(url, f"it failed a call ({last_error!r}) and then did not answer /health")
+                self.mark_dead(url, f"it failed a call ({last_error!r}) and then did not answer /server_info")
             elif url not in self.dead:
                 self.down_until[url] = time.monotonic() + self.cooldown_s
-                log.warning("engine %s failed a call (%r) but answers /health; skipped for %.0fs", url,
+                log.warning("engine %s failed a call (%r) but answers /server_info; skipped for %.0fs", url,
                             last_error, self.cooldown_s)
         raise EngineUnavailable(f"no engine could serve request {rid}: {last_error!r}")
 
     async def _alive(self, url: str) -> bool:
-        """GET /health within health_timeout_s. An engine that cannot answer that is dead or hung."""
+        """GET /server_info within health_timeout_s. An engine that cannot answer that is dead or hung. Not /health:
+        SGLang's runs a generation, which a paused engine (mid weight sync, or memory released) answers with a 503
+        only after 20 s; /server_info its scheduler answers between two steps, paused or not."""
         try:
-            r = await self.http.get(f"{url}/health", timeout=self.health_timeout_s)
+            r = await self.http.get(f"{url}/server_info", timeout=self.health_timeout_s)
             return r.status_code == 200
         except (httpx.HTTPError, OSError):
             return False
@@ -410,8 +412,8 @@ class EnginePool:
         live = [u for u in self.urls if u not in self.dead]
         for url, ok in zip(live, await asyncio.gather(*(self._alive(u) for u in live))):
             if not ok:
-                self.mark_dead(url, f"/health failed: the engine is dead, or hung past {self.health_timeout_s:.0f}s "
-                                    "(cfg.engine_health_timeout)")
+                self.mark_dead(url, f"/server_info failed: the engine is dead, or hung past "
+                                    f"{self.health_timeout_s:.0f}s (cfg.engine_health_timeout)")
         return [u for u in self.urls if u in self.dead]
 
     async def _watch(self) -> None:

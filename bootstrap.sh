@@ -11,7 +11,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-  .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch>=2.6}"
+  # the torch sglang==0.5.23 (the gpu extra) requires; another one would be replaced by it, or refuse it
+  .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.14.1}"
   extras="dev,gpu"
 else
   # torch 2.13.0 is a CPU build on the LoongSage CI machines; elsewhere point TORCH_INDEX_URL at a CPU index.

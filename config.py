@@ -255,7 +255,7 @@ class Config:
 
     # --- reliability: engine health and timeouts (see fleet.check_engines, fleet.wait, fleet.save_run_state) ---
     engine_check_every: float = 5.0  # seconds between engine health probes (an engine is also probed after any failed call)
-    engine_health_timeout: float = 10.0  # an engine silent on /health this long is hung: out of routing, re-created
+    engine_health_timeout: float = 10.0  # an engine silent on /server_info this long is hung: out of routing, re-created
     engine_wait: float = 180.0  # seconds a request waits for a replacement when no engine is up, before it fails
     max_engine_restarts: int = 20  # engine re-creations per run before the run stops (a crash loop needs a fix, not more restarts)
     weight_sync_timeout: float = 600.0  # seconds one weight sync (trainers -> engines) may take

@@ -21,7 +21,9 @@ pass's helpers; `ModelRunner` (the model and its KV cache); `CpuEngine` (the sch
   index_copy_.
 * `CpuEngine`: continuous batching. A scheduler thread owns all engine state; requests join the running batch as they
   arrive and leave as they finish, each in a KV slot of its own. Weight loads, pauses and memory release are applied
-  between two steps, so every step runs under one set of weights.
+  between two steps, so every step runs under one set of weights. A finished (or retracted) request leaves its K/V in
+  its slot for later requests that start with the same tokens under the same LoRA adapter: SGLang's radix cache, one
+  entry per slot, the least recently used given up when a slot is needed (`--disable-radix-cache` turns it off).
 * Weight updates as SGLang 0.5.23 takes them: `/update_weights_from_tensor` and `/update_weights_from_distributed`
   are refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine
   reads `serialized_named_tensors[0]` (it is TP rank 0 of one): SGLang's payload, base64 of a pickle that its
@@ -36,18 +38,23 @@ pass's helpers; `ModelRunner` (the model and its KV cache); `CpuEngine` (the sch
   `/unload_lora_adapter` (waits until no request uses the adapter), and `/generate`'s `lora_path`, resolved to one
   adapter when the request arrives and kept to its end. A request's adapter adds scale * (x A^T) B^T beside each
   adapted projection, unmerged, as the trainer computes it.
+* `SGLANG_BEHAVIOURS`, below: where SGLang refuses, blocks, ignores or dies, the CPU engine does the same, and the
+  table names the SGLang source of each such behaviour; tests/test_conformance.py has one test per row.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
 
-Determinism. Each request draws its random numbers from its own `torch.Generator`, seeded from
-`sampling_params["sampling_seed"]` when given, else from the engine seed and the request's arrival index, so a fixed
-seed and arrival order give the same tokens whatever else is in the batch (up to float ties in the batched matmuls).
+Determinism. Each request draws its random numbers from its own `torch.Generator`. As in SGLang, the request's
+`sampling_params["sampling_seed"]` seeds it only when the engine runs with `--enable-deterministic-inference` (a
+request without one then gets SGLang's 42); otherwise the seed is ignored and the generator is seeded from the engine
+seed and the request's arrival index. Either way a fixed seed gives the same tokens whatever else is in the batch (up
+to float ties in the batched matmuls).
 
 Run: `python cpu_engine.py --model-path DIR --port 30000`. Test: `pytest tests/test_cpu_engine.py` (against
-transformers on the same weights, over real HTTP); routed experts in `tests/test_moe.py`, DeepSeek-V3 in
-`tests/test_deepseek.py`, the memory hand-off in `tests/test_colocate.py`, LoRA adapters in `tests/test_lora.py`.
-Left out: streaming, prefix caching, text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA
-on MoE experts, multi-latent attention, embeddings or the LM head, multimodal input; a dropped HTTP connection does
-not abort its request (call /abort_request).
+transformers on the same weights, over real HTTP) and `tests/test_conformance.py` (SGLANG_BEHAVIOURS); routed experts
+in `tests/test_moe.py`, DeepSeek-V3 in `tests/test_deepseek.py`, the memory hand-off in `tests/test_colocate.py`, LoRA
+adapters in `tests/test_lora.py`.
+Left out: streaming, text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA on MoE experts,
+multi-latent attention, embeddings or the LM head, multimodal input, a deferred `/flush_cache?timeout=`; a dropped
+HTTP connection does not abort its request (call /abort_request).
 """
 from __future__ import annotations
 
@@ -90,6 +97,73 @@ class BadRequest(ValueError):
     """A client error: the HTTP layer answers 400 with this message, and the engine keeps serving."""
 
 
+class FlushRefused(BadRequest):
+    """A weight update loaded, but its flush_cache found the engine busy: SGLang's answer is success false."""
+
+
+# Where SGLang 0.5.23 refuses, blocks, ignores or dies, so does the CPU engine: behaviour -> (what both do, where SGLang
+# does it, under sglang/srt/). A run that survives these here survives them on a GPU. tests/test_conformance.py holds
+# one test per key, named test_<key>.
+SGLANG_BEHAVIOURS = {
+    "health_generates": (
+        "GET /health and /health_generate submit a one-token generation, then every second look whether the engine "
+        "answered anything since: 200 when it has, 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s). A paused or "
+        "released engine answers nothing, so it gets its 503 20 s late",
+        "entrypoints/http_server.py health_generate"),
+    "health_without_generation": (
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false (false/0/no/n, any case; anything else keeps the default, "
+        "true) makes /health answer 200 at once; /health_generate still generates",
+        "environ.py EnvBool; entrypoints/http_server.py health_generate"),
+    "server_info_while_paused": (
+        "/server_info (and the deprecated /get_server_info) is answered by the scheduler between two steps, paused "
+        "or with its memory released too: the liveness probe that reads a paused engine right",
+        "managers/scheduler.py event_loop_normal (ingest_requests before the pause check), get_internal_state"),
+    "resume_of_an_unreleased_tag_kills_the_server": (
+        "/resume_memory_occupation of a tag that is not released (no tags = kv_cache, weights and cuda_graph) raises "
+        "KeyError in the scheduler, and a scheduler exception ends the whole server",
+        "managers/scheduler_components/weight_updater.py resume_memory_occupation (offload_tags.remove); "
+        "managers/scheduler.py run_scheduler_process"),
+    "release_while_busy_kills_the_server": (
+        "/release_memory_occupation while a request runs (or waits, unless paused) fails the scheduler's idle "
+        "assertion, and the server ends",
+        "managers/scheduler_components/weight_updater.py release_memory_occupation"),
+    "memory_calls_answer_null": (
+        "/release_memory_occupation and /resume_memory_occupation answer a JSON null",
+        "entrypoints/http_server.py release_memory_occupation, resume_memory_occupation"),
+    "updates_need_a_session": (
+        "tensor and distributed weight updates outside /begin_weight_update ... /end_weight_update answer "
+        "success false (400)",
+        "managers/scheduler_components/weight_updater.py update_weights_from_tensor, "
+        "update_weights_from_distributed"),
+    "unknown_sampling_params_are_refused": (
+        "an unknown sampling_params key is a 400 naming it and the keys SGLang knows; unknown top-level keys of "
+        "/generate are ignored",
+        "entrypoints/api_contract.py generate_contract_error; ../api/v1/api_types.py SamplingParams"),
+    "sampling_seed_needs_deterministic_inference": (
+        "sampling_params.sampling_seed seeds a request only under --enable-deterministic-inference (a request "
+        "without one then uses 42); otherwise it is ignored",
+        "sampling/sampling_batch_info.py SamplingBatchInfo.from_schedule_batch"),
+    "prefix_cache_outlives_a_weight_update": (
+        "a finished or retracted request leaves its prefix K/V for later requests under the same LoRA adapter "
+        "(meta_info.cached_tokens; tests/test_lora.py for the adapter); an "
+        "update with flush_cache false keeps it, so new requests run over K/V the old weights computed, until "
+        "/flush_cache, an update with flush_cache true (the default) or a kv_cache release drops it",
+        "mem_cache/radix_cache.py; managers/schedule_batch.py Req (lora_id in extra_key); "
+        "managers/scheduler_components/weight_updater.py "
+        "flush_cache_after_weight_update, release_memory_occupation"),
+    "flush_is_refused_while_busy": (
+        "/flush_cache answers 400 while a request runs (or waits, unless paused); an update with flush_cache true "
+        "then loads the weights and answers success false (400)",
+        "managers/scheduler.py flush_cache; managers/scheduler_components/weight_updater.py "
+        "flush_cache_after_weight_update"),
+    "weight_update_group_names_are_unique": (
+        "/init_weights_update_group with a group name already in use fails (torch refuses a second group of one "
+        "name); /destroy_weights_update_group of an unknown name fails",
+        "model_executor/model_runner_components/weight_updater.py init_weights_update_group, "
+        "destroy_weights_update_group; utils/common.py init_custom_process_group"),
+}
+
+
 
 # ----------------------------------------------------------------------------------------------
 # requests, sampling, and SGLang's memory tags and weight-version spans
@@ -107,14 +181,22 @@ class SamplingParams:
     ignore_eos: bool = False          # when False the model's eos token(s) also stop
     skip_special_tokens: bool = True  # for the returned text only
     no_stop_trim: bool = False        # keep the matched stop token in the returned text
-    sampling_seed: int | None = None  # per-request seed; None = engine seed + arrival index
+    sampling_seed: int | None = None  # per-request seed, honoured under enable_deterministic_inference only
 
 
+# Every key SGLang 0.5.23's /generate schema knows in sampling_params, in its order (api/v1/api_types.py
+# SamplingParams, "unknown keys rejected"): any other key is a 400.
+SGLANG_SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+                        "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+                        "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                        "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
+                        "sampling_seed", "custom_params", "beam_width", "watermark", "choice")
 # SGLang parameters the CPU engine accepts only at their neutral value (anything else is a 400 saying so).
-_NEUTRAL_PARAMS = {"n": 1, "stop": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+_NEUTRAL_PARAMS = {"n": 1, "stop": None, "stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                    "repetition_penalty": 1.0, "min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None,
                    "structural_tag": None, "logit_bias": None, "custom_params": None,
-                   "spaces_between_special_tokens": True, "stream_interval": None}
+                   "spaces_between_special_tokens": True, "stream_interval": None, "beam_width": None,
+                   "watermark": None, "choice": None}
 
 
 def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
@@ -131,10 +213,11 @@ def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
                 raise BadRequest(f"sampling_params.{key}={value!r} is not implemented by the CPU engine; leave it "
                                  f"at {_NEUTRAL_PARAMS[key]!r} (or use engine=sglang)")
             continue
-        if key not in fields:
-            close = difflib.get_close_matches(key, list(fields) + list(_NEUTRAL_PARAMS), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise BadRequest(f"unknown sampling_params key {key!r}{hint}; valid keys: {sorted(fields)}")
+        if key not in fields:  # SGLang's schema error text, then the closest key
+            close = difflib.get_close_matches(key, SGLANG_SAMPLING_KEYS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise BadRequest(f"sampling_params: unknown field `{key}`, expected one of "
+                             f"{', '.join(f'`{k}`' for k in SGLANG_SAMPLING_KEYS)}{hint}")
         if value is None:
             continue
         setattr(out, key, value)
@@ -163,16 +246,18 @@ def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
     return out
 
 
-MEMORY_TAGS = ("weights", "kv_cache")  # the tags SGLang's release/resume_memory_occupation take (besides cuda_graph)
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES, in its order (constants.py)
 
 
 def _memory_tags(tags) -> list[str]:
-    """SGLang's `tags` field: None or [] means all; each must be one of MEMORY_TAGS."""
+    """SGLang's `tags` field: None or [] means all three; each must be one of MEMORY_TAGS (SGLang takes any name
+    without a word; a misspelt one is refused here). cuda_graph holds no memory in the CPU engine but is tracked like
+    the others, so a resume of it has the same fate as on SGLang."""
     if tags is None or tags == []:
         return list(MEMORY_TAGS)
-    if not isinstance(tags, list) or any(t not in MEMORY_TAGS + ("cuda_graph",) for t in tags):
+    if not isinstance(tags, list) or any(t not in MEMORY_TAGS for t in tags):
         raise BadRequest(f"tags must be a list of {list(MEMORY_TAGS)} (or none for all), got {tags!r}")
-    return [t for t in tags if t != "cuda_graph"]  # the CPU engine captures no CUDA graphs
+    return tags
 
 
 def weight_version_spans(versions: list[str], current: str) -> list[dict]:
@@ -739,8 +824,8 @@ class ModelRunner:
         Weights are dropped, not copied out (SGLang's default, without --enable-weights-cpu-backup): resume gives
         zeroed weights back and the next weight update fills them."""
         for tag in tags:
-            if tag in self.released:
-                continue  # already released: SGLang's memory saver pauses a region once
+            if tag in self.released or tag == "cuda_graph":
+                continue  # already released: SGLang's memory saver pauses a region once; no CUDA graphs on CPU
             tensors = [self.k_cache, self.v_cache] if tag == "kv_cache" else list(self.model.parameters())
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
             self.released[tag] = [(st, st.nbytes()) for st in storages.values()]
@@ -790,11 +875,14 @@ class CpuEngine:
 
     def _build(self, model_path: str, *, max_batch: int = 64, max_len: int | None = None, seed: int = 0,
                dtype: str = "float32", max_prefill_tokens: int = 8192, weight_version: str = "0",
-               fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None, lora: dict | None = None) -> None:
+               fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None, lora: dict | None = None,
+               enable_deterministic_inference: bool = False, disable_radix_cache: bool = False) -> None:
         """`busy_flag` (file, i): keep byte i of that file at 1 while there are requests to compute, 0 otherwise, for
         trainer ranks that borrow this engine's cores while it idles (cpu.lent_cores). `lora`: serve LoRA adapters,
         {"max_lora_rank": r, "lora_target_modules": [...]} (SGLang's --enable-lora and its two flags); None: refuse
-        them, as SGLang without --enable-lora does."""
+        them, as SGLang without --enable-lora does.
+        `enable_deterministic_inference`, `disable_radix_cache`: SGLang's server flags of those names (the module
+        docstring's Determinism; the prefix cache)."""
         hf_logging.disable_progress_bar()
         self.model_path = str(model_path)
         self.runner = ModelRunner(self.model_path, max_batch=max_batch, max_len=max_len, dtype=dtype,
@@ -805,6 +893,18 @@ class CpuEngine:
         self.seed = int(seed)
         self.weight_version = str(weight_version)
         self.uniforms = torch.zeros(self.max_batch, self.max_len)  # (slots, max_len) running requests' draws
+        self.deterministic = bool(enable_deterministic_inference)
+        self.radix_cache = not disable_radix_cache
+        # the prefix cache: slot -> (routed experts of its cached rows or None, their LoRA adapter or None), least
+        # recently used first; the token ids whose K/V a cached slot holds are row `slot` of _cache_ids, -1 past them
+        # (no token id matches -1)
+        self._cache: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self._cache_ids = torch.full((self.max_batch, self.max_len), -1, dtype=torch.long)  # (slots, max_len)
+        self.offload_tags: set[str] = set()  # SGLang's name: the memory tags released and not yet resumed
+        self.weight_update_groups: dict = {}  # group_name -> the gloo group of /init_weights_update_group
+        self.last_answer = time.monotonic()  # when the scheduler last answered anything (what /health waits for)
+        self.died: str | None = None  # why the scheduler ended the server, as SGLang's does on an exception
+        self.on_death = None  # called once the scheduler has died (serve: stop the HTTP server)
         self.lora = dict(lora) if lora else None
         self.adapters: dict[str, LoraAdapter] = {}  # loaded LoRA adapters by name (SGLang's registry)
 
@@ -840,7 +940,8 @@ class CpuEngine:
         """Abort whatever is in flight, then end the scheduler thread."""
         if self._thread is None:
             return
-        self.call(self._abort, None, True, "engine shutting down").result(timeout=60)
+        if not self.died:
+            self.call(self._abort, None, True, "engine shutting down").result(timeout=60)
         self._stopping = True
         self._inbox.put(("wake",))
         self._thread.join(timeout=60)
@@ -852,6 +953,9 @@ class CpuEngine:
     def call(self, fn, *args) -> concurrent.futures.Future:
         """Run fn(*args) on the scheduler thread between two steps; returns a Future with its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self.died:
+            fut.set_exception(RuntimeError(f"the engine died: {self.died}"))
+            return fut
         if not self.alive():  # not started (e.g. a bench or a unit test driving the engine directly)
             try:
                 fut.set_result(fn(*args))
@@ -864,9 +968,10 @@ class CpuEngine:
     def make_request(self, input_ids, sampling_params: dict | None = None, *, rid: str | None = None,
                      return_logprob: bool = True, return_text_in_logprobs: bool = False,
                      return_routed_experts: bool = False, routed_experts_start_len: int = 0,
-                     lora_path: str | None = None) -> Req:
-        """Validate one prompt into a Req (raises BadRequest); `submit` it to run it. `lora_path`: the name of a
-        loaded LoRA adapter to generate with (SGLang's field), None for the base model."""
+                     seed: int | None = None, lora_path: str | None = None) -> Req:
+        """Validate one prompt into a Req (raises BadRequest); `submit` it to run it. `seed`: for the engine's own
+        requests (the health check), which take no arrival index. `lora_path`: the name of a loaded LoRA adapter to
+        generate with (SGLang's field), None for the base model."""
         if not isinstance(input_ids, list) or not input_ids:
             raise BadRequest(f"input_ids must be a non-empty list of token ids, got {str(input_ids)[:80]}")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
@@ -896,8 +1001,9 @@ class CpuEngine:
                                  f"All loaded adapters: {sorted(self.adapters)}.")
         max_new = min(params.max_new_tokens, self.max_len - len(input_ids))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.runner.eos_ids)
-        seed = params.sampling_seed
-        if seed is None:  # the arrival order is the order of make_request calls without a sampling_seed
+        if seed is None and self.deterministic:  # SGLang: the request's sampling_seed, else 42 (sampling_batch_info.py)
+            seed = 42 if params.sampling_seed is None else params.sampling_seed
+        elif seed is None:  # SGLang ignores sampling_seed here; the arrival order is the order of make_request calls
             self._arrivals += 1
             seed = self.seed * 1_000_003 + self._arrivals
         gen = torch.Generator().manual_seed(seed)
@@ -933,10 +1039,15 @@ class CpuEngine:
     def resume(self) -> None:
         self.call(self._resume).result()
 
-    def load_weights(self, named_tensors, version=None) -> int:
-        """Copy (hf_name, tensor) pairs into the model between two steps; set weight_version if given.
-        Returns the number of tensors loaded. Requests in flight keep their KV cache."""
-        return self.call(self._load_weights, list(named_tensors), version).result()
+    def load_weights(self, named_tensors, version=None, flush_cache: bool = False) -> int:
+        """Copy (hf_name, tensor) pairs into the model between two steps; set weight_version if given; then, with
+        `flush_cache`, drop the prefix cache (FlushRefused unless idle: the weights are loaded all the same, as in
+        SGLang). Returns the number of tensors loaded. Requests in flight keep their KV cache."""
+        return self.call(self._load_weights, list(named_tensors), version, flush_cache).result()
+
+    def flush_cache(self) -> bool:
+        """SGLang's /flush_cache: drop the prefix cache; False (nothing dropped) unless the engine is idle."""
+        return self.call(self._flush_cache).result()
 
     def load_adapter(self, name: str, path: str, config: dict, named: list) -> dict:
         """SGLang's /load_lora_adapter(_from_tensors): add LoRA adapter `name` (PEFT-named tensors + its
@@ -972,7 +1083,7 @@ class CpuEngine:
 
     def resume_memory(self, tags: list[str] | None) -> None:
         """SGLang's /resume_memory_occupation: take the memory of `tags` again (see ModelRunner.resume)."""
-        self.call(self.runner.resume, _memory_tags(tags)).result()
+        self.call(self._resume_memory, _memory_tags(tags)).result()
 
     def set_weight_version(self, version: str, abort_all: bool = False) -> None:
         def _set():
@@ -987,7 +1098,8 @@ class CpuEngine:
             return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
                     "paused": self._paused, "weight_version": self.weight_version, **self.stats,
                     "loaded_adapters": sorted(self.adapters),
-                    "released": sorted(self.runner.released),
+                    "released": sorted(self.offload_tags), "cached_slots": len(self._cache),
+                    "weight_update_groups": sorted(self.weight_update_groups),
                     "running": [{"rid": r.rid, "completion_tokens": len(r.output_ids)} for r in self._running]}
         return self.call(_snap).result()
 
@@ -1018,14 +1130,39 @@ class CpuEngine:
                     self._abort(None, True, f"engine step failed: {type(e).__name__}: {e}")
 
     def _handle(self, msg) -> None:
+        if self.died:  # what reached the scheduler after it died goes unanswered on SGLang: fail it here
+            for fut in ([r.future for r in msg[1]] if msg[0] == "reqs" else [msg[3]] if msg[0] == "call" else []):
+                fut.set_exception(RuntimeError(f"the engine died: {self.died}"))
+            return
         if msg[0] == "reqs":
             self._waiting.extend(msg[1])
         elif msg[0] == "call":
             _, fn, args, fut = msg
             try:
                 fut.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+            except BadRequest as e:  # the caller's error: SGLang answers it and goes on
                 fut.set_exception(e)
+            except Exception as e:  # noqa: BLE001 - SGLang's scheduler has no handler around a control call
+                fut.set_exception(e)
+                self._die(e)
+            self.last_answer = time.monotonic()
+
+    def _die(self, error: Exception) -> None:
+        """End the server as an exception in SGLang's scheduler does (scheduler.py run_scheduler_process: it logs the
+        traceback and signals its parent, which takes every process of the server down): requests in flight fail
+        (their connections drop with the server), the scheduler stops, `on_death` stops the HTTP server."""
+        traceback.print_exception(error)
+        self.died = f"{type(error).__name__}: {error}"
+        print(f"cpu engine {self.model_path}: the scheduler hit an exception ({self.died}); the server exits, as "
+              f"SGLang's does", file=sys.stderr, flush=True)
+        for req in list(self._running) + list(self._waiting):
+            if not req.future.done():
+                req.future.set_exception(RuntimeError(f"the engine died: {self.died}"))
+        self._running.clear()
+        self._waiting.clear()
+        self._stopping = True
+        if self.on_death is not None:
+            self.on_death()
 
     def _step(self) -> None:
         """One scheduler iteration: admit waiting requests (prefill), then one decode step for the rest."""
@@ -1037,22 +1174,38 @@ class CpuEngine:
         if decoding:
             self._sample(decoding, self._forward(decoding, [[r.output_ids[-1]] for r in decoding]))
         self.stats["steps"] += 1
+        self.last_answer = time.monotonic()  # tokens went out: SGLang's detokenizer would have sent them on
 
     def _admit(self) -> list[Req]:
-        """Move waiting requests into free KV slots, oldest first, within the prefill token budget."""
+        """Move waiting requests into KV slots, oldest first, within the prefill token budget. A request whose
+        context starts with tokens a cached slot holds gets those K/V rows (`_match`) and prefills only the rest. A
+        slot comes from the free ones, else from the prefix cache's least recently used entry."""
         admitted, budget = [], self.max_prefill_tokens
-        while self._waiting and self._free_slots:
+        while self._waiting:
             req = self._waiting[0]
-            n = len(req.prompt_ids) + len(req.output_ids)
+            context = req.prompt_ids + req.output_ids
+            source, hit = self._match(context, req.return_routed_experts, req.adapter)
+            n = len(context) - hit
             if admitted and n > budget:
                 break
-            self._waiting.popleft()
             if req.max_new == 0:  # nothing to generate (max_new_tokens=0)
+                self._waiting.popleft()
                 self._finish(req, {"type": "length", "length": 0})
                 continue
-            req.slot = self._free_slots.pop(0)
-            req.kv_len = 0
-            req.routed = []  # a retracted request is prefilled again: its routing is recomputed with it
+            slot = self._take_slot(keep=source)
+            if slot < 0 and source is None:
+                break  # every slot runs a request
+            self._waiting.popleft()
+            routed = self._cache[source][0] if source is not None else None
+            if slot < 0:  # the source is the only slot left: take it over, its rows [0, hit) stay in place
+                slot = source
+                del self._cache[source]
+            elif hit:
+                self.runner.copy_kv(source, slot, hit)
+                self._cache.move_to_end(source)  # used: the last to be given up
+            req.slot, req.kv_len, req.cached_tokens = slot, hit, req.cached_tokens + hit
+            # a retracted request is prefilled again: its routing is recomputed with it (the cached rows' kept)
+            req.routed = [routed[:hit]] if hit and routed is not None else []
             self.uniforms[req.slot, :req.max_new] = req.uniforms
             admitted.append(req)
             self._running.append(req)
@@ -1060,22 +1213,78 @@ class CpuEngine:
         return admitted
 
     def _prefill(self, reqs: list[Req]) -> None:
-        """Feed the admitted requests their whole context and sample each one's next token. Requests with the same
-        context (the N samples of one prompt group arrive together) share one prefill: the first one's K/V is
-        computed and copied into the others' slots, and each samples from its logits with its own draw."""
+        """Feed the admitted requests their context past the cached rows and sample each one's next token. Requests
+        with the same context (the N samples of one prompt group arrive together) share one prefill: the first one's
+        K/V is computed and copied into the others' slots, and each samples from its logits with its own draw."""
         contexts = [r.prompt_ids + r.output_ids for r in reqs]
         first: dict[tuple, int] = {}
         # request whose prefill i shares: the same context under the same adapter (LoRA changes every K/V)
         src = [first.setdefault((tuple(c), id(r.adapter)), i) for i, (c, r) in enumerate(zip(contexts, reqs))]
         own = sorted(first.values())
-        logits = self._forward([reqs[i] for i in own], [contexts[i] for i in own])       # (U, V)
+        logits = self._forward([reqs[i] for i in own], [contexts[i][reqs[i].kv_len:] for i in own])  # (U, V)
         for r, j in zip(reqs, src):
             s = reqs[j]
             if s is not r:  # K/V rows [0, kv_len) of the source's slot
                 self.runner.copy_kv(s.slot, r.slot, s.kv_len)
-                r.kv_len, r.routed, r.cached_tokens = s.kv_len, list(s.routed), r.cached_tokens + s.kv_len
+                r.cached_tokens += s.kv_len - r.kv_len
+                r.kv_len, r.routed = s.kv_len, list(s.routed)
         row = {i: k for k, i in enumerate(own)}
         self._sample(reqs, logits[[row[j] for j in src]] if len(own) < len(reqs) else logits)
+
+    # --- the prefix cache (SGLang's radix cache, one entry per slot)
+
+    def _match(self, context: list[int], routed: bool, adapter) -> tuple[int | None, int]:
+        """(cached slot, n): the slot whose K/V rows [0, n) were computed for context[:n], n the longest such (at
+        most len(context) - 1: the last token is always run, for its logits); (None, 0) when none. `routed`: the
+        request returns routed experts, so only slots that kept theirs can serve it. Only rows computed under the
+        request's LoRA adapter (or none) match: SGLang keys its radix cache by the adapter (schedule_batch.py Req,
+        lora_id in extra_key)."""
+        slots = [s for s, (r, a) in self._cache.items() if a is adapter and (r is not None or not routed)]
+        n = len(context) - 1
+        if not slots or n < 1:
+            return None, 0
+        slots_t = torch.tensor(slots)
+        same = self._cache_ids[slots_t, :n] == torch.tensor(context[:n])                # (E, n)
+        hits = same.cumprod(dim=1).sum(dim=1)                                           # (E,) common prefix lengths
+        best = int(hits.argmax())
+        return (slots[best], int(hits[best])) if int(hits[best]) > 0 else (None, 0)
+
+    def _take_slot(self, keep: int | None = None) -> int:
+        """A free slot, else the least recently used cached one other than `keep` (dropped from the cache); -1 when
+        every slot runs a request or is `keep`."""
+        if self._free_slots:
+            return self._free_slots.pop(0)
+        victim = next((s for s in self._cache if s != keep), None)
+        if victim is None:
+            return -1
+        del self._cache[victim]
+        return victim
+
+    def _free_slot(self, slot: int) -> None:
+        if slot >= 0:
+            self._free_slots.append(slot)
+            self._free_slots.sort()  # lowest slots first keeps the running set contiguous (cache read as a view)
+
+    def _keep_prefix(self, req: Req) -> None:
+        """req's slot, rows [0, kv_len), becomes a prefix-cache entry (SGLang inserts a finished request's tokens
+        into its radix tree); without the cache the slot is freed."""
+        if not self.radix_cache or req.kv_len == 0:
+            self._free_slot(req.slot)
+            return
+        self._cache_ids[req.slot] = -1
+        self._cache_ids[req.slot, :req.kv_len] = torch.tensor((req.prompt_ids + req.output_ids)[:req.kv_len])
+        # (routed experts (kv_len, L, K) or None, the adapter that computed the rows)
+        self._cache[req.slot] = (torch.cat(req.routed)[:req.kv_len] if req.routed else None, req.adapter)
+
+    def _flush_cache(self) -> bool:
+        """SGLang's flush_cache: only when nothing runs and nothing waits (waiting requests do not count while
+        paused); returns whether it flushed."""
+        if self._running or (self._waiting and not self._paused):
+            return False
+        for slot in list(self._cache):
+            self._free_slot(slot)
+        self._cache.clear()
+        return True
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
         """Sample one token per request from its logits (B, V) (at its context's last position) and append it."""
@@ -1106,8 +1315,7 @@ class CpuEngine:
         if req in self._running:
             self._running.remove(req)
         if req.slot >= 0:
-            self._free_slots.append(req.slot)
-            self._free_slots.sort()  # lowest slots first keeps the running set contiguous (cache read as a view)
+            self._keep_prefix(req)
             req.slot = -1
         self.stats["finished"] += 1
         if not req.future.done():
@@ -1150,12 +1358,11 @@ class CpuEngine:
     def _pause(self, mode: str) -> None:
         if mode == "abort":
             self._abort(None, True, "aborted by pause_generation")
-        elif mode == "retract":  # give back the KV slots; re-prefill prompt + output on continue
+        elif mode == "retract":  # give back the KV slots (to the prefix cache); re-prefill on continue
             for req in reversed(self._running):
-                self._free_slots.append(req.slot)
+                self._keep_prefix(req)
                 req.slot, req.kv_len = -1, 0
                 self._waiting.appendleft(req)
-            self._free_slots.sort()
             self._running.clear()
         self._paused = True
 
@@ -1163,23 +1370,49 @@ class CpuEngine:
         self._paused = False
 
     def _release_memory(self, tags: list[str]) -> None:
-        """ModelRunner.release, refused while requests run as SGLang refuses it (pause with mode "retract" or
-        "abort" first: retracted requests wait and are re-prefilled after the resume)."""
+        """ModelRunner.release, as SGLang's scheduler does it: idle or die (pause with mode "retract" or "abort"
+        first: retracted requests wait and are re-prefilled after the resume); a kv_cache release flushes the prefix
+        cache."""
         if self._running or (self._waiting and not self._paused):
-            raise BadRequest(f"release_memory_occupation should be called only when the engine is idle; "
-                             f"{len(self._running)} request(s) running, {len(self._waiting)} waiting. Pause with "
-                             f"mode 'retract' (or 'abort') first")
+            raise AssertionError(f"release_memory_occupation should be called only when server is idle "
+                                 f"({len(self._running)} request(s) running, {len(self._waiting)} waiting; pause with "
+                                 f"mode 'retract' or 'abort' first)")
+        self.offload_tags.update(tags)
+        if "kv_cache" in tags:
+            self._flush_cache()
         self.runner.release(tags)
 
-    def _load_weights(self, named_tensors: list, version) -> int:
+    def _resume_memory(self, tags: list[str]) -> None:
+        for tag in tags:  # SGLang: offload_tags.remove(tag), a KeyError for a tag it never released
+            self.offload_tags.remove(tag)
+        self.runner.resume(tags)
+
+    def _load_weights(self, named_tensors: list, version, flush_cache: bool) -> int:
         n = self.runner.load_weights(named_tensors)
         if version is not None:
             self.weight_version = str(version)
+        if flush_cache and not self._flush_cache():
+            raise FlushRefused("Weights were updated, but the cache was not flushed because requests are still "
+                               "running or queued. Retract or finish them, then call /flush_cache.")
         return n
 
 
 # ----------------------------------------------------------------------------------------------
 # the HTTP server (SGLang's native endpoints and field names)
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    """An environment flag read as SGLang's EnvBool reads it (environ.py): true/1/yes/y or false/0/no/n in any case;
+    unset, or anything else (with a warning), is `default`."""
+    value = os.getenv(name)
+    if value is None:
+        return default
+    if value.lower() in ("true", "1", "yes", "y"):
+        return True
+    if value.lower() in ("false", "0", "no", "n"):
+        return False
+    print(f"Invalid value for {name}: {value!r} is not a valid boolean value, using default {default}", file=sys.stderr)
+    return default
 
 
 def _bad(message: str):
@@ -1219,7 +1452,7 @@ def read_safetensors_dir(path: str) -> list:
 def build_app(engine: CpuEngine):
     """The FastAPI app serving `engine` under SGLang's native endpoint names."""
     app = FastAPI(title="LoongSage CPU rollout engine")
-    groups: dict = {}  # group_name -> torch.distributed ProcessGroup for /update_weights_from_distributed
+    groups = engine.weight_update_groups  # group_name -> the gloo group /update_weights_from_distributed reads
 
     @app.exception_handler(BadRequest)
     async def _bad_request(request, exc: BadRequest):
@@ -1231,30 +1464,48 @@ def build_app(engine: CpuEngine):
         return JSONResponse({"error": {"message": f"{type(exc).__name__}: {exc}", "type": "InternalServerError",
                                        "code": 500}}, status_code=500)
 
+    # read once, as SGLang reads it when http_server.py is imported
+    health_check_timeout = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+
     @app.get("/health")
-    async def health():
-        return PlainTextResponse("", status_code=200 if engine.alive() else 503)
-
     @app.get("/health_generate")
-    async def health_generate():
-        req = engine.make_request([0], {"max_new_tokens": 1, "temperature": 0.0, "sampling_seed": 0},
-                                  rid=f"HEALTH_CHECK_{time.time()}")
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(engine.submit(req)[0]), timeout=20.0)
-        except (asyncio.TimeoutError, RuntimeError):
+    async def health_generate(request: Request):
+        """SGLang's probe (SGLANG_BEHAVIOURS: health_generates, health_without_generation)."""
+        if not engine.alive():
             return PlainTextResponse("", status_code=503)
-        return PlainTextResponse("", status_code=200)
+        if request.url.path == "/health" and not _env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True):
+            return PlainTextResponse("", status_code=200)
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+        tic = time.monotonic()
+        engine.submit(engine.make_request([0], {"max_new_tokens": 1, "temperature": 0.0}, rid=rid, seed=0))
+        try:
+            while time.monotonic() < tic + health_check_timeout:
+                await asyncio.sleep(1)
+                if engine.last_answer > tic:
+                    return PlainTextResponse("", status_code=200)
+                if not engine.alive():
+                    break
+            return PlainTextResponse("", status_code=503)
+        finally:  # SGLang drops the probe's request either way (a paused engine never ran it)
+            engine.call(engine._abort, rid, False, "health check done")
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
-    async def get_model_info():
+    async def model_info():
         return {"model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": engine.weight_version}
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
-    async def get_server_info():
+    async def server_info():
+        """Answered by the scheduler between two steps, paused or released too (SGLANG_BEHAVIOURS:
+        server_info_while_paused). internal_states[0] adds LoongSage's counters, `rss_bytes` among them (this
+        process's resident memory: the colocated hand-off's memory/ metrics)."""
+        state = await asyncio.to_thread(engine.state)
         return {"model_path": engine.model_path, "max_running_requests": engine.max_batch,
                 "context_len": engine.max_len, "random_seed": engine.seed,
-                "internal_states": [await asyncio.to_thread(engine.state)]}
+                "enable_deterministic_inference": engine.deterministic, "disable_radix_cache": not engine.radix_cache,
+                "internal_states": [{**state, "rss_bytes": transfermesh.rss_bytes()}]}
 
     @app.get("/get_weight_version")
     async def get_weight_version():
@@ -1318,23 +1569,28 @@ def build_app(engine: CpuEngine):
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
-        # There is no prefix cache to flush: each request's KV lives in its own slot and goes with it.
-        return PlainTextResponse("Cache flushed.\n", status_code=200)
+    async def flush_cache(timeout: float = 0.0):
+        if timeout > 0:
+            raise BadRequest(f"flush_cache timeout={timeout} (a deferred flush) is not implemented by the CPU engine; "
+                             "call it without a timeout once the engine is idle or paused with nothing running")
+        if await asyncio.to_thread(engine.flush_cache):
+            return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. (When there are "
+                                     "running or waiting requests, the operation will not be performed.)\n")
+        return PlainTextResponse("Flush cache failed.\n", status_code=400)
 
-    # Colocated memory hand-off (SGLang's names and `tags` field). The answers add rss_bytes, this process's
-    # resident memory afterwards (a LoongSage addition: SGLang answers {}), which the controller logs.
-    @app.post("/release_memory_occupation")
+    # Colocated memory hand-off (SGLang's names and `tags` field; the answer is JSON null, as SGLang's). The
+    # released tags and this process's memory are in /server_info's internal_states.
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request):
         body = await _json_body(request)
         await asyncio.to_thread(engine.release_memory, body.get("tags"))
-        return {"success": True, "released": sorted(engine.runner.released), "rss_bytes": transfermesh.rss_bytes()}
+        return None
 
-    @app.post("/resume_memory_occupation")
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(request: Request):
         body = await _json_body(request)
         await asyncio.to_thread(engine.resume_memory, body.get("tags"))
-        return {"success": True, "released": sorted(engine.runner.released), "rss_bytes": transfermesh.rss_bytes()}
+        return None
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
@@ -1346,10 +1602,14 @@ def build_app(engine: CpuEngine):
         return {"success": True, "message": f"Weight version updated to {body['new_version']}",
                 "new_version": str(body["new_version"])}
 
-    async def load(named_tensors, body: dict) -> dict:
+    async def load(named_tensors, body: dict):
         if body.get("abort_all_requests"):
             await asyncio.to_thread(engine.abort, None, True)
-        n = await asyncio.to_thread(engine.load_weights, named_tensors, body.get("weight_version"))
+        try:  # flush_cache defaults to true, as in SGLang's update requests
+            n = await asyncio.to_thread(engine.load_weights, named_tensors, body.get("weight_version"),
+                                        bool(body.get("flush_cache", True)))
+        except FlushRefused as e:
+            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
         message = f"Loaded {n} tensors."
         if body.get("weight_version") is not None:
             message += f" Weight version updated to {body['weight_version']}."
@@ -1364,7 +1624,8 @@ def build_app(engine: CpuEngine):
         if body.get("load_format") not in (None, "auto", "safetensors"):
             raise BadRequest(f"load_format {body['load_format']!r} is not supported by the CPU engine; use null")
         named = await asyncio.to_thread(read_safetensors_dir, path)
-        return {**await load(named, body), "num_paused_requests": 0}
+        answer = await load(named, body)
+        return {**answer, "num_paused_requests": 0} if isinstance(answer, dict) else answer
 
     # SGLang 0.5.23: tensor and distributed updates must sit inside a begin/end weight-update session.
     session = {"open": False}
@@ -1461,9 +1722,13 @@ def build_app(engine: CpuEngine):
             raise BadRequest(f"init_weights_update_group is missing {missing}")
         if body.get("backend", "gloo") not in ("gloo", "nccl"):
             raise BadRequest(f"backend {body['backend']!r}: the CPU engine joins with gloo")
+        name = body.get("group_name", "weight_update_group")
+        if name in groups:  # torch refuses a second process group of one name (SGLANG_BEHAVIOURS)
+            return JSONResponse({"success": False, "message": "Failed to initialize custom process group: The "
+                                 "specified group name has already been created, please use a different group "
+                                 "name."}, status_code=400)
         # Blocks until the trainer joins the rendezvous, so it runs off the event loop (and off the scheduler).
         # The CPU engine is TP rank 0 of itself: it joins at rank_offset + 0.
-        name = body.get("group_name", "weight_update_group")
         groups[name] = await asyncio.to_thread(
             transfermesh.new_sglang_group, body["master_address"], int(body["master_port"]),
             int(body["rank_offset"]), int(body["world_size"]), name, "gloo")
@@ -1494,8 +1759,10 @@ def build_app(engine: CpuEngine):
         body = await _json_body(request)
         # Registered by name with torch.distributed (as SGLang's is): destroyed there too, so the name can be reused
         pg = groups.pop(body.get("group_name", "weight_update_group"), None)
-        if pg is not None:
-            await asyncio.to_thread(torch.distributed.destroy_process_group, pg)
+        if pg is None:
+            return JSONResponse({"success": False, "message": "The group to be destroyed does not exist."},
+                                status_code=400)
+        await asyncio.to_thread(torch.distributed.destroy_process_group, pg)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     return app
@@ -1532,6 +1799,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 0, **engine_opts
     url = f"http://{host}:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(build_app(engine), log_level="warning", lifespan="off",
                                            timeout_keep_alive=60))
+    engine.on_death = lambda: setattr(server, "should_exit", True)  # a dead scheduler takes the server with it
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="cpu-engine-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -1552,12 +1820,17 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=None, help="context per request (prompt + output)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="honour sampling_params.sampling_seed (SGLang's flag; without it the seed is ignored)")
+    p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (SGLang's flag)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--lora-target-modules", nargs="*", default=list(lora.TARGETS))
     a = p.parse_args()
     url, handle = serve(a.model_path, a.host, a.port, max_batch=a.max_batch, max_len=a.max_len, seed=a.seed,
-                        dtype=a.dtype, lora=dict(max_lora_rank=a.max_lora_rank, lora_target_modules=a.lora_target_modules)
+                        dtype=a.dtype, enable_deterministic_inference=a.enable_deterministic_inference,
+                        disable_radix_cache=a.disable_radix_cache,
+                        lora=dict(max_lora_rank=a.max_lora_rank, lora_target_modules=a.lora_target_modules)
                         if a.enable_lora else None)
     print(f"CPU rollout engine for {a.model_path} serving at {url} (Ctrl-C to stop)", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a clean shutdown on `kill` too
@@ -1568,6 +1841,8 @@ def main() -> None:
         pass
     finally:
         handle.shutdown()
+    if handle.engine.died:  # as SGLang's server, which exits when its scheduler dies
+        sys.exit(f"the scheduler died: {handle.engine.died}")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
 """The actors of a run and everything that keeps them going: where each goes (`placement`, `reserve`), starting
 trainers, engines, AgentFlow and teachers, the model they start from (`base_model`, `prepare_model`: the tiny
 model and its warm start), waits that cannot hang (`wait`), engine health and re-creation (`check_engines`,
-`restart_engine`), the weight-sync call (`sync_engines`), the colocated memory hand-off (`colocate_hand_off`),
-checkpoints that lose nothing (`save_run_state`, `load_run_state`), the metric sinks (`Logger`), and the end of
-a run's actors however it ends (`stop`, `stop_on_exit`: Ray stays up for the next run).
+`restart_engine`), the weight-sync call (`sync_engines`, `update_engines`), the colocated memory hand-off
+(`colocate_hand_off`), checkpoints that lose nothing (`save_run_state`, `load_run_state`), the metric sinks
+(`Logger`), and the end of a run's actors however it ends (`stop`, `stop_on_exit`: Ray stays up for the next
+run). Engines are driven as SGLang 0.5.23 behaves (cpu_engine.SGLANG_BEHAVIOURS): probed by /server_info,
+which a paused engine answers; sent a resume only of memory they released; flushed after every update.
 
 loongsage.train() calls these in order and holds what they return: actor handles and URLs (a `Fleet` for the
 engines), never tensors. Every function that blocks says on what, and under which config deadline (`wait`).
 
 Test: `.venv/bin/pytest tests/test_placement.py tests/test_reliability.py tests/test_recover.py
 tests/test_colocate.py tests/test_warmstart.py -q` (placement on simulated GPUs, dead and hung engines re-created,
-crashes at every point of a save, the colocated hand-off's memory, the cached warm start).
+crashes at every point of a save, the colocated hand-off's memory and an engine re-created mid-way, the cached warm
+start); update_engines in tests/test_transfermesh.py.
 Left out: multi-node launch scripts (join the nodes to one Ray cluster and set `ray_address`), and restarting a
 dead trainer rank (the run stops with its traceback; `resume: true` goes on from the last checkpoint).
 """
@@ -229,7 +232,11 @@ class Fleet:
     actors: list = field(default_factory=list)  # RolloutEngine actor handles, engine i at index i
     urls: list = field(default_factory=list)  # their HTTP URLs, same order (AgentFlow's pool routes over these)
     restarts: int = 0  # engines re-created in this run (metric engines/restarts)
-    released: bool = False  # colocated: the engines' KV cache is handed to the trainers (colocate_hand_off)
+    # colocated (colocate_hand_off): the memory tags engine i has released and not resumed, the only ones it may be
+    # sent a resume of (SGLang dies on a resume of any other); and the tags the hand-off holds released right now,
+    # engines paused meanwhile: a re-created engine joins that state (restart_engine)
+    released: list = field(default_factory=list)
+    hand_off: list = field(default_factory=list)
     flow: object = None  # the AgentFlow actor (start_rollout)
     others: list = field(default_factory=list)  # trainer ranks and teachers: stop() ends them with the engines
     teacher_pg: object = None  # the teachers' own placement group (teacher_placement "own"), removed by stop()
@@ -376,6 +383,7 @@ def start_rollout(cfg: Config, fleet: Fleet):
     router), which gets their URLs as refs and so starts while they load. Returns the AgentFlow actor."""
     import agentflow  # late: ~1 s (OpenAI client, FastAPI server), which --check does not need
     fleet.actors = [start_engine(cfg, fleet, i) for i in range(cfg.num_engines)]
+    fleet.released = [set() for _ in fleet.actors]
     fleet.flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, [e.url.remote() for e in fleet.actors],
                                                                            fleet.model)
     return fleet.flow
@@ -453,6 +461,12 @@ def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: i
     if version > 0 or cfg.lora_rank:
         wait([t.sync_weights.remote([url], version) for t in trainers], f"weight sync to re-created engine {i}",
              cfg.weight_sync_timeout, "weight_sync_timeout")
+    fleet.released[i] = set()
+    if fleet.hand_off:  # mid-way through the colocated hand-off: paused and released as the others are
+        import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
+        rollout.post(url, "/pause_generation", {"mode": "retract"}, timeout=cfg.weight_sync_timeout)
+        rollout.post(url, "/release_memory_occupation", {"tags": list(fleet.hand_off)}, timeout=cfg.weight_sync_timeout)
+        fleet.released[i] = set(fleet.hand_off)
     wait(flow.replace_engine.remote(old, url), "AgentFlow.replace_engine", cfg.actor_timeout, "actor_timeout")
     fleet.urls[i] = url
     fleet.restarts += 1
@@ -472,25 +486,55 @@ def check_engines(cfg: Config, fleet: Fleet, flow, trainers=None, version: int =
     return dead
 
 
+def _post_each(urls: list[str], path: str, payload: dict, timeout: float) -> None:
+    """POST to every engine, even past one that fails; then raise the first failure (a dead engine's among them)."""
+    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
+    errors = []
+    for url in urls:
+        try:
+            rollout.post(url, path, payload, timeout=timeout)
+        except (rollout.EngineError, httpx.HTTPError) as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+def update_engines(cfg: Config, fleet: Fleet, urls: list[str], push):
+    """`push()` (a weight push to `urls`) with the engines paused, so no forward step sees half-updated weights;
+    returns what it returns. No K/V outlives the weights that computed it: SGLang drops K/V only with nothing
+    running (flush_cache), and an update in place keeps the running requests' K/V and its radix cache's (flush_cache
+    false), so the engines pause with "retract" (running requests give their K/V back and wait, keeping their
+    tokens and logprobs), the cache is flushed after the push, and on continue every request in flight is prefilled
+    again under the new weights: one prefill per request in flight, none in sync mode (nothing is). Mid-way through
+    the colocated hand-off the engines stay paused (colocate_hand_off continues them once their KV cache is back)."""
+    _post_each(urls, "/pause_generation", {"mode": "retract"}, cfg.weight_sync_timeout)
+    try:
+        return push()
+    finally:  # a failed push may have loaded part of the weights: flush and continue all the same
+        # an engine that released its KV cache flushed it then and computed nothing since
+        kv = [u for u in urls if "kv_cache" not in fleet.released[fleet.urls.index(u)]] if fleet.released else urls
+        try:
+            _post_each(kv, "/flush_cache", {}, cfg.weight_sync_timeout)
+        finally:
+            if not fleet.hand_off:
+                _post_each(urls, "/continue_generation", {}, cfg.weight_sync_timeout)
+
+
 def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int, base: bool = False) -> dict:
-    """Weights -> engines (TransferMesh) as version `version`: the live engines pause in place (requests in
-    flight keep their KV cache and tokens), take every bucket, then continue on the new weights. A dead engine
-    is skipped and re-created on these weights afterwards; one that dies during the push fails it, so probe
-    and push once more to the engines left (a push is idempotent). Returns the trainers' `weights/` metrics.
+    """Weights -> engines (TransferMesh) as version `version` (update_engines: the live engines pause, take every
+    bucket, drop the K/V the old weights computed, then continue on the new weights). A dead engine is skipped and
+    re-created on these weights afterwards; one that dies during the push fails it, so probe and push once more to
+    the engines left (a push is idempotent). Returns the trainers' `weights/` metrics.
     LoRA: the adapters alone travel, as a new adapter that AgentFlow then names in new requests (those in flight
     finish on theirs); `base` sends the base weights too (the engines loaded another checkpoint than the trainers)."""
     for attempt in (1, 2):
         dead = check_engines(cfg, fleet, flow)
         live = [u for u in fleet.urls if u not in dead]
         try:
-            transfermesh.pause_engines(live)  # in place: no forward step sees half-updated weights
-            try:
-                stats = wait([t.sync_weights.remote(live, version, base) for t in trainers],
-                             f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
-                             "weight_sync_timeout")[0]
-            finally:
-                if not fleet.released:  # colocated: they continue once their KV cache is back (colocate_hand_off)
-                    transfermesh.continue_engines(live)
+            stats = update_engines(cfg, fleet, live, lambda: wait(
+                [t.sync_weights.remote(live, version, base) for t in trainers],
+                f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
+                "weight_sync_timeout")[0])
             break
         except (ray.exceptions.RayTaskError, RuntimeError, httpx.HTTPError) as e:
             if attempt == 2 or not check_engines(cfg, fleet, flow):
@@ -522,38 +566,51 @@ def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> 
     import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
     t0 = time.perf_counter()
 
-    def engines(path: str, payload: dict) -> list[dict]:
-        answers = []
-        for url in fleet.urls:
-            try:
-                answers.append(rollout.post(url, path, payload, timeout=cfg.weight_sync_timeout))
-            except (rollout.EngineError, httpx.HTTPError):
-                if url not in check_engines(cfg, fleet, flow):
-                    raise  # alive: the error is the hand-off's own
-                # dead: out of routing now; sync_engines re-creates it (with all its memory) after the next push
-        return answers
+    def engine(url: str, path: str, payload: dict) -> bool:
+        """POST to one engine; False when it is dead (out of routing now: sync_engines re-creates it after the next
+        push, and it joins the hand-off's state then)."""
+        try:
+            rollout.post(url, path, payload, timeout=cfg.weight_sync_timeout)
+            return True
+        except (rollout.EngineError, httpx.HTTPError):
+            if url not in check_engines(cfg, fleet, flow):
+                raise  # alive: the error is the hand-off's own
+            return False
+
+    def memory(call: str, tags: list[str]) -> None:
+        """Release or resume `tags` on every engine; a resume only of what that engine released (fleet.released)."""
+        for i, url in enumerate(fleet.urls):
+            mine = tags if call == "release" else [t for t in tags if t in fleet.released[i]]
+            if mine and engine(url, f"/{call}_memory_occupation", {"tags": mine}):
+                if call == "release":
+                    fleet.released[i] |= set(mine)
+                else:
+                    fleet.released[i] -= set(mine)
 
     if stage == "train":
-        engines("/pause_generation", {"mode": "retract"})  # SGLang releases memory only with nothing running
-        answers = engines("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
-        fleet.released = True
+        for url in fleet.urls:  # SGLang releases memory only with nothing running (else its server ends)
+            engine(url, "/pause_generation", {"mode": "retract"})
+        memory("release", ["weights", "kv_cache"])
+        fleet.hand_off = ["weights", "kv_cache"]
         mem = wait([t.onload.remote() for t in trainers], "trainer onload", cfg.actor_timeout, "actor_timeout")
     elif stage == "sync":
         mem = wait([t.offload.remote(["optimizer", "grads"]) for t in trainers], "trainer offload", cfg.actor_timeout,
                    "actor_timeout")
-        answers = engines("/resume_memory_occupation", {"tags": ["weights"]})
+        memory("resume", ["weights"])
+        fleet.hand_off = ["kv_cache"]
     elif stage == "rollout":
         mem = wait([t.offload.remote(["weights"]) for t in trainers], "trainer offload", cfg.actor_timeout,
                    "actor_timeout")
-        answers = engines("/resume_memory_occupation", {"tags": ["kv_cache"]})
-        fleet.released = False
-        engines("/continue_generation", {})
+        memory("resume", ["kv_cache"])
+        fleet.hand_off = []
+        for url in fleet.urls:
+            engine(url, "/continue_generation", {})
     else:
         raise ValueError(f"colocate_hand_off stage {stage!r}: choose 'train', 'sync' or 'rollout'")
     out = {f"memory/{stage}_trainer_mb": mem[0]["rss_bytes"] / 2**20, f"timing/hand_off_{stage}": time.perf_counter() - t0}
     if "gpu_used_bytes" in mem[0]:
         out[f"memory/{stage}_gpu_used_mb"] = mem[0]["gpu_used_bytes"] / 2**20
-    rss = [a["rss_bytes"] for a in answers if isinstance(a, dict) and "rss_bytes" in a]
+    rss = [s["rss_bytes"] for s in engine_states(fleet.urls) if "rss_bytes" in s]  # the CPU engine reports it
     if rss:
         out[f"memory/{stage}_engine_mb"] = max(rss) / 2**20
     return out
@@ -743,19 +800,28 @@ class Logger:
             mlflow.end_run()
 
 
-_STATS_HTTP: httpx.Client | None = None  # engine_busy_seconds' client, kept: a new one builds an SSL context each time
+_STATS_HTTP: httpx.Client | None = None  # engine_states' client, kept: a new one builds an SSL context each time
 # (~40 ms here, half of the controller's busy time in an async step, py-spy)
 
 
-def engine_busy_seconds(engine_urls: list[str]) -> float:
-    """Seconds CPU engines have spent computing so far (their /get_server_info); 0 for other engines."""
+def engine_states(engine_urls: list[str]) -> list[dict]:
+    """Each engine's /server_info internal_states[0] (the CPU engine adds busy_s and rss_bytes there); {} for an
+    engine that does not answer."""
     global _STATS_HTTP
     _STATS_HTTP = _STATS_HTTP or httpx.Client(timeout=30.0)
-    try:
-        return sum(_STATS_HTTP.get(f"{u}/get_server_info").raise_for_status().json()["internal_states"][0]
-                   .get("busy_s", 0.0) for u in engine_urls)
-    except (httpx.HTTPError, KeyError, IndexError, ValueError, OSError):
-        return 0.0
+    states = []
+    for u in engine_urls:
+        try:
+            states.append(_STATS_HTTP.get(f"{u}/server_info").raise_for_status().json()["internal_states"][0])
+        except (httpx.HTTPError, KeyError, IndexError, ValueError, OSError):
+            states.append({})
+    return states
+
+
+def engine_busy_seconds(engine_urls: list[str]) -> float:
+    """Seconds CPU engines have spent computing so far (their /server_info); 0 when any engine does not tell."""
+    states = engine_states(engine_urls)
+    return sum(s["busy_s"] for s in states) if all("busy_s" in s for s in states) else 0.0
 
 
 def node_cpu_jiffies() -> tuple[int, int]:

@@ -34,13 +34,20 @@ updates are accepted only inside a `/begin_weight_update` ... `/end_weight_updat
 Pausing. `/pause_generation` with mode "abort" ends every request (finish_reason abort, partial output returned);
 "retract" frees their KV cache and requeues them, so on `/continue_generation` they are re-prefilled (prompt +
 tokens so far) under the then-current weights; "in_place" keeps their KV cache, so partial rollouts continue with
-new weights over a cache computed by older ones. New requests queue while paused.
+new weights over a cache computed by older ones. New requests queue while paused. A paused engine answers
+`/server_info` at once but `/health` only with a 503, 20 s later (it runs a generation): probe with the first.
+
+Prefix cache. Finished requests leave their K/V for later requests with the same prefix (`meta_info.cached_tokens`).
+An update with `flush_cache: false` (what an in-place pause needs) keeps it, so new requests would run over K/V the
+old weights computed; `/flush_cache` drops it, and succeeds only with nothing running (waiting requests count unless
+paused). The controller pauses with "retract" for an update and flushes after it (fleet.update_engines).
 
 Memory tags (colocated runs). `/release_memory_occupation` and `/resume_memory_occupation` take `tags`
-(["weights"], ["kv_cache"], none = both) and really free and re-allocate that memory. As in SGLang without
---enable-weights-cpu-backup, released weights are not kept anywhere: resume gives zeroed weights, and the next weight
-update restores them; nothing is generated while any memory is released (requests wait), and release is refused
-while requests run (pause with "retract" first).
+(["weights"], ["kv_cache"], ["cuda_graph"]; none = all three), really free and re-allocate that memory, and answer
+JSON null. As in SGLang without --enable-weights-cpu-backup, released weights are not kept anywhere: resume gives
+zeroed weights, and the next weight update restores them; nothing is generated while any memory is released
+(requests wait). Two calls end the server, as they end SGLang's: a release while requests run (pause with
+"retract" first), and a resume of a tag that is not released (the controller tracks each engine's, fleet.Fleet).
 
 Routed experts (Qwen3-MoE). A request with `return_routed_experts: true` (SGLang also needs its server flag
 `--enable-return-routed-experts`, which `sglang_command` adds under cfg.router_replay) gets
@@ -202,16 +209,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
-    """`python -m sglang.launch_server ...` with every key of cfg.sglang passed through as a `--key value` flag
-    (underscores become dashes, True is a bare flag, False is left out, lists give several values)."""
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
-           "--host", host, "--port", str(port)]
+def sglang_options(cfg, seed: int) -> dict:
+    """cfg.sglang with LoongSage's defaults where the recipe's dict does not set them (a recipe drops one by setting
+    it to null): the server flags of an SGLang engine, of which the CPU engine honours the ones it implements
+    (enable_deterministic_inference, disable_radix_cache)."""
     opts = dict(cfg.sglang or {})
-    # LoongSage defaults, used only where the recipe's sglang dict does not set them
     opts.setdefault("tp_size", cfg.gpus_per_engine)
     opts.setdefault("random_seed", seed)
     opts.setdefault("weight_version", "0")  # versions count trainer steps; SGLang's own default is "default"
+    opts.setdefault("dtype", cfg.dtype)  # SGLang's "auto" serves an fp32 checkpoint in float16, off the trainer's dtype
+    # every trajectory carries its own sampling_seed (agentflow.sampling_seed), which SGLang honours only in this
+    # mode (batch-invariant kernels: slower; null trades reproducible trajectories for throughput)
+    opts.setdefault("enable_deterministic_inference", True)
     if cfg.fp32_lm_head:  # SGLang 0.5.23: exec.features.enable_fp32_lm_head
         opts.setdefault("enable_fp32_lm_head", True)
     if cfg.colocate:  # release/resume_memory_occupation need SGLang's memory saver
@@ -222,8 +231,15 @@ def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
         opts.setdefault("enable_lora", True)
         opts.setdefault("max_lora_rank", cfg.lora_rank)
         opts.setdefault("lora_target_modules", list(cfg.lora_targets))
-    # (a recipe drops any of these flags by setting it to null)
-    for key, value in opts.items():
+    return opts
+
+
+def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
+    """`python -m sglang.launch_server ...` with every key of `sglang_options` passed through as a `--key value` flag
+    (underscores become dashes, True is a bare flag, False and null are left out, lists give several values)."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
+           "--host", host, "--port", str(port)]
+    for key, value in sglang_options(cfg, seed).items():
         flag = "--" + str(key).replace("_", "-")
         if value is True:
             cmd.append(flag)
@@ -259,11 +275,15 @@ class RolloutEngine:
             if cfg.engine_threads > 0:  # see Config.engine_threads: sync uses every core
                 torch.set_num_threads(int(cfg.engine_threads))
             max_len = max(int(cfg.max_prompt_len) + int(cfg.max_new_tokens), int(cfg.max_context_len or 0))
+            flags = sglang_options(cfg, seed)  # the SGLang flags the CPU engine implements, as SGLang would get them
             self._url, self.handle = cpu_engine.serve(cfg.model_path, host=host, max_batch=int(cfg.engine_max_batch),
                                            max_len=max_len, seed=seed, dtype=cfg.dtype,
                                            fp32_lm_head=bool(getattr(cfg, "fp32_lm_head", False)),
                                            busy_flag=(cfg.engine_busy_file, rank) if getattr(
                                                cfg, "engine_busy_file", "") else None,
+                                           enable_deterministic_inference=bool(
+                                               flags.get("enable_deterministic_inference")),
+                                           disable_radix_cache=bool(flags.get("disable_radix_cache")),
                                            lora=dict(max_lora_rank=cfg.lora_rank,
                                                      lora_target_modules=list(cfg.lora_targets))
                                            if cfg.lora_rank else None)

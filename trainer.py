@@ -811,8 +811,8 @@ class Model:
         B0, T0 = tokens.shape
         replay = mb.get("routed_experts")  # (B, T, L, K) R3: route as the engine did (cfg.router_replay)
         B, T = max(B0, pad_to[0]), max(T0, pad_to[1])
-        if par.ep_group is not None:  # the same (B, T) on every expert rank
-            size = torch.tensor([B, T])
+        if par.ep_group is not None:  # the same (B, T) on every expert rank (NCCL reduces device tensors only)
+            size = torch.tensor([B, T], device=par.device)
             torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX, group=par.ep_group)
             B, T = size.tolist()
         T = -(-T // self.seq_multiple) * self.seq_multiple  # SP / CP split the sequence evenly
@@ -889,8 +889,8 @@ class Model:
         par, size = self.par, self.micro_batch_size
         parts = [range(s, min(s + size, len(rows))) for s in range(0, len(rows), size)]
         count = len(parts)
-        if par.ep_group is not None:
-            t = torch.tensor([count])
+        if par.ep_group is not None:  # on the device: on GPU the expert group is an NCCL one
+            t = torch.tensor([count], device=par.device)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=par.ep_group)
             count = int(t)
         mbs = []
@@ -1428,8 +1428,8 @@ class TrainerWorker:
             versions = lb["weight_versions"]  # (b, R), -1 on padding
             first = torch.where(lb["loss_mask"] > 0, versions, torch.full_like(versions, 2 ** 30)).amin(
                 dim=1, keepdim=True)  # (b, 1) the version of each row's first model token
-            # a request that spanned an update went on over a KV cache that older weights computed (paused
-            # "in_place", as SGLang does), so its newer tokens are not numerics only: rows sampled from the start
+            # a request that spanned an update may have sampled its newer tokens over K/V older weights computed (an
+            # engine paused "in_place"; fleet.update_engines' retract recomputes it), so: rows sampled from the start
             on_policy = lb["loss_mask"] * (versions == step) * (first == step)  # (b, R)
             gap_local = gap_sums(lb["logp"], lb["rollout_logp"], on_policy)
             off_local = gap_sums(lb["logp"], lb["rollout_logp"], lb["loss_mask"])

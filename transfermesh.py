@@ -74,6 +74,7 @@ import socket
 import tempfile
 import time
 import types
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
@@ -85,7 +86,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 from torch.multiprocessing import reductions  # importing it also registers torch's tensor reducers with ForkingPickler
 
 import convert
@@ -608,7 +609,21 @@ def _push_cuda_ipc(tensors, engines, bucket_bytes, config_dir, version):
     return n, nbytes
 
 
-_BROADCAST_GROUPS: dict[tuple, object] = {}
+# engine set -> (group name, this side's group): at most one, the set the last broadcast push went to. A new set (an
+# engine re-created) gets a group of a new name, the old one destroyed on both sides first: torch refuses a second
+# process group of one name, and SGLang keeps the old group (and its NCCL buffers) until told to destroy it.
+_BROADCAST_GROUPS: dict[tuple, tuple[str, object]] = {}
+
+
+def _destroy_broadcast_groups() -> None:
+    for engines in list(_BROADCAST_GROUPS):
+        name, group = _BROADCAST_GROUPS.pop(engines)
+        for url, _ in engines:
+            try:
+                _post(url, "/destroy_weights_update_group", {"group_name": name})
+            except (RuntimeError, httpx.HTTPError):
+                pass  # a dead engine took its side of the group with it
+        dist.destroy_process_group(group)  # registered by name (new_sglang_group): the name is free again
 
 
 def broadcast_ranks(engines: list[tuple[str, int]]) -> tuple[list[int], int]:
@@ -625,12 +640,12 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
     """Flattened buckets broadcast from rank 0 (this process) to every engine rank over one process group."""
     key = tuple(engines)
     if key not in _BROADCAST_GROUPS:
+        _destroy_broadcast_groups()
+        name = f"loongsage-{uuid.uuid4().hex[:8]}"
         urls = [u for u, _ in engines]
         addr = socket.gethostbyname(socket.gethostname()) if not all(is_local(u) for u in urls) else "127.0.0.1"
         port, backend = free_port(), ("nccl" if torch.cuda.is_available() else "gloo")
         offsets, world = broadcast_ranks(engines)
-        # torch refuses a second group of the same name in one process: one name per engine set
-        name = f"loongsage_{len(_BROADCAST_GROUPS)}"
         with ThreadPoolExecutor(len(engines)) as pool:
             futs = [pool.submit(_post, u, "/init_weights_update_group", {
                 "master_address": addr, "master_port": port, "rank_offset": off, "world_size": world,
@@ -638,8 +653,8 @@ def _push_broadcast(tensors, engines, bucket_bytes, config_dir, version):
             # SGLang's rendezvous on every backend (gloo too), so a CPU trainer meets a real SGLang as a GPU one does
             group = new_sglang_group(addr, port, 0, world, name, backend)
             [f.result() for f in futs]
-        _BROADCAST_GROUPS[key] = (group, name)
-    group, name = _BROADCAST_GROUPS[key]
+        _BROADCAST_GROUPS[key] = (name, group)
+    name, group = _BROADCAST_GROUPS[key]
     n = nbytes = 0
     for bucket, last in buckets_with_last(tensors, bucket_bytes):
         flat, metas = flatten_bucket(bucket)  # on the bucket's device: a GPU bucket is packed and sent in place
@@ -819,6 +834,7 @@ def new_sglang_group(master_address: str, master_port: int, rank: int, world_siz
     store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                       group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # as SGLang's: destroy_process_group reads it
     return pg
 
 

@@ -35,7 +35,9 @@ MAX_LEN = 512  # the tiny model's max_position_embeddings
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=8, max_len=MAX_LEN, seed=0)
+    # sampling_seed counts only under deterministic inference, as in SGLang (tests/test_conformance.py)
+    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=8, max_len=MAX_LEN, seed=0,
+                                   enable_deterministic_inference=True)
     yield url, handle
     handle.shutdown()
 
@@ -215,7 +217,10 @@ def test_sampling_seed_and_filters(server):
     c = gen(url, PROMPTS[1], temperature=1.0, max_new_tokens=30, ignore_eos=True, sampling_seed=124)
     assert a["output_ids"] == b["output_ids"] != c["output_ids"]
     # top_k=1 samples the argmax, whatever the temperature
+    # both compute their prompt afresh (a prefix cached by another request: the same K/V up to float rounding)
+    rollout.post(url, "/flush_cache")
     greedy = gen(url, PROMPTS[2], temperature=0, max_new_tokens=15, ignore_eos=True)
+    rollout.post(url, "/flush_cache")
     top1 = gen(url, PROMPTS[2], temperature=2.0, top_k=1, max_new_tokens=15, ignore_eos=True)
     assert top1["output_ids"] == greedy["output_ids"]
     # logprobs are the policy's (temperature 1, unfiltered), not the sampling distribution's
@@ -360,9 +365,9 @@ def test_pause_retract_recomputes_with_new_weights(server, hf_a, hf_b, other_dir
     """Retracted requests give back their KV slot; on continue they are re-prefilled under the new weights, so
     every token after the update is exactly the new model's greedy continuation, with its logprobs."""
     url, handle = server
-    prompt = PROMPTS[3]
+    prompt, n = PROMPTS[3], 400  # long enough to be still running when the pause (an HTTP call) lands
     fut = background(rollout.post, url, "/generate", {"input_ids": prompt, "rid": "retract", "return_logprob": True,
-                                                      "sampling_params": {"temperature": 0, "max_new_tokens": 200,
+                                                      "sampling_params": {"temperature": 0, "max_new_tokens": n,
                                                                           "ignore_eos": True}})
     wait_running(handle, "retract", 2)
     with paused(url, "retract"):
@@ -374,11 +379,11 @@ def test_pause_retract_recomputes_with_new_weights(server, hf_a, hf_b, other_dir
     try:
         spans = out["meta_info"]["weight_versions"]
         k = spans[0]["end"]
-        assert 2 <= k < 200 and spans == [{"version": "0", "start": 0, "end": k}, {"version": "6", "start": k, "end": 200}]
+        assert 2 <= k < n and spans == [{"version": "0", "start": 0, "end": k}, {"version": "6", "start": k, "end": n}]
         ids, lps = out["output_ids"], engine_logprobs(out)
         assert ids[:k] == hf_greedy(hf_a, prompt, k, ignore_eos=True)
         assert (lps[:k] - hf_logprobs(hf_a, prompt, ids[:k])).abs().max() <= 1e-5
-        assert ids[k:] == hf_greedy(hf_b, prompt + ids[:k], 200 - k, ignore_eos=True)
+        assert ids[k:] == hf_greedy(hf_b, prompt + ids[:k], n - k, ignore_eos=True)
         assert (lps[k:] - hf_logprobs(hf_b, prompt + ids[:k], ids[k:])).abs().max() <= 1e-5
     finally:
         rollout.post(url, "/update_weights_from_disk", {"model_path": tiny_model_dir, "weight_version": "0"})
@@ -418,11 +423,15 @@ def test_weight_updates_change_outputs_and_bump_version(server, hf_a, hf_b, othe
         r = rollout.post(url, "/update_weight_version", {"new_version": "4", "abort_all_requests": False})
         assert r["new_version"] == "4"
         check(hf_b, "4")
+        # transfermesh updates keep the prefix cache (flush_cache false, as a pause in place needs): the controller
+        # flushes it after the push (fleet.update_engines), and so does this test
         transfermesh.push_weights(hf_a.state_dict().items(), [url], 7, transport="shm", bucket_mb=0.05)
+        rollout.post(url, "/flush_cache")
         check(hf_a, "7")
         # broadcast: tests/test_transfermesh.py, into engines in processes of their own (a weight-update group is
         # registered by name once per process, on both sides, as SGLang's is)
         transfermesh.push_weights(hf_b.state_dict().items(), [url], 8, transport="disk", bucket_mb=0.05)
+        rollout.post(url, "/flush_cache")
         check(hf_b, "8")
     finally:
         rollout.post(url, "/update_weights_from_disk", {"model_path": tiny_model_dir, "weight_version": "0"})
@@ -465,7 +474,7 @@ def test_other_families_match_transformers(kind, tmp_path):
             name = "model.layers.0.self_attn.k_proj.bias" if kind == "qwen2" else "model.layers.1.input_layernorm.weight"
             p = dict(hf.named_parameters())[name]
             p.copy_(p + torch.randn_like(p))
-        engine.load_weights([(name, p.detach().clone())], version=1)
+        engine.load_weights([(name, p.detach().clone())], version=1, flush_cache=True)
         out = engine.generate(prompts[:1], {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})[0]
         assert out["meta_info"]["weight_version"] == "1"
         assert (engine_logprobs(out) - hf_logprobs(hf, prompts[0], out["output_ids"])).abs().max() <= 1e-5

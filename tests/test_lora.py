@@ -373,6 +373,11 @@ def test_engine_refuses_what_sglang_refuses_and_the_pool_names_and_retires_adapt
         base = _generate(url, prompt, **greedy).json()
         with_a = _generate(url, prompt, "a", **greedy).json()
         assert base["meta_info"]["output_token_logprobs"][0][0] != with_a["meta_info"]["output_token_logprobs"][0][0]
+        # the prefix cache is the adapter's own (SGLang keys its radix cache by lora_id): the base's K/V of this
+        # prompt does not serve adapter "a", a's own does
+        again = _generate(url, prompt, "a", **greedy).json()
+        assert (with_a["meta_info"]["cached_tokens"], again["meta_info"]["cached_tokens"]) == (0, len(prompt) - 1)
+        assert again["output_ids"] == with_a["output_ids"] and _lps(again) == pytest.approx(_lps(with_a), abs=1e-5)
         both = httpx.post(url + "/generate", json={"input_ids": [prompt, prompt], "lora_path": [None, "a"],
                                                    "return_logprob": True, "sampling_params": {
                                                        "temperature": 0.0, "max_new_tokens": 6}}, timeout=60).json()

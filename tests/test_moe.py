@@ -115,7 +115,7 @@ def test_cpu_engine_moe_matches_transformers_and_reports_routed_experts(moe_dir,
         new = {n: p.detach().clone() for n, p in convert.load_hf_state(moe_dir).items()}
         for name in [n for n in new if ".experts." in n or ".mlp.gate." in n]:
             new[name] += 0.2 * torch.randn_like(new[name])
-        handle.engine.load_weights(list(new.items()), version=1)
+        handle.engine.load_weights(list(new.items()), version=1, flush_cache=True)  # no K/V of the old weights
         out = rollout.post(url, "/generate", {"input_ids": prompts[1], "sampling_params": sp, "return_logprob": True,
                                               "return_routed_experts": True})
         full = prompts[1] + out["output_ids"]

@@ -213,7 +213,9 @@ def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_di
     import agentflow
     import cpu_engine
     import rollout
-    good_url, good = cpu_engine.serve(tiny_model_dir, max_batch=64, max_len=512, seed=0)
+    # seeded requests draw the same tokens on any engine under deterministic inference only (as on SGLang)
+    good_url, good = cpu_engine.serve(tiny_model_dir, max_batch=64, max_len=512, seed=0,
+                                      enable_deterministic_inference=True)
     ports = [free_port(), free_port()]
     victims = [engine_process(tiny_model_dir, port, tmp_path / f"engine{i}.log") for i, port in enumerate(ports)]
     try:
@@ -222,7 +224,9 @@ def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_di
             rollout.wait_healthy(url, 120, proc, str(tmp_path / f"engine{i}.log"))
 
         async def drill(victim_url: str, victim: subprocess.Popen, sig: int, check_every_s: float):
-            pool = agentflow.EnginePool([victim_url, good_url], check_every_s=check_every_s, health_timeout_s=1.0)
+            # 5 s: the probe (/server_info) is answered by the scheduler between two steps, in this process beside the
+            # drill, on a shared machine
+            pool = agentflow.EnginePool([victim_url, good_url], check_every_s=check_every_s, health_timeout_s=5.0)
             prompts = [[1 + i, 2, 3] for i in range(6)]
             tasks = [asyncio.ensure_future(pool.generate(ids, dict(LONG, sampling_seed=100 + i), f"r{i}",
                                                          prefer=victim_url)) for i, ids in enumerate(prompts)]

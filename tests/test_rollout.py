@@ -51,16 +51,31 @@ def _cfg(model_path, tmp_path, **over):
 
 
 def test_rollout_engine_serves_the_cpu_engine(tiny_model_dir, tmp_path):
+    """The CPU engine gets the SGLang flags sglang_options gives an SGLang server: by default deterministic
+    inference, so a trajectory's sampling_seed decides its tokens (SGLang ignores it otherwise), and the prefix cache;
+    a recipe's null turns the first off."""
     eng = rollout.RolloutEngine(_cfg(tiny_model_dir, tmp_path), rank=1)
     url = eng.url()
     try:
-        info = rollout.get(url, "/get_server_info")
+        info = rollout.get(url, "/server_info")
         assert info["context_len"] == 128 and info["max_running_requests"] == 4 and info["random_seed"] == 1000
+        assert info["enable_deterministic_inference"] is True and info["disable_radix_cache"] is False
         assert len(gen(url, [1, 2, 3], max_new_tokens=4, ignore_eos=True)["output_ids"]) == 4
+        seeded = [gen(url, [1, 2, 3], max_new_tokens=12, ignore_eos=True, sampling_seed=7)["output_ids"]
+                  for _ in range(2)]
+        assert seeded[0] == seeded[1] != gen(url, [1, 2, 3], max_new_tokens=12, ignore_eos=True,
+                                             sampling_seed=8)["output_ids"]
     finally:
         eng.shutdown()
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=2)
+    eng = rollout.RolloutEngine(_cfg(tiny_model_dir, tmp_path, sglang={"enable_deterministic_inference": None,
+                                                                       "disable_radix_cache": True}), rank=1)
+    try:
+        info = rollout.get(eng.url(), "/server_info")
+        assert info["enable_deterministic_inference"] is False and info["disable_radix_cache"] is True
+    finally:
+        eng.shutdown()
 
 
 def test_sglang_command_passes_every_key_through(tmp_path):
@@ -76,6 +91,29 @@ def test_sglang_command_passes_every_key_through(tmp_path):
     assert "disable-radix-cache" not in line
     cfg.sglang = {"weight_version": None}  # null drops one of LoongSage's default flags
     assert "--weight-version" not in rollout.sglang_command(cfg, "127.0.0.1", 30001, seed=5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sglang_serves_the_trainers_dtype_and_honours_seeds(tmp_path, dtype):
+    """--dtype follows cfg.dtype (SGLang's "auto" serves an fp32 checkpoint in float16, against the trainer's fp32
+    or bf16), and --enable-deterministic-inference is on, the one mode in which SGLang honours the sampling_seed every
+    trajectory carries; the recipe's sglang dict overrides either, and null drops it."""
+    cfg = _cfg("/models/qwen", tmp_path, engine="sglang", dtype=dtype)
+    cmd = rollout.sglang_command(cfg, "127.0.0.1", 30001, seed=5)
+    assert cmd[cmd.index("--dtype") + 1] == dtype and "--enable-deterministic-inference" in cmd
+    cfg.sglang = {"dtype": "float16", "enable_deterministic_inference": None}
+    cmd = rollout.sglang_command(cfg, "127.0.0.1", 30001, seed=5)
+    assert cmd[cmd.index("--dtype") + 1] == "float16" and "--enable-deterministic-inference" not in cmd
+
+
+def test_gpu_extra_pins_the_sglang_the_code_speaks_and_the_torch_it_requires():
+    """rollout.py and transfermesh.py speak SGLang 0.5.23's contract (/begin_weight_update is new in it), and
+    sglang 0.5.23's wheel requires torch==2.14.1: the gpu extra pins both, and bootstrap.sh's GPU branch installs
+    that same torch first (a torch of its own choosing would be replaced by pip, or conflict)."""
+    import tomllib
+    gpu = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert "sglang==0.5.23" in gpu and "torch==2.14.1" in gpu
+    assert '"${TORCH_SPEC:-torch==2.14.1}"' in (ROOT / "bootstrap.sh").read_text()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang needs CUDA")

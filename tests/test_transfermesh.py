@@ -1,6 +1,8 @@
 """TransferMesh: buckets, checksums, and every CPU transport into a real CPU engine over HTTP;
 then the end-to-end promise: after a sync, engine logprobs equal trainer logprobs."""
+import concurrent.futures
 import json
+import time
 
 import httpx
 import pytest
@@ -221,6 +223,15 @@ def _hf_logprobs(path, prompt, out_ids):
     return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out_ids)]
 
 
+def push_and_flush(named, urls, **kw):
+    """push_weights, then /flush_cache as the controller does after every push (fleet.update_engines): the updates
+    keep the engines' prefix cache (flush_cache false), so a prompt served before would run over the old K/V."""
+    stats = tm.push_weights(named, urls, **kw)
+    for url in urls:
+        rollout.post(url, "/flush_cache")
+    return stats
+
+
 class _EngineProcess:
     """A CPU engine in a process of its own (`python cpu_engine.py`), as Ray runs one: a broadcast group is one
     rank per process (torch registers a group's name once per process, as SGLang's TP ranks do). `flags`: more of
@@ -255,7 +266,7 @@ def test_each_transport_installs_the_weights(transport, tiny_model_dir, other_mo
         before, _, v0 = _engine_logprobs(url, prompt)
         assert v0 == "0"
         new = sorted(load_file(f"{other_model}/model.safetensors").items())
-        stats = tm.push_weights(new, [url], version=7, transport=transport, bucket_mb=0.05, config_dir=other_model)
+        stats = push_and_flush(new, [url], version=7, transport=transport, bucket_mb=0.05, config_dir=other_model)
         assert stats["weights/version"] == 7 and stats["weights/bytes"] >= sum(t.numel() * 4 for _, t in new)
         if transport != "disk":  # buckets, never one round-trip per parameter
             assert 1 < stats["weights/buckets"] < len(new)
@@ -300,6 +311,7 @@ def test_trainer_to_engine_sync_gives_equal_logprobs(ray_session, tiny_model_dir
         metrics = ray.get(w.train_step.remote(batch, 0))
         assert metrics["train/gap_max"] < 1e-4  # step 0: same weights on both sides
         ray.get(w.sync_weights.remote([url], 1))
+        rollout.post(url, "/flush_cache")  # as the controller does after a push: no prompt K/V of the old weights
         fresh = []  # the engine samples anew under the synced weights
         for t in batch:
             r = httpx.post(url + "/generate", json={"input_ids": t["prompt_ids"], "return_logprob": True,
@@ -339,16 +351,82 @@ def test_every_transport_reaches_every_engine(tiny_model_dir, other_model):
             assert max(abs(a - b) for a, b in zip(lps, _hf_logprobs(model_dir, prompt, out))) < 1e-5, url
 
     try:
-        stats = tm.push_weights(other, urls, version=3, transport="broadcast", bucket_mb=0.05)
+        stats = push_and_flush(other, urls, version=3, transport="broadcast", bucket_mb=0.05)
         assert stats["weights/buckets"] > 1
         check(other_model, 3)
-        tm.push_weights(tiny, urls, version=4, transport="shm", bucket_mb=0.05)
+        push_and_flush(tiny, urls, version=4, transport="shm", bucket_mb=0.05)
         check(tiny_model_dir, 4)
-        tm.push_weights(other, urls, version=5, transport="broadcast", bucket_mb=0.05)  # the group, reused
+        push_and_flush(other, urls, version=5, transport="broadcast", bucket_mb=0.05)  # the group, reused
         check(other_model, 5)
     finally:
         for e in started:
             e.shutdown()
+
+
+def test_a_new_engine_set_gets_a_new_broadcast_group_and_the_old_one_goes(tiny_model_dir, other_model):
+    """After an engine is re-created the broadcast push meets a new engine set. Its group gets a new name (torch,
+    and so the engine that stayed, refuses a second group of one name) and the old group is destroyed on the engine
+    that stayed, on the one replaced (still up here) and on this side, before the new one is built: the push lands
+    on both engines of the new set, each holding exactly the new group."""
+    from safetensors.torch import load_file
+    handles = [_EngineProcess(tiny_model_dir, seed=i) for i in range(3)]
+    a, b, c = [h.url for h in handles]
+    other = sorted(load_file(f"{other_model}/model.safetensors").items())
+
+    def groups(i):
+        return rollout.get(handles[i].url, "/server_info")["internal_states"][0]["weight_update_groups"]
+
+    try:
+        tm.push_weights(other, [a, b], version=1, transport="broadcast", bucket_mb=0.05)
+        first = groups(0)
+        assert len(first) == 1 and groups(1) == first
+        tm.push_weights(other, [a, c], version=2, transport="broadcast", bucket_mb=0.05)  # b was "re-created" as c
+        assert len(groups(0)) == 1 and groups(0) == groups(2) != first and groups(1) == []
+        assert [name for name, _ in tm._BROADCAST_GROUPS.values()] == groups(0)
+        assert [rollout.get(u, "/get_weight_version")["weight_version"] for u in (a, b, c)] == ["2", "1", "2"]
+    finally:
+        for handle in handles:
+            handle.shutdown()
+
+
+def test_no_kv_outlives_its_weights_across_the_controllers_update(tiny_model_dir, other_model):
+    """fleet.update_engines around a push, as sync_engines runs it. A prompt served before the update and sent
+    again after is computed on the new weights only, exactly as an engine started on them computes it (no prefix
+    of the old weights' K/V is reused); a request in flight across the update goes on over K/V the new weights
+    recomputed: its tokens after the update are the new model's greedy continuation of all it had before."""
+    import config
+    import fleet
+    from safetensors.torch import load_file
+    (url, handle), (ref_url, ref) = (cpu_engine.serve(m, max_batch=4, max_len=512, seed=0)
+                                     for m in (tiny_model_dir, other_model))
+    prompt = data.prompt_ids(data.load_tokenizer(tiny_model_dir), {"messages": [{"role": "user", "content": "12+7"}]})
+    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    try:
+        before = rollout.post(url, "/generate", {"input_ids": prompt, "sampling_params": greedy})
+        long = concurrent.futures.ThreadPoolExecutor(1).submit(rollout.post, url, "/generate", {
+            "input_ids": [3, 4, 5], "return_logprob": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}})
+        while not handle.engine.state()["num_running_reqs"]:
+            time.sleep(0.01)
+        cfg = config.Config()
+        f = fleet.Fleet(pg=None, plan={}, where=[], urls=[url])
+        fleet.update_engines(cfg, f, [url], lambda: tm.push_weights(
+            sorted(load_file(f"{other_model}/model.safetensors").items()), [url], version=1, transport="shm"))
+        after = rollout.post(url, "/generate", {"input_ids": prompt, "sampling_params": greedy, "return_logprob": True})
+        want = rollout.post(ref_url, "/generate", {"input_ids": prompt, "sampling_params": greedy,
+                                                   "return_logprob": True})
+        assert before["output_ids"] != after["output_ids"] == want["output_ids"]
+        lps = [[lp for lp, _, _ in x["meta_info"]["output_token_logprobs"]] for x in (after, want)]
+        assert max(abs(a - b) for a, b in zip(*lps)) <= 1e-5  # (its decode steps share a batch with `long`)
+        out = long.result(timeout=120)
+        k = out["meta_info"]["weight_versions"][0]["end"]
+        assert 0 < k < 400 and out["meta_info"]["weight_versions"][1] == {"version": "1", "start": k, "end": 400}
+        cont = rollout.post(ref_url, "/generate", {"input_ids": [3, 4, 5] + out["output_ids"][:k], "sampling_params": {
+            "temperature": 0, "max_new_tokens": 400 - k, "ignore_eos": True}})
+        assert out["output_ids"][k:] == cont["output_ids"]
+    finally:
+        handle.shutdown()
+        ref.shutdown()
 
 
 @pytest.fixture(scope="module")
