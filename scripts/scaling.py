@@ -20,7 +20,7 @@ For each (model, GPU count) one layout LoongSage accepts (each is validated by c
   push instead: there the sync adds t_sync to every step);
 * host memory per node: colocated trainers park their weights and optimizer shards in pinned host memory between
   phases (the grads are freed, not copied); the node of trainer rank 0 also stages the sync: the whole model
-  today (export_hf_weights gathers it there), two buckets once the sync streams (bucket_mb).
+  when the sync gathered it there, two buckets now that it streams (bucket_mb).
 
 Every number is a lower bound of time or memory under the stated rates: no latency, no overlap lost, no allocator
 slack, no activations beyond the layer inputs that full recomputation keeps.
@@ -153,7 +153,7 @@ def row(lay: dict) -> dict:
         "sync_share": t_sync / (t_train + t_sync) if lay["colocate"] else None,
         "staleness_to_hide": None if lay["colocate"] else math.ceil(t_sync / t_train),
         "host_gb_per_node": per_node_offload,
-        "host_gb_rank0_node_today": per_node_offload + sync_bytes / 1e9,
+        "host_gb_rank0_node_gathered": per_node_offload + sync_bytes / 1e9,
         "host_gb_rank0_node_streaming": per_node_offload + 2 * BUCKET_MB / 1e3,
     }
 
@@ -173,7 +173,7 @@ def markdown(rows: list[dict]) -> str:
             + " / ".join("yes" if ok else "no" for ok in r["fits"].values()) + " |")
     out += ["", "| model | GPUs | bytes per sync | at NVLink (450 GB/s) | at InfiniBand (50 GB/s) | train phase "
             "(MFU 0.25) | sync's share of the trainer's time (colocated) / staleness to hide it (separate nodes) | "
-            "host GB per node: trainers' offload; rank 0's node today / streaming |",
+            "host GB per node: trainers' offload; rank 0's node gathering the model / streaming (now) |",
             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         link = "NVLink" if r["colocate"] and r["gpus"] <= GPUS_PER_NODE else "InfiniBand"
@@ -181,7 +181,7 @@ def markdown(rows: list[dict]) -> str:
                 else f"{r['staleness_to_hide']} version(s) ({link})")
         out.append(f"| {r['model']} | {r['gpus']} | {r['sync_gb']:.1f} GB | {r['sync_s_nvlink']:.2f} s | "
                    f"{r['sync_s_ib']:.2f} s | {r['train_s']:.1f} s | {hide} | {r['host_gb_per_node']:.0f}; "
-                   f"{r['host_gb_rank0_node_today']:.0f} / {r['host_gb_rank0_node_streaming']:.0f} |")
+                   f"{r['host_gb_rank0_node_gathered']:.0f} / {r['host_gb_rank0_node_streaming']:.0f} |")
     return "\n".join(out)
 
 

@@ -172,7 +172,8 @@ def test_colocated_run_hands_memory_back_and_forth(ray_session, tmp_path):
         assert m["engines/restarts"] == 0  # no paused engine probed as dead, none ended by a resume it could not take
 
 
-def test_hand_off_reads_paused_engines_right_and_a_re_created_engine_joins_it(tmp_path, tiny_model_dir):
+def test_hand_off_reads_paused_engines_right_and_a_re_created_engine_joins_it(tmp_path, tiny_model_dir,
+                                                                           ray_session):
     """The controller's colocated hand-off against engines that do what SGLang does (Ray actors: one Megatron trainer,
     two CPU engines, AgentFlow). The probes of sync_engines read the paused engines, memory released, as alive: no
     engine is re-created but the one this test re-creates after the weight sync, as sync_engines re-creates a dead
@@ -184,8 +185,8 @@ def test_hand_off_reads_paused_engines_right_and_a_re_created_engine_joins_it(tm
     cfg = config.load_config(None, [f"model_path={tiny_model_dir}", "colocate=true", "num_engines=2",
                                     "trainer_workers=1", "engine_health_timeout=5", "engine_max_batch=8",
                                     "warmstart_steps=0", f"output_dir={tmp_path}"])
+    f = fleet.reserve(cfg)  # on the session's Ray; stopped below, the engines, trainer and router with it
     try:
-        f = fleet.reserve(cfg)
         f.model = tiny_model_dir
         flow = fleet.start_rollout(cfg, f)
         trainers = fleet.start_trainers(cfg, f)
@@ -205,4 +206,4 @@ def test_hand_off_reads_paused_engines_right_and_a_re_created_engine_joins_it(tm
             out = rollout.post(url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}})
             assert len(out["output_ids"]) == 3 and out["meta_info"]["weight_version"] == "1"
     finally:
-        ray.shutdown()
+        fleet.stop(f)

@@ -523,7 +523,8 @@ else:
     engine = cpu_engine.CpuEngine(sys.argv[2], max_batch=8, max_len=64)
 engine.start()
 engine.generate([[5, 6, 7, 8]] * 8, {"max_new_tokens": 4, "ignore_eos": True})
-print(len(os.listdir("/proc/self/task")))
+print(len(os.listdir("/proc/self/task")), flush=True)
+os._exit(0)  # the scheduler thread still runs: a normal interpreter exit can abort in C++ teardown ("terminate called")
 """
 
 

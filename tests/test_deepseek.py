@@ -257,6 +257,7 @@ def test_cpu_engine_matches_transformers_and_takes_weight_updates(ds_dir):
         for name in [n for n in new if ".mlp." in n or "kv_b_proj" in n]:
             new[name] = new[name] + 0.2 * torch.randn_like(new[name])
         handle.engine.load_weights(list(new.items()), version=1)
+        rollout.post(url, "/flush_cache", {})  # as the controller does after an update: no prefix K/V of old weights
         out = rollout.post(url, "/generate", {"input_ids": prompts[1], "sampling_params": sp, "return_logprob": True,
                                               "return_routed_experts": True})
         assert _check_engine(out, prompts[1], _hf_from(ds_dir, new)) <= 1e-5

@@ -251,7 +251,8 @@ def test_sync_sends_adapters_only_engine_matches_trainer_and_peft_round_trip(ray
                    global_batch_size=8, micro_batch_size=8)
     # the engine in a process of its own, as in a run: this process maps the trainer's shared memory here and
     # writes its own in other tests, which torch's shm manager table cannot do after the trainer exits
-    handle = EngineProcess(tiny_model_dir, 3, ["--enable-lora", "--max-lora-rank", "8"])
+    handle = EngineProcess(tiny_model_dir, 3, ["--enable-lora", "--max-lora-rank", "8",
+                                               "--enable-deterministic-inference"])  # sampling_seed is honoured
     url = handle.url
     ranks = Ranks(cfg, 1)
     try:
