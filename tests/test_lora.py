@@ -261,8 +261,8 @@ def test_sync_sends_adapters_only_engine_matches_trainer_and_peft_round_trip(ray
         prompts = [data.prompt_ids(tok, s) for s in data.arith_samples(2, 0)]
         batch = []
         for g, p in enumerate(prompts):
-            for i in range(4):
-                r = _generate(url, p).json()
+            for i in range(4):  # a seed each: under deterministic inference unseeded samples of a prompt are equal
+                r = _generate(url, p, sampling_seed=4 * g + i, ignore_eos=True).json()
                 n = len(r["output_ids"])
                 batch.append({"prompt_ids": p, "response_ids": r["output_ids"], "loss_mask": [1] * n,
                               "rollout_logprobs": [x[0] for x in r["meta_info"]["output_token_logprobs"]],
@@ -279,10 +279,10 @@ def test_sync_sends_adapters_only_engine_matches_trainer_and_peft_round_trip(ray
         # the engine with the new adapter gives the trainer's logprobs; without it, still the base model's
         fresh, plain = [], []
         for t in batch:
-            r = _generate(url, t["prompt_ids"], lora.adapter_name(1)).json()
+            r = _generate(url, t["prompt_ids"], lora.adapter_name(1), ignore_eos=True).json()  # t's 6 tokens long
             fresh.append({**t, "response_ids": r["output_ids"], "loss_mask": [1] * len(r["output_ids"]),
                           "rollout_logprobs": [x[0] for x in r["meta_info"]["output_token_logprobs"]]})
-            r = _generate(url, t["prompt_ids"]).json()
+            r = _generate(url, t["prompt_ids"], ignore_eos=True).json()
             plain.append({**t, "response_ids": r["output_ids"], "loss_mask": [1] * len(r["output_ids"]),
                           "rollout_logprobs": [x[0] for x in r["meta_info"]["output_token_logprobs"]]})
         [trainer_lp] = ranks.call("compute_logprobs", fresh)
