@@ -95,7 +95,11 @@ def sglang_server(tiny_model_dir):
             time.sleep(1)
     yield url
     proc.terminate()
-    proc.wait(timeout=60)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:  # a request still held by the faked scheduler link keeps uvicorn waiting
+        proc.kill()
+        proc.wait(timeout=20)
 
 
 def _loaded(url):
@@ -126,7 +130,8 @@ def test_pushed_weights_arrive_through_sglangs_app(transport, sglang_server, tin
     tm.continue_engines([sglang_server])
     got = _loaded(sglang_server)
     loads = got["loads"][before:]
-    assert len(loads) == stats["weights/buckets"] and got["pauses"][-1] == "in_place"
+    # disk: one shard written per bucket, one /update_weights_from_disk loading the directory
+    assert len(loads) == (1 if transport == "disk" else stats["weights/buckets"]) and got["pauses"][-1] == "in_place"
     arrived = {name: (dtype, shape, sha) for load in loads for name, dtype, shape, sha in load}
     assert arrived == {n: ("float32", list(t.shape), _digest(t)) for n, t in new}
     assert rollout.get(sglang_server, "/model_info")["weight_version"] == "11"
@@ -155,14 +160,15 @@ def test_the_colocated_hand_off_through_sglangs_app(sglang_server, tiny_model_di
             return {"rss_bytes": tm.rss_bytes()}
         trainers = [type("Trainer", (), {"onload": type("M", (), {"remote": staticmethod(mem.remote)}),
                                          "offload": type("M", (), {"remote": staticmethod(lambda tags: mem.remote())})})]
-        fl = fleet.Fleet(pg=None, plan={}, where=[], urls=[sglang_server])
+        fl = fleet.Fleet(pg=None, plan={}, where=[], urls=[sglang_server], released=[set()])
         for stage in ("train", "sync", "rollout"):
             fleet.colocate_hand_off(cfg, fl, None, trainers, stage)
     finally:
         ray.shutdown()
     paths = [p for _, p, _ in rec.sent]
-    assert paths == ["/pause_generation", "/release_memory_occupation", "/resume_memory_occupation",
-                     "/resume_memory_occupation", "/continue_generation"]
+    # each stage ends with a liveness probe, /server_info: what a paused SGLang answers at once (/health would wait)
+    assert paths == ["/pause_generation", "/release_memory_occupation", "/server_info", "/resume_memory_occupation",
+                     "/server_info", "/resume_memory_occupation", "/continue_generation", "/server_info"]
     assert _loaded(sglang_server)["pauses"][-1] == "retract"
     RECORDED.extend(rec.sent)
 
@@ -311,7 +317,7 @@ def test_every_endpoint_the_code_names_is_an_sglang_route():
         used |= {("POST", p) for p in re.findall(r'(?:_post|rollout\.post|engines)\([^)]*?"(/[a-z_]+)"', src)}
         used |= {("POST", p) for p in re.findall(r'\.post\(f"\{[^}]+\}(/[a-z_]+)"', src)}
         used |= {("GET", p) for p in re.findall(r'\.get\(f"\{[^}]+\}(/[a-z_]+)"', src)}
-    assert {("GET", "/health"), ("POST", "/generate"), ("GET", "/get_server_info")} <= used, used
+    assert {("GET", "/health"), ("POST", "/generate"), ("GET", "/server_info")} <= used, used
     missing = [(m, p) for m, p in sorted(used) if _route(app, m, p) is None]
     assert not missing, f"not routes of SGLang 0.5.23 with that method: {missing}"
 
