@@ -15,10 +15,12 @@ because there is no GPU is in cpu.py):
   `stream_full` = the full tensors one at a time for the weight sync; the policy, the frozen reference, the critic
   and teacher.py's skeletons are one each),
   `Optim` (AdamW, lr, clipping, step count of one trained Model),
-  `Critic` (advantage: gae: a Model with a `ValueHead` in place of the LM head, its own Optim);
+  `Critic` (advantage: gae: a Model with a `ValueHead` in place of the LM head, its own Optim),
+  `HandOff` (the colocated memory hand-off: `offload` / `onload` of weights, optimizer state and grads),
+  `Export` (the policy's weights out: streamed under HF names, the weight sync for TransferMesh, HF save);
 * `TrainerWorker`: load, `train_step` (the RL step: old/ref logprobs, advantages, mini-batch policy updates, the
-  critic's updates, gap metrics), `distill_step`, `sft_step`, weight export for TransferMesh, HF save,
-  checkpoints, `offload` / `onload` of weights, optimizer state and grads for the colocated memory hand-off.
+  critic's updates, gap metrics), `distill_step`, `sft_step`, checkpoints, and the methods the controller calls on
+  the rooms above.
 
 Batches are padded, not packed: each micro-batch is a right-padded (B, T) tensor of prompt+response ids.
 With right padding a causal mask alone is exact (real tokens never see the pads after them), so the
@@ -1076,11 +1078,6 @@ class Optim:
                     p.copy_(saved)
 
 
-def _storage_bytes(storage) -> torch.Tensor:
-    """A uint8 tensor over all of `storage` (an untyped storage), on its device."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
 # ----------------------------------------------------------------------------------------------
 # the critic (advantage: gae)
 
@@ -1163,6 +1160,195 @@ class Critic:
 
 
 # ----------------------------------------------------------------------------------------------
+# the colocated memory hand-off
+
+
+def _storage_bytes(storage) -> torch.Tensor:
+    """A uint8 tensor over all of `storage` (an untyped storage), on its device."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class HandOff:
+    """COLOCATED: the memory a rank lends the engines. Between its phases a colocated trainer gives memory to the
+    engines on the same GPUs (fleet.colocate_hand_off): after the step its optimizer state and gradients, after the
+    weight sync its weights; all come back before the next step. Tags: "weights" (the policy's, the critic's and the
+    frozen reference's parameters), "optimizer" (Adam's moments and, on CUDA, Megatron's fp32 master weights),
+    "grads" (DDP's gradient buffers: zero between steps, so nothing is kept, and their storage is resized to zero and
+    back, so every param.main_grad view stays valid). Weights and optimizer tensors keep their identity (the
+    optimizer and DDP hold them): on CUDA their storages' bytes go to pinned host memory and the storages are resized
+    to zero and back (one entry per storage, so under the distributed optimizer DDP's parameter buffer, which every
+    parameter views, goes as one); on CPU their `.data` is swapped for a file in output_dir/offload
+    (cpu.offload_to_file), so the bytes really leave this process."""
+
+    TAGS = ("weights", "optimizer", "grads")
+
+    def __init__(self, par: Parallel, output_dir: str, models=(), optims=()):
+        """`models`: every model of the rank (their weights); `optims`: the trained models' optimizers (their state,
+        and their models' gradients). None of either: nothing to hand off (before TrainerWorker.load_hf)."""
+        self.par, self.output_dir = par, output_dir
+        self.models, self.optims = list(models), list(optims)
+        self.offloaded: dict[str, tuple] = {}  # tag -> (freed storages, file) while offloaded
+
+    def tensors(self, tag: str) -> list[torch.Tensor]:
+        if tag == "weights":
+            tensors = [p for m in self.models for p in m.module.parameters()]
+        elif tag == "optimizer":
+            tensors = [t for o in self.optims for t in o.tensors()]
+        elif tag == "grads":
+            tensors = [b.grad_data for o in self.optims
+                       for b in list(o.model.module.buffers) + list(o.model.module.expert_parallel_buffers)]
+        else:
+            raise ValueError(f"offload tag {tag!r}: choose from {self.TAGS}")
+        unique = {t.untyped_storage().data_ptr(): t for t in tensors if t.numel() > 0}
+        return list(unique.values())
+
+    def offload(self, tags: list[str]) -> dict:
+        """Free the memory of `tags` (see the class); returns this rank's memory afterwards (`memory`)."""
+        for tag in tags:
+            if tag in self.offloaded:
+                continue
+            tensors = self.tensors(tag)
+            path = Path(self.output_dir) / "offload" / f"rank{self.par.rank}_{tag}.bin"
+            if tag == "grads":
+                entries = [(t, t.untyped_storage().nbytes()) for t in tensors]
+                for t, _ in entries:
+                    t.untyped_storage().resize_(0)
+            elif self.par.on_cpu:
+                entries = cpu.offload_to_file(tensors, path)
+            else:  # each storage's bytes to pinned host memory, then the storage emptied: every tensor viewing it
+                # (under the distributed optimizer, every parameter views DDP's parameter buffer) stays valid
+                entries = []
+                for t in tensors:
+                    storage = t.untyped_storage()
+                    entries.append((storage, torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
+                                    .copy_(_storage_bytes(storage))))
+                    storage.resize_(0)
+            self.offloaded[tag] = (entries, path)
+        if "weights" in tags:
+            transfermesh.release_shm()  # the weight-sync staging segment is a further copy of the weights
+        if not self.par.on_cpu:
+            torch.cuda.empty_cache()  # the caching allocator would keep the freed blocks from the engines
+        transfermesh.trim_freed_memory()
+        return self.memory()
+
+    def onload(self, tags: list[str] | None = None) -> dict:
+        """Bring back what `offload` freed (all tags by default); a no-op for tags that are resident."""
+        for tag in list(self.offloaded) if tags is None else [t for t in tags if t in self.offloaded]:
+            entries, path = self.offloaded.pop(tag)
+            if tag == "grads":
+                for t, nbytes in entries:
+                    t.untyped_storage().resize_(nbytes)
+                    t.zero_()
+            elif self.par.on_cpu:
+                cpu.onload_from_file(entries, path)
+            else:
+                for storage, host in entries:
+                    storage.resize_(host.numel())
+                    _storage_bytes(storage).copy_(host, non_blocking=True)
+        return self.memory()
+
+    def memory(self) -> dict:
+        """This rank's memory: resident bytes of the process; on CUDA also the device memory torch holds and the
+        whole device's used memory (which shows colocated engines releasing theirs)."""
+        out = {"rss_bytes": transfermesh.rss_bytes()}
+        if not self.par.on_cpu:
+            free, total = torch.cuda.mem_get_info()
+            out.update(cuda_allocated_bytes=torch.cuda.memory_allocated(), gpu_used_bytes=total - free)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the policy's weights out: to the engines, to HF directories
+
+
+class Export:
+    """The trained policy's weights leaving the rank: streamed under their HF names (`hf_weights`), pushed to the
+    rollout engines (`sync`, TransferMesh) and written as an HF directory (`save_hf`). With LoRA a sync sends the
+    adapters alone (`adapters`), and the HF directory is the merged model, beside it a PEFT adapter directory."""
+
+    def __init__(self, cfg, policy: Model, hf_path: str, hf_config, peft: dict | None, full_bytes: int,
+                 hand_off: HandOff):
+        """`hf_path`, `hf_config`: the HF directory the policy was built from (its config and tokenizer files go
+        with every sync and HF directory); `peft`: LoRA's PEFT config (lora.peft_config), None without LoRA;
+        `full_bytes`: the full weights' size, what a sync without LoRA moves (weights/full_bytes)."""
+        self.cfg, self.par, self.policy, self.hand_off = cfg, policy.par, policy, hand_off
+        self.hf_path, self.hf_config, self.peft, self.full_bytes = str(hf_path), hf_config, peft, full_bytes
+
+    def hf_weights(self):
+        """HF-named full tensors on rank 0's device, one Megatron tensor's worth at a time (Model.stream_full, renamed
+        by convert.megatron_to_hf_tensor); nothing is yielded elsewhere. Every rank must drain it at once."""
+        self.hand_off.onload(["weights"])  # colocated: a re-created engine may need them while they are offloaded
+        for name, t in self.policy.stream_full():
+            yield from convert.megatron_to_hf_tensor(name, t, self.hf_config)
+
+    def adapters(self) -> dict[str, torch.Tensor]:
+        """LoRA: every adapter matrix, full (TP shards gathered), by its PEFT name, on rank 0; {} elsewhere and
+        without LoRA. Every rank must call it (the TP gather)."""
+        if not self.peft or self.par.dp_rank != 0:  # another data-parallel replica holds the same adapters
+            return {}
+        self.hand_off.onload(["weights"])
+        return lora.gather(self.policy.gpt, self.par.tp_group if self.par.tp_size > 1 else None, self.par.rank == 0)
+
+    def sync(self, engine_urls: list[str], version: int, base: bool = False) -> dict:
+        """Push the current weights to the rollout engines as `version`, bucket by bucket as they are gathered (rank
+        0 sends; the others take part in each bucket's gather). With LoRA only the adapters travel, as the engines'
+        adapter lora.adapter_name(version); `base` also sends the frozen base weights first (the engines started
+        from another checkpoint: a warm start, a resume). Returns rank 0's `weights/` metrics, with the peak extra
+        resident memory of the sync in this process (`weights/peak_extra_mb`: about a bucket plus twice the largest
+        gathered tensor, never the model); with LoRA also weights/full_bytes, what a full sync would move."""
+        full = base or not self.peft
+        stream = self.hf_weights() if full else iter(())
+        adapters = self.adapters()
+        if self.par.rank != 0:
+            for _ in stream:  # the collectives of every tensor's gather
+                pass
+            return {}
+        # SGLang engines run with tensor parallel size tp_size (cfg.gpus_per_engine unless cfg.sglang sets it);
+        # the CPU engine is one rank
+        sglang = self.cfg.engine == "sglang" or (self.cfg.engine == "auto" and torch.cuda.is_available())
+        tp = int((self.cfg.sglang or {}).get("tp_size") or self.cfg.gpus_per_engine) if sglang else 1
+        engines = [(u, tp) for u in engine_urls]
+        before = transfermesh.rss_bytes()  # freed heap the process keeps is reused first: that costs the node nothing
+        transfermesh.reset_peak_rss()
+        stats = {}
+        try:
+            if full:
+                stats = transfermesh.push_weights(stream, engines, version, transport=self.cfg.transfer,
+                                                  bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path)
+        finally:
+            for _ in stream:  # a failed push: the other ranks still wait in the remaining gathers
+                pass
+        if self.peft:  # LoRA: the adapters alone, loaded as a new adapter of the engines (SGLang's LoRA endpoints)
+            sent = transfermesh.push_adapter(adapters, self.peft, engines, version, lora.adapter_name(version),
+                                             transport=self.cfg.transfer)
+            for key in ("weights/bytes", "weights/buckets", "weights/seconds"):  # + the base, when it went too
+                sent[key] += stats.get(key, 0)
+            sent["weights/gbps"] = sent["weights/bytes"] / max(sent["weights/seconds"], 1e-9) / 1e9
+            stats = {**sent, "weights/full_bytes": self.full_bytes}
+        stats["weights/peak_extra_mb"] = max(transfermesh.peak_rss_bytes() - before, 0) / 2**20
+        return stats
+
+    def save_hf(self, path: str, adapter_path: str | None = None, shard_mb: float = 5 * 1024) -> str:
+        """Write an HF model directory (safetensors shards of at most `shard_mb` each, unless one tensor is larger,
+        and the source dir's config and tokenizer files), shard by shard as the weights are gathered: rank 0 holds
+        one shard at a time. With LoRA the adapters are merged in tensor by tensor (W + scale B A), and
+        `adapter_path` gets them as a PEFT adapter directory on the base this run started from (lora.save_peft)."""
+        adapters = self.adapters()
+        stream = self.hf_weights()
+        if self.par.rank == 0:
+            named = stream
+            if adapters:
+                named = lora.merge(stream, adapters, float(self.cfg.lora_alpha) / int(self.cfg.lora_rank))
+                if adapter_path:
+                    lora.save_peft(adapters, self.peft, adapter_path)
+            convert.save_hf_dir(named, path, self.hf_path, shard_bytes=int(shard_mb * 2**20))
+        for _ in stream:
+            pass
+        torch.distributed.barrier()
+        return str(path)
+
+
+# ----------------------------------------------------------------------------------------------
 # the worker
 
 
@@ -1171,8 +1357,9 @@ class TrainerWorker:
     and calls every method on all ranks at once; collectives inside pair them up.
 
     Its parts: `par` (this rank in the layout), `policy` (the trained Model) with `optim`, `ref` (the frozen
-    reference, when a KL term needs one), `critic` (advantage: gae). Rank 0 streams the gathered weights to the
-    engines and writes HF files; metrics are identical on every rank (pipeline stages get the last stage's).
+    reference, when a KL term needs one), `critic` (advantage: gae), `export` (the policy's weights out: rank 0
+    streams the gathered weights to the engines and writes HF files), `hand_off` (colocated: the memory lent to the
+    engines between phases). Metrics are identical on every rank (pipeline stages get the last stage's).
 
     LoRA (cfg.lora_rank > 0, lora.py): the policy's (and the critic's) base weights are frozen and only the adapters
     are in the optimizer; the reference is the policy with its adapters off (no second model); a weight sync sends
@@ -1182,12 +1369,11 @@ class TrainerWorker:
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
         self.cfg = cfg
         self.par = Parallel(cfg, rank, world_size, master_addr, master_port)
-        self.policy = self.optim = self.ref = self.critic = None  # built by load_hf
-        self.offloaded: dict[str, tuple] = {}  # tag -> (freed storages, file) while offloaded (colocated hand-off)
+        self.policy = self.optim = self.ref = self.critic = self.export = None  # built by load_hf
+        self.hand_off = HandOff(self.par, cfg.output_dir)  # holds no model until load_hf
         self.borrowed: cpu.BorrowedCores | None = None  # borrow_cores
         self.teacher_heads: dict[str, torch.Tensor] = {}  # set_teacher_heads
         self.lora: dict | None = None  # LoRA: the adapters' PEFT config (lora.peft_config), set by load_hf
-        self.full_bytes = 0  # bytes of the full weights (what a sync without LoRA moves), for weights/full_bytes
 
     # --- model, optimizer, reference, critic ------------------------------------------------------------
 
@@ -1201,16 +1387,16 @@ class TrainerWorker:
         adapters on a frozen base and no reference copy (`_reference_logp` switches the adapters off instead).
         """
         cfg, par = self.cfg, self.par
-        self.hf_path = str(path)
-        self.policy = self.optim = self.ref = self.critic = None  # free a previous model before building the next
-        self.offloaded = {}
+        # free a previous model before building the next
+        self.policy = self.optim = self.ref = self.critic = self.export = None
+        self.hand_off = HandOff(par, cfg.output_dir)
         self.hf_config = convert.read_hf_config(path)
         tcfg, model_kwargs = convert.megatron_config(self.hf_config, cfg, par.on_cpu)
         if tcfg.moe_enable_routing_replay:  # Megatron keeps every RouterReplay ever built in a class-level list:
             from megatron.core.transformer.moe.router_replay import RouterReplay  # forget the previous models'
             RouterReplay.clear_global_router_replay_instances()
         full = convert.hf_to_megatron(convert.load_hf_state(path), self.hf_config)
-        self.full_bytes = sum(t.numel() * t.element_size() for t in full.values())
+        full_bytes = sum(t.numel() * t.element_size() for t in full.values())  # what a sync without LoRA moves
         self.policy = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, fp32_lm_head=cfg.fp32_lm_head)
         self.policy.load(full)
         self.lora = lora.peft_config(cfg, path) if cfg.lora_rank and lr is None else None
@@ -1224,6 +1410,9 @@ class TrainerWorker:
             self.ref.gpt.requires_grad_(False).eval()
         if cfg.advantage == "gae" and lr is None:
             self.critic = Critic(par, cfg, tcfg, model_kwargs, full, self.hf_config)
+        self.hand_off = HandOff(par, cfg.output_dir, self._models(),
+                                [self.optim] + ([self.critic.optim] if self.critic is not None else []))
+        self.export = Export(cfg, self.policy, path, self.hf_config, self.lora, full_bytes, self.hand_off)
         self._hook_layers()
         fast = (f"layer spec {convert.layer_spec(cfg, par.on_cpu)}, distributed optimizer "
                 f"{'on' if self.policy.distributed_optimizer else 'off'}, sequence parallel "
@@ -1510,85 +1699,27 @@ class TrainerWorker:
         """The experts the policy's routers dispatched each token of `batch` to (Model.routing_used; R3 tests)."""
         return self.policy.routing_used(batch)
 
-    # --- weights out --------------------------------------------------------------------------------
-
-    def hf_weights(self):
-        """HF-named full tensors on rank 0's device, one Megatron tensor's worth at a time (Model.stream_full, renamed
-        by convert.megatron_to_hf_tensor); nothing is yielded elsewhere. Every rank must drain it at once."""
-        self.onload(["weights"])  # colocated: a re-created engine may need them while they are offloaded
-        for name, t in self.policy.stream_full():
-            yield from convert.megatron_to_hf_tensor(name, t, self.hf_config)
+    # --- weights out (Export) ---------------------------------------------------------------------------
 
     def export_hf_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Every HF-named tensor (CPU) in one list on rank 0, [] elsewhere: for tests and tools that compare whole
-        models; the weight sync and save_hf stream instead (`hf_weights`). Every rank must call it."""
-        return [(name, t.detach().cpu().clone()) for name, t in self.hf_weights()]
+        models; the weight sync and save_hf stream instead (`Export.hf_weights`). Every rank must call it."""
+        return [(name, t.detach().cpu().clone()) for name, t in self.export.hf_weights()]
 
     def export_adapters(self) -> dict[str, torch.Tensor]:
-        """LoRA: every adapter matrix, full (TP shards gathered), by its PEFT name, on rank 0; {} elsewhere and
-        without LoRA. Every rank must call it (the TP gather)."""
-        if not self.lora or self.par.dp_rank != 0:  # another data-parallel replica holds the same adapters
-            return {}
-        self.onload(["weights"])
-        return lora.gather(self.policy.gpt, self.par.tp_group if self.par.tp_size > 1 else None, self.par.rank == 0)
+        """LoRA: every adapter matrix, full, by its PEFT name, on rank 0; {} elsewhere and without LoRA
+        (Export.adapters; for tests). Every rank must call it."""
+        return self.export.adapters()
 
     def sync_weights(self, engine_urls: list[str], version: int, base: bool = False) -> dict:
-        """Push the current weights to the rollout engines as `version`, bucket by bucket as they are gathered (rank
-        0 sends; the others take part in each bucket's gather). With LoRA only the adapters travel, as the engines'
-        adapter lora.adapter_name(version); `base` also sends the frozen base weights first (the engines started
-        from another checkpoint: a warm start, a resume). Returns rank 0's `weights/` metrics, with the peak extra
-        resident memory of the sync in this process (`weights/peak_extra_mb`: about a bucket plus twice the largest
-        gathered tensor, never the model); with LoRA also weights/full_bytes, what a full sync would move."""
-        full = base or not self.lora
-        stream = self.hf_weights() if full else iter(())
-        adapters = self.export_adapters()
-        if self.par.rank != 0:
-            for _ in stream:  # the collectives of every tensor's gather
-                pass
-            return {}
-        # SGLang engines run with tensor parallel size tp_size (cfg.gpus_per_engine unless cfg.sglang sets it);
-        # the CPU engine is one rank
-        sglang = self.cfg.engine == "sglang" or (self.cfg.engine == "auto" and torch.cuda.is_available())
-        tp = int((self.cfg.sglang or {}).get("tp_size") or self.cfg.gpus_per_engine) if sglang else 1
-        engines = [(u, tp) for u in engine_urls]
-        before = transfermesh.rss_bytes()  # freed heap the process keeps is reused first: that costs the node nothing
-        transfermesh.reset_peak_rss()
-        stats = {}
-        try:
-            if full:
-                stats = transfermesh.push_weights(stream, engines, version, transport=self.cfg.transfer,
-                                                  bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path)
-        finally:
-            for _ in stream:  # a failed push: the other ranks still wait in the remaining gathers
-                pass
-        if self.lora:  # LoRA: the adapters alone, loaded as a new adapter of the engines (SGLang's LoRA endpoints)
-            sent = transfermesh.push_adapter(adapters, self.lora, engines, version, lora.adapter_name(version),
-                                             transport=self.cfg.transfer)
-            for key in ("weights/bytes", "weights/buckets", "weights/seconds"):  # + the base, when it went too
-                sent[key] += stats.get(key, 0)
-            sent["weights/gbps"] = sent["weights/bytes"] / max(sent["weights/seconds"], 1e-9) / 1e9
-            stats = {**sent, "weights/full_bytes": self.full_bytes}
-        stats["weights/peak_extra_mb"] = max(transfermesh.peak_rss_bytes() - before, 0) / 2**20
-        return stats
+        """Push the current weights to the rollout engines as `version` (Export.sync); returns rank 0's `weights/`
+        metrics. Every rank must call it."""
+        return self.export.sync(engine_urls, version, base)
 
     def save_hf(self, path: str, adapter_path: str | None = None, shard_mb: float = 5 * 1024) -> str:
-        """Write an HF model directory (safetensors shards of at most `shard_mb` each, unless one tensor is larger,
-        and the source dir's config and tokenizer files), shard by shard as the weights are gathered: rank 0 holds
-        one shard at a time. With LoRA the adapters are merged in tensor by tensor (W + scale B A), and
-        `adapter_path` gets them as a PEFT adapter directory on the base this run started from (lora.save_peft)."""
-        adapters = self.export_adapters()
-        stream = self.hf_weights()
-        if self.par.rank == 0:
-            named = stream
-            if adapters:
-                named = lora.merge(stream, adapters, float(self.cfg.lora_alpha) / int(self.cfg.lora_rank))
-                if adapter_path:
-                    lora.save_peft(adapters, self.lora, adapter_path)
-            convert.save_hf_dir(named, path, self.hf_path, shard_bytes=int(shard_mb * 2**20))
-        for _ in stream:
-            pass
-        torch.distributed.barrier()
-        return str(path)
+        """Write an HF model directory, with LoRA also a PEFT adapter directory (Export.save_hf). Every rank must
+        call it."""
+        return self.export.save_hf(path, adapter_path, shard_mb)
 
     # --- checkpoints --------------------------------------------------------------------------------
 
@@ -1644,87 +1775,19 @@ class TrainerWorker:
         restore_rng_states(state["rng"], par.on_cpu)
         return self.optim.steps
 
-    # --- colocated memory hand-off ---------------------------------------------------------------------
-    # Between its phases a colocated trainer gives memory to the engines on the same GPUs (fleet.colocate_hand_off):
-    # after the step its optimizer state and gradients, after the weight sync its weights; all come back before the
-    # next step. Tags: "weights" (the policy's, the critic's and the frozen reference's parameters), "optimizer"
-    # (Adam's moments and, on CUDA, Megatron's fp32 master weights), "grads" (DDP's gradient buffers: zero between
-    # steps, so nothing is kept, and their storage is resized to zero and back, so every param.main_grad view stays
-    # valid). Weights and optimizer tensors keep their identity (the optimizer and DDP hold them): on CUDA their
-    # storages' bytes go to pinned host memory and the storages are resized to zero and back (one entry per storage,
-    # so under the distributed optimizer DDP's parameter buffer, which every parameter views, goes as one); on CPU
-    # their `.data` is swapped for a file in output_dir/offload (cpu.offload_to_file), so the bytes really leave
-    # this process.
-
-    OFFLOAD_TAGS = ("weights", "optimizer", "grads")
-
-    def _offload_tensors(self, tag: str) -> list[torch.Tensor]:
-        trained = [m for m in (self.policy, self.critic and self.critic.model) if m is not None]
-        if tag == "weights":
-            tensors = [p for m in self._models() for p in m.module.parameters()]
-        elif tag == "optimizer":
-            tensors = [t for o in (self.optim, self.critic and self.critic.optim) if o is not None for t in o.tensors()]
-        elif tag == "grads":
-            tensors = [b.grad_data for m in trained
-                       for b in list(m.module.buffers) + list(m.module.expert_parallel_buffers)]
-        else:
-            raise ValueError(f"offload tag {tag!r}: choose from {self.OFFLOAD_TAGS}")
-        unique = {t.untyped_storage().data_ptr(): t for t in tensors if t.numel() > 0}
-        return list(unique.values())
+    # --- colocated memory hand-off (HandOff) ---------------------------------------------------------
 
     def offload(self, tags: list[str]) -> dict:
-        """Free the memory of `tags` (see above); returns this rank's memory afterwards (`memory`)."""
-        for tag in tags:
-            if tag in self.offloaded:
-                continue
-            tensors = self._offload_tensors(tag)
-            path = Path(self.cfg.output_dir) / "offload" / f"rank{self.par.rank}_{tag}.bin"
-            if tag == "grads":
-                entries = [(t, t.untyped_storage().nbytes()) for t in tensors]
-                for t, _ in entries:
-                    t.untyped_storage().resize_(0)
-            elif self.par.on_cpu:
-                entries = cpu.offload_to_file(tensors, path)
-            else:  # each storage's bytes to pinned host memory, then the storage emptied: every tensor viewing it
-                # (under the distributed optimizer, every parameter views DDP's parameter buffer) stays valid
-                entries = []
-                for t in tensors:
-                    storage = t.untyped_storage()
-                    entries.append((storage, torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
-                                    .copy_(_storage_bytes(storage))))
-                    storage.resize_(0)
-            self.offloaded[tag] = (entries, path)
-        if "weights" in tags:
-            transfermesh.release_shm()  # the weight-sync staging segment is a further copy of the weights
-        if not self.par.on_cpu:
-            torch.cuda.empty_cache()  # the caching allocator would keep the freed blocks from the engines
-        transfermesh.trim_freed_memory()
-        return self.memory()
+        """Free the memory of `tags` (HandOff.TAGS); returns this rank's memory afterwards (`memory`)."""
+        return self.hand_off.offload(tags)
 
     def onload(self, tags: list[str] | None = None) -> dict:
         """Bring back what `offload` freed (all tags by default); a no-op for tags that are resident."""
-        for tag in list(self.offloaded) if tags is None else [t for t in tags if t in self.offloaded]:
-            entries, path = self.offloaded.pop(tag)
-            if tag == "grads":
-                for t, nbytes in entries:
-                    t.untyped_storage().resize_(nbytes)
-                    t.zero_()
-            elif self.par.on_cpu:
-                cpu.onload_from_file(entries, path)
-            else:
-                for storage, host in entries:
-                    storage.resize_(host.numel())
-                    _storage_bytes(storage).copy_(host, non_blocking=True)
-        return self.memory()
+        return self.hand_off.onload(tags)
 
     def memory(self) -> dict:
-        """This rank's memory: resident bytes of the process; on CUDA also the device memory torch holds and the
-        whole device's used memory (which shows colocated engines releasing theirs)."""
-        out = {"rss_bytes": transfermesh.rss_bytes()}
-        if not self.par.on_cpu:
-            free, total = torch.cuda.mem_get_info()
-            out.update(cuda_allocated_bytes=torch.cuda.memory_allocated(), gpu_used_bytes=total - free)
-        return out
+        """This rank's memory (HandOff.memory)."""
+        return self.hand_off.memory()
 
     def shutdown(self) -> None:
         self.par.shutdown()

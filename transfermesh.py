@@ -300,7 +300,7 @@ def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: lis
                  transport: str = "auto", bucket_mb: float = 64, config_dir: str | None = None) -> dict:
     """Send all weights to every engine in buckets inside one weight-update session per engine; the last
     bucket sets the engines' weight version. `engines`: urls, or (url, tp_size) pairs. `named_tensors` is read
-    once, lazily: a generator that gathers each tensor when asked (TrainerWorker.hf_weights) is never held whole,
+    once, lazily: a generator that gathers each tensor when asked (trainer.Export.hf_weights) is never held whole,
     only the bucket in hand.
 
     Does not pause: call `pause_engines` before and `continue_engines` after (the controller does, in train()).
