@@ -6,8 +6,8 @@ calls a GPU run makes. The contract both engines serve (fields, logprob semantic
 memory tags, routed experts) is written down once, in rollout.py's docstring; this file is how the CPU engine meets it.
 
 Reading order: requests and sampling parameters (`SamplingParams`, `parse_sampling_params`, `Req`); the forward
-pass's helpers; `ModelRunner` (the model and its KV cache); `CpuEngine` (the scheduler); `sample`; the HTTP server
-(`build_app`, `serve`).
+pass's helpers; `ModelRunner` (the model and its KV cache); `PrefixCache` (the KV slots and the prefix cache over
+them); `CpuEngine` (the scheduler); `sample`; the HTTP server (`build_app`, `serve`).
 
 * `ModelRunner` (SGLang's name for the part that owns the model): the transformers model and a preallocated slot KV
   cache of shape (layers, slots, kv_heads, max_len, head_dim). The forward pass reuses the model's own modules and
@@ -23,7 +23,8 @@ pass's helpers; `ModelRunner` (the model and its KV cache); `CpuEngine` (the sch
   arrive and leave as they finish, each in a KV slot of its own. Weight loads, pauses and memory release are applied
   between two steps, so every step runs under one set of weights. A finished (or retracted) request leaves its K/V in
   its slot for later requests that start with the same tokens under the same LoRA adapter: SGLang's radix cache, one
-  entry per slot, the least recently used given up when a slot is needed (`--disable-radix-cache` turns it off).
+  entry per slot, the least recently used given up when a slot is needed (`PrefixCache`; `--disable-radix-cache`
+  turns it off).
 * Weight updates as SGLang 0.5.23 takes them: `/update_weights_from_tensor` and `/update_weights_from_distributed`
   are refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine
   reads `serialized_named_tensors[0]` (it is TP rank 0 of one): SGLang's payload, base64 of a pickle that its
@@ -849,6 +850,75 @@ class ModelRunner:
 
 
 # ----------------------------------------------------------------------------------------------
+# the KV slots and the prefix cache
+
+
+class PrefixCache:
+    """Which KV slot of the runner's cache is free, and what finished requests left in the others: SGLang's radix
+    cache, one entry per slot. A finished (or retracted) request leaves its K/V in its slot for later requests that
+    start with the same tokens under the same LoRA adapter; a slot comes from the free ones, else from the least
+    recently used entry. Disabled (--disable-radix-cache), a finished request's slot is freed at once. It runs on the
+    scheduler thread, as everything CpuEngine owns does."""
+
+    def __init__(self, slots: int, max_len: int, enabled: bool):
+        self.enabled = enabled
+        self.free = list(range(slots))
+        # slot -> (routed experts of its cached rows or None, their LoRA adapter or None), least recently used first;
+        # the token ids whose K/V a cached slot holds are row `slot` of `ids`, -1 past them (no token id matches -1)
+        self.entries: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self.ids = torch.full((slots, max_len), -1, dtype=torch.long)  # (slots, max_len)
+
+    def match(self, context: list[int], routed: bool, adapter) -> tuple[int | None, int]:
+        """(cached slot, n): the slot whose K/V rows [0, n) were computed for context[:n], n the longest such (at
+        most len(context) - 1: the last token is always run, for its logits); (None, 0) when none. `routed`: the
+        request returns routed experts, so only slots that kept theirs can serve it. Only rows computed under the
+        request's LoRA adapter (or none) match: SGLang keys its radix cache by the adapter (schedule_batch.py Req,
+        lora_id in extra_key)."""
+        slots = [s for s, (r, a) in self.entries.items() if a is adapter and (r is not None or not routed)]
+        n = len(context) - 1
+        if not slots or n < 1:
+            return None, 0
+        slots_t = torch.tensor(slots)
+        same = self.ids[slots_t, :n] == torch.tensor(context[:n])                       # (E, n)
+        hits = same.cumprod(dim=1).sum(dim=1)                                           # (E,) common prefix lengths
+        best = int(hits.argmax())
+        return (slots[best], int(hits[best])) if int(hits[best]) > 0 else (None, 0)
+
+    def take_slot(self, keep: int | None = None) -> int:
+        """A free slot, else the least recently used cached one other than `keep` (dropped from the cache); -1 when
+        every slot runs a request or is `keep`."""
+        if self.free:
+            return self.free.pop(0)
+        victim = next((s for s in self.entries if s != keep), None)
+        if victim is None:
+            return -1
+        del self.entries[victim]
+        return victim
+
+    def free_slot(self, slot: int) -> None:
+        if slot >= 0:
+            self.free.append(slot)
+            self.free.sort()  # lowest slots first keeps the running set contiguous (cache read as a view)
+
+    def keep(self, req: Req) -> None:
+        """req's slot, rows [0, kv_len), becomes a prefix-cache entry (SGLang inserts a finished request's tokens
+        into its radix tree); without the cache the slot is freed."""
+        if not self.enabled or req.kv_len == 0:
+            self.free_slot(req.slot)
+            return
+        self.ids[req.slot] = -1
+        self.ids[req.slot, :req.kv_len] = torch.tensor((req.prompt_ids + req.output_ids)[:req.kv_len])
+        # (routed experts (kv_len, L, K) or None, the adapter that computed the rows)
+        self.entries[req.slot] = (torch.cat(req.routed)[:req.kv_len] if req.routed else None, req.adapter)
+
+    def flush(self) -> None:
+        """Drop every entry; their slots are free again (the caller checks that nothing runs)."""
+        for slot in list(self.entries):
+            self.free_slot(slot)
+        self.entries.clear()
+
+
+# ----------------------------------------------------------------------------------------------
 # the scheduler
 
 
@@ -894,12 +964,7 @@ class CpuEngine:
         self.weight_version = str(weight_version)
         self.uniforms = torch.zeros(self.max_batch, self.max_len)  # (slots, max_len) running requests' draws
         self.deterministic = bool(enable_deterministic_inference)
-        self.radix_cache = not disable_radix_cache
-        # the prefix cache: slot -> (routed experts of its cached rows or None, their LoRA adapter or None), least
-        # recently used first; the token ids whose K/V a cached slot holds are row `slot` of _cache_ids, -1 past them
-        # (no token id matches -1)
-        self._cache: collections.OrderedDict[int, tuple] = collections.OrderedDict()
-        self._cache_ids = torch.full((self.max_batch, self.max_len), -1, dtype=torch.long)  # (slots, max_len)
+        self.cache = PrefixCache(self.max_batch, self.max_len, enabled=not disable_radix_cache)  # the KV slots
         self.offload_tags: set[str] = set()  # SGLang's name: the memory tags released and not yet resumed
         self.weight_update_groups: dict = {}  # group_name -> the gloo group of /init_weights_update_group
         self.last_answer = time.monotonic()  # when the scheduler last answered anything (what /health waits for)
@@ -911,7 +976,6 @@ class CpuEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[Req] = collections.deque()
         self._running: list[Req] = []
-        self._free_slots = list(range(self.max_batch))
         self._paused = False
         self._arrivals = 0
         self._thread: threading.Thread | None = None
@@ -1098,7 +1162,7 @@ class CpuEngine:
             return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
                     "paused": self._paused, "weight_version": self.weight_version, **self.stats,
                     "loaded_adapters": sorted(self.adapters),
-                    "released": sorted(self.offload_tags), "cached_slots": len(self._cache),
+                    "released": sorted(self.offload_tags), "cached_slots": len(self.cache.entries),
                     "weight_update_groups": sorted(self.weight_update_groups),
                     "running": [{"rid": r.rid, "completion_tokens": len(r.output_ids)} for r in self._running]}
         return self.call(_snap).result()
@@ -1178,13 +1242,13 @@ class CpuEngine:
 
     def _admit(self) -> list[Req]:
         """Move waiting requests into KV slots, oldest first, within the prefill token budget. A request whose
-        context starts with tokens a cached slot holds gets those K/V rows (`_match`) and prefills only the rest. A
-        slot comes from the free ones, else from the prefix cache's least recently used entry."""
+        context starts with tokens a cached slot holds gets those K/V rows (`PrefixCache.match`) and prefills only the
+        rest. A slot comes from the free ones, else from the prefix cache's least recently used entry."""
         admitted, budget = [], self.max_prefill_tokens
         while self._waiting:
             req = self._waiting[0]
             context = req.prompt_ids + req.output_ids
-            source, hit = self._match(context, req.return_routed_experts, req.adapter)
+            source, hit = self.cache.match(context, req.return_routed_experts, req.adapter)
             n = len(context) - hit
             if admitted and n > budget:
                 break
@@ -1192,17 +1256,17 @@ class CpuEngine:
                 self._waiting.popleft()
                 self._finish(req, {"type": "length", "length": 0})
                 continue
-            slot = self._take_slot(keep=source)
+            slot = self.cache.take_slot(keep=source)
             if slot < 0 and source is None:
                 break  # every slot runs a request
             self._waiting.popleft()
-            routed = self._cache[source][0] if source is not None else None
+            routed = self.cache.entries[source][0] if source is not None else None
             if slot < 0:  # the source is the only slot left: take it over, its rows [0, hit) stay in place
                 slot = source
-                del self._cache[source]
+                del self.cache.entries[source]
             elif hit:
                 self.runner.copy_kv(source, slot, hit)
-                self._cache.move_to_end(source)  # used: the last to be given up
+                self.cache.entries.move_to_end(source)  # used: the last to be given up
             req.slot, req.kv_len, req.cached_tokens = slot, hit, req.cached_tokens + hit
             # a retracted request is prefilled again: its routing is recomputed with it (the cached rows' kept)
             req.routed = [routed[:hit]] if hit and routed is not None else []
@@ -1231,59 +1295,12 @@ class CpuEngine:
         row = {i: k for k, i in enumerate(own)}
         self._sample(reqs, logits[[row[j] for j in src]] if len(own) < len(reqs) else logits)
 
-    # --- the prefix cache (SGLang's radix cache, one entry per slot)
-
-    def _match(self, context: list[int], routed: bool, adapter) -> tuple[int | None, int]:
-        """(cached slot, n): the slot whose K/V rows [0, n) were computed for context[:n], n the longest such (at
-        most len(context) - 1: the last token is always run, for its logits); (None, 0) when none. `routed`: the
-        request returns routed experts, so only slots that kept theirs can serve it. Only rows computed under the
-        request's LoRA adapter (or none) match: SGLang keys its radix cache by the adapter (schedule_batch.py Req,
-        lora_id in extra_key)."""
-        slots = [s for s, (r, a) in self._cache.items() if a is adapter and (r is not None or not routed)]
-        n = len(context) - 1
-        if not slots or n < 1:
-            return None, 0
-        slots_t = torch.tensor(slots)
-        same = self._cache_ids[slots_t, :n] == torch.tensor(context[:n])                # (E, n)
-        hits = same.cumprod(dim=1).sum(dim=1)                                           # (E,) common prefix lengths
-        best = int(hits.argmax())
-        return (slots[best], int(hits[best])) if int(hits[best]) > 0 else (None, 0)
-
-    def _take_slot(self, keep: int | None = None) -> int:
-        """A free slot, else the least recently used cached one other than `keep` (dropped from the cache); -1 when
-        every slot runs a request or is `keep`."""
-        if self._free_slots:
-            return self._free_slots.pop(0)
-        victim = next((s for s in self._cache if s != keep), None)
-        if victim is None:
-            return -1
-        del self._cache[victim]
-        return victim
-
-    def _free_slot(self, slot: int) -> None:
-        if slot >= 0:
-            self._free_slots.append(slot)
-            self._free_slots.sort()  # lowest slots first keeps the running set contiguous (cache read as a view)
-
-    def _keep_prefix(self, req: Req) -> None:
-        """req's slot, rows [0, kv_len), becomes a prefix-cache entry (SGLang inserts a finished request's tokens
-        into its radix tree); without the cache the slot is freed."""
-        if not self.radix_cache or req.kv_len == 0:
-            self._free_slot(req.slot)
-            return
-        self._cache_ids[req.slot] = -1
-        self._cache_ids[req.slot, :req.kv_len] = torch.tensor((req.prompt_ids + req.output_ids)[:req.kv_len])
-        # (routed experts (kv_len, L, K) or None, the adapter that computed the rows)
-        self._cache[req.slot] = (torch.cat(req.routed)[:req.kv_len] if req.routed else None, req.adapter)
-
     def _flush_cache(self) -> bool:
         """SGLang's flush_cache: only when nothing runs and nothing waits (waiting requests do not count while
         paused); returns whether it flushed."""
         if self._running or (self._waiting and not self._paused):
             return False
-        for slot in list(self._cache):
-            self._free_slot(slot)
-        self._cache.clear()
+        self.cache.flush()
         return True
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
@@ -1315,7 +1332,7 @@ class CpuEngine:
         if req in self._running:
             self._running.remove(req)
         if req.slot >= 0:
-            self._keep_prefix(req)
+            self.cache.keep(req)
             req.slot = -1
         self.stats["finished"] += 1
         if not req.future.done():
@@ -1360,7 +1377,7 @@ class CpuEngine:
             self._abort(None, True, "aborted by pause_generation")
         elif mode == "retract":  # give back the KV slots (to the prefix cache); re-prefill on continue
             for req in reversed(self._running):
-                self._keep_prefix(req)
+                self.cache.keep(req)
                 req.slot, req.kv_len = -1, 0
                 self._waiting.appendleft(req)
             self._running.clear()
@@ -1504,7 +1521,7 @@ def build_app(engine: CpuEngine):
         state = await asyncio.to_thread(engine.state)
         return {"model_path": engine.model_path, "max_running_requests": engine.max_batch,
                 "context_len": engine.max_len, "random_seed": engine.seed,
-                "enable_deterministic_inference": engine.deterministic, "disable_radix_cache": not engine.radix_cache,
+                "enable_deterministic_inference": engine.deterministic, "disable_radix_cache": not engine.cache.enabled,
                 "internal_states": [{**state, "rss_bytes": transfermesh.rss_bytes()}]}
 
     @app.get("/get_weight_version")
