@@ -5,9 +5,10 @@ implement is refused with a 400 naming it, never ignored, so the laptop runs and
 calls a GPU run makes. The contract both engines serve (fields, logprob semantics, weight versions, pause modes,
 memory tags, routed experts) is written down once, in rollout.py's docstring; this file is how the CPU engine meets it.
 
-Reading order: requests and sampling parameters (`SamplingParams`, `parse_sampling_params`, `Req`); the forward
-pass's helpers; `ModelRunner` (the model and its KV cache); `PrefixCache` (the KV slots and the prefix cache over
-them); `CpuEngine` (the scheduler); `sample`; the HTTP server (`build_app`, `serve`).
+Reading order: requests and sampling parameters (`SamplingParams`, `parse_sampling_params`, `sample`, `Req`, and
+`response`, SGLang's answer to one); the forward pass's helpers; LoRA adapters (`LoraAdapter`, `LoraRegistry`);
+`ModelRunner` (the model and its KV cache); `PrefixCache` (the KV slots and the prefix cache over them); `CpuEngine`
+(the scheduler); the HTTP server (`build_app`, `serve`).
 
 * `ModelRunner` (SGLang's name for the part that owns the model): the transformers model and a preallocated slot KV
   cache of shape (layers, slots, kv_heads, max_len, head_dim). The forward pass reuses the model's own modules and
@@ -329,6 +330,33 @@ class Req:
     adapter: "LoraAdapter | None" = None  # the LoRA adapter its lora_path named when it arrived; None = the base
 
 
+def response(req: Req, finish_reason: dict, tokenizer, weight_version: str, runner: "ModelRunner") -> dict:
+    """SGLang's answer to a finished request: {"text", "output_ids", "meta_info"}. `tokenizer`: None for ids only
+    (text ""); `weight_version`: the engine's now; `runner`: the layout of routed experts when none were kept."""
+    ids = req.output_ids
+    text = ""
+    if tokenizer is not None:
+        trim = finish_reason.get("type") == "stop" and not req.params.no_stop_trim
+        text = tokenizer.decode(ids[:-1] if trim else ids, skip_special_tokens=req.params.skip_special_tokens)
+    meta = {"id": req.rid, "finish_reason": finish_reason, "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(ids), "cached_tokens": req.cached_tokens,
+            "weight_version": weight_version,
+            "weight_versions": weight_version_spans(req.output_versions, weight_version),
+            "e2e_latency": time.perf_counter() - req.arrival}
+    if req.return_routed_experts:
+        # SGLang's layout: rows [start_len, prompt + output - 1), i.e. every position the model ran on; a request
+        # cut short before running at all (aborted while waiting) has none
+        rows = torch.cat(req.routed) if req.routed else torch.zeros(0, runner.model.config.num_hidden_layers,
+                                                                    runner.topk, dtype=torch.int32)
+        rows = rows[req.routed_experts_start_len:len(req.prompt_ids) + len(ids) - 1]   # (n, L, top_k) int32
+        meta["routed_experts"] = base64.b64encode(rows.contiguous().numpy().astype("<i4").tobytes()).decode()
+    if req.return_logprob:
+        with_text = req.return_text_in_logprobs and tokenizer is not None
+        meta["output_token_logprobs"] = [[lp, t, tokenizer.decode([t]) if with_text else None]
+                                         for lp, t in zip(req.output_logprobs, ids)]
+    return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+
 # ----------------------------------------------------------------------------------------------
 # the forward pass's helpers
 
@@ -389,6 +417,52 @@ class LoraAdapter:
     path: str                 # where it came from (SGLang's lora_path; "__tensor__" for tensors)
     scale: float              # lora_alpha / r
     layers: list              # [{fused key: [(offset, A, B), ...]}] per layer
+
+
+class LoraRegistry:
+    """The LoRA adapters the engine serves, by name (SGLang's LoRARegistry), and the limits the server was started
+    with (SGLang's --enable-lora, --max-lora-rank, --lora-target-modules). Adapters are added and removed on the
+    scheduler thread (CpuEngine.load_adapter, unload_adapter); a request resolves its lora_path once, on arrival."""
+
+    def __init__(self, lora: dict | None):
+        """`lora`: {"max_lora_rank": r, "lora_target_modules": [...]}; None: LoRA is off, every adapter refused."""
+        self.lora = dict(lora) if lora else None
+        self.adapters: dict[str, LoraAdapter] = {}  # loaded LoRA adapters by name
+
+    def resolve(self, lora_path: str) -> LoraAdapter:
+        """The loaded adapter a request's lora_path names; BadRequest with SGLang's reasons when there is none."""
+        if self.lora is None:
+            raise BadRequest(f"LoRA adapter '{lora_path}' was requested, but LoRA is not enabled. Please launch "
+                             "the server with --enable-lora flag and preload adapters using --lora-paths or "
+                             "/load_lora_adapter endpoint.")
+        adapter = self.adapters.get(lora_path)
+        if adapter is None:
+            raise BadRequest(f"Got LoRA adapter that has never been loaded: {lora_path}\n"
+                             f"All loaded adapters: {sorted(self.adapters)}.")
+        return adapter
+
+    def add(self, runner: "ModelRunner", name: str, path: str, config: dict, named: list) -> dict:
+        """Load adapter `name` (runner.make_adapter); raises BadRequest with SGLang's reasons (LoRA off, a name
+        already loaded, a rank or targets the server was not started for). Returns `loaded()`."""
+        if self.lora is None:
+            raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if name in self.adapters:
+            raise BadRequest(f"Failed to load LoRA adapter {name} because it is already loaded")
+        self.adapters[name] = runner.make_adapter(name, path, config, named, int(self.lora["max_lora_rank"]),
+                                                  list(self.lora["lora_target_modules"]))
+        return self.loaded()
+
+    def remove(self, name: str) -> LoraAdapter:
+        """Take adapter `name` out of the registry (new requests can no longer name it) and return it."""
+        if self.lora is None:
+            raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if name not in self.adapters:
+            raise BadRequest(f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self.adapters)}")
+        return self.adapters.pop(name)
+
+    def loaded(self) -> dict[str, str]:
+        """{name: path} of every loaded adapter (SGLang's loaded_adapters)."""
+        return {n: a.path for n, a in self.adapters.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -970,8 +1044,7 @@ class CpuEngine:
         self.last_answer = time.monotonic()  # when the scheduler last answered anything (what /health waits for)
         self.died: str | None = None  # why the scheduler ended the server, as SGLang's does on an exception
         self.on_death = None  # called once the scheduler has died (serve: stop the HTTP server)
-        self.lora = dict(lora) if lora else None
-        self.adapters: dict[str, LoraAdapter] = {}  # loaded LoRA adapters by name (SGLang's registry)
+        self.lora_registry = LoraRegistry(lora)
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[Req] = collections.deque()
@@ -1053,16 +1126,7 @@ class CpuEngine:
         if not isinstance(routed_experts_start_len, int) or not 0 <= routed_experts_start_len <= len(input_ids):
             raise BadRequest(f"routed_experts_start_len={routed_experts_start_len!r} must be an integer in "
                              f"[0, {len(input_ids)}] (the number of input tokens)")
-        adapter = None
-        if lora_path is not None:
-            if self.lora is None:
-                raise BadRequest(f"LoRA adapter '{lora_path}' was requested, but LoRA is not enabled. Please launch "
-                                 "the server with --enable-lora flag and preload adapters using --lora-paths or "
-                                 "/load_lora_adapter endpoint.")
-            adapter = self.adapters.get(lora_path)
-            if adapter is None:
-                raise BadRequest(f"Got LoRA adapter that has never been loaded: {lora_path}\n"
-                                 f"All loaded adapters: {sorted(self.adapters)}.")
+        adapter = self.lora_registry.resolve(lora_path) if lora_path is not None else None
         max_new = min(params.max_new_tokens, self.max_len - len(input_ids))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.runner.eos_ids)
         if seed is None and self.deterministic:  # SGLang: the request's sampling_seed, else 42 (sampling_batch_info.py)
@@ -1117,29 +1181,15 @@ class CpuEngine:
         """SGLang's /load_lora_adapter(_from_tensors): add LoRA adapter `name` (PEFT-named tensors + its
         adapter_config) between two steps; raises BadRequest with SGLang's reasons (LoRA off, a name already loaded,
         a rank or targets the server was not started for). Returns {name: path} of every loaded adapter."""
-        def _load():
-            if self.lora is None:
-                raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
-            if name in self.adapters:
-                raise BadRequest(f"Failed to load LoRA adapter {name} because it is already loaded")
-            self.adapters[name] = self.runner.make_adapter(name, path, config, named, int(self.lora["max_lora_rank"]),
-                                                           list(self.lora["lora_target_modules"]))
-            return {n: a.path for n, a in self.adapters.items()}
-        return self.call(_load).result()
+        return self.call(self.lora_registry.add, self.runner, name, path, config, named).result()
 
     def unload_adapter(self, name: str) -> dict:
         """SGLang's /unload_lora_adapter: new requests can no longer name it at once; it is dropped when no request
         that named it is running or waiting (this call waits for that, as SGLang's does). Returns the loaded ones."""
-        def _unregister():
-            if self.lora is None:
-                raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
-            if name not in self.adapters:
-                raise BadRequest(f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self.adapters)}")
-            return self.adapters.pop(name)
-        adapter = self.call(_unregister).result()
+        adapter = self.call(self.lora_registry.remove, name).result()
         while self.call(lambda: any(r.adapter is adapter for r in self._running + list(self._waiting))).result():
             time.sleep(0.05)
-        return self.call(lambda: {n: a.path for n, a in self.adapters.items()}).result()
+        return self.call(self.lora_registry.loaded).result()
 
     def release_memory(self, tags: list[str] | None) -> None:
         """SGLang's /release_memory_occupation: hand the memory of `tags` back (see ModelRunner.release)."""
@@ -1161,7 +1211,7 @@ class CpuEngine:
         def _snap():
             return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
                     "paused": self._paused, "weight_version": self.weight_version, **self.stats,
-                    "loaded_adapters": sorted(self.adapters),
+                    "loaded_adapters": sorted(self.lora_registry.adapters),
                     "released": sorted(self.offload_tags), "cached_slots": len(self.cache.entries),
                     "weight_update_groups": sorted(self.weight_update_groups),
                     "running": [{"rid": r.rid, "completion_tokens": len(r.output_ids)} for r in self._running]}
@@ -1336,31 +1386,7 @@ class CpuEngine:
             req.slot = -1
         self.stats["finished"] += 1
         if not req.future.done():
-            req.future.set_result(self._response(req, finish_reason))
-
-    def _response(self, req: Req, finish_reason: dict) -> dict:
-        ids = req.output_ids
-        text = ""
-        if self.tokenizer is not None:
-            trim = finish_reason.get("type") == "stop" and not req.params.no_stop_trim
-            text = self.tokenizer.decode(ids[:-1] if trim else ids, skip_special_tokens=req.params.skip_special_tokens)
-        meta = {"id": req.rid, "finish_reason": finish_reason, "prompt_tokens": len(req.prompt_ids),
-                "completion_tokens": len(ids), "cached_tokens": req.cached_tokens,
-                "weight_version": self.weight_version,
-                "weight_versions": weight_version_spans(req.output_versions, self.weight_version),
-                "e2e_latency": time.perf_counter() - req.arrival}
-        if req.return_routed_experts:
-            # SGLang's layout: rows [start_len, prompt + output - 1), i.e. every position the model ran on; a request
-            # cut short before running at all (aborted while waiting) has none
-            rows = torch.cat(req.routed) if req.routed else torch.zeros(0, self.runner.model.config.num_hidden_layers,
-                                                                        self.runner.topk, dtype=torch.int32)
-            rows = rows[req.routed_experts_start_len:len(req.prompt_ids) + len(ids) - 1]   # (n, L, top_k) int32
-            meta["routed_experts"] = base64.b64encode(rows.contiguous().numpy().astype("<i4").tobytes()).decode()
-        if req.return_logprob:
-            with_text = req.return_text_in_logprobs and self.tokenizer is not None
-            meta["output_token_logprobs"] = [[lp, t, self.tokenizer.decode([t]) if with_text else None]
-                                             for lp, t in zip(req.output_logprobs, ids)]
-        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+            req.future.set_result(response(req, finish_reason, self.tokenizer, self.weight_version, self.runner))
 
     # --- control calls (run on the scheduler thread via `call`)
 
