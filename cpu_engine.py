@@ -1492,20 +1492,47 @@ def read_safetensors_dir(path: str) -> list:
     return [pair for f in files for pair in load_file(f).items()]
 
 
-def build_app(engine: CpuEngine):
-    """The FastAPI app serving `engine` under SGLang's native endpoint names."""
-    app = FastAPI(title="LoongSage CPU rollout engine")
-    groups = engine.weight_update_groups  # group_name -> the gloo group /update_weights_from_distributed reads
+async def _update_weights(engine: CpuEngine, named_tensors, body: dict):
+    """Load a weight update between two steps and answer as SGLang does (`abort_all_requests` first when asked;
+    success false, 400, when its flush_cache found the engine busy)."""
+    if body.get("abort_all_requests"):
+        await asyncio.to_thread(engine.abort, None, True)
+    try:  # flush_cache defaults to true, as in SGLang's update requests
+        n = await asyncio.to_thread(engine.load_weights, named_tensors, body.get("weight_version"),
+                                    bool(body.get("flush_cache", True)))
+    except FlushRefused as e:
+        return JSONResponse({"success": False, "message": str(e)}, status_code=400)
+    message = f"Loaded {n} tensors."
+    if body.get("weight_version") is not None:
+        message += f" Weight version updated to {body['weight_version']}."
+    return {"success": True, "message": message}
 
-    @app.exception_handler(BadRequest)
-    async def _bad_request(request, exc: BadRequest):
-        return _bad(str(exc))
 
-    @app.exception_handler(Exception)
-    async def _server_error(request, exc: Exception):
-        traceback.print_exception(exc)
-        return JSONResponse({"error": {"message": f"{type(exc).__name__}: {exc}", "type": "InternalServerError",
-                                       "code": 500}}, status_code=500)
+async def _own_payload(body: dict, endpoint: str, adapter: bool = False) -> list:
+    """The tensors of `serialized_named_tensors` (one entry per TP rank) that this engine reads: entry 0, as
+    SGLang's TP rank 0 does (the CPU engine is one rank), in SGLang's payload (transfermesh.read_tensor_payload;
+    `adapter`: a LoRA adapter's, a dict where load_format is null). Views of the sender's shared memory: the
+    caller copies them out. A bad payload or checksum is a BadRequest, and nothing is loaded."""
+    items = body.get("serialized_named_tensors")
+    if not isinstance(items, list) or not items:
+        raise BadRequest(f"{endpoint} needs serialized_named_tensors (a non-empty list, one entry per TP rank)")
+    try:  # checksum: a LoongSage addition
+        return await asyncio.to_thread(transfermesh.read_tensor_payload, items[0], body.get("load_format"),
+                                       body.get("checksum"), adapter)
+    except ValueError as e:  # a bad payload or checksum: refuse it, keep what is loaded
+        raise BadRequest(str(e)) from None
+
+
+def _refuse_outside_session(session: dict, endpoint: str):
+    """SGLang's answer to a tensor or distributed update sent outside a weight-update session; None inside one."""
+    if not session["open"]:
+        return JSONResponse({"success": False, "message": f"{endpoint} must run between begin_weight_update() "
+                             f"and end_weight_update()"}, status_code=400)
+    return None
+
+
+def _add_info_routes(app, engine: CpuEngine) -> None:
+    """Health, model and server information (SGLang's probes and the controller's)."""
 
     # read once, as SGLang reads it when http_server.py is imported
     health_check_timeout = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
@@ -1553,6 +1580,10 @@ def build_app(engine: CpuEngine):
     @app.get("/get_weight_version")
     async def get_weight_version():
         return {"weight_version": engine.weight_version}
+
+
+def _add_generate_routes(app, engine: CpuEngine) -> None:
+    """Generation and what stops or resumes it: /generate, abort, pause, continue, /flush_cache."""
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate_endpoint(request: Request):
@@ -1621,8 +1652,11 @@ def build_app(engine: CpuEngine):
                                      "running or waiting requests, the operation will not be performed.)\n")
         return PlainTextResponse("Flush cache failed.\n", status_code=400)
 
-    # Colocated memory hand-off (SGLang's names and `tags` field; the answer is JSON null, as SGLang's). The
-    # released tags and this process's memory are in /server_info's internal_states.
+
+def _add_memory_routes(app, engine: CpuEngine) -> None:
+    """Colocated memory hand-off (SGLang's names and `tags` field; the answer is JSON null, as SGLang's). The
+    released tags and this process's memory are in /server_info's internal_states."""
+
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request):
         body = await _json_body(request)
@@ -1635,6 +1669,10 @@ def build_app(engine: CpuEngine):
         await asyncio.to_thread(engine.resume_memory, body.get("tags"))
         return None
 
+
+def _add_weight_routes(app, engine: CpuEngine, session: dict) -> None:
+    """Weight updates from disk and from tensors, the weight-update session around them, the weight version."""
+
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
         body = await _json_body(request)
@@ -1645,19 +1683,6 @@ def build_app(engine: CpuEngine):
         return {"success": True, "message": f"Weight version updated to {body['new_version']}",
                 "new_version": str(body["new_version"])}
 
-    async def load(named_tensors, body: dict):
-        if body.get("abort_all_requests"):
-            await asyncio.to_thread(engine.abort, None, True)
-        try:  # flush_cache defaults to true, as in SGLang's update requests
-            n = await asyncio.to_thread(engine.load_weights, named_tensors, body.get("weight_version"),
-                                        bool(body.get("flush_cache", True)))
-        except FlushRefused as e:
-            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
-        message = f"Loaded {n} tensors."
-        if body.get("weight_version") is not None:
-            message += f" Weight version updated to {body['weight_version']}."
-        return {"success": True, "message": message}
-
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         body = await _json_body(request)
@@ -1667,11 +1692,8 @@ def build_app(engine: CpuEngine):
         if body.get("load_format") not in (None, "auto", "safetensors"):
             raise BadRequest(f"load_format {body['load_format']!r} is not supported by the CPU engine; use null")
         named = await asyncio.to_thread(read_safetensors_dir, path)
-        answer = await load(named, body)
+        answer = await _update_weights(engine, named, body)
         return {**answer, "num_paused_requests": 0} if isinstance(answer, dict) else answer
-
-    # SGLang 0.5.23: tensor and distributed updates must sit inside a begin/end weight-update session.
-    session = {"open": False}
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: Request):
@@ -1686,35 +1708,74 @@ def build_app(engine: CpuEngine):
         session["open"] = False
         return {"success": True, "message": "Weight update session ended."}
 
-    def refuse_outside_session(endpoint: str):
-        if not session["open"]:
-            return JSONResponse({"success": False, "message": f"{endpoint} must run between begin_weight_update() "
-                                 f"and end_weight_update()"}, status_code=400)
-        return None
-
-    async def own_payload(body: dict, endpoint: str, adapter: bool = False) -> list:
-        """The tensors of `serialized_named_tensors` (one entry per TP rank) that this engine reads: entry 0, as
-        SGLang's TP rank 0 does (the CPU engine is one rank), in SGLang's payload (transfermesh.read_tensor_payload;
-        `adapter`: a LoRA adapter's, a dict where load_format is null). Views of the sender's shared memory: the
-        caller copies them out. A bad payload or checksum is a BadRequest, and nothing is loaded."""
-        items = body.get("serialized_named_tensors")
-        if not isinstance(items, list) or not items:
-            raise BadRequest(f"{endpoint} needs serialized_named_tensors (a non-empty list, one entry per TP rank)")
-        try:  # checksum: a LoongSage addition
-            return await asyncio.to_thread(transfermesh.read_tensor_payload, items[0], body.get("load_format"),
-                                           body.get("checksum"), adapter)
-        except ValueError as e:  # a bad payload or checksum: refuse it, keep what is loaded
-            raise BadRequest(str(e)) from None
-
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         body = await _json_body(request)
-        if (refused := refuse_outside_session("update_weights_from_tensor")) is not None:
+        if (refused := _refuse_outside_session(session, "update_weights_from_tensor")) is not None:
             return refused
-        return await load(await own_payload(body, "update_weights_from_tensor"), body)
+        return await _update_weights(engine, await _own_payload(body, "update_weights_from_tensor"), body)
 
-    # LoRA adapters, as SGLang 0.5.23 answers them: LoRAUpdateOutput {success, error_message, loaded_adapters},
-    # HTTP 400 with success false when refused. No weight-update session: SGLang loads adapters outside one.
+
+def _add_weight_group_routes(app, engine: CpuEngine, session: dict) -> None:
+    """Weight updates by broadcast: the weight-update groups (gloo) an engine joins, reads from, destroys."""
+    groups = engine.weight_update_groups  # group_name -> the gloo group /update_weights_from_distributed reads
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await _json_body(request)
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+        if missing:
+            raise BadRequest(f"init_weights_update_group is missing {missing}")
+        if body.get("backend", "gloo") not in ("gloo", "nccl"):
+            raise BadRequest(f"backend {body['backend']!r}: the CPU engine joins with gloo")
+        name = body.get("group_name", "weight_update_group")
+        if name in groups:  # torch refuses a second process group of one name (SGLANG_BEHAVIOURS)
+            return JSONResponse({"success": False, "message": "Failed to initialize custom process group: The "
+                                 "specified group name has already been created, please use a different group "
+                                 "name."}, status_code=400)
+        # Blocks until the trainer joins the rendezvous, so it runs off the event loop (and off the scheduler).
+        # The CPU engine is TP rank 0 of itself: it joins at rank_offset + 0.
+        groups[name] = await asyncio.to_thread(
+            transfermesh.new_sglang_group, body["master_address"], int(body["master_port"]),
+            int(body["rank_offset"]), int(body["world_size"]), name, "gloo")
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await _json_body(request)
+        if (refused := _refuse_outside_session(session, "update_weights_from_distributed")) is not None:
+            return refused
+        name = body.get("group_name", "weight_update_group")
+        if name not in groups:
+            raise BadRequest(f"no weight update group {name!r}; call /init_weights_update_group first "
+                             f"(known: {sorted(groups)})")
+        if not all(isinstance(body.get(k), list) for k in ("names", "dtypes", "shapes")):
+            raise BadRequest("update_weights_from_distributed needs lists names, dtypes and shapes")
+        # Receive while generation goes on; only the copy into the model waits for a step boundary.
+        try:
+            named = await asyncio.to_thread(transfermesh.recv_broadcast, groups[name], body["names"], body["dtypes"],
+                                            body["shapes"], body.get("load_format"),
+                                            body.get("checksum"))  # checksum: a LoongSage addition
+        except ValueError as e:  # checksum or layout: refuse the bucket, keep the old weights
+            raise BadRequest(str(e)) from None
+        return await _update_weights(engine, named, body)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        body = await _json_body(request)
+        # Registered by name with torch.distributed (as SGLang's is): destroyed there too, so the name can be reused
+        pg = groups.pop(body.get("group_name", "weight_update_group"), None)
+        if pg is None:
+            return JSONResponse({"success": False, "message": "The group to be destroyed does not exist."},
+                                status_code=400)
+        await asyncio.to_thread(torch.distributed.destroy_process_group, pg)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+
+def _add_lora_routes(app, engine: CpuEngine) -> None:
+    """LoRA adapters, as SGLang 0.5.23 answers them: LoRAUpdateOutput {success, error_message, loaded_adapters},
+    HTTP 400 with success false when refused. No weight-update session: SGLang loads adapters outside one."""
+
     async def lora_answer(work):
         """`work`: a coroutine that loads or unloads and returns the loaded adapters."""
         try:
@@ -1746,7 +1807,7 @@ def build_app(engine: CpuEngine):
             raise BadRequest("load_lora_adapter_from_tensors needs config_dict, the adapter's adapter_config.json")
 
         async def read_and_load():  # the weight updates' reader; load_adapter copies the tensors out
-            named = await own_payload(body, "load_lora_adapter_from_tensors", adapter=True)
+            named = await _own_payload(body, "load_lora_adapter_from_tensors", adapter=True)
             # expected_checksums: SGLang's own field (a mismatch refuses the adapter there too)
             await asyncio.to_thread(transfermesh.verify_adapter_sha256, named, body.get("expected_checksums"))
             return await asyncio.to_thread(engine.load_adapter, name, "__tensor__", config, named)
@@ -1757,57 +1818,29 @@ def build_app(engine: CpuEngine):
         body = await _json_body(request)
         return await lora_answer(asyncio.to_thread(engine.unload_adapter, lora_name(body)))
 
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        body = await _json_body(request)
-        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
-        if missing:
-            raise BadRequest(f"init_weights_update_group is missing {missing}")
-        if body.get("backend", "gloo") not in ("gloo", "nccl"):
-            raise BadRequest(f"backend {body['backend']!r}: the CPU engine joins with gloo")
-        name = body.get("group_name", "weight_update_group")
-        if name in groups:  # torch refuses a second process group of one name (SGLANG_BEHAVIOURS)
-            return JSONResponse({"success": False, "message": "Failed to initialize custom process group: The "
-                                 "specified group name has already been created, please use a different group "
-                                 "name."}, status_code=400)
-        # Blocks until the trainer joins the rendezvous, so it runs off the event loop (and off the scheduler).
-        # The CPU engine is TP rank 0 of itself: it joins at rank_offset + 0.
-        groups[name] = await asyncio.to_thread(
-            transfermesh.new_sglang_group, body["master_address"], int(body["master_port"]),
-            int(body["rank_offset"]), int(body["world_size"]), name, "gloo")
-        return {"success": True, "message": "Succeeded to initialize custom process group."}
 
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        body = await _json_body(request)
-        if (refused := refuse_outside_session("update_weights_from_distributed")) is not None:
-            return refused
-        name = body.get("group_name", "weight_update_group")
-        if name not in groups:
-            raise BadRequest(f"no weight update group {name!r}; call /init_weights_update_group first "
-                             f"(known: {sorted(groups)})")
-        if not all(isinstance(body.get(k), list) for k in ("names", "dtypes", "shapes")):
-            raise BadRequest("update_weights_from_distributed needs lists names, dtypes and shapes")
-        # Receive while generation goes on; only the copy into the model waits for a step boundary.
-        try:
-            named = await asyncio.to_thread(transfermesh.recv_broadcast, groups[name], body["names"], body["dtypes"],
-                                            body["shapes"], body.get("load_format"),
-                                            body.get("checksum"))  # checksum: a LoongSage addition
-        except ValueError as e:  # checksum or layout: refuse the bucket, keep the old weights
-            raise BadRequest(str(e)) from None
-        return await load(named, body)
+def build_app(engine: CpuEngine):
+    """The FastAPI app serving `engine` under SGLang's native endpoint names, one group of routes at a time."""
+    app = FastAPI(title="LoongSage CPU rollout engine")
 
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request):
-        body = await _json_body(request)
-        # Registered by name with torch.distributed (as SGLang's is): destroyed there too, so the name can be reused
-        pg = groups.pop(body.get("group_name", "weight_update_group"), None)
-        if pg is None:
-            return JSONResponse({"success": False, "message": "The group to be destroyed does not exist."},
-                                status_code=400)
-        await asyncio.to_thread(torch.distributed.destroy_process_group, pg)
-        return {"success": True, "message": "Succeeded to destroy custom process group."}
+    @app.exception_handler(BadRequest)
+    async def _bad_request(request, exc: BadRequest):
+        return _bad(str(exc))
 
+    @app.exception_handler(Exception)
+    async def _server_error(request, exc: Exception):
+        traceback.print_exception(exc)
+        return JSONResponse({"error": {"message": f"{type(exc).__name__}: {exc}", "type": "InternalServerError",
+                                       "code": 500}}, status_code=500)
+
+    _add_info_routes(app, engine)
+    _add_generate_routes(app, engine)
+    _add_memory_routes(app, engine)
+    # SGLang 0.5.23: tensor and distributed updates must sit inside a begin/end weight-update session.
+    session = {"open": False}
+    _add_weight_routes(app, engine, session)
+    _add_weight_group_routes(app, engine, session)
+    _add_lora_routes(app, engine)
     return app
 
 
