@@ -1,8 +1,9 @@
 """The reading path stays as STYLE and docs/READING.md describe it: loongsage.py opens with train() (at most 150 lines, and
 it never writes the config it was given), config.py and cpu.py stand below the controller (no import back up),
 agentflow.py's comment ratio, Config as the only source of defaults, imports at the top of the modules
-converted so far (a late import says why), and no two modules that import each other. Pure source reading, no
-model: `.venv/bin/pytest tests/test_reading_path.py -q` (about a second).
+converted so far (a late import says why), no two modules that import each other, and no class over 500 lines
+or function over 200. Pure source reading, no model: `.venv/bin/pytest tests/test_reading_path.py -q` (about a
+second).
 """
 import ast
 import io
@@ -173,3 +174,42 @@ def test_no_import_goes_back_up_the_reading_path():
     assert not _imported("fleet.py") & {"loongsage"}
     assert not _imported("cpu.py") & {"loongsage", "fleet", "config", "trainer"}
     assert {"config", "fleet"} <= _imported("loongsage.py")
+
+
+# The house's sizes: a class a reader can hold (its rooms split out, as trainer.py's Model, Optim, Critic, HandOff,
+# Export), a function a student reads in one sitting. Measured def line to last line, nested ones included.
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 500, 200
+SIZED = MODULES + sorted(ROOT.glob("recipes/*.py")) + sorted(ROOT.glob("scripts/*.py"))
+
+
+def oversized(source: str, name: str) -> list[str]:
+    """'name: class C, N lines' for every class over MAX_CLASS_LINES and every function (method, nested function)
+    over MAX_FUNCTION_LINES in `source`."""
+    found = []
+    for n in ast.walk(ast.parse(source)):
+        lines = getattr(n, "end_lineno", 0) - getattr(n, "lineno", 0) + 1
+        if isinstance(n, ast.ClassDef) and lines > MAX_CLASS_LINES:
+            found.append(f"{name}: class {n.name}, {lines} lines")
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > MAX_FUNCTION_LINES:
+            found.append(f"{name}: def {n.name}, {lines} lines")
+    return found
+
+
+def test_oversized_measures_classes_and_nested_functions():
+    """A class one line over the limit is named, one at the limit is not; a nested function is measured on its own
+    and inside its outer one, def line to last line."""
+    body = "    x = 1\n"
+    source = ("class Big:\n" + body * MAX_CLASS_LINES                       # MAX + 1 lines
+              + "class Fits:\n" + body * (MAX_CLASS_LINES - 1)            # MAX lines
+              + "def outer():\n    def inner():\n" + ("    " + body) * MAX_FUNCTION_LINES + "    return inner\n")
+    assert oversized(source, "m.py") == [f"m.py: class Big, {MAX_CLASS_LINES + 1} lines",
+                                         f"m.py: def outer, {MAX_FUNCTION_LINES + 3} lines",
+                                         f"m.py: def inner, {MAX_FUNCTION_LINES + 1} lines"]
+
+
+def test_no_class_over_500_lines_and_no_function_over_200():
+    """Every module, recipe and script: no class over MAX_CLASS_LINES and no function over MAX_FUNCTION_LINES; a
+    failure names each one with its length."""
+    found = [o for p in SIZED for o in oversized(p.read_text(), str(p.relative_to(ROOT)))]
+    assert found == [], (f"over {MAX_CLASS_LINES} lines per class / {MAX_FUNCTION_LINES} per function (split a "
+                         f"room or a step out): {found}")
