@@ -272,6 +272,12 @@ def closest(key: str, valid) -> str:
     return f"; did you mean {match[0]!r}?" if match else ""
 
 
+def need(ok: bool, msg: str) -> None:
+    """A rule: `msg` (what was wrong, the value seen, what to change) as a ValueError unless `ok`."""
+    if not ok:
+        raise ValueError(msg)
+
+
 def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
     """Recipe YAML + `key=value` overrides (values parsed as YAML; `sglang.x=1` sets a pass-through key)."""
     raw: dict = {}
@@ -311,12 +317,8 @@ def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
 
 
 def finalize(cfg: Config) -> Config:
-    """Derived values and the batch algebra, with messages that say what to change."""
-
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise ValueError(msg)
-
+    """Derived values and the batch algebra, with messages that say what to change; the rules by concern are the
+    check_* functions below, run in the order they are called here (the first broken rule is the one reported)."""
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     need(cfg.device in ("cpu", "cuda"), f"device={cfg.device!r}: choose 'auto', 'cpu' or 'cuda'")
@@ -330,88 +332,11 @@ def finalize(cfg: Config) -> Config:
     need(cfg.dtype == "float32" or cfg.device == "cuda", f"dtype={cfg.dtype!r} with device={cfg.device!r}: the trainer "
          "trains in bfloat16 only on CUDA (Megatron's mixed-precision optimizer keeps fp32 master weights there); on "
          "CPU use dtype=float32")
-    need(isinstance(cfg.pipeline_parallel, int) and cfg.pipeline_parallel >= 1,
-         f"pipeline_parallel={cfg.pipeline_parallel!r} must be a positive integer")
-    if cfg.pipeline_parallel > 1:
-        layers, tied = _layers_and_tied(cfg.model_path, cfg.tiny_model)
-        need(layers is None or layers % cfg.pipeline_parallel == 0, f"pipeline_parallel={cfg.pipeline_parallel} "
-             f"does not divide the model's {layers} layers; choose a divisor of {layers}")
-        need(not tied, f"pipeline_parallel={cfg.pipeline_parallel} with tied input/output embeddings "
-             f"({cfg.model_path!r}) is not supported; use pipeline_parallel=1 for this model")
-        need(cfg.expert_parallel == 1, f"pipeline_parallel={cfg.pipeline_parallel} with expert_parallel="
-             f"{cfg.expert_parallel} is not wired in; use one of them")
-    # counts and budgets: a zero or negative value here would divide by zero below or hang/do nothing later
-    for name in ("trainer_workers", "tensor_parallel", "num_engines", "prompts_per_step", "samples_per_prompt",
-                 "global_batch_size", "micro_batch_size", "max_new_tokens", "max_prompt_len", "max_context_len",
-                 "max_turns", "eval_samples", "engine_max_batch", "max_parallel_sandboxes", "warmstart_batch_size"):
-        need(isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 1,
-             f"{name}={getattr(cfg, name)!r} must be a positive integer")
-    for name in ("num_steps", "eval_every", "save_every", "print_every", "agent_retries", "warmstart_steps",
-                 "lr_warmup_steps", "warmstart_stop_loss"):
-        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = off / none)")
-    for name in ("agent_timeout", "cpus_per_trainer", "cpus_per_engine", "bucket_mb"):
-        need(getattr(cfg, name) > 0, f"{name}={getattr(cfg, name)!r} must be > 0")
-    need(cfg.lr >= 0 and 0 <= cfg.min_lr <= max(cfg.lr, 0), f"lr={cfg.lr!r}, min_lr={cfg.min_lr!r}: need 0 <= min_lr <= lr")
-    for name in ("temperature", "eval_temperature"):  # SGLang and the CPU engine refuse negative ones
-        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = greedy)")
-    need(0 < cfg.top_p <= 1, f"top_p={cfg.top_p!r} must be in (0, 1]")
-    need(cfg.top_k == -1 or cfg.top_k >= 1, f"top_k={cfg.top_k!r}: use -1 (off) or a positive integer")
-    need(not (cfg.train_only and cfg.rollout_only), "train_only and rollout_only together would neither generate "
-         "nor train; set one of them")
-    need(cfg.sandbox in ("local", "docker", "auto") or data.is_dotted(cfg.sandbox),
-         f"sandbox={cfg.sandbox!r}: choose 'local', 'docker', 'auto' or a dotted path 'module.function'")
-    need(cfg.transfer in transfermesh.TRANSPORTS or data.is_dotted(cfg.transfer),
-         f"transfer={cfg.transfer!r}: choose one of {transfermesh.TRANSPORTS} or a dotted path 'module.function'")
-    need(cfg.transfer != "cuda_ipc" or cfg.device == "cuda", "transfer=cuda_ipc needs device=cuda (CUDA IPC handles "
-         "of GPU tensors); on CPU use transfer=auto (shared memory to local engines) or broadcast")
-    need(cfg.transfer != "shm" or cfg.engine == "cpu", "transfer=shm is the CPU engine's shared-memory path; SGLang "
-         "engines take cuda_ipc, broadcast or disk (or auto)")
-    need(not (cfg.agent and cfg.agent_command), f"set either agent ({cfg.agent!r}, a Python function) or "
-         f"agent_command ({cfg.agent_command!r}, a black-box program), not both")
-    if cfg.agent_preload:
-        need(bool(cfg.agent_command), f"agent_preload={cfg.agent_preload} preloads modules for agent_command, which "
-             "is empty; set agent_command or remove agent_preload")
-        need(cfg.sandbox == "local", f"agent_preload forks agents from a warm interpreter on this machine, which "
-             f"sandbox={cfg.sandbox!r} cannot take; set sandbox=local or remove agent_preload")
-        need(sandbox.python_command(cfg.agent_command) is not None, f"agent_preload runs Python agents only: "
-             f"agent_command must read `[VAR=value ...] python SCRIPT [ARGS]` or `python -m MODULE [ARGS]` (no shell "
-             f"operators), got {cfg.agent_command!r}; remove agent_preload to run it through bash")
-    if cfg.router_replay:
-        mt = _model_type(cfg.model_path, cfg.tiny_model)
-        need(mt in (None,) + MOE_MODEL_TYPES, f"router_replay=true needs an MoE model ({', '.join(MOE_MODEL_TYPES)}), "
-             f"but {cfg.model_path!r} is {mt!r}, which has no router; set router_replay=false"
-             + (" or tiny_model.num_experts > 0" if cfg.model_path == "tiny" else ""))
-        need(cfg.engine != "cpu" or mt != "mixtral", "router_replay with engine=cpu: the CPU engine runs Qwen3-MoE "
-             "and DeepSeek-V3 but not Mixtral; use a qwen3_moe or deepseek_v3 model or engine=sglang")
-    unknown = sorted(set(cfg.tiny_model) - set(data.TINY_DEFAULTS))
-    need(cfg.model_path != "tiny" or not unknown, f"unknown tiny_model setting(s) {unknown}"
-         f"{closest(unknown[0], data.TINY_DEFAULTS) if unknown else ''}; valid: {sorted(data.TINY_DEFAULTS)}")
-    fam = cfg.tiny_model.get("chat_format", "chatml")
-    need(cfg.model_path != "tiny" or fam in chat.FAMILIES, f"tiny_model.chat_format={fam!r}: the tiny tokenizer is "
-         f"built in one of {sorted(chat.FAMILIES)}{closest(str(fam), chat.FAMILIES)}")
-    if cfg.device == "cuda" and cfg.colocate:
-        need(cfg.num_engines * cfg.gpus_per_engine <= cfg.trainer_workers, f"colocate: {cfg.num_engines} engines x "
-             f"gpus_per_engine={cfg.gpus_per_engine} GPUs must fit on the trainers' {cfg.trainer_workers} GPUs; lower "
-             "num_engines or set colocate=false")
-    need(not (cfg.engine == "sglang" and cfg.colocate and cfg.sglang.get("enable_memory_saver") is False),
-         "colocate=true hands the engines' memory to the trainers with SGLang's release_memory_occupation, which needs "
-         "its memory saver; drop sglang.enable_memory_saver=false or set colocate=false")
-    if cfg.engine == "sglang" and "tp_size" in cfg.sglang:
-        need(int(cfg.sglang["tp_size"]) == cfg.gpus_per_engine, f"sglang.tp_size={cfg.sglang['tp_size']} but "
-             f"gpus_per_engine={cfg.gpus_per_engine}: an engine's tensor parallel size is its GPU count; set them equal")
-    if cfg.expert_parallel != 1:
-        need(isinstance(cfg.expert_parallel, int) and cfg.expert_parallel > 1,
-             f"expert_parallel={cfg.expert_parallel!r} must be a positive integer")
-        mt = _model_type(cfg.model_path, cfg.tiny_model)
-        need(mt in (None,) + MOE_MODEL_TYPES, f"expert_parallel={cfg.expert_parallel} needs an MoE model, but "
-             f"{cfg.model_path!r} is {mt!r}; set expert_parallel=1")
-        experts = _num_experts(cfg.model_path, cfg.tiny_model)
-        need(not experts or experts % cfg.expert_parallel == 0, f"expert_parallel={cfg.expert_parallel} does not "
-             f"divide the model's {experts} experts; choose a divisor of {experts}")
-        ranks = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.expert_parallel  # Megatron's expert grid
-        need(cfg.trainer_workers % ranks == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
-             f"tensor_parallel*pipeline_parallel*expert_parallel={ranks}; "
-             f"use {ranks * max(1, cfg.trainer_workers // ranks)}")
+    check_pipeline(cfg)
+    check_counts(cfg)
+    check_rollout(cfg)
+    check_models(cfg)
+    check_placement(cfg)
     check_fast_paths(cfg)
     mp = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.context_parallel
     need(cfg.trainer_workers % mp == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
@@ -447,14 +372,7 @@ def finalize(cfg: Config) -> Config:
             __import__(TRACKERS[t])
         except ImportError:
             raise ValueError(f"trackers: {t!r} needs the {TRACKERS[t]} package: pip install -e .[tracking]") from None
-    need(cfg.tool_parser in chat.TOOL_PARSERS + ("", "none") or data.is_dotted(cfg.tool_parser),
-         f"tool_parser={cfg.tool_parser!r}: choose one of {chat.TOOL_PARSERS}, 'none', '' (the chat template's) or a "
-         f"dotted path to fn(text, tools) -> (content, tool_calls){closest(cfg.tool_parser, chat.TOOL_PARSERS)}")
-    need(cfg.reasoning_parser in chat.REASONING_PARSERS + ("", "none"),
-         f"reasoning_parser={cfg.reasoning_parser!r}: choose one of {chat.REASONING_PARSERS}, 'none' or '' (the chat "
-         f"template's){closest(cfg.reasoning_parser, chat.REASONING_PARSERS)}")
-    need(isinstance(cfg.chat_template_kwargs, dict), f"chat_template_kwargs={cfg.chat_template_kwargs!r} must be a "
-         "mapping of template variables, e.g. {enable_thinking: false}")
+    check_chat(cfg)
     plugged = [k for k in ("agent", "chat_template", "tool_parser", "group_filter", "window", "engine", "transfer",
                            "sandbox") if data.is_dotted(getattr(cfg, k))]
     for name in ["reward", "warmstart_example"] + plugged:
@@ -470,13 +388,126 @@ def finalize(cfg: Config) -> Config:
 # the rules: meaningless combinations fail here, at --check, before any actor starts
 
 
+def check_pipeline(cfg: Config) -> None:
+    """Pipeline parallelism: the stages split the model's layers evenly; what it does not serve."""
+    need(isinstance(cfg.pipeline_parallel, int) and cfg.pipeline_parallel >= 1,
+         f"pipeline_parallel={cfg.pipeline_parallel!r} must be a positive integer")
+    if cfg.pipeline_parallel > 1:
+        layers, tied = _layers_and_tied(cfg.model_path, cfg.tiny_model)
+        need(layers is None or layers % cfg.pipeline_parallel == 0, f"pipeline_parallel={cfg.pipeline_parallel} "
+             f"does not divide the model's {layers} layers; choose a divisor of {layers}")
+        need(not tied, f"pipeline_parallel={cfg.pipeline_parallel} with tied input/output embeddings "
+             f"({cfg.model_path!r}) is not supported; use pipeline_parallel=1 for this model")
+        need(cfg.expert_parallel == 1, f"pipeline_parallel={cfg.pipeline_parallel} with expert_parallel="
+             f"{cfg.expert_parallel} is not wired in; use one of them")
+
+
+def check_counts(cfg: Config) -> None:
+    """Counts, budgets, rates and sampling knobs in their ranges."""
+    # counts and budgets: a zero or negative value here would divide by zero in finalize's batch algebra or
+    # hang/do nothing later
+    for name in ("trainer_workers", "tensor_parallel", "num_engines", "prompts_per_step", "samples_per_prompt",
+                 "global_batch_size", "micro_batch_size", "max_new_tokens", "max_prompt_len", "max_context_len",
+                 "max_turns", "eval_samples", "engine_max_batch", "max_parallel_sandboxes", "warmstart_batch_size"):
+        need(isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 1,
+             f"{name}={getattr(cfg, name)!r} must be a positive integer")
+    for name in ("num_steps", "eval_every", "save_every", "print_every", "agent_retries", "warmstart_steps",
+                 "lr_warmup_steps", "warmstart_stop_loss"):
+        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = off / none)")
+    for name in ("agent_timeout", "cpus_per_trainer", "cpus_per_engine", "bucket_mb"):
+        need(getattr(cfg, name) > 0, f"{name}={getattr(cfg, name)!r} must be > 0")
+    need(cfg.lr >= 0 and 0 <= cfg.min_lr <= max(cfg.lr, 0), f"lr={cfg.lr!r}, min_lr={cfg.min_lr!r}: need 0 <= min_lr <= lr")
+    for name in ("temperature", "eval_temperature"):  # SGLang and the CPU engine refuse negative ones
+        need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = greedy)")
+    need(0 < cfg.top_p <= 1, f"top_p={cfg.top_p!r} must be in (0, 1]")
+    need(cfg.top_k == -1 or cfg.top_k >= 1, f"top_k={cfg.top_k!r}: use -1 (off) or a positive integer")
+
+
+def check_rollout(cfg: Config) -> None:
+    """The rollout side: not train_only and rollout_only both, the sandbox, the weight transport, one kind of agent,
+    what agent_preload needs."""
+    need(not (cfg.train_only and cfg.rollout_only), "train_only and rollout_only together would neither generate "
+         "nor train; set one of them")
+    need(cfg.sandbox in ("local", "docker", "auto") or data.is_dotted(cfg.sandbox),
+         f"sandbox={cfg.sandbox!r}: choose 'local', 'docker', 'auto' or a dotted path 'module.function'")
+    need(cfg.transfer in transfermesh.TRANSPORTS or data.is_dotted(cfg.transfer),
+         f"transfer={cfg.transfer!r}: choose one of {transfermesh.TRANSPORTS} or a dotted path 'module.function'")
+    need(cfg.transfer != "cuda_ipc" or cfg.device == "cuda", "transfer=cuda_ipc needs device=cuda (CUDA IPC handles "
+         "of GPU tensors); on CPU use transfer=auto (shared memory to local engines) or broadcast")
+    need(cfg.transfer != "shm" or cfg.engine == "cpu", "transfer=shm is the CPU engine's shared-memory path; SGLang "
+         "engines take cuda_ipc, broadcast or disk (or auto)")
+    need(not (cfg.agent and cfg.agent_command), f"set either agent ({cfg.agent!r}, a Python function) or "
+         f"agent_command ({cfg.agent_command!r}, a black-box program), not both")
+    if cfg.agent_preload:
+        need(bool(cfg.agent_command), f"agent_preload={cfg.agent_preload} preloads modules for agent_command, which "
+             "is empty; set agent_command or remove agent_preload")
+        need(cfg.sandbox == "local", f"agent_preload forks agents from a warm interpreter on this machine, which "
+             f"sandbox={cfg.sandbox!r} cannot take; set sandbox=local or remove agent_preload")
+        need(sandbox.python_command(cfg.agent_command) is not None, f"agent_preload runs Python agents only: "
+             f"agent_command must read `[VAR=value ...] python SCRIPT [ARGS]` or `python -m MODULE [ARGS]` (no shell "
+             f"operators), got {cfg.agent_command!r}; remove agent_preload to run it through bash")
+
+
+def check_models(cfg: Config) -> None:
+    """What the model must be for the options set: an MoE model for router_replay, known tiny_model settings."""
+    if cfg.router_replay:
+        mt = _model_type(cfg.model_path, cfg.tiny_model)
+        need(mt in (None,) + MOE_MODEL_TYPES, f"router_replay=true needs an MoE model ({', '.join(MOE_MODEL_TYPES)}), "
+             f"but {cfg.model_path!r} is {mt!r}, which has no router; set router_replay=false"
+             + (" or tiny_model.num_experts > 0" if cfg.model_path == "tiny" else ""))
+        need(cfg.engine != "cpu" or mt != "mixtral", "router_replay with engine=cpu: the CPU engine runs Qwen3-MoE "
+             "and DeepSeek-V3 but not Mixtral; use a qwen3_moe or deepseek_v3 model or engine=sglang")
+    unknown = sorted(set(cfg.tiny_model) - set(data.TINY_DEFAULTS))
+    need(cfg.model_path != "tiny" or not unknown, f"unknown tiny_model setting(s) {unknown}"
+         f"{closest(unknown[0], data.TINY_DEFAULTS) if unknown else ''}; valid: {sorted(data.TINY_DEFAULTS)}")
+    fam = cfg.tiny_model.get("chat_format", "chatml")
+    need(cfg.model_path != "tiny" or fam in chat.FAMILIES, f"tiny_model.chat_format={fam!r}: the tiny tokenizer is "
+         f"built in one of {sorted(chat.FAMILIES)}{closest(str(fam), chat.FAMILIES)}")
+
+
+def check_placement(cfg: Config) -> None:
+    """Where things run: colocated engines fit on the trainers' GPUs, an SGLang engine's TP size, the
+    expert-parallel grid."""
+    if cfg.device == "cuda" and cfg.colocate:
+        need(cfg.num_engines * cfg.gpus_per_engine <= cfg.trainer_workers, f"colocate: {cfg.num_engines} engines x "
+             f"gpus_per_engine={cfg.gpus_per_engine} GPUs must fit on the trainers' {cfg.trainer_workers} GPUs; lower "
+             "num_engines or set colocate=false")
+    need(not (cfg.engine == "sglang" and cfg.colocate and cfg.sglang.get("enable_memory_saver") is False),
+         "colocate=true hands the engines' memory to the trainers with SGLang's release_memory_occupation, which needs "
+         "its memory saver; drop sglang.enable_memory_saver=false or set colocate=false")
+    if cfg.engine == "sglang" and "tp_size" in cfg.sglang:
+        need(int(cfg.sglang["tp_size"]) == cfg.gpus_per_engine, f"sglang.tp_size={cfg.sglang['tp_size']} but "
+             f"gpus_per_engine={cfg.gpus_per_engine}: an engine's tensor parallel size is its GPU count; set them equal")
+    if cfg.expert_parallel != 1:
+        need(isinstance(cfg.expert_parallel, int) and cfg.expert_parallel > 1,
+             f"expert_parallel={cfg.expert_parallel!r} must be a positive integer")
+        mt = _model_type(cfg.model_path, cfg.tiny_model)
+        need(mt in (None,) + MOE_MODEL_TYPES, f"expert_parallel={cfg.expert_parallel} needs an MoE model, but "
+             f"{cfg.model_path!r} is {mt!r}; set expert_parallel=1")
+        experts = _num_experts(cfg.model_path, cfg.tiny_model)
+        need(not experts or experts % cfg.expert_parallel == 0, f"expert_parallel={cfg.expert_parallel} does not "
+             f"divide the model's {experts} experts; choose a divisor of {experts}")
+        ranks = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.expert_parallel  # Megatron's expert grid
+        need(cfg.trainer_workers % ranks == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
+             f"tensor_parallel*pipeline_parallel*expert_parallel={ranks}; "
+             f"use {ranks * max(1, cfg.trainer_workers // ranks)}")
+
+
+def check_chat(cfg: Config) -> None:
+    """The chat side: tool and reasoning parsers, chat template variables."""
+    need(cfg.tool_parser in chat.TOOL_PARSERS + ("", "none") or data.is_dotted(cfg.tool_parser),
+         f"tool_parser={cfg.tool_parser!r}: choose one of {chat.TOOL_PARSERS}, 'none', '' (the chat template's) or a "
+         f"dotted path to fn(text, tools) -> (content, tool_calls){closest(cfg.tool_parser, chat.TOOL_PARSERS)}")
+    need(cfg.reasoning_parser in chat.REASONING_PARSERS + ("", "none"),
+         f"reasoning_parser={cfg.reasoning_parser!r}: choose one of {chat.REASONING_PARSERS}, 'none' or '' (the chat "
+         f"template's){closest(cfg.reasoning_parser, chat.REASONING_PARSERS)}")
+    need(isinstance(cfg.chat_template_kwargs, dict), f"chat_template_kwargs={cfg.chat_template_kwargs!r} must be a "
+         "mapping of template variables, e.g. {enable_thinking: false}")
+
+
 def check_critic(cfg: Config) -> None:
     """advantage=gae trains a critic inside every trainer rank (trainer.py): its knobs, and the combinations it
     cannot serve, fail here, at --check."""
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise ValueError(msg)
-
     if cfg.advantage != "gae":
         need(cfg.critic_warmup_steps == 0, f"critic_warmup_steps={cfg.critic_warmup_steps} applies to advantage='gae' "
              f"(the only estimator with a critic), not {cfg.advantage!r}; set critic_warmup_steps=0 or advantage=gae")
@@ -495,10 +526,6 @@ def check_critic(cfg: Config) -> None:
 
 def check_lora(cfg: Config) -> None:
     """LoRA (lora_rank > 0, lora.py): its knobs, and what it cannot serve yet, fail here, at --check."""
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise ValueError(msg)
-
     need(isinstance(cfg.lora_rank, int) and cfg.lora_rank >= 0, f"lora_rank={cfg.lora_rank!r} must be an integer "
          ">= 0 (0 = no LoRA)")
     if not cfg.lora_rank:
@@ -537,10 +564,6 @@ def check_fast_paths(cfg: Config) -> None:
     (through the CPU shims); the distributed optimizer needs CUDA, and on CUDA sequence and context parallelism need
     Transformer Engine's layer spec (found on the trainers at start: convert.layer_spec); context parallelism has
     no CPU path."""
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise ValueError(msg)
-
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
     need(cfg.layer_spec in LAYER_SPECS, f"layer_spec={cfg.layer_spec!r}: choose from {LAYER_SPECS}"
          f"{closest(str(cfg.layer_spec), LAYER_SPECS)}")
@@ -686,10 +709,6 @@ def check_teacher_vocab(student_path: str, teacher_paths: dict[str, str], studen
 
 def check_teachers(cfg: Config) -> None:
     """Teachers, routing and data sources: meaningless combinations fail here, at --check."""
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise ValueError(msg)
-
     names = list(cfg.teachers)
     specs = {n: teacher_spec(n, s) for n, s in cfg.teachers.items()}
     need(not names or cfg.pg_ratio > 0 or cfg.gkd_ratio > 0, f"teachers {names} are set but pg_ratio=0 and "
