@@ -197,6 +197,13 @@ def verify_checksum(flat: torch.Tensor, expected: list[int] | None) -> None:
                          f"shifted in transit, so the bucket was not loaded and the engine keeps its old weights")
 
 
+def adapter_sha256(named) -> dict[str, str]:
+    """SGLang 0.5.23's `expected_checksums` of an adapter: sha256 hex of each full tensor's bytes (host copy), by name.
+    SGLang checks them on every TP rank before slicing, so they are of the full tensors."""
+    return {n: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for n, t in named}
+
+
 def verify_adapter_sha256(named: list[tuple[str, torch.Tensor]], expected: dict[str, str] | None) -> None:
     """SGLang 0.5.23's `expected_checksums` of /load_lora_adapter_from_tensors (None: nothing to check): sha256 hex
     of each tensor's bytes by name. Raise ValueError, as SGLang refuses the adapter, on any value mismatch, any
@@ -205,8 +212,7 @@ def verify_adapter_sha256(named: list[tuple[str, torch.Tensor]], expected: dict[
         return
     if not isinstance(expected, dict):
         raise ValueError(f"expected_checksums must map tensor names to sha256 hex strings, got {type(expected).__name__}")
-    got = {n: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-           for n, t in named}
+    got = adapter_sha256(named)
     mismatch = [n for n, want in expected.items() if n in got and got[n] != want]
     missing, extra = [n for n in expected if n not in got], [n for n in got if n not in expected]
     if mismatch or missing or extra:
@@ -371,19 +377,21 @@ def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list,
         if kind not in ("shm", "cuda_ipc", "disk"):
             raise ValueError(f"transfer={kind!r} cannot carry a LoRA adapter (SGLang 0.5.23 loads adapters from "
                              "tensors or from disk only); use transfer=auto, shm, cuda_ipc or disk")
+    # expected_checksums: SGLang's own field (sha256 per tensor), checked by SGLang's TP worker and the CPU engine alike
     fields = {"lora_name": name, "config_dict": config}
-    if "shm" in kinds:  # written once, read by every local engine; checksum: LoongSage's field, as for weights
-        flat, metas, sums = write_shm_bucket(tensors)
+    sha = {"expected_checksums": adapter_sha256(tensors)} if kinds & {"shm", "cuda_ipc"} else {}
+    if "shm" in kinds:  # written once, read by every local engine
+        flat, metas, _ = write_shm_bucket(tensors)
 
     def load(engine):
         url, tp = engine
         kind = adapter_transport(url, transport)
         if kind == "shm":
-            _post(url, "/load_lora_adapter_from_tensors", {**fields, "load_format": "flattened_bucket", "checksum": sums,
+            _post(url, "/load_lora_adapter_from_tensors", {**fields, **sha, "load_format": "flattened_bucket",
                                                           "serialized_named_tensors": tensor_payloads(flat, metas, tp)})
         elif kind == "cuda_ipc":
             on_gpu = {n: t.detach().cuda().contiguous() for n, t in tensors}
-            _post(url, "/load_lora_adapter_from_tensors", {**fields, "serialized_named_tensors":
+            _post(url, "/load_lora_adapter_from_tensors", {**fields, **sha, "serialized_named_tensors":
                                                           cuda_ipc_payloads(on_gpu, tp)})
             torch.cuda.synchronize()
         else:

@@ -342,7 +342,8 @@ def _lps(answer) -> list[float]:
 
 
 def _load(url, name, tensors, r=R, **fields):
-    """/load_lora_adapter_from_tensors with SGLang's payload, as transfermesh.push_adapter sends it by shm."""
+    """/load_lora_adapter_from_tensors with SGLang's payload as transfermesh.push_adapter sends it by shm, with
+    LoongSage's per-bucket checksum (which the engine also verifies) where push_adapter sends expected_checksums."""
     cfg = {"r": r, "lora_alpha": ALPHA, "target_modules": ["q_proj"]}
     flat, metas, sums = transfermesh.write_shm_bucket(sorted(tensors.items()))
     return httpx.post(url + "/load_lora_adapter_from_tensors", json={

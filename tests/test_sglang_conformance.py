@@ -229,7 +229,9 @@ def test_a_pushed_adapter_is_what_sglangs_lora_loader_reads(tiny_model_dir, monk
         got = dict(FlattenedTensorBucket(flattened_tensor=data_["flattened_tensor"],
                                          metadata=data_["metadata"]).reconstruct_tensors())
         assert got.keys() == adapters.keys() and all(torch.equal(got[n], t) for n, t in adapters.items())
-        assert {n: _digest(t) for n, t in got.items()} == {n: _digest(t) for n, t in adapters.items()}
+        # SGLang's own checksum field is sent, and its values are what SGLang's TP worker computes on what it read
+        assert body["expected_checksums"] == {n: _digest(t) for n, t in got.items()} == \
+            {n: _digest(t) for n, t in adapters.items()}
         with tm._file_system_sharing():  # SGLang's Engine.load_lora_adapter_from_tensors, load_format null
             shared = {n: t.clone().share_memory_() for n, t in adapters.items()}
             entry = MultiprocessingSerializer.serialize(shared, output_str=True)
