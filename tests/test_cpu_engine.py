@@ -173,8 +173,9 @@ def test_greedy_matches_transformers_generate_and_logprobs(server, hf_a):
         meta = out["meta_info"]
         assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == len(ref)
         assert meta["weight_version"] == "0" and meta["weight_versions"] == [{"version": "0", "start": 0, "end": len(ref)}]
-        eos = hf_a.generation_config.eos_token_id
-        expected = {"type": "stop", "matched": eos} if ref[-1] == eos else {"type": "length", "length": 24}
+        eos = hf_a.generation_config.eos_token_id  # an int or, as Qwen ships it, a list ([<|im_end|>, <|endoftext|>])
+        eos = [eos] if isinstance(eos, int) else eos
+        expected = {"type": "stop", "matched": ref[-1]} if ref[-1] in eos else {"type": "length", "length": 24}
         assert meta["finish_reason"] == expected
     # the first prompt stops at eos within 24 tokens, so both kinds of finish were exercised
     assert gen(url, PROMPTS[0], temperature=0, max_new_tokens=24)["meta_info"]["finish_reason"]["type"] == "stop"
