@@ -445,6 +445,13 @@ def wait(refs, what: str, timeout: float, knob: str, every: float = 0.0, tick=No
     return [results[ref] for ref in order] if isinstance(refs, list) else results[refs]
 
 
+def off_node(fleet: Fleet, urls: list[str]) -> list[str]:
+    """The engines among `urls` placed on another Ray node than trainer rank 0, the weights' sender: TransferMesh
+    sends them no shared memory or IPC handles (transfermesh.pick_transport), whatever machine the nodes are on."""
+    here = fleet.where[fleet.plan["trainers"][0]["bundle"]][0]
+    return [u for i, u in enumerate(fleet.urls) if u in urls and fleet.where[fleet.plan["engines"][i]["bundle"]][0] != here]
+
+
 def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: int) -> str:
     """Re-create dead engine i on its bundle, load the trainers' current weights (labelled `version`)
     into it, and route to it again. The trainers must be idle and hold weight version `version`."""
@@ -459,8 +466,9 @@ def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: i
     # it loaded fleet.model (version 0); every later version lives only in the trainers, and with LoRA the router
     # names the current adapter (version 0's too, after a warm start), which this engine must have
     if version > 0 or cfg.lora_rank:
-        wait([t.sync_weights.remote([url], version) for t in trainers], f"weight sync to re-created engine {i}",
-             cfg.weight_sync_timeout, "weight_sync_timeout")
+        remote = [url] if off_node(fleet, [old]) else []  # the same bundle, so the same node as its predecessor
+        wait([t.sync_weights.remote([url], version, remote=remote) for t in trainers],
+             f"weight sync to re-created engine {i}", cfg.weight_sync_timeout, "weight_sync_timeout")
     fleet.released[i] = set()
     if fleet.hand_off:  # mid-way through the colocated hand-off: paused and released as the others are
         import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
@@ -532,7 +540,7 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int, base: 
         live = [u for u in fleet.urls if u not in dead]
         try:
             stats = update_engines(cfg, fleet, live, lambda: wait(
-                [t.sync_weights.remote(live, version, base) for t in trainers],
+                [t.sync_weights.remote(live, version, base, off_node(fleet, live)) for t in trainers],
                 f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
                 "weight_sync_timeout")[0])
             break

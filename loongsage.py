@@ -64,10 +64,10 @@ import convert
 import data
 import teacher
 from config import Config, capacity, check_runtime, check_teacher_vocab, closest, explain, load_config, warn_off_policy
-from fleet import (Logger, base_model, check_engines, colocate_hand_off, load_run_state, placement, placement_table,
-                   prepare_model, prepare_teachers, reserve, rng_state, save_run_state, set_rng_state, start_rollout,
-                   start_teachers, start_trainers, step_usage, stop_on_exit, sync_engines, update_engines, usage,
-                   wait)
+from fleet import (Logger, base_model, check_engines, colocate_hand_off, load_run_state, off_node, placement,
+                   placement_table, prepare_model, prepare_teachers, reserve, rng_state, save_run_state, set_rng_state,
+                   start_rollout, start_teachers, start_trainers, step_usage, stop_on_exit, sync_engines,
+                   update_engines, usage, wait)
 
 
 @stop_on_exit  # however train() ends, its actors are stopped and its bundles freed (fleet.stop); Ray stays up
@@ -553,11 +553,13 @@ def evaluate_teachers(cfg: Config, trainers, flow, fleet, paths: dict[str, str],
             continue
         ray.get([t.load_hf.remote(path) for t in trainers])
         # update_engines: the student's prefix K/V is flushed, so no teacher answer runs over it
-        update_engines(cfg, fleet, fleet.urls, lambda: ray.get([t.sync_weights.remote(fleet.urls, -1) for t in trainers]))
+        update_engines(cfg, fleet, fleet.urls, lambda: ray.get([t.sync_weights.remote(fleet.urls, -1, remote=off_node(fleet, fleet.urls))
+                                                                 for t in trainers]))
         m = evaluate(cfg, flow, eval_sets, 0)
         out.update({f"teacher/{name}/{k[len('eval/'):]}": v for k, v in m.items() if k.endswith("accuracy")})
     ray.get([t.load_hf.remote(fleet.model) for t in trainers])
-    update_engines(cfg, fleet, fleet.urls, lambda: ray.get([t.sync_weights.remote(fleet.urls, 0) for t in trainers]))
+    update_engines(cfg, fleet, fleet.urls, lambda: ray.get([t.sync_weights.remote(fleet.urls, 0, remote=off_node(fleet, fleet.urls))
+                                                                 for t in trainers]))
     return out
 
 

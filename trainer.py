@@ -1289,13 +1289,14 @@ class Export:
         self.hand_off.onload(["weights"])
         return lora.gather(self.policy.gpt, self.par.tp_group if self.par.tp_size > 1 else None, self.par.rank == 0)
 
-    def sync(self, engine_urls: list[str], version: int, base: bool = False) -> dict:
+    def sync(self, engine_urls: list[str], version: int, base: bool = False, remote: list[str] = ()) -> dict:
         """Push the current weights to the rollout engines as `version`, bucket by bucket as they are gathered (rank
         0 sends; the others take part in each bucket's gather). With LoRA only the adapters travel, as the engines'
         adapter lora.adapter_name(version); `base` also sends the frozen base weights first (the engines started
         from another checkpoint: a warm start, a resume). Returns rank 0's `weights/` metrics, with the peak extra
         resident memory of the sync in this process (`weights/peak_extra_mb`: about a bucket plus twice the largest
-        gathered tensor, never the model); with LoRA also weights/full_bytes, what a full sync would move."""
+        gathered tensor, never the model); with LoRA also weights/full_bytes, what a full sync would move. `remote`:
+        the engines on another Ray node than rank 0 (fleet.off_node): they never get shared memory or IPC handles."""
         full = base or not self.peft
         stream = self.hf_weights() if full else iter(())
         adapters = self.adapters()
@@ -1314,13 +1315,13 @@ class Export:
         try:
             if full:
                 stats = transfermesh.push_weights(stream, engines, version, transport=self.cfg.transfer,
-                                                  bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path)
+                                                  bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path, remote=remote)
         finally:
             for _ in stream:  # a failed push: the other ranks still wait in the remaining gathers
                 pass
         if self.peft:  # LoRA: the adapters alone, loaded as a new adapter of the engines (SGLang's LoRA endpoints)
             sent = transfermesh.push_adapter(adapters, self.peft, engines, version, lora.adapter_name(version),
-                                             transport=self.cfg.transfer)
+                                             transport=self.cfg.transfer, remote=remote)
             for key in ("weights/bytes", "weights/buckets", "weights/seconds"):  # + the base, when it went too
                 sent[key] += stats.get(key, 0)
             sent["weights/gbps"] = sent["weights/bytes"] / max(sent["weights/seconds"], 1e-9) / 1e9
@@ -1711,10 +1712,10 @@ class TrainerWorker:
         (Export.adapters; for tests). Every rank must call it."""
         return self.export.adapters()
 
-    def sync_weights(self, engine_urls: list[str], version: int, base: bool = False) -> dict:
-        """Push the current weights to the rollout engines as `version` (Export.sync); returns rank 0's `weights/`
-        metrics. Every rank must call it."""
-        return self.export.sync(engine_urls, version, base)
+    def sync_weights(self, engine_urls: list[str], version: int, base: bool = False, remote: list[str] = ()) -> dict:
+        """Push the current weights to the rollout engines as `version` (Export.sync; `remote`: the engines on
+        another Ray node); returns rank 0's `weights/` metrics. Every rank must call it."""
+        return self.export.sync(engine_urls, version, base, remote)
 
     def save_hf(self, path: str, adapter_path: str | None = None, shard_mb: float = 5 * 1024) -> str:
         """Write an HF model directory, with LoRA also a PEFT adapter directory (Export.save_hf). Every rank must

@@ -78,7 +78,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
-from typing import Iterable
+from typing import Collection, Iterable
 from urllib.parse import urlparse
 
 import httpx
@@ -235,7 +235,12 @@ def is_local(url: str) -> bool:
         return False
 
 
-def pick_transport(url: str, requested: str) -> str:
+def pick_transport(url: str, requested: str, remote: bool = False) -> str:
+    """The transport `auto` means for the engine at `url`: shared memory (CPU) or CUDA IPC (GPU) where it is on the
+    sender's machine, else a broadcast. `remote`: the engine is on another Ray node than the sender (the controller
+    knows from the placement, fleet.off_node), which settles it whatever the URL's host looks like: Ray nodes are
+    placed as separate machines even when two of them share one (a test cluster), and a hostname can resolve to a
+    different address than the one an engine binds."""
     if data.is_dotted(requested):  # a user's transport (see push_weights)
         return requested
     if requested not in TRANSPORTS:
@@ -243,7 +248,7 @@ def pick_transport(url: str, requested: str) -> str:
                          "'module.function' to your own")
     if requested != "auto":
         return requested
-    if is_local(url):
+    if not remote and is_local(url):
         return "cuda_ipc" if torch.cuda.is_available() else "shm"
     return "broadcast"
 
@@ -303,26 +308,30 @@ def _engines(engines) -> list[tuple[str, int]]:
 
 
 def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: list, version: int, *,
-                 transport: str = "auto", bucket_mb: float = 64, config_dir: str | None = None) -> dict:
+                 transport: str = "auto", bucket_mb: float = 64, config_dir: str | None = None,
+                 remote: Collection[str] = ()) -> dict:
     """Send all weights to every engine in buckets inside one weight-update session per engine; the last
-    bucket sets the engines' weight version. `engines`: urls, or (url, tp_size) pairs. `named_tensors` is read
+    bucket sets the engines' weight version. `engines`: urls, or (url, tp_size) pairs; `remote`: the urls among
+    them on another Ray node than this process (pick_transport). `named_tensors` is read
     once, lazily: a generator that gathers each tensor when asked (trainer.Export.hf_weights) is never held whole,
     only the bucket in hand.
 
     Does not pause: call `pause_engines` before and `continue_engines` after (the controller does, in train()).
-    Returns `weights/` metrics: bytes, buckets, seconds and GB/s.
+    Returns `weights/` metrics: bytes, buckets, seconds and GB/s, and the engines each transport served
+    (`weights/engines_<transport>`).
     """
     t0 = time.perf_counter()
     bucket_bytes = int(bucket_mb * 2**20)
     engines = _engines(engines)
     groups: dict[str, list[tuple[str, int]]] = {}
     for url, tp in engines:
-        groups.setdefault(pick_transport(url, transport), []).append((url, tp))
+        groups.setdefault(pick_transport(url, transport, url in remote), []).append((url, tp))
     # EXT: a dotted path names a user's push function with the built-ins' signature, called inside the engines'
     # weight-update session; it returns (buckets sent, bytes sent)
     pushes = [({"shm": _push_shm, "cuda_ipc": _push_cuda_ipc, "broadcast": _push_broadcast,
                 "disk": _push_disk}.get(kind) or data.import_object(kind), group) for kind, group in groups.items()]
-    stats = {"weights/version": version, "weights/buckets": 0, "weights/bytes": 0}
+    stats = {"weights/version": version, "weights/buckets": 0, "weights/bytes": 0,
+             **{f"weights/engines_{kind.rsplit('.', 1)[-1]}": len(group) for kind, group in groups.items()}}
     urls = [u for u, _ in engines]
     _each(lambda u: _post(u, "/begin_weight_update", {"selector": "all"}), urls)
     try:
@@ -345,21 +354,22 @@ def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: lis
     return stats
 
 
-def adapter_transport(url: str, requested: str) -> str:
+def adapter_transport(url: str, requested: str, remote: bool = False) -> str:
     """The transport of a LoRA adapter to the engine at `url`: pick_transport's, except that `auto` sends a remote
     engine a PEFT directory ("disk") where full weights would go by broadcast (SGLang has no adapter broadcast)."""
-    kind = pick_transport(url, requested)
+    kind = pick_transport(url, requested, remote)
     return "disk" if kind == "broadcast" and requested == "auto" else kind
 
 
 def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list, version: int, name: str, *,
-                 transport: str = "auto") -> dict:
+                 transport: str = "auto", remote: Collection[str] = ()) -> dict:
     """LoRA: load `adapters` ({PEFT name: full tensor}, lora.gather) into every engine as a new adapter `name`, with
     its PEFT `config` (adapter_config.json), then make `version` the engines' weight version. No weight-update
     session: SGLang 0.5.23 loads adapters outside one (they never change the weights a running request uses). One
     adapter per version: SGLang refuses a name already loaded, and a request keeps the adapter it named until it
     ends, so the requests in flight finish on their own adapter (AgentFlow names the new one for new requests and
-    unloads the old one once no request of its uses it). `engines`: urls or (url, tp_size) pairs.
+    unloads the old one once no request of its uses it). `engines`: urls or (url, tp_size) pairs; `remote`: those on
+    another Ray node (pick_transport).
 
     Transports (SGLang has no adapter broadcast): "shm" (CPU engine) and "cuda_ipc" (SGLang, same machine):
     `/load_lora_adapter_from_tensors` with one payload per TP rank of the full tensors (SGLang slices them per rank
@@ -372,7 +382,7 @@ def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list,
     engines = _engines(engines)
     tensors = sorted(adapters.items())
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-    kinds = {adapter_transport(u, transport) for u, _ in engines}
+    kinds = {adapter_transport(u, transport, u in remote) for u, _ in engines}
     for kind in kinds:
         if kind not in ("shm", "cuda_ipc", "disk"):
             raise ValueError(f"transfer={kind!r} cannot carry a LoRA adapter (SGLang 0.5.23 loads adapters from "
@@ -385,7 +395,7 @@ def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list,
 
     def load(engine):
         url, tp = engine
-        kind = adapter_transport(url, transport)
+        kind = adapter_transport(url, transport, url in remote)
         if kind == "shm":
             _post(url, "/load_lora_adapter_from_tensors", {**fields, **sha, "load_format": "flattened_bucket",
                                                           "serialized_named_tensors": tensor_payloads(flat, metas, tp)})
@@ -405,8 +415,10 @@ def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list,
     _each(load, engines)
     seconds = time.perf_counter() - t0
     # bytes of one copy, as push_weights counts them: what one engine receives
+    served = [adapter_transport(u, transport, u in remote) for u, _ in engines]
     return {"weights/version": version, "weights/buckets": 1, "weights/bytes": nbytes, "weights/seconds": seconds,
-            "weights/gbps": nbytes / max(seconds, 1e-9) / 1e9}
+            "weights/gbps": nbytes / max(seconds, 1e-9) / 1e9,
+            **{f"weights/engines_{kind}": served.count(kind) for kind in kinds}}
 
 
 def _fan_out(named_tensors, pushes, bucket_bytes, config_dir, version) -> list[tuple[int, int]]:

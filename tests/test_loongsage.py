@@ -448,3 +448,40 @@ def test_bf16_training_on_cpu_is_refused_at_check():
     with pytest.raises(ValueError, match=r"dtype='bfloat16' with device='cpu'.*use dtype=float32"):
         config.load_config(str(ROOT / "recipes" / "arith_cpu.yaml"), ["dtype=bfloat16", "device=cpu"])
     assert config.load_config(str(ROOT / "recipes" / "arith_cpu.yaml"), ["dtype=float32"]).dtype == "float32"
+
+
+@pytest.mark.slow
+def test_two_node_cluster_run_equals_the_one_node_run(sync_run, tmp_path, run_cache, capsys):
+    """A run pointed at an existing two-node Ray cluster (`ray_address`; both nodes on this machine): a node with one
+    CPU for the trainer rank's bundle, one for the engine's, a head with none, so the placement group cannot pack
+    them together. The placement table names both nodes; the weight sync takes the cross-node transport, a
+    broadcast over a gloo group (shared memory never crosses Ray nodes, fleet.off_node), at every step; and every
+    step and eval is bit-identical to the module's one-node sync run (same seeds and thread counts, the same bytes
+    of weights however they travel). Last in the module: it ends the session's Ray, the next module starts it."""
+    import ray
+    from ray.cluster_utils import Cluster
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=1).node_id for _ in range(2)]  # hex, as the placement table prints them
+    try:
+        cfg = _short_run(tmp_path, *SYNC, f"dump_rollouts={tmp_path}/dump", f"ray_address={cluster.address}")
+        history = loongsage.train(cfg)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    out = capsys.readouterr().out
+    table = out.split("placement:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    trainer, engine = (next(ln for ln in table if ln.startswith(k)) for k in ("trainer 0", "engine 0"))
+    on = {kind: next(n for n in nodes if n[:12] in line) for kind, line in (("trainer", trainer), ("engine", engine))}
+    assert on["trainer"] != on["engine"], table
+    one, two = ([h for h in run if "train/loss" in h or "eval/accuracy" in h] for run in (sync_run.history, history))
+    steps = [h for h in two if "train/loss" in h]
+    assert len(steps) == 3 and len(one) == len(two)
+    for h in steps:
+        assert h["weights/engines_broadcast"] == 1 and "weights/engines_shm" not in h, h
+    for a, b in zip(one, two):
+        for k in ("rollout/reward_mean", "rollout/generated_tokens", "train/loss", "train/grad_norm", "train/gap_k3",
+                  "eval/accuracy"):
+            assert a.get(k) == b.get(k), (k, a.get(k), b.get(k))
+    for h in (h for h in sync_run.history if "train/loss" in h):  # the one-node run: shared memory, same machine
+        assert h["weights/engines_shm"] == 1 and "weights/engines_broadcast" not in h

@@ -107,6 +107,7 @@ def test_adapter_transports_follow_the_engines_place():
     local, remote = "http://127.0.0.1:30000", "http://10.255.255.1:30000"
     assert transfermesh.adapter_transport(local, "auto") == transfermesh.pick_transport(local, "auto")
     assert transfermesh.adapter_transport(remote, "auto") == "disk"
+    assert transfermesh.adapter_transport(local, "auto", remote=True) == "disk"  # on another Ray node
     assert transfermesh.adapter_transport(remote, "disk") == "disk"
 
 

@@ -196,6 +196,9 @@ def test_cuda_ipc_payload_has_one_entry_per_tp_rank():
 def test_pick_transport():
     assert tm.pick_transport("http://127.0.0.1:3000", "auto") == "shm"
     assert tm.pick_transport("http://10.1.2.3:3000", "auto") == "broadcast"
+    # on another Ray node (fleet.off_node): a broadcast, even where its URL is this machine's; forcing still forces
+    assert tm.pick_transport("http://127.0.0.1:3000", "auto", remote=True) == "broadcast"
+    assert tm.pick_transport("http://127.0.0.1:3000", "shm", remote=True) == "shm"
     assert tm.pick_transport("http://127.0.0.1:3000", "disk") == "disk"
     with pytest.raises(ValueError, match="choose one of"):
         tm.pick_transport("http://127.0.0.1:3000", "carrier_pigeon")
