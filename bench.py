@@ -63,7 +63,8 @@ measured back to back in one run is far steadier than an absolute number.
         (13M parameters each: hidden 512, 4 layers; one resident skeleton, the others as swapped snapshots) against
         one holding 1, each scoring one batch routed to all of its teachers; also what the teachers add over the
         process's RSS before any model, and the swaps (each teacher loads at most once per batch). Target: both
-        ratios <= 1.3 (holding all three resident would be ~1.74).
+        ratios <= 1.3 (holding all three resident would be ~1.74). Then the top-k targets' peak extra memory on
+        4096 x 32768 fp32 logits: the teacher's chunked path against a full-vocabulary log-softmax.
 
 Each benchmark is one function `bench_<name>(args)`; `main` dispatches on the subcommand with if/elif and returns
 its result dict.
@@ -903,8 +904,26 @@ def teacher_memory(workdir: str, hidden_size: int = 512, layers: int = 4) -> dic
     return out
 
 
+def targets_memory(n: int = 4096, vocab: int = 32768, k: int = 8) -> dict:
+    """Peak extra resident memory (MB) of turning (n, vocab) fp32 logits into top-k targets, in this process: the
+    teacher's chunked path (teacher.TeacherWorker._topk, one rank) against the full path it replaced (log_softmax of
+    every row, then top-k). The chunked one runs first, so the full one cannot reuse heap it freed."""
+    from types import SimpleNamespace
+    import teacher
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
+    one_rank = SimpleNamespace(par=SimpleNamespace(tp_rank=0, tp_size=1))
+    out = {"logits_mb": logits.numel() * 4 / 2**20}
+    for name, fn in (("chunked", lambda: teacher.TeacherWorker._topk(one_rank, logits, k)),
+                     ("full", lambda: torch.log_softmax(logits, -1).topk(k, -1))):
+        before = tm.rss_bytes()
+        tm.reset_peak_rss()
+        fn()
+        out[f"{name}_mb"] = max(tm.peak_rss_bytes() - before, 0) / 2**20
+    return out
+
+
 def bench_teachers(args) -> dict:
-    """`teacher_memory` in a fresh Ray of its own (each teacher group a new process), printed."""
+    """`teacher_memory` in a fresh Ray of its own (each teacher group a new process), printed; then `targets_memory`."""
     try:
         out = teacher_memory(args.workdir or tempfile.mkdtemp())
     finally:
@@ -913,6 +932,9 @@ def bench_teachers(args) -> dict:
           f"{out[1]['peak_rss_mb']:.0f} MB, 3 teachers {out[3]['peak_rss_mb']:.0f} MB: {out['peak_ratio']:.2f}x "
           f"(added {out[1]['added_mb']:.0f} -> {out[3]['added_mb']:.0f} MB: {out['added_ratio']:.2f}x; target <= 1.3); "
           f"swaps {out[1]['swaps']:.0f} / {out[3]['swaps']:.0f}")
+    out["targets"] = t = targets_memory()
+    print(f"top-k targets of {t['logits_mb']:.0f} MB of logits (4096 x 32768, k=8): peak extra {t['chunked_mb']:.0f} MB "
+          f"chunked (teacher.CHUNK_FLOATS) vs {t['full_mb']:.0f} MB full log-softmax")
     return out
 
 

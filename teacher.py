@@ -7,7 +7,10 @@ one target dict per trajectory, which goes by object ref to `TrainerWorker.train
 
 What a teacher returns, per response token (`score`):
   * `teacher_logp`        log p_teacher(y_t) of the sampled token (PG-style OPD: A' = A - pg_ratio * KL_t);
-  * `teacher_topk_logp`, `teacher_topk_ids` (R, K): the teacher's top-k (GKD `distill_type: topk_kl`);
+  * `teacher_topk_logp`, `teacher_topk_ids` (R, K): the teacher's top-k (GKD `distill_type: topk_kl`), computed
+    a chunk of rows at a time from each TP rank's vocabulary shard (its top k and log-sum-exp are all that is
+    gathered, `vocab_topk` / `merge_vocab_topk`): no full-vocabulary log-softmax or gathered logits. Only ensemble
+    tokens gather their whole rows, for the mixture;
   * `teacher_hidden` {teacher: (R, H)} final hidden states (after the last norm) for full-vocabulary
     divergences (`forward_kl`, `reverse_kl`, `jsd`): the student side applies the teacher's LM head
     (sent once, `lm_heads`) per micro-batch, so no V-sized logits travel;
@@ -54,6 +57,33 @@ import trainer
 # Fields of an HF config that never change the built model: teachers that differ only in these share a skeleton.
 _NOT_ARCH = ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "bos_token_id",
              "eos_token_id", "pad_token_id", "use_cache", "name_or_path")
+
+
+# Rows of logits turned into top-k targets at a time: a chunk's float copy (2**24 floats, 64 MB) is the only V-sized
+# tensor the targets add, however many tokens a micro-batch holds.
+CHUNK_FLOATS = 2**24
+
+
+def vocab_topk(logits: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
+    """One vocabulary shard's part of the top-k targets of n tokens: (n, V_s) logits -> (n, 2k' + 1) float64 rows of
+    [k' largest logits, their ids in the whole vocabulary, log-sum-exp of the shard], k' = min(k, V_s); `offset` is
+    the shard's first id. float64 carries the ids exactly (any vocabulary below 2**53) in one tensor to all-gather."""
+    x = logits.float()                                                    # (n, V_s) the chunk's only V-sized copy
+    top = x.topk(min(k, x.size(-1)), -1)                                  # (n, k')
+    return torch.cat([top.values.double(), (top.indices + offset).double(),
+                      torch.logsumexp(x, -1, keepdim=True).double()], -1)  # (n, 2k' + 1)
+
+
+def merge_vocab_topk(parts: list[torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole vocabulary's (n, k) top-k log-probs and ids from its shards' vocab_topk rows (one shard: no TP).
+    log Z = logsumexp over the shards' log Z, and the global top k is among the union of the shards' top k (a shard
+    holds at most k of them), so logp_i = logit_i - log Z there: log_softmax's values, without a V-sized tensor."""
+    kk = (parts[0].size(-1) - 1) // 2
+    vals = torch.cat([p[:, :kk] for p in parts], -1)                      # (n, S k') logits
+    ids = torch.cat([p[:, kk:2 * kk] for p in parts], -1)                 # (n, S k')
+    lse = torch.logsumexp(torch.stack([p[:, -1] for p in parts]), 0)     # (n,) log Z of the whole vocabulary
+    top = vals.topk(k, -1)                                                # (n, k)
+    return (top.values - lse[:, None]).float(), ids.gather(-1, top.indices).long()
 
 
 def teacher_cfg(cfg):
@@ -244,12 +274,30 @@ class TeacherWorker:
     # --- scoring ---------------------------------------------------------------------------------------
 
     def _whole_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """This rank's (b, R, V/tp) logits as whole rows (b, R, V), for top-k and mixtures."""
+        """This rank's (..., V/tp) logits as whole rows (..., V), for the (few) ensemble tokens' mixtures."""
         if self.par.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.par.tp_size)]
         torch.distributed.all_gather(parts, logits.contiguous(), group=self.par.tp_group)
-        return torch.cat(parts, -1)  # (b, R, V)
+        return torch.cat(parts, -1)  # (..., V)
+
+    def _topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, V/tp) this rank's logits of n tokens -> the whole vocabulary's (n, k) top-k log-probs and ids, a chunk of
+        rows at a time (CHUNK_FLOATS): no full-vocabulary log-softmax, and under TP only each shard's top k and
+        log-sum-exp travel (vocab_topk, merge_vocab_topk), never the logits."""
+        n, vs = logits.shape
+        rows = max(1, CHUNK_FLOATS // vs)
+        values, ids = [], []
+        for a in range(0, n, rows):
+            mine = vocab_topk(logits[a:a + rows], k, self.par.tp_rank * vs)  # (c, 2k' + 1)
+            parts = [mine]
+            if self.par.tp_size > 1:
+                parts = [torch.empty_like(mine) for _ in range(self.par.tp_size)]
+                torch.distributed.all_gather(parts, mine, group=self.par.tp_group)
+            v, i = merge_vocab_topk(parts, k)
+            values.append(v)
+            ids.append(i)
+        return torch.cat(values), torch.cat(ids)
 
     @torch.no_grad()
     def score(self, batch: list[dict]):
@@ -279,8 +327,9 @@ class TeacherWorker:
             states: list[torch.Tensor] = []  # final (normed) hidden states (T, b, H): the output layer's input
 
             def take(part, mb, res):  # one micro-batch of `idx`: res logp (b, R), logits (b, R, V/tp)
-                logp, logits = res["logp"].float(), self._whole_vocab(res["logits"]).float()  # (b, R), (b, R, V)
-                logp_all = torch.log_softmax(logits, -1)  # (b, R, V)
+                logp, logits = res["logp"].float(), res["logits"]  # (b, R), (b, R, V/tp)
+                nb, nr = logits.shape[:2]
+                topv, topi = (t.view(nb, nr, K) for t in self._topk(logits.flatten(0, 1), K))  # (b, R, K) each
                 if hidden:
                     pos = mb["resp_pos"]  # (b, R)
                     hs = states.pop().transpose(0, 1)  # (b, T, H)
@@ -290,13 +339,13 @@ class TeacherWorker:
                     W, r = routes[i], len(batch[i]["response_ids"])
                     w = W[:, j]  # (r,) this teacher's weight per token
                     whole, some = w == 1, (w > 0) & (w < 1)  # (r,) single-teacher / ensemble tokens
-                    top = logp_all[b, :r].topk(K, -1)  # (r, K)
                     out[i]["teacher_logp"][whole] = logp[b, :r][whole].cpu()
-                    out[i]["teacher_topk_logp"][whole] = top.values[whole].cpu()
-                    out[i]["teacher_topk_ids"][whole] = top.indices[whole].cpu()
-                    if some.any():
+                    out[i]["teacher_topk_logp"][whole] = topv[b, :r][whole].cpu()
+                    out[i]["teacher_topk_ids"][whole] = topi[b, :r][whole].cpu()
+                    if some.any():  # routes are the same on every rank: all TP ranks gather these rows, or none
                         rows = (W.sum(1) > 0) & (W.max(1).values < 1)  # (r,) every ensemble token of sample i
-                        mixed.setdefault(i, {})[name] = logp_all[b, :r][rows].cpu()
+                        whole_rows = self._whole_vocab(logits[b, :r][rows]).float()  # (n_mix, V) these tokens only
+                        mixed.setdefault(i, {})[name] = torch.log_softmax(whole_rows, -1).cpu()
                     if hidden:
                         out[i]["teacher_hidden"][name] = h[b, :r].cpu()
                         out[i]["teacher_weight"][name] = w.clone()

@@ -101,6 +101,9 @@ def test_teachers_bench_3_teachers_fit_in_the_memory_of_1(tmp_path, capsys):
     assert out[3]["swaps"] == 2 and out[1]["swaps"] == 0  # batch routed to all 3: each loaded at most once
     assert out["peak_ratio"] <= 1.3 and out["added_ratio"] <= 1.3, out
     assert f"{out['peak_ratio']:.2f}x" in capsys.readouterr().out
+    # top-k targets: the full path holds a second copy of the 512 MB of logits; the chunked one a 64 MB chunk or two
+    t = out["targets"]
+    assert t["full_mb"] >= 0.9 * t["logits_mb"] and t["chunked_mb"] <= 0.35 * t["logits_mb"], t
 
 
 def test_retry_checker_latency_is_the_lognormal_asked_for():

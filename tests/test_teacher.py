@@ -211,6 +211,24 @@ def test_per_token_routing_and_ensemble_targets_through_the_actor(ray_session, t
     assert torch.allclose(mix["teacher_logp"][model], hand[model], atol=1e-5)
 
 
+def test_topk_targets_in_chunks_and_vocab_shards_equal_the_full_log_softmax(monkeypatch):
+    """Top-k targets without a full-vocabulary log-softmax: chunks of rows (here 7 rows a chunk, 50 rows), and a
+    vocabulary split over 1, 2 or 4 TP shards merged from each shard's top k and log-sum-exp alone, give the
+    full path's ids exactly and its log-probs to fp32 rounding, k up to the whole vocabulary."""
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(50, 96, generator=g)  # (n, V)
+    monkeypatch.setattr(teacher, "CHUNK_FLOATS", 7 * 96)
+    for k in (1, 5, 96):
+        full = torch.log_softmax(logits, -1).topk(k, -1)
+        chunked = teacher.TeacherWorker._topk(SimpleNamespace(par=SimpleNamespace(tp_rank=0, tp_size=1)), logits, k)
+        for v, i in (chunked, *(teacher.merge_vocab_topk(
+                [teacher.vocab_topk(shard, k, r * shard.size(-1)) for r, shard in enumerate(logits.chunk(tp, -1))], k)
+                for tp in (2, 4))):
+            assert torch.equal(i, full.indices), k
+            assert torch.allclose(v, full.values, atol=1e-5, rtol=0), (k, (v - full.values).abs().max())
+
+
 # ---------------------------------------------------------------------------------------- learning
 
 
