@@ -58,6 +58,13 @@ measured back to back in one run is far steadier than an absolute number.
         (targets: sync <= 1.0x TRL's s/step; async >= 1.5x TRL's samples/s). Medians leave out each run's first 3
         steps (warm-up). `--quick`: 2 x 4 samples, 2 steps.
 
+    python bench.py pack [--repeats 3] [--quick: 16 samples, long ones 128 tokens]
+        Packed sequences (max_tokens_per_micro_batch) against padded micro-batches: one trainer rank in this process,
+        the same long-tail batch (32 samples of a 16-token prompt, most responses 8-32 tokens, one in eight 384),
+        RL train steps (old logprobs, forward, backward, optimizer) alternating between the two layouts. Prints the
+        padded micro-batches' padding fraction, trainer tokens/s of each (real tokens only) and the ratio; the
+        target is >= 2.0x where padding is >= 60%.
+
     python bench.py teachers [--workdir DIR]
         Memory of the Teacher Manager (teacher.py): peak RSS of a teacher process holding 3 same-size teachers
         (13M parameters each: hidden 512, 4 layers; one resident skeleton, the others as swapped snapshots) against
@@ -904,12 +911,59 @@ def teacher_memory(workdir: str, hidden_size: int = 512, layers: int = 4) -> dic
     return out
 
 
+def bench_pack(args) -> dict:
+    """Trainer tokens/s of RL train steps on one long-tail batch, packed against padded (see the module docstring)."""
+    import trainer  # Megatron: late (its import takes seconds)
+    path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
+    n, long_len, budget = (16, 128, 256) if args.quick else (32, 384, 1024)
+    rng = random.Random(0)
+    batch = []
+    for i in range(n):  # groups of 4; every eighth response long (an agent's long trajectory), the rest short
+        r = long_len if i % 8 == 5 else rng.randint(8, 32)
+        resp = [rng.randrange(10, 300) for _ in range(r)]
+        batch.append(dict(prompt_ids=[rng.randrange(10, 300) for _ in range(16)], response_ids=resp,
+                          loss_mask=[1] * r, rollout_logprobs=[-5.0] * r, weight_versions=[0] * r,
+                          reward=float(i % 2), status="ok", group_id=i // 4, sample_index=i % 4))
+    real = sum(len(b["prompt_ids"]) + len(b["response_ids"]) for b in batch)
+    cfg = config.load_config(None, [f"model_path={path}", "kl_coef=0", f"prompts_per_step={n // 4}",
+                                    "samples_per_prompt=4", f"global_batch_size={n}", "micro_batch_size=8",
+                                    f"max_tokens_per_micro_batch={budget}"])
+    # padded rows are sorted by length within a mini-batch (trainer.plan_minibatches), so micro-batches of 8 put the
+    # long samples together; one micro-batch of all the rows pads every short one to the longest
+    layouts = {"padded_mb8": (0, 8), f"padded_mb{n}": (0, n), "packed": (budget, 8)}
+    w = trainer.TrainerWorker(cfg, 0, 1, "127.0.0.1", tm.free_port())
+    times, pad = {k: [] for k in layouts}, {}
+    try:
+        w.load_hf(path)
+        for rep_i in range(args.repeats + 1):  # the first round warms every layout up and is left out
+            for name, (max_tokens, rows) in layouts.items():
+                w.policy.max_tokens, w.policy.micro_batch_size = max_tokens, rows
+                t0 = time.perf_counter()
+                m = w.train_step(batch, rep_i)
+                if rep_i:
+                    times[name].append(time.perf_counter() - t0)
+                pad[name] = m["train/pad_frac"]
+    finally:
+        w.shutdown()
+    out = {k: {"seconds": statistics.median(v), "tokens_per_s": real / statistics.median(v), "pad_frac": pad[k]}
+           for k, v in times.items()}
+    print(f"pack: {n} samples, {real} real tokens (one in eight {long_len} response tokens); RL train steps, median "
+          f"of {args.repeats}")
+    for k in layouts:
+        out[k]["ratio"] = out["packed"]["tokens_per_s"] / out[k]["tokens_per_s"]
+        print(f"  {k:11s} {out[k]['pad_frac']:4.0%} padding  {out[k]['seconds']:.2f} s per step  "
+              f"{out[k]['tokens_per_s']:6.0f} tokens/s  packed is {out[k]['ratio']:.2f}x")
+    print(f"  target: packed >= 2.0x the padded layout whose padding is >= 60% (padded_mb{n})")
+    return out
+
+
 def targets_memory(n: int = 4096, vocab: int = 32768, k: int = 8) -> dict:
     """Peak extra resident memory (MB) of turning (n, vocab) fp32 logits into top-k targets, in this process: the
     teacher's chunked path (teacher.TeacherWorker._topk, one rank) against the full path it replaced (log_softmax of
     every row, then top-k). The chunked one runs first, so the full one cannot reuse heap it freed."""
-    from types import SimpleNamespace
-    import teacher
+    from types import SimpleNamespace  # a stand-in for the one-rank TeacherWorker whose _topk this measures
+    import teacher  # late: it imports trainer, so Megatron (seconds), which the other benches do not need
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
     one_rank = SimpleNamespace(par=SimpleNamespace(tp_rank=0, tp_size=1))
     out = {"logits_mb": logits.numel() * 4 / 2**20}
@@ -941,7 +995,7 @@ def bench_teachers(args) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", help="which benchmark: rollout | router | sync | step | async | agentic | modes | "
-                   "teachers")
+                   "teachers | pack")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -981,8 +1035,10 @@ def main(argv=None) -> dict:
         return bench_modes(args)
     elif args.bench == "teachers":
         return bench_teachers(args)
+    elif args.bench == "pack":
+        return bench_pack(args)
     raise SystemExit(f"unknown benchmark {args.bench!r}; valid: rollout, router, sync, step, async, agentic, modes, "
-                     "teachers")
+                     "teachers, pack")
 
 
 if __name__ == "__main__":

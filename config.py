@@ -181,6 +181,9 @@ class Config:
     # --- train ---
     global_batch_size: int = 256  # samples per optimizer step (a mini-batch); a step may do several
     micro_batch_size: int = 64  # samples per forward/backward on one DP rank
+    max_tokens_per_micro_batch: int = 0  # > 0: packed sequences instead of padded rows: consecutive samples share a
+    # micro-batch while their tokens fit this budget (a longer sample goes alone), back to back in one row (THD,
+    # each attending to itself only); micro_batch_size is then unused by the trainer. 0 = padded micro-batches
     lr: float = 1e-4  # peak learning rate (AdamW), reached after lr_warmup_steps, then cosine to min_lr
     min_lr: float = 0.0  # cosine decay floor; = lr means constant
     lr_warmup_steps: int = 0  # optimizer steps of linear warmup
@@ -338,6 +341,7 @@ def finalize(cfg: Config) -> Config:
     check_models(cfg)
     check_placement(cfg)
     check_fast_paths(cfg)
+    check_packing(cfg)
     mp = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.context_parallel
     need(cfg.trainer_workers % mp == 0, f"trainer_workers={cfg.trainer_workers} is not a multiple of "
          f"tensor_parallel*pipeline_parallel*context_parallel={mp}; use {mp * max(1, cfg.trainer_workers // mp)}")
@@ -556,6 +560,25 @@ def check_lora(cfg: Config) -> None:
          "use_distributed_optimizer=false")
     need(cfg.context_parallel == 1, f"context_parallel={cfg.context_parallel} with lora_rank > 0 is not tested; set "
          "context_parallel=1")
+
+
+def check_packing(cfg: Config) -> None:
+    """Packed sequences (max_tokens_per_micro_batch > 0): one row per micro-batch, so no stage shapes, expert ranks or
+    per-row routing to keep in step; on CUDA the attention must take THD (Transformer Engine's layer spec)."""
+    budget = cfg.max_tokens_per_micro_batch
+    need(isinstance(budget, int) and budget >= 0, f"max_tokens_per_micro_batch={budget!r} must be an integer >= 0 "
+         "(0: padded micro-batches of micro_batch_size samples)")
+    if not budget:
+        return
+    for key, value in (("pipeline_parallel", cfg.pipeline_parallel), ("context_parallel", cfg.context_parallel),
+                       ("expert_parallel", cfg.expert_parallel)):
+        need(value == 1, f"max_tokens_per_micro_batch={budget} with {key}={value}: packed sequences are wired in for "
+             f"tensor and data parallelism only; set {key}=1 or max_tokens_per_micro_batch=0")
+    need(not cfg.router_replay, "max_tokens_per_micro_batch with router_replay=true: the replayed routing is laid "
+         "out per padded row; set max_tokens_per_micro_batch=0 or router_replay=false")
+    need(cfg.device == "cpu" or cfg.layer_spec != "local", "max_tokens_per_micro_batch with layer_spec='local' on "
+         "CUDA: Megatron's local attention takes no packed (THD) sequences; set layer_spec=auto (or te) with "
+         "transformer_engine installed, or max_tokens_per_micro_batch=0")
 
 
 def check_fast_paths(cfg: Config) -> None:

@@ -158,9 +158,16 @@ class SDPACoreAttention(torch.nn.Module):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPACoreAttention supports padded causal batches only (no packed sequences, "
-                             "no attention bias); feed right-padded (B, T) micro-batches")
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention takes no attention bias (causal attention of each sequence only)")
+        if packed_seq_params is not None:  # packed sequences (THD): query/key (N, heads, D), cumulative lengths
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"SDPACoreAttention: packed sequences in qkv_format "
+                                 f"{packed_seq_params.qkv_format!r}; only 'thd' (trainer.Model._packed_output)")
+            # each sequence alone, as a batch of one: exactly the attention its padded row gets
+            cu = packed_seq_params.cu_seqlens_q.tolist()
+            return torch.cat([self.forward(*(t[a:b].unsqueeze(1) for t in (query, key, value)), None)
+                              for a, b in zip(cu[:-1], cu[1:])])  # (N, 1, Nq*Dv)
         # query/key (S, B, Nq|Nkv, D); value (S, B, Nkv, Dv), Megatron's sequence-first layout. Dv differs from D
         # under multi-latent attention (DeepSeek-V3: q/k carry a RoPE part on top of the v head size).
         S, B, Hq, D = query.shape

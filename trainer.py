@@ -22,10 +22,14 @@ because there is no GPU is in cpu.py):
   critic's updates, gap metrics), `distill_step`, `sft_step`, checkpoints, and the methods the controller calls on
   the rooms above.
 
-Batches are padded, not packed: each micro-batch is a right-padded (B, T) tensor of prompt+response ids.
-With right padding a causal mask alone is exact (real tokens never see the pads after them), so the
-attention needs no padding mask. Per-token tensors handed to algos.py are response-aligned (B, R):
-column j is response token j of each sample, with `loss_mask` 0 on padding and on tool tokens.
+Micro-batches are padded by default: each is a right-padded (B, T) tensor of prompt+response ids. With right
+padding a causal mask alone is exact (real tokens never see the pads after them), so the attention needs no padding
+mask. With `max_tokens_per_micro_batch` they are packed instead (`Model._packed_output`): consecutive samples while
+their tokens fit the budget, back to back in one row in Megatron's THD layout (PackedSeqParams, cu_seqlens), each
+sequence attending to itself with positions from 0, so no padding is computed (`train/pad_frac`); the outputs are
+read back at the same response positions, so everything after the model is the same. Per-token tensors handed to
+algos.py are response-aligned (B, R): column j is response token j of each sample, with `loss_mask` 0 on padding
+and on tool tokens.
 
 Gradients across data-parallel ranks are SUMMED, never averaged: the TransformerConfig sets
 `calculate_per_token_loss=True`, which makes Megatron's DDP reduce with scaling factor 1.0, and each
@@ -45,13 +49,15 @@ Test: `.venv/bin/pytest tests/test_trainer.py` (real Ray actors, real Megatron-C
 against transformers, TP=2 and DP=2 equivalence, HF round trip, checkpoint resume), tests/test_pipeline.py
 (PP=2 against one rank), tests/test_moe.py (EP=2 against one rank, R3), tests/test_critic.py, tests/test_lora.py.
 Left out: context parallelism and the distributed optimizer on CPU (they need CUDA; rejected at `--check`), CP with
-EP, R3 with SP or CP, virtual pipeline stages, PP together with EP, PP with tied embeddings, packed sequences, an HF
+EP, R3 with SP or CP, virtual pipeline stages, PP together with EP, PP with tied embeddings, packed sequences with
+PP, CP, EP or R3 (rejected at `--check`), an HF
 export of the critic (it lives in the Megatron checkpoints only), the critic with pipeline or expert parallelism
 (rejected at `--check`).
 """
 from __future__ import annotations
 
 import base64
+import itertools
 import math
 import os
 import random
@@ -260,7 +266,8 @@ def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None
     return dict(tokens=tokens, resp_pos=resp_pos, weight_versions=versions,
                 rewards=torch.tensor([float(s.get("reward", 0.0)) for s in samples]),
                 group_ids=torch.tensor([int(s.get("group_id", i)) for i, s in enumerate(samples)]),
-                resp_len=torch.tensor(rlen), **out)
+                resp_len=torch.tensor(rlen), seq_len=torch.tensor([p + r for p, r in zip(plen, rlen)], dtype=torch.long),
+                **out)
 
 
 def segment_rows(batch: list[dict]) -> list[dict]:
@@ -641,9 +648,11 @@ class Model:
     time (`stream_full`). The policy, the frozen reference, the critic and every teacher skeleton are one each."""
 
     def __init__(self, par: Parallel, tcfg, model_kwargs: dict, micro_batch_size: int, fp32_lm_head: bool = False,
-                 replay: bool = True):
+                 replay: bool = True, max_tokens: int = 0):
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # Megatron: late
         self.par, self.tcfg, self.micro_batch_size = par, tcfg, int(micro_batch_size)
+        self.max_tokens = int(max_tokens)  # > 0: packed micro-batches of at most this many tokens (run, _packed_output)
+        self.tokens = [0, 0]  # [real tokens, tokens computed] of every forward: what padding costs (pad_frac)
         self.gpt = convert.build_gpt_model(tcfg, model_kwargs, par.device, par.pre_process, par.post_process,
                                            fp32_lm_head=fp32_lm_head)
         self.module = self.gpt  # what a forward calls: the GPTModel, or Megatron's DDP around it (wrap_ddp)
@@ -809,6 +818,8 @@ class Model:
         (B, T, 1)), the hidden states handed to the next stage elsewhere; and (B0, T0), the micro-batch's own shape
         before padding to `pad_to` (PP: one activation shape per schedule run) or to the other expert ranks'."""
         par = self.par
+        if self.max_tokens:
+            return self._packed_output(mb)
         tokens = mb["tokens"].to(par.device)  # (B, T)
         B0, T0 = tokens.shape
         replay = mb.get("routed_experts")  # (B, T, L, K) R3: route as the engine did (cfg.router_replay)
@@ -825,6 +836,8 @@ class Model:
                 fill[:B0, :T0] = replay
                 replay = fill  # (B, T, L, K)
         B, T = tokens.shape
+        self.tokens[0] += int(mb["seq_len"].sum())
+        self.tokens[1] += B * T
         position_ids = torch.arange(T, device=par.device).unsqueeze(0).expand(B, T)  # (B, T)
         extra = {}
         if self.tcfg.num_moe_experts:
@@ -846,21 +859,50 @@ class Model:
             output = gather_sequence(output, par.cp_group)
         return output, (B0, T0)
 
+    def _packed_output(self, mb: dict[str, torch.Tensor]):
+        """`output` for packed sequences (max_tokens_per_micro_batch): the micro-batch's B0 sequences back to back in
+        one row (1, N), no padding, each attending to itself only and with positions from 0 (Megatron's THD format:
+        PackedSeqParams with the cumulative lengths cu_seqlens; RoPE restarts per sequence). Sequence parallelism
+        needs N a multiple of TP: the few extra tokens form a sequence of their own, which no loss reads. Returns
+        the output (1, N, V/tp) and (B0, T0); mb["pack_start"] (B0,) is where each sequence starts in the row, which
+        `head` reads the response positions through."""
+        from megatron.core.packed_seq_params import PackedSeqParams  # Megatron: late
+        par = self.par
+        lens = mb["seq_len"].tolist()  # (B0,) prompt + response tokens of each sequence
+        n = sum(lens)
+        width = -(-n // self.seq_multiple) * self.seq_multiple
+        spans = lens + ([width - n] if width > n else [])  # SP: the padding as one more sequence
+        tokens = torch.cat([mb["tokens"][b, :k] for b, k in enumerate(lens)] +
+                           [torch.zeros(width - n, dtype=torch.long, device=mb["tokens"].device)])  # (N,)
+        positions = torch.cat([torch.arange(k) for k in spans])  # (N,) each sequence from 0
+        cu = torch.tensor([0] + list(itertools.accumulate(spans)), dtype=torch.int32, device=par.device)  # (S+1,)
+        mb["pack_start"] = cu[:len(lens)].long()  # (B0,)
+        self.tokens[0] += n
+        self.tokens[1] += width
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(spans),
+                                 max_seqlen_kv=max(spans))
+        output = self.module(input_ids=tokens.to(par.device).unsqueeze(0), position_ids=positions.to(par.device)
+                             .unsqueeze(0), attention_mask=None, packed_seq_params=packed)  # (1, N, V/tp)
+        return output, tuple(mb["tokens"].shape)
+
     def head(self, head: str, mb: dict[str, torch.Tensor], output: torch.Tensor, shape: tuple[int, int]) -> dict:
         """What a last stage's `output` gives for each response token, (B0, R) fp32 each:
         "logp": {logp, entropy}; "logits": also the logits that predict each response token, (B0, R, V/tp)
         (distillation needs them); "values" (CRITIC): {values}, V(s_t) at the position whose logits would predict
         token t, i.e. the value of the context before the model emits it."""
         B0, T0 = shape
-        output = output[:B0, :T0]  # (B0, T0, V/tp) this rank's own rows and columns
         pos = mb["resp_pos"].to(self.par.device)  # (B, R) the positions whose outputs predict the response tokens
+        # the response positions first: prompt positions need no log-softmax (the same numbers, row by row)
+        if "pack_start" in mb:  # packed (_packed_output): position t of sequence b is column pack_start[b] + t
+            resp_logits = output[0][mb["pack_start"].unsqueeze(1) + pos]  # (B, R, V/tp)
+        else:
+            output = output[:B0, :T0]  # (B0, T0, V/tp) this rank's own rows and columns
+            resp_logits = output.gather(1, pos.unsqueeze(-1).expand(-1, -1, output.size(-1)))  # (B, R, V/tp)
         if head == "values":
-            return {"values": output[..., 0].float().gather(1, pos)}  # (B, R)
+            return {"values": resp_logits[..., 0].float()}  # (B, R)
         if head not in ("logp", "logits"):
             raise ValueError(f"head={head!r}; valid: logp, logits, values")
         tokens = mb["tokens"].to(self.par.device)  # (B0, T0)
-        # the response positions first: prompt positions need no log-softmax (the same numbers, row by row)
-        resp_logits = output.gather(1, pos.unsqueeze(-1).expand(-1, -1, output.size(-1)))  # (B, R, V/tp)
         logp, entropy = vocab_parallel_logp_entropy(resp_logits, tokens.gather(1, pos + 1), self.par.tp_group)
         out = {"logp": logp, "entropy": entropy}  # (B, R) each on the rank's device
         if head == "logits":
@@ -890,6 +932,15 @@ class Model:
         are padding only, with a zero gradient."""
         par, size = self.par, self.micro_batch_size
         parts = [range(s, min(s + size, len(rows))) for s in range(0, len(rows), size)]
+        if self.max_tokens:  # packed: consecutive rows while their tokens fit the budget (a longer row goes alone)
+            parts, first, used = [], 0, 0
+            for j, row in enumerate(rows):
+                n = len(row["prompt_ids"]) + len(row["response_ids"])
+                if j > first and used + n > self.max_tokens:
+                    parts.append(range(first, j))
+                    first, used = j, 0
+                used += n
+            parts += [range(first, len(rows))] if rows else []
         count = len(parts)
         if par.ep_group is not None:  # on the device: on GPU the expert group is an NCCL one
             t = torch.tensor([count], device=par.device)
@@ -1115,7 +1166,8 @@ class Critic:
 
     def __init__(self, par: Parallel, cfg, tcfg, model_kwargs: dict, full: dict[str, torch.Tensor], hf: dict):
         self.cfg = cfg
-        self.model = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, replay=False)
+        self.model = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, replay=False,
+                           max_tokens=cfg.max_tokens_per_micro_batch)
         self.model.load(full)  # the policy's checkpoint (LM head included, then replaced)
         if cfg.lora_rank:  # LoRA: the critic's trunk is frozen too; its adapters and its value head train
             lora.add_adapters(self.model.gpt, cfg, hf, par.tp_group if par.tp_size > 1 else None)
@@ -1398,7 +1450,8 @@ class TrainerWorker:
             RouterReplay.clear_global_router_replay_instances()
         full = convert.hf_to_megatron(convert.load_hf_state(path), self.hf_config)
         full_bytes = sum(t.numel() * t.element_size() for t in full.values())  # what a sync without LoRA moves
-        self.policy = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, fp32_lm_head=cfg.fp32_lm_head)
+        self.policy = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, fp32_lm_head=cfg.fp32_lm_head,
+                            max_tokens=cfg.max_tokens_per_micro_batch)
         self.policy.load(full)
         self.lora = lora.peft_config(cfg, path) if cfg.lora_rank and lr is None else None
         if self.lora:  # before DDP: it keeps gradient buffers for the parameters that train only
@@ -1406,7 +1459,8 @@ class TrainerWorker:
         self.policy.wrap_ddp(cfg.use_distributed_optimizer)
         self.optim = Optim(self.policy, cfg, lr)
         if (float(cfg.kl_coef) > 0 or bool(cfg.kl_in_reward)) and not self.lora:
-            self.ref = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, fp32_lm_head=cfg.fp32_lm_head)
+            self.ref = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, fp32_lm_head=cfg.fp32_lm_head,
+                             max_tokens=cfg.max_tokens_per_micro_batch)
             self.ref.load(full)
             self.ref.gpt.requires_grad_(False).eval()
         if cfg.advantage == "gae" and lr is None:
@@ -1481,6 +1535,7 @@ class TrainerWorker:
         if targets is not None and float(cfg.gkd_ratio) == 1.0:  # TEACHERS: pure distillation, no RL forward
             return self.distill_step(batch, targets)
         n_mb, n_traj = n_minibatches(cfg, batch), len(batch)
+        tokens0 = list(self.policy.tokens)  # the policy's forwards of this step: real vs computed tokens (pad_frac)
         # from here on a row is one trainable segment (teachers score the top-level segment only: one row each)
         batch = segment_rows(batch) if targets is None else [{**t, "traj": i, "last": True}
                                                              for i, t in enumerate(batch)]
@@ -1527,6 +1582,8 @@ class TrainerWorker:
         metrics.update(self.borrowed.metrics() if self.borrowed is not None else {})
         metrics.update({"train/num_minibatches": float(n_mb), "train/optim_steps": float(self.optim.steps),
                         "train/samples": float(n_traj), "train/rows": float(len(batch)), **critic_metrics})
+        seen = par.dp_sum({"real": self.policy.tokens[0] - tokens0[0], "computed": self.policy.tokens[1] - tokens0[1]})
+        metrics["train/pad_frac"] = 1.0 - seen["real"] / max(seen["computed"], 1.0)
         return metrics
 
     def _advantages(self, local: list[dict], old: list, ref: list | None, values: list | None):

@@ -106,6 +106,17 @@ def test_teachers_bench_3_teachers_fit_in_the_memory_of_1(tmp_path, capsys):
     assert t["full_mb"] >= 0.9 * t["logits_mb"] and t["chunked_mb"] <= 0.35 * t["logits_mb"], t
 
 
+def test_pack_bench_smoke():
+    """bench pack runs every layout on one trainer rank and reports what it says: no padding computed when packed,
+    some with length-sorted micro-batches of 8, >= 60% with one micro-batch of every row (the target's baseline),
+    and the ratios against the packed layout's tokens/s. No speed is asserted."""
+    out = bench.main(["pack", "--quick", "--repeats", "1"])
+    assert out["packed"]["pad_frac"] == 0.0 and 0.0 < out["padded_mb8"]["pad_frac"] < out["padded_mb16"]["pad_frac"]
+    assert out["padded_mb16"]["pad_frac"] >= 0.6
+    for k in ("padded_mb8", "padded_mb16"):
+        assert out[k]["ratio"] == pytest.approx(out["packed"]["tokens_per_s"] / out[k]["tokens_per_s"])
+
+
 def test_retry_checker_latency_is_the_lognormal_asked_for():
     """The retry agent's checker waits what bench agentic asks for: over 20,000 draws at median 0.3 s and
     p99 5 s (sigma from bench's formula) the median lands within 3% of 0.3 and the 99th percentile within 10% of 5,

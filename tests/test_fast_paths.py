@@ -61,6 +61,10 @@ GPU_RECIPES = ["recipes/qwen3_4b_gsm8k.yaml", "recipes/code_repair_gpu.yaml", "r
     (["sequence_parallel=true", "tensor_parallel=2", "trainer_workers=2", "router_replay=true",
       "tiny_model.num_experts=4"], "router_replay=true with sequence_parallel"),
     (["tensor_parallel=2", "trainer_workers=2", "tiny_model.num_experts=4"], "only with sequence parallelism"),
+    (["max_tokens_per_micro_batch=-1"], "must be an integer >= 0"),
+    (["max_tokens_per_micro_batch=512", "pipeline_parallel=2", "trainer_workers=2"], "set pipeline_parallel=1"),
+    (["max_tokens_per_micro_batch=512", "router_replay=true", "tiny_model.num_experts=4"], "laid out per padded row"),
+    (["max_tokens_per_micro_batch=512", "device=cuda", "layer_spec=local"], "takes no packed (THD) sequences"),
 ])
 def test_rules_say_what_to_change(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")

@@ -304,6 +304,45 @@ def test_dp2_step_matches_dp1(tp1, tiny_model_dir):
 
 
 # ----------------------------------------------------------------------------------------------
+# packed sequences: the same numbers as padded rows, none of the padding
+
+
+@pytest.mark.slow
+def test_packed_sequences_equal_padded_rows(tp1, tiny_model_dir):
+    """max_tokens_per_micro_batch packs consecutive samples into one row (THD, each sequence attending to itself,
+    positions from 0). Against padded micro-batches of 2 rows: logprobs within fp32 rounding of each other and of
+    transformers', one RL step's loss, grad norm and updated weights the same, and no padding computed (pad_frac 0
+    against the padded rows' ~13%). A trajectory that failed before any model call (no response token) rides
+    along. Then TP=2 with sequence parallelism, where a pack of odd length gets a padding sequence of its own
+    (N a multiple of TP): the same as TP=1 to the tolerance TP itself costs."""
+    batch = make_batch()
+    batch[3] = {**batch[3], "response_ids": [], "loss_mask": [], "rollout_logprobs": [], "weight_versions": []}
+    tp1.call("load_hf", tiny_model_dir)
+    [want_logp] = tp1.call("compute_logprobs", batch)
+    [m1] = tp1.call("train_step", batch, 0)
+    [w1] = tp1.call("export_hf_weights")
+    assert m1["train/pad_frac"] > 0.05
+    for layout, n in (({}, 1), ({"tensor_parallel": 2, "trainer_workers": 2, "sequence_parallel": True}, 2)):
+        packed = Ranks(make_cfg(max_tokens_per_micro_batch=31, **layout), n)
+        try:
+            packed.call("load_hf", tiny_model_dir)
+            logp = packed.call("compute_logprobs", batch)[0]
+            m2 = packed.call("train_step", batch, 0)[0]
+            w2 = packed.call("export_hf_weights")[0]
+        finally:
+            packed.close()
+        assert len(logp[3]) == len(want_logp[3]) == 0  # the failed trajectory: no response token, no logprob
+        real = lambda rows: rows[:3] + rows[4:]  # noqa: E731
+        assert max_diff(real(logp), real(want_logp)) <= 1e-6, layout
+        assert max_diff(real(logp), hf_logprobs(tiny_model_dir, real(batch))) <= 1e-4
+        # TP=1: none; SP: at most one token of each pack of ~31 (its length made even)
+        assert m2["train/pad_frac"] == 0.0 if n == 1 else 0.0 <= m2["train/pad_frac"] < 0.05, (layout, m2)
+        for key in ("train/loss", "train/grad_norm", "train/gap_k3", "train/entropy"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), (layout, key)
+        assert_same_weights(w2, dict(w1), exact=False, atol=2e-6)
+
+
+# ----------------------------------------------------------------------------------------------
 # training, HF export, checkpoints
 
 
