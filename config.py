@@ -644,7 +644,8 @@ def fast_paths(cfg: Config) -> str:
     else:
         here = "importable here" if importlib.util.find_spec("transformer_engine") else "not installed here"
         needs = [n for n, on in (("sequence_parallel", cfg.sequence_parallel), ("context_parallel", cfg.context_parallel
-                                                                               > 1)) if on]
+                                                                               > 1),
+                                 ("max_tokens_per_micro_batch", cfg.max_tokens_per_micro_batch > 0)) if on]
         spec = (f"auto -> te where transformer_engine imports on the trainers, else local (it is {here}"
                 + (f"; {' and '.join(needs)} need{'s' if len(needs) == 1 else ''} te: without it the trainers stop "
                    "at start" if needs else "") + ")")

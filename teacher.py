@@ -96,6 +96,7 @@ def teacher_cfg(cfg):
     t.router_replay = False  # the routed experts in a trajectory are the student's routing, not a teacher's
     t.trainer_workers = int(cfg.teacher_tp)
     t.micro_batch_size = int(cfg.teacher_micro_batch)
+    t.max_tokens_per_micro_batch = 0  # padded rows: the hidden-state targets read the output layer's (T, b, H) input
     return t
 
 
