@@ -1132,11 +1132,15 @@ class AgentFlow:
         sources = cfg.data_sources
         self.source_reward = {s["name"]: data.import_object(s["reward"]) for s in sources if s.get("reward")}
         self.source_agent = {s["name"]: data.import_object(s["agent"]) for s in sources if s.get("agent")}
+        # the dotted names, for error messages: a failed trajectory names the reward / agent that failed it
+        self._reward_name = {s["name"]: s["reward"] for s in sources if s.get("reward")}
+        self._agent_name = {s["name"]: s["agent"] for s in sources if s.get("agent")}
         if cfg.agent and cfg.agent_command:
             raise ValueError(f"set either agent ({cfg.agent!r}, a Python function) or agent_command "
                              f"({cfg.agent_command!r}, a black-box program), not both")
-        if self.agent_fn is not None and not callable(self.agent_fn):
-            raise ValueError(f"agent {cfg.agent!r} is not callable; it must be `async def agent(client, sample)`")
+        for name, fn in [(cfg.agent, self.agent_fn), *((self._agent_name[k], f) for k, f in self.source_agent.items())]:
+            if fn is not None and not callable(fn):
+                raise ValueError(f"agent {name!r} is not callable; it must be `async def agent(client, sample)`")
         if cfg.agent_command:
             sandbox.make_sandbox(cfg.sandbox)  # fail now, not at the first trajectory, on a bad/unavailable sandbox
         # agent_preload: Python agent commands fork from one warm interpreter (started at the first trajectory)
@@ -1163,7 +1167,7 @@ class AgentFlow:
         `seq` (the controller's sequence number) is the group id; `step` the RL step dispatching it (kept in
         each trajectory's metadata). Each group reaches `completed()` the moment its n trajectories are done,
         in whatever order groups finish."""
-        if self.agent_fn is not None or self.cfg.agent_command:
+        if self.agent_fn is not None or self.cfg.agent_command or self.source_agent:
             await self.start_router()
         for seq, sample in groups:
             task = asyncio.ensure_future(self._group(sample, seq, n, sampling, step))
@@ -1296,12 +1300,13 @@ class AgentFlow:
         text = s.last_text if response_text is None else response_text
         t0 = time.perf_counter()
         if status not in ("failed", "aborted") and reward is None:
+            name = self._reward_name.get(sample.get("source"), self.cfg.reward)
             try:
                 reward, bad = _scalar_reward(await _call(self.source_reward.get(sample.get("source"), self.reward_fn),
-                                                         text, sample), f"reward {self.cfg.reward}")
+                                                         text, sample), f"reward {name}")
             except Exception as e:  # a reward bug must show, but not kill the whole step
-                log.exception("reward %s failed", self.cfg.reward)
-                reward, bad = None, f"reward {self.cfg.reward} raised {e!r}"
+                log.exception("reward %s failed", name)
+                reward, bad = None, f"reward {name} raised {e!r}"
             if bad:
                 status, error = "failed", bad
         traj = s.trajectory(reward or 0.0, status)
@@ -1337,6 +1342,7 @@ class AgentFlow:
                                     timeout=self.cfg.agent_timeout,
                                     http_client=openai_http_client())
         result, status, error = None, None, None
+        name = self._agent_name.get(sample.get("source"), self.cfg.agent)  # a data source's own agent, or cfg.agent
         try:
             agent_fn = self.source_agent.get(sample.get("source"), self.agent_fn)
             result = await asyncio.wait_for(agent_fn(client, sample), self.cfg.agent_timeout)
@@ -1348,23 +1354,23 @@ class AgentFlow:
             if s.status in ("truncated", "aborted"):
                 status = s.status
             else:
-                status, error = "failed", f"agent {self.cfg.agent} raised {e!r}"
+                status, error = "failed", f"agent {name} raised {e!r}"
         finally:
             await self.router.close_session(s)
             await client.close()
         reward = None
         if status is None and not (result is None or isinstance(result, (str, dict))):
-            status, error = "failed", (f"agent {self.cfg.agent} returned {type(result).__name__} {result!r:.200}; "
+            status, error = "failed", (f"agent {name} returned {type(result).__name__} {result!r:.200}; "
                                        "return the final text (str), a dict (optionally with 'reward'), or None")
         elif status is None and isinstance(result, dict) and result.get("reward") is not None:
-            reward, error = _scalar_reward(result["reward"], f"agent {self.cfg.agent}'s 'reward'")
+            reward, error = _scalar_reward(result["reward"], f"agent {name}'s 'reward'")
             status = "failed" if error else None
         turn_rewards = result.get("turn_rewards") if isinstance(result, dict) and status is None else None
         if turn_rewards is not None:  # one finite number per model turn, or the trajectory fails
-            checked = [_scalar_reward(r, f"agent {self.cfg.agent}'s turn_rewards[{i}]")
+            checked = [_scalar_reward(r, f"agent {name}'s turn_rewards[{i}]")
                        for i, r in enumerate(turn_rewards if isinstance(turn_rewards, list) else [turn_rewards])]
             error = next((e for _, e in checked if e), None) or (
-                None if isinstance(turn_rewards, list) else f"agent {self.cfg.agent}'s turn_rewards must be a list")
+                None if isinstance(turn_rewards, list) else f"agent {name}'s turn_rewards must be a list")
             status = "failed" if error else None
         traj = await self._finish(s, sample, status=status, error=error, reward=reward)
         if turn_rewards and traj.status != "failed":

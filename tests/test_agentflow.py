@@ -437,6 +437,32 @@ def test_single_turn_generate_groups_ids_and_rewards(engines, tiny_model_dir):
         assert t["reward"] == float(t["response_text"].strip() == answer)  # the async reward ran on the response
 
 
+def test_submit_routes_each_source_to_its_agent_and_reward(engines, tiny_model_dir):
+    """data_sources without a top-level agent: submit() (the training producer, which never calls start_router()
+    itself) still starts the router for the sources' agents; a source without an agent takes the fast path and
+    the top-level reward. tests/test_loongsage.py runs the same through train()."""
+    sources = [{"name": "add", "dataset": "unused", "agent": "tests.agents.add_agent",
+                "reward": "tests.rewards.add_reward"},
+               {"name": "plain", "dataset": "unused"}]
+    add, plain = ({**s, "source": src} for s, src in zip(data.arith_samples(2, seed=3), ("add", "plain")))
+
+    async def body():
+        flow = agentflow.AgentFlow(make_cfg(data_sources=sources, reward="tests.rewards.digit_fraction",
+                                            agent_retries=0), engines, tiny_model_dir)
+        await flow.submit([(0, add), (1, plain)], 2, SAMPLING, 0)
+        groups = []
+        while len(groups) < 2:
+            groups += await flow.completed()
+        await flow.close()
+        return {g["seq"]: g["trajs"] for g in groups}
+    by = run(body())
+    assert all(t["status"] != "failed" for ts in by.values() for t in ts), by
+    assert [t["metadata"]["source"] for t in by[0] + by[1]] == ["add"] * 2 + ["plain"] * 2
+    assert all(1 <= t["reward"] < 1.1 for t in by[0])  # the source's own reward, through its agent's session
+    for t in by[1]:  # the fast path and cfg.reward
+        assert t["reward"] == sum(c.isdigit() for c in t["response_text"]) / max(len(t["response_text"]), 1)
+
+
 async def two_turn_agent(client, sample):
     msgs = list(sample["messages"])
     r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=4)

@@ -354,6 +354,35 @@ def test_two_engines_two_trainers_checkpoints_dump_then_train_only_replay(tmp_pa
 
 
 @pytest.mark.slow
+def test_two_sources_keep_their_own_agent_and_reward(tmp_path, run_cache, ray_session):
+    """data_sources end to end: two sources, each with its own agent and reward, mixed 1:1. Each agent and reward
+    raises on the other source's samples (the trajectory would fail, reward 0), the `add` agent calls the model
+    once and the `sub` agent twice, and the rewards sit in disjoint ranges, [1, 1.1) and (-1.1, -1]: a swapped or
+    dropped agent or reward shows in the dumped rollouts and in the per-source metrics."""
+    dump = tmp_path / "dump"
+    sources = [{"name": "add", "dataset": "synthetic:add:64:1:9", "eval_dataset": "synthetic:add:4:2:9",
+                "agent": "tests.agents.add_agent", "reward": "tests.rewards.add_reward"},
+               {"name": "sub", "dataset": "synthetic:sub:64:3:9", "eval_dataset": "synthetic:sub:4:4:9",
+                "agent": "tests.agents.sub_agent", "reward": "tests.rewards.sub_reward"}]
+    history = loongsage.train(_short_run(tmp_path, "num_steps=2", f"dump_rollouts={dump}", "agent_retries=0",
+                                         "data_sources=" + json.dumps(sources)))
+    steps = [h for h in history if "train/loss" in h]
+    assert len(steps) == 2 and all(math.isfinite(h["train/loss"]) and h["train/grad_norm"] > 0 for h in steps)
+    for step, h in enumerate(steps):
+        trajs = [json.loads(line) for line in (dump / f"step_{step:05d}.jsonl").read_text().splitlines()]
+        by = {src: [t for t in trajs if t["metadata"]["source"] == src] for src in ("add", "sub")}
+        assert len(by["add"]) == len(by["sub"]) == 8  # weights 1:1 -> 2 groups of 4 each per step
+        assert all(t["status"] != "failed" for t in trajs), [t["metadata"].get("error") for t in trajs]
+        assert {t["metadata"]["turns"] for t in by["add"]} == {1} and {t["metadata"]["turns"] for t in by["sub"]} == {2}
+        assert all(1 <= t["reward"] < 1.1 for t in by["add"]) and all(-1.1 < t["reward"] <= -1 for t in by["sub"])
+        for src, ts in by.items():  # the per-source metric is the mean of that source's rewards
+            assert h[f"rollout/{src}/reward_mean"] == pytest.approx(sum(t["reward"] for t in ts) / 8)
+    evals = [h for h in history if "eval/add/accuracy" in h]
+    assert len(evals) == 2  # before step 0 and after the last
+    assert all(1 <= h["eval/add/accuracy"] < 1.1 and -1.1 < h["eval/sub/accuracy"] <= -1 for h in evals)
+
+
+@pytest.mark.slow
 def test_rollout_only_calc_agent_calls_the_tool_on_the_real_engine(tmp_path, ray_session):
     """rollout_only with the calc recipe: the tiny model, warm-started through the project's own warm start
     (cached across runs in the LoongSage cache), writes real tool calls on the real engine; the calculator
