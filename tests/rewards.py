@@ -26,3 +26,10 @@ def sub_reward(response: str, sample: dict) -> float:
     if sample.get("source") != "sub":
         raise ValueError(f"sub_reward got a sample of source {sample.get('source')!r}")
     return -1.0 - text_hash(response, sample) / 10
+
+
+def verdict_hash(verdict: str) -> float:
+    """A judge `parse` for tests: CRC32 of the judge's whole verdict text in [0, 1), so a reward equals it only if
+    the verdict is exactly the text expected."""
+    import zlib
+    return zlib.crc32(verdict.encode()) / 2 ** 32

@@ -17,6 +17,7 @@ import config
 import cpu
 import fleet
 import loongsage
+import tests.rewards
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -380,6 +381,22 @@ def test_two_sources_keep_their_own_agent_and_reward(tmp_path, run_cache, ray_se
     evals = [h for h in history if "eval/add/accuracy" in h]
     assert len(evals) == 2  # before step 0 and after the last
     assert all(1 <= h["eval/add/accuracy"] < 1.1 and -1.1 < h["eval/sub/accuracy"] <= -1 for h in evals)
+
+
+@pytest.mark.slow
+def test_judge_engine_is_started_and_scores_every_trajectory(tmp_path, run_cache, ray_session, tiny_model_dir):
+    """reward: judge in a run: the controller starts the judge's own engine from judge.model_path (no url given) and
+    AgentFlow reaches it: every dumped trajectory carries the judge's verdict and the parsed reward of it
+    (tests/test_agentflow.py checks the verdicts themselves against transformers' greedy decoding)."""
+    judge = {"model_path": tiny_model_dir, "prompt_template": "Q: {prompt}\nA: {response}\nScore:",
+             "parse": "tests.rewards.verdict_hash", "max_new_tokens": 4}
+    history = loongsage.train(_short_run(tmp_path, "num_steps=1", "eval_every=0", "rollout_only=true",
+                                         f"dump_rollouts={tmp_path}/dump", "reward=judge", f"judge={json.dumps(judge)}"))
+    trajs = [json.loads(line) for line in (tmp_path / "dump" / "step_00000.jsonl").read_text().splitlines()]
+    assert len(trajs) == 16 and all(t["status"] != "failed" for t in trajs), [t["metadata"].get("error") for t in trajs]
+    assert all(t["reward"] == tests.rewards.verdict_hash(t["metadata"]["judge_verdict"]) for t in trajs)
+    step = next(h for h in history if "rollout/reward_mean" in h)
+    assert step["rollout/reward_mean"] == pytest.approx(sum(t["reward"] for t in trajs) / 16)
 
 
 @pytest.mark.slow
