@@ -19,6 +19,11 @@ of three ways:
   $LOONGSAGE_TASK (the whole sample as JSON in the file $LOONGSAGE_SAMPLE_FILE); what it prints is
   its answer, and the reward is computed from that.
 
+The reward is `cfg.reward(text, sample)` (a data source's own `reward` for its samples, as its `agent` replaces
+`cfg.agent`), or with `reward: judge` a judge model's parsed verdict: once a group is complete, `_judge` sends its
+trajectories to the judge's engine (`cfg.judge`) as one batched greedy /generate; a judge that does not answer
+within judge.timeout fails those trajectories, not the step.
+
 Budgets per trajectory: `cfg.agent_timeout` seconds, `cfg.max_turns` model calls, `cfg.max_context_len`
 tokens (a request past it gets a 400 `context_length_exceeded`; what was generated is kept and the
 trajectory is "truncated"); a failed trajectory is retried up to `cfg.agent_retries` times and then
@@ -61,7 +66,8 @@ Run a router by hand over running engines (prints session settings for any OpenA
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
 clients). Left out: constrained decoding (tool_choice "required"/named is not enforced, only parsed),
 images/audio content parts, built-in (non-function) tools of the Responses API, n > 1 per request (ask n sessions instead),
-token-level streaming from the engine (a streamed reply is sent once the turn is generated).
+token-level streaming from the engine (a streamed reply is sent once the turn is generated), retrying a failed
+judgement (the trajectory stays failed).
 """
 from __future__ import annotations
 
@@ -1114,29 +1120,40 @@ class AgentFlow:
     """Turns prompts into rewarded trajectory groups. The controller wraps it with `ray.remote` as an
     async actor; every method runs on that actor's event loop, as does the router it starts."""
 
-    def __init__(self, cfg, engine_urls: list, tokenizer_path: str):
+    def __init__(self, cfg, engine_urls: list, tokenizer_path: str, judge_url=None):
         """`engine_urls`: the engines' URLs, or (the controller) Ray refs of them, so this actor starts while the
-        engines are still loading."""
+        engines are still loading. `judge_url`: the judge engine's URL (or a Ray ref of it) for `reward: judge`,
+        unless cfg.judge names a `url` of its own."""
         self.cfg = cfg
-        if not all(isinstance(u, str) for u in engine_urls):
+        judge_url = cfg.judge.get("url") or judge_url
+        if not all(isinstance(u, str) for u in engine_urls) or not isinstance(judge_url, (str, type(None))):
             import ray  # late: AgentFlow also runs without Ray
-            engine_urls = ray.get(engine_urls, timeout=cfg.actor_timeout)
+            if not all(isinstance(u, str) for u in engine_urls):
+                engine_urls = ray.get(engine_urls, timeout=cfg.actor_timeout)
+            if not isinstance(judge_url, (str, type(None))):
+                judge_url = ray.get(judge_url, timeout=cfg.actor_timeout)
         self.chat = ChatFormat(tokenizer_path, cfg.chat_template, cfg.tool_parser, cfg.reasoning_parser,
                                cfg.chat_template_kwargs)
         self.pool = EnginePool(engine_urls, health_timeout_s=cfg.engine_health_timeout,
                                check_every_s=cfg.engine_check_every, wait_s=cfg.engine_wait,
                                return_routed_experts=bool(cfg.router_replay))
-        self.reward_fn = data.import_object(cfg.reward)
+        # reward None: `reward: judge`, the judge model scores each group once it is complete (_judge)
+        self.reward_fn = None if cfg.reward == "judge" else data.import_object(cfg.reward)
         self.agent_fn = data.import_object(cfg.agent) if cfg.agent else None
         # data_sources: a source's own reward / agent, looked up by sample["source"]; else the ones above
         sources = cfg.data_sources
-        self.source_reward = {s["name"]: data.import_object(s["reward"]) for s in sources if s.get("reward")}
+        self.source_reward = {s["name"]: None if s["reward"] == "judge" else data.import_object(s["reward"])
+                              for s in sources if s.get("reward")}
         self.source_agent = {s["name"]: data.import_object(s["agent"]) for s in sources if s.get("agent")}
+        # the dotted names, for error messages: a failed trajectory names the reward / agent that failed it
+        self._reward_name = {s["name"]: s["reward"] for s in sources if s.get("reward")}
+        self._agent_name = {s["name"]: s["agent"] for s in sources if s.get("agent")}
         if cfg.agent and cfg.agent_command:
             raise ValueError(f"set either agent ({cfg.agent!r}, a Python function) or agent_command "
                              f"({cfg.agent_command!r}, a black-box program), not both")
-        if self.agent_fn is not None and not callable(self.agent_fn):
-            raise ValueError(f"agent {cfg.agent!r} is not callable; it must be `async def agent(client, sample)`")
+        for name, fn in [(cfg.agent, self.agent_fn), *((self._agent_name[k], f) for k, f in self.source_agent.items())]:
+            if fn is not None and not callable(fn):
+                raise ValueError(f"agent {name!r} is not callable; it must be `async def agent(client, sample)`")
         if cfg.agent_command:
             sandbox.make_sandbox(cfg.sandbox)  # fail now, not at the first trajectory, on a bad/unavailable sandbox
         # agent_preload: Python agent commands fork from one warm interpreter (started at the first trajectory)
@@ -1151,6 +1168,15 @@ class AgentFlow:
         self._wake = asyncio.Event()        # set when a submitted group finishes
         # Black-box agents are processes: bound how many run at once (white-box ones are coroutines).
         self._sandbox_slots = asyncio.Semaphore(cfg.max_parallel_sandboxes)
+        self.judge_url = None
+        if self.reward_fn is None or None in self.source_reward.values():
+            if not judge_url:
+                raise ValueError("reward: judge, but no judge to ask: set judge.url, or let the controller start the "
+                                 "judge engine from judge.model_path (fleet.start_judge)")
+            self.judge_url = judge_url.rstrip("/")
+            self.judge_chat = ChatFormat(cfg.judge["model_path"])  # the judge's own tokenizer and chat template
+            self.judge_parse = data.judge_parser(cfg.judge["parse"])
+            self._judge_http = httpx.AsyncClient(transport=nodelay_transport())
 
     async def start_router(self) -> str:
         """Start the router (once) and return its URL. generate() calls it when an agent is configured."""
@@ -1163,7 +1189,7 @@ class AgentFlow:
         `seq` (the controller's sequence number) is the group id; `step` the RL step dispatching it (kept in
         each trajectory's metadata). Each group reaches `completed()` the moment its n trajectories are done,
         in whatever order groups finish."""
-        if self.agent_fn is not None or self.cfg.agent_command:
+        if self.agent_fn is not None or self.cfg.agent_command or self.source_agent:
             await self.start_router()
         for seq, sample in groups:
             task = asyncio.ensure_future(self._group(sample, seq, n, sampling, step))
@@ -1195,6 +1221,8 @@ class AgentFlow:
         if errors:  # _trajectory turns agent/engine errors into failed trajectories: this is a bug
             raise errors[0]
         aborted = any(isinstance(r, BaseException) or r.status == "aborted" for r in results)
+        if not aborted and self.judge_url is not None:
+            await self._judge(results, sample)
         # an aborted group is incomplete: group-relative advantages over it would be biased
         # vars(), not dataclasses.asdict: asdict deep-copies every token list element by element (~0.5-2 ms a
         # trajectory on these CPUs, the largest per-trajectory cost of a step); the lists are already this
@@ -1253,6 +1281,8 @@ class AgentFlow:
         await self.pool.close()
         if self._warm is not None:
             await self._warm.close()
+        if self.judge_url is not None:
+            await self._judge_http.aclose()
 
     # --- one trajectory, with retries
 
@@ -1295,13 +1325,17 @@ class AgentFlow:
             error = error or "the agent finished without calling the model"
         text = s.last_text if response_text is None else response_text
         t0 = time.perf_counter()
-        if status not in ("failed", "aborted") and reward is None:
+        judged = False
+        fn = self.source_reward.get(sample.get("source"), self.reward_fn)
+        if status not in ("failed", "aborted") and reward is None and fn is None:
+            judged = True  # reward: judge; _group asks the judge for the whole group at once
+        elif status not in ("failed", "aborted") and reward is None:
+            name = self._reward_name.get(sample.get("source"), self.cfg.reward)
             try:
-                reward, bad = _scalar_reward(await _call(self.source_reward.get(sample.get("source"), self.reward_fn),
-                                                         text, sample), f"reward {self.cfg.reward}")
+                reward, bad = _scalar_reward(await _call(fn, text, sample), f"reward {name}")
             except Exception as e:  # a reward bug must show, but not kill the whole step
-                log.exception("reward %s failed", self.cfg.reward)
-                reward, bad = None, f"reward {self.cfg.reward} raised {e!r}"
+                log.exception("reward %s failed", name)
+                reward, bad = None, f"reward {name} raised {e!r}"
             if bad:
                 status, error = "failed", bad
         traj = s.trajectory(reward or 0.0, status)
@@ -1309,7 +1343,51 @@ class AgentFlow:
         traj.timings.update(generate_s=s.generate_s, reward_s=time.perf_counter() - t0)
         if error:
             traj.metadata["error"] = error
+        if judged:
+            traj.metadata["judge_pending"] = True
         return traj
+
+    async def _judge(self, trajs: list[Trajectory], sample: dict) -> None:
+        """`reward: judge`: the judge model scores a complete group in ONE batched /generate (greedy, the prompt
+        `judge.prompt_template` rendered with the judge's chat template), and each parsed verdict becomes that
+        trajectory's reward (the verdict text is kept in metadata.judge_verdict). A judge that does not answer
+        within judge.timeout, answers with an error, or writes a verdict judge.parse cannot read, fails those
+        trajectories only (status "failed", the reason in metadata.error): the step goes on without them."""
+        todo = [t for t in trajs if t.metadata.pop("judge_pending", False)]
+        if not todo:
+            return
+        j, t0 = self.cfg.judge, time.perf_counter()
+        ids = [self.judge_chat.prompt_ids([{"role": "user", "content": data.judge_prompt(
+            j["prompt_template"], sample, t.response_text)}]) for t in todo]
+        rids = [f"judge-{uuid.uuid4().hex}" for _ in todo]
+        answers, error = None, None
+        try:
+            answers = await rollout.generate(self._judge_http, self.judge_url, ids,
+                                             {"temperature": 0.0, "max_new_tokens": j["max_new_tokens"]},
+                                             rid=rids, return_logprob=False, timeout=j["timeout"])
+        except httpx.TimeoutException:
+            error = (f"the judge at {self.judge_url} did not answer within judge.timeout={j['timeout']:g}s, so this "
+                     "trajectory has no reward; raise judge.timeout or give the judge more capacity")
+            with contextlib.suppress(httpx.HTTPError):  # stop the judge computing what nobody will read
+                await asyncio.gather(*(self._judge_http.post(f"{self.judge_url}/abort_request", json={"rid": r},
+                                                             timeout=min(5.0, j["timeout"])) for r in rids))
+        except (httpx.HTTPError, rollout.EngineError) as e:
+            error = f"the judge at {self.judge_url} failed: {e}"
+        for k, t in enumerate(todo):
+            reward, bad = None, error
+            if answers is not None:
+                t.metadata["judge_verdict"] = answers[k]["text"]
+                try:
+                    reward, bad = _scalar_reward(self.judge_parse(answers[k]["text"]), f"judge.parse {j['parse']!r}")
+                except Exception as e:  # a verdict the parser cannot read fails this trajectory, as a reward bug would
+                    bad = f"judge.parse {j['parse']!r} failed: {type(e).__name__}: {e}"
+            if bad:  # as Session.trajectory makes a failed one: reward 0, nothing trained
+                t.status, t.reward, t.turn_rewards, t.metadata["error"] = "failed", 0.0, [], bad
+                t.loss_mask = [0] * len(t.loss_mask)
+                t.segments = [{**seg, "loss_mask": [0] * len(seg["loss_mask"])} for seg in t.segments]
+            else:
+                t.reward = reward
+            t.timings["reward_s"] = t.timings.get("reward_s", 0.0) + time.perf_counter() - t0
 
     # --- the three ways a trajectory is made
 
@@ -1337,6 +1415,7 @@ class AgentFlow:
                                     timeout=self.cfg.agent_timeout,
                                     http_client=openai_http_client())
         result, status, error = None, None, None
+        name = self._agent_name.get(sample.get("source"), self.cfg.agent)  # a data source's own agent, or cfg.agent
         try:
             agent_fn = self.source_agent.get(sample.get("source"), self.agent_fn)
             result = await asyncio.wait_for(agent_fn(client, sample), self.cfg.agent_timeout)
@@ -1348,23 +1427,23 @@ class AgentFlow:
             if s.status in ("truncated", "aborted"):
                 status = s.status
             else:
-                status, error = "failed", f"agent {self.cfg.agent} raised {e!r}"
+                status, error = "failed", f"agent {name} raised {e!r}"
         finally:
             await self.router.close_session(s)
             await client.close()
         reward = None
         if status is None and not (result is None or isinstance(result, (str, dict))):
-            status, error = "failed", (f"agent {self.cfg.agent} returned {type(result).__name__} {result!r:.200}; "
+            status, error = "failed", (f"agent {name} returned {type(result).__name__} {result!r:.200}; "
                                        "return the final text (str), a dict (optionally with 'reward'), or None")
         elif status is None and isinstance(result, dict) and result.get("reward") is not None:
-            reward, error = _scalar_reward(result["reward"], f"agent {self.cfg.agent}'s 'reward'")
+            reward, error = _scalar_reward(result["reward"], f"agent {name}'s 'reward'")
             status = "failed" if error else None
         turn_rewards = result.get("turn_rewards") if isinstance(result, dict) and status is None else None
         if turn_rewards is not None:  # one finite number per model turn, or the trajectory fails
-            checked = [_scalar_reward(r, f"agent {self.cfg.agent}'s turn_rewards[{i}]")
+            checked = [_scalar_reward(r, f"agent {name}'s turn_rewards[{i}]")
                        for i, r in enumerate(turn_rewards if isinstance(turn_rewards, list) else [turn_rewards])]
             error = next((e for _, e in checked if e), None) or (
-                None if isinstance(turn_rewards, list) else f"agent {self.cfg.agent}'s turn_rewards must be a list")
+                None if isinstance(turn_rewards, list) else f"agent {name}'s turn_rewards must be a list")
             status = "failed" if error else None
         traj = await self._finish(s, sample, status=status, error=error, reward=reward)
         if turn_rewards and traj.status != "failed":

@@ -1,9 +1,9 @@
 """What a run is configured to do, and whether that is valid: the `Config` dataclass (every field commented, in
 `# --- section ---` groups), `load_config` (a recipe YAML + `key=value` overrides), `finalize` (derived values and
 the batch algebra) and the rules that reject meaningless combinations before any actor starts (`check_critic`,
-`check_teachers`, `check_teacher_vocab`, `check_fast_paths`, `check_lora`, `algos.validate`), `check_runtime`
-(what only this machine can say), and what `python loongsage.py RECIPE --check` prints (`explain`, `describe`,
-`fast_paths`).
+`check_teachers`, `check_teacher_vocab`, `check_judge`, `check_fast_paths`, `check_lora`, `algos.validate`),
+`check_runtime` (what only this machine can say), and what `python loongsage.py RECIPE --check` prints (`explain`,
+`describe`, `fast_paths`).
 
 Every error names what was wrong, the value seen and what to change; a misspelt key names the closest valid one.
 Nothing here starts Ray or builds a model: `--check` runs this file (and fleet.placement) only.
@@ -21,6 +21,7 @@ import difflib
 import importlib.util
 import json
 import math
+import string
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,8 @@ MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")  # HF model types with
 TEACHER_BUILD_KEYS = ("tiny_model", "warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
                       "warmstart_label_noise", "warmstart_example", "warmstart_stop_loss", "seed")
 SOURCE_KEYS = ("name", "dataset", "weight", "eval_dataset", "reward", "agent", "teacher")
+JUDGE_KEYS = ("model_path", "url", "prompt_template", "parse", "max_new_tokens", "timeout", "max_context_len")
+JUDGE_FIELDS = ("prompt", "response", "answer")  # what a judge prompt_template may name (agentflow.judge_prompt)
 
 
 @dataclass
@@ -138,7 +141,13 @@ class Config:
     dataset: str = "synthetic:arith:4096:1"  # training prompts (data.load_dataset spec)
     eval_dataset: str = "synthetic:arith:128:2"  # eval prompts (metrics eval/accuracy, eval/pass@k, ...)
     eval_sets: dict = field(default_factory=dict)  # more eval sets at once: {name: spec} -> eval/<name>/accuracy, ...
-    reward: str = "data.exact_match"  # reward(response_text, sample) -> float, dotted path
+    reward: str = "data.exact_match"  # reward(response_text, sample) -> float, dotted path; "judge": the `judge` model's
+    # parsed verdict (agentflow.AgentFlow._judge)
+    judge: dict = field(default_factory=dict)  # the model of `reward: judge` (check_judge): {model_path: HF dir (its
+    # tokenizer renders the prompt; served by its own engine unless url is given), url: a running server speaking
+    # SGLang's /generate, prompt_template: text with {prompt} {response} {answer}, parse: dotted fn(text) -> float or a
+    # regex whose first group (or match) is the number, max_new_tokens: 16, timeout: 60 s per group's batch,
+    # max_context_len: the judge engine's token budget, 2 * max_context_len}
     agent: str = ""  # dotted path of an agent; "" = single-turn chat straight to the engine
     agent_command: str = ""  # black-box agent: a shell command run in a sandbox against the session URL
     sandbox: str = "local"  # "local" | "docker" | "auto" (docker where a Docker engine answers) | a dotted path to
@@ -380,9 +389,13 @@ def finalize(cfg: Config) -> Config:
     plugged = [k for k in ("agent", "chat_template", "tool_parser", "group_filter", "window", "engine", "transfer",
                            "sandbox") if data.is_dotted(getattr(cfg, k))]
     for name in ["reward", "warmstart_example"] + plugged:
-        data.import_object(getattr(cfg, name))  # fail now, not after the model is built
+        if not (name == "reward" and cfg.reward == "judge"):
+            data.import_object(getattr(cfg, name))  # fail now, not after the model is built
     algos.validate(cfg)
     check_teachers(cfg)
+    if isinstance(cfg.judge, dict) and cfg.judge:  # derived: the judge's defaults, filled once
+        cfg.judge = {"max_new_tokens": 16, "timeout": 60.0, "max_context_len": 2 * cfg.max_context_len, **cfg.judge}
+    check_judge(cfg)
     check_critic(cfg)
     check_lora(cfg)
     return cfg
@@ -766,7 +779,7 @@ def check_teachers(cfg: Config) -> None:
         seen.add(src["name"])
         need(float(src.get("weight", 1.0)) > 0, f"data_sources {src['name']!r}: weight={src.get('weight')} must be > 0")
         for key in ("reward", "agent"):
-            if src.get(key):
+            if src.get(key) and not (key == "reward" and src[key] == "judge"):
                 data.import_object(src[key])
         if src.get("teacher") is not None:
             need(bool(names), f"data source {src['name']!r} names teacher {src['teacher']!r} but `teachers:` is empty")
@@ -774,6 +787,41 @@ def check_teachers(cfg: Config) -> None:
         elif len(names) > 1 and not cfg.teacher_route:
             raise ValueError(f"data source {src['name']!r} has no teacher, and there are {len(names)} teachers "
                              f"{names}; set its `teacher:` (a name or {{name: weight}}), or set teacher_route")
+
+
+def check_judge(cfg: Config) -> None:
+    """`reward: judge` (top-level or a data source's) and `judge:` come together, and the judge's settings are sound."""
+    users = [r for r in [cfg.reward] + [s.get("reward") for s in cfg.data_sources if isinstance(s, dict)] if r == "judge"]
+    j = cfg.judge
+    need(isinstance(j, dict), f"judge={j!r} must be a mapping: {{model_path, prompt_template, parse, ...}}")
+    need(bool(users) or not j, "judge: is set but no reward is 'judge'; set reward: judge (or a data source's "
+         "reward: judge), or drop judge:")
+    if not users:
+        return
+    need(bool(j), "reward: judge needs a `judge:` section: {model_path: HF dir, prompt_template: '... {response} ...', "
+         "parse: regex or dotted fn}")
+    for key in j:
+        need(key in JUDGE_KEYS, f"judge.{key} is not a judge setting{closest(key, JUDGE_KEYS)}")
+    for key in ("model_path", "prompt_template", "parse"):
+        need(isinstance(j.get(key), str) and j.get(key) != "", f"judge.{key} is required (got {j.get(key)!r})")
+    need(Path(j["model_path"]).is_dir(), f"judge.model_path={j['model_path']!r} is not a directory; give a local HF "
+         "model directory (its tokenizer renders the judge prompt, and its engine serves it unless judge.url is set)")
+    fields = [f for _, f, _, _ in string.Formatter().parse(j["prompt_template"]) if f is not None]
+    for f in fields:
+        need(f in JUDGE_FIELDS, f"judge.prompt_template names {{{f}}}; its fields are {list(JUDGE_FIELDS)}, and a "
+             f"literal brace is written twice{closest(f, JUDGE_FIELDS)}")
+    need("response" in fields, "judge.prompt_template has no {response}: the judge would never see what it judges")
+    data.judge_parser(j["parse"])  # a dotted parse must import, a regex compile, now
+    for key in ("max_new_tokens", "max_context_len"):
+        need(isinstance(j[key], int) and not isinstance(j[key], bool) and j[key] >= 1,
+             f"judge.{key}={j[key]!r} must be a positive integer")
+    need(j["max_context_len"] > j["max_new_tokens"], f"judge.max_context_len={j['max_context_len']} leaves no room "
+         f"for a prompt beside judge.max_new_tokens={j['max_new_tokens']}; raise it")
+    timeout = j["timeout"]
+    need(isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0,
+         f"judge.timeout={timeout!r} must be > 0 (seconds the judge has for one group's batch)")
+    need(j.get("url") is None or (isinstance(j["url"], str) and j["url"].startswith(("http://", "https://"))),
+         f"judge.url={j.get('url')!r} must be an http(s) URL of a server speaking SGLang's /generate, or left out")
 
 
 # ================================================================================================

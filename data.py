@@ -16,7 +16,8 @@ Nothing here can be downloaded on an offline laptop, so the tiny recipes build t
 * `arith_samples(n, seed)`: the synthetic arithmetic task of the default CPU recipe.
 * `sft_trajectory`, `reply_ids`, `turn_end`: warm-start examples in any chat format (the model's turn as the
   tokenizer's template renders it, through its end-of-turn token).
-* rewards: plain functions `reward(response_text, sample) -> float` named in recipes by dotted path.
+* rewards: plain functions `reward(response_text, sample) -> float` named in recipes by dotted path; for
+  `reward: judge`, the judge's prompt (`judge_prompt`) and how its verdict is read (`judge_parser`).
 * `load_dataset(spec)`: jsonl / parquet files or `synthetic:<task>:<n>:<seed>`.
 * `import_object(dotted)`: the one resolver of every extension point (`mod.fn` or `mod:fn`,
   docs/EXTENDING.md).
@@ -382,6 +383,39 @@ def math_verify(response: str, sample: dict) -> float:
 
 # ----------------------------------------------------------------------------------------------
 # extension points
+
+
+def judge_prompt(template: str, sample: dict, response: str) -> str:
+    """The text a judge model reads (`reward: judge`, agentflow.AgentFlow._judge): `template` with {prompt} (the
+    sample's last user message), {response} (what is judged) and {answer} (the sample's reference, "" if none)."""
+    users = [m.get("content", "") for m in sample.get("messages", []) if m.get("role") == "user"]
+    prompt = str(users[-1] if users else sample.get("prompt", ""))
+    return template.format(prompt=prompt, response=response, answer=sample.get("answer", ""))
+
+
+def judge_parser(parse: str):
+    """A judge's `parse` as fn(verdict text) -> float. A dotted path (word characters, dots, a colon) is imported;
+    anything else is a regex, whose first group (the whole match, without groups) is read as the number: a verdict it
+    does not match raises, and that trajectory fails. A regex that looks like a dotted path needs escaping (a\\.b)."""
+    if is_dotted(parse) and re.fullmatch(r"[\w.:]+", parse):
+        try:
+            return import_object(parse)
+        except ValueError as e:
+            raise ValueError(f"judge.parse: {e}") from None
+    try:
+        pattern = re.compile(parse)
+    except re.error as e:
+        raise ValueError(f"judge.parse={parse!r} is neither a dotted path to fn(text) -> float nor a valid regex "
+                         f"({e}); e.g. parse: 'Score: ([0-9.]+)'") from None
+    if pattern.groups > 1:
+        raise ValueError(f"judge.parse={parse!r} has {pattern.groups} groups; use at most one, around the number")
+
+    def parse_with_regex(text: str) -> float:
+        m = pattern.search(text)
+        if m is None:
+            raise ValueError(f"the judge's verdict {text[:200]!r} does not match judge.parse={parse!r}")
+        return float(m.group(1 if pattern.groups else 0))
+    return parse_with_regex
 
 
 def is_dotted(name) -> bool:

@@ -1,5 +1,5 @@
 """The actors of a run and everything that keeps them going: where each goes (`placement`, `reserve`), starting
-trainers, engines, AgentFlow and teachers, the model they start from (`base_model`, `prepare_model`: the tiny
+trainers, engines, AgentFlow, teachers and the judge of `reward: judge` (`start_judge`), the model they start from (`base_model`, `prepare_model`: the tiny
 model and its warm start), waits that cannot hang (`wait`), engine health and re-creation (`check_engines`,
 `restart_engine`), the weight-sync call (`sync_engines`, `update_engines`), the colocated memory hand-off
 (`colocate_hand_off`), checkpoints that lose nothing (`save_run_state`, `load_run_state`), the metric sinks
@@ -14,8 +14,9 @@ Test: `.venv/bin/pytest tests/test_placement.py tests/test_reliability.py tests/
 tests/test_colocate.py tests/test_warmstart.py -q` (placement on simulated GPUs, dead and hung engines re-created,
 crashes at every point of a save, the colocated hand-off's memory and an engine re-created mid-way, the cached warm
 start); update_engines in tests/test_transfermesh.py.
-Left out: multi-node launch scripts (join the nodes to one Ray cluster and set `ray_address`), and restarting a
-dead trainer rank (the run stops with its traceback; `resume: true` goes on from the last checkpoint).
+Left out: multi-node launch scripts (join the nodes to one Ray cluster and set `ray_address`), restarting a
+dead trainer rank (the run stops with its traceback; `resume: true` goes on from the last checkpoint), and
+re-creating a dead judge engine or placing it in the plan (on CUDA it takes any free GPU).
 """
 from __future__ import annotations
 
@@ -238,6 +239,7 @@ class Fleet:
     released: list = field(default_factory=list)
     hand_off: list = field(default_factory=list)
     flow: object = None  # the AgentFlow actor (start_rollout)
+    judge: object = None  # the judge engine of `reward: judge` (start_judge); None with judge.url or no judge
     others: list = field(default_factory=list)  # trainer ranks and teachers: stop() ends them with the engines
     teacher_pg: object = None  # the teachers' own placement group (teacher_placement "own"), removed by stop()
 
@@ -285,11 +287,11 @@ def stop(fleet: Fleet) -> None:
     groups removed. Safe on a run that failed half-way, and a second time."""
     _live[:] = [f for f in _live if f is not fleet]
     if ray.is_initialized():
-        closing = [e.shutdown.remote() for e in fleet.actors]
+        closing = [e.shutdown.remote() for e in fleet.actors + ([fleet.judge] if fleet.judge is not None else [])]
         closing += [fleet.flow.close.remote()] if fleet.flow is not None else []
         if closing:  # a dead or hung actor answers with an error or not at all: it is killed below either way
             ray.wait(closing, num_returns=len(closing), timeout=30)
-        for actor in [fleet.flow, *fleet.actors, *fleet.others]:
+        for actor in [fleet.flow, fleet.judge, *fleet.actors, *fleet.others]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
         for pg in (fleet.pg, fleet.teacher_pg):
@@ -384,9 +386,26 @@ def start_rollout(cfg: Config, fleet: Fleet):
     import agentflow  # late: ~1 s (OpenAI client, FastAPI server), which --check does not need
     fleet.actors = [start_engine(cfg, fleet, i) for i in range(cfg.num_engines)]
     fleet.released = [set() for _ in fleet.actors]
-    fleet.flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(cfg, [e.url.remote() for e in fleet.actors],
-                                                                           fleet.model)
+    fleet.judge = start_judge(cfg) if cfg.judge and not cfg.judge.get("url") else None
+    fleet.flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(
+        cfg, [e.url.remote() for e in fleet.actors], fleet.model, fleet.judge.url.remote() if fleet.judge else None)
     return fleet.flow
+
+
+def start_judge(cfg: Config):
+    """The judge engine of `reward: judge`: one more RolloutEngine (cfg.engine) serving judge.model_path, greedy;
+    no weight update ever reaches it. Outside the placement plan: on CPU it shares the node's cores like AgentFlow
+    (num_cpus 0), on CUDA it asks Ray for one GPU of its own."""
+    import rollout  # late, as in start_engine
+    j = cfg.judge
+    jcfg = dataclasses.replace(cfg, model_path=j["model_path"], lora_rank=0, router_replay=False, engine_busy_file="",
+                               gpus_per_engine=1, max_new_tokens=j["max_new_tokens"],
+                               max_prompt_len=j["max_context_len"] - j["max_new_tokens"],
+                               max_context_len=j["max_context_len"])
+    gpu = cfg.device == "cuda"
+    # rank num_engines: its own seed and SGLang log file (sglang_engine_<rank>.log) beside the rollout engines'
+    return ray.remote(rollout.RolloutEngine).options(num_cpus=1 if gpu else 0, num_gpus=1 if gpu else 0).remote(
+        jcfg, cfg.num_engines)
 
 
 def start_teachers(cfg: Config, fleet: Fleet, paths: dict[str, str]) -> list:

@@ -48,3 +48,25 @@ def raising_reward(response: str, sample: dict) -> float:
 
 def per_turn_reward(response: str, sample: dict) -> list:
     return [0.5, 1.0]
+
+
+# data_sources drill (tests/test_loongsage.py test_two_sources_keep_their_own_agent_and_reward): each source's agent
+# refuses the other source's samples, and makes its own number of model calls, which the dumped rollouts record
+
+async def add_agent(client, sample):
+    """One model call; only for samples of the source `add`."""
+    if sample.get("source") != "add":
+        raise RuntimeError(f"add_agent got a sample of source {sample.get('source')!r}")
+    r = await client.chat.completions.create(model="m", messages=sample["messages"], max_tokens=3)
+    return r.choices[0].message.content
+
+
+async def sub_agent(client, sample):
+    """Two model calls (the second after a user 'again'); only for samples of the source `sub`."""
+    if sample.get("source") != "sub":
+        raise RuntimeError(f"sub_agent got a sample of source {sample.get('source')!r}")
+    msgs = list(sample["messages"])
+    r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=3)
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "again"}]
+    r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=3)
+    return r.choices[0].message.content

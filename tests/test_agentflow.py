@@ -11,6 +11,10 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import anthropic
@@ -22,7 +26,9 @@ import agentflow
 import config
 import cpu_engine
 import data
+import rollout
 import sandbox
+import tests.rewards
 import wire
 
 SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=6)
@@ -437,6 +443,32 @@ def test_single_turn_generate_groups_ids_and_rewards(engines, tiny_model_dir):
         assert t["reward"] == float(t["response_text"].strip() == answer)  # the async reward ran on the response
 
 
+def test_submit_routes_each_source_to_its_agent_and_reward(engines, tiny_model_dir):
+    """data_sources without a top-level agent: submit() (the training producer, which never calls start_router()
+    itself) still starts the router for the sources' agents; a source without an agent takes the fast path and
+    the top-level reward. tests/test_loongsage.py runs the same through train()."""
+    sources = [{"name": "add", "dataset": "unused", "agent": "tests.agents.add_agent",
+                "reward": "tests.rewards.add_reward"},
+               {"name": "plain", "dataset": "unused"}]
+    add, plain = ({**s, "source": src} for s, src in zip(data.arith_samples(2, seed=3), ("add", "plain")))
+
+    async def body():
+        flow = agentflow.AgentFlow(make_cfg(data_sources=sources, reward="tests.rewards.digit_fraction",
+                                            agent_retries=0), engines, tiny_model_dir)
+        await flow.submit([(0, add), (1, plain)], 2, SAMPLING, 0)
+        groups = []
+        while len(groups) < 2:
+            groups += await flow.completed()
+        await flow.close()
+        return {g["seq"]: g["trajs"] for g in groups}
+    by = run(body())
+    assert all(t["status"] != "failed" for ts in by.values() for t in ts), by
+    assert [t["metadata"]["source"] for t in by[0] + by[1]] == ["add"] * 2 + ["plain"] * 2
+    assert all(1 <= t["reward"] < 1.1 for t in by[0])  # the source's own reward, through its agent's session
+    for t in by[1]:  # the fast path and cfg.reward
+        assert t["reward"] == sum(c.isdigit() for c in t["response_text"]) / max(len(t["response_text"]), 1)
+
+
 async def two_turn_agent(client, sample):
     msgs = list(sample["messages"])
     r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
@@ -757,3 +789,136 @@ def test_reward_error_max_turns_and_all_engines_down(engines, tiny_model_dir):
         assert t["status"] == "failed" and t["reward"] == 0.0 and t["metadata"]["attempts"] == 2
         assert "no engine could serve" in t["metadata"]["error"] or "is up (dead:" in t["metadata"]["error"]
     assert down_flow.pool.healthy() == []
+
+
+# ---------------------------------------------------------------------------------------- reward: judge
+
+JUDGE_TEMPLATE = "Question: {prompt}\nAnswer: {response}\nReference: {answer}\nScore:"
+
+
+def judge_cfg(url: str, model: str, parse: str, **kw) -> dict:
+    return {**dict(model_path=model, url=url, prompt_template=JUDGE_TEMPLATE, parse=parse, max_new_tokens=6,
+                   timeout=60.0, max_context_len=512), **kw}
+
+
+def greedy_verdict(model_dir: str, sample: dict, response: str, max_new_tokens: int = 6) -> str:
+    """What the judge must answer, computed here with transformers: the template filled in, rendered as one user
+    message with the judge's chat template, decoded greedily, the text without special tokens."""
+    import torch  # here: transformers' model classes cost seconds to import, and only the judge tests need them
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    question = [m["content"] for m in sample["messages"] if m["role"] == "user"][-1]
+    text = JUDGE_TEMPLATE.format(prompt=question, response=response, answer=sample["answer"])
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tok.encode(rendered, add_special_tokens=False)])
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_judge_rewards_are_its_parsed_greedy_verdicts_one_batch_per_group(engines, tiny_model_dir, monkeypatch):
+    """reward: judge with engines[1] as the judge (a real CPU engine on the tiny model): each trajectory's reward is
+    judge.parse of the verdict transformers decodes greedily for the same prompt, and each group's judge requests
+    travel as ONE batched /generate. A regex parse reads the number, and a verdict it cannot read fails that
+    trajectory (reward 0, nothing trained) with the verdict in the error."""
+    judge_calls, real = [], rollout.generate
+
+    async def recording(client, url, input_ids, *a, **kw):
+        if url == engines[1]:
+            judge_calls.append(input_ids)
+        return await real(client, url, input_ids, *a, **kw)
+    monkeypatch.setattr(rollout, "generate", recording)
+    samples = data.arith_samples(3, seed=5)
+
+    async def body(parse):
+        flow = agentflow.AgentFlow(make_cfg(reward="judge", judge=judge_cfg(engines[1], tiny_model_dir, parse)),
+                                   engines[:1], tiny_model_dir)
+        out = await flow.generate(samples, 2, SAMPLING, step=0)
+        await flow.close()
+        return out
+    out = run(body("tests.rewards.verdict_hash"))
+    assert [len(c) for c in judge_calls] == [2, 2, 2]  # one batch per group of 2
+    for t in out:
+        expected = greedy_verdict(tiny_model_dir, samples[t["group_id"]], t["response_text"])
+        assert t["status"] in ("ok", "truncated") and t["metadata"]["judge_verdict"] == expected
+        assert t["reward"] == tests.rewards.verdict_hash(expected)
+    judge_calls.clear()
+    out = run(body(r"([0-9]+)"))
+    assert len(judge_calls) == 3
+    for t in out:
+        verdict = greedy_verdict(tiny_model_dir, samples[t["group_id"]], t["response_text"])
+        m = re.search(r"([0-9]+)", verdict)
+        if m:
+            assert t["status"] != "failed" and t["reward"] == float(m.group(1))
+        else:
+            assert t["status"] == "failed" and t["reward"] == 0.0 and not any(t["loss_mask"])
+            assert f"verdict {verdict[:200]!r} does not match judge.parse='([0-9]+)'" in t["metadata"]["error"]
+
+
+def test_judge_that_does_not_answer_fails_its_trajectories_not_the_step(engines, tiny_model_dir):
+    """A judge that accepts the connection and never answers: past judge.timeout the judged source's trajectories
+    fail with a status and an error that say so (reward 0, loss_mask all 0); the other source's, rewarded by a
+    function, are untouched, and generate() returns."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)  # the kernel completes connections into the backlog; nothing ever reads or answers them
+    url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    sources = [{"name": "judged", "dataset": "unused", "reward": "judge"},
+               {"name": "plain", "dataset": "unused", "reward": "tests.rewards.digit_fraction"}]
+    samples = [{**s, "source": src} for s, src in zip(data.arith_samples(2, seed=7), ("judged", "plain"))]
+
+    async def body():
+        flow = agentflow.AgentFlow(make_cfg(data_sources=sources, judge=judge_cfg(
+            url, tiny_model_dir, "tests.rewards.verdict_hash", timeout=0.5)), engines[:1], tiny_model_dir)
+        out = await flow.generate(samples, 2, SAMPLING, step=0)
+        await flow.close()
+        return out
+    try:
+        out = run(body())
+    finally:
+        hung.close()
+    judged = [t for t in out if t["metadata"]["source"] == "judged"]
+    plain = [t for t in out if t["metadata"]["source"] == "plain"]
+    assert len(judged) == len(plain) == 2
+    for t in judged:
+        assert t["status"] == "failed" and t["reward"] == 0.0 and not any(t["loss_mask"]) and t["response_ids"]
+        assert f"the judge at {url} did not answer within judge.timeout=0.5s" in t["metadata"]["error"]
+    for t in plain:
+        assert t["status"] != "failed" and "judge_verdict" not in t["metadata"]
+        assert t["reward"] == sum(c.isdigit() for c in t["response_text"]) / max(len(t["response_text"]), 1)
+
+
+@pytest.mark.parametrize("judge, message", [
+    ({}, "reward: judge needs a `judge:` section"),
+    ({"prompt_template": "{response}", "parse": "x"}, "judge.model_path is required"),
+    ({"model_path": "/nowhere", "prompt_template": "{response}", "parse": "x"}, "judge.model_path='/nowhere' is not a"),
+    ({"prompt_template": "{respons}", "parse": "x"}, "names {respons}; .* did you mean 'response'"),
+    ({"prompt_template": "{prompt}", "parse": "x"}, "has no {response}"),
+    ({"prompt_template": "{response}", "parse": "tests.rewards.nope"}, "judge.parse: cannot load 'tests.rewards.nope'"),
+    ({"prompt_template": "{response}", "parse": "(a)(b)"}, "has 2 groups"),
+    ({"prompt_template": "{response}", "parse": "([0-9]"}, "neither a dotted path .* nor a valid regex"),
+    ({"prompt_template": "{response}", "parse": "x", "timout": 3}, "judge.timout is not a judge setting; did you mean 'timeout'"),
+    ({"prompt_template": "{response}", "parse": "x", "timeout": 0}, "judge.timeout=0 must be > 0"),
+    ({"prompt_template": "{response}", "parse": "x", "max_new_tokens": 0}, "judge.max_new_tokens=0 must be a positive"),
+    ({"prompt_template": "{response}", "parse": "x", "url": "localhost:1"}, "must be an http"),
+])
+def test_judge_config_errors_say_what_to_change(judge, message, tiny_model_dir):
+    if judge and "model_path" not in judge and "model_path is required" not in message:
+        judge = {"model_path": tiny_model_dir, **judge}
+    with pytest.raises(ValueError, match=".*".join(map(re.escape, message.split(".*")))):
+        config.load_config(None, ["reward=judge", f"judge={json.dumps(judge)}"])
+    with pytest.raises(ValueError, match="judge: is set but no reward is 'judge'"):
+        config.load_config(None, [f"judge={json.dumps({'model_path': tiny_model_dir})}"])
+
+
+@pytest.mark.slow
+def test_judge_is_checked_by_the_check_option(tiny_model_dir):
+    """`loongsage.py RECIPE --check` validates the judge: a sound one passes (its defaults filled in the printed
+    config), a template field that does not exist exits 2 naming it."""
+    ok = dict(model_path=tiny_model_dir, prompt_template=JUDGE_TEMPLATE, parse="Score: ([0-9.]+)")
+    root = Path(__file__).resolve().parents[1]
+    runs = [subprocess.run([sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", "reward=judge",
+                            f"judge={json.dumps(j)}", "--check"], cwd=root, capture_output=True, text=True, timeout=120)
+            for j in (ok, {**ok, "prompt_template": "{reply}"})]
+    assert runs[0].returncode == 0 and "config OK" in runs[0].stdout and "timeout: 60.0" in runs[0].stdout
+    assert runs[1].returncode == 2 and "judge.prompt_template names {reply}" in runs[1].stderr

@@ -17,6 +17,7 @@ import config
 import cpu
 import fleet
 import loongsage
+import tests.rewards
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -351,6 +352,51 @@ def test_two_engines_two_trainers_checkpoints_dump_then_train_only_replay(tmp_pa
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
         assert b["train/gap_max"] < 1e-4  # the replay's trainer holds the weights that generated the dump
     assert not (tmp_path / "replay" / "checkpoints").exists() and (tmp_path / "replay" / "final_hf").is_dir()
+
+
+@pytest.mark.slow
+def test_two_sources_keep_their_own_agent_and_reward(tmp_path, run_cache, ray_session):
+    """data_sources end to end: two sources, each with its own agent and reward, mixed 1:1. Each agent and reward
+    raises on the other source's samples (the trajectory would fail, reward 0), the `add` agent calls the model
+    once and the `sub` agent twice, and the rewards sit in disjoint ranges, [1, 1.1) and (-1.1, -1]: a swapped or
+    dropped agent or reward shows in the dumped rollouts and in the per-source metrics."""
+    dump = tmp_path / "dump"
+    sources = [{"name": "add", "dataset": "synthetic:add:64:1:9", "eval_dataset": "synthetic:add:4:2:9",
+                "agent": "tests.agents.add_agent", "reward": "tests.rewards.add_reward"},
+               {"name": "sub", "dataset": "synthetic:sub:64:3:9", "eval_dataset": "synthetic:sub:4:4:9",
+                "agent": "tests.agents.sub_agent", "reward": "tests.rewards.sub_reward"}]
+    history = loongsage.train(_short_run(tmp_path, "num_steps=2", f"dump_rollouts={dump}", "agent_retries=0",
+                                         "data_sources=" + json.dumps(sources)))
+    steps = [h for h in history if "train/loss" in h]
+    assert len(steps) == 2 and all(math.isfinite(h["train/loss"]) and h["train/grad_norm"] > 0 for h in steps)
+    for step, h in enumerate(steps):
+        trajs = [json.loads(line) for line in (dump / f"step_{step:05d}.jsonl").read_text().splitlines()]
+        by = {src: [t for t in trajs if t["metadata"]["source"] == src] for src in ("add", "sub")}
+        assert len(by["add"]) == len(by["sub"]) == 8  # weights 1:1 -> 2 groups of 4 each per step
+        assert all(t["status"] != "failed" for t in trajs), [t["metadata"].get("error") for t in trajs]
+        assert {t["metadata"]["turns"] for t in by["add"]} == {1} and {t["metadata"]["turns"] for t in by["sub"]} == {2}
+        assert all(1 <= t["reward"] < 1.1 for t in by["add"]) and all(-1.1 < t["reward"] <= -1 for t in by["sub"])
+        for src, ts in by.items():  # the per-source metric is the mean of that source's rewards
+            assert h[f"rollout/{src}/reward_mean"] == pytest.approx(sum(t["reward"] for t in ts) / 8)
+    evals = [h for h in history if "eval/add/accuracy" in h]
+    assert len(evals) == 2  # before step 0 and after the last
+    assert all(1 <= h["eval/add/accuracy"] < 1.1 and -1.1 < h["eval/sub/accuracy"] <= -1 for h in evals)
+
+
+@pytest.mark.slow
+def test_judge_engine_is_started_and_scores_every_trajectory(tmp_path, run_cache, ray_session, tiny_model_dir):
+    """reward: judge in a run: the controller starts the judge's own engine from judge.model_path (no url given) and
+    AgentFlow reaches it: every dumped trajectory carries the judge's verdict and the parsed reward of it
+    (tests/test_agentflow.py checks the verdicts themselves against transformers' greedy decoding)."""
+    judge = {"model_path": tiny_model_dir, "prompt_template": "Q: {prompt}\nA: {response}\nScore:",
+             "parse": "tests.rewards.verdict_hash", "max_new_tokens": 4}
+    history = loongsage.train(_short_run(tmp_path, "num_steps=1", "eval_every=0", "rollout_only=true",
+                                         f"dump_rollouts={tmp_path}/dump", "reward=judge", f"judge={json.dumps(judge)}"))
+    trajs = [json.loads(line) for line in (tmp_path / "dump" / "step_00000.jsonl").read_text().splitlines()]
+    assert len(trajs) == 16 and all(t["status"] != "failed" for t in trajs), [t["metadata"].get("error") for t in trajs]
+    assert all(t["reward"] == tests.rewards.verdict_hash(t["metadata"]["judge_verdict"]) for t in trajs)
+    step = next(h for h in history if "rollout/reward_mean" in h)
+    assert step["rollout/reward_mean"] == pytest.approx(sum(t["reward"] for t in trajs) / 16)
 
 
 @pytest.mark.slow
