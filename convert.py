@@ -223,7 +223,7 @@ def layer_spec(cfg, on_cpu: bool) -> str:
         raise ValueError(f"sequence_parallel=true needs Transformer Engine's layer spec on CUDA, and this trainer "
                          f"builds the local one ({why}), whose torch norms refuse it; install Transformer Engine, or "
                          "set sequence_parallel=false")
-    if spec == "local" and int(getattr(cfg, "max_tokens_per_micro_batch", 0)) > 0 and not on_cpu:  # CPU: SDPACoreAttention
+    if spec == "local" and cfg.max_tokens_per_micro_batch > 0 and not on_cpu:  # CPU: cpu.SDPACoreAttention takes THD
         raise ValueError(f"max_tokens_per_micro_batch={cfg.max_tokens_per_micro_batch} (packed sequences) needs "
                          f"Transformer Engine's attention on CUDA, and this trainer builds the local spec ({why}), "
                          "whose attention takes no THD input; install Transformer Engine, or set "
