@@ -1,11 +1,11 @@
 """Token streaming, engine to client: the CPU engine's `/generate` with `stream: true` over real HTTP (SGLang's
 Server-Sent Events: cumulative chunks as the scheduler samples, the finished answer, [DONE]; stream_interval; a batch;
-abort; a client that leaves), and the router streaming each API to the official `openai` and `anthropic` clients as
-the engine generates: the concatenated deltas equal the plain reply of the same greedy request, the trajectory is the
-plain one's token for token, and the first delta reaches the client while the engine is held before its last token
-(an event, not a clock: the engine's scheduler waits at a gate the test opens only once the delta has arrived).
-`ChatFormat.settled`, what a stream may send before the turn ends, is checked on every prefix of crafted replies of
-every model family."""
+abort; a client that leaves; an engine that dies mid-stream), and the router streaming each API to the official
+`openai` and `anthropic` clients as the engine generates: the concatenated deltas equal the plain reply of the same
+greedy request, the trajectory is the plain one's token for token, and the first delta reaches the client while the
+engine is held before its last token (an event, not a clock: the engine's scheduler waits at a gate the test opens
+only once the delta has arrived). `ChatFormat.settled`, what a stream may send before the turn ends, is checked on
+every prefix of crafted replies of every model family."""
 import asyncio
 import json
 import threading
@@ -19,6 +19,7 @@ import pytest
 import agentflow
 import cpu_engine
 import data
+import rollout
 import wire
 from test_agentflow import CALC_TOOL, crafted_engine, open_session, session_client, started_flow
 from test_chat import FAMILIES, settings
@@ -175,6 +176,32 @@ def test_engine_stream_abort_and_a_client_that_leaves(served):
         assert handle.engine.stats["generated_tokens"] - before == 3  # 2 sampled, 1 in the held step: then aborted
     finally:
         gate.remove()
+
+
+def test_engine_death_mid_stream_is_sglangs_error_event(tiny_model_dir):
+    """An engine that dies while a request streams ends the stream with SGLang's error event, which
+    rollout.generate_stream raises as an EngineError with its code (an engine of its own: this one dies)."""
+    url, handle = cpu_engine.serve(tiny_model_dir, max_batch=2, max_len=256, seed=0)
+    gate, chunks = Gate(handle.engine, 2), []
+
+    async def body():
+        async with httpx.AsyncClient(timeout=60) as client:
+            task = asyncio.ensure_future(rollout.generate_stream(
+                client, url, [3, 4, 5], {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True},
+                on_chunk=chunks.append))
+            while not gate.held.is_set():
+                await asyncio.sleep(0.01)
+            # SGLang's scheduler dies on a resume of a tag never released (SGLANG_BEHAVIOURS), mid-request here
+            handle.engine.call(handle.engine._resume_memory, ["weights"])
+            gate.open()
+            with pytest.raises(rollout.EngineError, match="HTTP 500 in its stream: the engine died: KeyError"):
+                await task
+    try:
+        run(body())
+    finally:
+        gate.remove()
+        handle.shutdown()
+    assert handle.engine.died and [len(c["output_ids"]) for c in chunks][:1] == [1]
 
 
 # ----------------------------------------------------------------------------------------------
