@@ -33,10 +33,12 @@ The router is one HTTP server in front of all engines. Each trajectory gets a se
 `http://host:port/s/<session>/v1` (the session id and the api key are unguessable tokens) serving
 OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function tools,
 `previous_response_id` within the session), Anthropic `POST /messages` and `GET /models`, plain and streaming,
-with tool calls. A session sticks to one engine (its KV prefix cache stays warm); new sessions go to
-the engine with the fewest requests in flight. An engine that fails a call, or misses a periodic
-`/server_info` probe, leaves routing at once (dead or hung) and its requests move to the other engines;
-the controller re-creates it and `replace_engine` routes to its successor.
+with tool calls. A streamed reply streams from the engine (SGLang's `stream: true`): its reasoning and content go
+out as the tokens arrive, as far as they are settled (`TurnStream`: a tool call's text is held back and the call
+sent whole at the end), and the turn it records is the one the plain reply records. A session sticks to one engine
+(its KV prefix cache stays warm); new sessions go to the engine with the fewest requests in flight. An engine that
+fails a call, or misses a periodic `/server_info` probe, leaves routing at once (dead or hung) and its requests move
+to the other engines; the controller re-creates it and `replace_engine` routes to its successor.
 
 Requests are checked against the APIs' request schemas (`openai_request`, `anthropic_request`, in wire.py): what
 they refuse gets a 400 in their error shape, options the engine cannot honour are refused rather than
@@ -64,10 +66,12 @@ formats and nothing else, so this file is the system and that one the protocol.
 Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
-clients). Left out: constrained decoding (tool_choice "required"/named is not enforced, only parsed),
-images/audio content parts, built-in (non-function) tools of the Responses API, n > 1 per request (ask n sessions instead),
-token-level streaming from the engine (a streamed reply is sent once the turn is generated), retrying a failed
-judgement (the trajectory stays failed).
+clients); streaming in `tests/test_token_stream.py`. Left out: constrained decoding (tool_choice "required"/named is
+not enforced, only parsed), images/audio content parts, built-in (non-function) tools of the Responses API, n > 1 per
+request (ask n sessions instead), tool-call deltas while the call is generated (a call is parsed whole, so it goes
+out at the end of a streamed reply), stop strings inside the engine (the router cuts the turn after it ends, so a
+streamed reply with `stop` waits, like a plain one, for the engine to finish), per-token logprobs in stream chunks
+(they all come with the last one), retrying a failed judgement (the trajectory stays failed).
 """
 from __future__ import annotations
 
@@ -331,10 +335,12 @@ class EnginePool:
                 log.warning("engine %s did not unload LoRA adapter %s: %r", url, name, e)
 
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
-                       prefer: str | None = None, batch: str = "") -> tuple[str, dict]:
+                       prefer: str | None = None, batch: str = "", on_chunk=None) -> tuple[str, dict]:
         """POST /generate on one engine (rollout.generate); returns (engine url, the engine's answer).
         A failed engine is probed and the request moves to another; at most two tries per engine.
         `batch`: requests of one loop tick with the same key travel together (see `_coalesced`).
+        `on_chunk`: stream instead (rollout.generate_stream, alone, never batched): it gets every chunk of the
+        running request, cumulative; a retry on another engine starts its chunks again from the first token.
         LoRA: each try names the current adapter, and the answer's weight versions become that adapter's."""
         if self._watcher is None and self.check_every_s > 0:
             self._watcher = asyncio.ensure_future(self._watch())
@@ -349,8 +355,10 @@ class EnginePool:
             if adapter is not None:
                 self.adapter_users[adapter[0]] += 1
             try:
-                answer = await self._coalesced(url, input_ids, sampling_params, rid, batch,
-                                               adapter[0] if adapter else None)
+                lora_path = adapter[0] if adapter else None
+                answer = await (self._coalesced(url, input_ids, sampling_params, rid, batch, lora_path)
+                                if on_chunk is None else
+                                self._streamed(url, input_ids, sampling_params, rid, lora_path, on_chunk))
                 if adapter is not None:  # every token came from the adapter this request named (the docstring)
                     n = len(answer.get("output_ids", []))
                     answer.setdefault("meta_info", {}).update(weight_version=str(adapter[1]), weight_versions=[
@@ -449,6 +457,33 @@ class EnginePool:
             return await fut
         finally:
             sent.discard(fut)
+
+    async def _streamed(self, url: str, input_ids: list[int], sampling_params: dict, rid: str,
+                        lora_path: str | None, on_chunk) -> dict:
+        """One streamed /generate, failed over like a batched one: `mark_dead` fails its future, which ends the
+        stream (the engine aborts a request whose stream is closed)."""
+        fut = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(rollout.generate_stream(
+            self.http, url, input_ids, sampling_params, on_chunk=on_chunk, rid=rid,
+            return_routed_experts=self.return_routed_experts, lora_path=lora_path))
+
+        def settle(t: asyncio.Task) -> None:
+            if fut.done():
+                return
+            if t.cancelled():
+                fut.cancel()
+            elif t.exception() is not None:
+                fut.set_exception(t.exception())
+            else:
+                fut.set_result(t.result())
+        task.add_done_callback(settle)
+        sent = self._sent.setdefault(url, set())
+        sent.add(fut)
+        try:
+            return await fut
+        finally:
+            sent.discard(fut)
+            task.cancel()
 
     async def _send_batch(self, url: str, key: str) -> None:
         batch = self._pending.pop((url, key), [])
@@ -610,6 +645,39 @@ class ChatFormat:
                 text, calls = chat.parse_tool_calls(self.tool_parser, text, tools)
         return reasoning.strip(), text.strip(), calls
 
+    def settled(self, output_ids: list[int], tools: list[dict] | None, parse_tools: bool = True,
+                separate_reasoning: bool = True, stop: list[str] | None = None) -> tuple[str, str]:
+        """(reasoning, content) of a turn still being generated that no later token can change: prefixes of what
+        `parse` gives for the whole turn (after the router's stop strings), whatever the model writes next. Held back:
+        an incomplete character, a tail that may grow into a marker (a stop string, </think>, a tool call's start),
+        whitespace at either end (the parse strips it), and everything from a tool call's start on, since a call is
+        parsed whole (and may turn out to be content); the content waits for the thinking to close. One departure:
+        Qwen3's parse makes thinking of everything before </think> once a <think> appears anywhere, so a <think>
+        written after content has been settled leaves that content sent (the stream stops settling; see TurnStream)."""
+        text = self.assistant_text(output_ids).rstrip("\ufffd")
+        if stop:
+            text = _before(text, stop)
+        reasoning, content = "", text
+        if self.reasoning_parser and separate_reasoning:
+            forced = self.reasoning_parser == "deepseek-r1"
+            if forced or "<think>" in text:
+                while text.startswith("<think>"):
+                    text = text[len("<think>"):]
+                if text and "<think>".startswith(text):
+                    return "", ""
+                if "</think>" not in text:  # still thinking (Qwen3's ends at a tool call if it never closes)
+                    return _before(text, ["</think>"] + ([] if forced else ["<tool_call>"])).strip(), ""
+                reasoning, content = text.split("</think>", 1)
+            else:
+                content = _before(text, ["<think>"])
+        if parse_tools and tools and self.user_parser is not None:
+            content = ""  # the user's parser reads the whole turn
+        elif parse_tools and tools and self.tool_parser:
+            if self.tool_parser == "llama3" and content.startswith("{"):
+                content = ""  # Llama 3 may write a call as the whole reply
+            content = _before(content, [TOOL_CALL_STARTS[self.tool_parser]])
+        return reasoning.strip(), content.strip()
+
     def reasoning_tokens(self, output_ids: list[int], reasoning: str) -> int:
         """How many of the output tokens are thinking: through </think>, or all of them when it never closed."""
         if not reasoning:
@@ -642,6 +710,59 @@ class ChatFormat:
         <|end_of_text|>), gets the whole suffix. The model's ids stay as sampled.
         """
         return list(self._close_ids[bool(output_ids) and output_ids[-1] == self.eos_id])
+
+
+# Where each tool parser's call syntax starts (chat.py's parsers): a streamed reply holds back the text from there on.
+TOOL_CALL_STARTS = {"hermes": "<tool_call>", "qwen25": "<tool_call>", "qwen": "<tool_call>", "llama3": "<|python_tag|>",
+                    "mistral": "[TOOL_CALLS", "deepseekv3": "<｜tool▁calls▁begin｜>"}
+
+
+def _before(text: str, marks: list[str]) -> str:
+    """`text` up to the first of `marks` it holds, and short of a tail that may be the start of one."""
+    cut = len(text)
+    for mark in filter(None, marks):
+        i = text.find(mark)
+        if i != -1:
+            cut = min(cut, i)
+            continue
+        for k in range(min(len(mark) - 1, len(text)), 0, -1):
+            if text.endswith(mark[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    return text[:cut]
+
+
+class TurnStream:
+    """The reasoning and content deltas of a turn as its tokens arrive, for a streamed reply: each update sends what
+    `ChatFormat.settled` adds to what was sent, and `finish` the rest of the parsed Turn, so the deltas add up to the
+    plain reply's reasoning and content. No reasoning goes out after content has. An engine retry starts its tokens
+    again: nothing goes out until they pass what was sent."""
+
+    def __init__(self, chat: ChatFormat, tools: list[dict] | None, parse_tools: bool, separate_reasoning: bool,
+                 stop: list[str] | None):
+        self.chat, self.tools, self.parse_tools = chat, tools, parse_tools
+        self.separate_reasoning, self.stop = separate_reasoning, stop
+        self.sent = {"reasoning": "", "content": ""}
+
+    def _deltas(self, reasoning: str, content: str) -> list[tuple[str, str]]:
+        out = []
+        for kind, now in (("reasoning", reasoning), ("content", content)):
+            sent = self.sent[kind]
+            if len(now) > len(sent) and now.startswith(sent) and not (kind == "reasoning" and self.sent["content"]):
+                out.append((kind, now[len(sent):]))
+                self.sent[kind] = now
+        return out
+
+    def update(self, output_ids: list[int]) -> list[tuple[str, str]]:
+        return self._deltas(*self.chat.settled(output_ids, self.tools, self.parse_tools, self.separate_reasoning,
+                                               self.stop))
+
+    def finish(self, turn: Turn) -> list[tuple[str, str]]:
+        out = self._deltas(turn.reasoning, turn.content)
+        if self.sent != {"reasoning": turn.reasoning, "content": turn.content}:
+            log.warning("a streamed reply's deltas do not add up to its turn (sent %r, parsed %r); the trajectory "
+                        "holds the parsed turn", self.sent, (turn.reasoning, turn.content))
+        return out
 
 
 def _message_key(m: dict) -> tuple:
@@ -778,9 +899,11 @@ class Session:
     async def run_turn(self, pool: EnginePool, messages: list[dict], tools: list[dict] | None, *,
                        parse_tools: bool = True, max_tokens: int | None = None, overrides: dict | None = None,
                        stop: list[str] | None = None, template_kwargs: dict | None = None,
-                       separate_reasoning: bool = True) -> Turn:
+                       separate_reasoning: bool = True, on_tokens=None) -> Turn:
         """Render, check the budgets, generate on an engine, parse thinking and tool calls, commit. Raises ApiError.
-        `template_kwargs`: the request's chat_template_kwargs (e.g. enable_thinking)."""
+        `template_kwargs`: the request's chat_template_kwargs (e.g. enable_thinking). `on_tokens`: the engine streams,
+        and `on_tokens(chunk)` gets each of its chunks (SGLang's, cumulative: output_ids, meta_info) while the turn
+        generates; what is committed is the finished answer, exactly as without it."""
         if parse_tools and tools and not (self.chat.tool_parser or self.chat.user_parser):
             raise ApiError(400, "this request offers tools, but no tool-call parser is set for this model and its chat "
                            "template shows no tool-call format LoongSage knows; set cfg.tool_parser to one of "
@@ -811,7 +934,9 @@ class Session:
             self.inflight_rid = rid
             t0 = time.perf_counter()
             try:
-                url, out = await pool.generate(plan.input_ids, sp, rid, prefer=self.engine, batch=self.batch)
+                streaming = {} if on_tokens is None else {"on_chunk": on_tokens}
+                url, out = await pool.generate(plan.input_ids, sp, rid, prefer=self.engine, batch=self.batch,
+                                               **streaming)
             finally:
                 self.inflight_rid = None
                 self.generate_s += time.perf_counter() - t0
@@ -943,13 +1068,14 @@ class Router:
                 raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
             return body
 
-        def sse(events) -> StreamingResponse:
-            # The turn is already generated: send its events from an async generator (a sync one would
-            # make Starlette hop to a worker thread per event).
-            async def gen():
-                for e in events:
-                    yield e
-            return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        def api_error(e: Exception) -> ApiError:
+            """A failed request as its client sees it: an ApiError as raised, no engine a 503, a bug a 500."""
+            if isinstance(e, ApiError):
+                return e
+            if isinstance(e, EngineUnavailable):
+                return ApiError(503, str(e), code="engine_unavailable")
+            log.error("router error", exc_info=e)  # a bug here must not take the router (and every session) down
+            return ApiError(500, f"internal router error: {e!r}")
 
         def guarded(error_body):
             """Every endpoint answers errors in its API's shape; unexpected errors are 500s, never crashes."""
@@ -957,37 +1083,73 @@ class Router:
                 async def handler(request: Request, sid: str | None = None):
                     try:
                         return await fn(request, sid)
-                    except ApiError as e:
-                        return JSONResponse(error_body(e), status_code=e.status)
-                    except EngineUnavailable as e:
-                        return JSONResponse(error_body(ApiError(503, str(e), code="engine_unavailable")), 503)
-                    except Exception as e:  # a bug here must not take the router (and every session) down
-                        log.exception("router error")
-                        return JSONResponse(error_body(ApiError(500, f"internal router error: {e!r}")), 500)
+                    except Exception as e:
+                        error = api_error(e)
+                        return JSONResponse(error_body(error), status_code=error.status)
                 handler.__name__ = fn.__name__
                 return handler
             return wrap
+
+        async def streamed(s: Session, req, kw: dict, render, after=None) -> StreamingResponse:
+            """Run a turn with the engine streaming and answer with the Server-Sent Events `render(parts)` (wire.py's
+            *_stream) as it generates: parts are ("start", prompt tokens), the reasoning and content deltas as they
+            settle (TurnStream), then ("turn", Turn), after `after(turn)`. The answer starts at the engine's first
+            chunk (or the turn's end, if that comes first), so a request refused before any token (bad input, a
+            budget, the engine's own 400) still gets its plain error answer and status; a failure after that is the
+            stream's error event. A client that leaves does not stop the turn: it is committed as a plain one is."""
+            live = TurnStream(self.chat, req.tools, kw.get("parse_tools", True), kw.get("separate_reasoning", True),
+                              kw.get("stop"))
+            queue: asyncio.Queue = asyncio.Queue()
+            task = asyncio.ensure_future(s.run_turn(self.pool, req.messages, req.tools, **kw,
+                                                    on_tokens=lambda chunk: queue.put_nowait(("chunk", chunk))))
+            # the end, and the turn's error marked as seen: a client that left never reads it
+            task.add_done_callback(lambda t: (t.cancelled() or t.exception(), queue.put_nowait(("end", None))))
+            first = await queue.get()
+            if first[0] == "end":
+                task.result()  # a turn that failed before any token: its plain error answer
+
+            async def parts():
+                kind, value = first
+                yield "start", value["meta_info"]["prompt_tokens"] if kind == "chunk" else task.result().prompt_tokens
+                while kind == "chunk":
+                    for part in live.update(value["output_ids"]):
+                        yield part
+                    kind, value = await queue.get()
+                    while kind == "chunk" and not queue.empty():  # chunks are cumulative: the newest is enough
+                        kind, value = queue.get_nowait()
+                try:
+                    turn = task.result()
+                except Exception as e:
+                    raise api_error(e) from None
+                if after is not None:
+                    after(turn)
+                for part in live.finish(turn):
+                    yield part
+                yield "turn", turn
+            return StreamingResponse(render(parts()), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
 
         @guarded(openai_error_body)
         async def chat_completions(request: Request, sid: str):
             s = self._session(sid, request.headers)
             req = openai_request(await body_of(request))
-            turn = await s.run_turn(self.pool, req.messages, req.tools, parse_tools=req.parse_tools,
-                                    max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop,
-                                    template_kwargs=req.template_kwargs, separate_reasoning=req.separate_reasoning)
+            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop,
+                      template_kwargs=req.template_kwargs, separate_reasoning=req.separate_reasoning)
             if req.stream:
-                return sse(openai_stream(self.chat, turn, self.model_name, req.logprobs, req.include_usage))
+                return await streamed(s, req, kw, lambda parts: openai_stream(
+                    self.chat, parts, self.model_name, req.logprobs, req.include_usage))
+            turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
             return JSONResponse(openai_response(self.chat, turn, self.model_name, req.logprobs))
 
         @guarded(anthropic_error_body)
         async def messages(request: Request, sid: str):
             s = self._session(sid, request.headers)
             req = anthropic_request(await body_of(request))
-            turn = await s.run_turn(self.pool, req.messages, req.tools, parse_tools=req.parse_tools,
-                                    max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop,
-                                    template_kwargs=self.chat.thinking_kwargs(req.thinking))
+            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop,
+                      template_kwargs=self.chat.thinking_kwargs(req.thinking))
             if req.stream:
-                return sse(anthropic_stream(turn, self.model_name))
+                return await streamed(s, req, kw, lambda parts: anthropic_stream(parts, self.model_name))
+            turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
             return JSONResponse(anthropic_response(turn, self.model_name))
 
         @guarded(openai_error_body)
@@ -995,16 +1157,18 @@ class Router:
             s = self._session(sid, request.headers)
             body = await body_of(request)
             req = responses_request(body, s.responses)
-            turn = await s.run_turn(self.pool, req.messages, req.tools, parse_tools=req.parse_tools,
-                                    max_tokens=req.max_tokens, overrides=req.overrides,
-                                    template_kwargs=req.template_kwargs)
+            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, overrides=req.overrides,
+                      template_kwargs=req.template_kwargs)
             rid = "resp_" + uuid.uuid4().hex
-            output = responses_output(turn)
-            s.responses[rid] = s.segments[-1].messages  # the conversation so far, for previous_response_id
-            response = responses_response(turn, self.model_name, rid, body, output)
+
+            def remember(turn: Turn) -> None:  # the conversation so far, for a later previous_response_id
+                s.responses[rid] = s.segments[-1].messages
             if req.stream:
-                return sse(responses_stream(response))
-            return JSONResponse(response)
+                return await streamed(s, req, kw, lambda parts: responses_stream(parts, self.model_name, rid, body),
+                                      after=remember)
+            turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
+            remember(turn)
+            return JSONResponse(responses_response(turn, self.model_name, rid, body, responses_output(turn)))
 
         @guarded(openai_error_body)
         async def models(request: Request, sid: str):

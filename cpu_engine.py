@@ -42,6 +42,8 @@ Reading order: requests and sampling parameters (`SamplingParams`, `parse_sampli
   adapted projection, unmerged, as the trainer computes it.
 * `SGLANG_BEHAVIOURS`, below: where SGLang refuses, blocks, ignores or dies, the CPU engine does the same, and the
   table names the SGLang source of each such behaviour; tests/test_conformance.py has one test per row.
+* `/generate` with `stream: true` (`_stream_chunks`): SGLang's Server-Sent Events, a cumulative chunk per decode step
+  (every `stream_interval` tokens) as the scheduler samples it, the finished answer, `data: [DONE]`.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
 
 Determinism. Each request draws its random numbers from its own `torch.Generator`. As in SGLang, the request's
@@ -53,10 +55,14 @@ to float ties in the batched matmuls).
 Run: `python cpu_engine.py --model-path DIR --port 30000`. Test: `pytest tests/test_cpu_engine.py` (against
 transformers on the same weights, over real HTTP) and `tests/test_conformance.py` (SGLANG_BEHAVIOURS); routed experts
 in `tests/test_moe.py`, DeepSeek-V3 in `tests/test_deepseek.py`, the memory hand-off in `tests/test_colocate.py`, LoRA
-adapters in `tests/test_lora.py`.
-Left out: streaming, text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA on MoE experts,
-multi-latent attention, embeddings or the LM head, multimodal input, a deferred `/flush_cache?timeout=`; a dropped
-HTTP connection does not abort its request (call /abort_request).
+adapters in `tests/test_lora.py`, token streaming in `tests/test_token_stream.py`.
+
+Left out: text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA on MoE experts,
+multi-latent attention, embeddings or the LM head, multimodal input, a deferred `/flush_cache?timeout=`,
+`--incremental-streaming-output` (chunks are cumulative, SGLang's default). A stream=true request that SGLang's
+schema admits but its checks refuse (a negative temperature, a prompt past the context) gets a 400 before the stream
+here, where SGLang answers 200 and an error event. A dropped HTTP connection aborts a streamed request but not a
+plain one (call /abort_request).
 """
 from __future__ import annotations
 
@@ -84,7 +90,7 @@ import torch
 import torch.nn.functional as F
 import uvicorn
 from fastapi import FastAPI, Request  # Request at module level: FastAPI resolves handler annotations by name
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
@@ -184,6 +190,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # for the returned text only
     no_stop_trim: bool = False        # keep the matched stop token in the returned text
     sampling_seed: int | None = None  # per-request seed, honoured under enable_deterministic_inference only
+    stream_interval: int | None = None  # stream=true: a chunk every this many tokens (None: the server's, 1)
 
 
 # Every key SGLang 0.5.23's /generate schema knows in sampling_params, in its order (api/v1/api_types.py
@@ -197,7 +204,7 @@ SGLANG_SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex"
 _NEUTRAL_PARAMS = {"n": 1, "stop": None, "stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                    "repetition_penalty": 1.0, "min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None,
                    "structural_tag": None, "logit_bias": None, "custom_params": None,
-                   "spaces_between_special_tokens": True, "stream_interval": None, "beam_width": None,
+                   "spaces_between_special_tokens": True, "beam_width": None,
                    "watermark": None, "choice": None}
 
 
@@ -228,6 +235,7 @@ def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
         out.top_k, out.max_new_tokens = int(out.top_k), int(out.max_new_tokens)
         out.stop_token_ids = [int(t) for t in (out.stop_token_ids or [])]
         out.sampling_seed = None if out.sampling_seed is None else int(out.sampling_seed)
+        out.stream_interval = None if out.stream_interval is None else int(out.stream_interval)
     except (TypeError, ValueError) as e:
         raise BadRequest(f"sampling_params has a value of the wrong type: {e}") from None
     if out.temperature < 0:
@@ -328,21 +336,40 @@ class Req:
     kv_len: int = 0                       # tokens whose K/V sit in the slot
     cached_tokens: int = 0                # context tokens whose K/V another request's prefill made (SGLang's field)
     adapter: "LoraAdapter | None" = None  # the LoRA adapter its lora_path named when it arrived; None = the base
+    stream: object = None                 # stream=true: fn(n) called on the scheduler thread when the first n output
+    #                                       tokens are to go out as a chunk (SGLang's output streamer); None otherwise
+    sent: int = 0                         # output tokens already streamed (SGLang's send_token_offset)
 
 
-def response(req: Req, finish_reason: dict, tokenizer, weight_version: str, runner: "ModelRunner") -> dict:
+def response(req: Req, finish_reason: dict | None, tokenizer, weight_version: str, runner: "ModelRunner",
+             n: int | None = None) -> dict:
     """SGLang's answer to a finished request: {"text", "output_ids", "meta_info"}. `tokenizer`: None for ids only
-    (text ""); `weight_version`: the engine's now; `runner`: the layout of routed experts when none were kept."""
-    ids = req.output_ids
+    (text ""); `weight_version`: the engine's now; `runner`: the layout of routed experts when none were kept.
+
+    With `finish_reason` None: a stream=true chunk of a request still running, over its first `n` output tokens.
+    As SGLang streams by default (incremental_streaming_output off), text, output_ids and
+    meta_info.output_token_logprobs / weight_versions are cumulative, from the first output token; the text holds
+    back an incomplete UTF-8 character (SGLang's detokenizer does), e2e_latency and routed_experts come with the
+    finished answer only. Called on the HTTP thread: the scheduler only appends to the lists read here, and has
+    appended all three before it hands out n."""
+    ids = req.output_ids if n is None else req.output_ids[:n]
     text = ""
-    if tokenizer is not None:
+    if tokenizer is not None and finish_reason is None:
+        text = tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens).rstrip("\ufffd")
+    elif tokenizer is not None:
         trim = finish_reason.get("type") == "stop" and not req.params.no_stop_trim
         text = tokenizer.decode(ids[:-1] if trim else ids, skip_special_tokens=req.params.skip_special_tokens)
     meta = {"id": req.rid, "finish_reason": finish_reason, "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(ids), "cached_tokens": req.cached_tokens,
             "weight_version": weight_version,
-            "weight_versions": weight_version_spans(req.output_versions, weight_version),
-            "e2e_latency": time.perf_counter() - req.arrival}
+            "weight_versions": weight_version_spans(req.output_versions[:len(ids)], weight_version)}
+    if req.return_logprob:
+        with_text = req.return_text_in_logprobs and tokenizer is not None
+        meta["output_token_logprobs"] = [[lp, t, tokenizer.decode([t]) if with_text else None]
+                                         for lp, t in zip(req.output_logprobs, ids)]
+    if finish_reason is None:
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+    meta["e2e_latency"] = time.perf_counter() - req.arrival
     if req.return_routed_experts:
         # SGLang's layout: rows [start_len, prompt + output - 1), i.e. every position the model ran on; a request
         # cut short before running at all (aborted while waiting) has none
@@ -350,10 +377,6 @@ def response(req: Req, finish_reason: dict, tokenizer, weight_version: str, runn
                                                                     runner.topk, dtype=torch.int32)
         rows = rows[req.routed_experts_start_len:len(req.prompt_ids) + len(ids) - 1]   # (n, L, top_k) int32
         meta["routed_experts"] = base64.b64encode(rows.contiguous().numpy().astype("<i4").tobytes()).decode()
-    if req.return_logprob:
-        with_text = req.return_text_in_logprobs and tokenizer is not None
-        meta["output_token_logprobs"] = [[lp, t, tokenizer.decode([t]) if with_text else None]
-                                         for lp, t in zip(req.output_logprobs, ids)]
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 
@@ -1020,13 +1043,14 @@ class CpuEngine:
     def _build(self, model_path: str, *, max_batch: int = 64, max_len: int | None = None, seed: int = 0,
                dtype: str = "float32", max_prefill_tokens: int = 8192, weight_version: str = "0",
                fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None, lora: dict | None = None,
-               enable_deterministic_inference: bool = False, disable_radix_cache: bool = False) -> None:
+               enable_deterministic_inference: bool = False, disable_radix_cache: bool = False,
+               stream_interval: int = 1) -> None:
         """`busy_flag` (file, i): keep byte i of that file at 1 while there are requests to compute, 0 otherwise, for
         trainer ranks that borrow this engine's cores while it idles (cpu.lent_cores). `lora`: serve LoRA adapters,
         {"max_lora_rank": r, "lora_target_modules": [...]} (SGLang's --enable-lora and its two flags); None: refuse
         them, as SGLang without --enable-lora does.
-        `enable_deterministic_inference`, `disable_radix_cache`: SGLang's server flags of those names (the module
-        docstring's Determinism; the prefix cache)."""
+        `enable_deterministic_inference`, `disable_radix_cache`, `stream_interval`: SGLang's server flags of those
+        names (the module docstring's Determinism; the prefix cache; tokens per stream=true chunk, 1 = every step)."""
         hf_logging.disable_progress_bar()
         self.model_path = str(model_path)
         self.runner = ModelRunner(self.model_path, max_batch=max_batch, max_len=max_len, dtype=dtype,
@@ -1038,6 +1062,7 @@ class CpuEngine:
         self.weight_version = str(weight_version)
         self.uniforms = torch.zeros(self.max_batch, self.max_len)  # (slots, max_len) running requests' draws
         self.deterministic = bool(enable_deterministic_inference)
+        self.stream_interval = int(stream_interval)
         self.cache = PrefixCache(self.max_batch, self.max_len, enabled=not disable_radix_cache)  # the KV slots
         self.offload_tags: set[str] = set()  # SGLang's name: the memory tags released and not yet resumed
         self.weight_update_groups: dict = {}  # group_name -> the gloo group of /init_weights_update_group
@@ -1367,6 +1392,18 @@ class CpuEngine:
                 self._finish(req, {"type": "stop", "matched": tok})
             elif len(req.output_ids) >= req.max_new:
                 self._finish(req, {"type": "length", "length": len(req.output_ids)})
+            elif req.stream is not None:
+                self._stream(req)
+
+    def _stream(self, req: Req) -> None:
+        """SGLang's output streamer (output_streamer.py accept) for a stream=true request still running: the first
+        token goes out at once, then a chunk whenever stream_interval tokens are unsent (the request's, else the
+        server's); the finished answer goes out through the request's future, whatever the interval."""
+        interval = req.params.stream_interval or self.stream_interval
+        unsent = len(req.output_ids) - req.sent
+        if interval == 1 or unsent >= interval or (req.sent == 0 and unsent > 0):
+            req.sent = len(req.output_ids)
+            req.stream(req.sent)
 
     def _forward(self, reqs: list[Req], chunks: list[list[int]]) -> torch.Tensor:
         """The runner's forward over each request's slot; advances kv_len and keeps the routing it was asked for."""
@@ -1582,14 +1619,63 @@ def _add_info_routes(app, engine: CpuEngine) -> None:
         return {"weight_version": engine.weight_version}
 
 
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def _stream_chunks(engine: CpuEngine, reqs: list[Req], batched: bool):
+    """/generate with stream=true, as SGLang 0.5.23 answers it (http_server.py generate_request, tokenizer_manager.py
+    _wait_one_response): Server-Sent Events `data: {json}`, one per chunk the scheduler hands out (`CpuEngine._stream`)
+    while the request runs, then its finished answer, then `data: [DONE]`. Each chunk is the cumulative answer so far
+    (`response` with n); a batch's chunks interleave, each with its prompt's "index". When chunks pile up behind a
+    slow reader, only the newest of each request goes out, as SGLang's tokenizer manager drains its queue. A request
+    the engine cannot answer (it died) gets SGLang's in-stream error event. A client that leaves before the end aborts
+    what it asked for (SGLang's abort task on the streaming response)."""
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue = asyncio.Queue()  # (index, n tokens to send | None once finished), in the engine's order
+
+    def push(item):  # on the scheduler thread
+        try:
+            loop.call_soon_threadsafe(updates.put_nowait, item)
+        except RuntimeError:  # the server's loop has closed (shutdown): nobody reads this stream any more
+            pass
+    for i, req in enumerate(reqs):
+        req.stream = lambda n, i=i: push((i, n))
+        req.future.add_done_callback(lambda _, i=i: push((i, None)))
+    engine.submit(*reqs)
+    left = set(range(len(reqs)))
+    try:
+        while left:
+            latest = dict([await updates.get()])
+            while not updates.empty():  # the newest state of each request; a finished one stays finished
+                i, n = updates.get_nowait()
+                latest[i] = n if latest.get(i, 0) is not None else None
+            for i, n in latest.items():
+                if n is None:
+                    left.discard(i)
+                    try:
+                        out = reqs[i].future.result()
+                    except Exception as e:  # noqa: BLE001 - the engine died: SGLang's error event
+                        yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "code": 500,
+                                              "retryable": False}})
+                        continue
+                else:
+                    out = response(reqs[i], None, engine.tokenizer, engine.weight_version, engine.runner, n)
+                if batched:
+                    out["index"] = i
+                yield _sse(out)
+    finally:
+        for i in left:  # the client went away (the generator is closed): abort what is still running
+            engine.call(engine._abort, reqs[i].rid, False, "the client closed the stream")
+    yield b"data: [DONE]\n\n"
+
+
 def _add_generate_routes(app, engine: CpuEngine) -> None:
     """Generation and what stops or resumes it: /generate, abort, pause, continue, /flush_cache."""
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate_endpoint(request: Request):
         body = await _json_body(request)
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by the CPU engine; send stream=false")
         input_ids, text = body.get("input_ids"), body.get("text")
         if input_ids is None and text is not None:
             if engine.tokenizer is None:
@@ -1622,6 +1708,8 @@ def _add_generate_routes(app, engine: CpuEngine) -> None:
                                     return_routed_experts=routed[0], routed_experts_start_len=routed[1],
                                     lora_path=lp_name)
                 for p, sp, r, lp, lp_name in zip(prompts, sps, rids, lps, loras)]
+        if body.get("stream"):
+            return StreamingResponse(_stream_chunks(engine, reqs, batched), media_type="text/event-stream")
         outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in engine.submit(*reqs)))
         return outs if batched else outs[0]
 
@@ -1899,13 +1987,14 @@ def main() -> None:
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="honour sampling_params.sampling_seed (SGLang's flag; without it the seed is ignored)")
     p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (SGLang's flag)")
+    p.add_argument("--stream-interval", type=int, default=1, help="tokens per stream=true chunk (SGLang's flag)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--lora-target-modules", nargs="*", default=list(lora.TARGETS))
     a = p.parse_args()
     url, handle = serve(a.model_path, a.host, a.port, max_batch=a.max_batch, max_len=a.max_len, seed=a.seed,
                         dtype=a.dtype, enable_deterministic_inference=a.enable_deterministic_inference,
-                        disable_radix_cache=a.disable_radix_cache,
+                        disable_radix_cache=a.disable_radix_cache, stream_interval=a.stream_interval,
                         lora=dict(max_lora_rank=a.max_lora_rank, lora_target_modules=a.lora_target_modules)
                         if a.enable_lora else None)
     print(f"CPU rollout engine for {a.model_path} serving at {url} (Ctrl-C to stop)", flush=True)

@@ -9,14 +9,17 @@ so the same client lines drive either engine:
   the CPU engine (cpu_engine.py, a stand-in as strict as SGLang) in-process; with a dotted path it calls the user's
   `start(cfg, rank, host, seed) -> (url, handle)` (docs/EXTENDING.md). Either way `url()` is all a caller
   needs.
-* client helpers shared by every caller: `generate` (async), `post` / `get` (sync), each raising `EngineError` with
-  the server's own message; `wait_healthy`.
+* client helpers shared by every caller: `generate` and `generate_stream` (async), `post` / `get` (sync), each
+  raising `EngineError` with the server's own message; `wait_healthy`.
 
 The contract, as both engines serve it (read from SGLang 0.5.23's source; it moves between releases):
 
 Generation. `/generate` takes `input_ids` (one list, or a batch of lists), `sampling_params` (SGLang's names and
 defaults; an unknown key is a 400), `return_logprob`, `rid`, and answers `{"text", "output_ids", "meta_info"}` per
-prompt, `meta_info.finish_reason` being `{"type": "stop" | "length" | "abort", ...}`.
+prompt, `meta_info.finish_reason` being `{"type": "stop" | "length" | "abort", ...}`. With `stream: true` the answer
+is Server-Sent Events: `data: {chunk}` while the request runs (every `stream_interval` tokens, 1 by default; each chunk
+cumulative, `finish_reason` null), then the finished answer, then `data: [DONE]`; a batch's chunks carry their
+prompt's `index`. SGLang reports an error of a streamed request as a `data: {"error": {...}}` event.
 
 Logprobs. `meta_info.output_token_logprobs` holds, for each sampled token, log_softmax of the RAW logits (temperature
 1, before top-k/top-p/min-p) at that token: the policy's logprob, the number the trainer recomputes, so the
@@ -74,9 +77,11 @@ router (agentflow.EnginePool) therefore takes a LoRA request's token versions fr
 
 Run: nothing on its own (the controller starts RolloutEngine actors); `python cpu_engine.py --model-path DIR` serves
 the CPU engine alone. Test: `pytest tests/test_rollout.py` (RolloutEngine, the SGLang command line, the SGLang child's
-lifetime; the launch itself only where CUDA is); the contract, against the CPU engine, in tests/test_cpu_engine.py.
-Left out: SGLang's OpenAI-compatible endpoints (the router in agentflow.py serves those APIs), streaming /generate,
-SGLang's router (sgl-router): agentflow.EnginePool balances over the engines itself.
+lifetime; the launch itself only where CUDA is); the contract, against the CPU engine, in tests/test_cpu_engine.py
+(`generate_stream` in tests/test_token_stream.py).
+Left out: SGLang's OpenAI-compatible endpoints (the router in agentflow.py serves those APIs), a streamed batch of
+prompts (the router streams one prompt per request), SGLang's router (sgl-router): agentflow.EnginePool balances
+over the engines itself.
 """
 from __future__ import annotations
 
@@ -159,6 +164,41 @@ async def generate(client: httpx.AsyncClient, url: str, input_ids: list[int] | l
         payload["rid"] = rid
     resp = await client.post(f"{url}/generate", json=payload, timeout=timeout)
     return _check(resp, url, "/generate")
+
+
+async def generate_stream(client: httpx.AsyncClient, url: str, input_ids: list[int], sampling_params: dict, *,
+                          on_chunk, rid: str | None = None, return_logprob: bool = True,
+                          return_routed_experts: bool = False, lora_path: str | None = None,
+                          timeout: float | None = None) -> dict:
+    """`generate` for one prompt with `stream: true`: SGLang's Server-Sent Events are read as they arrive, and each
+    chunk of the still running request (cumulative: `output_ids`, `text` and `meta_info` from the first output token)
+    goes to `on_chunk(chunk)`; returns the finished answer, the same dict `generate` returns. Raises EngineError on
+    a non-2xx answer and on SGLang's in-stream error event (`{"error": {"message", "code"}}`, which SGLang sends, with
+    HTTP 200, for a request its checks refuse), httpx.RemoteProtocolError when the stream ends before the answer."""
+    payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob,
+               "stream": True}
+    if return_routed_experts:
+        payload["return_routed_experts"] = True
+    if lora_path is not None:
+        payload["lora_path"] = lora_path
+    if rid is not None:
+        payload["rid"] = rid
+    async with client.stream("POST", f"{url}/generate", json=payload, timeout=timeout) as resp:
+        if resp.status_code // 100 != 2:
+            await resp.aread()
+            _check(resp, url, "/generate")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                error = chunk["error"]
+                raise EngineError(f"{url}/generate answered HTTP {error.get('code', 400)} in its stream: "
+                                  f"{error.get('message')}")
+            if chunk["meta_info"].get("finish_reason") is not None:
+                return chunk
+            on_chunk(chunk)
+    raise httpx.RemoteProtocolError(f"{url}/generate ended its stream before the request finished")
 
 
 def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None, log_path: str | None = None) -> None:

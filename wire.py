@@ -3,7 +3,8 @@
 The router (agentflow.py) calls this module at its edges only: a request body comes in, is checked against what
 the API accepts and becomes one internal chat (`ChatRequest`: messages {role, content: str, tool_calls?,
 tool_call_id?, reasoning_content?}, function tools in the OpenAI shape the chat template renders, sampling
-overrides, template variables); a generated `Turn` goes out as the API's response or stream events.
+overrides, template variables); a generated `Turn` goes out as the API's response, and a turn being generated as the
+API's stream events (`*_stream`, which read the router's reasoning and content deltas as they settle, then the Turn).
 
 A thinking model's thinking (split off by its reasoning parser, chat.py) goes out as each API shows it: Chat
 Completions `reasoning_content` (SGLang's field; in the stream, delta chunks before the content), Messages
@@ -26,7 +27,8 @@ and sampling fields are, but other top-level fields (`text.format`, `reasoning`,
 `enable_thinking`.
 
 Test: `.venv/bin/pytest tests/test_agentflow.py tests/test_responses.py` (through the router, with the official
-openai and anthropic clients). Left out: images/audio parts, built-in (non-function) Responses tools, n > 1.
+openai and anthropic clients); streaming in tests/test_token_stream.py. Left out: images/audio parts, built-in
+(non-function) Responses tools, n > 1, tool-call argument deltas while a call is generated (it streams whole).
 """
 from __future__ import annotations
 
@@ -595,30 +597,41 @@ def openai_response(chat, turn: Turn, model: str, logprobs: bool) -> dict:
             "usage": _openai_usage(turn)}
 
 
-def openai_stream(chat, turn: Turn, model: str, logprobs: bool, include_usage: bool):
-    """The chunk sequence of a streamed reply: role, reasoning_content, content, tool calls, finish, [usage],
-    [DONE]. The logprobs of all output tokens ride on the first text chunk."""
+def _sse(body: dict, event: str | None = None) -> str:
+    return (f"event: {event}\n" if event else "") + "data: " + json.dumps(body) + "\n\n"
+
+
+async def openai_stream(chat, parts, model: str, logprobs: bool, include_usage: bool):
+    """The chunks of a streamed reply as the turn is generated. `parts`: the router's async iterator of ("start",
+    prompt_tokens), then ("reasoning", delta) and ("content", delta) as they settle, then ("turn", Turn); it raises
+    ApiError when the turn fails. Out: role, reasoning_content deltas, content deltas, then at the end the tool calls
+    (each a name chunk and an arguments chunk: a call is parsed whole), the finish chunk (with the logprobs of every
+    output token, known only then), [usage], [DONE]; a failure is an error chunk in the API's error shape."""
     base = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model}
 
     def chunk(delta, finish=None, lp=None):
-        return "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                                           "logprobs": lp}]}) + "\n\n"
+        return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]})
 
     yield chunk({"role": "assistant", "content": ""})
-    lp = _openai_logprobs(chat, turn) if logprobs else None
-    if turn.reasoning:
-        yield chunk({"reasoning_content": turn.reasoning}, lp=lp)
-        lp = None
-    if turn.content:
-        yield chunk({"content": turn.content}, lp=lp)
+    try:
+        async for kind, value in parts:
+            if kind == "reasoning":
+                yield chunk({"reasoning_content": value})
+            elif kind == "content":
+                yield chunk({"content": value})
+            elif kind == "turn":
+                turn = value
+    except ApiError as e:
+        yield _sse(openai_error_body(e))
+        return
     for i, c in enumerate(_openai_tool_calls(turn)):
         yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
                                      "function": {"name": c["function"]["name"], "arguments": ""}}]})
         yield chunk({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
-    yield chunk({}, finish=_finish_openai(turn))
+    yield chunk({}, finish=_finish_openai(turn), lp=_openai_logprobs(chat, turn) if logprobs else None)
     if include_usage:
-        yield "data: " + json.dumps({**base, "choices": [], "usage": _openai_usage(turn)}) + "\n\n"
+        yield _sse({**base, "choices": [], "usage": _openai_usage(turn)})
     yield "data: [DONE]\n\n"
 
 
@@ -641,29 +654,61 @@ def anthropic_response(turn: Turn, model: str) -> dict:
             "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": len(turn.output_ids)}}
 
 
-def anthropic_stream(turn: Turn, model: str):
-    """message_start, per block (start, delta, stop; thinking first), message_delta, message_stop."""
+async def anthropic_stream(parts, model: str):
+    """The events of a streamed message as the turn is generated (`parts`: see openai_stream): message_start, a
+    thinking block whose thinking_delta events follow the reasoning, a text block whose text_delta events follow the
+    content, then at the end the tool_use blocks (each input whole, one input_json_delta), message_delta with the
+    stop reason and usage, message_stop; a failure is an `error` event in the API's error shape. The blocks are
+    those of the plain answer, in its order."""
     def event(kind, body):
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **body})}\n\n"
+        return _sse({"type": kind, **body}, kind)
 
-    msg = anthropic_response(turn, model)
-    yield event("message_start", {"message": {**msg, "content": [], "stop_reason": None,
-                                              "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": 0}}})
-    for i, b in enumerate(msg["content"]):
-        if b["type"] == "thinking":
-            yield event("content_block_start", {"index": i, "content_block": {**b, "thinking": ""}})
-            yield event("content_block_delta", {"index": i, "delta": {"type": "thinking_delta",
-                                                                       "thinking": b["thinking"]}})
-        elif b["type"] == "text":
-            yield event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
-            if b["text"]:
-                yield event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": b["text"]}})
-        else:
-            yield event("content_block_start", {"index": i, "content_block": {**b, "input": {}}})
-            yield event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
-                                                                       "partial_json": json.dumps(b["input"])}})
-        yield event("content_block_stop", {"index": i})
-    yield event("message_delta", {"delta": {"stop_reason": msg["stop_reason"], "stop_sequence": msg["stop_sequence"]},
+    msg = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": model, "content": [],
+           "stop_reason": None, "stop_sequence": None}
+    index, open_kind = -1, None  # the block being streamed
+
+    def start(block):
+        nonlocal index, open_kind
+        index, open_kind = index + 1, block["type"]
+        return event("content_block_start", {"index": index, "content_block": block})
+
+    try:
+        async for kind, value in parts:
+            if kind == "start":
+                yield event("message_start", {"message": {**msg, "usage": {"input_tokens": value,
+                                                                           "output_tokens": 0}}})
+            elif kind == "reasoning":
+                if open_kind != "thinking":
+                    yield start({"type": "thinking", "thinking": "", "signature": ""})
+                yield event("content_block_delta", {"index": index, "delta": {"type": "thinking_delta",
+                                                                              "thinking": value}})
+            elif kind == "content":
+                if open_kind != "text":
+                    if open_kind is not None:
+                        yield event("content_block_stop", {"index": index})
+                    yield start({"type": "text", "text": ""})
+                yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": value}})
+            elif kind == "turn":
+                turn = value
+    except ApiError as e:
+        yield event("error", {"error": anthropic_error_body(e)["error"]})
+        return
+    streamed = {"thinking", "text"} if open_kind == "text" else {open_kind}
+    for b in _anthropic_blocks(turn):
+        if b["type"] in streamed:  # its deltas went out as it was generated
+            continue
+        if open_kind is not None:
+            yield event("content_block_stop", {"index": index})
+        if b["type"] == "tool_use":
+            yield start({**b, "input": {}})
+            yield event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
+                                                                          "partial_json": json.dumps(b["input"])}})
+        else:  # an empty text block (nothing settled): the plain answer has one
+            yield start({**b, "text": ""} if b["type"] == "text" else b)
+    if open_kind is not None:
+        yield event("content_block_stop", {"index": index})
+    yield event("message_delta", {"delta": {"stop_reason": _finish_anthropic(turn),
+                                            "stop_sequence": turn.stop_sequence},
                                   "usage": {"output_tokens": len(turn.output_ids)}})
     yield event("message_stop", {})
 
@@ -794,55 +839,113 @@ def responses_output(turn: Turn) -> list[dict]:
     return out
 
 
-def responses_response(turn: Turn, model: str, rid: str, body: dict, output: list[dict]) -> dict:
-    incomplete = turn.finish_reason == "length" and not turn.tool_calls
-    n = len(turn.output_ids)
+def responses_response(turn: Turn | None, model: str, rid: str, body: dict, output: list[dict]) -> dict:
+    """The response object; `turn` None: as created, before its turn is generated (a stream's first events)."""
+    incomplete = turn is not None and turn.finish_reason == "length" and not turn.tool_calls
+    usage = None
+    if turn is not None:
+        n = len(turn.output_ids)
+        usage = {"input_tokens": turn.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": n, "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
+                 "total_tokens": turn.prompt_tokens + n}
     return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
-            "status": "incomplete" if incomplete else "completed",
+            "status": "in_progress" if turn is None else "incomplete" if incomplete else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
             "output": output, "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
             "previous_response_id": body.get("previous_response_id"), "parallel_tool_calls": True,
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "text": {"format": {"type": "text"}},
-            "usage": {"input_tokens": turn.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens": n, "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
-                      "total_tokens": turn.prompt_tokens + n}}
+            "usage": usage}
 
 
-def responses_stream(response: dict):
-    """The event sequence of a streamed response (the turn is already generated): created, in_progress, each
-    item added / its text or arguments / done, completed; every event numbered."""
+async def responses_stream(parts, model: str, rid: str, body: dict):
+    """The events of a streamed response as the turn is generated (`parts`: see openai_stream): created,
+    in_progress; a reasoning item whose reasoning_text deltas follow the reasoning, a message item whose output_text
+    deltas follow the content, each closed (done events) when the next opens or the turn ends; then at the end the
+    function_call items (arguments whole), completed with the whole response, whose items keep the streamed ids. Every
+    event is numbered; a failure is an `error` event."""
     seq = iter(range(10 ** 9))
 
-    def event(kind, **body):
-        return f"event: {kind}\ndata: " + json.dumps({"type": kind, "sequence_number": next(seq), **body}) + "\n\n"
+    def event(kind, **fields):
+        return _sse({"type": kind, "sequence_number": next(seq), **fields}, kind)
 
-    yield event("response.created", response={**response, "status": "in_progress", "output": []})
-    yield event("response.in_progress", response={**response, "status": "in_progress", "output": []})
-    for i, item in enumerate(response["output"]):
+    created = responses_response(None, model, rid, body, [])
+    yield event("response.created", response=created)
+    yield event("response.in_progress", response=created)
+    opened: list[dict] = []  # the items streamed so far, each {"type", "id", "text"}; the last may be open
+    is_open = False
+
+    def where():
+        return dict(item_id=opened[-1]["id"], output_index=len(opened) - 1, content_index=0)
+
+    def close():
+        item = opened[-1]
         if item["type"] == "reasoning":
-            text = item["content"][0]["text"]
-            yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
-                                                                             "content": []})
-            where = dict(item_id=item["id"], output_index=i, content_index=0)
-            yield event("response.reasoning_text.delta", **where, delta=text)
-            yield event("response.reasoning_text.done", **where, text=text)
-        elif item["type"] == "message":
-            part = item["content"][0]
-            yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
-                                                                             "content": []})
-            where = dict(item_id=item["id"], output_index=i, content_index=0)
-            yield event("response.content_part.added", **where, part={**part, "text": ""})
-            if part["text"]:
-                yield event("response.output_text.delta", **where, delta=part["text"], logprobs=[])
-            yield event("response.output_text.done", **where, text=part["text"], logprobs=[])
-            yield event("response.content_part.done", **where, part=part)
+            yield event("response.reasoning_text.done", **where(), text=item["text"])
+            done = {"type": "reasoning", "id": item["id"], "status": "completed", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": item["text"]}]}
         else:
+            part = {"type": "output_text", "text": item["text"], "annotations": [], "logprobs": []}
+            yield event("response.output_text.done", **where(), text=item["text"], logprobs=[])
+            yield event("response.content_part.done", **where(), part=part)
+            done = {"type": "message", "id": item["id"], "status": "completed", "role": "assistant",
+                    "content": [part]}
+        yield event("response.output_item.done", output_index=len(opened) - 1, item=done)
+
+    def add(kind, item_id):
+        opened.append({"type": kind, "id": item_id, "text": ""})
+        item = {"type": kind, "id": item_id, "status": "in_progress"}
+        item.update({"summary": [], "content": []} if kind == "reasoning" else {"role": "assistant", "content": []})
+        yield event("response.output_item.added", output_index=len(opened) - 1, item=item)
+        if kind == "message":
+            yield event("response.content_part.added", **where(), part={
+                "type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
+    def delta(text):
+        opened[-1]["text"] += text
+        if opened[-1]["type"] == "reasoning":
+            yield event("response.reasoning_text.delta", **where(), delta=text)
+        else:
+            yield event("response.output_text.delta", **where(), delta=text, logprobs=[])
+
+    try:
+        async for kind, value in parts:
+            if kind == "turn":
+                turn = value
+            if kind not in ("reasoning", "content"):
+                continue
+            item_type = "reasoning" if kind == "reasoning" else "message"
+            if not (is_open and opened[-1]["type"] == item_type):
+                if is_open:
+                    for ev in close():
+                        yield ev
+                for ev in add(item_type, ("rs_" if kind == "reasoning" else "msg_") + uuid.uuid4().hex):
+                    yield ev
+                is_open = True
+            for ev in delta(value):
+                yield ev
+    except ApiError as e:
+        yield event("error", code=e.code, message=e.message, param=e.param)
+        return
+    if is_open:
+        for ev in close():
+            yield ev
+    output = responses_output(turn)
+    for item, streamed in zip(output, opened):  # the streamed items come first, in the same order
+        item["id"] = streamed["id"]
+    for i, item in enumerate(output[len(opened):], start=len(opened)):
+        if item["type"] == "function_call":
             yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
                                                                              "arguments": ""})
             yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
                         delta=item["arguments"])
             yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                         arguments=item["arguments"], name=item["name"])
-        yield event("response.output_item.done", output_index=i, item=item)
-    yield event("response.completed", response=response)
+            yield event("response.output_item.done", output_index=i, item=item)
+        else:  # nothing of it settled before the end (an empty message): its whole sequence now
+            text = item["content"][0]["text"]
+            events = [*add(item["type"], item["id"]), *(delta(text) if text else ()), *close()]
+            for ev in events:
+                yield ev
+    yield event("response.completed", response={**responses_response(turn, model, rid, body, output),
+                                                "created_at": created["created_at"]})

@@ -66,8 +66,8 @@ def record_engine_calls(pool: agentflow.EnginePool) -> list:
     """Observe (engine url, input ids, engine answer) of every /generate call; the engine stays real."""
     calls, real = [], pool.generate
 
-    async def recording(input_ids, sampling_params, rid, prefer=None, batch=""):
-        url, out = await real(input_ids, sampling_params, rid, prefer, batch)
+    async def recording(input_ids, sampling_params, rid, prefer=None, batch="", **streaming):
+        url, out = await real(input_ids, sampling_params, rid, prefer, batch, **streaming)
         calls.append((url, list(input_ids), out))
         return url, out
     pool.generate = recording
@@ -75,13 +75,17 @@ def record_engine_calls(pool: agentflow.EnginePool) -> list:
 
 
 def crafted_engine(pool: agentflow.EnginePool, chat: agentflow.ChatFormat, replies: list[str]) -> list:
-    """TEST DOUBLE (tool-call parsing only): answer /generate with the tokens of crafted replies, in order."""
+    """TEST DOUBLE (tool-call parsing only): answer /generate with the tokens of crafted replies, in order; a streamed
+    call (on_chunk) gets SGLang's cumulative chunks first, one per token."""
     seen = []
 
-    async def fake(input_ids, sampling_params, rid, prefer=None, batch=""):
+    async def fake(input_ids, sampling_params, rid, prefer=None, batch="", on_chunk=None):
         text = replies[min(len(seen), len(replies) - 1)]
         ids = chat.encode(text) + [chat.eos_id]
         seen.append(list(input_ids))
+        for n in range(1, len(ids)) if on_chunk else ():
+            on_chunk({"output_ids": ids[:n], "meta_info": {"finish_reason": None, "prompt_tokens": len(input_ids)}})
+            await asyncio.sleep(0)
         return "crafted", {"text": text, "output_ids": ids, "meta_info": {
             "finish_reason": {"type": "stop"}, "weight_version": "3",
             "output_token_logprobs": [[-0.5, t, None] for t in ids]}}

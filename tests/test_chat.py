@@ -22,6 +22,7 @@ format), qwen3 (with thinking), llama3, mistral, deepseek_v3. What each test pro
 The model turns of the router tests are crafted (`crafted_engine`): a random model never writes a well-formed tool
 call or thinking block. The RL runs use the real engine and trainer.
 """
+import itertools
 import json
 import math
 from pathlib import Path
@@ -361,7 +362,9 @@ def test_reasoning_content_in_chat_completions_plain_and_stream(models):
     assert (msg.reasoning_content, msg.content) == ("12 plus 7", "19")
     n_think = len(fmt.encode("<think>\n12 plus 7\n</think>"))
     assert r.usage.completion_tokens_details.reasoning_tokens == n_think
-    assert [p for p in parts if p[1]] == [("reasoning", "12 plus 7"), ("content", "19")]  # thinking streams first
+    joined = [(kind, "".join(p[1] for p in group)) for kind, group in itertools.groupby(
+        [p for p in parts if p[1]], key=lambda p: p[0])]
+    assert joined == [("reasoning", "12 plus 7"), ("content", "19")]  # thinking streams first, token by token
     assert usage.completion_tokens_details.reasoning_tokens == n_think
     assert off.choices[0].message.content == THOUGHT  # not separated: all of it is content
     # enable_thinking=false reaches the template: the generation prompt closes an empty thinking block

@@ -5,7 +5,8 @@ reading of it. Runs in .venv-sglang (scripts/conformance_env.sh builds it: SGLan
 
 What it proves:
 * every request body the project really sends (recorded at httpx while transfermesh pushes by shm, broadcast and
-  disk, the colocated hand-off releases and resumes memory, and the router generates and aborts through AgentFlow)
+  disk, the colocated hand-off releases and resumes memory, and the router generates, streams and aborts through
+  AgentFlow)
   validates against the request type SGLang's route declares for it, and carries no field SGLang would silently
   ignore except LoongSage's `checksum`; every (method, path) is a route of SGLang's app;
 * the weights TransferMesh pushes arrive through SGLang's real app, tokenizer manager, IPC encoding, session rules,
@@ -190,6 +191,11 @@ def test_the_router_generates_and_aborts(tiny_model_dir, monkeypatch):
         while handle.engine.state()["generated_tokens"] < 20:
             await asyncio.sleep(0.01)
         await flow.abort()
+        # a streamed turn's /generate (the router's stream=true path), one prompt with SGLang's stream field
+        chunks = []
+        _, answer = await flow.pool.generate([5, 6, 7], dict(temperature=0.0, max_new_tokens=6), "stream-probe",
+                                             on_chunk=chunks.append)
+        assert answer["meta_info"]["finish_reason"] is not None and all(c["output_ids"] for c in chunks)
         await flow.close()
         return done
     try:
@@ -199,6 +205,7 @@ def test_the_router_generates_and_aborts(tiny_model_dir, monkeypatch):
     assert len(done) == 1 and len(done[0]["trajs"]) == 2
     paths = {p for _, p, _ in rec.sent}
     assert {"/generate", "/abort_request"} <= paths, paths
+    assert any(p == "/generate" and b.get("stream") is True for _, p, b in rec.sent)
     RECORDED.extend(rec.sent)
 
 
