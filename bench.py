@@ -12,7 +12,7 @@ measured back to back in one run is far steadier than an absolute number.
         stops computing them). Each side runs in a process of its own, taking turns (in one process, two OpenMP
         thread pools slowed both). Prints tokens/s of each and the ratios; the target is >= 2.0x on both.
 
-    python bench.py router [--requests 100 --repeats 3]
+    python bench.py router [--requests 100 --repeats 3 --profile FILE]
         Router overhead per request: an official OpenAI client through agentflow's router (session lookup, chat
         template, TITO bookkeeping, tool-call parsing, response shaping) vs the same greedy /generate sent directly,
         back to back in pairs, each pair checked to send the same ids and get the same tokens. Prints p50/p99 of the
@@ -20,6 +20,7 @@ measured back to back in one run is far steadier than an absolute number.
         same difference in CPU time of the bench process (client and router; the engine is a process of its own),
         which other load on a shared machine does not stretch; and where that CPU time went (the OpenAI client and
         the HTTP hop, the router's app, the session's turn, its engine call), from clocks inside the routed request.
+        `--profile FILE`: a cProfile of the measured pairs, timed by CPU clock.
         Targets: p50 <= 2%, p99 <= 5% of a 64-token generation.
 
     python bench.py async [--steps 24 --prompts 16 --stale-steps 1] [--sync-set K=V ...] [--async-set K=V ...]
@@ -78,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import math
 import multiprocessing as mp
@@ -340,11 +342,17 @@ def bench_router(args) -> dict:
         t64, direct, routed, direct_ids, spans = [], [], [], [], []
         await one_gen64()  # warm-up
         t64.clear()
+        profile = cProfile.Profile(time.process_time) if args.profile else None  # CPU clock: load does not stretch it
         for i in range(args.requests + 5):  # the first 5 pairs are warm-up; alternate which goes first
+            if profile is not None and i == 5:
+                profile.enable()
             for fn in ((one_direct, one_routed) if i % 2 == 0 else (one_routed, one_direct)):
                 await fn()
             if i % max(1, args.requests // args.repeats) == 0 and i >= 5:  # the reference, spread over the run
                 await one_gen64()
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(args.profile)
         await flow.close()
         for d, sp in zip(direct_ids, spans):  # a fair pair: the same prompt ids in, the same tokens out
             if sp["ids"] != (ids, d):
@@ -386,6 +394,8 @@ def bench_router(args) -> dict:
     print(f"  where that CPU went, p50 of each part (ms): OpenAI client and both ends of the HTTP hop "
           f"{ms('cpu_client_p50_s')}, router app {ms('cpu_app_p50_s')}, session turn {ms('cpu_turn_p50_s')}, "
           f"engine call over direct {ms('cpu_engine_p50_s')}")
+    if args.profile:
+        print(f"  cProfile of the measured pairs (CPU clock) in {args.profile}; the timings above include its cost")
     return result
 
 
@@ -1003,6 +1013,8 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests", type=int, default=100, help="router bench: requests of each kind")
+    p.add_argument("--profile", default=None, metavar="FILE", help="router bench: write a cProfile (CPU clock) of the "
+                   "measured pairs to FILE (read it with python -m pstats FILE)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (step: 10, async: 24, agentic: 16)")
     p.add_argument("--quick", action="store_true", help="sync/step: tiny sizes, a smoke test")
     p.add_argument("--prompts", type=int, default=None, help="async, agentic: prompts per step, 8 samples each "
