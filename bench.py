@@ -12,10 +12,16 @@ measured back to back in one run is far steadier than an absolute number.
         stops computing them). Each side runs in a process of its own, taking turns (in one process, two OpenMP
         thread pools slowed both). Prints tokens/s of each and the ratios; the target is >= 2.0x on both.
 
-    python bench.py router [--requests 100]
+    python bench.py router [--requests 100 --repeats 3 --profile FILE]
         Router overhead per request: an official OpenAI client through agentflow's router (session lookup, chat
         template, TITO bookkeeping, tool-call parsing, response shaping) vs the same greedy /generate sent directly,
-        back to back in pairs. Prints p50/p99 of the paired difference and its ratio to a 64-token generation.
+        back to back in pairs, each pair checked to send the same ids and get the same tokens. Prints p50/p99 of the
+        paired difference and its ratio to a 64-token generation (the median of --repeats, spread over the run); the
+        same difference in CPU time of the bench process (client and router; the engine is a process of its own),
+        which other load on a shared machine does not stretch; and where that CPU time went (the OpenAI client and
+        the HTTP hop, the router's app, the session's turn, its engine call), from clocks inside the routed request.
+        `--profile FILE`: a cProfile of the measured pairs, timed by CPU clock.
+        Targets: p50 <= 2%, p99 <= 5% of a 64-token generation.
 
     python bench.py async [--steps 24 --prompts 16 --stale-steps 1] [--sync-set K=V ...] [--async-set K=V ...]
         Fully async vs sync training on a long-tail task (responses of 4 to 46 tokens), same everything else: the
@@ -81,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import math
 import multiprocessing as mp
@@ -246,7 +253,9 @@ def bench_rollout(args) -> dict:
 
 def bench_router(args) -> dict:
     """Router overhead per request (agentflow: official OpenAI client -> router -> engine) vs the same request
-    sent straight to the engine's /generate, as p50/p99 seconds and as a fraction of a 64-token generation."""
+    sent straight to the engine's /generate, as p50/p99 seconds and as a fraction of a 64-token generation; the
+    same difference in CPU time of this process (client and router), which a shared machine's load does not
+    stretch; and where that CPU time went."""
     import agentflow  # late: ~0.7 s (the OpenAI client), which only this subcommand needs
     import openai  # likewise: only this subcommand talks through the official client
 
@@ -262,60 +271,139 @@ def bench_router(args) -> dict:
     url = f"http://127.0.0.1:{port}"
     rollout.wait_healthy(url, timeout=120, proc=proc)
     cfg = config.Config(max_context_len=512, max_new_tokens=8)
+    clocks = (time.perf_counter, time.process_time)  # wall, and CPU of this process (the engine's is its own)
 
     async def run() -> dict:
         flow = agentflow.AgentFlow(cfg, [url], path)
+        # Clocks inside the routed request, on this flow's own objects only (instance attributes; nothing global is
+        # patched): the router's ASGI app from the request's arrival to its answer's last byte, the engine call it
+        # makes, and the session's turn bookkeeping (Session.plan + Session.commit: render, tokenize, TITO). One
+        # request runs at a time, so the CPU this process spends inside a span is that request's.
+        span = {}
+
+        def add(name, t0):
+            span[name] = [s + c() - t for s, c, t in zip(span.get(name, (0.0, 0.0)), clocks, t0)]
+
+        make_app = flow.router.app
+
+        def timed_app():
+            app = make_app()
+
+            async def asgi(scope, receive, send):
+                t0 = [c() for c in clocks]
+                await app(scope, receive, send)
+                add("app", t0)
+            return asgi
+
+        real_generate = flow.pool.generate
+
+        async def timed_generate(input_ids, sampling_params, rid, prefer=None, batch=""):
+            t0 = [c() for c in clocks]
+            answer = await real_generate(input_ids, sampling_params, rid, prefer, batch)
+            add("engine", t0)
+            span["ids"] = (list(input_ids), answer[1]["output_ids"])
+            return answer
+
+        def timed(fn):
+            def call(*a, **kw):
+                t0 = [c() for c in clocks]
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    add("turn", t0)
+            return call
+
+        flow.router.app, flow.pool.generate = timed_app, timed_generate
         await flow.start_router()
         msgs = [{"role": "user", "content": "12+7"}]
         ids = flow.chat.encode(flow.chat.render(msgs, add_generation_prompt=True))
-        # Greedy, so both paths generate the very same tokens: the paired difference is the router alone.
+        # Greedy, so both paths generate the very same tokens (checked below): the paired difference is the router.
         params = {"temperature": 0.0, "max_new_tokens": 8, "stop_token_ids": flow.chat.stop_ids}
         http = flow.pool.http
-        t64 = []
-        for _ in range(args.repeats + 1):  # first one is warm-up
+
+        async def one_gen64():
             t0 = time.perf_counter()
             await rollout.generate(http, url, ids, {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True})
             t64.append(time.perf_counter() - t0)
+
         async def one_direct():
-            t0 = time.perf_counter()
-            await rollout.generate(http, url, ids, params)
-            direct.append(time.perf_counter() - t0)
+            t0 = [c() for c in clocks]
+            out = await rollout.generate(http, url, ids, params)
+            direct.append([c() - t for c, t in zip(clocks, t0)])
+            direct_ids.append(out["output_ids"])
 
         async def one_routed():
+            # One session and one client per request, as a single-turn agent has: the first request of a client
+            # also opens its connection to the router.
             s = flow.router.open_session(sampling=params, max_context_len=512, max_turns=1)
+            s.plan, s.commit = timed(s.plan), timed(s.commit)
             client = openai.AsyncOpenAI(base_url=flow.router.base_url(s), api_key=s.api_key, max_retries=0,
                                         http_client=agentflow.openai_http_client())
-            t0 = time.perf_counter()
+            span.clear()
+            t0 = [c() for c in clocks]
             await client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0.0)
-            routed.append(time.perf_counter() - t0)
+            routed.append([c() - t for c, t in zip(clocks, t0)])
+            spans.append(dict(span))
             await flow.router.close_session(s)
             await client.close()
 
-        direct, routed = [], []
+        t64, direct, routed, direct_ids, spans = [], [], [], [], []
+        await one_gen64()  # warm-up
+        t64.clear()
+        profile = cProfile.Profile(time.process_time) if args.profile else None  # CPU clock: load does not stretch it
         for i in range(args.requests + 5):  # the first 5 pairs are warm-up; alternate which goes first
+            if profile is not None and i == 5:
+                profile.enable()
             for fn in ((one_direct, one_routed) if i % 2 == 0 else (one_routed, one_direct)):
                 await fn()
+            if i % max(1, args.requests // args.repeats) == 0 and i >= 5:  # the reference, spread over the run
+                await one_gen64()
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(args.profile)
         await flow.close()
-        return {"t64": statistics.median(t64[1:]), "direct": direct[5:], "routed": routed[5:]}
+        for d, sp in zip(direct_ids, spans):  # a fair pair: the same prompt ids in, the same tokens out
+            if sp["ids"] != (ids, d):
+                raise RuntimeError(f"bench router: the routed request sent {sp['ids'][0]} and got {sp['ids'][1]}, the "
+                                   f"direct one sent {ids} and got {d}; the pairs would not compare like for like")
+        return {"t64": statistics.median(t64), "direct": direct[5:], "routed": routed[5:], "spans": spans[5:]}
 
     try:
         r = asyncio.run(run())
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    overhead = sorted(b - a for a, b in zip(r["direct"], r["routed"]))  # paired: same tokens, back to back
-    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
-    result = {"gen64_s": r["t64"], "direct_p50_s": statistics.median(r["direct"]),
-              "routed_p50_s": statistics.median(r["routed"]), "router_p50_s": pct(overhead, 0.5),
-              "router_p99_s": pct(overhead, 0.99)}
-    result["ratio_p50"], result["ratio_p99"] = result["router_p50_s"] / r["t64"], result["router_p99_s"] / r["t64"]
+    pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    result = {"gen64_s": r["t64"]}
+    for k, name in enumerate(("wall", "cpu")):  # paired: same tokens, back to back
+        overhead = [b[k] - a[k] for a, b in zip(r["direct"], r["routed"])]
+        result[f"direct_{name}_p50_s"] = statistics.median(a[k] for a in r["direct"])
+        result[f"routed_{name}_p50_s"] = statistics.median(b[k] for b in r["routed"])
+        result[f"router_{name}_p50_s"], result[f"router_{name}_p99_s"] = pct(overhead, 0.5), pct(overhead, 0.99)
+    result["ratio_p50"], result["ratio_p99"] = (result[f"router_wall_{q}_s"] / r["t64"] for q in ("p50", "p99"))
+    # The CPU overhead split by the clocks inside the routed request; the parts add up to it pair by pair.
+    cpu = 1
+    parts = {"client": [b[cpu] - sp["app"][cpu] for b, sp in zip(r["routed"], r["spans"])],  # SDK, both HTTP ends
+             "app": [sp["app"][cpu] - sp["engine"][cpu] - sp["turn"][cpu] for sp in r["spans"]],  # FastAPI, checks,
+             #                                                                                      response
+             "turn": [sp["turn"][cpu] for sp in r["spans"]],                                      # render, TITO
+             "engine": [sp["engine"][cpu] - a[cpu] for sp, a in zip(r["spans"], r["direct"])]}  # over direct's
+    result.update({f"cpu_{k}_p50_s": pct(v, 0.5) for k, v in parts.items()})
+    ms = lambda key: f"{result[key] * 1e3:.2f}"  # noqa: E731
     print(f"router: {args.requests} request pairs (greedy, 8 new tokens); a 64-token generation takes "
-          f"{r['t64'] * 1e3:.1f} ms")
-    print(f"  direct /generate p50 {result['direct_p50_s'] * 1e3:.1f} ms; OpenAI client -> router p50 "
-          f"{result['routed_p50_s'] * 1e3:.1f} ms")
-    print(f"  router overhead per request: p50 {result['router_p50_s'] * 1e3:.2f} ms, p99 "
-          f"{result['router_p99_s'] * 1e3:.2f} ms")
+          f"{r['t64'] * 1e3:.1f} ms (median of {args.repeats}, spread over the run)")
+    print(f"  direct /generate p50 {ms('direct_wall_p50_s')} ms; OpenAI client -> router p50 "
+          f"{ms('routed_wall_p50_s')} ms")
+    print(f"  router overhead per request: p50 {ms('router_wall_p50_s')} ms, p99 {ms('router_wall_p99_s')} ms")
     print(f"  as a fraction of a 64-token generation: p50 {result['ratio_p50']:.3f}, p99 {result['ratio_p99']:.3f}")
+    # No ratio for the CPU figures: a loaded machine stretches the generation's wall time, not them
+    print(f"  router CPU per request (client + router, over the direct call's): p50 {ms('router_cpu_p50_s')} ms, "
+          f"p99 {ms('router_cpu_p99_s')} ms")
+    print(f"  where that CPU went, p50 of each part (ms): OpenAI client and both ends of the HTTP hop "
+          f"{ms('cpu_client_p50_s')}, router app {ms('cpu_app_p50_s')}, session turn {ms('cpu_turn_p50_s')}, "
+          f"engine call over direct {ms('cpu_engine_p50_s')}")
+    if args.profile:
+        print(f"  cProfile of the measured pairs (CPU clock) in {args.profile}; the timings above include its cost")
     return result
 
 
@@ -1001,6 +1089,8 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests", type=int, default=100, help="router bench: requests of each kind")
+    p.add_argument("--profile", default=None, metavar="FILE", help="router bench: write a cProfile (CPU clock) of the "
+                   "measured pairs to FILE (read it with python -m pstats FILE)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (step: 10, async: 24, agentic: 16)")
     p.add_argument("--quick", action="store_true", help="sync/step: tiny sizes, a smoke test")
     p.add_argument("--prompts", type=int, default=None, help="async, agentic: prompts per step, 8 samples each "

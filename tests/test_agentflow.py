@@ -297,6 +297,28 @@ def test_tito_multi_turn_reuses_prefix_and_masks_template_tokens(engines, tiny_m
     run(body())
 
 
+def test_a_turn_is_rendered_once_and_only_when_the_next_turn_extends_it(engines, tiny_model_dir):
+    """The router renders a chat with the template only where TITO needs it: the first prompt once, nothing after a
+    turn is generated (a session's last turn is never rendered), and at the next turn the finished chat once (the
+    prefix check) plus the new chat with its generation prompt once."""
+    async def body():
+        flow = await started_flow(engines, tiny_model_dir)
+        renders, real = [], flow.chat.render
+        flow.chat.render = lambda *a, **kw: renders.append(len(a[0])) or real(*a, **kw)
+        s = open_session(flow)
+        client = session_client(flow, s)
+        msgs = [{"role": "user", "content": "render count 3+4"}]  # a chat no other test renders (prompt_ids cache)
+        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+        assert renders == [1]  # the first prompt; the answered chat is not rendered yet
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "sure?"}]
+        await client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+        assert renders == [1, 2, 3]  # the chat the first turn ended with, then the extended chat
+        await flow.router.close_session(s)
+        assert len(s.trajectory(0.0).segments) == 1
+        await flow.close()
+    run(body())
+
+
 def test_compacted_or_edited_history_starts_a_new_segment(engines, tiny_model_dir):
     async def body():
         flow = await started_flow(engines, tiny_model_dir)

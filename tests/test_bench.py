@@ -4,6 +4,7 @@ every weight transport; LoongSage's own training loop).
 They prove the benchmarks run and report what they say, not any speed: speed targets are ratios the
 benchmarks print, never timed tests."""
 import math
+import pstats
 import re
 
 import pytest
@@ -34,12 +35,15 @@ def test_bench_rollout_smoke(capsys):
 
 
 @pytest.mark.slow
-def test_bench_router_smoke(capsys):
-    bench.main(["router", "--requests", "4", "--repeats", "1"])
+def test_bench_router_smoke(capsys, tmp_path):
+    """Wall and CPU overheads are reported, and the profile of the measured pairs holds the router's handler."""
+    r = bench.main(["router", "--requests", "4", "--repeats", "1", "--profile", str(tmp_path / "router.prof")])
     out = capsys.readouterr().out
     assert "router: 4 request pairs" in out
     p50, p99 = _numbers(out.split("router overhead per request:")[1].splitlines()[0])[1::2][:2]
-    assert p50 <= p99
+    assert p50 <= p99 and r["router_cpu_p50_s"] <= r["router_cpu_p99_s"]
+    assert "where that CPU went" in out
+    assert any(fn == "chat_completions" for _, _, fn in pstats.Stats(str(tmp_path / "router.prof")).stats)
 
 
 def test_bench_unknown_name():
