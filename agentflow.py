@@ -460,6 +460,10 @@ class EnginePool:
         pending.append((input_ids, sampling_params, rid, lora_path, fut))
         if len(pending) == 1:  # the first of this tick schedules the send, after everyone else has queued
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_batch(url, batch)))
+        return await self._awaited(url, fut)
+
+    async def _awaited(self, url: str, fut: asyncio.Future) -> dict:
+        """`fut`'s answer, the future listed as sent to `url` meanwhile (mark_dead fails what it lists over)."""
         sent = self._sent.setdefault(url, set())
         sent.add(fut)
         try:
@@ -486,12 +490,9 @@ class EnginePool:
             else:
                 fut.set_result(t.result())
         task.add_done_callback(settle)
-        sent = self._sent.setdefault(url, set())
-        sent.add(fut)
         try:
-            return await fut
+            return await self._awaited(url, fut)
         finally:
-            sent.discard(fut)
             task.cancel()
 
     async def _send_batch(self, url: str, key: str) -> None:

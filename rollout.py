@@ -147,6 +147,19 @@ def get(url: str, path: str, timeout: float = 30.0):
     return _check(httpx.get(f"{url}{path}", timeout=timeout), url, path)
 
 
+def _generate_body(input_ids, sampling_params: dict, rid, return_logprob: bool, return_routed_experts: bool,
+                   lora_path) -> dict:
+    """A /generate request body (SGLang's GenerateReqInput fields), optional fields only when set."""
+    body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+    if return_routed_experts:
+        body["return_routed_experts"] = True
+    if lora_path is not None:
+        body["lora_path"] = lora_path
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
 async def generate(client: httpx.AsyncClient, url: str, input_ids: list[int] | list[list[int]],
                    sampling_params: dict, *, rid: str | list[str] | None = None, return_logprob: bool = True,
                    return_routed_experts: bool = False, lora_path: str | list | None = None,
@@ -155,13 +168,7 @@ async def generate(client: httpx.AsyncClient, url: str, input_ids: list[int] | l
     (a list of those for a batch of input_ids). Raises EngineError on a non-2xx answer. `return_routed_experts`:
     meta_info.routed_experts of every position from 0 (MoE models; see the module docstring). `lora_path`: the LoRA
     adapter to generate with (one name, or one per prompt; None = the base model)."""
-    payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
-    if return_routed_experts:
-        payload["return_routed_experts"] = True
-    if lora_path is not None:
-        payload["lora_path"] = lora_path
-    if rid is not None:
-        payload["rid"] = rid
+    payload = _generate_body(input_ids, sampling_params, rid, return_logprob, return_routed_experts, lora_path)
     resp = await client.post(f"{url}/generate", json=payload, timeout=timeout)
     return _check(resp, url, "/generate")
 
@@ -175,14 +182,8 @@ async def generate_stream(client: httpx.AsyncClient, url: str, input_ids: list[i
     goes to `on_chunk(chunk)`; returns the finished answer, the same dict `generate` returns. Raises EngineError on
     a non-2xx answer and on SGLang's in-stream error event (`{"error": {"message", "code"}}`, which SGLang sends, with
     HTTP 200, for a request its checks refuse), httpx.RemoteProtocolError when the stream ends before the answer."""
-    payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob,
+    payload = {**_generate_body(input_ids, sampling_params, rid, return_logprob, return_routed_experts, lora_path),
                "stream": True}
-    if return_routed_experts:
-        payload["return_routed_experts"] = True
-    if lora_path is not None:
-        payload["lora_path"] = lora_path
-    if rid is not None:
-        payload["rid"] = rid
     async with client.stream("POST", f"{url}/generate", json=payload, timeout=timeout) as resp:
         if resp.status_code // 100 != 2:
             await resp.aread()
