@@ -53,6 +53,9 @@ def assert_same_step(one, two):
     assert max(abs(a - b) for x, y in zip(lp1, lp2) for a, b in zip(x, y)) <= 1e-5
     assert set(m1) == set(m2)
     for key in m1:
+        if key == "train/pad_frac":  # a cost, not a number of the step: PP pads every micro-batch to one shape
+            assert m2[key] >= m1[key]
+            continue
         assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
     assert set(w1) == set(w2)
     for name in w1:
