@@ -841,7 +841,7 @@ class Model:
         position_ids = torch.arange(T, device=par.device).unsqueeze(0).expand(B, T)  # (B, T)
         extra = {}
         if self.tcfg.num_moe_experts:
-            seq_len = (mb["resp_pos"][:, :1] + 1 + mb["resp_len"].unsqueeze(1)).to(par.device)  # (B0, 1) real tokens
+            seq_len = mb["seq_len"].unsqueeze(1).to(par.device)  # (B0, 1) real tokens (collate's prompt + response)
             seq_len = F.pad(seq_len, (0, 0, 0, B - B0))  # (B, 1) EP padding rows: no real token
             extra["padding_mask"] = position_ids >= seq_len  # (B, T) True on padding: kept out of expert routing
         if par.cp_size > 1:  # this rank's share of every sequence; Megatron's RoPE takes the same positions
