@@ -31,18 +31,21 @@ kept as "failed" (reward 0, loss_mask all 0) so its group stays complete.
 
 The router is one HTTP server in front of all engines. Each trajectory gets a session base URL
 `http://host:port/s/<session>/v1` (the session id and the api key are unguessable tokens) serving
-OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function tools,
-`previous_response_id` within the session), Anthropic `POST /messages` and `GET /models`, plain and streaming,
-with tool calls. A streamed reply streams from the engine (SGLang's `stream: true`): its reasoning and content go
+OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function and custom tools, structured
+output, `previous_response_id` within the session, across weight updates), Anthropic `POST /messages` and
+`GET /models`, plain and streaming, with tool calls. A streamed reply streams from the engine (SGLang's `stream: true`): its reasoning and content go
 out as the tokens arrive, as far as they are settled (`TurnStream`: a tool call's text is held back and the call
 sent whole at the end), and the turn it records is the one the plain reply records. A session sticks to one engine
 (its KV prefix cache stays warm); new sessions go to the engine with the fewest requests in flight. An engine that
 fails a call, or misses a periodic `/server_info` probe, leaves routing at once (dead or hung) and its requests move
 to the other engines; the controller re-creates it and `replace_engine` routes to its successor.
 
-Requests are checked against the APIs' request schemas (`openai_request`, `anthropic_request`, in wire.py): what
-they refuse gets a 400 in their error shape, options the engine cannot honour are refused rather than
-ignored, and `model` is optional (one model is served).
+Requests are checked against the APIs' request schemas (`openai_request`, `anthropic_request`, `responses_request`,
+in wire.py): what they refuse gets a 400 in their error shape, options the engine cannot honour are refused rather
+than ignored, and `model` is optional (one model is served). Structured output (`text.format`, `response_format`)
+reaches the engine as SGLang's `json_schema` sampling parameter, constrained decoding whose logprobs are those of the
+masked distribution (rollout.py); `ChatFormat.check_structured` refuses it where the chat template and a grammar that
+holds from the first token disagree (tools offered, a thinking model thinking).
 
 Token in, token out (TITO): the chat is rendered with the template once. On the next turn the router
 checks that the new messages extend the previous ones, keeps the exact token ids the model produced,
@@ -66,8 +69,9 @@ formats and nothing else, so this file is the system and that one the protocol.
 Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
-clients); streaming in `tests/test_token_stream.py`. Left out: constrained decoding (tool_choice "required"/named is
-not enforced, only parsed), images/audio content parts, built-in (non-function) tools of the Responses API, n > 1 per
+clients), the Responses API in `tests/test_responses.py`; streaming in `tests/test_token_stream.py`. Left out:
+constrained decoding of tool calls (tool_choice "required"/named is not enforced, only parsed), structured output
+together with tools or thinking, images/audio content parts, built-in tools of the Responses API, n > 1 per
 request (ask n sessions instead), tool-call deltas while the call is generated (a call is parsed whole, so it goes
 out at the end of a streamed reply), stop strings inside the engine (the router cuts the turn after it ends, so a
 streamed reply with `stop` waits, like a plain one, for the engine to finish), per-token logprobs in stream chunks

@@ -42,6 +42,11 @@ Reading order: requests and sampling parameters (`SamplingParams`, `parse_sampli
   adapted projection, unmerged, as the trainer computes it.
 * `SGLANG_BEHAVIOURS`, below: where SGLang refuses, blocks, ignores or dies, the CPU engine does the same, and the
   table names the SGLang source of each such behaviour; tests/test_conformance.py has one test per row.
+* Constrained decoding as SGLang's xgrammar backend does it: `sampling_params.json_schema` / `regex` / `ebnf` compiled
+  when the request arrives (`compile_grammar`: SGLang's 400 text for one that does not compile, and for the schema
+  keywords SGLang refuses because xgrammar would ignore them), one xgrammar matcher per request, its token bitmask
+  applied to the logits before sampling (`_mask_by_grammar`), so the logprob returned is that of the masked
+  distribution, as SGLang's (rollout.py's docstring); a grammar that completes finishes the request as a stop.
 * `/generate` with `stream: true` (`_stream_chunks`): SGLang's Server-Sent Events, a cumulative chunk per decode step
   (every `stream_interval` tokens) as the scheduler samples it, the finished answer, `data: [DONE]`.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
@@ -59,7 +64,10 @@ adapters in `tests/test_lora.py`, token streaming in `tests/test_token_stream.py
 
 Left out: text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA on MoE experts,
 multi-latent attention, embeddings or the LM head, multimodal input, a deferred `/flush_cache?timeout=`,
-`--incremental-streaming-output` (chunks are cumulative, SGLang's default). A stream=true request that SGLang's
+`--incremental-streaming-output` (chunks are cumulative, SGLang's default), `structural_tag`, SGLang's reasoning-aware
+grammars (with `--reasoning-parser` SGLang starts the grammar after the thinking; here it holds from the first token),
+`--constrained-json-disable-any-whitespace` / max whitespace (SGLang's defaults, any whitespace, are what is done), a
+grammar compiled off the scheduler's path (SGLang compiles in a thread pool; here before the request is queued). A stream=true request that SGLang's
 schema admits but its checks refuse (a negative temperature, a prompt past the context) gets a 400 before the stream
 here, where SGLang answers 200 and an error event. A dropped HTTP connection aborts a streamed request but not a
 plain one (call /abort_request).

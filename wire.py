@@ -19,16 +19,26 @@ Reading order: error bodies; request parsing (`openai_request`, `anthropic_reque
 and `responses_tools`, then `responses_output`, `responses_response`, `responses_stream`).
 
 What an API refuses gets an `ApiError` (HTTP status, message naming the field and the value seen), rendered in
-that API's error shape by the router. In Chat Completions and Messages, options the engine cannot honour are
-refused rather than ignored, so the trainer never sees a sample drawn from a different distribution than the agent
-asked for. The Responses API is checked less: its input items, tools, `previous_response_id`, `max_output_tokens`
-and sampling fields are, but other top-level fields (`text.format`, `reasoning`, a typo) are ignored.
-`chat_template_kwargs` (Chat Completions and Responses, SGLang's extension) sets template variables such as Qwen3's
-`enable_thinking`.
+that API's error shape by the router. In all three APIs, options the engine cannot honour are refused rather than
+ignored, so the trainer never sees a sample drawn from a different distribution than the agent asked for: each
+top-level field of the official SDK's request type is honoured, inert (no effect on what is generated: metadata,
+store, user, caching and billing hints; only type-checked) or accepted only at its default (`_check_fields`), and an
+unknown one is a 400 naming the closest known field. `chat_template_kwargs` (Chat Completions and Responses, SGLang's
+extension) sets template variables such as Qwen3's `enable_thinking`; the Responses `reasoning.effort` does the same
+through the template's thinking switch ("none" off, any other level on; the level itself is not enforced).
+
+Structured output (Responses `text.format`, Chat Completions `response_format`): json_schema and json_object become
+SGLang's `json_schema` sampling parameter (`_output_format`), which the engine enforces with xgrammar; the router
+refuses it alongside tools or on a thinking model that thinks (agentflow.ChatFormat.check_structured). Custom tools
+(Responses, free-form text input) are rendered as a function of one string parameter, `input`, and their calls come
+back as custom_tool_call items (`responses_tools`, `responses_output`).
 
 Test: `.venv/bin/pytest tests/test_agentflow.py tests/test_responses.py` (through the router, with the official
 openai and anthropic clients); streaming in tests/test_token_stream.py. Left out: images/audio parts, built-in
-(non-function) Responses tools, n > 1, tool-call argument deltas while a call is generated (it streams whole).
+Responses tools, custom tools with a grammar format, n > 1, top_logprobs, tool-call argument deltas while a call is
+generated (a function or custom tool call streams whole), `tool_choice` "required" or named enforced (parsed only),
+`text.verbosity` (inert: the template has no such variable), Responses `truncation: auto`, `background`, stored
+`prompt`s and `conversation`s.
 """
 from __future__ import annotations
 
