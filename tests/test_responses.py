@@ -1,7 +1,12 @@
 """The OpenAI Responses API on the router, driven by the official `openai` client's `responses.create`: plain
 (engine ids in and out, usage), streamed (the event sequence and its text), function tools with the tool
 result sent back by `previous_response_id` (the next engine input extends the previous one token for token),
-and what the API rejects (4xx, the router keeps serving)."""
+and what the API rejects (4xx, the router keeps serving): every top-level field either honoured, inert (the engine
+gets the bare request's prompt and sampling params) or refused with a 400 naming it and the value seen. Custom tools
+(a one-string function, a custom_tool_call item back, its output continuing the same token sequence); structured
+output (text.format / response_format as the engine's json_schema param, the greedy reply JSON of the schema);
+reasoning.effort switching a thinking template, and structured output refused while the model thinks;
+previous_response_id across a weight update (per-token versions 0, then 1)."""
 import asyncio
 import json
 
@@ -283,3 +288,42 @@ def test_responses_previous_response_id_across_a_weight_update(tiny_model_dir):
     glue = len(in2) - len(in1) - n1
     assert seg.weight_versions == [0] * n1 + [-1] * glue + [1] * n2
     assert seg.loss_mask == [1] * n1 + [0] * glue + [1] * n2
+
+
+def test_responses_reasoning_switches_thinking_and_structured_output_needs_it_off():
+    """On a thinking model (the qwen3 family's template, crafted replies): reasoning.effort "none" renders the prompt
+    with thinking off and any other level with it on (a reasoning item comes back); structured output is refused
+    while the model would think (the grammar would hold from its first token) and accepted with effort "none";
+    effort and chat_template_kwargs that disagree are refused; Chat Completions' response_format with tools is too."""
+    import data
+    from test_chat import NOWHERE, settings
+    model = str(data.build_tiny_model(data.default_cache_dir() / f"tiny-chat-{data.settings_hash(settings('qwen3'))}",
+                                      **settings("qwen3")))
+    fmt = {"format": {"type": "json_object"}}
+
+    async def body():
+        flow = await started_flow(NOWHERE, model)
+        seen = crafted_engine(flow.pool, flow.chat, ["<think>\n12 plus 7\n</think>\n\n19", '{"a": 1}'])
+        sampling = capture_sampling(flow.pool)
+        client = session_client(flow, open_session(flow))
+        thought = await client.responses.create(model="m", input="12+7", reasoning={"effort": "low"})
+        with pytest.raises(openai.BadRequestError) as thinking_on:
+            await client.responses.create(model="m", input="12+7", text=fmt)
+        structured = await session_client(flow, open_session(flow)).responses.create(
+            model="m", input="12+7", text=fmt, reasoning={"effort": "none"})
+        with pytest.raises(openai.BadRequestError, match="set \\['enable_thinking'\\] differently"):
+            await client.responses.create(model="m", input="x", reasoning={"effort": "none"},
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        with pytest.raises(openai.BadRequestError, match="response_format \\(structured output\\) cannot be combined"):
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], tools=[
+                CALC_TOOL], response_format={"type": "json_object"}, extra_body={
+                "chat_template_kwargs": {"enable_thinking": False}})
+        await flow.close()
+        return flow.chat, seen, sampling, thought, thinking_on.value, structured
+    chat_format, seen, sampling, thought, thinking_on, structured = run(body())
+    user = [{"role": "user", "content": "12+7"}]
+    assert seen[0] == chat_format.prompt_ids(user, None, {"enable_thinking": True})
+    assert seen[1] == chat_format.prompt_ids(user, None, {"enable_thinking": False}) != seen[0]
+    assert [o.type for o in thought.output] == ["reasoning", "message"] and thought.output_text == "19"
+    assert "needs thinking off" in thinking_on.message and "reasoning.effort 'none'" in thinking_on.message
+    assert json.loads(structured.output_text) == {"a": 1} and sampling[1]["json_schema"] == '{"type": "object"}'
