@@ -1304,12 +1304,11 @@ class CpuEngine:
             return None
         if self.tokenizer is None:
             raise BadRequest(f"json_schema / regex / ebnf need the tokenizer, and {self.model_path} has none")
+        import xgrammar  # here: only a constrained request needs it
         if self._grammar_compiler is None:
-            import xgrammar  # here: only a constrained request needs it
             info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.runner.vocab_size,
                                                            stop_token_ids=sorted(self.runner.eos_ids))
             self._grammar_compiler = xgrammar.GrammarCompiler(info)
-        import xgrammar
         return xgrammar.GrammarMatcher(compile_grammar(self._grammar_compiler, params))
 
     def submit(self, *reqs: Req) -> list[concurrent.futures.Future]:
