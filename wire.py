@@ -36,7 +36,8 @@ back as custom_tool_call items (`responses_tools`, `responses_output`).
 Test: `.venv/bin/pytest tests/test_agentflow.py tests/test_responses.py` (through the router, with the official
 openai and anthropic clients); streaming in tests/test_token_stream.py. Left out: images/audio parts, built-in
 Responses tools, custom tools with a grammar format, n > 1, top_logprobs, tool-call argument deltas while a call is
-generated (a function or custom tool call streams whole), `tool_choice` "required" or named enforced (parsed only),
+generated (a function or custom tool call streams whole), `tool_choice` "required" or named and `strict` function
+arguments enforced (parsed only), tools' defer_loading / async / programmatic callers / output_schema,
 `text.verbosity` (inert: the template has no such variable), Responses `truncation: auto`, `background`, stored
 `prompt`s and `conversation`s.
 """
@@ -848,6 +849,11 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
 
 
 CUSTOM_INPUT = "input"  # the one string parameter a custom tool is rendered with
+# Tool fields accepted at their neutral value only: tool search (defer_loading), OpenAI-side execution (async,
+# programmatic callers), a schema of the tool's output: none is something a chat template renders. A function's
+# `strict` is accepted and not enforced (its arguments are parsed, not constrained), as in Chat Completions.
+_TOOL_DEFAULT_ONLY = {"defer_loading": (None, False), "async": (None, False), "allowed_callers": (None, ["direct"]),
+                      "output_schema": (None,)}
 
 
 def responses_tools(raw) -> list[dict] | None:
@@ -865,15 +871,21 @@ def responses_tools(raw) -> list[dict] | None:
     for i, t in enumerate(raw):
         kind = t.get("type") if isinstance(t, dict) else type(t).__name__
         where = f"tools[{i}]"
+        if kind in ("function", "custom"):
+            for name, neutral in _TOOL_DEFAULT_ONLY.items():
+                if t.get(name) not in neutral:
+                    raise ApiError(400, f"{where}.{name}={t[name]!r:.100} is not supported by this router (the chat "
+                                   f"template renders a tool's name, description and parameters only); leave it unset",
+                                   param=f"{where}.{name}")
         if kind == "function":
-            extra = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
+            extra = sorted(set(t) - {"type", "name", "description", "parameters", "strict", *_TOOL_DEFAULT_ONLY})
             if extra:
                 raise ApiError(400, f"{where} has field(s) {extra} this router does not take (function tools: name, "
                                "description, parameters, strict)", param=where)
             tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
                                                                          t.get("parameters"), where)})
         elif kind == "custom":
-            extra = sorted(set(t) - {"type", "name", "description", "format"})
+            extra = sorted(set(t) - {"type", "name", "description", "format", *_TOOL_DEFAULT_ONLY} - {"output_schema"})
             fmt = t.get("format")
             if extra or fmt is not None and fmt != {"type": "text"}:
                 raise ApiError(400, f"{where}: a custom tool takes name, description and format {{'type': 'text'}} "

@@ -137,6 +137,7 @@ INERT = dict(metadata={"run": "a"}, store=False, user="u1", safety_identifier="s
      "Failed to compile json grammar"),  # the engine's 400, passed on
     (dict(tools=[{"type": "custom", "name": "sh", "format": {"type": "grammar", "syntax": "lark", "definition": "x"}}]),
      "a grammar format is not supported"),
+    (dict(tools=[{**TOOL, "defer_loading": True}]), "tools[0].defer_loading=True is not supported"),
 ])
 def test_responses_refuse_what_they_cannot_honour(kw, needle, engines, tiny_model_dir):  # noqa: F811
     """Each refused field is a 400 naming the field and the value seen (Chat Completions' rule: accepted, accepted
