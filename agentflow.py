@@ -31,18 +31,21 @@ kept as "failed" (reward 0, loss_mask all 0) so its group stays complete.
 
 The router is one HTTP server in front of all engines. Each trajectory gets a session base URL
 `http://host:port/s/<session>/v1` (the session id and the api key are unguessable tokens) serving
-OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function tools,
-`previous_response_id` within the session), Anthropic `POST /messages` and `GET /models`, plain and streaming,
-with tool calls. A streamed reply streams from the engine (SGLang's `stream: true`): its reasoning and content go
+OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function and custom tools, structured
+output, `previous_response_id` within the session, across weight updates), Anthropic `POST /messages` and
+`GET /models`, plain and streaming, with tool calls. A streamed reply streams from the engine (SGLang's `stream: true`): its reasoning and content go
 out as the tokens arrive, as far as they are settled (`TurnStream`: a tool call's text is held back and the call
 sent whole at the end), and the turn it records is the one the plain reply records. A session sticks to one engine
 (its KV prefix cache stays warm); new sessions go to the engine with the fewest requests in flight. An engine that
 fails a call, or misses a periodic `/server_info` probe, leaves routing at once (dead or hung) and its requests move
 to the other engines; the controller re-creates it and `replace_engine` routes to its successor.
 
-Requests are checked against the APIs' request schemas (`openai_request`, `anthropic_request`, in wire.py): what
-they refuse gets a 400 in their error shape, options the engine cannot honour are refused rather than
-ignored, and `model` is optional (one model is served).
+Requests are checked against the APIs' request schemas (`openai_request`, `anthropic_request`, `responses_request`,
+in wire.py): what they refuse gets a 400 in their error shape, options the engine cannot honour are refused rather
+than ignored, and `model` is optional (one model is served). Structured output (`text.format`, `response_format`)
+reaches the engine as SGLang's `json_schema` sampling parameter, constrained decoding whose logprobs are those of the
+masked distribution (rollout.py); `ChatFormat.check_structured` refuses it where the chat template and a grammar that
+holds from the first token disagree (tools offered, a thinking model thinking).
 
 Token in, token out (TITO): the chat is rendered with the template once. On the next turn the router
 checks that the new messages extend the previous ones, keeps the exact token ids the model produced,
@@ -66,8 +69,9 @@ formats and nothing else, so this file is the system and that one the protocol.
 Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
-clients); streaming in `tests/test_token_stream.py`. Left out: constrained decoding (tool_choice "required"/named is
-not enforced, only parsed), images/audio content parts, built-in (non-function) tools of the Responses API, n > 1 per
+clients), the Responses API in `tests/test_responses.py`; streaming in `tests/test_token_stream.py`. Left out:
+constrained decoding of tool calls (tool_choice "required"/named is not enforced, only parsed), structured output
+together with tools or thinking, images/audio content parts, built-in tools of the Responses API, n > 1 per
 request (ask n sessions instead), tool-call deltas while the call is generated (a call is parsed whole, so it goes
 out at the end of a streamed reply), stop strings inside the engine (the router cuts the turn after it ends, so a
 streamed reply with `stop` waits, like a plain one, for the engine to finish), per-token logprobs in stream chunks
@@ -110,7 +114,7 @@ import rollout
 import sandbox
 from wire import (ApiError, Turn, anthropic_error_body, anthropic_request, anthropic_response, anthropic_stream,
                   openai_error_body, openai_messages, openai_request, openai_response, openai_stream, openai_tools,
-                  responses_output, responses_request, responses_response, responses_stream)
+                  responses_logprobs, responses_output, responses_request, responses_response, responses_stream)
 
 log = logging.getLogger("loongsage.agentflow")
 ROOT = Path(__file__).resolve().parent
@@ -696,21 +700,40 @@ class ChatFormat:
             return output_ids.index(self._think_end) + 1
         return len(output_ids)
 
-    def thinking_kwargs(self, enabled: bool | None) -> dict:
-        """Template variables for an Anthropic `thinking` request (SGLang's mapping): the template's switch set on
-        or off. Thinking asked of a model without a reasoning parser, or turned off where the template cannot, is
-        refused rather than ignored."""
+    def thinking_kwargs(self, enabled: bool | None, field: str = "thinking") -> dict:
+        """Template variables for an Anthropic `thinking` or a Responses `reasoning` request (`field`; SGLang's
+        mapping): the template's switch set on or off. Thinking asked of a model without a reasoning parser, or turned
+        off where the template cannot, is refused rather than ignored."""
         if enabled is None:
             return {}
         if enabled and not self.reasoning_parser:
-            raise ApiError(400, "thinking was requested, but this model has no reasoning parser (cfg.reasoning_parser; "
-                           "its chat template shows no <think>...</think> format)", param="thinking")
+            raise ApiError(400, f"thinking was requested ({field}), but this model has no reasoning parser "
+                           "(cfg.reasoning_parser; its chat template shows no <think>...</think> format)", param=field)
         if self.thinking_switch:
             return {self.thinking_switch: enabled}
         if not enabled and self.reasoning_parser:
             raise ApiError(400, f"thinking is always on for this model (reasoning_parser {self.reasoning_parser!r}); "
-                           "its chat template has no switch to turn it off", param="thinking")
+                           f"its chat template has no switch to turn it off ({field})", param=field)
         return {}
+
+    def check_structured(self, req, template_kwargs: dict) -> None:
+        """Refuse structured output (a grammar from `text.format` / `response_format`) where it and the template
+        disagree: the grammar constrains the reply from its first token, so (1) offered tools could never be called
+        (the template's tool-call syntax is not JSON of the schema): send tool_choice "none" or no tools; (2) a
+        thinking model could not think, and SGLang run with a reasoning parser lets the thinking run free before the
+        grammar starts, so the two engines would sample from different distributions: turn thinking off."""
+        if req.structured is None:
+            return
+        if req.tools and req.parse_tools:
+            raise ApiError(400, f"{req.structured} (structured output) cannot be combined with tools: the grammar "
+                           "holds from the first token, so the chat template's tool-call syntax could never be "
+                           "written; send tool_choice 'none' or leave out the tools", param=req.structured)
+        if self.reasoning_parser and not (self.thinking_switch and template_kwargs.get(self.thinking_switch) is False):
+            how = (f"reasoning.effort 'none', or chat_template_kwargs {{'{self.thinking_switch}': false}}"
+                   if self.thinking_switch else "nothing: this model's template always thinks")
+            raise ApiError(400, f"{req.structured} (structured output) on a thinking model (reasoning_parser "
+                           f"{self.reasoning_parser!r}) needs thinking off: the grammar would hold from the first "
+                           f"token, where the model thinks; turn it off with {how}", param=req.structured)
 
     def close_turn_ids(self, output_ids: list[int]) -> list[int]:
         """Template tokens that close an assistant turn after the model's own tokens (loss_mask 0).
@@ -1154,6 +1177,7 @@ class Router:
         async def chat_completions(request: Request, sid: str):
             s = self._session(sid, request.headers)
             req = openai_request(await body_of(request))
+            self.chat.check_structured(req, {**self.chat.template_kwargs, **req.template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop,
                       template_kwargs=req.template_kwargs, separate_reasoning=req.separate_reasoning)
             if req.stream:
@@ -1178,18 +1202,27 @@ class Router:
             s = self._session(sid, request.headers)
             body = await body_of(request)
             req = responses_request(body, s.responses)
+            thinking = self.chat.thinking_kwargs(req.thinking, "reasoning")
+            clash = {k for k in thinking if k in req.template_kwargs and req.template_kwargs[k] != thinking[k]}
+            if clash:
+                raise ApiError(400, f"reasoning {body['reasoning']!r:.100} and chat_template_kwargs set "
+                               f"{sorted(clash)} differently; send one of them", param="reasoning")
+            template_kwargs = {**req.template_kwargs, **thinking}
+            self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, overrides=req.overrides,
-                      template_kwargs=req.template_kwargs)
+                      template_kwargs=template_kwargs)
             rid = "resp_" + uuid.uuid4().hex
+            logprobs_of = functools.partial(responses_logprobs, self.chat) if req.logprobs else None
 
             def remember(turn: Turn) -> None:  # the conversation so far, for a later previous_response_id
                 s.responses[rid] = s.segments[-1].messages
             if req.stream:
-                return await streamed(s, req, kw, lambda parts: responses_stream(parts, self.model_name, rid, body),
-                                      after=remember)
+                return await streamed(s, req, kw, lambda parts: responses_stream(
+                    parts, self.model_name, rid, body, req.custom_tools, logprobs_of), after=remember)
             turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
             remember(turn)
-            return JSONResponse(responses_response(turn, self.model_name, rid, body, responses_output(turn)))
+            output = responses_output(turn, req.custom_tools, logprobs_of(turn) if logprobs_of else None)
+            return JSONResponse(responses_response(turn, self.model_name, rid, body, output))
 
         @guarded(openai_error_body)
         async def models(request: Request, sid: str):

@@ -42,6 +42,11 @@ Reading order: requests and sampling parameters (`SamplingParams`, `parse_sampli
   adapted projection, unmerged, as the trainer computes it.
 * `SGLANG_BEHAVIOURS`, below: where SGLang refuses, blocks, ignores or dies, the CPU engine does the same, and the
   table names the SGLang source of each such behaviour; tests/test_conformance.py has one test per row.
+* Constrained decoding as SGLang's xgrammar backend does it: `sampling_params.json_schema` / `regex` / `ebnf` compiled
+  when the request arrives (`compile_grammar`: SGLang's 400 text for one that does not compile, and for the schema
+  keywords SGLang refuses because xgrammar would ignore them), one xgrammar matcher per request, its token bitmask
+  applied to the logits before sampling (`_mask_by_grammar`), so the logprob returned is that of the masked
+  distribution, as SGLang's (rollout.py's docstring); a grammar that completes finishes the request as a stop.
 * `/generate` with `stream: true` (`_stream_chunks`): SGLang's Server-Sent Events, a cumulative chunk per decode step
   (every `stream_interval` tokens) as the scheduler samples it, the finished answer, `data: [DONE]`.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
@@ -59,7 +64,10 @@ adapters in `tests/test_lora.py`, token streaming in `tests/test_token_stream.py
 
 Left out: text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA on MoE experts,
 multi-latent attention, embeddings or the LM head, multimodal input, a deferred `/flush_cache?timeout=`,
-`--incremental-streaming-output` (chunks are cumulative, SGLang's default). A stream=true request that SGLang's
+`--incremental-streaming-output` (chunks are cumulative, SGLang's default), `structural_tag`, SGLang's reasoning-aware
+grammars (with `--reasoning-parser` SGLang starts the grammar after the thinking; here it holds from the first token),
+`--constrained-json-disable-any-whitespace` / max whitespace (SGLang's defaults, any whitespace, are what is done), a
+grammar compiled off the scheduler's path (SGLang compiles in a thread pool; here before the request is queued). A stream=true request that SGLang's
 schema admits but its checks refuse (a negative temperature, a prompt past the context) gets a 400 before the stream
 here, where SGLang answers 200 and an error event. A dropped HTTP connection aborts a streamed request but not a
 plain one (call /abort_request).
@@ -191,6 +199,11 @@ class SamplingParams:
     no_stop_trim: bool = False        # keep the matched stop token in the returned text
     sampling_seed: int | None = None  # per-request seed, honoured under enable_deterministic_inference only
     stream_interval: int | None = None  # stream=true: a chunk every this many tokens (None: the server's, 1)
+    # constrained decoding (at most one of the three): a JSON schema as a JSON string, a regex, an EBNF grammar in
+    # xgrammar's GBNF dialect; SGLang's fields, compiled by xgrammar as SGLang's default grammar backend does
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 # Every key SGLang 0.5.23's /generate schema knows in sampling_params, in its order (api/v1/api_types.py
@@ -202,8 +215,7 @@ SGLANG_SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex"
                         "sampling_seed", "custom_params", "beam_width", "watermark", "choice")
 # SGLang parameters the CPU engine accepts only at their neutral value (anything else is a 400 saying so).
 _NEUTRAL_PARAMS = {"n": 1, "stop": None, "stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                   "repetition_penalty": 1.0, "min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None,
-                   "structural_tag": None, "logit_bias": None, "custom_params": None,
+                   "repetition_penalty": 1.0, "min_new_tokens": 0, "structural_tag": None, "logit_bias": None, "custom_params": None,
                    "spaces_between_special_tokens": True, "beam_width": None,
                    "watermark": None, "choice": None}
 
@@ -238,6 +250,14 @@ def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
         out.stream_interval = None if out.stream_interval is None else int(out.stream_interval)
     except (TypeError, ValueError) as e:
         raise BadRequest(f"sampling_params has a value of the wrong type: {e}") from None
+    for key in GRAMMAR_KEYS:
+        value = getattr(out, key)
+        if value is not None and not isinstance(value, str):  # SGLang's contract check, its words
+            raise BadRequest(f"sampling_params.{key}: invalid type: {type(value).__name__} {value!r:.80}, "
+                             "expected a string")
+        setattr(out, key, value or None)  # SGLang normalizes "" to unset
+    if sum(getattr(out, k) is not None for k in GRAMMAR_KEYS) > 1:
+        raise BadRequest("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
     if out.temperature < 0:
         raise BadRequest(f"sampling_params.temperature must be >= 0 (0 = greedy), got {out.temperature}")
     if not 0 < out.top_p <= 1:
@@ -254,6 +274,91 @@ def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
     if bad:
         raise BadRequest(f"sampling_params.stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
     return out
+
+
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")  # the constraints the CPU engine compiles; structural_tag is refused
+
+# What SGLang 0.5.23's xgrammar backend refuses in a JSON schema before compiling it, because xgrammar 0.2.x would
+# accept it and not enforce it (constrained/json_schema_validation.py): these keywords anywhere in the schema, a string
+# `format` outside the formats xgrammar implements, and two of format / pattern / min-maxLength on one string.
+_XGRAMMAR_IGNORED_KEYWORDS = frozenset({"contains", "dependentRequired", "dependentSchemas", "else", "if",
+                                        "maxContains", "minContains", "multipleOf", "not", "then", "uniqueItems"})
+_XGRAMMAR_STRING_FORMATS = frozenset({"date", "date-time", "duration", "email", "hostname", "ipv4", "ipv6",
+                                      "json-pointer", "relative-json-pointer", "time", "uri", "uri-reference",
+                                      "uri-template", "uuid"})
+
+
+def _subschemas(schema, pointer: str = "#"):
+    """(subschema, JSON pointer) of every schema-valued keyword, depth first (not `enum`/`const` values)."""
+    if not isinstance(schema, dict):
+        return
+    yield schema, pointer
+    for key, child in schema.items():
+        if key in ("items", "additionalItems", "additionalProperties", "contains", "contentSchema", "else", "if",
+                   "not", "propertyNames", "then", "unevaluatedItems", "unevaluatedProperties"):
+            children = enumerate(child) if key == "items" and isinstance(child, list) else [(None, child)]
+        elif key in ("allOf", "anyOf", "oneOf", "prefixItems") and isinstance(child, list):
+            children = enumerate(child)
+        elif key in ("$defs", "definitions", "dependentSchemas", "patternProperties", "properties",
+                     "dependencies") and isinstance(child, dict):
+            children = ((k.replace("~", "~0").replace("/", "~1"), v) for k, v in child.items())
+        else:
+            continue
+        for name, sub in children:
+            yield from _subschemas(sub, f"{pointer}/{key}" + ("" if name is None else f"/{name}"))
+
+
+def _check_schema_for_xgrammar(schema) -> None:
+    for sub, pointer in _subschemas(schema):
+        ignored = sorted(_XGRAMMAR_IGNORED_KEYWORDS & set(sub))
+        if ignored:
+            raise ValueError(f"JSON Schema at {pointer} is not supported by xgrammar: keyword(s) "
+                             f"{', '.join(ignored)} would be ignored")
+        kind = sub.get("type")
+        if not (kind is None or kind == "string" or isinstance(kind, list) and "string" in kind):
+            continue
+        if "format" in sub and sub["format"] not in _XGRAMMAR_STRING_FORMATS:
+            raise ValueError(f"JSON Schema at {pointer} is not supported by xgrammar: string format "
+                             f"{sub['format']!r} is not implemented")
+        groups = [g for g, keys in (("format", ("format",)), ("pattern", ("pattern",)),
+                                    ("minLength/maxLength", ("minLength", "maxLength"))) if set(keys) & set(sub)]
+        if len(groups) > 1:
+            raise ValueError(f"JSON Schema at {pointer} is not supported by xgrammar: constraints "
+                             f"{', '.join(groups)} cannot be enforced together")
+
+
+def _holds_nul(v) -> bool:
+    if isinstance(v, str):
+        return "\x00" in v
+    items = [*v.keys(), *v.values()] if isinstance(v, dict) else v if isinstance(v, list) else []
+    return any(_holds_nul(x) for x in items)
+
+
+def compile_grammar(compiler, params: SamplingParams):
+    """The request's grammar compiled by xgrammar (`compiler`: an xgrammar.GrammarCompiler over the engine's
+    tokenizer), or None when it asks for none. A grammar that does not compile is a 400 with SGLang's message
+    ("Failed to compile json grammar: ..."): SGLang finishes such a request with an abort of status 400, which its
+    /generate answers as a 400."""
+    for key, kind in (("json_schema", "json"), ("regex", "regex"), ("ebnf", "ebnf")):
+        source = getattr(params, key)
+        if source is None:
+            continue
+        if "\x00" in source:  # xgrammar's converters crash on a NUL; SGLang refuses it first
+            raise BadRequest(f"Failed to compile {kind} grammar: Invalid {kind}: NUL bytes (\\u0000) are not allowed")
+        try:
+            if kind == "json":
+                schema = json.loads(source)
+                if _holds_nul(schema):
+                    raise BadRequest(f"Failed to compile json grammar: Invalid json: NUL bytes (\\u0000) are not "
+                                     "allowed")
+                _check_schema_for_xgrammar(schema)
+                return compiler.compile_json_schema(source, any_whitespace=True)
+            return compiler.compile_regex(source) if kind == "regex" else compiler.compile_grammar(source)
+        except BadRequest:
+            raise
+        except (RuntimeError, ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            raise BadRequest(f"Failed to compile {kind} grammar: {e}") from None
+    return None
 
 
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES, in its order (constants.py)
@@ -313,6 +418,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) 
     return tokens, logp
 
 
+def _mask_by_grammar(logits: torch.Tensor, grammars: list) -> torch.Tensor:
+    """The logits with every token a row's grammar refuses next set to -inf (rows without a grammar unchanged), as
+    SGLang applies xgrammar's token bitmask to the logits in place before its sampler. So the token is drawn from the
+    masked distribution, and its logprob (`sample`: log_softmax at temperature 1) is that of the masked distribution,
+    renormalized over the allowed tokens: what SGLang 0.5.23 returns with SGLANG_RETURN_ORIGINAL_LOGPROB (its
+    original_logprobs are taken from the logits after the mask, layers/sampler.py; model_runner._preprocess_logits
+    applies the mask first). The trainer's recomputed logprob is of the unmasked policy: the two differ by the log of
+    the probability mass the grammar allowed."""
+    import xgrammar
+    B, V = logits.shape
+    bitmask = xgrammar.allocate_token_bitmask(B, V)                                      # (B, ceil(V/32)) int32, all 1
+    for i, g in enumerate(grammars):
+        if g is not None and not g.is_terminated():
+            g.fill_next_token_bitmask(bitmask, i)
+    idx = torch.arange(V)
+    allowed = ((bitmask[:, idx // 32] >> (idx % 32)) & 1).bool()                         # (B, V) bit i of row: token i
+    return logits.masked_fill(~allowed, float("-inf"))                                    # (B, V)
+
+
 @dataclasses.dataclass(eq=False)
 class Req:
     """One generation request as the scheduler tracks it."""
@@ -339,6 +463,7 @@ class Req:
     stream: object = None                 # stream=true: fn(n) called on the scheduler thread when the first n output
     #                                       tokens are to go out as a chunk (SGLang's output streamer); None otherwise
     sent: int = 0                         # output tokens already streamed (SGLang's send_token_offset)
+    grammar: object = None                # xgrammar.GrammarMatcher of a constrained request (json_schema/regex/ebnf)
 
 
 def response(req: Req, finish_reason: dict | None, tokenizer, weight_version: str, runner: "ModelRunner",
@@ -1070,6 +1195,7 @@ class CpuEngine:
         self.died: str | None = None  # why the scheduler ended the server, as SGLang's does on an exception
         self.on_death = None  # called once the scheduler has died (serve: stop the HTTP server)
         self.lora_registry = LoraRegistry(lora)
+        self._grammar_compiler = None  # xgrammar.GrammarCompiler, built at the first constrained request
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[Req] = collections.deque()
@@ -1152,6 +1278,7 @@ class CpuEngine:
             raise BadRequest(f"routed_experts_start_len={routed_experts_start_len!r} must be an integer in "
                              f"[0, {len(input_ids)}] (the number of input tokens)")
         adapter = self.lora_registry.resolve(lora_path) if lora_path is not None else None
+        grammar = self._grammar_matcher(params)
         max_new = min(params.max_new_tokens, self.max_len - len(input_ids))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.runner.eos_ids)
         if seed is None and self.deterministic:  # SGLang: the request's sampling_seed, else 42 (sampling_batch_info.py)
@@ -1166,7 +1293,23 @@ class CpuEngine:
                    max_new=max_new, stop_ids=stop_ids, uniforms=uniforms,
                    return_text_in_logprobs=bool(return_text_in_logprobs),
                    return_routed_experts=bool(return_routed_experts), routed_experts_start_len=routed_experts_start_len,
-                   adapter=adapter)
+                   adapter=adapter, grammar=grammar)
+
+    def _grammar_matcher(self, params: SamplingParams):
+        """A fresh xgrammar matcher for a constrained request, None for the others. The compiler is built at the first
+        such request, over the engine's tokenizer with the model's eos ids as the grammar's end (SGLang's xgrammar
+        backend: TokenizerInfo.from_huggingface(tokenizer, vocab_size, stop_token_ids=model eos)); xgrammar caches
+        compiled grammars, as SGLang's backend does."""
+        if all(getattr(params, k) is None for k in GRAMMAR_KEYS):
+            return None
+        if self.tokenizer is None:
+            raise BadRequest(f"json_schema / regex / ebnf need the tokenizer, and {self.model_path} has none")
+        import xgrammar  # here: only a constrained request needs it
+        if self._grammar_compiler is None:
+            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.runner.vocab_size,
+                                                           stop_token_ids=sorted(self.runner.eos_ids))
+            self._grammar_compiler = xgrammar.GrammarCompiler(info)
+        return xgrammar.GrammarMatcher(compile_grammar(self._grammar_compiler, params))
 
     def submit(self, *reqs: Req) -> list[concurrent.futures.Future]:
         """Queue requests (one message, so a batch is admitted together); returns their futures."""
@@ -1382,13 +1525,18 @@ class CpuEngine:
         """Sample one token per request from its logits (B, V) (at its context's last position) and append it."""
         n_out = torch.tensor([len(r.output_ids) for r in reqs])
         u = self.uniforms[torch.tensor([r.slot for r in reqs]), n_out]                   # (B,)
+        if any(r.grammar is not None for r in reqs):
+            logits = _mask_by_grammar(logits, [r.grammar for r in reqs])                # (B, V) -inf where refused
         tokens, logp = sample(logits, [r.params for r in reqs], u)                      # (B,), (B,)
         for req, tok, lp in zip(reqs, tokens.tolist(), logp.tolist()):
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
             req.output_versions.append(self.weight_version)
             self.stats["generated_tokens"] += 1
-            if tok in req.stop_ids:
+            if req.grammar is not None:
+                req.grammar.accept_token(tok)  # the mask allowed only tokens it accepts
+            if tok in req.stop_ids or req.grammar is not None and req.grammar.is_terminated():
+                # SGLang: a terminated grammar finishes the request as a matched stop token (schedule_batch.py)
                 self._finish(req, {"type": "stop", "matched": tok})
             elif len(req.output_ids) >= req.max_new:
                 self._finish(req, {"type": "length", "length": len(req.output_ids)})

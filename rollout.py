@@ -27,6 +27,16 @@ train-inference gap is a property of the numerics only. (SGLang by default repor
 scaling; RolloutEngine starts it with SGLANG_RETURN_ORIGINAL_LOGPROB=True, unless the environment already sets it,
 so both engines report the same quantity.)
 
+Constrained decoding. `sampling_params.json_schema` (a JSON schema as a JSON string), `regex` or `ebnf` (at most one)
+are compiled by xgrammar (SGLang's default grammar backend; the CPU engine pins the same 0.2.7) and applied as a token
+bitmask to the logits before sampling, so the returned logprob of a token is log_softmax of the MASKED logits
+(temperature 1): the distribution the token was drawn from, renormalized over what the grammar allowed. The
+trainer's recomputed logprob is of the unmasked policy, lower by the log of the allowed mass. A grammar ends the
+request as a stop once it is complete (the model's eos ids are its end tokens). One that does not compile is a 400,
+"Failed to compile json grammar: ..." (schema keywords xgrammar would ignore included). SGLang with
+`--reasoning-parser` lets a thinking model think before the grammar starts; the CPU engine does not, so the router
+refuses structured output on a thinking model unless thinking is off.
+
 Weight versions. Every step runs under one set of weights: weight updates and pauses are applied between steps, so
 each token's logprob comes from the weights that produced it. `meta_info.weight_versions` names those weights per
 token in SGLang's own format: a list of spans `{"version", "start", "end"}` over the output tokens (end exclusive),

@@ -19,16 +19,27 @@ Reading order: error bodies; request parsing (`openai_request`, `anthropic_reque
 and `responses_tools`, then `responses_output`, `responses_response`, `responses_stream`).
 
 What an API refuses gets an `ApiError` (HTTP status, message naming the field and the value seen), rendered in
-that API's error shape by the router. In Chat Completions and Messages, options the engine cannot honour are
-refused rather than ignored, so the trainer never sees a sample drawn from a different distribution than the agent
-asked for. The Responses API is checked less: its input items, tools, `previous_response_id`, `max_output_tokens`
-and sampling fields are, but other top-level fields (`text.format`, `reasoning`, a typo) are ignored.
-`chat_template_kwargs` (Chat Completions and Responses, SGLang's extension) sets template variables such as Qwen3's
-`enable_thinking`.
+that API's error shape by the router. In all three APIs, options the engine cannot honour are refused rather than
+ignored, so the trainer never sees a sample drawn from a different distribution than the agent asked for: each
+top-level field of the official SDK's request type is honoured, inert (no effect on what is generated: metadata,
+store, user, caching and billing hints; only type-checked) or accepted only at its default (`_check_fields`), and an
+unknown one is a 400 naming the closest known field. `chat_template_kwargs` (Chat Completions and Responses, SGLang's
+extension) sets template variables such as Qwen3's `enable_thinking`; the Responses `reasoning.effort` does the same
+through the template's thinking switch ("none" off, any other level on; the level itself is not enforced).
+
+Structured output (Responses `text.format`, Chat Completions `response_format`): json_schema and json_object become
+SGLang's `json_schema` sampling parameter (`_output_format`), which the engine enforces with xgrammar; the router
+refuses it alongside tools or on a thinking model that thinks (agentflow.ChatFormat.check_structured). Custom tools
+(Responses, free-form text input) are rendered as a function of one string parameter, `input`, and their calls come
+back as custom_tool_call items (`responses_tools`, `responses_output`).
 
 Test: `.venv/bin/pytest tests/test_agentflow.py tests/test_responses.py` (through the router, with the official
 openai and anthropic clients); streaming in tests/test_token_stream.py. Left out: images/audio parts, built-in
-(non-function) Responses tools, n > 1, tool-call argument deltas while a call is generated (it streams whole).
+Responses tools, custom tools with a grammar format, n > 1, top_logprobs, tool-call argument deltas while a call is
+generated (a function or custom tool call streams whole), `tool_choice` "required" or named and `strict` function
+arguments enforced (parsed only), tools' defer_loading / async / programmatic callers / output_schema,
+`text.verbosity` (inert: the template has no such variable), Responses `truncation: auto`, `background`, stored
+`prompt`s and `conversation`s.
 """
 from __future__ import annotations
 
@@ -322,13 +333,13 @@ def anthropic_tools(raw) -> list[dict] | None:
 # metadata, caching, billing hints), only type-checked; honoured only at their default value, because the
 # engine cannot do otherwise and ignoring them would hand the trainer a different sample than was asked for.
 _OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options",
-                    "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs", "chat_template_kwargs",
-                    "separate_reasoning"}  # the last two: SGLang's extensions (template variables; thinking apart)
+                    "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs", "response_format",
+                    "chat_template_kwargs", "separate_reasoning"}  # the last two: SGLang's extensions
 _OPENAI_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
                  "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str, "seed": int,
                  "parallel_tool_calls": bool, "reasoning_effort": str, "verbosity": str, "moderation": dict}
 _OPENAI_DEFAULT_ONLY = {"n": [1], "top_logprobs": [0], "frequency_penalty": [0], "presence_penalty": [0],
-                        "logit_bias": [{}], "response_format": [{"type": "text"}], "modalities": [["text"]],
+                        "logit_bias": [{}], "modalities": [["text"]],
                         "audio": [], "prediction": [], "web_search_options": [], "functions": [], "function_call": []}
 _ANTHROPIC_HONOURED = {"messages", "model", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
                        "top_k", "tools", "tool_choice", "thinking"}
@@ -423,6 +434,41 @@ def _template_kwargs(v) -> dict:
     return dict(v)
 
 
+def _output_format(fmt, param: str, nested: bool) -> dict:
+    """Structured output -> the sampling params that constrain the engine (SGLang's mapping, serving_chat.py /
+    protocol.py): `{"type": "text"}` none; `json_schema` its schema as a JSON string in `json_schema` (whatever
+    `strict` says: a plain chat template never shows the schema to the model, so SGLang constrains it always);
+    `json_object` the schema '{"type": "object"}'. The engine compiles it (xgrammar) and answers a schema it cannot
+    compile with a 400, which the router passes on. `nested`: Chat Completions' shape (`json_schema: {name, schema,
+    strict}`) rather than the Responses API's flat one (`name`, `schema`, `strict` beside `type`)."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text" and len(fmt) == 1:
+        return {}
+    if kind == "json_object" and len(fmt) == 1:
+        return {"json_schema": '{"type": "object"}'}
+    spec = (fmt.get("json_schema") if nested else fmt) if kind == "json_schema" else None
+    where = f"{param}.json_schema" if nested else param
+    if not isinstance(spec, dict):
+        shape = "'json_schema': {name, schema, strict}" if nested else "name, schema, strict"
+        raise ApiError(400, f"{param} {fmt!r:.200} must be {{'type': 'text'}}, {{'type': 'json_object'}} or "
+                       f"{{'type': 'json_schema', {shape}}} (grammar and structural_tag formats are not supported)",
+                       param=param)
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"} - ({"type"} if not nested else set()))
+    if extra or nested and set(fmt) != {"type", "json_schema"}:
+        raise ApiError(400, f"{where} has unknown field(s) {extra or sorted(set(fmt) - {'type', 'json_schema'})}; "
+                       "it takes name, schema, strict, description", param=where)
+    if not isinstance(spec.get("name"), str) or not _TOOL_NAME_RE.match(spec["name"]):
+        raise ApiError(400, f"{where}.name {spec.get('name')!r:.100} must match ^[a-zA-Z0-9_-]{{1,64}}$",
+                       param=f"{where}.name")
+    if not nested and "schema" not in spec:  # required in the Responses API, optional in Chat Completions
+        raise ApiError(400, f"{where} needs a 'schema' (a JSON-schema object)", param=f"{where}.schema")
+    if not isinstance(spec.get("schema", {}), dict) or spec.get("strict") not in (None, True, False) or \
+            not isinstance(spec.get("description", ""), str):
+        raise ApiError(400, f"{where}: schema must be a JSON-schema object, strict a boolean, description a string; "
+                       f"got schema {spec.get('schema')!r:.100}, strict {spec.get('strict')!r}", param=where)
+    return {"json_schema": json.dumps(spec.get("schema", {}))}
+
+
 def _anthropic_thinking(v) -> bool | None:
     """The Messages `thinking` field -> thinking on (enabled, adaptive) / off (disabled) / not asked (None). Checked
     as the SDK's three variants: enabled needs budget_tokens >= 1024; disabled takes no other field; adaptive no
@@ -458,7 +504,9 @@ class ChatRequest:
     include_usage: bool = False    # OpenAI streaming: a final usage chunk
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs: variables for the chat template
     separate_reasoning: bool = True  # OpenAI (SGLang's field): thinking in reasoning_content, or left in the content
-    thinking: bool | None = None   # Anthropic `thinking`: on, off, or not asked (the model's default)
+    thinking: bool | None = None   # Anthropic `thinking` / Responses `reasoning`: on, off, or not asked
+    custom_tools: frozenset = frozenset()  # Responses: names of the custom tools (rendered as one-string functions)
+    structured: str | None = None  # the request field that asked for structured output (its grammar: in overrides)
 
 
 def openai_request(body: dict) -> ChatRequest:
@@ -490,10 +538,13 @@ def openai_request(body: dict) -> ChatRequest:
     stop = _stop_list(body.get("stop"), "stop", allow_str=True)
     if stop is not None and len(stop) > 4:
         raise ApiError(400, f"'stop' takes at most 4 sequences, got {len(stop)}", param="stop")
+    grammar = {} if body.get("response_format") is None else \
+        _output_format(body["response_format"], "response_format", nested=True)
     return ChatRequest(messages, tools, choice != "none", body.get("max_completion_tokens") or body.get("max_tokens"),
-                       _sampling_overrides(body, temperature_max=2.0), stop, stream, logprobs, include_usage,
-                       _template_kwargs(body.get("chat_template_kwargs")),
-                       body.get("separate_reasoning") is None or _flag(body, "separate_reasoning"))
+                       {**_sampling_overrides(body, temperature_max=2.0), **grammar}, stop, stream, logprobs,
+                       include_usage, _template_kwargs(body.get("chat_template_kwargs")),
+                       body.get("separate_reasoning") is None or _flag(body, "separate_reasoning"),
+                       structured="response_format" if grammar else None)
 
 
 def anthropic_request(body: dict) -> ChatRequest:
@@ -726,10 +777,12 @@ def _response_parts_text(content, where: str) -> str:
 
 
 def responses_messages(instructions, raw, previous: list[dict] | None) -> list[dict]:
-    """Responses `input` (a string, or a list of message / function_call / function_call_output / reasoning items)
-    after the conversation of `previous_response_id` -> internal messages; `instructions` become the system message
-    (they are not carried over from the previous response, as in the API). A reasoning item's text becomes the
-    reasoning_content of the assistant turn that follows it."""
+    """Responses `input` (a string, or a list of message / function_call / function_call_output / custom_tool_call /
+    custom_tool_call_output / reasoning items) after the conversation of `previous_response_id` -> internal messages;
+    `instructions` become the system message (they are not carried over from the previous response, as in the API).
+    A reasoning item's text becomes the reasoning_content of the assistant turn that follows it. A custom tool call
+    becomes a call of the function it is rendered as (`responses_tools`): arguments {"input": its input}; its output
+    a tool message like a function's."""
     msgs = [m for m in (previous or []) if m["role"] != "system"]
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -763,17 +816,21 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
                                "'instructions'", param=where)
             msg = {"role": role, "content": _response_parts_text(item.get("content"), where)}
             msgs.append(assistant(msg) if role == "assistant" else msg)
-        elif kind == "function_call":
-            call = _tool_call(item.get("name"), item.get("arguments", "{}"), item.get("call_id"), where)
+        elif kind in ("function_call", "custom_tool_call"):
+            if kind == "custom_tool_call" and not isinstance(item.get("input"), str):
+                raise ApiError(400, f"{where}: a custom_tool_call needs its string 'input', got "
+                               f"{item.get('input')!r:.100}", param=f"{where}.input")
+            args = {CUSTOM_INPUT: item["input"]} if kind == "custom_tool_call" else item.get("arguments", "{}")
+            call = _tool_call(item.get("name"), args, item.get("call_id"), where)
             if msgs and msgs[-1]["role"] == "assistant" and not thinking:  # several calls of one turn join its message
                 msgs[-1].setdefault("tool_calls", []).append(call)
             else:
                 msgs.append(assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             issued = {c["id"] for m in msgs for c in m.get("tool_calls") or ()}
             if item.get("call_id") not in issued:
-                raise ApiError(400, f"{where}: no function_call with call_id {item.get('call_id')!r} precedes this "
-                               "output", param=f"{where}.call_id")
+                raise ApiError(400, f"{where}: no {kind.removesuffix('_output')} with call_id {item.get('call_id')!r} "
+                               "precedes this output", param=f"{where}.call_id")
             output = item.get("output")
             msgs.append({"role": "tool", "tool_call_id": item["call_id"],
                          "content": output if isinstance(output, str) else _response_parts_text(output, where)})
@@ -786,57 +843,193 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
             thinking = "".join(p["text"] for p in parts)
         else:
             raise ApiError(400, f"{where}.type is {kind!r}; supported: message, function_call, "
-                           "function_call_output, reasoning", param=f"{where}.type")
+                           "function_call_output, custom_tool_call, custom_tool_call_output, reasoning",
+                           param=f"{where}.type")
     return msgs
 
 
+CUSTOM_INPUT = "input"  # the one string parameter a custom tool is rendered with
+# Tool fields accepted at their neutral value only: tool search (defer_loading), OpenAI-side execution (async,
+# programmatic callers), a schema of the tool's output: none is something a chat template renders. A function's
+# `strict` is accepted and not enforced (its arguments are parsed, not constrained), as in Chat Completions.
+_TOOL_DEFAULT_ONLY = {"defer_loading": (None, False), "async": (None, False), "allowed_callers": (None, ["direct"]),
+                      "output_schema": (None,)}
+
+
 def responses_tools(raw) -> list[dict] | None:
-    """Responses function tools ({"type": "function", "name", "description", "parameters"}) -> internal."""
+    """Responses tools -> the function tools the chat template renders. A function tool ({"type": "function", "name",
+    "description", "parameters"}) as it is. A custom tool ({"type": "custom", "name", "description", "format"}: the
+    model writes free-form text as its input) becomes a function of one required string parameter, `input`, so every
+    template and tool-call parser handles it as it handles functions; a call of it is answered as a custom_tool_call
+    item whose `input` is that string (`responses_output`). Its format may only be text: a grammar (lark / regex) on
+    the input alone would need a constrained span inside a free reply, which the engines are not asked for."""
     if raw is None:
         return None
     if not isinstance(raw, list):
         raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
     tools = []
     for i, t in enumerate(raw):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise ApiError(400, f"tools[{i}] has type {kind!r}; only function tools are supported", param=f"tools[{i}]")
-        tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
-                                                                     t.get("parameters"), f"tools[{i}]")})
-    return tools or None
+        kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+        where = f"tools[{i}]"
+        if kind in ("function", "custom"):
+            for name, neutral in _TOOL_DEFAULT_ONLY.items():
+                if t.get(name) not in neutral:
+                    raise ApiError(400, f"{where}.{name}={t[name]!r:.100} is not supported by this router (the chat "
+                                   f"template renders a tool's name, description and parameters only); leave it unset",
+                                   param=f"{where}.{name}")
+        if kind == "function":
+            extra = sorted(set(t) - {"type", "name", "description", "parameters", "strict", *_TOOL_DEFAULT_ONLY})
+            if extra:
+                raise ApiError(400, f"{where} has field(s) {extra} this router does not take (function tools: name, "
+                               "description, parameters, strict)", param=where)
+            tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
+                                                                         t.get("parameters"), where)})
+        elif kind == "custom":
+            extra = sorted(set(t) - {"type", "name", "description", "format", *_TOOL_DEFAULT_ONLY} - {"output_schema"})
+            fmt = t.get("format")
+            if extra or fmt is not None and fmt != {"type": "text"}:
+                raise ApiError(400, f"{where}: a custom tool takes name, description and format {{'type': 'text'}} "
+                               f"here (a grammar format is not supported: the input is free text); got "
+                               f"{extra or fmt!r:.200}", param=where)
+            fn = _tool_function(t.get("name"), t.get("description"), None, where)
+            fn["parameters"] = {"type": "object", "required": [CUSTOM_INPUT], "properties": {CUSTOM_INPUT: {
+                "type": "string", "description": "the tool's whole input, as free-form text"}}}
+            tools.append({"type": "function", "function": fn})
+        else:
+            raise ApiError(400, f"{where} has type {kind!r}; only function and custom tools are supported (built-in "
+                           "tools run at OpenAI, not here)", param=where)
+    return _unique_tools(tools)
+
+
+# The fields of a Responses create request (the official SDK's ResponseCreateParams), sorted as for Chat Completions.
+_RESPONSES_HONOURED = {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature",
+                       "top_p", "stream", "stream_options", "previous_response_id", "text", "reasoning", "include",
+                       "top_k", "chat_template_kwargs"}  # the last two: SGLang's extensions
+_RESPONSES_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
+                    "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str,
+                    "parallel_tool_calls": bool, "moderation": dict,
+                    "max_tool_calls": int}  # caps built-in tool calls, and no built-in tool runs here
+_RESPONSES_DEFAULT_ONLY = {"top_logprobs": [0], "truncation": ["disabled"], "background": [False], "prompt": [],
+                           "conversation": [], "context_management": [[]], "background_options": [],
+                           "access_programs": [], "image": []}
+# What `include` may name: the token logprobs of the output text are returned; the rest name outputs of built-in
+# tools and images (never produced here) or encrypted reasoning (reasoning items carry their text in the clear)
+_RESPONSES_INCLUDABLE = {"message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                         "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                         "computer_call_output.output.image_url", "code_interpreter_call.outputs"}
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def _responses_reasoning(v) -> bool | None:
+    """`reasoning` -> thinking on / off / not asked, what a chat template can do (Qwen3's enable_thinking is a switch):
+    effort "none" turns thinking off, any other level turns it on; the level itself is not enforced (the API calls it
+    guidance; no template takes a budget), as Messages' budget_tokens. `summary` is accepted and has no effect: the
+    reasoning item carries the whole thinking as its content, with an empty summary. mode "pro" (more compute at
+    OpenAI) and a `context` other than auto are refused."""
+    if v is None:
+        return None
+    extra = sorted(set(v) - {"effort", "summary", "generate_summary", "context", "mode"}) if isinstance(v, dict) else 0
+    if not isinstance(v, dict) or extra or v.get("effort") not in (None, *_REASONING_EFFORTS) or \
+            v.get("mode") not in (None, "standard") or v.get("context") not in (None, "auto") or \
+            any(v.get(k) not in (None, "auto", "concise", "detailed") for k in ("summary", "generate_summary")):
+        raise ApiError(400, f"reasoning {v!r:.200}: takes effort (one of {list(_REASONING_EFFORTS)}), summary "
+                       "(auto, concise, detailed), mode 'standard' and context 'auto' here", param="reasoning")
+    return None if v.get("effort") is None else v["effort"] != "none"
+
+
+def _responses_tool_choice(choice, tools: list[dict] | None, custom: frozenset) -> bool:
+    """Whether tool calls are parsed: tool_choice "none" leaves the model's tool-call text as text. "required" and a
+    named function or custom tool are accepted and not enforced (no constrained decoding of calls; as Chat
+    Completions); allowed_tools and built-in tool choices are refused."""
+    named = isinstance(choice, dict) and choice.get("type") in ("function", "custom") and set(choice) == {
+        "type", "name"} and isinstance(choice.get("name"), str)
+    if not (named or choice in ("auto", "none", "required")):
+        raise ApiError(400, f"tool_choice {choice!r:.200} must be 'auto', 'none', 'required', {{'type': 'function', "
+                       "'name': ...}} or {'type': 'custom', 'name': ...}", param="tool_choice")
+    if named:
+        names = {t["function"]["name"] for t in tools or ()}
+        if choice["name"] not in names or (choice["type"] == "custom") != (choice["name"] in custom):
+            raise ApiError(400, f"tool_choice names the {choice['type']} tool {choice['name']!r}, which is not among "
+                           "the tools", param="tool_choice")
+    return choice != "none"
 
 
 def responses_request(body: dict, previous: dict[str, list[dict]]) -> ChatRequest:
-    """A Responses body -> ChatRequest; `previous` maps the session's response ids to their conversations (the
-    API's `previous_response_id` reaches only responses of the same session)."""
+    """A Responses body -> ChatRequest, checked as Chat Completions is: an unknown field a 400 naming the closest one,
+    inert ones type-checked, ones the engine cannot honour accepted only at their default. `previous` maps the
+    session's response ids to their conversations (the API's `previous_response_id` reaches only responses of the
+    same session)."""
+    _check_fields(body, _RESPONSES_HONOURED, _RESPONSES_INERT, _RESPONSES_DEFAULT_ONLY)
     if "input" not in body:
         raise ApiError(400, "missing required field 'input'", param="input")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
     prev = body.get("previous_response_id")
     if prev is not None and prev not in previous:
         raise ApiError(400, f"previous_response_id {prev!r} is not a response of this session",
                        param="previous_response_id", code="previous_response_not_found")
     msgs = responses_messages(body.get("instructions"), body["input"], previous.get(prev))
-    return ChatRequest(msgs, responses_tools(body.get("tools")), body.get("tool_choice", "auto") != "none",
-                       _positive_int(body.get("max_output_tokens"), "max_output_tokens"),
-                       _sampling_overrides(body, temperature_max=2.0), None, bool(body.get("stream")),
-                       template_kwargs=_template_kwargs(body.get("chat_template_kwargs")))
+    tools = responses_tools(body.get("tools"))
+    custom = frozenset(t["name"] for t in body.get("tools") or () if t.get("type") == "custom")
+    choice = body.get("tool_choice")
+    parse_tools = True if choice is None else _responses_tool_choice(choice, tools, custom)
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_obfuscation"}):
+        raise ApiError(400, f"stream_options {options!r:.100} is only allowed when 'stream' is true, as "
+                       "{'include_obfuscation': bool}", param="stream_options")
+    include = body.get("include") or []
+    if not isinstance(include, list) or not set(include) <= _RESPONSES_INCLUDABLE:
+        raise ApiError(400, f"include {include!r:.200}: each entry must be one of {sorted(_RESPONSES_INCLUDABLE)}",
+                       param="include")
+    text = body.get("text") or {}
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or \
+            text.get("verbosity") not in (None, "low", "medium", "high"):
+        raise ApiError(400, f"text {text!r:.200} takes format and verbosity (low, medium, high)", param="text")
+    grammar = {} if text.get("format") is None else _output_format(text["format"], "text.format", nested=False)
+    return ChatRequest(msgs, tools, parse_tools, _positive_int(body.get("max_output_tokens"), "max_output_tokens"),
+                       {**_sampling_overrides(body, temperature_max=2.0), **grammar}, None, stream,
+                       logprobs="message.output_text.logprobs" in include,
+                       template_kwargs=_template_kwargs(body.get("chat_template_kwargs")),
+                       thinking=_responses_reasoning(body.get("reasoning")), custom_tools=custom,
+                       structured="text.format" if grammar else None)
 
 
-def responses_output(turn: Turn) -> list[dict]:
-    """The output items of a turn: a reasoning item (its thinking, if any), a message (its text) and one function_call
-    item per tool call."""
+def _custom_input(arguments: dict) -> str:
+    """A custom tool's input from the arguments of the function it is rendered as: the `input` string when the model
+    wrote just that, else the arguments it wrote, whole, as JSON text (nothing of what it sampled is dropped)."""
+    if set(arguments) == {CUSTOM_INPUT} and isinstance(arguments[CUSTOM_INPUT], str):
+        return arguments[CUSTOM_INPUT]
+    return json.dumps(arguments)
+
+
+def responses_output(turn: Turn, custom: frozenset = frozenset(), logprobs: list | None = None) -> list[dict]:
+    """The output items of a turn: a reasoning item (its thinking, if any), a message (its text, with `logprobs`: the
+    output tokens' when `include` asks for message.output_text.logprobs) and one function_call item per call of a
+    function tool, one custom_tool_call item per call of a custom tool (names in `custom`)."""
     out = []
     if turn.reasoning:
         out.append({"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "status": "completed", "summary": [],
                     "content": [{"type": "reasoning_text", "text": turn.reasoning}]})
     if turn.content or not turn.tool_calls:
         out.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
-                    "content": [{"type": "output_text", "text": turn.content, "annotations": [], "logprobs": []}]})
+                    "content": [{"type": "output_text", "text": turn.content, "annotations": [],
+                                 "logprobs": logprobs or []}]})
     for c in turn.tool_calls:
-        out.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"],
-                    "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"]),
-                    "status": "completed"})
+        name, args = c["function"]["name"], c["function"]["arguments"]
+        if name in custom:
+            out.append({"type": "custom_tool_call", "id": "ctc_" + uuid.uuid4().hex, "call_id": c["id"], "name": name,
+                        "input": _custom_input(args)})
+        else:
+            out.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"], "name": name,
+                        "arguments": json.dumps(args), "status": "completed"})
     return out
+
+
+def responses_logprobs(chat, turn: Turn) -> list[dict]:
+    """The output text's logprobs as the Responses API lists them: every output token's (as Chat Completions'), no
+    top_logprobs (the engine returns only the sampled token's)."""
+    return [{**lp, "top_logprobs": []} for lp in _openai_logprobs(chat, turn)["content"]]
 
 
 def responses_response(turn: Turn | None, model: str, rid: str, body: dict, output: list[dict]) -> dict:
@@ -852,18 +1045,23 @@ def responses_response(turn: Turn | None, model: str, rid: str, body: dict, outp
             "status": "in_progress" if turn is None else "incomplete" if incomplete else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
             "output": output, "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
-            "previous_response_id": body.get("previous_response_id"), "parallel_tool_calls": True,
-            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "text": {"format": {"type": "text"}},
+            "previous_response_id": body.get("previous_response_id"),
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [], "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+            "text": {"format": {"type": "text"}, **(body.get("text") or {})}, "reasoning": body.get("reasoning"),
             "usage": usage}
 
 
-async def responses_stream(parts, model: str, rid: str, body: dict):
+async def responses_stream(parts, model: str, rid: str, body: dict, custom: frozenset = frozenset(),
+                           logprobs_of=None):
     """The events of a streamed response as the turn is generated (`parts`: see openai_stream): created,
     in_progress; a reasoning item whose reasoning_text deltas follow the reasoning, a message item whose output_text
     deltas follow the content, each closed (done events) when the next opens or the turn ends; then at the end the
-    function_call items (arguments whole), completed with the whole response, whose items keep the streamed ids. Every
-    event is numbered; a failure is an `error` event."""
+    function_call items (arguments whole: one function_call_arguments delta) and custom_tool_call items (input whole:
+    one custom_tool_call_input delta), as a call is parsed whole; completed with the whole response, whose items keep
+    the streamed ids. `logprobs_of(turn)`: the output text's logprobs, if asked, in the message's done events (known
+    at the end only). Every event is numbered; a failure is an `error` event."""
     seq = iter(range(10 ** 9))
 
     def event(kind, **fields):
@@ -873,7 +1071,7 @@ async def responses_stream(parts, model: str, rid: str, body: dict):
     yield event("response.created", response=created)
     yield event("response.in_progress", response=created)
     opened: list[dict] = []  # the items streamed so far, each {"type", "id", "text"}; the last may be open
-    is_open = False
+    is_open, turn = False, None
 
     def where():
         return dict(item_id=opened[-1]["id"], output_index=len(opened) - 1, content_index=0)
@@ -885,8 +1083,9 @@ async def responses_stream(parts, model: str, rid: str, body: dict):
             done = {"type": "reasoning", "id": item["id"], "status": "completed", "summary": [],
                     "content": [{"type": "reasoning_text", "text": item["text"]}]}
         else:
-            part = {"type": "output_text", "text": item["text"], "annotations": [], "logprobs": []}
-            yield event("response.output_text.done", **where(), text=item["text"], logprobs=[])
+            lps = logprobs_of(turn) if logprobs_of is not None and turn is not None else []
+            part = {"type": "output_text", "text": item["text"], "annotations": [], "logprobs": lps}
+            yield event("response.output_text.done", **where(), text=item["text"], logprobs=lps)
             yield event("response.content_part.done", **where(), part=part)
             done = {"type": "message", "id": item["id"], "status": "completed", "role": "assistant",
                     "content": [part]}
@@ -930,7 +1129,7 @@ async def responses_stream(parts, model: str, rid: str, body: dict):
     if is_open:
         for ev in close():
             yield ev
-    output = responses_output(turn)
+    output = responses_output(turn, custom, logprobs_of(turn) if logprobs_of is not None else None)
     for item, streamed in zip(output, opened):  # the streamed items come first, in the same order
         item["id"] = streamed["id"]
     for i, item in enumerate(output[len(opened):], start=len(opened)):
@@ -941,6 +1140,13 @@ async def responses_stream(parts, model: str, rid: str, body: dict):
                         delta=item["arguments"])
             yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                         arguments=item["arguments"], name=item["name"])
+            yield event("response.output_item.done", output_index=i, item=item)
+        elif item["type"] == "custom_tool_call":
+            yield event("response.output_item.added", output_index=i, item={**item, "input": ""})
+            yield event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=i,
+                        delta=item["input"])
+            yield event("response.custom_tool_call_input.done", item_id=item["id"], output_index=i,
+                        input=item["input"])
             yield event("response.output_item.done", output_index=i, item=item)
         else:  # nothing of it settled before the end (an empty message): its whole sequence now
             text = item["content"][0]["text"]

@@ -6,13 +6,16 @@ at the chosen tokens (fp32, <= 1e-5); requests join and leave the running batch 
 results; stop ids / max_new_tokens / abort / pause modes give the right finish_reason and partial output; weight
 updates (disk, in-process, shm and gloo broadcast through transfermesh) change the outputs to exactly the new
 model's and bump weight_version, with every token stamped by the weights that produced it; bad input answers 400
-and the server keeps serving; top-k/top-p/min-p sampling draws from exactly the filtered distribution; a fixed
-engine seed reproduces samples; the scheduler thread keeps the process's only OpenMP pool.
+and the server keeps serving; top-k/top-p/min-p sampling draws from exactly the filtered distribution; json_schema /
+regex / ebnf requests stay in their grammar and report the logprobs of the masked distribution (invalid grammars: 400
+with SGLang's message); a fixed engine seed reproduces samples; the scheduler thread keeps the process's only OpenMP pool.
 """
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -484,6 +487,58 @@ def test_other_families_match_transformers(kind, tmp_path):
         engine.stop()
 
 
+# Constrained decoding: each of SGLang's three grammar fields, with a sampled (seeded) request
+CONSTRAINTS = {
+    "json_schema": (json.dumps({"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+                                "required": ["n", "ok"], "additionalProperties": False}),
+                    lambda text: set(json.loads(text)) == {"n", "ok"} and isinstance(json.loads(text)["n"], int)
+                    and isinstance(json.loads(text)["ok"], bool)),
+    "regex": ("[0-9]{2,4}-(yes|no)", lambda text: re.fullmatch("[0-9]{2,4}-(yes|no)", text) is not None),
+    "ebnf": ('root ::= "go " dir\ndir ::= "left" | "right"', lambda text: text in ("go left", "go right")),
+}
+
+
+@pytest.mark.parametrize("key", list(CONSTRAINTS))
+def test_constrained_decoding_samples_and_scores_the_masked_distribution(key, server, hf_a, tiny_model_dir):
+    """A grammar request's text is in its grammar and ends at the grammar's end (a model eos, finish "stop"); each
+    token's logprob is log_softmax of the logits with the refused tokens masked out (an xgrammar matcher of our own
+    walks the same tokens), which is larger than the raw one wherever the mask removed mass; a request without a
+    grammar in the same batch is the same as alone."""
+    import xgrammar
+    url, handle = server
+    source, valid = CONSTRAINTS[key]
+    prompt = [5, 6, 7, 8]
+    sp = {key: source, "temperature": 1.0, "max_new_tokens": 200, "sampling_seed": 3}
+    plain = {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 4}
+    both = rollout.post(url, "/generate", {"input_ids": [prompt, prompt], "sampling_params": [sp, plain],
+                                           "return_logprob": True})
+    out, alongside = both
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]["finish_reason"]
+    assert out["output_ids"][-1] in handle.engine.runner.eos_ids
+    text = handle.engine.tokenizer.decode(out["output_ids"][:-1])
+    assert valid(text), text
+    assert alongside["output_ids"] == gen(url, prompt, **plain)["output_ids"]
+
+    info = xgrammar.TokenizerInfo.from_huggingface(handle.engine.tokenizer, vocab_size=hf_a.config.vocab_size,
+                                                   stop_token_ids=sorted(handle.engine.runner.eos_ids))
+    compiler = xgrammar.GrammarCompiler(info)
+    matcher = xgrammar.GrammarMatcher({"json_schema": compiler.compile_json_schema, "regex": compiler.compile_regex,
+                                       "ebnf": compiler.compile_grammar}[key](source))
+    with torch.no_grad():
+        logits = hf_a(torch.tensor([prompt + out["output_ids"]])).logits[0, len(prompt) - 1:-1].float()  # (T, V)
+    masked = []
+    for t, tok in enumerate(out["output_ids"]):
+        bitmask = xgrammar.allocate_token_bitmask(1, logits.shape[1])
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        allowed = torch.tensor([(int(bitmask[0, i // 32]) >> (i % 32)) & 1 for i in range(logits.shape[1])]).bool()
+        masked.append(torch.log_softmax(logits[t].masked_fill(~allowed, float("-inf")), -1)[tok])
+        assert matcher.accept_token(tok)
+    got = engine_logprobs(out)
+    assert (got - torch.stack(masked)).abs().max() <= 1e-5
+    raw = hf_logprobs(hf_a, prompt, out["output_ids"])
+    assert bool((got >= raw - 1e-6).all()) and bool((got > raw + 1e-3).any())
+
+
 @pytest.mark.parametrize("payload, needle", [
     (b"{not json", "not valid JSON"),
     (b"[1, 2]", "JSON object"),
@@ -498,6 +553,15 @@ def test_other_families_match_transformers(kind, tmp_path):
     ({"input_ids": [1, 2], "sampling_params": {"max_tokens": 4}}, "max_new_tokens"),
     ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}}, "not implemented"),
     ({"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [100000]}}, "stop_token_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"json_schema": "{"}}, "Failed to compile json grammar"),
+    ({"input_ids": [1, 2], "sampling_params": {"json_schema": '{"type": "nope"}'}}, "Failed to compile json grammar"),
+    ({"input_ids": [1, 2], "sampling_params": {"json_schema": '{"type": "array", "uniqueItems": true}'}},
+     "uniqueItems would be ignored"),
+    ({"input_ids": [1, 2], "sampling_params": {"regex": "(["}}, "Failed to compile regex grammar"),
+    ({"input_ids": [1, 2], "sampling_params": {"ebnf": "root ::= "}}, "Failed to compile ebnf grammar"),
+    ({"input_ids": [1, 2], "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "Only one of"),
+    ({"input_ids": [1, 2], "sampling_params": {"json_schema": {"type": "object"}}}, "expected a string"),
+    ({"input_ids": [1, 2], "sampling_params": {"structural_tag": "{}"}}, "not implemented"),
 ])
 def test_bad_input_answers_400_and_server_keeps_serving(server, payload, needle):
     url, _ = server

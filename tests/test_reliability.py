@@ -321,7 +321,8 @@ OPENAI_BAD = {  # each a body the OpenAI API answers with a 400, and the words t
     "unknown field": ({"messages": [USER], "temprature": 0.5}, "did you mean 'temperature'"),
     "n=2": ({"messages": [USER], "n": 2}, "'n'=2 is not supported"),
     "frequency_penalty the engine cannot apply": ({"messages": [USER], "frequency_penalty": 0.5}, "not supported"),
-    "response_format json": ({"messages": [USER], "response_format": {"type": "json_object"}}, "not supported"),
+    "response_format json_schema without its object": ({"messages": [USER], "response_format": {
+        "type": "json_schema"}}, "grammar and structural_tag formats are not supported"),
     "top_logprobs": ({"messages": [USER], "logprobs": True, "top_logprobs": 3}, "'top_logprobs'=3"),
     "seed not an integer": ({"messages": [USER], "seed": "x"}, "'seed' must be of type int"),
     "model not a string": ({"messages": [USER], "model": 5}, "'model' must be a string"),

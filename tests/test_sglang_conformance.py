@@ -15,7 +15,10 @@ What it proves:
 * SGLang's own flattened_bucket payload loads in the CPU engine, and what SGLang's app refuses the CPU engine refuses;
 * the LoRA adapter transfermesh pushes (/load_lora_adapter_from_tensors) is what SGLang's TP worker reads into
   the pushed tensors, and the {name: tensor} payload SGLang's own Engine sends loads in the CPU engine;
-* the router's tool-call parser gives SGLang's hermes parser's calls and content on each probe text.
+* the router's tool-call parser gives SGLang's hermes parser's calls and content on each probe text;
+* json_schema / regex / ebnf: the CPU engine refuses the grammars SGLang's xgrammar backend refuses, with its message,
+  and masks the same tokens at each step of the valid ones; the router's structured-output /generate body (the
+  schema in `json_schema`) is a valid SGLang body.
 """
 import asyncio
 import dataclasses
@@ -196,6 +199,10 @@ def test_the_router_generates_and_aborts(tiny_model_dir, monkeypatch):
         _, answer = await flow.pool.generate([5, 6, 7], dict(temperature=0.0, max_new_tokens=6), "stream-probe",
                                              on_chunk=chunks.append)
         assert answer["meta_info"]["finish_reason"] is not None and all(c["output_ids"] for c in chunks)
+        # structured output's /generate: the schema as SGLang's json_schema sampling param (a JSON string)
+        _, answer = await flow.pool.generate([5, 6, 7], dict(temperature=0.0, max_new_tokens=6,
+                                                             json_schema='{"type": "object"}'), "grammar-probe")
+        assert answer["meta_info"]["finish_reason"] is not None
         await flow.close()
         return done
     try:
@@ -206,6 +213,9 @@ def test_the_router_generates_and_aborts(tiny_model_dir, monkeypatch):
     paths = {p for _, p, _ in rec.sent}
     assert {"/generate", "/abort_request"} <= paths, paths
     assert any(p == "/generate" and b.get("stream") is True for _, p, b in rec.sent)
+    sent_params = [sp for _, p, b in rec.sent if p == "/generate" for sp in (
+        b["sampling_params"] if isinstance(b["sampling_params"], list) else [b["sampling_params"]])]  # batched or not
+    assert any("json_schema" in sp for sp in sent_params)
     RECORDED.extend(rec.sent)
 
 
@@ -374,6 +384,68 @@ def test_what_sglang_refuses_the_cpu_engine_refuses(sglang_server, tiny_model_di
         handle.shutdown()
     assert answers[0] == answers[1] == (400, "update_weights_from_tensor must run between begin_weight_update() and "
                                              "end_weight_update()", 400), answers
+
+
+# Grammar probes: (kind, source) as sampling_params carry them, compiled by SGLang's xgrammar backend and by the CPU
+# engine: valid ones, and each way SGLang refuses one (malformed, unknown type, a keyword or format xgrammar would
+# ignore, two string constraints at once, a NUL, a bad regex, a bad EBNF)
+GRAMMARS = [
+    ("json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}, "tags": {
+        "type": "array", "items": {"type": "string", "enum": ["a", "b"]}}}, "required": ["n"]})),
+    ("json_schema", '{"type": "string", "format": "date"}'),
+    ("json_schema", "{"),
+    ("json_schema", '{"type": "nope"}'),
+    ("json_schema", '{"type": "array", "items": {"type": "integer", "multipleOf": 3}}'),
+    ("json_schema", '{"type": "string", "format": "color"}'),
+    ("json_schema", '{"type": "string", "pattern": "a+", "maxLength": 3}'),
+    ("json_schema", '{"type": "string", "pattern": "a\\u0000"}'),
+    ("regex", "[0-9]{2,4}-(yes|no)"),
+    ("regex", "(["),
+    ("ebnf", 'root ::= "go " dir\ndir ::= "left" | "right"'),
+    ("ebnf", "root ::= "),
+]
+
+
+def test_the_cpu_engine_compiles_and_masks_grammars_as_sglangs_xgrammar_backend(tiny_model_dir):
+    """Each probe grammar: SGLang's xgrammar backend (constrained/xgrammar_backend.py, with the message its grammar
+    manager answers a failure with: "Failed to compile {json|regex|ebnf} grammar: ...") and the CPU engine refuse the
+    same ones with the same message (xgrammar's time stamp aside); for the valid ones, the tokens each allows are the
+    same at every step of a walk through the grammar (first allowed token each time)."""
+    import re
+    from transformers import AutoTokenizer
+    from sglang.srt.constrained.base_grammar_backend import InvalidGrammarObject
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
+    engine = cpu_engine.CpuEngine(tiny_model_dir, max_batch=2, max_len=64)  # not started: make_request only
+    V = engine.runner.vocab_size
+    backend = XGrammarGrammarBackend(AutoTokenizer.from_pretrained(tiny_model_dir), vocab_size=V,
+                                     model_eos_token_ids=sorted(engine.runner.eos_ids))
+    stamp = re.compile(r"\[\d\d:\d\d:\d\d\] ")
+    valid = 0
+    for key, source in GRAMMARS:
+        kind = {"json_schema": "json"}.get(key, key)
+        theirs = backend._init_value_dispatch((kind, source), False)
+        try:
+            req = engine.make_request([5, 6, 7], {key: source})
+        except cpu_engine.BadRequest as e:
+            assert isinstance(theirs, InvalidGrammarObject), (key, source, str(e))
+            assert stamp.sub("", str(e)) == stamp.sub("", f"Failed to compile {kind} grammar: {theirs.error_message}")
+            continue
+        assert not isinstance(theirs, InvalidGrammarObject), (key, source, theirs.error_message)
+        valid += 1
+        for _ in range(12):
+            mask = theirs.allocate_vocab_mask(V, 1, "cpu")
+            theirs.fill_vocab_mask(mask, 0)
+            sglang_logits = torch.zeros(1, V)
+            theirs.apply_vocab_mask(sglang_logits, mask)
+            ours = cpu_engine._mask_by_grammar(torch.zeros(1, V), [req.grammar])
+            assert torch.equal(torch.isinf(ours), torch.isinf(sglang_logits)), (key, source)
+            tok = int(torch.isfinite(ours[0]).nonzero()[0])
+            theirs.accept_token(tok)
+            req.grammar.accept_token(tok)
+            if req.grammar.is_terminated():
+                assert theirs.is_terminated()
+                break
+    assert valid == 4
 
 
 # Tool-call probes: the texts a Qwen-style model writes, well-formed and not. (name, text)

@@ -377,3 +377,42 @@ def test_streamed_tool_calls_stop_strings_and_malformed_streams(served, tiny_mod
     assert len(deltas) > 1 and "".join(deltas) == "ok so"  # token by token, none of the call's text
     assert json.loads(args) == {"expression": "3*4"}
     assert stopped == "one two" and errors == [400, 400, 400]
+
+
+def test_responses_stream_custom_tool_calls_whole_and_logprobs_at_the_end(served, tiny_model_dir):
+    """A custom tool's call streams as the function calls do, whole at the end: output_item.added (input ""), one
+    custom_tool_call_input delta with the whole input, its done event, output_item.done; the completed response holds
+    the same item, same id. With include message.output_text.logprobs the message's done events carry one logprob per
+    output token (known at the end only), as the plain reply's item does."""
+    url, _ = served
+    call = '<tool_call>\n{"name": "shell", "arguments": {"input": "echo hi > /tmp/x"}}\n</tool_call>'
+    shell = {"type": "custom", "name": "shell", "description": "run a shell command"}
+
+    async def body():
+        flow = await started_flow([url], tiny_model_dir)
+        crafted_engine(flow.pool, flow.chat, ["ok " + call])
+        s = open_session(flow)
+        stream = await session_client(flow, s).responses.create(
+            model="m", input="write hi", tools=[shell], stream=True, include=["message.output_text.logprobs"])
+        events = [e async for e in stream]
+        plain = await session_client(flow, open_session(flow)).responses.create(
+            model="m", input="write hi", tools=[shell], include=["message.output_text.logprobs"])
+        await flow.close()
+        return events, plain, s
+    events, plain, s = run(body())
+    kinds = [e.type for e in events]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    i = kinds.index("response.custom_tool_call_input.delta")
+    added, delta, done, item_done = events[i - 1], events[i], events[i + 1], events[i + 2]
+    assert text == "ok" and kinds.index("response.output_text.done") < i  # the text went out before the call
+    assert (added.type, added.item.type, added.item.input) == ("response.output_item.added", "custom_tool_call", "")
+    assert delta.delta == done.input == item_done.item.input == "echo hi > /tmp/x"
+    assert done.type == "response.custom_tool_call_input.done" and item_done.type == "response.output_item.done"
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and final.output[-1].id == delta.item_id == added.item.id
+    n = len(s.segments[-1].response_ids)
+    [text_done] = [e for e in events if e.type == "response.output_text.done"]
+    assert len(text_done.logprobs) == n == len(final.output[0].content[0].logprobs)
+    assert [lp.logprob for lp in text_done.logprobs] == s.segments[-1].rollout_logprobs == [-0.5] * n
+    assert [o.type for o in plain.output] == ["message", "custom_tool_call"]
+    assert [lp.logprob for lp in plain.output[0].content[0].logprobs] == [-0.5] * n
