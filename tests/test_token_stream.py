@@ -201,7 +201,10 @@ def test_engine_death_mid_stream_is_sglangs_error_event(tiny_model_dir):
     finally:
         gate.remove()
         handle.shutdown()
-    assert handle.engine.died and [len(c["output_ids"]) for c in chunks][:1] == [1]
+    # tokens reached the client before the death, and far fewer than asked: the gate held the scheduler at 2 output
+    # tokens; once opened, one more decode step may run before the scheduler takes the fatal call from its inbox
+    # (and a cumulative chunk written late holds every token so far)
+    assert handle.engine.died and chunks and all(1 <= len(c["output_ids"]) <= 3 for c in chunks)
 
 
 # ----------------------------------------------------------------------------------------------
