@@ -334,8 +334,8 @@ class Producer:
     Every prompt group is known by its sequence number (its group id). `dispatch()` hands out new groups while
     the window allows; `receive()` takes the groups AgentFlow finished, collects them into the buffer as the
     window allows (dropping uninformative ones under dynamic sampling), and moves the oldest buffered groups
-    into the step's batch, applying the version-lag bound; `pop_batch()` returns the batch once it holds B
-    groups. train() moves groups between it and AgentFlow with visible calls.
+    into the step's batch, applying the version-lag bound (a group it leaves with no token to train on gives its
+    place to the next complete one); `pop_batch()` returns the batch once it holds B groups. train() moves groups between it and AgentFlow with visible calls.
     """
 
     def __init__(self, cfg: Config, samples: list[dict], state: dict | None = None):
@@ -350,7 +350,7 @@ class Producer:
         self.batch: list[list[dict]] = []  # the groups of the step being assembled (with buffer: Q)
         self.redo: list[tuple[dict, bool]] = []  # (prompt, is a regeneration) to dispatch first
         self.second_try: set[int] = set()  # seqs dispatched as a regeneration: never regenerated again
-        self.stats = dict(dropped=0, regenerated=0, masked=0)  # this step's counts
+        self.stats = dict(dropped=0, regenerated=0, masked=0, stale=0)  # this step's counts
         for sample, again in (state or {}).get("pending", []):  # groups that were in flight: dispatched first
             self.redo.append((sample, again))
 
@@ -405,7 +405,8 @@ class Producer:
                 self.prompt_of.pop(seq)
             else:
                 self.buffer[seq] = group
-        for seq in sorted(self.buffer)[:self.B - len(self.batch)]:  # oldest first
+        while self.buffer and len(self.batch) < self.B:  # oldest first
+            seq = min(self.buffer)
             group, sample = self.buffer.pop(seq), self.prompt_of.pop(seq)
             over = lag_over(group, version, cfg.max_version_lag)  # tokens older than the bound allows
             if over and cfg.lag_policy == "regenerate" and seq not in self.second_try:
@@ -415,6 +416,11 @@ class Producer:
             if over:
                 mask_lagging(group, version, cfg.max_version_lag)
                 self.stats["masked"] += over
+                if not any(m for t in group for m in t["loss_mask"]):
+                    # every token was too old (a group that waited on its tools across the bound): it has nothing
+                    # left to train on, so the next complete group takes its place and the step still trains B
+                    self.stats["stale"] += 1
+                    continue
             self.batch.append(group)
 
     def refill(self) -> list[tuple[int, dict]]:
@@ -435,11 +441,12 @@ class Producer:
         trajs = [t for group in self.batch for t in group]
         metrics = {"rollout/buffer_groups": len(self.buffer), "rollout/running_groups": len(self.running),
                    "rollout/lag_masked_tokens": self.stats["masked"],
-                   "rollout/regenerated_groups": self.stats["regenerated"]}
+                   "rollout/regenerated_groups": self.stats["regenerated"],
+                   "rollout/lag_dropped_groups": self.stats["stale"]}
         if self.cfg.dynamic_sampling or self.cfg.group_filter:
             metrics.update({"rollout/groups_kept": len(self.batch),
                             "rollout/groups_sampled": len(self.batch) + self.stats["dropped"]})
-        self.batch, self.stats = [], dict(dropped=0, regenerated=0, masked=0)
+        self.batch, self.stats = [], dict(dropped=0, regenerated=0, masked=0, stale=0)
         return trajs, metrics
 
 

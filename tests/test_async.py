@@ -147,8 +147,15 @@ def test_producer_invariants_under_random_lengths(seed):
     assert set(groups.values()) <= {cfg.samples_per_prompt}
     dropped = sum(e.get("rollout/groups_sampled", 0) - e.get("rollout/groups_kept", 0) for e in events)
     regenerated = sum(e["rollout/regenerated_groups"] for e in events)
+    stale = sum(e["rollout/lag_dropped_groups"] for e in events)  # every token past the bound: replaced
     pending = set(prod.running) | set(prod.finished) | set(prod.buffer) | {t[0]["group_id"] for t in prod.batch}
-    assert len(groups) + dropped + regenerated + len(pending) == prod.next_seq
+    assert len(groups) + dropped + regenerated + stale + len(pending) == prod.next_seq
+    # a step trains B groups, however many the bound emptied (dynamic sampling may give up with fewer)
+    if not cfg.dynamic_sampling:
+        per_step = {}
+        for g, version, _ in trained:
+            per_step.setdefault(version, set()).add(g)
+        assert {len(gs) for gs in per_step.values()} == {cfg.prompts_per_step}
     assert len(prod.redo) == 0 or regenerated > 0
     # something was actually off-policy, so the bound was exercised (lags > 0 trained or masked)
     masked = sum(e["rollout/lag_masked_tokens"] for e in events)
