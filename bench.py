@@ -251,6 +251,48 @@ def bench_rollout(args) -> dict:
     return result
 
 
+def router_clocks(flow, clocks) -> tuple[dict, object]:
+    """Clocks inside the routed request, on this flow's own objects only (instance attributes; nothing global is
+    patched): the router's ASGI app from the request's arrival to its answer's last byte ("app"), the engine call it
+    makes ("engine", and the ids it sent and got), and the session's turn bookkeeping ("turn": Session.plan +
+    Session.commit, render, tokenize, TITO; `timed` wraps a session's two methods). One request runs at a time, so
+    the CPU this process spends inside a span is that request's. Returns (span, timed)."""
+    span = {}
+
+    def add(name, t0):
+        span[name] = [s + c() - t for s, c, t in zip(span.get(name, (0.0, 0.0)), clocks, t0)]
+
+    make_app, real_generate = flow.router.app, flow.pool.generate
+
+    def timed_app():
+        app = make_app()
+
+        async def asgi(scope, receive, send):
+            t0 = [c() for c in clocks]
+            await app(scope, receive, send)
+            add("app", t0)
+        return asgi
+
+    async def timed_generate(input_ids, sampling_params, rid, prefer=None, batch=""):
+        t0 = [c() for c in clocks]
+        answer = await real_generate(input_ids, sampling_params, rid, prefer, batch)
+        add("engine", t0)
+        span["ids"] = (list(input_ids), answer[1]["output_ids"])
+        return answer
+
+    def timed(fn):
+        def call(*a, **kw):
+            t0 = [c() for c in clocks]
+            try:
+                return fn(*a, **kw)
+            finally:
+                add("turn", t0)
+        return call
+
+    flow.router.app, flow.pool.generate = timed_app, timed_generate
+    return span, timed
+
+
 def bench_router(args) -> dict:
     """Router overhead per request (agentflow: official OpenAI client -> router -> engine) vs the same request
     sent straight to the engine's /generate, as p50/p99 seconds and as a fraction of a 64-token generation; the
@@ -275,45 +317,7 @@ def bench_router(args) -> dict:
 
     async def run() -> dict:
         flow = agentflow.AgentFlow(cfg, [url], path)
-        # Clocks inside the routed request, on this flow's own objects only (instance attributes; nothing global is
-        # patched): the router's ASGI app from the request's arrival to its answer's last byte, the engine call it
-        # makes, and the session's turn bookkeeping (Session.plan + Session.commit: render, tokenize, TITO). One
-        # request runs at a time, so the CPU this process spends inside a span is that request's.
-        span = {}
-
-        def add(name, t0):
-            span[name] = [s + c() - t for s, c, t in zip(span.get(name, (0.0, 0.0)), clocks, t0)]
-
-        make_app = flow.router.app
-
-        def timed_app():
-            app = make_app()
-
-            async def asgi(scope, receive, send):
-                t0 = [c() for c in clocks]
-                await app(scope, receive, send)
-                add("app", t0)
-            return asgi
-
-        real_generate = flow.pool.generate
-
-        async def timed_generate(input_ids, sampling_params, rid, prefer=None, batch=""):
-            t0 = [c() for c in clocks]
-            answer = await real_generate(input_ids, sampling_params, rid, prefer, batch)
-            add("engine", t0)
-            span["ids"] = (list(input_ids), answer[1]["output_ids"])
-            return answer
-
-        def timed(fn):
-            def call(*a, **kw):
-                t0 = [c() for c in clocks]
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    add("turn", t0)
-            return call
-
-        flow.router.app, flow.pool.generate = timed_app, timed_generate
+        span, timed = router_clocks(flow, clocks)
         await flow.start_router()
         msgs = [{"role": "user", "content": "12+7"}]
         ids = flow.chat.encode(flow.chat.render(msgs, add_generation_prompt=True))
@@ -373,6 +377,13 @@ def bench_router(args) -> dict:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    return router_report(args, r)
+
+
+def router_report(args, r: dict) -> dict:
+    """bench router's figures from its measured pairs `r` (bench_router's run()): the overhead per request, wall and
+    CPU, p50/p99, as a fraction of a 64-token generation, and the CPU overhead split by the clocks inside the routed
+    request; printed, and returned."""
     pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
     result = {"gen64_s": r["t64"]}
     for k, name in enumerate(("wall", "cpu")):  # paired: same tokens, back to back
@@ -457,6 +468,8 @@ def run_stats(hist: list[dict]) -> dict:
             "on_policy": sum(h["rollout/on_policy_frac"] * h["rollout/generated_tokens"] for h in steps) / tokens,
             "partial": statistics.mean(h["rollout/partial_frac"] for h in steps),
             "masked": sum(h.get("rollout/lag_masked_tokens", 0) for h in steps),
+            # groups whose every token was past the bound, replaced by the next complete group
+            "lag_dropped": sum(h.get("rollout/lag_dropped_groups", 0) for h in steps),
             "wait": statistics.mean(h["perf/trainer_wait_frac"] for h in steps),
             # share of the machine's CPU time busy over the steps without an eval (/proc/stat)
             "cpu_busy": statistics.mean([h.get("perf/node_cpu_busy_frac", float("nan"))
@@ -512,7 +525,8 @@ def bench_async(args) -> dict:
               f"eval {r['eval_start']:.3f} -> {r['eval_end']:.3f}; trainer waits {r['wait']:.0%} of a step, engine "
               f"idle {r['idle']:.0%}")
         print(f"         lag of trained tokens: mean {r['lag_mean']:.2f}, max {r['lag_max']:.0f}, on-policy "
-              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound {r['masked']:.0f}")
+              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound {r['masked']:.0f} tokens, "
+              f"{r['lag_dropped']:.0f} groups (nothing left to train: the next complete group took their place)")
     print(f"  async / sync trained samples per second: {ratio:.2f}x (target >= 1.7x); final eval async - sync "
           f"{diff:+.3f} (matched within +-0.05: {abs(diff) <= 0.05})")
     busy = res["async"]["cpu_busy"]
@@ -600,7 +614,8 @@ def bench_agentic(args) -> dict:
               f"eval {r['eval_start']:.3f} -> {r['eval_end']:.3f}; trainer waits {r['wait']:.0%} of a step, engine "
               f"idle {r['idle']:.0%}")
         print(f"         lag of trained tokens: mean {r['lag_mean']:.2f}, max {r['lag_max']:.0f}, on-policy "
-              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound {r['masked']:.0f}")
+              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound {r['masked']:.0f} tokens, "
+              f"{r['lag_dropped']:.0f} groups (nothing left to train: the next complete group took their place)")
         print(f"         RL loop time: waiting for rollouts {t['generate']:.1f} s, train {t['train']:.1f} s, weight "
               f"sync {t['sync']:.1f} s, other {t['other']:.1f} s")
         print(f"         a trajectory (mean): {r['total_s']:.2f} s = {r['generate_s']:.2f} s in generation + "
