@@ -34,13 +34,14 @@ measured back to back in one run is far steadier than an absolute number.
         The first run also builds the warm start (400 SFT steps), cached for the next ones. --sync-set and
         --async-set add config overrides to one run (e.g. --async-set trainer_threads=2 engine_threads=1).
 
-    python bench.py agentic [--steps 16 --prompts 8 --stale-steps 1 --tool-median 0.3 --tool-p99 5 --tool-seed 0]
+    python bench.py agentic [--steps 16 --prompts 8 --stale-steps 2 --tool-median 0.3 --tool-p99 5 --tool-seed 0]
         Async vs sync where agents wait on tools: the retry agent (recipes/retry.py: answer, a checker tool, the
         question again when the answer is rejected) with every check taking wall-clock time from a seeded lognormal
         (median 0.3 s, p99 5 s), from the same cached warm start (recipes/arith_cpu.yaml's), the same number of
         trained samples. Prints trained samples/s of each and the ratio (target >= 3x), the greedy eval of each
         (within 0.05), the trained tokens' lag (max <= 2, token IS correction on), trainer wait, engine idle and
-        where each mode's loop time and each trajectory's time went. Write-up: docs/ASYNC.md.
+        where each mode's loop time and each trajectory's time went. Both modes at lr 3e-4 (a step a two-version
+        lag tolerates). Write-up: docs/ASYNC.md.
 
     python bench.py modes [--recipe recipes/arith_cpu.yaml --stale-steps 1 --seed 1234]
         The default recipe in sync and in async mode: eval accuracy by step and by wall time in one PNG
@@ -565,8 +566,9 @@ def bench_agentic(args) -> dict:
     Sync waits each step for its slowest trajectory's checks, with the engines and the trainer idle; async keeps
     C = B * (1 + stale_steps) groups going (window no-window: a group enters the buffer the moment it is complete,
     whatever older group is still waiting on its tool), so other groups generate and the trainer trains while
-    agents wait. A trajectory waiting on its tool across weight updates continues on the new weights; its tokens
-    older than the bound are masked (lag_policy=mask)."""
+    agents wait (stale_steps 2 by default: C = 24 groups for B = 8). A trajectory waiting on its tool across weight
+    updates continues on the new weights; its tokens older than the bound are masked (lag_policy=mask), and a group
+    left with none is replaced by the next complete one."""
     sigma = math.log(args.tool_p99 / args.tool_median) / 2.3263  # z of the 99th percentile of a standard normal
     latency = {"median": args.tool_median, "sigma": sigma, "seed": args.tool_seed}
     where = data.default_cache_dir() / "bench_agentic"
