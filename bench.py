@@ -123,6 +123,18 @@ import teacher
 import transfermesh as tm
 
 
+def run_mode(cfg) -> list[dict]:
+    """loongsage.train(cfg), each mode of a bench in a fresh Ray: train() starts one when none is up, and it is
+    shut down after the run (train() itself leaves Ray up for a next run), so no worker of one mode serves the next.
+    A Ray the caller started (a test session's) is used as found and left up."""
+    own = not ray.is_initialized()
+    try:
+        return loongsage.train(cfg)
+    finally:
+        if own:
+            ray.shutdown()
+
+
 def sync_engines() -> list[str]:
     """A sync layout on a CPU node: one engine per core, one torch thread each, so a sync step's generation runs as
     request-level parallelism (each engine decodes its share of the groups). On bench step's generation (64 samples
@@ -512,10 +524,7 @@ def bench_async(args) -> dict:
     res = {}
     for name, extra in modes.items():
         cfg = config.load_config("recipes/arith_cpu.yaml", common + extra + [f"output_dir={out / name}"])
-        try:
-            hist = loongsage.train(cfg)
-        finally:
-            ray.shutdown()
+        hist = run_mode(cfg)
         res[name] = run_stats(hist)
     ratio = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
     diff = res["async"]["eval_end"] - res["sync"]["eval_end"]
@@ -599,10 +608,7 @@ def bench_agentic(args) -> dict:
     for name, extra in modes.items():
         cfg = config.load_config("recipes/arith_cpu.yaml", common + extra + [f"output_dir={out / name}",
                                                                             f"dump_rollouts={out / name / 'rollouts'}"])
-        try:
-            hist = loongsage.train(cfg)
-        finally:
-            ray.shutdown()
+        hist = run_mode(cfg)
         res[name] = {**run_stats(hist), **tool_waits(out / name / "rollouts")}
     ratio = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
     diff = res["async"]["eval_end"] - res["sync"]["eval_end"]
@@ -639,10 +645,7 @@ def bench_modes(args) -> dict:
                         "async": ["mode=async", f"stale_steps={args.stale_steps}", "max_version_lag=2"]}.items():
         cfg = config.load_config(args.recipe, extra + [f"output_dir=runs/bench_modes/{name}", f"seed={args.seed}"])
         t0 = time.perf_counter()
-        try:
-            hist = loongsage.train(cfg)
-        finally:
-            ray.shutdown()
+        hist = run_mode(cfg)
         total = time.perf_counter() - t0
         steps = [h for h in hist if "timing/step" in h]
         clock, rl = {}, 0.0  # wall time of the RL loop at the end of each step
@@ -915,10 +918,7 @@ def bench_step(args) -> dict:
             f"prompts_per_step={prompts}", f"samples_per_prompt={samples}", f"global_batch_size={prompts * samples}",
             f"micro_batch_size={prompts * samples}", f"max_new_tokens={new_tokens}", f"lr={lr}", f"min_lr={lr}",
             f"dataset={dataset}", "print_every=0", *(args.sync_set if mode == "sync" else args.async_set)])
-        try:
-            history = loongsage.train(cfg)
-        finally:
-            ray.shutdown()
+        history = run_mode(cfg)
         timed = history[warm:] or history
         phases = {k: statistics.median(h.get(f"timing/{k}", 0.0) for h in timed) for k in
                   ("generate", "train", "sync", "step")}

@@ -62,7 +62,7 @@ def test_sync_bench_measures_every_transport_and_the_fixed_cost():
 
 
 @pytest.mark.slow
-def test_step_bench_reports_phases_within_the_step():
+def test_step_bench_reports_phases_within_the_step(ray_session):  # the session's Ray: no start-up per mode
     r = bench.main(["step", "--quick"])
     for mode in ("sync", "async"):
         ph = r[mode]
@@ -139,7 +139,7 @@ def test_retry_checker_latency_is_the_lognormal_asked_for():
 
 
 @pytest.mark.slow
-def test_bench_agentic_smoke(capsys):
+def test_bench_agentic_smoke(capsys, ray_session):  # the session's Ray: no start-up per mode
     """bench agentic runs both modes through the retry agent and its slow checker (on the untrained tiny model, so
     answers are mostly wrong and most trajectories take two turns and two checks), on the same number of trained
     samples, and reports what it says: every line's fields, async's lag within its bound of 2, trajectories that
