@@ -100,7 +100,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -113,6 +112,7 @@ import torch
 
 import cpu_engine
 import data
+import transfermesh
 
 SGLANG_STARTUP_TIMEOUT_S = 1200.0  # loading a large checkpoint and capturing CUDA graphs can take minutes
 
@@ -247,12 +247,6 @@ def _serve_host() -> str:
     return "127.0.0.1"
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """In the SGLang child, before exec: on Linux, get SIGTERM when the engine actor's process dies, even by
     SIGKILL (Ray killing the actor), so no server is left holding GPUs. Elsewhere shutdown() is the only stop."""
@@ -342,7 +336,7 @@ class RolloutEngine:
             if not torch.cuda.is_available():
                 raise RuntimeError("engine=sglang needs CUDA, and none is visible to this actor; use engine=cpu "
                                    "or give the rollout actors GPUs")
-            port = _free_port(host)
+            port = transfermesh.free_port(host)
             self._url = f"http://{host}:{port}"
             log_dir = Path(cfg.output_dir or tempfile.gettempdir())
             log_dir.mkdir(parents=True, exist_ok=True)

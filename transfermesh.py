@@ -69,6 +69,7 @@ import itertools
 import os
 import pickle
 import queue
+import random
 import shutil
 import socket
 import tempfile
@@ -707,9 +708,34 @@ def _push_disk(tensors, engines, bucket_bytes, config_dir, version):
         shutil.rmtree(out, ignore_errors=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
+_given_ports: set[int] = set()  # handed out by free_port in this process: never twice
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that another process will bind in a moment (a process group's rendezvous, a server), free now and
+    below the kernel's ephemeral range. A port from bind(0) is an ephemeral one, which any outgoing connection (Ray
+    opens many) may take before the other process binds it: EADDRINUSE at its rendezvous, seen once in a suite of
+    ~670 tests. Ports below the range are taken only by an explicit bind. The draw is from its own RNG, never the
+    seeded global one a run's reproducibility rests on."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA range, macOS's default
+        low = 49152
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(max(1024, low - 16384), low)
+        if port in _given_ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # taken: draw again
+                continue
+        _given_ports.add(port)
+        return port
+    with socket.socket() as s:  # 200 taken ports in a row: let the kernel choose
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

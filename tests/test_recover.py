@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+import transfermesh
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128)
@@ -191,10 +193,7 @@ def engine_process(model_dir: str, port: int, log: Path) -> subprocess.Popen:
 
 
 def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return transfermesh.free_port("127.0.0.1")
 
 
 LONG = dict(temperature=1.0, max_new_tokens=300, ignore_eos=True)  # 300 decode steps: still in flight when hit

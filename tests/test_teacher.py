@@ -16,7 +16,6 @@ What each test proves:
 """
 import json
 import math
-import socket
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ import data
 import loongsage
 import teacher
 import trainer
+import transfermesh
 from config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,9 +45,7 @@ def second_teacher_dir() -> str:
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return transfermesh.free_port("127.0.0.1")
 
 
 def make_cfg(**over) -> Config:

@@ -14,7 +14,6 @@ What each test proves:
 """
 import math
 import random
-import socket
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 import convert  # noqa: E402
 import cpu  # noqa: E402
 import trainer  # noqa: E402
+import transfermesh as tm  # noqa: E402
 from config import Config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return tm.free_port("127.0.0.1")
 
 
 def make_cfg(**over) -> Config:
