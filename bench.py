@@ -318,9 +318,7 @@ def bench_router(args) -> dict:
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
     # The engine runs in its own process, as engines do in a run (an in-process one would share the GIL
     # with the router and the clients being timed).
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = tm.free_port("127.0.0.1")
     proc = subprocess.Popen([sys.executable, "cpu_engine.py", "--model-path", path, "--port", str(port), "--max-batch", "8"],
                             cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -848,9 +846,7 @@ def bench_sync(args) -> dict:
     # the fixed cost: a real CPU engine in its own process, synced the way train() does it
     path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        eport = sock.getsockname()[1]
+    eport = tm.free_port("127.0.0.1")
     eproc = subprocess.Popen([sys.executable, "cpu_engine.py", "--model-path", path, "--port", str(eport), "--max-batch", "8"],
                              cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{eport}"

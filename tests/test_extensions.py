@@ -10,7 +10,6 @@ model never writes a tool call). `.venv/bin/pytest tests/test_extensions.py -q`.
 """
 import json
 import os
-import socket
 import textwrap
 from pathlib import Path
 
@@ -222,9 +221,7 @@ def test_policy_loss_and_kl_by_dotted_path_in_a_trainer_actor(ray_session, user_
     monkeypatch.syspath_prepend(str(user_actor_dir))  # validate() imports them in this process too
     cfg = trainer_cfg(policy_loss="userext_trainer:loss", kl_type="userext_trainer:kl", kl_coef=0.05)
     algos.validate(cfg)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = transfermesh.free_port("127.0.0.1")
     # the user's directory on this actor's PYTHONPATH only: the session's Ray stays as it is
     env = {"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{user_actor_dir}", "TOKENIZERS_PARALLELISM": "false"}}
     worker = ray.remote(num_cpus=1)(trainer.TrainerWorker).options(runtime_env=env).remote(cfg, 0, 1, "127.0.0.1",
