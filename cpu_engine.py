@@ -432,9 +432,9 @@ def _mask_by_grammar(logits: torch.Tensor, grammars: list) -> torch.Tensor:
     for i, g in enumerate(grammars):
         if g is not None and not g.is_terminated():
             g.fill_next_token_bitmask(bitmask, i)
-    idx = torch.arange(V)
-    allowed = ((bitmask[:, idx // 32] >> (idx % 32)) & 1).bool()                         # (B, V) bit i of row: token i
-    return logits.masked_fill(~allowed, float("-inf"))                                    # (B, V)
+    masked = logits.clone()  # the caller's logits may be the forward's own output
+    xgrammar.apply_token_bitmask_inplace(masked, bitmask)                                # SGLang's call, its CPU kernel
+    return masked                                                                        # (B, V)
 
 
 @dataclasses.dataclass(eq=False)

@@ -885,7 +885,7 @@ def responses_tools(raw) -> list[dict] | None:
             tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
                                                                          t.get("parameters"), where)})
         elif kind == "custom":
-            extra = sorted(set(t) - {"type", "name", "description", "format", *_TOOL_DEFAULT_ONLY} - {"output_schema"})
+            extra = sorted(set(t) - {"type", "name", "description", "format", *_TOOL_DEFAULT_ONLY})
             fmt = t.get("format")
             if extra or fmt is not None and fmt != {"type": "text"}:
                 raise ApiError(400, f"{where}: a custom tool takes name, description and format {{'type': 'text'}} "
