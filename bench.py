@@ -281,8 +281,12 @@ def router_clocks(flow, clocks) -> tuple[dict, object]:
         app = make_app()
 
         async def asgi(scope, receive, send):
+            async def keep(message):  # the answer's body, for the SDK's in-memory replay (bench_router)
+                if message["type"] == "http.response.body":
+                    span["body"] = span.get("body", b"") + message.get("body", b"")
+                await send(message)
             t0 = [c() for c in clocks]
-            await app(scope, receive, send)
+            await app(scope, receive, keep)
             add("app", t0)
         return asgi
 
@@ -317,10 +321,13 @@ def bench_router(args) -> dict:
     path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
     # The engine runs in its own process, as engines do in a run (an in-process one would share the GIL
-    # with the router and the clients being timed).
+    # with the router and the clients being timed), on --engine-threads torch threads: 1 leaves the other core to
+    # this process (agent and router), as a router beside GPU engines has host CPU the engines do not use; with 2
+    # the engine's threads take both cores and a routed request's wall time shows the contention, not the router.
     port = tm.free_port("127.0.0.1")
     proc = subprocess.Popen([sys.executable, "cpu_engine.py", "--model-path", path, "--port", str(port), "--max-batch", "8"],
-                            cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": str(args.engine_threads)})
     url = f"http://127.0.0.1:{port}"
     rollout.wait_healthy(url, timeout=120, proc=proc)
     cfg = config.Config(max_context_len=512, max_new_tokens=8)
@@ -348,21 +355,34 @@ def bench_router(args) -> dict:
             direct_ids.append(out["output_ids"])
 
         async def one_routed():
-            # One session and one client per request, as a single-turn agent has: the first request of a client
-            # also opens its connection to the router.
+            # One session and one client per request, as AgentFlow gives each white-box trajectory: on the flow's
+            # one connection pool (an agent program of its own opens a connection with its first request)
             s = flow.router.open_session(sampling=params, max_context_len=512, max_turns=1)
             s.plan, s.commit = timed(s.plan), timed(s.commit)
-            client = openai.AsyncOpenAI(base_url=flow.router.base_url(s), api_key=s.api_key, max_retries=0,
-                                        http_client=agentflow.openai_http_client())
+            client = flow.session_client(s)
             span.clear()
             t0 = [c() for c in clocks]
             await client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0.0)
             routed.append([c() - t for c, t in zip(clocks, t0)])
             spans.append(dict(span))
             await flow.router.close_session(s)
+            await one_sdk(span["body"])
+
+        async def one_sdk(body: bytes):
+            # The official SDK's own work for the same call (the request built from Python objects, the answer parsed
+            # into a ChatCompletion) against an in-memory transport that replays the router's answer: what an agent's
+            # process pays against any OpenAI server, SGLang's own included, so not the router's.
+            mod = agentflow.sdk_httpx()
+            replay = mod.MockTransport(lambda request: mod.Response(
+                200, headers={"content-type": "application/json"}, content=body))
+            client = openai.AsyncOpenAI(base_url="http://replay/v1", api_key="none", max_retries=0,
+                                        http_client=openai.DefaultAsyncHttpxClient(transport=replay))
+            t0 = [c() for c in clocks]
+            await client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0.0)
+            sdk.append([c() - t for c, t in zip(clocks, t0)])
             await client.close()
 
-        t64, direct, routed, direct_ids, spans = [], [], [], [], []
+        t64, direct, routed, direct_ids, spans, sdk = [], [], [], [], [], []
         await one_gen64()  # warm-up
         t64.clear()
         profile = cProfile.Profile(time.process_time) if args.profile else None  # CPU clock: load does not stretch it
@@ -381,7 +401,8 @@ def bench_router(args) -> dict:
             if sp["ids"] != (ids, d):
                 raise RuntimeError(f"bench router: the routed request sent {sp['ids'][0]} and got {sp['ids'][1]}, the "
                                    f"direct one sent {ids} and got {d}; the pairs would not compare like for like")
-        return {"t64": statistics.median(t64), "direct": direct[5:], "routed": routed[5:], "spans": spans[5:]}
+        return {"t64": statistics.median(t64), "direct": direct[5:], "routed": routed[5:], "spans": spans[5:],
+                "sdk": sdk[5:]}
 
     try:
         r = asyncio.run(run())
@@ -392,38 +413,53 @@ def bench_router(args) -> dict:
 
 
 def router_report(args, r: dict) -> dict:
-    """bench router's figures from its measured pairs `r` (bench_router's run()): the overhead per request, wall and
-    CPU, p50/p99, as a fraction of a 64-token generation, and the CPU overhead split by the clocks inside the routed
-    request; printed, and returned."""
+    """bench router's figures from its measured pairs `r` (bench_router's run()), wall and CPU, p50/p99, the wall ones
+    also as a fraction of a 64-token generation; printed, and returned. Three views of one request's overhead:
+    * "pair": the routed request over the direct one sent next to it: the engine's own jitter, in both, is in it.
+    * "outside": the routed request less its own engine call (the router's /generate call, the very call the direct
+      request makes): the official SDK, the HTTP hop and the router, with no engine time in it.
+    * "router": "outside" less the SDK's own work for that call (measured against an in-memory transport): the hop
+      and the router, what serving a request through LoongSage's router adds over the engine. The goal's figure.
+    And the CPU overhead split by the clocks inside the routed request."""
     pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
     result = {"gen64_s": r["t64"]}
-    for k, name in enumerate(("wall", "cpu")):  # paired: same tokens, back to back
-        overhead = [b[k] - a[k] for a, b in zip(r["direct"], r["routed"])]
-        result[f"direct_{name}_p50_s"] = statistics.median(a[k] for a in r["direct"])
-        result[f"routed_{name}_p50_s"] = statistics.median(b[k] for b in r["routed"])
-        result[f"router_{name}_p50_s"], result[f"router_{name}_p99_s"] = pct(overhead, 0.5), pct(overhead, 0.99)
-    result["ratio_p50"], result["ratio_p99"] = (result[f"router_wall_{q}_s"] / r["t64"] for q in ("p50", "p99"))
+    views = {"pair": lambda k: [b[k] - a[k] for a, b in zip(r["direct"], r["routed"])],  # back to back, same tokens
+             "outside": lambda k: [b[k] - sp["engine"][k] for b, sp in zip(r["routed"], r["spans"])],
+             "sdk": lambda k: [x[k] for x in r["sdk"]],
+             "router": lambda k: [b[k] - sp["engine"][k] - x[k] for b, sp, x in zip(r["routed"], r["spans"], r["sdk"])]}
+    for k, clock in enumerate(("wall", "cpu")):
+        result[f"direct_{clock}_p50_s"] = statistics.median(a[k] for a in r["direct"])
+        result[f"routed_{clock}_p50_s"] = statistics.median(b[k] for b in r["routed"])
+        for view, xs in views.items():
+            result[f"{view}_{clock}_p50_s"], result[f"{view}_{clock}_p99_s"] = pct(xs(k), 0.5), pct(xs(k), 0.99)
+    for view in views:
+        result[f"{view}_ratio_p50"], result[f"{view}_ratio_p99"] = (result[f"{view}_wall_{q}_s"] / r["t64"]
+                                                                    for q in ("p50", "p99"))
     # The CPU overhead split by the clocks inside the routed request; the parts add up to it pair by pair.
     cpu = 1
     parts = {"client": [b[cpu] - sp["app"][cpu] for b, sp in zip(r["routed"], r["spans"])],  # SDK, both HTTP ends
-             "app": [sp["app"][cpu] - sp["engine"][cpu] - sp["turn"][cpu] for sp in r["spans"]],  # FastAPI, checks,
+             "app": [sp["app"][cpu] - sp["engine"][cpu] - sp["turn"][cpu] for sp in r["spans"]],  # routing, checks,
              #                                                                                      response
              "turn": [sp["turn"][cpu] for sp in r["spans"]],                                      # render, TITO
              "engine": [sp["engine"][cpu] - a[cpu] for sp, a in zip(r["spans"], r["direct"])]}  # over direct's
     result.update({f"cpu_{k}_p50_s": pct(v, 0.5) for k, v in parts.items()})
     ms = lambda key: f"{result[key] * 1e3:.2f}"  # noqa: E731
     print(f"router: {args.requests} request pairs (greedy, 8 new tokens); a 64-token generation takes "
-          f"{r['t64'] * 1e3:.1f} ms (median of {args.repeats}, spread over the run)")
+          f"{r['t64'] * 1e3:.1f} ms (median of {args.repeats}, spread over the run; engine on {args.engine_threads} "
+          "torch thread(s))")
     print(f"  direct /generate p50 {ms('direct_wall_p50_s')} ms; OpenAI client -> router p50 "
           f"{ms('routed_wall_p50_s')} ms")
-    print(f"  router overhead per request: p50 {ms('router_wall_p50_s')} ms, p99 {ms('router_wall_p99_s')} ms")
-    print(f"  as a fraction of a 64-token generation: p50 {result['ratio_p50']:.3f}, p99 {result['ratio_p99']:.3f}")
-    # No ratio for the CPU figures: a loaded machine stretches the generation's wall time, not them
-    print(f"  router CPU per request (client + router, over the direct call's): p50 {ms('router_cpu_p50_s')} ms, "
-          f"p99 {ms('router_cpu_p99_s')} ms")
-    print(f"  where that CPU went, p50 of each part (ms): OpenAI client and both ends of the HTTP hop "
-          f"{ms('cpu_client_p50_s')}, router app {ms('cpu_app_p50_s')}, session turn {ms('cpu_turn_p50_s')}, "
-          f"engine call over direct {ms('cpu_engine_p50_s')}")
+    labels = {"pair": "routed over the direct request next to it (both hold the engine's jitter)",
+              "outside": "routed request less its own engine call (SDK, HTTP hop, router)",
+              "sdk": "the official SDK's own work for the call (in-memory transport)",
+              "router": "router overhead per request (outside less the SDK's: the hop and the router)"}
+    for view, label in labels.items():
+        print(f"  {label}: p50 {ms(f'{view}_wall_p50_s')} ms, p99 {ms(f'{view}_wall_p99_s')} ms = "
+              f"{result[f'{view}_ratio_p50']:.3f}, {result[f'{view}_ratio_p99']:.3f} of a 64-token generation; "
+              f"CPU p50 {ms(f'{view}_cpu_p50_s')} ms, p99 {ms(f'{view}_cpu_p99_s')} ms")
+    print(f"  where the routed request's CPU over the direct one went, p50 of each part (ms): OpenAI client and both "
+          f"ends of the HTTP hop {ms('cpu_client_p50_s')}, router app {ms('cpu_app_p50_s')}, session turn "
+          f"{ms('cpu_turn_p50_s')}, engine call over direct {ms('cpu_engine_p50_s')}")
     if args.profile:
         print(f"  cProfile of the measured pairs (CPU clock) in {args.profile}; the timings above include its cost")
     return result
@@ -1106,6 +1142,7 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests", type=int, default=100, help="router bench: requests of each kind")
+    p.add_argument("--engine-threads", type=int, default=1, help="router bench: the engine's torch threads")
     p.add_argument("--profile", default=None, metavar="FILE", help="router bench: write a cProfile (CPU clock) of the "
                    "measured pairs to FILE (read it with python -m pstats FILE)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (step: 10, async: 24, agentic: 16)")

@@ -556,6 +556,32 @@ def test_whitebox_agents_ok_crash_reward_budget_timeout(engines, tiny_model_dir)
     assert [(t["group_id"], t["sample_index"]) for t in crashed] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
+def test_whitebox_trajectories_share_one_connection_pool(engines, tiny_model_dir):
+    """Successive white-box trajectories reach the router over the flow's kept-alive connection (every session's
+    client is on one pool), not over a new connection each; the pool closes with the flow."""
+    async def body():
+        flow = agentflow.AgentFlow(make_cfg(agent="test_agentflow.two_turn_agent"), engines, tiny_model_dir)
+        peers, make_app = [], flow.router.app
+
+        def app():
+            inner = make_app()
+
+            async def asgi(scope, receive, send):
+                peers.append(scope["client"][1])  # the client's source port: one per TCP connection
+                await inner(scope, receive, send)
+            return asgi
+        flow.router.app = app
+        for step in range(3):
+            out = await flow.generate(data.arith_samples(1, seed=step), 1, SAMPLING, step=step)
+            assert [t["status"] for t in out] == ["ok"], out[0]["metadata"]
+        pool = flow._sdk_http
+        await flow.close()
+        return peers, pool
+    peers, pool = run(body())
+    assert len(peers) == 6 and len(set(peers)) == 1, peers  # 3 trajectories x 2 turns, one connection
+    assert pool.is_closed
+
+
 @pytest.mark.parametrize("preload", [[], ["openai"]])  # a new interpreter per trajectory, or forked warm
 def test_blackbox_agent_program_trains_through_env_vars(engines, tiny_model_dir, preload):
     async def body():
