@@ -706,8 +706,8 @@ class ChatFormat:
         return len(output_ids)
 
     def thinking_kwargs(self, enabled: bool | None, field: str = "thinking") -> dict:
-        """Template variables for an Anthropic `thinking` or a Responses `reasoning` request (`field`; SGLang's
-        mapping): the template's switch set on or off. Thinking asked of a model without a reasoning parser, or turned
+        """Template variables for an Anthropic `thinking`, a Responses `reasoning` or a Chat Completions
+        `reasoning_effort` request (`field`; SGLang's mapping): the template's switch set on or off. Thinking asked of a model without a reasoning parser, or turned
         off where the template cannot, is refused rather than ignored."""
         if enabled is None:
             return {}
@@ -734,7 +734,8 @@ class ChatFormat:
                            "holds from the first token, so the chat template's tool-call syntax could never be "
                            "written; send tool_choice 'none' or leave out the tools", param=req.structured)
         if self.reasoning_parser and not (self.thinking_switch and template_kwargs.get(self.thinking_switch) is False):
-            how = (f"reasoning.effort 'none', or chat_template_kwargs {{'{self.thinking_switch}': false}}"
+            how = (f"reasoning.effort 'none' (Responses), reasoning_effort 'none' (Chat Completions), or "
+                   f"chat_template_kwargs {{'{self.thinking_switch}': false}}"
                    if self.thinking_switch else "nothing: this model's template always thinks")
             raise ApiError(400, f"{req.structured} (structured output) on a thinking model (reasoning_parser "
                            f"{self.reasoning_parser!r}) needs thinking off: the grammar would hold from the first "
@@ -1178,13 +1179,25 @@ class Router:
             return StreamingResponse(render(parts()), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
+        def with_thinking(req, field: str, value) -> dict:
+            """The request's chat_template_kwargs with its thinking switch applied (Chat Completions
+            `reasoning_effort`, Responses `reasoning`); the two setting the switch differently is refused."""
+            thinking = self.chat.thinking_kwargs(req.thinking, field)
+            clash = {k for k in thinking if k in req.template_kwargs and req.template_kwargs[k] != thinking[k]}
+            if clash:
+                raise ApiError(400, f"{field} {value!r:.100} and chat_template_kwargs set {sorted(clash)} "
+                               "differently; send one of them", param=field)
+            return {**req.template_kwargs, **thinking}
+
         @guarded(openai_error_body)
         async def chat_completions(request: Request, sid: str):
             s = self._session(sid, request.headers)
-            req = openai_request(await body_of(request))
-            self.chat.check_structured(req, {**self.chat.template_kwargs, **req.template_kwargs})
+            body = await body_of(request)
+            req = openai_request(body)
+            template_kwargs = with_thinking(req, "reasoning_effort", body.get("reasoning_effort"))
+            self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop,
-                      template_kwargs=req.template_kwargs, separate_reasoning=req.separate_reasoning)
+                      template_kwargs=template_kwargs, separate_reasoning=req.separate_reasoning)
             if req.stream:
                 return await streamed(s, req, kw, lambda parts: openai_stream(
                     self.chat, parts, self.model_name, req.logprobs, req.include_usage))
@@ -1207,12 +1220,7 @@ class Router:
             s = self._session(sid, request.headers)
             body = await body_of(request)
             req = responses_request(body, s.responses)
-            thinking = self.chat.thinking_kwargs(req.thinking, "reasoning")
-            clash = {k for k in thinking if k in req.template_kwargs and req.template_kwargs[k] != thinking[k]}
-            if clash:
-                raise ApiError(400, f"reasoning {body['reasoning']!r:.100} and chat_template_kwargs set "
-                               f"{sorted(clash)} differently; send one of them", param="reasoning")
-            template_kwargs = {**req.template_kwargs, **thinking}
+            template_kwargs = with_thinking(req, "reasoning", body.get("reasoning"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, overrides=req.overrides,
                       template_kwargs=template_kwargs)

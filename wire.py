@@ -24,8 +24,9 @@ ignored, so the trainer never sees a sample drawn from a different distribution 
 top-level field of the official SDK's request type is honoured, inert (no effect on what is generated: metadata,
 store, user, caching and billing hints; only type-checked) or accepted only at its default (`_check_fields`), and an
 unknown one is a 400 naming the closest known field. `chat_template_kwargs` (Chat Completions and Responses, SGLang's
-extension) sets template variables such as Qwen3's `enable_thinking`; the Responses `reasoning.effort` does the same
-through the template's thinking switch ("none" off, any other level on; the level itself is not enforced).
+extension) sets template variables such as Qwen3's `enable_thinking`; the Responses `reasoning.effort` and the Chat
+Completions `reasoning_effort` do the same through the template's thinking switch ("none" off, any other level on;
+the level itself is not enforced), as the Messages `thinking` does.
 
 Structured output (Responses `text.format`, Chat Completions `response_format`): json_schema and json_object become
 SGLang's `json_schema` sampling parameter (`_output_format`), which the engine enforces with xgrammar; the router
@@ -334,10 +335,10 @@ def anthropic_tools(raw) -> list[dict] | None:
 # engine cannot do otherwise and ignoring them would hand the trainer a different sample than was asked for.
 _OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options",
                     "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs", "response_format",
-                    "chat_template_kwargs", "separate_reasoning"}  # the last two: SGLang's extensions
+                    "reasoning_effort", "chat_template_kwargs", "separate_reasoning"}  # the last two: SGLang's
 _OPENAI_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
                  "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str, "seed": int,
-                 "parallel_tool_calls": bool, "reasoning_effort": str, "verbosity": str, "moderation": dict}
+                 "parallel_tool_calls": bool, "verbosity": str, "moderation": dict}
 _OPENAI_DEFAULT_ONLY = {"n": [1], "top_logprobs": [0], "frequency_penalty": [0], "presence_penalty": [0],
                         "logit_bias": [{}], "modalities": [["text"]],
                         "audio": [], "prediction": [], "web_search_options": [], "functions": [], "function_call": []}
@@ -544,6 +545,7 @@ def openai_request(body: dict) -> ChatRequest:
                        {**_sampling_overrides(body, temperature_max=2.0), **grammar}, stop, stream, logprobs,
                        include_usage, _template_kwargs(body.get("chat_template_kwargs")),
                        body.get("separate_reasoning") is None or _flag(body, "separate_reasoning"),
+                       thinking=_effort(body.get("reasoning_effort"), "reasoning_effort"),
                        structured="response_format" if grammar else None)
 
 
@@ -918,6 +920,16 @@ _RESPONSES_INCLUDABLE = {"message.output_text.logprobs", "reasoning.encrypted_co
                          "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
                          "computer_call_output.output.image_url", "code_interpreter_call.outputs"}
 _REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def _effort(v, param: str) -> bool | None:
+    """A reasoning effort (Chat Completions `reasoning_effort`, Responses `reasoning.effort`) -> thinking on / off /
+    not asked: "none" turns thinking off, any other level on (see _responses_reasoning)."""
+    if v is None:
+        return None
+    if v not in _REASONING_EFFORTS:
+        raise ApiError(400, f"{param} {v!r:.100} must be one of {list(_REASONING_EFFORTS)}", param=param)
+    return v != "none"
 
 
 def _responses_reasoning(v) -> bool | None:

@@ -328,3 +328,44 @@ def test_responses_reasoning_switches_thinking_and_structured_output_needs_it_of
     assert [o.type for o in thought.output] == ["reasoning", "message"] and thought.output_text == "19"
     assert "needs thinking off" in thinking_on.message and "reasoning.effort 'none'" in thinking_on.message
     assert json.loads(structured.output_text) == {"a": 1} and sampling[1]["json_schema"] == '{"type": "object"}'
+
+
+def test_chat_completions_reasoning_effort_switches_thinking_as_responses_does(tiny_model_dir):
+    """Chat Completions' reasoning_effort works as the Responses reasoning.effort does: on a thinking model (the qwen3
+    family's template, crafted replies) "none" renders the prompt with thinking off and any other level with it on
+    (the thinking comes back as reasoning_content), structured output passes with "none"; an unknown level, an
+    effort that disagrees with chat_template_kwargs, and thinking asked of a model that cannot think are refused."""
+    import data
+    from test_chat import NOWHERE, settings
+    model = str(data.build_tiny_model(data.default_cache_dir() / f"tiny-chat-{data.settings_hash(settings('qwen3'))}",
+                                      **settings("qwen3")))
+    msgs = [{"role": "user", "content": "12+7"}]
+
+    async def body():
+        flow = await started_flow(NOWHERE, model)
+        seen = crafted_engine(flow.pool, flow.chat, ["<think>\n12 plus 7\n</think>\n\n19", '{"a": 1}'])
+        client = session_client(flow, open_session(flow))
+        thought = await client.chat.completions.create(model="m", messages=msgs, reasoning_effort="low")
+        structured = await session_client(flow, open_session(flow)).chat.completions.create(
+            model="m", messages=msgs, reasoning_effort="none", response_format={"type": "json_object"})
+        plain = await started_flow(NOWHERE, tiny_model_dir)  # ChatML, no reasoning parser
+        errors = []
+        for c, kw in ((client, dict(reasoning_effort="huge")),
+                      (client, dict(reasoning_effort="none", extra_body={"chat_template_kwargs": {
+                          "enable_thinking": True}})),
+                      (session_client(plain, open_session(plain)), dict(reasoning_effort="low"))):
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.chat.completions.create(model="m", messages=msgs, **kw)
+            errors.append(e.value.message)
+        await plain.close()
+        await flow.close()
+        return flow.chat, seen, thought, structured, errors
+    chat_format, seen, thought, structured, errors = run(body())
+    assert seen[0] == chat_format.prompt_ids(msgs, None, {"enable_thinking": True})
+    assert seen[1] == chat_format.prompt_ids(msgs, None, {"enable_thinking": False}) != seen[0]
+    reply = thought.choices[0].message
+    assert reply.reasoning_content == "12 plus 7" and reply.content == "19"
+    assert json.loads(structured.choices[0].message.content) == {"a": 1}
+    assert "reasoning_effort 'huge' must be one of" in errors[0]
+    assert "reasoning_effort 'none' and chat_template_kwargs set ['enable_thinking'] differently" in errors[1]
+    assert "thinking was requested (reasoning_effort), but this model has no reasoning parser" in errors[2]
