@@ -126,9 +126,14 @@ def pin_process(cores: list[int]) -> list[int]:
 
 # --- Megatron on CPU ---
 
-# Scores of at most this many elements (B * heads * T * T) take the explicit path of SDPACoreAttention; longer
-# micro-batches go through torch's fused kernel, which never materialises them (2**24 fp32 scores: 64 MB).
+# Micro-batches of sequences up to EXPLICIT_ATTENTION_MAX_LEN tokens whose scores have at most
+# EXPLICIT_ATTENTION_MAX_SCORES elements (B * heads * T * T) take the explicit path of SDPACoreAttention; the rest go
+# through torch's fused kernel, which never materialises them (2**24 fp32 scores: 64 MB). Forward + backward of one
+# layer's attention, tiny models' heads (4 query, 2 kv, 16 dims), ~6k tokens a micro-batch, explicit / fused time:
+# T 48-96 0.66-0.84 on 2 threads (1.06-1.41 on 1), T 128-160 1.01-1.54, T 256 1.54-1.66, T 403 1.9-3.7: past ~192
+# tokens the fused kernel wins on any thread count (the tool-calling recipes' prompts run ~400).
 EXPLICIT_ATTENTION_MAX_SCORES = 2 ** 24
+EXPLICIT_ATTENTION_MAX_LEN = 192
 
 
 class SDPACoreAttention(torch.nn.Module):
@@ -136,7 +141,8 @@ class SDPACoreAttention(torch.nn.Module):
 
     Megatron's own `DotProductAttention` preallocates its score buffer on the CUDA device; this module takes the
     same constructor and forward arguments as the layer spec passes to it. Two ways to the same math:
-    * short micro-batches (the RL case on CPU): written out as the CPU engine computes it (cpu_engine._attention),
+    * short sequences in small micro-batches (the RL case on CPU): written out as the CPU engine computes it
+      (cpu_engine._attention),
       the query heads of each kv head stacked into one matrix, the causal mask and the scale folded into one
       baddbmm, a softmax and a bmm. No kv-head copies for GQA, and at the tiny recipes' shapes (64 rows of ~50
       tokens) forward + backward took 0.54x the time of torch's CPU flash kernel (1 thread; 0.53x on 2);
@@ -174,7 +180,8 @@ class SDPACoreAttention(torch.nn.Module):
         KV, Dv = key.size(2), value.size(-1)
         G = Hq // KV  # GQA: query head h reads kv head h // G
         dropout = self.dropout_p if self.training else 0.0
-        if dropout == 0.0 and B * Hq * S * S <= EXPLICIT_ATTENTION_MAX_SCORES and key.size(0) == S:
+        if dropout == 0.0 and S <= EXPLICIT_ATTENTION_MAX_LEN and B * Hq * S * S <= EXPLICIT_ATTENTION_MAX_SCORES \
+                and key.size(0) == S:
             scale = self.softmax_scale if self.softmax_scale is not None else D ** -0.5
             if S not in self._causal:  # the G query heads of a kv head are stacked: the mask repeats per head
                 causal = torch.full((S, S), float("-inf"), dtype=query.dtype, device=query.device).triu(1)

@@ -152,6 +152,17 @@ def test_minibatch_plan_keeps_groups_whole_and_ignores_dp_size():
     assert trainer.plan_minibatches(batch, 1, 0, 2, by_group=True) == [[1, 4, 5, 0]]  # groups 0 and 2
 
 
+def test_long_sequences_take_the_fused_attention_kernel():
+    """Past EXPLICIT_ATTENTION_MAX_LEN tokens a micro-batch goes to torch's fused kernel however few its scores (it is
+    faster there: cpu.py); up to it a small one takes the written-out path, which caches its causal mask by length."""
+    import types
+    attn = cpu.SDPACoreAttention(types.SimpleNamespace(attention_dropout=0.0), 1, None, "self")
+    for S in (cpu.EXPLICIT_ATTENTION_MAX_LEN, cpu.EXPLICIT_ATTENTION_MAX_LEN + 1):
+        out = attn(*(torch.randn(S, 1, n, 16) for n in (4, 2, 2)), attention_mask=None)
+        assert out.shape == (S, 1, 4 * 16)
+    assert list(attn._causal) == [cpu.EXPLICIT_ATTENTION_MAX_LEN]
+
+
 def test_core_attention_written_out_equals_the_fused_kernel(monkeypatch):
     """SDPACoreAttention's two paths (the written-out one for short micro-batches, torch's fused kernel for long
     ones) compute the same causal GQA attention: outputs and the gradients of q, k and v agree to float rounding."""
