@@ -616,7 +616,8 @@ def bench_agentic(args) -> dict:
     latency = {"median": args.tool_median, "sigma": sigma, "seed": args.tool_seed}
     where = data.default_cache_dir() / "bench_agentic"
     where.mkdir(parents=True, exist_ok=True)
-    for name, spec in (("train.jsonl", "synthetic:arith:4096:1:9"), ("eval.jsonl", "synthetic:arith:128:2:9")):
+    for name, spec in (("train.jsonl", "synthetic:arith:4096:1:9"),
+                       ("eval.jsonl", f"synthetic:arith:{args.eval_prompts}:2:9")):
         (where / name).write_text("\n".join(json.dumps({**s, "tool_latency": latency})
                                              for s in data.load_dataset(spec)))
     out = Path(tempfile.mkdtemp(prefix="loongsage_bench_agentic_"))
@@ -630,7 +631,7 @@ def bench_agentic(args) -> dict:
               "agent=recipes.retry.agent", "max_turns=2", "agent_timeout=120",
               f"dataset={where / 'train.jsonl'}", f"eval_dataset={where / 'eval.jsonl'}",
               # greedy eval: a function of the weights alone, so the two modes' evals differ by what they learned,
-              # not by sampling noise (0.03 for 512 sampled answers); 128 trajectories, not 512, per eval
+              # not by sampling noise (0.03 for 512 sampled answers); --eval-prompts trajectories (128), not 512
               "eval_temperature=0", "eval_samples=1", f"eval_every={args.steps}", "print_every=0", "save_every=0",
               "max_version_lag=2",
               "is_correction=token"]  # both modes: the IS weight corrects async's lag (and is ~1 in sync)
@@ -648,7 +649,8 @@ def bench_agentic(args) -> dict:
     diff = res["async"]["eval_end"] - res["sync"]["eval_end"]
     print(f"bench agentic: retry agent, checks lognormal (median {args.tool_median:g} s, p99 {args.tool_p99:g} s, "
           f"seed {args.tool_seed}), {args.steps} steps x {args.prompts} prompts x 8 samples, async stale_steps "
-          f"{args.stale_steps:g}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+          f"{args.stale_steps:g}, greedy eval on {args.eval_prompts} prompts; load {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
     for name, r in res.items():
         t = r["time"]
         print(f"  {name:5s}: RL loop {r['wall_s']:.1f} s for {r['trained']} trained samples, "
@@ -1034,7 +1036,8 @@ def teacher_memory(workdir: str, hidden_size: int = 512, layers: int = 4) -> dic
         r = tok.encode(s["answer"], add_special_tokens=False)
         batch.append({"prompt_ids": data.prompt_ids(tok, s), "response_ids": r, "loss_mask": [1] * len(r),
                       "group_id": i, "metadata": {"teacher": f"t{i % 3}"}})
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    if not ray.is_initialized():  # a Ray the caller started (a test session's) is used as found
+        ray.init(num_cpus=2, include_dashboard=False)
     Actor = ray.remote(teacher.TeacherWorker).options(num_cpus=1)
     out = {}
     for k in (1, 3):
@@ -1118,11 +1121,14 @@ def targets_memory(n: int = 4096, vocab: int = 32768, k: int = 8) -> dict:
 
 
 def bench_teachers(args) -> dict:
-    """`teacher_memory` in a fresh Ray of its own (each teacher group a new process), printed; then `targets_memory`."""
+    """`teacher_memory` (each teacher group a new process), printed; then `targets_memory`. A Ray it started is shut
+    down after; one the caller started (a test session's) is left up."""
+    own = not ray.is_initialized()
     try:
         out = teacher_memory(args.workdir or tempfile.mkdtemp())
     finally:
-        ray.shutdown()
+        if own:
+            ray.shutdown()
     print(f"teachers: {out['params_per_teacher'] / 1e6:.1f}M parameters each; peak RSS 1 teacher "
           f"{out[1]['peak_rss_mb']:.0f} MB, 3 teachers {out[3]['peak_rss_mb']:.0f} MB: {out['peak_ratio']:.2f}x "
           f"(added {out[1]['added_mb']:.0f} -> {out[3]['added_mb']:.0f} MB: {out['added_ratio']:.2f}x; target <= 1.3); "
@@ -1153,6 +1159,7 @@ def main(argv=None) -> dict:
                    "stale_steps (agentic: 2, the others: 1)")
     p.add_argument("--tool-median", type=float, default=0.3, help="agentic bench: median seconds of a tool call")
     p.add_argument("--tool-p99", type=float, default=5.0, help="agentic bench: 99th percentile seconds of a tool call")
+    p.add_argument("--eval-prompts", type=int, default=128, help="agentic bench: prompts of each greedy eval")
     p.add_argument("--tool-seed", type=int, default=0, help="agentic bench: seed of the tool calls' durations")
     p.add_argument("--sync-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="async, agentic, step: sync run overrides")

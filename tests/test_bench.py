@@ -103,7 +103,7 @@ def test_longtail_task_has_a_tail_and_its_labels_earn_the_reward(tiny_model_dir)
 
 
 @pytest.mark.slow
-def test_teachers_bench_3_teachers_fit_in_the_memory_of_1(tmp_path, capsys):
+def test_teachers_bench_3_teachers_fit_in_the_memory_of_1(tmp_path, capsys, ray_session):  # the session's Ray
     """Three 13M-parameter teachers (52 MB each): a group holding 3 peaks within 1.3x of a group holding 1,
     both in total RSS and in what the teachers add over the process's RSS before any model, and with a batch
     routed to all 3 each loads at most once (swaps = 2: the resident one needs none). Holding all three resident
@@ -154,9 +154,10 @@ def test_bench_agentic_smoke(capsys, ray_session):  # the session's Ray: no star
     samples, and reports what it says: every line's fields, async's lag within its bound of 2, trajectories that
     waited on the tool. No speed is asserted."""
     r = bench.main(["agentic", "--steps", "3", "--prompts", "2", "--warmstart-steps", "0", "--tool-median", "0.05",
-                    "--tool-p99", "0.5"])
+                    "--tool-p99", "0.5", "--eval-prompts", "16"])
     out = capsys.readouterr().out
     assert "bench agentic: retry agent, checks lognormal (median 0.05 s, p99 0.5 s, seed 0), 3 steps x 2 prompts" in out
+    assert "greedy eval on 16 prompts" in out
     assert r["sync"]["trained"] == r["async"]["trained"] == 3 * 2 * 8
     for mode in ("sync", "async"):
         m = r[mode]

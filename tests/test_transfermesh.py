@@ -238,9 +238,10 @@ def push_and_flush(named, urls, **kw):
 class _EngineProcess:
     """A CPU engine in a process of its own (`python cpu_engine.py`), as Ray runs one: a broadcast group is one
     rank per process (torch registers a group's name once per process, as SGLang's TP ranks do). `flags`: more of
-    cpu_engine.py's flags (e.g. --enable-lora)."""
+    cpu_engine.py's flags (e.g. --enable-lora). `wait=False`: started, not yet waited for (`ready()`), so several
+    engines load at once."""
 
-    def __init__(self, model_dir, seed=0, flags=()):
+    def __init__(self, model_dir, seed=0, flags=(), wait=True):
         import subprocess
         import sys
         from pathlib import Path
@@ -250,7 +251,12 @@ class _EngineProcess:
                                      cwd=str(Path(__file__).resolve().parents[1]), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}"
+        if wait:
+            self.ready()
+
+    def ready(self) -> "_EngineProcess":
         rollout.wait_healthy(self.url, timeout=180, proc=self.proc)
+        return self
 
     def shutdown(self):
         self.proc.terminate()
@@ -341,7 +347,7 @@ def test_every_transport_reaches_every_engine(tiny_model_dir, other_model):
     and the broadcast group reused for a second sync. After each push BOTH engines give the pushed model's
     logprobs and report the pushed version (a rank offset or a bucket that reached only one engine shows)."""
     from safetensors.torch import load_file
-    started = [_EngineProcess(tiny_model_dir, seed=i) for i in range(2)]
+    started = [h.ready() for h in [_EngineProcess(tiny_model_dir, seed=i, wait=False) for i in range(2)]]
     urls = [e.url for e in started]
     prompt = data.prompt_ids(data.load_tokenizer(tiny_model_dir), {"messages": [{"role": "user", "content": "12+7"}]})
     other = sorted(load_file(f"{other_model}/model.safetensors").items())
@@ -372,7 +378,7 @@ def test_a_new_engine_set_gets_a_new_broadcast_group_and_the_old_one_goes(tiny_m
     that stayed, on the one replaced (still up here) and on this side, before the new one is built: the push lands
     on both engines of the new set, each holding exactly the new group."""
     from safetensors.torch import load_file
-    handles = [_EngineProcess(tiny_model_dir, seed=i) for i in range(3)]
+    handles = [h.ready() for h in [_EngineProcess(tiny_model_dir, seed=i, wait=False) for i in range(3)]]
     a, b, c = [h.url for h in handles]
     other = sorted(load_file(f"{other_model}/model.safetensors").items())
 
