@@ -131,7 +131,7 @@ def pin_process(cores: list[int]) -> list[int]:
 # through torch's fused kernel, which never materialises them (2**24 fp32 scores: 64 MB). Forward + backward of one
 # layer's attention, tiny models' heads (4 query, 2 kv, 16 dims), ~6k tokens a micro-batch, explicit / fused time:
 # T 48-96 0.66-0.84 on 2 threads (1.06-1.41 on 1), T 128-160 1.01-1.54, T 256 1.54-1.66, T 403 1.9-3.7: past ~192
-# tokens the fused kernel wins on any thread count (the tool-calling recipes' prompts run ~400).
+# tokens the fused kernel wins on any thread count (a chat family's tool-calling prompts run ~400: tests/test_chat.py).
 EXPLICIT_ATTENTION_MAX_SCORES = 2 ** 24
 EXPLICIT_ATTENTION_MAX_LEN = 192
 
