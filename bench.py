@@ -294,7 +294,7 @@ def router_clocks(flow, clocks) -> tuple[dict, object]:
         t0 = [c() for c in clocks]
         answer = await real_generate(input_ids, sampling_params, rid, prefer, batch)
         add("engine", t0)
-        span["ids"] = (list(input_ids), answer[1]["output_ids"])
+        span["ids"], span["answer"] = (list(input_ids), answer[1]["output_ids"]), answer
         return answer
 
     def timed(fn):
@@ -308,6 +308,44 @@ def router_clocks(flow, clocks) -> tuple[dict, object]:
 
     flow.router.app, flow.pool.generate = timed_app, timed_generate
     return span, timed
+
+
+async def router_app_alone(flow, make_app, answer: tuple, msgs: list, params: dict, n: int) -> list[float]:
+    """CPU seconds per Chat Completions request of the router's own code: its ASGI app (`make_app`, the untimed one)
+    called in process, no socket and no HTTP parser, with the engine call answered at once by `answer` (a real
+    answer, captured); one session per request, as in bench_router."""
+    app = make_app()
+    body = json.dumps({"model": "m", "messages": msgs, "max_tokens": 8, "temperature": 0.0}).encode()
+
+    async def canned(*args, **kwargs):
+        return answer
+    engine_call, flow.pool.generate = flow.pool.generate, canned
+    cpu = []
+    try:
+        for _ in range(n):
+            s = flow.router.open_session(sampling=params, max_context_len=512, max_turns=1)
+            path = f"/s/{s.id}/v1/chat/completions"
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                     "headers": [(b"content-type", b"application/json"),
+                                 (b"authorization", f"Bearer {s.api_key}".encode())],
+                     "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+            request, sent = [{"type": "http.request", "body": body, "more_body": False}], []
+
+            async def receive():
+                return request.pop() if request else {"type": "http.disconnect"}
+
+            async def send(message):
+                sent.append(message)
+            t0 = time.process_time()
+            await app(scope, receive, send)
+            cpu.append(time.process_time() - t0)
+            if sent[0]["status"] != 200:
+                raise RuntimeError(f"bench router: the in-process request was answered {sent}")
+            await flow.router.close_session(s)
+    finally:
+        flow.pool.generate = engine_call
+    return cpu
 
 
 def bench_router(args) -> dict:
@@ -335,6 +373,7 @@ def bench_router(args) -> dict:
 
     async def run() -> dict:
         flow = agentflow.AgentFlow(cfg, [url], path)
+        make_app = flow.router.app
         span, timed = router_clocks(flow, clocks)
         await flow.start_router()
         msgs = [{"role": "user", "content": "12+7"}]
@@ -396,13 +435,14 @@ def bench_router(args) -> dict:
         if profile is not None:
             profile.disable()
             profile.dump_stats(args.profile)
+        alone = await router_app_alone(flow, make_app, span["answer"], msgs, params, args.requests + 5)
         await flow.close()
         for d, sp in zip(direct_ids, spans):  # a fair pair: the same prompt ids in, the same tokens out
             if sp["ids"] != (ids, d):
                 raise RuntimeError(f"bench router: the routed request sent {sp['ids'][0]} and got {sp['ids'][1]}, the "
                                    f"direct one sent {ids} and got {d}; the pairs would not compare like for like")
         return {"t64": statistics.median(t64), "direct": direct[5:], "routed": routed[5:], "spans": spans[5:],
-                "sdk": sdk[5:]}
+                "sdk": sdk[5:], "alone": alone[5:]}
 
     try:
         r = asyncio.run(run())
@@ -457,6 +497,10 @@ def router_report(args, r: dict) -> dict:
         print(f"  {label}: p50 {ms(f'{view}_wall_p50_s')} ms, p99 {ms(f'{view}_wall_p99_s')} ms = "
               f"{result[f'{view}_ratio_p50']:.3f}, {result[f'{view}_ratio_p99']:.3f} of a 64-token generation; "
               f"CPU p50 {ms(f'{view}_cpu_p50_s')} ms, p99 {ms(f'{view}_cpu_p99_s')} ms")
+    result["app_alone_cpu_p50_s"], result["app_alone_cpu_p99_s"] = pct(r["alone"], 0.5), pct(r["alone"], 0.99)
+    print(f"  the router's own code (its app called in process, no socket, the engine answering at once): CPU p50 "
+          f"{ms('app_alone_cpu_p50_s')} ms, p99 {ms('app_alone_cpu_p99_s')} ms; the rest of the router's share is the "
+          "HTTP hop (uvicorn, the SDK's HTTP client, the event loop, the kernel)")
     print(f"  where the routed request's CPU over the direct one went, p50 of each part (ms): OpenAI client and both "
           f"ends of the HTTP hop {ms('cpu_client_p50_s')}, router app {ms('cpu_app_p50_s')}, session turn "
           f"{ms('cpu_turn_p50_s')}, engine call over direct {ms('cpu_engine_p50_s')}")

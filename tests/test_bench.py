@@ -52,6 +52,7 @@ def test_bench_router_smoke(capsys, tmp_path):
         assert r[f"router_wall_{q}_s"] < r[f"outside_wall_{q}_s"] and r[f"router_cpu_{q}_s"] < r[f"outside_cpu_{q}_s"]
         assert r[f"router_ratio_{q}"] == pytest.approx(r[f"router_wall_{q}_s"] / r["gen64_s"])
     assert "where the routed request's CPU over the direct one went" in out
+    assert 0 < r["app_alone_cpu_p50_s"] <= r["app_alone_cpu_p99_s"] and "the router's own code (its app" in out
     assert any(fn == "chat_completions" for _, _, fn in pstats.Stats(str(tmp_path / "router.prof")).stats)
 
 
