@@ -234,11 +234,11 @@ def sdk_httpx():
     return importlib.import_module(base.__module__.split(".")[0])
 
 
-def openai_http_client(keepalive: int = 20):
-    """An http client for an official AsyncOpenAI client, with TCP_NODELAY; it keeps up to `keepalive` idle
-    connections open for the next requests, and opens as many as the requests in flight need."""
+def openai_http_client():
+    """An http client for official AsyncOpenAI clients, with TCP_NODELAY: as many connections as the requests in
+    flight need, each kept open for the next request until it has idled for the pool's expiry (5 s)."""
     mod = sdk_httpx()
-    limits = mod.Limits(max_connections=None, max_keepalive_connections=keepalive)
+    limits = mod.Limits(max_connections=None, max_keepalive_connections=None)
     return openai.DefaultAsyncHttpxClient(transport=nodelay_transport(mod, limits=limits, verify=_tls_context()))
 
 
@@ -707,8 +707,9 @@ class ChatFormat:
 
     def thinking_kwargs(self, enabled: bool | None, field: str = "thinking") -> dict:
         """Template variables for an Anthropic `thinking`, a Responses `reasoning` or a Chat Completions
-        `reasoning_effort` request (`field`; SGLang's mapping): the template's switch set on or off. Thinking asked of a model without a reasoning parser, or turned
-        off where the template cannot, is refused rather than ignored."""
+        `reasoning_effort` request (`field`; SGLang's mapping): the template's switch set on or off. Thinking asked
+        of a model without a reasoning parser, or turned off where the template cannot, is refused rather than
+        ignored."""
         if enabled is None:
             return {}
         if enabled and not self.reasoning_parser:
@@ -720,6 +721,16 @@ class ChatFormat:
             raise ApiError(400, f"thinking is always on for this model (reasoning_parser {self.reasoning_parser!r}); "
                            f"its chat template has no switch to turn it off ({field})", param=field)
         return {}
+
+    def with_thinking(self, req, field: str, value) -> dict:
+        """A Chat Completions or Responses request's chat_template_kwargs with its thinking switch applied (`field`:
+        `reasoning_effort` or `reasoning`, `value` as sent); the two setting the switch differently is refused."""
+        thinking = self.thinking_kwargs(req.thinking, field)
+        clash = {k for k in thinking if k in req.template_kwargs and req.template_kwargs[k] != thinking[k]}
+        if clash:
+            raise ApiError(400, f"{field} {value!r:.100} and chat_template_kwargs set {sorted(clash)} differently; "
+                           "send one of them", param=field)
+        return {**req.template_kwargs, **thinking}
 
     def check_structured(self, req, template_kwargs: dict) -> None:
         """Refuse structured output (a grammar from `text.format` / `response_format`) where it and the template
@@ -1179,22 +1190,12 @@ class Router:
             return StreamingResponse(render(parts()), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
-        def with_thinking(req, field: str, value) -> dict:
-            """The request's chat_template_kwargs with its thinking switch applied (Chat Completions
-            `reasoning_effort`, Responses `reasoning`); the two setting the switch differently is refused."""
-            thinking = self.chat.thinking_kwargs(req.thinking, field)
-            clash = {k for k in thinking if k in req.template_kwargs and req.template_kwargs[k] != thinking[k]}
-            if clash:
-                raise ApiError(400, f"{field} {value!r:.100} and chat_template_kwargs set {sorted(clash)} "
-                               "differently; send one of them", param=field)
-            return {**req.template_kwargs, **thinking}
-
         @guarded(openai_error_body)
         async def chat_completions(request: Request, sid: str):
             s = self._session(sid, request.headers)
             body = await body_of(request)
             req = openai_request(body)
-            template_kwargs = with_thinking(req, "reasoning_effort", body.get("reasoning_effort"))
+            template_kwargs = self.chat.with_thinking(req, "reasoning_effort", body.get("reasoning_effort"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop,
                       template_kwargs=template_kwargs, separate_reasoning=req.separate_reasoning)
@@ -1220,7 +1221,7 @@ class Router:
             s = self._session(sid, request.headers)
             body = await body_of(request)
             req = responses_request(body, s.responses)
-            template_kwargs = with_thinking(req, "reasoning", body.get("reasoning"))
+            template_kwargs = self.chat.with_thinking(req, "reasoning", body.get("reasoning"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, overrides=req.overrides,
                       template_kwargs=template_kwargs)
@@ -1396,7 +1397,7 @@ class AgentFlow:
         self.router = Router(self.pool, self.chat, model_name=Path(tokenizer_path).name or "loongsage",
                              host=cfg.router_host)
         # The white-box agents' clients share one connection pool to the router: a trajectory's first call takes a
-        # kept-alive connection instead of opening one (bench.py router: ~0.5 ms of CPU per trajectory here)
+        # kept-alive connection instead of opening one (~0.4 ms less CPU per trajectory here: docs/BENCHMARKS.md)
         self._sdk_http = None
         self._next_group = 0                # generate()'s group ids (eval): unique across its calls
         self._tasks: set[asyncio.Task] = set()
@@ -1516,8 +1517,7 @@ class AgentFlow:
         """An official AsyncOpenAI client bound to session `s`, on the flow's one connection pool (not closed with
         the client: `close()` closes the pool)."""
         if self._sdk_http is None:
-            self._sdk_http = openai_http_client(keepalive=max(20, self.cfg.max_parallel_sandboxes,
-                                                              self.cfg.prompts_per_step * self.cfg.samples_per_prompt))
+            self._sdk_http = openai_http_client()
         return openai.AsyncOpenAI(base_url=self.router.base_url(s), api_key=s.api_key, max_retries=0,
                                   timeout=timeout, http_client=self._sdk_http)
 

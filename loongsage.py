@@ -335,7 +335,8 @@ class Producer:
     the window allows; `receive()` takes the groups AgentFlow finished, collects them into the buffer as the
     window allows (dropping uninformative ones under dynamic sampling), and moves the oldest buffered groups
     into the step's batch, applying the version-lag bound (a group it leaves with no token to train on gives its
-    place to the next complete one); `pop_batch()` returns the batch once it holds B groups. train() moves groups between it and AgentFlow with visible calls.
+    place to the next complete one); `pop_batch()` returns the batch once it holds B groups. train() moves groups
+    between it and AgentFlow with visible calls.
     """
 
     def __init__(self, cfg: Config, samples: list[dict], state: dict | None = None):

@@ -946,7 +946,7 @@ def _responses_reasoning(v) -> bool | None:
             any(v.get(k) not in (None, "auto", "concise", "detailed") for k in ("summary", "generate_summary")):
         raise ApiError(400, f"reasoning {v!r:.200}: takes effort (one of {list(_REASONING_EFFORTS)}), summary "
                        "(auto, concise, detailed), mode 'standard' and context 'auto' here", param="reasoning")
-    return None if v.get("effort") is None else v["effort"] != "none"
+    return _effort(v.get("effort"), "reasoning")
 
 
 def _responses_tool_choice(choice, tools: list[dict] | None, custom: frozenset) -> bool:
