@@ -312,8 +312,10 @@ def test_router_streams_each_api_as_the_engine_generates(api, served, tiny_model
         k = settling_point(flow.chat, ids)
         assert k < len(ids), "the greedy reply settles no text before its last token: pick another prompt"
         s2 = open_session(flow, sampling=ROUTER_SAMPLING)
+        # the stream goes over a white-box agent's client (the SDK's aiohttp backend), the plain reply above over
+        # the SDK's default transport: the same reply, and deltas that leave mid-generation, on both
         client = (anthropic.AsyncAnthropic(base_url=f"{flow.router.url}/s/{s2.id}", api_key=s2.api_key,
-                                           max_retries=0) if api == "anthropic" else session_client(flow, s2))
+                                           max_retries=0) if api == "anthropic" else flow.session_client(s2))
         seen = {}
         gate = Gate(handle.engine, k)
 
