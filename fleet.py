@@ -383,7 +383,7 @@ def engine_visible_gpus(plan: dict, where: list, i: int) -> list[str]:
 def start_rollout(cfg: Config, fleet: Fleet):
     """The engines (into fleet.actors), loading fleet.model, and the AgentFlow actor (rollouts, agents, rewards, the
     router), which gets their URLs as refs and so starts while they load. Returns the AgentFlow actor."""
-    import agentflow  # late: ~1 s (OpenAI client, FastAPI server), which --check does not need
+    import agentflow  # late: ~1 s (OpenAI client, Starlette server), which --check does not need
     fleet.actors = [start_engine(cfg, fleet, i) for i in range(cfg.num_engines)]
     fleet.released = [set() for _ in fleet.actors]
     fleet.judge = start_judge(cfg) if cfg.judge and not cfg.judge.get("url") else None
