@@ -70,12 +70,13 @@ Run a router by hand over running engines (prints session settings for any OpenA
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
 clients), the Responses API in `tests/test_responses.py`; streaming in `tests/test_token_stream.py`. Left out:
-constrained decoding of tool calls (tool_choice "required"/named is not enforced, only parsed), structured output
-together with tools or thinking, images/audio content parts, built-in tools of the Responses API, n > 1 per
-request (ask n sessions instead), tool-call deltas while the call is generated (a call is parsed whole, so it goes
-out at the end of a streamed reply), stop strings inside the engine (the router cuts the turn after it ends, so a
-streamed reply with `stop` waits, like a plain one, for the engine to finish), per-token logprobs in stream chunks
-(they all come with the last one), retrying a failed judgement (the trajectory stays failed).
+constrained tool calls under tool_choice "auto" (a forced tool_choice is enforced: `ChatFormat.forced_calls`),
+structured output or a forced tool call together with thinking, structured output with tools, images/audio
+content parts, built-in tools of the Responses API, n > 1 per request (ask n sessions instead), tool-call deltas
+while the call is generated (a call is parsed whole, so it goes out at the end of a streamed reply), stop strings
+inside the engine (the router cuts the turn after it ends, so a streamed reply with `stop` waits, like a plain one,
+for the engine to finish), per-token logprobs in stream chunks (they all come with the last one), retrying a failed
+judgement (the trajectory stays failed).
 """
 from __future__ import annotations
 
@@ -623,6 +624,7 @@ class ChatFormat:
             else self.assistant_suffix
         self._close_ids = {True: self.encode(after_eos), False: self.encode(self.assistant_suffix)}
         self._prompts: dict[str, list[int]] = {}  # prompt_ids' cache: JSON of (messages, tools, kwargs) -> ids
+        self._syntax: dict[str, tuple] = {}  # call_syntax's cache: JSON of (tools, kwargs) -> its parts
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None,
                    kwargs: dict | None = None) -> list[int]:
@@ -755,6 +757,90 @@ class ChatFormat:
             raise ApiError(400, f"{req.structured} (structured output) on a thinking model (reasoning_parser "
                            f"{self.reasoning_parser!r}) needs thinking off: the grammar would hold from the first "
                            f"token, where the model thinks; turn it off with {how}", param=req.structured)
+
+    def call_syntax(self, tools: list[dict], kwargs: dict) -> tuple[str, str, str, str | None]:
+        """How this template writes an assistant turn of tool calls, learnt by rendering one: (before, between, after,
+        separator). A reply of calls c1..cn is `before NAME1 between ARGS1 (separator NAME2 between ARGS2)* after`,
+        up to the turn's end token; the separator is None where the template takes one call per turn (Llama 3).
+        A tool-call id the template writes (Mistral's) appears in the parts as "\x00ID\x00"."""
+        key = json.dumps([tools, kwargs], sort_keys=True, default=str)
+        if key in self._syntax:
+            return self._syntax[key]
+        msgs, ids, names = [{"role": "user", "content": "x"}], ("zqid00001", "zqid00002"), ("zqname1", "zqname2")
+        args = [re.compile(r'\{\s*"zqarg"\s*:\s*%d\s*\}' % i) for i in (1, 2)]
+
+        def body(n: int) -> str:
+            reply = {"role": "assistant", "content": "", "tool_calls": [
+                {"id": ids[i], "type": "function", "function": {"name": names[i], "arguments": {"zqarg": i + 1}}}
+                for i in range(n)]}
+            render = functools.partial(self.render, tools=tools, kwargs=kwargs)
+            _, text = chat.reply_text(lambda m, gen: render(m, add_generation_prompt=gen), msgs, reply, self.eos_text)
+            return text[:-len(self.eos_text)].replace(ids[0], "\x00ID\x00").replace(ids[1], "\x00ID\x00")
+
+        one = body(1)
+        name, arg = one.find(names[0]), args[0].search(one)
+        if name == -1 or arg is None or arg.start() < name:
+            raise ApiError(400, f"tool_choice: cannot tell how this chat template writes a tool call (its rendering "
+                           f"of one call: {one!r:.200}); send tool_choice 'auto'", param="tool_choice")
+        before, between, after = one[:name], one[name + len(names[0]):arg.start()], one[arg.end():]
+        separator = None
+        try:
+            two = body(2)
+        except Exception:  # a template that takes one call per turn raises (Llama 3's does)
+            two = ""
+        first, second = args[0].search(two), args[1].search(two)
+        if first and second:
+            sep = two[first.end():two.find(names[1])]
+            if two == before + names[0] + between + first.group() + sep + names[1] + between + second.group() + after:
+                separator = sep
+        self._syntax[key] = before, between, after, separator
+        return self._syntax[key]
+
+    def forced_calls(self, req, template_kwargs: dict) -> dict:
+        """The sampling parameter that makes the reply a tool call, for a request whose tool_choice asks for one
+        ("required", or a named tool; `req.forced`: the names it may call): SGLang's `structural_tag`, which both
+        engines compile with xgrammar, in this template's own call syntax (`call_syntax`), so the sampled tokens are
+        those the template renders for the call and the next turn extends them. Arguments follow the tool's JSON
+        schema where the tool is `strict`, else any JSON object. Refused where the model would be made to skip its
+        thinking (the grammar holds from the first token), and where no parser of the router's reads the calls."""
+        if not req.forced:
+            return {}
+        if self.user_parser is not None or not self.tool_parser:
+            has = "its own" if self.user_parser else "none"
+            raise ApiError(400, "tool_choice: forcing a tool call needs one of the router's tool parsers "
+                           f"({', '.join(chat.TOOL_PARSERS)}); this model has {has}; send tool_choice 'auto'",
+                           param="tool_choice")
+        merged = {**self.template_kwargs, **template_kwargs}
+        if self.reasoning_parser and not (self.thinking_switch and merged.get(self.thinking_switch) is False):
+            how = (f"reasoning_effort / reasoning.effort 'none', thinking disabled, or chat_template_kwargs "
+                   f"{{'{self.thinking_switch}': false}}" if self.thinking_switch else "nothing: it always thinks")
+            raise ApiError(400, f"tool_choice {'required' if len(req.forced) > 1 else repr(req.forced[0])} on a "
+                           f"thinking model (reasoning_parser {self.reasoning_parser!r}) needs thinking off: the "
+                           f"call's grammar holds from the first token, where the model thinks; turn it off with "
+                           f"{how}", param="tool_choice")
+        before, between, after, separator = self.call_syntax(req.tools, template_kwargs)
+
+        def text(value: str) -> list[dict]:  # a part of the syntax; a tool-call id the template writes: 9 characters
+            out = []
+            for i, piece in enumerate(value.split("\x00ID\x00")):
+                if i:
+                    out.append({"type": "regex", "pattern": "[A-Za-z0-9]{9}"})
+                if piece:
+                    out.append({"type": "const_string", "value": piece})
+            return out
+        calls = []
+        for t in req.tools:
+            f = t["function"]
+            if f["name"] in req.forced:
+                schema = f["parameters"] if f["name"] in req.strict else {"type": "object"}
+                calls.append({"type": "sequence", "elements": [*text(f["name"] + between),
+                                                               {"type": "json_schema", "json_schema": schema}]})
+        call = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+        more = [{"type": "star", "content": {"type": "sequence", "elements": [*text(separator), call]}}] \
+            if separator is not None and req.parallel_calls else []
+        tag = {"type": "structural_tag", "format": {"type": "sequence",
+                                                     "elements": [*text(before), call, *more, *text(after)]}}
+        return {"structural_tag": json.dumps(tag)}
 
     def close_turn_ids(self, output_ids: list[int]) -> list[int]:
         """Template tokens that close an assistant turn after the model's own tokens (loss_mask 0).
@@ -1199,7 +1285,8 @@ class Router:
             req = openai_request(body)
             template_kwargs = self.chat.with_thinking(req, "reasoning_effort", body.get("reasoning_effort"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
-            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop,
+            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
+                      overrides={**req.overrides, **self.chat.forced_calls(req, template_kwargs)},
                       template_kwargs=template_kwargs, separate_reasoning=req.separate_reasoning)
             if req.stream:
                 return await streamed(s, req, kw, lambda parts: openai_stream(
@@ -1211,8 +1298,10 @@ class Router:
         async def messages(request: Request, sid: str):
             s = self._session(sid, request.headers)
             req = anthropic_request(await body_of(request))
-            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, overrides=req.overrides, stop=req.stop,
-                      template_kwargs=self.chat.thinking_kwargs(req.thinking))
+            template_kwargs = self.chat.thinking_kwargs(req.thinking)
+            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
+                      overrides={**req.overrides, **self.chat.forced_calls(req, template_kwargs)},
+                      template_kwargs=template_kwargs)
             if req.stream:
                 return await streamed(s, req, kw, lambda parts: anthropic_stream(parts, self.model_name))
             turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
@@ -1225,8 +1314,8 @@ class Router:
             req = responses_request(body, s.responses)
             template_kwargs = self.chat.with_thinking(req, "reasoning", body.get("reasoning"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
-            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, overrides=req.overrides,
-                      template_kwargs=template_kwargs)
+            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, template_kwargs=template_kwargs,
+                      overrides={**req.overrides, **self.chat.forced_calls(req, template_kwargs)})
             rid = "resp_" + uuid.uuid4().hex
             logprobs_of = functools.partial(responses_logprobs, self.chat) if req.logprobs else None
 

@@ -42,7 +42,8 @@ Reading order: requests and sampling parameters (`SamplingParams`, `parse_sampli
   adapted projection, unmerged, as the trainer computes it.
 * `SGLANG_BEHAVIOURS`, below: where SGLang refuses, blocks, ignores or dies, the CPU engine does the same, and the
   table names the SGLang source of each such behaviour; tests/test_conformance.py has one test per row.
-* Constrained decoding as SGLang's xgrammar backend does it: `sampling_params.json_schema` / `regex` / `ebnf` compiled
+* Constrained decoding as SGLang's xgrammar backend does it: `sampling_params.json_schema` / `regex` / `ebnf` /
+  `structural_tag` compiled
   when the request arrives (`compile_grammar`: SGLang's 400 text for one that does not compile, and for the schema
   keywords SGLang refuses because xgrammar would ignore them), one xgrammar matcher per request, its token bitmask
   applied to the logits before sampling (`_mask_by_grammar`), so the logprob returned is that of the masked
@@ -64,7 +65,7 @@ adapters in `tests/test_lora.py`, token streaming in `tests/test_token_stream.py
 
 Left out: text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA on MoE experts,
 multi-latent attention, embeddings or the LM head, multimodal input, a deferred `/flush_cache?timeout=`,
-`--incremental-streaming-output` (chunks are cumulative, SGLang's default), `structural_tag`, SGLang's reasoning-aware
+`--incremental-streaming-output` (chunks are cumulative, SGLang's default), SGLang's reasoning-aware
 grammars (with `--reasoning-parser` SGLang starts the grammar after the thinking; here it holds from the first token),
 `--constrained-json-disable-any-whitespace` / max whitespace (SGLang's defaults, any whitespace, are what is done), a
 grammar compiled off the scheduler's path (SGLang compiles in a thread pool; here before the request is queued). A stream=true request that SGLang's
@@ -199,11 +200,13 @@ class SamplingParams:
     no_stop_trim: bool = False        # keep the matched stop token in the returned text
     sampling_seed: int | None = None  # per-request seed, honoured under enable_deterministic_inference only
     stream_interval: int | None = None  # stream=true: a chunk every this many tokens (None: the server's, 1)
-    # constrained decoding (at most one of the three): a JSON schema as a JSON string, a regex, an EBNF grammar in
-    # xgrammar's GBNF dialect; SGLang's fields, compiled by xgrammar as SGLang's default grammar backend does
+    # constrained decoding (at most one of the four): a JSON schema as a JSON string, a regex, an EBNF grammar in
+    # xgrammar's GBNF dialect, an xgrammar structural tag as a JSON string; SGLang's fields, compiled by xgrammar as
+    # SGLang's default grammar backend does
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
 
 # Every key SGLang 0.5.23's /generate schema knows in sampling_params, in its order (api/v1/api_types.py
@@ -215,7 +218,7 @@ SGLANG_SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex"
                         "sampling_seed", "custom_params", "beam_width", "watermark", "choice")
 # SGLang parameters the CPU engine accepts only at their neutral value (anything else is a 400 saying so).
 _NEUTRAL_PARAMS = {"n": 1, "stop": None, "stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                   "repetition_penalty": 1.0, "min_new_tokens": 0, "structural_tag": None, "logit_bias": None, "custom_params": None,
+                   "repetition_penalty": 1.0, "min_new_tokens": 0, "logit_bias": None, "custom_params": None,
                    "spaces_between_special_tokens": True, "beam_width": None,
                    "watermark": None, "choice": None}
 
@@ -276,7 +279,7 @@ def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
     return out
 
 
-GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")  # the constraints the CPU engine compiles; structural_tag is refused
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")  # the constraints the CPU engine compiles
 
 # What SGLang 0.5.23's xgrammar backend refuses in a JSON schema before compiling it, because xgrammar 0.2.x would
 # accept it and not enforce it (constrained/json_schema_validation.py): these keywords anywhere in the schema, a string
@@ -339,7 +342,8 @@ def compile_grammar(compiler, params: SamplingParams):
     tokenizer), or None when it asks for none. A grammar that does not compile is a 400 with SGLang's message
     ("Failed to compile json grammar: ..."): SGLang finishes such a request with an abort of status 400, which its
     /generate answers as a 400."""
-    for key, kind in (("json_schema", "json"), ("regex", "regex"), ("ebnf", "ebnf")):
+    for key, kind in (("json_schema", "json"), ("regex", "regex"), ("ebnf", "ebnf"),
+                      ("structural_tag", "structural_tag")):
         source = getattr(params, key)
         if source is None:
             continue
@@ -353,12 +357,44 @@ def compile_grammar(compiler, params: SamplingParams):
                                      "allowed")
                 _check_schema_for_xgrammar(schema)
                 return compiler.compile_json_schema(source, any_whitespace=True)
+            if kind == "structural_tag":
+                return _compile_structural_tag(compiler, source)
             return compiler.compile_regex(source) if kind == "regex" else compiler.compile_grammar(source)
         except BadRequest:
             raise
         except (RuntimeError, ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
             raise BadRequest(f"Failed to compile {kind} grammar: {e}") from None
     return None
+
+
+def _compile_structural_tag(compiler, source: str):
+    """A `structural_tag` as SGLang's xgrammar backend compiles it: the legacy form ({"structures": [{begin, schema,
+    end}], "triggers", "at_least_one"}) converted to xgrammar's StructuralTag, any other form ({"type":
+    "structural_tag", "format": ...}) handed to xgrammar as JSON, a missing json_schema being the empty schema."""
+    import xgrammar  # here: only a constrained request needs it
+
+    tag = json.loads(source)
+    if not isinstance(tag, dict) or not (tag.get("structures") is not None or tag.get("format") is not None):
+        raise ValueError(f"a structural_tag needs 'structures' and 'triggers' (legacy) or 'format', got "
+                         f"{source!r:.200}")
+    if tag.get("structures") is not None:
+        if tag.get("triggers") is None:
+            raise ValueError("a legacy structural_tag with 'structures' needs 'triggers'")
+        items = [xgrammar.StructuralTagItem(begin=x["begin"], schema=json.dumps(x.get("schema") or {}), end=x["end"])
+                 for x in tag["structures"]]
+        new = xgrammar.StructuralTag.from_legacy_structural_tag(items, tag["triggers"])
+        new.format.at_least_one = bool(tag.get("at_least_one", False))
+        return compiler.compile_structural_tag(new)
+
+    def empty_schemas(f):
+        if isinstance(f, dict):
+            if f.get("type") == "json_schema" and f.get("json_schema") is None:
+                f["json_schema"] = {}
+            for key in ("content", "elements", "tags"):
+                for sub in (f.get(key) if isinstance(f.get(key), list) else [f.get(key)]):
+                    empty_schemas(sub)
+    empty_schemas(tag["format"])
+    return compiler.compile_structural_tag(json.dumps(tag))
 
 
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES, in its order (constants.py)
@@ -1303,7 +1339,8 @@ class CpuEngine:
         if all(getattr(params, k) is None for k in GRAMMAR_KEYS):
             return None
         if self.tokenizer is None:
-            raise BadRequest(f"json_schema / regex / ebnf need the tokenizer, and {self.model_path} has none")
+            raise BadRequest(f"json_schema / regex / ebnf / structural_tag need the tokenizer, and {self.model_path} "
+                             "has none")
         import xgrammar  # here: only a constrained request needs it
         if self._grammar_compiler is None:
             info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.runner.vocab_size,

@@ -37,8 +37,9 @@ back as custom_tool_call items (`responses_tools`, `responses_output`).
 Test: `.venv/bin/pytest tests/test_agentflow.py tests/test_responses.py` (through the router, with the official
 openai and anthropic clients); streaming in tests/test_token_stream.py. Left out: images/audio parts, built-in
 Responses tools, custom tools with a grammar format, n > 1, top_logprobs, tool-call argument deltas while a call is
-generated (a function or custom tool call streams whole), `tool_choice` "required" or named and `strict` function
-arguments enforced (parsed only), tools' defer_loading / async / programmatic callers / output_schema,
+generated (a function or custom tool call streams whole), `strict` function arguments enforced under tool_choice
+"auto" (a forced tool_choice is enforced, `strict` schemas included: agentflow.ChatFormat.forced_calls), tools'
+defer_loading / async / programmatic callers / output_schema,
 `text.verbosity` (inert: the template has no such variable), Responses `truncation: auto`, `background`, stored
 `prompt`s and `conversation`s.
 """
@@ -335,10 +336,11 @@ def anthropic_tools(raw) -> list[dict] | None:
 # engine cannot do otherwise and ignoring them would hand the trainer a different sample than was asked for.
 _OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options",
                     "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs", "response_format",
-                    "reasoning_effort", "chat_template_kwargs", "separate_reasoning"}  # the last two: SGLang's
+                    "reasoning_effort", "chat_template_kwargs", "separate_reasoning",  # these two: SGLang's
+                    "parallel_tool_calls"}  # enforced with a forced tool_choice; with "auto" the model's calls stand
 _OPENAI_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
                  "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str, "seed": int,
-                 "parallel_tool_calls": bool, "verbosity": str, "moderation": dict}
+                 "verbosity": str, "moderation": dict}
 _OPENAI_DEFAULT_ONLY = {"n": [1], "top_logprobs": [0], "frequency_penalty": [0], "presence_penalty": [0],
                         "logit_bias": [{}], "modalities": [["text"]],
                         "audio": [], "prediction": [], "web_search_options": [], "functions": [], "function_call": []}
@@ -508,6 +510,9 @@ class ChatRequest:
     thinking: bool | None = None   # Anthropic `thinking` / Responses `reasoning`: on, off, or not asked
     custom_tools: frozenset = frozenset()  # Responses: names of the custom tools (rendered as one-string functions)
     structured: str | None = None  # the request field that asked for structured output (its grammar: in overrides)
+    forced: tuple = ()             # tool_choice "required" / named: the tools the reply must call (one or more)
+    parallel_calls: bool = True    # with `forced`: more than one call allowed (parallel_tool_calls)
+    strict: frozenset = frozenset()  # tools whose arguments must follow their schema (`strict`; with `forced`)
 
 
 def openai_request(body: dict) -> ChatRequest:
@@ -521,6 +526,8 @@ def openai_request(body: dict) -> ChatRequest:
     choice = body.get("tool_choice", "auto")
     named = isinstance(choice, dict) and choice.get("type") == "function" and \
         isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+    forced = (choice["function"]["name"],) if named else \
+        tuple(t["function"]["name"] for t in tools or ()) if choice == "required" else ()
     if not (named or choice in ("auto", "none", "required")):
         raise ApiError(400, f"tool_choice {choice!r:.200} must be 'auto', 'none', 'required' or "
                        "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
@@ -546,7 +553,10 @@ def openai_request(body: dict) -> ChatRequest:
                        include_usage, _template_kwargs(body.get("chat_template_kwargs")),
                        body.get("separate_reasoning") is None or _flag(body, "separate_reasoning"),
                        thinking=_effort(body.get("reasoning_effort"), "reasoning_effort"),
-                       structured="response_format" if grammar else None)
+                       structured="response_format" if grammar else None, forced=forced,
+                       parallel_calls=body.get("parallel_tool_calls") is None or _flag(body, "parallel_tool_calls"),
+                       strict=frozenset(t["function"]["name"] for t in body.get("tools") or ()
+                                        if t["function"].get("strict") is True))
 
 
 def anthropic_request(body: dict) -> ChatRequest:
@@ -571,13 +581,21 @@ def anthropic_request(body: dict) -> ChatRequest:
         if choice["type"] == "tool" and choice.get("name") not in {t["function"]["name"] for t in tools or ()}:
             raise ApiError(400, f"tool_choice names {choice.get('name')!r}, which is not among the tools",
                            param="tool_choice")
+        if choice.get("disable_parallel_tool_use") not in (None, True, False):
+            raise ApiError(400, f"tool_choice.disable_parallel_tool_use must be a boolean, got "
+                           f"{choice['disable_parallel_tool_use']!r:.100}", param="tool_choice")
+    kind = (choice or {}).get("type")
+    forced = (choice["name"],) if kind == "tool" else tuple(t["function"]["name"] for t in tools or ()) \
+        if kind == "any" else ()
     stop = body.get("stop_sequences")
     if stop is not None and not isinstance(stop, list):
         raise ApiError(400, f"'stop_sequences' must be a list of strings, got {stop!r:.100}", param="stop_sequences")
-    return ChatRequest(msgs, tools, (choice or {}).get("type") != "none",
+    return ChatRequest(msgs, tools, kind != "none",
                        _positive_int(body["max_tokens"], "max_tokens"), _sampling_overrides(body, temperature_max=1.0),
                        _stop_list(stop, "stop_sequences"), _flag(body, "stream"),
-                       thinking=_anthropic_thinking(body.get("thinking")))
+                       thinking=_anthropic_thinking(body.get("thinking")), forced=forced,
+                       parallel_calls=not (choice or {}).get("disable_parallel_tool_use"),
+                       strict=frozenset(t["name"] for t in body.get("tools") or () if t.get("strict") is True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -853,7 +871,8 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
 CUSTOM_INPUT = "input"  # the one string parameter a custom tool is rendered with
 # Tool fields accepted at their neutral value only: tool search (defer_loading), OpenAI-side execution (async,
 # programmatic callers), a schema of the tool's output: none is something a chat template renders. A function's
-# `strict` is accepted and not enforced (its arguments are parsed, not constrained), as in Chat Completions.
+# `strict` holds its arguments to its schema when tool_choice forces a call (ChatRequest.strict), as in Chat
+# Completions; under "auto" calls are parsed, not constrained.
 _TOOL_DEFAULT_ONLY = {"defer_loading": (None, False), "async": (None, False), "allowed_callers": (None, ["direct"]),
                       "output_schema": (None,)}
 
@@ -906,10 +925,11 @@ def responses_tools(raw) -> list[dict] | None:
 # The fields of a Responses create request (the official SDK's ResponseCreateParams), sorted as for Chat Completions.
 _RESPONSES_HONOURED = {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature",
                        "top_p", "stream", "stream_options", "previous_response_id", "text", "reasoning", "include",
-                       "top_k", "chat_template_kwargs"}  # the last two: SGLang's extensions
+                       "top_k", "chat_template_kwargs",  # these two: SGLang's extensions
+                       "parallel_tool_calls"}  # enforced with a forced tool_choice; with "auto" the model's calls stand
 _RESPONSES_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
                     "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str,
-                    "parallel_tool_calls": bool, "moderation": dict,
+                    "moderation": dict,
                     "max_tool_calls": int}  # caps built-in tool calls, and no built-in tool runs here
 _RESPONSES_DEFAULT_ONLY = {"top_logprobs": [0], "truncation": ["disabled"], "background": [False], "prompt": [],
                            "conversation": [], "context_management": [[]], "background_options": [],
@@ -949,10 +969,9 @@ def _responses_reasoning(v) -> bool | None:
     return _effort(v.get("effort"), "reasoning")
 
 
-def _responses_tool_choice(choice, tools: list[dict] | None, custom: frozenset) -> bool:
-    """Whether tool calls are parsed: tool_choice "none" leaves the model's tool-call text as text. "required" and a
-    named function or custom tool are accepted and not enforced (no constrained decoding of calls; as Chat
-    Completions); allowed_tools and built-in tool choices are refused."""
+def _responses_tool_choice(choice, tools: list[dict] | None, custom: frozenset) -> tuple:
+    """The tools a reply must call (ChatRequest.forced): all of them for "required", the one a named function or
+    custom tool choice names, none for "auto" and "none"; allowed_tools and built-in tool choices are refused."""
     named = isinstance(choice, dict) and choice.get("type") in ("function", "custom") and set(choice) == {
         "type", "name"} and isinstance(choice.get("name"), str)
     if not (named or choice in ("auto", "none", "required")):
@@ -963,7 +982,8 @@ def _responses_tool_choice(choice, tools: list[dict] | None, custom: frozenset) 
         if choice["name"] not in names or (choice["type"] == "custom") != (choice["name"] in custom):
             raise ApiError(400, f"tool_choice names the {choice['type']} tool {choice['name']!r}, which is not among "
                            "the tools", param="tool_choice")
-    return choice != "none"
+        return (choice["name"],)
+    return tuple(t["function"]["name"] for t in tools or ()) if choice == "required" else ()
 
 
 def responses_request(body: dict, previous: dict[str, list[dict]]) -> ChatRequest:
@@ -984,7 +1004,7 @@ def responses_request(body: dict, previous: dict[str, list[dict]]) -> ChatReques
     tools = responses_tools(body.get("tools"))
     custom = frozenset(t["name"] for t in body.get("tools") or () if t.get("type") == "custom")
     choice = body.get("tool_choice")
-    parse_tools = True if choice is None else _responses_tool_choice(choice, tools, custom)
+    forced = () if choice is None else _responses_tool_choice(choice, tools, custom)
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_obfuscation"}):
@@ -999,12 +1019,16 @@ def responses_request(body: dict, previous: dict[str, list[dict]]) -> ChatReques
             text.get("verbosity") not in (None, "low", "medium", "high"):
         raise ApiError(400, f"text {text!r:.200} takes format and verbosity (low, medium, high)", param="text")
     grammar = {} if text.get("format") is None else _output_format(text["format"], "text.format", nested=False)
-    return ChatRequest(msgs, tools, parse_tools, _positive_int(body.get("max_output_tokens"), "max_output_tokens"),
+    return ChatRequest(msgs, tools, choice != "none", _positive_int(body.get("max_output_tokens"), "max_output_tokens"),
                        {**_sampling_overrides(body, temperature_max=2.0), **grammar}, None, stream,
                        logprobs="message.output_text.logprobs" in include,
                        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")),
                        thinking=_responses_reasoning(body.get("reasoning")), custom_tools=custom,
-                       structured="text.format" if grammar else None)
+                       structured="text.format" if grammar else None, forced=forced,
+                       parallel_calls=body.get("parallel_tool_calls") is None or _flag(body, "parallel_tool_calls"),
+                       # a custom tool's one string is its schema, always held; a function's where it is strict
+                       strict=custom | {t["name"] for t in body.get("tools") or ()
+                                        if t.get("type") == "function" and t.get("strict") is True})
 
 
 def _custom_input(arguments: dict) -> str:

@@ -276,6 +276,52 @@ def _assert_tito(traj: agentflow.Trajectory, calls: list) -> None:
     assert traj.weight_versions == [0] * len(ids1) + [-1] * glue + [0] * len(ids2)
 
 
+WORD_TOOL = {"type": "function", "function": {"name": "lookup", "strict": True, "parameters": {
+    "type": "object", "properties": {"word": {"type": "string", "enum": ["cat", "dog"]}}, "required": ["word"],
+    "additionalProperties": False}}}
+
+
+def test_a_forced_tool_choice_makes_the_random_model_call_on_every_api(engines, tiny_model_dir):
+    """tool_choice "required" / named on the three APIs, through the official clients to the real engine: the random
+    model, which never writes a call unasked, answers with one call (parallel calls off) of an allowed tool, its
+    arguments on the strict tool's schema; the call the client gets is the one the engine sampled (the trajectory's
+    response ids are the template's rendering of it, up to the JSON's whitespace)."""
+    async def body():
+        flow = await started_flow(engines, tiny_model_dir)
+        calls = record_engine_calls(flow.pool)
+        msgs, sampling = [{"role": "user", "content": "12+7"}], {**SAMPLING, "max_new_tokens": 96}
+        oa = flow.session_client(open_session(flow, sampling=sampling))
+        free = await oa.chat.completions.create(model="m", messages=msgs, tools=[CALC_TOOL, WORD_TOOL])
+        assert free.choices[0].message.tool_calls is None and "structural_tag" not in calls[-1][2]  # auto: free text
+        # one call each (a random model, free to go on, writes calls until max_tokens: tests/test_chat.py has the
+        # grammar's parallel calls)
+        for choice in ({"type": "function", "function": {"name": "lookup"}}, "required"):
+            s = open_session(flow, sampling=sampling)
+            r = await flow.session_client(s).chat.completions.create(
+                model="m", messages=msgs, tools=[WORD_TOOL], tool_choice=choice, parallel_tool_calls=False)
+            [call] = r.choices[0].message.tool_calls
+            assert call.function.name == "lookup" and json.loads(call.function.arguments)["word"] in ("cat", "dog")
+            assert r.choices[0].finish_reason == "tool_calls"
+            written = flow.chat.decode(s.segments[-1].response_ids, skip_special_tokens=False)
+            assert re.fullmatch(r'<tool_call>\n\{"name": "lookup", "arguments": \{\s*"word"\s*:\s*"(cat|dog)"\s*\}\}'
+                                r"\n</tool_call><\|im_end\|>", written), written
+        s = open_session(flow, sampling=sampling)
+        an = anthropic.AsyncAnthropic(base_url=f"{flow.router.url}/s/{s.id}", api_key=s.api_key, max_retries=0)
+        m = await an.messages.create(model="m", max_tokens=96, messages=msgs, tool_choice={
+            "type": "tool", "name": "lookup", "disable_parallel_tool_use": True}, tools=[{
+                "name": "lookup", "strict": True, "input_schema": WORD_TOOL["function"]["parameters"]}])
+        [use] = [b for b in m.content if b.type == "tool_use"]
+        assert use.name == "lookup" and use.input["word"] in ("cat", "dog") and m.stop_reason == "tool_use"
+        r = await flow.session_client(open_session(flow, sampling=sampling)).responses.create(
+            model="m", input="12+7", tool_choice={"type": "custom", "name": "shell"}, max_output_tokens=96,
+            parallel_tool_calls=False,
+            tools=[{"type": "custom", "name": "shell"}, {"type": "function", **WORD_TOOL["function"]}])
+        [item] = [o for o in r.output if o.type == "custom_tool_call"]
+        assert item.name == "shell" and isinstance(item.input, str)
+        await flow.close()
+    run(body())
+
+
 def test_tito_multi_turn_reuses_prefix_and_masks_template_tokens(engines, tiny_model_dir):
     async def body():
         flow = await started_flow(engines, tiny_model_dir)

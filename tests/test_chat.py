@@ -283,6 +283,58 @@ def test_tito_tool_conversation_is_the_templates_rendering_token_for_token(famil
     assert traj.response_ids[:n1] == model_ids[0] and traj.response_ids[-n2:] == model_ids[1]
 
 
+LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "look a word up", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string", "enum": ["cat", "dog"]}}, "required": ["word"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_forced_tool_choice_holds_the_reply_to_the_templates_call_syntax(family, models):
+    """tool_choice "required" / named: the structural tag the router sends the engine (ChatFormat.forced_calls),
+    compiled by xgrammar as both engines compile it, takes exactly the template's own rendering of calls of the
+    allowed tools, token for token up to the turn's end token (two calls where the template writes several and
+    parallel calls are on; Mistral's ids any 9 characters), and refuses text, a tool not allowed, a second call when
+    parallel calls are off, and arguments off a strict tool's schema."""
+    import xgrammar
+    fmt = agentflow.ChatFormat(models[family])
+    kwargs = {fmt.thinking_switch: False} if fmt.thinking_switch else {}
+    tools = [*TOOLS, LOOKUP]
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(
+        fmt.tok, vocab_size=fmt.vocab_size, stop_token_ids=fmt.stop_ids))
+
+    def takes(forced, calls, parallel=True) -> bool:
+        req = wire.ChatRequest([], tools, True, None, {}, None, False, template_kwargs=kwargs, forced=forced,
+                               parallel_calls=parallel, strict=frozenset({"lookup"}))
+        tag = fmt.forced_calls(req, kwargs)["structural_tag"]
+        if isinstance(calls, str):  # a plain-text reply
+            text = calls
+        else:
+            reply = {"role": "assistant", "content": "", "tool_calls": [
+                {"id": f"Call{i}abcd", "type": "function", "function": {"name": n, "arguments": a}}
+                for i, (n, a) in enumerate(calls)]}
+            _, text = chat.reply_text(lambda m, g: fmt.render(m, tools, add_generation_prompt=g, kwargs=kwargs),
+                                      [{"role": "user", "content": "12+7"}], reply, fmt.eos_text)
+            text = text[:-len(fmt.eos_text)]
+        matcher = xgrammar.GrammarMatcher(compiler.compile_structural_tag(tag))
+        return all(matcher.accept_token(t) for t in fmt.encode(text) + [fmt.eos_id]) and matcher.is_terminated()
+
+    calc, cat, emu = ("calculator", {"expression": "12+7"}), ("lookup", {"word": "cat"}), ("lookup", {"word": "emu"})
+    everything = ("calculator", "lookup")
+    assert takes(everything, [calc]) and takes(everything, [cat]) and takes(("calculator",), [calc])
+    assert not takes(everything, "The answer is 19.") and not takes(("lookup",), [calc])
+    assert not takes(("lookup",), [emu])  # lookup is strict: its word is one of the enum
+    assert takes(("calculator",), [("calculator", {"anything": [1, 2]})])  # not strict: any JSON object
+    if fmt.call_syntax(tools, kwargs)[3] is None:  # Llama 3's template writes one call per turn
+        assert family == "llama3"
+    else:
+        assert takes(everything, [calc, cat]) and takes(("lookup",), [cat, cat])
+        assert not takes(everything, [calc, cat], parallel=False)
+    if fmt.thinking_switch:  # a thinking model that thinks would be made to skip it: refused, saying how to turn it off
+        req = wire.ChatRequest([], tools, True, None, {}, None, False, forced=everything)
+        with pytest.raises(wire.ApiError, match="needs thinking off.*enable_thinking"):
+            fmt.forced_calls(req, {})
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_official_clients_get_each_familys_tool_calls(family, models):
     """OpenAI (plain, streaming) and Anthropic (plain, streaming) clients get the call the model wrote in its

@@ -561,7 +561,7 @@ def test_constrained_decoding_samples_and_scores_the_masked_distribution(key, se
     ({"input_ids": [1, 2], "sampling_params": {"ebnf": "root ::= "}}, "Failed to compile ebnf grammar"),
     ({"input_ids": [1, 2], "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "Only one of"),
     ({"input_ids": [1, 2], "sampling_params": {"json_schema": {"type": "object"}}}, "expected a string"),
-    ({"input_ids": [1, 2], "sampling_params": {"structural_tag": "{}"}}, "not implemented"),
+    ({"input_ids": [1, 2], "sampling_params": {"structural_tag": "{}"}}, "Failed to compile structural_tag grammar"),
 ])
 def test_bad_input_answers_400_and_server_keeps_serving(server, payload, needle):
     url, _ = server

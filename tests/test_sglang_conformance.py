@@ -51,6 +51,7 @@ import data  # noqa: E402
 import fleet  # noqa: E402
 import rollout  # noqa: E402
 import transfermesh as tm  # noqa: E402
+import wire  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOONGSAGE_FIELDS = {"checksum"}  # what LoongSage adds to SGLang's bodies (SGLang ignores unknown fields)
@@ -203,6 +204,11 @@ def test_the_router_generates_and_aborts(tiny_model_dir, monkeypatch):
         _, answer = await flow.pool.generate([5, 6, 7], dict(temperature=0.0, max_new_tokens=6,
                                                              json_schema='{"type": "object"}'), "grammar-probe")
         assert answer["meta_info"]["finish_reason"] is not None
+        # a forced tool call's /generate: the template's call syntax as SGLang's structural_tag (a JSON string)
+        tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+        tag = flow.chat.forced_calls(wire.ChatRequest([], tools, True, None, {}, None, False, forced=("calc",)), {})
+        _, answer = await flow.pool.generate([5, 6, 7], dict(temperature=0.0, max_new_tokens=6, **tag), "tag-probe")
+        assert answer["meta_info"]["finish_reason"] is not None
         await flow.close()
         return done
     try:
@@ -215,7 +221,7 @@ def test_the_router_generates_and_aborts(tiny_model_dir, monkeypatch):
     assert any(p == "/generate" and b.get("stream") is True for _, p, b in rec.sent)
     sent_params = [sp for _, p, b in rec.sent if p == "/generate" for sp in (
         b["sampling_params"] if isinstance(b["sampling_params"], list) else [b["sampling_params"]])]  # batched or not
-    assert any("json_schema" in sp for sp in sent_params)
+    assert any("json_schema" in sp for sp in sent_params) and any("structural_tag" in sp for sp in sent_params)
     RECORDED.extend(rec.sent)
 
 
@@ -421,7 +427,16 @@ def test_the_cpu_engine_compiles_and_masks_grammars_as_sglangs_xgrammar_backend(
                                      model_eos_token_ids=sorted(engine.runner.eos_ids))
     stamp = re.compile(r"\[\d\d:\d\d:\d\d\] ")
     valid = 0
-    for key, source in GRAMMARS:
+    # the structural tag the router sends for tool_choice "required" (agentflow.ChatFormat.forced_calls: the
+    # template's call syntax, a strict tool's schema), SGLang's legacy form, and one that is not JSON
+    fmt = agentflow.ChatFormat(tiny_model_dir)
+    strict = {"name": "pick", "parameters": {"type": "object", "properties": {"w": {"enum": ["a", "b"]}}}}
+    tools = [{"type": "function", "function": f} for f in (strict, {"name": "calc", "parameters": {"type": "object"}})]
+    forced = fmt.forced_calls(wire.ChatRequest([], tools, True, None, {}, None, False, forced=("pick", "calc"),
+                                               strict=frozenset({"pick"})), {})["structural_tag"]
+    legacy = json.dumps({"structures": [{"begin": '<tool_call>{"name": "pick", "arguments": ', "end": "}</tool_call>",
+                                         "schema": strict["parameters"]}], "triggers": ["<tool_call>"]})
+    for key, source in GRAMMARS + [("structural_tag", forced), ("structural_tag", legacy), ("structural_tag", "{")]:
         kind = {"json_schema": "json"}.get(key, key)
         theirs = backend._init_value_dispatch((kind, source), False)
         try:
@@ -445,7 +460,7 @@ def test_the_cpu_engine_compiles_and_masks_grammars_as_sglangs_xgrammar_backend(
             if req.grammar.is_terminated():
                 assert theirs.is_terminated()
                 break
-    assert valid == 4
+    assert valid == 6
 
 
 # Tool-call probes: the texts a Qwen-style model writes, well-formed and not. (name, text)
