@@ -70,9 +70,10 @@ Run a router by hand over running engines (prints session settings for any OpenA
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
 clients), the Responses API in `tests/test_responses.py`; streaming in `tests/test_token_stream.py`. Left out:
-constrained tool calls under tool_choice "auto" (a forced tool_choice is enforced: `ChatFormat.forced_calls`),
-structured output or a forced tool call together with thinking, structured output with tools, images/audio
-content parts, built-in tools of the Responses API, n > 1 per request (ask n sessions instead), tool-call deltas
+a strict tool's calls held to its schema under tool_choice "auto" where the template wraps all calls in one block
+(DeepSeek, Mistral) or marks none (Llama 3) (a forced tool_choice is held in every family: `ChatFormat.tool_grammar`),
+structured output or a forced tool call together with thinking, structured output with tools, images/audio content
+parts, built-in tools of the Responses API, n > 1 per request (ask n sessions instead), tool-call deltas
 while the call is generated (a call is parsed whole, so it goes out at the end of a streamed reply), stop strings
 inside the engine (the router cuts the turn after it ends, so a streamed reply with `stop` waits, like a plain one,
 for the engine to finish), per-token logprobs in stream chunks (they all come with the last one), retrying a failed
@@ -796,22 +797,33 @@ class ChatFormat:
         self._syntax[key] = before, between, after, separator
         return self._syntax[key]
 
-    def forced_calls(self, req, template_kwargs: dict) -> dict:
-        """The sampling parameter that makes the reply a tool call, for a request whose tool_choice asks for one
-        ("required", or a named tool; `req.forced`: the names it may call): SGLang's `structural_tag`, which both
-        engines compile with xgrammar, in this template's own call syntax (`call_syntax`), so the sampled tokens are
-        those the template renders for the call and the next turn extends them. Arguments follow the tool's JSON
-        schema where the tool is `strict`, else any JSON object. Refused where the model would be made to skip its
-        thinking (the grammar holds from the first token), and where no parser of the router's reads the calls."""
-        if not req.forced:
+    def tool_grammar(self, req, template_kwargs: dict) -> dict:
+        """The sampling parameter that holds a reply's tool calls (SGLang's `structural_tag`, which both engines
+        compile with xgrammar), written in this template's own call syntax (`call_syntax`) so the sampled tokens are
+        those the template renders for the calls and the next turn extends them; {} when the request needs none.
+
+        * tool_choice "required" or a named tool (`req.forced`: the names it may call): the reply is one or more
+          calls (one with `req.parallel_calls` off). Refused where the model would be made to skip its thinking
+          (the grammar holds from the first token), and where no parser of the router's reads the calls.
+        * tool_choice "auto" with a `strict` tool: the reply is free, and a call, once the model starts one, holds
+          to its tool's schema (SGLang constrains "auto" with a strict tool the same way). Only where each call is a
+          block of its own that starts with the parser's marker (Hermes / Qwen's <tool_call>): a template that wraps
+          all calls in one block (DeepSeek's, Mistral's) or has no marker (Llama 3's) gets its calls parsed only.
+
+        A strict tool's arguments follow its JSON schema (a custom tool's input is a string), others any object."""
+        names = {t["function"]["name"] for t in req.tools or ()}
+        if not req.parse_tools or not (req.forced or req.strict & names):
             return {}
         if self.user_parser is not None or not self.tool_parser:
+            if not req.forced:
+                return {}  # no parser of the router's reads the calls: nothing to hold them to
             has = "its own" if self.user_parser else "none"
             raise ApiError(400, "tool_choice: forcing a tool call needs one of the router's tool parsers "
                            f"({', '.join(chat.TOOL_PARSERS)}); this model has {has}; send tool_choice 'auto'",
                            param="tool_choice")
         merged = {**self.template_kwargs, **template_kwargs}
-        if self.reasoning_parser and not (self.thinking_switch and merged.get(self.thinking_switch) is False):
+        if req.forced and self.reasoning_parser and not (self.thinking_switch and
+                                                         merged.get(self.thinking_switch) is False):
             how = (f"reasoning_effort / reasoning.effort 'none', thinking disabled, or chat_template_kwargs "
                    f"{{'{self.thinking_switch}': false}}" if self.thinking_switch else "nothing: it always thinks")
             raise ApiError(400, f"tool_choice {'required' if len(req.forced) > 1 else repr(req.forced[0])} on a "
@@ -819,6 +831,20 @@ class ChatFormat:
                            f"call's grammar holds from the first token, where the model thinks; turn it off with "
                            f"{how}", param="tool_choice")
         before, between, after, separator = self.call_syntax(req.tools, template_kwargs)
+
+        def schema(f: dict) -> dict:
+            return {"type": "json_schema", "json_schema": f["parameters"] if f["name"] in req.strict else
+                    {"type": "object"}}
+        if not req.forced:
+            trigger = TOOL_CALL_STARTS[self.tool_parser]
+            if "\x00ID\x00" in before + between + after or not before.startswith(trigger) or separator is None \
+                    or not (separator.startswith(after) and separator.endswith(before)):
+                return {}
+            tags = [{"type": "tag", "begin": before + t["function"]["name"] + between, "content": schema(t["function"]),
+                     "end": after} for t in req.tools]
+            return {"structural_tag": json.dumps({"type": "structural_tag", "format": {
+                "type": "triggered_tags", "triggers": [trigger], "tags": tags,
+                "stop_after_first": not req.parallel_calls}})}
 
         def text(value: str) -> list[dict]:  # a part of the syntax; a tool-call id the template writes: 9 characters
             out = []
@@ -828,13 +854,8 @@ class ChatFormat:
                 if piece:
                     out.append({"type": "const_string", "value": piece})
             return out
-        calls = []
-        for t in req.tools:
-            f = t["function"]
-            if f["name"] in req.forced:
-                schema = f["parameters"] if f["name"] in req.strict else {"type": "object"}
-                calls.append({"type": "sequence", "elements": [*text(f["name"] + between),
-                                                               {"type": "json_schema", "json_schema": schema}]})
+        calls = [{"type": "sequence", "elements": [*text(t["function"]["name"] + between), schema(t["function"])]}
+                 for t in req.tools if t["function"]["name"] in req.forced]
         call = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
         more = [{"type": "star", "content": {"type": "sequence", "elements": [*text(separator), call]}}] \
             if separator is not None and req.parallel_calls else []
@@ -1286,7 +1307,7 @@ class Router:
             template_kwargs = self.chat.with_thinking(req, "reasoning_effort", body.get("reasoning_effort"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
-                      overrides={**req.overrides, **self.chat.forced_calls(req, template_kwargs)},
+                      overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
                       template_kwargs=template_kwargs, separate_reasoning=req.separate_reasoning)
             if req.stream:
                 return await streamed(s, req, kw, lambda parts: openai_stream(
@@ -1300,7 +1321,7 @@ class Router:
             req = anthropic_request(await body_of(request))
             template_kwargs = self.chat.thinking_kwargs(req.thinking)
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
-                      overrides={**req.overrides, **self.chat.forced_calls(req, template_kwargs)},
+                      overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
                       template_kwargs=template_kwargs)
             if req.stream:
                 return await streamed(s, req, kw, lambda parts: anthropic_stream(parts, self.model_name))
@@ -1315,7 +1336,7 @@ class Router:
             template_kwargs = self.chat.with_thinking(req, "reasoning", body.get("reasoning"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, template_kwargs=template_kwargs,
-                      overrides={**req.overrides, **self.chat.forced_calls(req, template_kwargs)})
+                      overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)})
             rid = "resp_" + uuid.uuid4().hex
             logprobs_of = functools.partial(responses_logprobs, self.chat) if req.logprobs else None
 

@@ -37,11 +37,11 @@ back as custom_tool_call items (`responses_tools`, `responses_output`).
 Test: `.venv/bin/pytest tests/test_agentflow.py tests/test_responses.py` (through the router, with the official
 openai and anthropic clients); streaming in tests/test_token_stream.py. Left out: images/audio parts, built-in
 Responses tools, custom tools with a grammar format, n > 1, top_logprobs, tool-call argument deltas while a call is
-generated (a function or custom tool call streams whole), `strict` function arguments enforced under tool_choice
-"auto" (a forced tool_choice is enforced, `strict` schemas included: agentflow.ChatFormat.forced_calls), tools'
-defer_loading / async / programmatic callers / output_schema,
-`text.verbosity` (inert: the template has no such variable), Responses `truncation: auto`, `background`, stored
-`prompt`s and `conversation`s.
+generated (a function or custom tool call streams whole), `strict` function arguments under tool_choice "auto" in
+templates without a per-call marker (a forced tool_choice is enforced, `strict` schemas included, and "auto" strict
+calls in Hermes-style templates: agentflow.ChatFormat.tool_grammar), tools' defer_loading / async / programmatic
+callers / output_schema, `text.verbosity` (inert: the template has no such variable), Responses `truncation: auto`,
+`background`, stored `prompt`s and `conversation`s.
 """
 from __future__ import annotations
 
@@ -871,8 +871,7 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
 CUSTOM_INPUT = "input"  # the one string parameter a custom tool is rendered with
 # Tool fields accepted at their neutral value only: tool search (defer_loading), OpenAI-side execution (async,
 # programmatic callers), a schema of the tool's output: none is something a chat template renders. A function's
-# `strict` holds its arguments to its schema when tool_choice forces a call (ChatRequest.strict), as in Chat
-# Completions; under "auto" calls are parsed, not constrained.
+# `strict` holds its arguments to its schema (ChatRequest.strict; agentflow.ChatFormat.tool_grammar says where).
 _TOOL_DEFAULT_ONLY = {"defer_loading": (None, False), "async": (None, False), "allowed_callers": (None, ["direct"]),
                       "output_schema": (None,)}
 

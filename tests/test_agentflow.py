@@ -288,11 +288,20 @@ def test_a_forced_tool_choice_makes_the_random_model_call_on_every_api(engines, 
     response ids are the template's rendering of it, up to the JSON's whitespace)."""
     async def body():
         flow = await started_flow(engines, tiny_model_dir)
-        calls = record_engine_calls(flow.pool)
+        sent, engine_call = [], flow.pool.generate
+
+        async def spy(input_ids, sampling_params, *args, **kw):
+            sent.append(sampling_params)
+            return await engine_call(input_ids, sampling_params, *args, **kw)
+        flow.pool.generate = spy
         msgs, sampling = [{"role": "user", "content": "12+7"}], {**SAMPLING, "max_new_tokens": 96}
-        oa = flow.session_client(open_session(flow, sampling=sampling))
-        free = await oa.chat.completions.create(model="m", messages=msgs, tools=[CALC_TOOL, WORD_TOOL])
-        assert free.choices[0].message.tool_calls is None and "structural_tag" not in calls[-1][2]  # auto: free text
+        # "auto": no grammar, or (a strict tool) one that lets the reply be text and holds a call to its schema
+        for tools, kind in (([CALC_TOOL], None), ([CALC_TOOL, WORD_TOOL], "triggered_tags")):
+            free = await flow.session_client(open_session(flow, sampling=sampling)).chat.completions.create(
+                model="m", messages=msgs, tools=tools)
+            assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
+            assert (json.loads(sent[-1]["structural_tag"])["format"]["type"] if kind else sent[-1].get(
+                "structural_tag")) == kind
         # one call each (a random model, free to go on, writes calls until max_tokens: tests/test_chat.py has the
         # grammar's parallel calls)
         for choice in ({"type": "function", "function": {"name": "lookup"}}, "required"):
@@ -312,12 +321,18 @@ def test_a_forced_tool_choice_makes_the_random_model_call_on_every_api(engines, 
                 "name": "lookup", "strict": True, "input_schema": WORD_TOOL["function"]["parameters"]}])
         [use] = [b for b in m.content if b.type == "tool_use"]
         assert use.name == "lookup" and use.input["word"] in ("cat", "dog") and m.stop_reason == "tool_use"
+        # (a custom tool's forced call is a free string, which a random model may not close within max tokens)
         r = await flow.session_client(open_session(flow, sampling=sampling)).responses.create(
-            model="m", input="12+7", tool_choice={"type": "custom", "name": "shell"}, max_output_tokens=96,
-            parallel_tool_calls=False,
-            tools=[{"type": "custom", "name": "shell"}, {"type": "function", **WORD_TOOL["function"]}])
-        [item] = [o for o in r.output if o.type == "custom_tool_call"]
-        assert item.name == "shell" and isinstance(item.input, str)
+            model="m", input="12+7", tool_choice={"type": "function", "name": "lookup"}, max_output_tokens=96,
+            parallel_tool_calls=False, tools=[{"type": "custom", "name": "shell"},
+                                              {"type": "function", **WORD_TOOL["function"]}])
+        [item] = [o for o in r.output if o.type == "function_call"]
+        assert item.name == "lookup" and json.loads(item.arguments)["word"] in ("cat", "dog")
+        req = wire.responses_request({"input": "x", "tools": [{"type": "custom", "name": "shell"}],
+                                      "tool_choice": {"type": "custom", "name": "shell"}}, {})
+        call = json.loads(flow.chat.tool_grammar(req, {})["structural_tag"])["format"]["elements"][1]
+        assert call["elements"][-1]["json_schema"]["properties"]["input"] == {  # a custom tool's input: a string
+            "type": "string", "description": "the tool's whole input, as free-form text"}
         await flow.close()
     run(body())
 

@@ -22,6 +22,7 @@ format), qwen3 (with thinking), llama3, mistral, deepseek_v3. What each test pro
 The model turns of the router tests are crafted (`crafted_engine`): a random model never writes a well-formed tool
 call or thinking block. The RL runs use the real engine and trainer.
 """
+import dataclasses
 import itertools
 import json
 import math
@@ -290,11 +291,13 @@ LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "loo
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_forced_tool_choice_holds_the_reply_to_the_templates_call_syntax(family, models):
-    """tool_choice "required" / named: the structural tag the router sends the engine (ChatFormat.forced_calls),
+    """tool_choice "required" / named: the structural tag the router sends the engine (ChatFormat.tool_grammar),
     compiled by xgrammar as both engines compile it, takes exactly the template's own rendering of calls of the
     allowed tools, token for token up to the turn's end token (two calls where the template writes several and
     parallel calls are on; Mistral's ids any 9 characters), and refuses text, a tool not allowed, a second call when
-    parallel calls are off, and arguments off a strict tool's schema."""
+    parallel calls are off, and arguments off a strict tool's schema. tool_choice "auto" with a strict tool, in the
+    templates that mark each call (Hermes / Qwen): text, and text then calls, pass; a strict call off its schema
+    does not; elsewhere no grammar is sent."""
     import xgrammar
     fmt = agentflow.ChatFormat(models[family])
     kwargs = {fmt.thinking_switch: False} if fmt.thinking_switch else {}
@@ -302,14 +305,14 @@ def test_a_forced_tool_choice_holds_the_reply_to_the_templates_call_syntax(famil
     compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(
         fmt.tok, vocab_size=fmt.vocab_size, stop_token_ids=fmt.stop_ids))
 
-    def takes(forced, calls, parallel=True) -> bool:
+    def takes(forced, calls, parallel=True, content="") -> bool:
         req = wire.ChatRequest([], tools, True, None, {}, None, False, template_kwargs=kwargs, forced=forced,
                                parallel_calls=parallel, strict=frozenset({"lookup"}))
-        tag = fmt.forced_calls(req, kwargs)["structural_tag"]
+        tag = fmt.tool_grammar(req, kwargs)["structural_tag"]
         if isinstance(calls, str):  # a plain-text reply
             text = calls
         else:
-            reply = {"role": "assistant", "content": "", "tool_calls": [
+            reply = {"role": "assistant", "content": content, "tool_calls": [
                 {"id": f"Call{i}abcd", "type": "function", "function": {"name": n, "arguments": a}}
                 for i, (n, a) in enumerate(calls)]}
             _, text = chat.reply_text(lambda m, g: fmt.render(m, tools, add_generation_prompt=g, kwargs=kwargs),
@@ -329,10 +332,18 @@ def test_a_forced_tool_choice_holds_the_reply_to_the_templates_call_syntax(famil
     else:
         assert takes(everything, [calc, cat]) and takes(("lookup",), [cat, cat])
         assert not takes(everything, [calc, cat], parallel=False)
+    auto = wire.ChatRequest([], tools, True, None, {}, None, False, strict=frozenset({"lookup"}))
+    if PARSER[family] == "hermes":
+        assert takes((), "The answer is 19.") and takes((), [cat], content="Let me look.")
+        assert takes((), [calc, cat]) and takes((), [("calculator", {"anything": [1]})])
+        assert not takes((), [emu]) and not takes((), [cat, cat], parallel=False)
+    else:
+        assert fmt.tool_grammar(auto, kwargs) == {}
+    assert fmt.tool_grammar(dataclasses.replace(auto, strict=frozenset()), kwargs) == {}  # nothing strict: free
     if fmt.thinking_switch:  # a thinking model that thinks would be made to skip it: refused, saying how to turn it off
         req = wire.ChatRequest([], tools, True, None, {}, None, False, forced=everything)
         with pytest.raises(wire.ApiError, match="needs thinking off.*enable_thinking"):
-            fmt.forced_calls(req, {})
+            fmt.tool_grammar(req, {})
 
 
 @pytest.mark.parametrize("family", FAMILIES)

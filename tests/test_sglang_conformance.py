@@ -206,7 +206,7 @@ def test_the_router_generates_and_aborts(tiny_model_dir, monkeypatch):
         assert answer["meta_info"]["finish_reason"] is not None
         # a forced tool call's /generate: the template's call syntax as SGLang's structural_tag (a JSON string)
         tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
-        tag = flow.chat.forced_calls(wire.ChatRequest([], tools, True, None, {}, None, False, forced=("calc",)), {})
+        tag = flow.chat.tool_grammar(wire.ChatRequest([], tools, True, None, {}, None, False, forced=("calc",)), {})
         _, answer = await flow.pool.generate([5, 6, 7], dict(temperature=0.0, max_new_tokens=6, **tag), "tag-probe")
         assert answer["meta_info"]["finish_reason"] is not None
         await flow.close()
@@ -427,16 +427,18 @@ def test_the_cpu_engine_compiles_and_masks_grammars_as_sglangs_xgrammar_backend(
                                      model_eos_token_ids=sorted(engine.runner.eos_ids))
     stamp = re.compile(r"\[\d\d:\d\d:\d\d\] ")
     valid = 0
-    # the structural tag the router sends for tool_choice "required" (agentflow.ChatFormat.forced_calls: the
-    # template's call syntax, a strict tool's schema), SGLang's legacy form, and one that is not JSON
+    # the structural tags the router sends (agentflow.ChatFormat.tool_grammar: the template's call syntax, a strict
+    # tool's schema) for tool_choice "required" and for "auto", SGLang's legacy form, and one that is not JSON
     fmt = agentflow.ChatFormat(tiny_model_dir)
     strict = {"name": "pick", "parameters": {"type": "object", "properties": {"w": {"enum": ["a", "b"]}}}}
     tools = [{"type": "function", "function": f} for f in (strict, {"name": "calc", "parameters": {"type": "object"}})]
-    forced = fmt.forced_calls(wire.ChatRequest([], tools, True, None, {}, None, False, forced=("pick", "calc"),
+    forced = fmt.tool_grammar(wire.ChatRequest([], tools, True, None, {}, None, False, forced=("pick", "calc"),
                                                strict=frozenset({"pick"})), {})["structural_tag"]
+    auto = fmt.tool_grammar(wire.ChatRequest([], tools, True, None, {}, None, False, strict=frozenset({"pick"})),
+                            {})["structural_tag"]  # "auto" with a strict tool: text, or calls on its schema
     legacy = json.dumps({"structures": [{"begin": '<tool_call>{"name": "pick", "arguments": ', "end": "}</tool_call>",
                                          "schema": strict["parameters"]}], "triggers": ["<tool_call>"]})
-    for key, source in GRAMMARS + [("structural_tag", forced), ("structural_tag", legacy), ("structural_tag", "{")]:
+    for key, source in GRAMMARS + [("structural_tag", t) for t in (forced, auto, legacy, "{")]:
         kind = {"json_schema": "json"}.get(key, key)
         theirs = backend._init_value_dispatch((kind, source), False)
         try:
@@ -460,7 +462,7 @@ def test_the_cpu_engine_compiles_and_masks_grammars_as_sglangs_xgrammar_backend(
             if req.grammar.is_terminated():
                 assert theirs.is_terminated()
                 break
-    assert valid == 6
+    assert valid == 7
 
 
 # Tool-call probes: the texts a Qwen-style model writes, well-formed and not. (name, text)
