@@ -617,6 +617,18 @@ def test_whitebox_agents_ok_crash_reward_budget_timeout(engines, tiny_model_dir)
     assert [(t["group_id"], t["sample_index"]) for t in crashed] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
+def test_the_flow_moves_its_start_up_objects_out_of_the_collectors_sight(tiny_model_dir):
+    """A new AgentFlow (in a fresh interpreter, as the controller's actor is) freezes what start-up made: a full
+    garbage collection, which would stop the router and every agent while it walks ~475k objects, then walks none
+    of them."""
+    code = ("import gc, agentflow, config; agentflow.AgentFlow(config.Config(), ['http://127.0.0.1:9'], "
+            f"{tiny_model_dir!r}); print(gc.get_freeze_count(), len(gc.get_objects()))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=120)
+    frozen, tracked = map(int, out.stdout.split()[-2:])
+    assert frozen > 100_000 and tracked < frozen // 100, (frozen, tracked, out.stderr[-500:])
+
+
 def test_whitebox_trajectories_share_one_connection_pool(engines, tiny_model_dir):
     """Successive white-box trajectories reach the router over the flow's kept-alive connection (every session's
     client is on one pool), not over a new connection each; the pool closes with the flow."""
