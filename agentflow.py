@@ -796,6 +796,8 @@ class ChatFormat:
             sep = two[first.end():two.find(names[1])]
             if two == before + names[0] + between + first.group() + sep + names[1] + between + second.group() + after:
                 separator = sep
+        if len(self._syntax) >= 256:  # a bound, as prompt_ids' cache has: agents whose tools vary refill it
+            self._syntax.clear()
         self._syntax[key] = before, between, after, separator
         return self._syntax[key]
 
