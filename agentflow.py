@@ -44,7 +44,7 @@ Requests are checked against the APIs' request schemas (`openai_request`, `anthr
 in wire.py): what they refuse gets a 400 in their error shape, options the engine cannot honour are refused rather
 than ignored, and `model` is optional (one model is served). Structured output (`text.format`, `response_format`)
 reaches the engine as SGLang's `json_schema` sampling parameter, constrained decoding whose logprobs are those of the
-masked distribution (rollout.py); `ChatFormat.check_structured` refuses it where the chat template and a grammar that
+masked distribution (rollout.py); `chat.ChatFormat.check_structured` refuses it where the chat template and a grammar that
 holds from the first token disagree (tools offered, a thinking model thinking).
 
 Token in, token out (TITO): the chat is rendered with the template once. On the next turn the router
@@ -58,9 +58,8 @@ Black-box agents and code-test rewards run in sandboxes (sandbox.py: limits, con
 every process killed at the end). With `cfg.agent_preload` (e.g. ["openai"]) a Python agent command is forked
 from one warm interpreter that has imported those modules, instead of starting Python per trajectory.
 
-Reading order (top to bottom): `Trajectory`, what the trainer reads; `EnginePool`, the engines behind the
-router; `ChatFormat`, the chat template, end tokens and the model family's tool-call and reasoning parsers
-(chat.py); `Session`, where TITO
+Reading order (top to bottom): `Trajectory`, what the trainer reads (the engines behind the router are
+`rollout.EnginePool`; the chat template, end tokens and the family's parsers `chat.ChatFormat`); `Session`, where TITO
 happens (render, check that the history extends, generate, append exactly the sampled ids); `Router`, the HTTP
 endpoints, which call wire.py at their edges only (request parsing, response and stream shapes, error bodies);
 the code-test reward; `AgentFlow`, the actor the controller calls. wire.py holds the OpenAI / Anthropic / Responses
@@ -71,7 +70,7 @@ Run a router by hand over running engines (prints session settings for any OpenA
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
 clients), the Responses API in `tests/test_responses.py`; streaming in `tests/test_token_stream.py`. Left out:
 a strict tool's calls held to its schema under tool_choice "auto" where the template wraps all calls in one block
-(DeepSeek, Mistral) or marks none (Llama 3) (a forced tool_choice is held in every family: `ChatFormat.tool_grammar`),
+(DeepSeek, Mistral) or marks none (Llama 3) (a forced tool_choice is held in every family: `chat.ChatFormat.tool_grammar`),
 structured output or a forced tool call together with thinking, structured output with tools, images/audio content
 parts, built-in tools of the Responses API, n > 1 per request (ask n sessions instead), tool-call deltas
 while the call is generated (a call is parsed whole, so it goes out at the end of a streamed reply), stop strings
@@ -85,7 +84,6 @@ import argparse
 import asyncio
 import atexit
 import base64
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -159,35 +157,7 @@ class Trajectory:
 
 
 # ----------------------------------------------------------------------------------------------
-# engines: least-loaded choice, stickiness, health
-
-
-class EngineUnavailable(Exception):
-    """No healthy engine answered; the trajectory fails (and may be retried)."""
-
-
-
-def _version(v) -> int:
-    """Engines report weight versions as strings (SGLang: "default" before the first update -> 0)."""
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return 0
-
-
-def _token_versions(meta: dict, n: int) -> list[int]:
-    """Per-token weight versions from the engine's `weight_versions` spans (SGLang >= 0.5.23 and the CPU
-    engine: [{"version", "start", "end"}, ...] over the output tokens, end exclusive), so a request that spans
-    a weight update keeps the exact version of every token. An engine without spans reports only the version
-    at the end; every token then gets it, which can understate the lag of the request's early tokens."""
-    spans = meta.get("weight_versions")
-    if spans and spans[-1]["end"] == n and spans[0]["start"] == 0:
-        out = []
-        for span in spans:
-            out += [_version(span["version"])] * (span["end"] - span["start"])
-        if len(out) == n:
-            return out
-    return [_version(meta.get("weight_version"))] * n
+# engines (rollout.EnginePool) and the clients of white-box agents
 
 
 def _routed_prefix(b64: str, rows: int, keep: int) -> str:
@@ -208,21 +178,6 @@ def sampling_seed(*key) -> int:
     trajectory's tokens independent of timing and batch composition: sync and async runs, and a resumed run,
     draw the same random numbers for the same trajectory."""
     return int.from_bytes(hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=7).digest(), "big")
-
-
-def _http_status(e: Exception) -> int | None:
-    status = getattr(e, "status_code", None)
-    if status is None:  # rollout.EngineError carries the status in its message: "... answered HTTP 400: ..."
-        m = re.search(r"answered HTTP (\d{3})", str(e))
-        status = int(m.group(1)) if m else None
-    return status
-
-
-def nodelay_transport(**kw):
-    """An httpx transport with TCP_NODELAY. httpx writes a POST's headers and body separately; with
-    Nagle on, the body waits for the peer's delayed ACK of the headers: ~40 ms per request on loopback
-    (measured here: median client overhead 44 ms -> 6 ms). Every engine and router call pays it otherwise."""
-    return httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], **kw)
 
 
 @functools.cache
@@ -248,686 +203,6 @@ def openai_http_client():
     need, each kept open for the next request until it has idled for the pool's expiry (5 s)."""
     limits = sdk_httpx().Limits(max_connections=0, max_keepalive_connections=None)
     return openai.DefaultAioHttpClient(limits=limits, verify=_tls_context())
-
-
-class EnginePool:
-    """Routes /generate calls over several engines, and keeps track of which are alive.
-
-    A request goes to the session's engine if it has one and it is healthy (so its prefix cache stays
-    warm), else to the healthy engine with the fewest requests in flight (ties rotate).
-
-    Health. Every failed call (connection error, 5xx) is followed at once by a `/server_info` probe of that
-    engine: no answer within `health_timeout_s` means dead (or hung), and a dead engine leaves routing
-    until `replace()` puts its successor in; an engine that answers the probe only sits out `cooldown_s`.
-    `check()` probes every engine the same way; a background task runs it every `check_every_s` while
-    the pool has requests in flight, so an engine that hangs without failing a call is found too. The
-    requests in flight on an engine that leaves routing are retried on the others: nothing of a failed
-    attempt was recorded, so the retry is invisible to the trajectory (and its group stays complete).
-    When no engine is left, a request waits up to `wait_s` for one to be replaced before it fails.
-
-    LoRA. With `use_adapter(name, version)` (each weight sync of a LoRA run) every request sent from then on names
-    that adapter (`lora_path`), and its tokens carry that adapter's version: an engine keeps a request on the adapter
-    it named until it ends, whatever weight_version it stamps (rollout.py's contract). The adapter it replaces is
-    unloaded from every engine once no request of this pool uses it.
-    """
-
-    def __init__(self, urls: list[str], *, timeout_s: float = 600.0, cooldown_s: float = 5.0,
-                 health_timeout_s: float = 10.0, check_every_s: float = 5.0, wait_s: float = 300.0,
-                 return_routed_experts: bool = False):
-        if not urls:
-            raise ValueError("EnginePool needs at least one engine URL (got an empty list); start the rollout "
-                             "engines first and pass their URLs")
-        self.urls = [u.rstrip("/") for u in urls]
-        self.inflight = {u: 0 for u in self.urls}
-        self.down_until = {u: 0.0 for u in self.urls}
-        self.dead: set[str] = set()  # engines found dead or hung: out of routing until replace()
-        self.timeout_s, self.cooldown_s = timeout_s, cooldown_s
-        self.health_timeout_s, self.check_every_s, self.wait_s = health_timeout_s, check_every_s, wait_s
-        self.retried = 0  # requests moved to another engine after their engine failed (rollout/retried)
-        self.return_routed_experts = return_routed_experts  # ask every /generate for meta_info.routed_experts (R3)
-        self._rotate = 0
-        self._http: httpx.AsyncClient | None = None
-        self.running: dict[str, str] = {}  # rid -> engine url of every request this pool has in flight
-        self._pending: dict[tuple[str, str], list] = {}  # (engine url, batch key) -> requests of this loop tick,
-        #                                                   sent as one batch
-        self._sent: dict[str, set] = {}  # engine url -> futures of requests sent to it and not answered yet
-        self._watcher: asyncio.Task | None = None
-        self.adapter: tuple[str, int] | None = None  # LoRA: (adapter name, its weight version) new requests name
-        self.adapter_users: collections.Counter = collections.Counter()  # adapter name -> requests in flight on it
-        self.retired: set[str] = set()  # adapters replaced by a newer one, unloaded when their last request ends
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        # Created lazily so it binds to the event loop that uses it (a Ray async actor's loop).
-        if self._http is None:
-            # Few idle connections kept: httpcore scans every connection (and, for each idle one, counts them all
-            # again) on each request and each response, so 60 kept-alive connections cost 3-4x the client CPU of 8
-            # per group request (measured: 7 vs 2 ms); a new local connection is far cheaper than that scan.
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=8)
-            self._http = httpx.AsyncClient(timeout=self.timeout_s, transport=nodelay_transport(limits=limits))
-        return self._http
-
-    def healthy(self) -> list[str]:
-        # An engine that failed a call but still answers the probe sits out a cool-down (down_until) rather than
-        # leaving for good: it is more likely overloaded or restarting than dead.
-        now = time.monotonic()
-        return [u for u in self.urls if u not in self.dead and self.down_until[u] <= now]
-
-    def pick(self, prefer: str | None = None) -> str:
-        up = self.healthy()
-        if not up:
-            raise EngineUnavailable(f"no engine of {self.urls} is up (dead: {sorted(self.dead)}); check their "
-                                    f"logs; one that failed a call is retried {self.cooldown_s:.0f}s later")
-        if prefer in up:
-            return prefer
-        # Rotate the starting point so that ties in requests in flight (all idle at the start of a step) spread
-        # new sessions over the engines instead of always landing on the first one.
-        self._rotate += 1
-        order = up[self._rotate % len(up):] + up[:self._rotate % len(up)]
-        return min(order, key=lambda u: self.inflight[u])
-
-    async def _pick_or_wait(self, prefer: str | None) -> str:
-        """pick(), or wait up to `wait_s` for an engine to come back (a cool-down ends, a dead one is replaced)."""
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            try:
-                return self.pick(prefer)
-            except EngineUnavailable:
-                if time.monotonic() >= deadline:
-                    raise
-            await asyncio.sleep(0.2)
-
-    def use_adapter(self, name: str, version: int) -> None:
-        """LoRA: new requests generate with adapter `name` (weight version `version`), which every engine has loaded;
-        the one it replaces goes once its requests have ended."""
-        old, self.adapter = self.adapter, (name, int(version))
-        if old is not None and old[0] != name:
-            self.retired.add(old[0])
-            self._release(old[0])
-
-    def _release(self, name: str) -> None:
-        """Unload a retired adapter from every engine in routing, in the background, once no request uses it."""
-        if name in self.retired and not self.adapter_users[name]:
-            self.retired.discard(name)
-            asyncio.ensure_future(self._unload(name))
-
-    async def _unload(self, name: str) -> None:
-        for url in [u for u in self.urls if u not in self.dead]:
-            try:
-                r = await self.http.post(f"{url}/unload_lora_adapter", json={"lora_name": name})
-                if r.status_code >= 400:  # e.g. an engine re-created after this adapter's sync never had it
-                    log.warning("engine %s did not unload LoRA adapter %s: %s", url, name, r.text[:300])
-            except httpx.HTTPError as e:  # a dead engine leaves routing through the health checks, not here
-                log.warning("engine %s did not unload LoRA adapter %s: %r", url, name, e)
-
-    async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
-                       prefer: str | None = None, batch: str = "", on_chunk=None) -> tuple[str, dict]:
-        """POST /generate on one engine (rollout.generate); returns (engine url, the engine's answer).
-        A failed engine is probed and the request moves to another; at most two tries per engine.
-        `batch`: requests of one loop tick with the same key travel together (see `_coalesced`).
-        `on_chunk`: stream instead (rollout.generate_stream, alone, never batched): it gets every chunk of the
-        running request, cumulative; a retry on another engine starts its chunks again from the first token.
-        LoRA: each try names the current adapter, and the answer's weight versions become that adapter's."""
-        if self._watcher is None and self.check_every_s > 0:
-            self._watcher = asyncio.ensure_future(self._watch())
-        last_error: Exception | None = None
-        # Two tries per engine: one transient failure (a dropped connection, an engine being replaced) must not
-        # fail a trajectory. Stickiness only on the first try: a retry is free to leave the engine that failed.
-        for attempt in range(2 * len(self.urls)):
-            url = await self._pick_or_wait(prefer if attempt == 0 else None)
-            self.inflight[url] += 1
-            self.running[rid] = url
-            adapter = self.adapter  # LoRA: this try's adapter, fixed now (a sync may name another meanwhile)
-            if adapter is not None:
-                self.adapter_users[adapter[0]] += 1
-            try:
-                lora_path = adapter[0] if adapter else None
-                answer = await (self._coalesced(url, input_ids, sampling_params, rid, batch, lora_path)
-                                if on_chunk is None else
-                                self._streamed(url, input_ids, sampling_params, rid, lora_path, on_chunk))
-                if adapter is not None:  # every token came from the adapter this request named (the docstring)
-                    n = len(answer.get("output_ids", []))
-                    answer.setdefault("meta_info", {}).update(weight_version=str(adapter[1]), weight_versions=[
-                        {"version": str(adapter[1]), "start": 0, "end": n}])
-                return url, answer
-            except rollout.EngineError as e:
-                status = _http_status(e)
-                if status is not None and status < 500:
-                    # The engine refused the input itself (bad ids, too long): the client's fault, not the engine's.
-                    raise ApiError(400, f"the rollout engine rejected the request: {e}",
-                                   code="engine_rejected") from None
-                last_error = e
-            except (httpx.TransportError, EngineUnavailable) as e:  # EngineUnavailable: its engine left routing
-                last_error = e
-            finally:
-                self.inflight[url] -= 1
-                self.running.pop(rid, None)
-                if adapter is not None:
-                    self.adapter_users[adapter[0]] -= 1
-                    self._release(adapter[0])
-            self.retried += 1
-            if url not in self.dead and not await self._alive(url):
-                self.mark_dead(url, f"it failed a call ({last_error!r}) and then did not answer /server_info")
-            elif url not in self.dead:
-                self.down_until[url] = time.monotonic() + self.cooldown_s
-                log.warning("engine %s failed a call (%r) but answers /server_info; skipped for %.0fs", url,
-                            last_error, self.cooldown_s)
-        raise EngineUnavailable(f"no engine could serve request {rid}: {last_error!r}")
-
-    async def _alive(self, url: str) -> bool:
-        """GET /server_info within health_timeout_s. An engine that cannot answer that is dead or hung. Not /health:
-        SGLang's runs a generation, which a paused engine (mid weight sync, or memory released) answers with a 503
-        only after 20 s; /server_info its scheduler answers between two steps, paused or not."""
-        try:
-            r = await self.http.get(f"{url}/server_info", timeout=self.health_timeout_s)
-            return r.status_code == 200
-        except (httpx.HTTPError, OSError):
-            return False
-
-    def mark_dead(self, url: str, why: str) -> None:
-        """Take an engine out of routing now; the requests waiting on it fail over to the other engines."""
-        if url in self.dead or url not in self.inflight:
-            return
-        self.dead.add(url)
-        log.warning("engine %s is out of routing: %s", url, why)
-        error = EngineUnavailable(f"engine {url} left routing: {why}")
-        for key in [k for k in self._pending if k[0] == url]:
-            self._fail(self._pending.pop(key), error)
-        for fut in list(self._sent.pop(url, ())):
-            if not fut.done():
-                fut.set_exception(error)
-
-    def replace(self, old: str, new: str) -> None:
-        """The engine at `old` was re-created at `new` (same slot, current weights): it rejoins routing."""
-        new = new.rstrip("/")
-        i = self.urls.index(old)
-        self.mark_dead(old, "replaced")
-        self.urls[i] = new
-        self.inflight.setdefault(new, 0)
-        self.down_until[new] = 0.0
-        self.dead.discard(new)
-
-    async def check(self) -> list[str]:
-        """Probe every engine in routing now; return the URLs of every engine out of routing for good."""
-        live = [u for u in self.urls if u not in self.dead]
-        for url, ok in zip(live, await asyncio.gather(*(self._alive(u) for u in live))):
-            if not ok:
-                self.mark_dead(url, f"/server_info failed: the engine is dead, or hung past "
-                                    f"{self.health_timeout_s:.0f}s (cfg.engine_health_timeout)")
-        return [u for u in self.urls if u in self.dead]
-
-    async def _watch(self) -> None:
-        """Probe the engines every check_every_s while requests are in flight: a hung engine fails no call
-        (its connection stays open), so only a probe finds it and frees the requests stuck on it."""
-        while True:
-            await asyncio.sleep(self.check_every_s)
-            if self.running:
-                await self.check()
-
-    async def _coalesced(self, url: str, input_ids: list[int], sampling_params: dict, rid: str,
-                         batch: str = "", lora_path: str | None = None) -> dict:
-        """Requests for one engine made in the same event-loop tick with the same `batch` key travel as ONE
-        batched /generate (SGLang takes lists of input_ids, sampling_params and rids). A step starts hundreds
-        of trajectories at once; sent one by one, they would spend most of their time in the HTTP client's
-        connection pool (quadratic in open connections) rather than in the engine. A batched /generate
-        answers when its LAST request ends, so AgentFlow keys by prompt group: a group is complete only
-        when all its samples are anyway, and one group's long tail then never holds back another's."""
-        fut = asyncio.get_running_loop().create_future()
-        pending = self._pending.setdefault((url, batch), [])
-        pending.append((input_ids, sampling_params, rid, lora_path, fut))
-        if len(pending) == 1:  # the first of this tick schedules the send, after everyone else has queued
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_batch(url, batch)))
-        return await self._awaited(url, fut)
-
-    async def _awaited(self, url: str, fut: asyncio.Future) -> dict:
-        """`fut`'s answer, the future listed as sent to `url` meanwhile (mark_dead fails what it lists over)."""
-        sent = self._sent.setdefault(url, set())
-        sent.add(fut)
-        try:
-            return await fut
-        finally:
-            sent.discard(fut)
-
-    async def _streamed(self, url: str, input_ids: list[int], sampling_params: dict, rid: str,
-                        lora_path: str | None, on_chunk) -> dict:
-        """One streamed /generate, failed over like a batched one: `mark_dead` fails its future, which ends the
-        stream (the engine aborts a request whose stream is closed)."""
-        fut = asyncio.get_running_loop().create_future()
-        task = asyncio.ensure_future(rollout.generate_stream(
-            self.http, url, input_ids, sampling_params, on_chunk=on_chunk, rid=rid,
-            return_routed_experts=self.return_routed_experts, lora_path=lora_path))
-
-        def settle(t: asyncio.Task) -> None:
-            if fut.done():
-                return
-            if t.cancelled():
-                fut.cancel()
-            elif t.exception() is not None:
-                fut.set_exception(t.exception())
-            else:
-                fut.set_result(t.result())
-        task.add_done_callback(settle)
-        try:
-            return await self._awaited(url, fut)
-        finally:
-            task.cancel()
-
-    async def _send_batch(self, url: str, key: str) -> None:
-        batch = self._pending.pop((url, key), [])
-        if not batch:  # mark_dead() already failed them over
-            return
-        try:
-            loras = [b[3] for b in batch]
-            out = await rollout.generate(self.http, url, [b[0] for b in batch], [b[1] for b in batch],
-                                         rid=[b[2] for b in batch], return_routed_experts=self.return_routed_experts,
-                                         lora_path=loras if any(loras) else None)
-            for (*_, fut), answer in zip(batch, out):
-                if not fut.done():
-                    fut.set_result(answer)
-        except rollout.EngineError as e:
-            if len(batch) > 1 and (_http_status(e) or 500) < 500:
-                # the engine refused the batch for one bad request: resend one by one, so only it fails
-                await asyncio.gather(*(self._send_one(url, b) for b in batch))
-            else:
-                self._fail(batch, e)
-        except BaseException as e:
-            # every waiter sees the transport's error, cancellation included: a future never resolved would hang
-            # its trajectory until agent_timeout
-            self._fail(batch, e)
-
-    async def _send_one(self, url: str, item) -> None:
-        input_ids, sampling_params, rid, lora_path, fut = item
-        try:
-            answer = await rollout.generate(self.http, url, input_ids, sampling_params, rid=rid,
-                                            return_routed_experts=self.return_routed_experts, lora_path=lora_path)
-            if not fut.done():
-                fut.set_result(answer)
-        except BaseException as e:
-            self._fail([item], e)
-
-    @staticmethod
-    def _fail(batch, error: BaseException) -> None:
-        for *_, fut in batch:
-            if not fut.done():
-                fut.set_exception(error)
-
-    async def abort(self, rid: str | None = None) -> None:
-        """Abort one request (rid) or every request of this pool (rid=None) on its engine. By rid, not
-        abort_all: other clients of the same engines (an eval, a second AgentFlow) keep their requests."""
-        rids = [rid] if rid is not None else list(self.running)
-        await asyncio.gather(*(self.http.post(f"{self.running[r]}/abort_request", json={"rid": r})
-                               for r in rids if r in self.running), return_exceptions=True)
-
-    async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            self._watcher = None
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
-
-
-# ----------------------------------------------------------------------------------------------
-# the chat format: template, end tokens, and the family's tool-call and reasoning parsers (chat.py)
-
-
-class ChatFormat:
-    """The tokenizer + chat template, the model family's parsers (chat.py), and the few token facts TITO needs.
-
-    End tokens: the tokenizer's eos and every eos_token_id of the model's generation config (all of them: Llama 3's
-    <|eot_id|>, <|eom_id|> and <|end_of_text|>), plus the token the template closes an assistant turn with. Control
-    tokens: the tokenizer's special tokens, less those the parsers read (<tool_call>, <think>, [TOOL_CALLS], ...):
-    dropped from what the model wrote before it is parsed."""
-
-    def __init__(self, tokenizer_path: str, chat_template: str = "", tool_parser: str = "", reasoning_parser: str = "",
-                 template_kwargs: dict | None = None):
-        """`chat_template`: a dotted path to a Jinja template string ("" = the tokenizer's). `tool_parser`: an SGLang
-        parser name (chat.TOOL_PARSERS), a dotted path to `fn(text, tools) -> (content, tool_calls)`, "none", or ""
-        to pick the one the template shows. `reasoning_parser`: qwen3, deepseek-r1, "none", or "" to pick from the
-        template. `template_kwargs`: variables every render gets (a request's chat_template_kwargs override them).
-        The cfg keys of the same names."""
-        self.tok = data.load_tokenizer(tokenizer_path)
-        self.template = data.import_object(chat_template) if chat_template else None  # None: the tokenizer's
-        self.template_kwargs = dict(template_kwargs or {})
-        source = self.template or self.tok.chat_template or ""
-        self.user_parser = data.import_object(tool_parser) if data.is_dotted(tool_parser) else None
-        self.tool_parser = tool_parser if tool_parser not in ("", "none") else (
-            chat.pick_tool_parser(source) if tool_parser == "" else "")
-        if self.user_parser is None and self.tool_parser and self.tool_parser not in chat.TOOL_PARSERS:
-            raise ValueError(f"tool_parser={tool_parser!r}: choose one of {chat.TOOL_PARSERS}, 'none', a dotted "
-                             "path to fn(text, tools) -> (content, tool_calls), or '' to pick from the chat template")
-        generation_prompt = self.render([{"role": "user", "content": "x"}], add_generation_prompt=True)
-        self.reasoning_parser = reasoning_parser if reasoning_parser not in ("", "none") else (
-            chat.pick_reasoning_parser(source, generation_prompt) if reasoning_parser == "" else "")
-        if self.reasoning_parser and self.reasoning_parser not in chat.REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser={reasoning_parser!r}: choose one of {chat.REASONING_PARSERS}, "
-                             "'none', or '' to pick from the chat template")
-        # the variable that switches thinking on and off in the template (Qwen3's enable_thinking), if it has one
-        self.thinking_switch = "enable_thinking" if "enable_thinking" in source else ""
-        self.vocab_size = len(self.tok)
-        # What the template writes after an assistant message's content (ChatML: its end token and a newline). The
-        # model's own tokens end the content with the turn's end token (its first token); the rest closes the turn.
-        self.assistant_suffix = chat.assistant_suffix(self.render)
-        try:
-            self.eos_text = chat.turn_end(self.assistant_suffix, self.tok.all_special_tokens)
-        except ValueError:  # a template that writes text of its own first ("]<end>"): the model ends with its eos
-            self.eos_text = self.tok.eos_token
-        self.eos_id = self.tok.convert_tokens_to_ids(self.eos_text)
-        self.stop_ids = sorted(set(chat.end_token_ids(self.tok, tokenizer_path)) | {self.eos_id})
-        specials = {i: t.content for i, t in self.tok.added_tokens_decoder.items() if t.special}
-        if self.user_parser is not None:  # it sees every special token the model wrote but the turn's end and padding
-            self._control = frozenset(self.stop_ids) | {i for i in (self.tok.bos_token_id, self.tok.pad_token_id)
-                                                        if i is not None}
-        else:
-            read = set(chat.MARKERS.get(self.tool_parser, ())) | set(chat.MARKERS.get(self.reasoning_parser, ()))
-            self._control = frozenset(i for i, t in specials.items() if t not in read)
-        self._think_end = self.tok.convert_tokens_to_ids("</think>") if "</think>" in specials.values() else None
-        # close_turn_ids' two answers, tokenized once (they were 7% of AgentFlow's busy time, encoded per turn)
-        after_eos = self.assistant_suffix[len(self.eos_text):] if self.assistant_suffix.startswith(self.eos_text) \
-            else self.assistant_suffix
-        self._close_ids = {True: self.encode(after_eos), False: self.encode(self.assistant_suffix)}
-        self._prompts: dict[str, list[int]] = {}  # prompt_ids' cache: JSON of (messages, tools, kwargs) -> ids
-        self._syntax: dict[str, tuple] = {}  # call_syntax's cache: JSON of (tools, kwargs) -> its parts
-
-    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None,
-                   kwargs: dict | None = None) -> list[int]:
-        """The ids of a chat rendered with the generation prompt, cached by content: the N samples of a group
-        render the same first prompt, and the Jinja render was the largest per-trajectory cost of a step
-        (15% of AgentFlow's busy time, py-spy). Rendering is a pure function of (messages, tools, kwargs)."""
-        key = json.dumps([messages, tools, kwargs], sort_keys=True, default=str)
-        if key not in self._prompts:
-            if len(self._prompts) >= 4096:  # a bound, not an LRU: the next groups' prompts refill it
-                self._prompts.clear()
-            self._prompts[key] = self.encode(self.render(messages, tools, add_generation_prompt=True, kwargs=kwargs))
-        return list(self._prompts[key])
-
-    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False,
-               kwargs: dict | None = None) -> str:
-        return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, chat_template=self.template,
-                                            add_generation_prompt=add_generation_prompt,
-                                            **{**self.template_kwargs, **(kwargs or {})})
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False) if text else []
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def assistant_text(self, output_ids: list[int]) -> str:
-        """Model output as text for parsing: the tokens the parsers read kept, control tokens dropped."""
-        return self.decode([i for i in output_ids if i not in self._control], skip_special_tokens=False)
-
-    def parse(self, text: str, tools: list[dict] | None, parse_tools: bool = True,
-              separate_reasoning: bool = True) -> tuple[str, str, list[dict]]:
-        """(reasoning, content, tool_calls) of an assistant text: the thinking split off first, then the tool calls
-        parsed from the rest, as SGLang orders them. With `separate_reasoning` False the thinking stays in the
-        content (SGLang's request field of that name)."""
-        reasoning = ""
-        if self.reasoning_parser and separate_reasoning:
-            reasoning, text = chat.parse_reasoning(self.reasoning_parser, text)
-        calls = []
-        if parse_tools and tools:
-            if self.user_parser is not None:
-                text, calls = self.user_parser(text, tools)
-            elif self.tool_parser:
-                text, calls = chat.parse_tool_calls(self.tool_parser, text, tools)
-        return reasoning.strip(), text.strip(), calls
-
-    def settled(self, output_ids: list[int], tools: list[dict] | None, parse_tools: bool = True,
-                separate_reasoning: bool = True, stop: list[str] | None = None) -> tuple[str, str]:
-        """(reasoning, content) of a turn still being generated that no later token can change: prefixes of what
-        `parse` gives for the whole turn (after the router's stop strings), whatever the model writes next. Held back:
-        an incomplete character, a tail that may grow into a marker (a stop string, </think>, a tool call's start),
-        whitespace at either end (the parse strips it), and everything from a tool call's start on, since a call is
-        parsed whole (and may turn out to be content); the content waits for the thinking to close. One departure:
-        Qwen3's parse makes thinking of everything before </think> once a <think> appears anywhere, so a <think>
-        written after content has been settled leaves that content sent (the stream stops settling; see TurnStream)."""
-        text = self.assistant_text(output_ids).rstrip("\ufffd")
-        if stop:
-            text = _before(text, stop)
-        reasoning, content = "", text
-        if self.reasoning_parser and separate_reasoning:
-            forced = self.reasoning_parser == "deepseek-r1"
-            if forced or "<think>" in text:
-                while text.startswith("<think>"):
-                    text = text[len("<think>"):]
-                if text and "<think>".startswith(text):
-                    return "", ""
-                if "</think>" not in text:  # still thinking (Qwen3's ends at a tool call if it never closes)
-                    return _before(text, ["</think>"] + ([] if forced else ["<tool_call>"])).strip(), ""
-                reasoning, content = text.split("</think>", 1)
-            else:
-                content = _before(text, ["<think>"])
-        if parse_tools and tools and self.user_parser is not None:
-            content = ""  # the user's parser reads the whole turn
-        elif parse_tools and tools and self.tool_parser:
-            if self.tool_parser == "llama3" and content.startswith("{"):
-                content = ""  # Llama 3 may write a call as the whole reply
-            content = _before(content, [TOOL_CALL_STARTS[self.tool_parser]])
-        return reasoning.strip(), content.strip()
-
-    def reasoning_tokens(self, output_ids: list[int], reasoning: str) -> int:
-        """How many of the output tokens are thinking: through </think>, or all of them when it never closed."""
-        if not reasoning:
-            return 0
-        if self._think_end is not None and self._think_end in output_ids:
-            return output_ids.index(self._think_end) + 1
-        return len(output_ids)
-
-    def thinking_kwargs(self, enabled: bool | None, field: str = "thinking") -> dict:
-        """Template variables for an Anthropic `thinking`, a Responses `reasoning` or a Chat Completions
-        `reasoning_effort` request (`field`; SGLang's mapping): the template's switch set on or off. Thinking asked
-        of a model without a reasoning parser, or turned off where the template cannot, is refused rather than
-        ignored."""
-        if enabled is None:
-            return {}
-        if enabled and not self.reasoning_parser:
-            raise ApiError(400, f"thinking was requested ({field}), but this model has no reasoning parser "
-                           "(cfg.reasoning_parser; its chat template shows no <think>...</think> format)", param=field)
-        if self.thinking_switch:
-            return {self.thinking_switch: enabled}
-        if not enabled and self.reasoning_parser:
-            raise ApiError(400, f"thinking is always on for this model (reasoning_parser {self.reasoning_parser!r}); "
-                           f"its chat template has no switch to turn it off ({field})", param=field)
-        return {}
-
-    def with_thinking(self, req, field: str, value) -> dict:
-        """A Chat Completions or Responses request's chat_template_kwargs with its thinking switch applied (`field`:
-        `reasoning_effort` or `reasoning`, `value` as sent); the two setting the switch differently is refused."""
-        thinking = self.thinking_kwargs(req.thinking, field)
-        clash = {k for k in thinking if k in req.template_kwargs and req.template_kwargs[k] != thinking[k]}
-        if clash:
-            raise ApiError(400, f"{field} {value!r:.100} and chat_template_kwargs set {sorted(clash)} differently; "
-                           "send one of them", param=field)
-        return {**req.template_kwargs, **thinking}
-
-    def check_structured(self, req, template_kwargs: dict) -> None:
-        """Refuse structured output (a grammar from `text.format` / `response_format`) where it and the template
-        disagree: the grammar constrains the reply from its first token, so (1) offered tools could never be called
-        (the template's tool-call syntax is not JSON of the schema): send tool_choice "none" or no tools; (2) a
-        thinking model could not think, and SGLang run with a reasoning parser lets the thinking run free before the
-        grammar starts, so the two engines would sample from different distributions: turn thinking off."""
-        if req.structured is None:
-            return
-        if req.tools and req.parse_tools:
-            raise ApiError(400, f"{req.structured} (structured output) cannot be combined with tools: the grammar "
-                           "holds from the first token, so the chat template's tool-call syntax could never be "
-                           "written; send tool_choice 'none' or leave out the tools", param=req.structured)
-        if self.reasoning_parser and not (self.thinking_switch and template_kwargs.get(self.thinking_switch) is False):
-            how = (f"reasoning.effort 'none' (Responses), reasoning_effort 'none' (Chat Completions), or "
-                   f"chat_template_kwargs {{'{self.thinking_switch}': false}}"
-                   if self.thinking_switch else "nothing: this model's template always thinks")
-            raise ApiError(400, f"{req.structured} (structured output) on a thinking model (reasoning_parser "
-                           f"{self.reasoning_parser!r}) needs thinking off: the grammar would hold from the first "
-                           f"token, where the model thinks; turn it off with {how}", param=req.structured)
-
-    def call_syntax(self, tools: list[dict], kwargs: dict) -> tuple[str, str, str, str | None]:
-        """How this template writes an assistant turn of tool calls, learnt by rendering one: (before, between, after,
-        separator). A reply of calls c1..cn is `before NAME1 between ARGS1 (separator NAME2 between ARGS2)* after`,
-        up to the turn's end token; the separator is None where the template takes one call per turn (Llama 3).
-        A tool-call id the template writes (Mistral's) appears in the parts as "\x00ID\x00"."""
-        key = json.dumps([tools, kwargs], sort_keys=True, default=str)
-        if key in self._syntax:
-            return self._syntax[key]
-        msgs, ids, names = [{"role": "user", "content": "x"}], ("zqid00001", "zqid00002"), ("zqname1", "zqname2")
-        args = [re.compile(r'\{\s*"zqarg"\s*:\s*%d\s*\}' % i) for i in (1, 2)]
-
-        def body(n: int) -> str:
-            reply = {"role": "assistant", "content": "", "tool_calls": [
-                {"id": ids[i], "type": "function", "function": {"name": names[i], "arguments": {"zqarg": i + 1}}}
-                for i in range(n)]}
-            render = functools.partial(self.render, tools=tools, kwargs=kwargs)
-            _, text = chat.reply_text(lambda m, gen: render(m, add_generation_prompt=gen), msgs, reply, self.eos_text)
-            return text[:-len(self.eos_text)].replace(ids[0], "\x00ID\x00").replace(ids[1], "\x00ID\x00")
-
-        one = body(1)
-        name, arg = one.find(names[0]), args[0].search(one)
-        if name == -1 or arg is None or arg.start() < name:
-            raise ApiError(400, f"tool_choice: cannot tell how this chat template writes a tool call (its rendering "
-                           f"of one call: {one!r:.200}); send tool_choice 'auto'", param="tool_choice")
-        before, between, after = one[:name], one[name + len(names[0]):arg.start()], one[arg.end():]
-        separator = None
-        try:
-            two = body(2)
-        except Exception:  # a template that takes one call per turn raises (Llama 3's does)
-            two = ""
-        first, second = args[0].search(two), args[1].search(two)
-        if first and second:
-            sep = two[first.end():two.find(names[1])]
-            if two == before + names[0] + between + first.group() + sep + names[1] + between + second.group() + after:
-                separator = sep
-        if len(self._syntax) >= 256:  # a bound, as prompt_ids' cache has: agents whose tools vary refill it
-            self._syntax.clear()
-        self._syntax[key] = before, between, after, separator
-        return self._syntax[key]
-
-    def tool_grammar(self, req, template_kwargs: dict) -> dict:
-        """The sampling parameter that holds a reply's tool calls (SGLang's `structural_tag`, which both engines
-        compile with xgrammar), written in this template's own call syntax (`call_syntax`) so the sampled tokens are
-        those the template renders for the calls and the next turn extends them; {} when the request needs none.
-
-        * tool_choice "required" or a named tool (`req.forced`: the names it may call): the reply is one or more
-          calls (one with `req.parallel_calls` off). Refused where the model would be made to skip its thinking
-          (the grammar holds from the first token), and where no parser of the router's reads the calls.
-        * tool_choice "auto" with a `strict` tool: the reply is free, and a call, once the model starts one, holds
-          to its tool's schema (SGLang constrains "auto" with a strict tool the same way). Only where each call is a
-          block of its own that starts with the parser's marker (Hermes / Qwen's <tool_call>): a template that wraps
-          all calls in one block (DeepSeek's, Mistral's) or has no marker (Llama 3's) gets its calls parsed only.
-
-        A strict tool's arguments follow its JSON schema (a custom tool's input is a string), others any object."""
-        names = {t["function"]["name"] for t in req.tools or ()}
-        if not req.parse_tools or not (req.forced or req.strict & names):
-            return {}
-        if self.user_parser is not None or not self.tool_parser:
-            if not req.forced:
-                return {}  # no parser of the router's reads the calls: nothing to hold them to
-            has = "its own" if self.user_parser else "none"
-            raise ApiError(400, "tool_choice: forcing a tool call needs one of the router's tool parsers "
-                           f"({', '.join(chat.TOOL_PARSERS)}); this model has {has}; send tool_choice 'auto'",
-                           param="tool_choice")
-        merged = {**self.template_kwargs, **template_kwargs}
-        if req.forced and self.reasoning_parser and not (self.thinking_switch and
-                                                         merged.get(self.thinking_switch) is False):
-            how = (f"reasoning_effort / reasoning.effort 'none', thinking disabled, or chat_template_kwargs "
-                   f"{{'{self.thinking_switch}': false}}" if self.thinking_switch else "nothing: it always thinks")
-            raise ApiError(400, f"tool_choice {'required' if len(req.forced) > 1 else repr(req.forced[0])} on a "
-                           f"thinking model (reasoning_parser {self.reasoning_parser!r}) needs thinking off: the "
-                           f"call's grammar holds from the first token, where the model thinks; turn it off with "
-                           f"{how}", param="tool_choice")
-        before, between, after, separator = self.call_syntax(req.tools, template_kwargs)
-
-        def schema(f: dict) -> dict:
-            return {"type": "json_schema", "json_schema": f["parameters"] if f["name"] in req.strict else
-                    {"type": "object"}}
-        if not req.forced:
-            trigger = TOOL_CALL_STARTS[self.tool_parser]
-            if "\x00ID\x00" in before + between + after or not before.startswith(trigger) or separator is None \
-                    or not (separator.startswith(after) and separator.endswith(before)):
-                return {}
-            tags = [{"type": "tag", "begin": before + t["function"]["name"] + between, "content": schema(t["function"]),
-                     "end": after} for t in req.tools]
-            return {"structural_tag": json.dumps({"type": "structural_tag", "format": {
-                "type": "triggered_tags", "triggers": [trigger], "tags": tags,
-                "stop_after_first": not req.parallel_calls}})}
-
-        def text(value: str) -> list[dict]:  # a part of the syntax; a tool-call id the template writes: 9 characters
-            out = []
-            for i, piece in enumerate(value.split("\x00ID\x00")):
-                if i:
-                    out.append({"type": "regex", "pattern": "[A-Za-z0-9]{9}"})
-                if piece:
-                    out.append({"type": "const_string", "value": piece})
-            return out
-        calls = [{"type": "sequence", "elements": [*text(t["function"]["name"] + between), schema(t["function"])]}
-                 for t in req.tools if t["function"]["name"] in req.forced]
-        call = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
-        more = [{"type": "star", "content": {"type": "sequence", "elements": [*text(separator), call]}}] \
-            if separator is not None and req.parallel_calls else []
-        tag = {"type": "structural_tag", "format": {"type": "sequence",
-                                                     "elements": [*text(before), call, *more, *text(after)]}}
-        return {"structural_tag": json.dumps(tag)}
-
-    def close_turn_ids(self, output_ids: list[int]) -> list[int]:
-        """Template tokens that close an assistant turn after the model's own tokens (loss_mask 0).
-
-        The model normally ends with the turn's end token, which is the suffix's first token; then only the rest
-        ("\\n" for Qwen) is added. A turn cut by max_tokens, or ended by another end token (Llama 3's
-        <|end_of_text|>), gets the whole suffix. The model's ids stay as sampled.
-        """
-        return list(self._close_ids[bool(output_ids) and output_ids[-1] == self.eos_id])
-
-
-# Where each tool parser's call syntax starts (chat.py's parsers): a streamed reply holds back the text from there on.
-TOOL_CALL_STARTS = {"hermes": "<tool_call>", "qwen25": "<tool_call>", "qwen": "<tool_call>", "llama3": "<|python_tag|>",
-                    "mistral": "[TOOL_CALLS", "deepseekv3": "<｜tool▁calls▁begin｜>"}
-
-
-def _before(text: str, marks: list[str]) -> str:
-    """`text` up to the first of `marks` it holds, and short of a tail that may be the start of one."""
-    cut = len(text)
-    for mark in filter(None, marks):
-        i = text.find(mark)
-        if i != -1:
-            cut = min(cut, i)
-            continue
-        for k in range(min(len(mark) - 1, len(text)), 0, -1):
-            if text.endswith(mark[:k]):
-                cut = min(cut, len(text) - k)
-                break
-    return text[:cut]
-
-
-class TurnStream:
-    """The reasoning and content deltas of a turn as its tokens arrive, for a streamed reply: each update sends what
-    `ChatFormat.settled` adds to what was sent, and `finish` the rest of the parsed Turn, so the deltas add up to the
-    plain reply's reasoning and content. No reasoning goes out after content has. An engine retry starts its tokens
-    again: nothing goes out until they pass what was sent."""
-
-    def __init__(self, chat: ChatFormat, tools: list[dict] | None, parse_tools: bool, separate_reasoning: bool,
-                 stop: list[str] | None):
-        self.chat, self.tools, self.parse_tools = chat, tools, parse_tools
-        self.separate_reasoning, self.stop = separate_reasoning, stop
-        self.sent = {"reasoning": "", "content": ""}
-
-    def _deltas(self, reasoning: str, content: str) -> list[tuple[str, str]]:
-        out = []
-        for kind, now in (("reasoning", reasoning), ("content", content)):
-            sent = self.sent[kind]
-            if len(now) > len(sent) and now.startswith(sent) and not (kind == "reasoning" and self.sent["content"]):
-                out.append((kind, now[len(sent):]))
-                self.sent[kind] = now
-        return out
-
-    def update(self, output_ids: list[int]) -> list[tuple[str, str]]:
-        return self._deltas(*self.chat.settled(output_ids, self.tools, self.parse_tools, self.separate_reasoning,
-                                               self.stop))
-
-    def finish(self, turn: Turn) -> list[tuple[str, str]]:
-        out = self._deltas(turn.reasoning, turn.content)
-        if self.sent != {"reasoning": turn.reasoning, "content": turn.content}:
-            log.warning("a streamed reply's deltas do not add up to its turn (sent %r, parsed %r); the trajectory "
-                        "holds the parsed turn", self.sent, (turn.reasoning, turn.content))
-        return out
 
 
 def _message_key(m: dict) -> tuple:
@@ -986,7 +261,7 @@ class Session:
     both build trajectories through the same TITO code.
     """
 
-    def __init__(self, chat: ChatFormat, *, sampling: dict, max_context_len: int, max_turns: int,
+    def __init__(self, chat: chat.ChatFormat, *, sampling: dict, max_context_len: int, max_turns: int,
                  sample: dict | None = None, batch: str = ""):
         self.id = secrets.token_urlsafe(18)       # the unguessable part of the session URL
         self.api_key = "ls-" + secrets.token_urlsafe(18)
@@ -1003,7 +278,7 @@ class Session:
         self.finish_reasons: list[str] = []
         self.responses: dict[str, list[dict]] = {}  # Responses API: id -> the conversation up to it
         self.generate_s = 0.0
-        self.batch = batch                        # EnginePool batch key: the prompt group (see _coalesced)
+        self.batch = batch                        # rollout.EnginePool batch key: the prompt group (see _coalesced)
 
     def plan(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None = None) -> TurnPlan:
         """The input ids for a turn: extend the last segment if the history extends it, else start a new one.
@@ -1072,7 +347,7 @@ class Session:
                 seg.thinking_shown = reasoning in shown
         return seg
 
-    async def run_turn(self, pool: EnginePool, messages: list[dict], tools: list[dict] | None, *,
+    async def run_turn(self, pool: rollout.EnginePool, messages: list[dict], tools: list[dict] | None, *,
                        parse_tools: bool = True, max_tokens: int | None = None, overrides: dict | None = None,
                        stop: list[str] | None = None, template_kwargs: dict | None = None,
                        separate_reasoning: bool = True, on_tokens=None) -> Turn:
@@ -1130,7 +405,7 @@ class Session:
                 self.status = "aborted"
                 raise ApiError(503, "generation was aborted by the trainer (weight update or shutdown)",
                                code="aborted")
-            logprobs, versions = [float(lp[0]) for lp in lps], _token_versions(meta, len(output_ids))
+            logprobs, versions = [float(lp[0]) for lp in lps], rollout.token_versions(meta, len(output_ids))
             if stop:
                 output_ids, finish = self._cut_at_stop(output_ids, stop, finish)
                 logprobs, versions = logprobs[:len(output_ids)], versions[:len(output_ids)]
@@ -1191,7 +466,7 @@ class Session:
 class Router:
     """Sessions + the Starlette app that serves them. Runs inside the caller's event loop (the AgentFlow actor)."""
 
-    def __init__(self, pool: EnginePool, chat: ChatFormat, *, model_name: str = "loongsage",
+    def __init__(self, pool: rollout.EnginePool, chat: chat.ChatFormat, *, model_name: str = "loongsage",
                  host: str = "127.0.0.1"):
         self.pool, self.chat, self.model_name, self.host = pool, chat, model_name, host
         self.sessions: dict[str, Session] = {}
@@ -1246,8 +521,10 @@ class Router:
             """A failed request as its client sees it: an ApiError as raised, no engine a 503, a bug a 500."""
             if isinstance(e, ApiError):
                 return e
-            if isinstance(e, EngineUnavailable):
+            if isinstance(e, rollout.EngineUnavailable):
                 return ApiError(503, str(e), code="engine_unavailable")
+            if isinstance(e, rollout.EngineRejected):
+                return ApiError(400, str(e), code="engine_rejected")
             log.error("router error", exc_info=e)  # a bug here must not take the router (and every session) down
             return ApiError(500, f"internal router error: {e!r}")
 
@@ -1271,7 +548,7 @@ class Router:
             chunk (or the turn's end, if that comes first), so a request refused before any token (bad input, a
             budget, the engine's own 400) still gets its plain error answer and status; a failure after that is the
             stream's error event. A client that leaves does not stop the turn: it is committed as a plain one is."""
-            live = TurnStream(self.chat, req.tools, kw.get("parse_tools", True), kw.get("separate_reasoning", True),
+            live = chat.TurnStream(self.chat, req.tools, kw.get("parse_tools", True), kw.get("separate_reasoning", True),
                               kw.get("stop"))
             queue: asyncio.Queue = asyncio.Queue()
             task = asyncio.ensure_future(s.run_turn(self.pool, req.messages, req.tools, **kw,
@@ -1488,9 +765,11 @@ class AgentFlow:
                 engine_urls = ray.get(engine_urls, timeout=cfg.actor_timeout)
             if not isinstance(judge_url, (str, type(None))):
                 judge_url = ray.get(judge_url, timeout=cfg.actor_timeout)
-        self.chat = ChatFormat(tokenizer_path, cfg.chat_template, cfg.tool_parser, cfg.reasoning_parser,
-                               cfg.chat_template_kwargs)
-        self.pool = EnginePool(engine_urls, health_timeout_s=cfg.engine_health_timeout,
+        # the cfg's dotted paths (a template string, a tool parser function) resolved here: chat.py imports nothing
+        self.chat = chat.ChatFormat(tokenizer_path, data.import_object(cfg.chat_template) if cfg.chat_template else "",
+                                    data.import_object(cfg.tool_parser) if data.is_dotted(cfg.tool_parser)
+                                    else cfg.tool_parser, cfg.reasoning_parser, cfg.chat_template_kwargs)
+        self.pool = rollout.EnginePool(engine_urls, health_timeout_s=cfg.engine_health_timeout,
                                check_every_s=cfg.engine_check_every, wait_s=cfg.engine_wait,
                                return_routed_experts=bool(cfg.router_replay))
         # reward None: `reward: judge`, the judge model scores each group once it is complete (_judge)
@@ -1533,9 +812,9 @@ class AgentFlow:
                 raise ValueError("reward: judge, but no judge to ask: set judge.url, or let the controller start the "
                                  "judge engine from judge.model_path (fleet.start_judge)")
             self.judge_url = judge_url.rstrip("/")
-            self.judge_chat = ChatFormat(cfg.judge["model_path"])  # the judge's own tokenizer and chat template
+            self.judge_chat = chat.ChatFormat(cfg.judge["model_path"])  # the judge's own tokenizer and chat template
             self.judge_parse = data.judge_parser(cfg.judge["parse"])
-            self._judge_http = httpx.AsyncClient(transport=nodelay_transport())
+            self._judge_http = httpx.AsyncClient(transport=rollout.nodelay_transport())
         # A full garbage collection walks every object the process tracks, ~475k once torch, transformers and the
         # tokenizer are loaded (216-226 ms of CPU each, measured), and the router and every agent on this loop wait
         # for it. What start-up made lives as long as the process: moved out of the collector's sight, once.
@@ -1617,7 +896,7 @@ class AgentFlow:
                 raise g
         return [t for g in groups if isinstance(g, dict) for t in g["trajs"]]
 
-    # --- engine health (the controller asks; EnginePool does the work)
+    # --- engine health (the controller asks; rollout.EnginePool does the work)
 
     async def check_engines(self) -> list[str]:
         """Probe every engine now; the URLs of those out of routing (dead or hung), for the controller to re-create."""
@@ -1686,7 +965,7 @@ class AgentFlow:
         return traj
 
     def _session_args(self, sampling: dict, sample: dict, max_turns: int, group_id: int) -> dict:
-        # async: one engine batch per group, so groups come back one by one (EnginePool._coalesced). Sync keeps
+        # async: one engine batch per group, so groups come back one by one (rollout.EnginePool._coalesced). Sync keeps
         # one batch per loop tick: the engine then admits a step's rows together, whatever the HTTP timing, and
         # its batch composition (which can move a logit's last bits) is the same in every run: bit for bit
         streaming = self.cfg.mode == "async" and self.cfg.stale_steps > 0
@@ -1876,7 +1155,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     async def serve():
-        router = Router(EnginePool(args.engine), ChatFormat(args.tokenizer), model_name=Path(args.tokenizer).name)
+        router = Router(rollout.EnginePool(args.engine), chat.ChatFormat(args.tokenizer),
+                        model_name=Path(args.tokenizer).name)
         await router.start(args.port)
         s = router.open_session(sampling={"temperature": 1.0, "max_new_tokens": args.max_new_tokens},
                                 max_context_len=args.max_context_len, max_turns=10 ** 6)

@@ -18,25 +18,34 @@ on the same text, and depart from them only where the router needs a call it can
   the id it was shown, which is kept), the others `call_` + 24 hex digits as SGLang gives.
 Like SGLang, a call naming a tool the request did not offer is dropped.
 
+`ChatFormat` (last) is what the router renders and parses with: the tokenizer and its template, every end token,
+the control tokens dropped before parsing, the forced-call grammar, and `TurnStream`, a streamed reply's deltas.
+
 `pick_tool_parser` / `pick_reasoning_parser` choose a parser from the chat template where the template shows one
 format only. The tiny tokenizers (data.build_tiny_tokenizer) are built from `FAMILIES`: each family's special
 tokens, end tokens and a template written here that renders the family's published format.
 
 Test: `.venv/bin/python -m pytest tests/test_chat.py` (parsers on each family's text, templates against the
-published layouts, TITO per family through the router, the official clients). Imports nothing heavy (no
-transformers, no sglang), so a conformance test can run it beside SGLang's own parsers.
+published layouts, TITO per family through the router, the official clients). Imports nothing heavy at its top
+(transformers only when a ChatFormat is built; no sglang), so a conformance test can run it beside SGLang's parsers.
 Left out: streaming (incremental) parsing; pythonic, XML (qwen3_coder) and harmony tool formats; Mistral's
 compact `[TOOL_CALLS]name[ARGS]{...}` tokens as special tokens of a tiny tokenizer (the parser reads that form).
 """
 from __future__ import annotations
 
 import ast
+import functools
 import json
+import logging
 import re
 import secrets
 import string
 import uuid
 from pathlib import Path
+
+from wire import ApiError, Turn
+
+log = logging.getLogger("loongsage.chat")
 
 TOOL_PARSERS = ("hermes", "qwen25", "qwen", "llama3", "mistral", "deepseekv3")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
@@ -766,3 +775,368 @@ def parse_reasoning(parser: str, text: str) -> tuple[str, str]:
     elif parser == "deepseek-r1":
         return reason_deepseek_r1(text)
     raise ValueError(f"reasoning_parser {parser!r} is not one of {REASONING_PARSERS}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the chat format: the tokenizer, its template, end tokens and the parsers above, as the router uses them
+
+
+class ChatFormat:
+    """The tokenizer + chat template, the model family's parsers (py), and the few token facts TITO needs.
+
+    End tokens: the tokenizer's eos and every eos_token_id of the model's generation config (all of them: Llama 3's
+    <|eot_id|>, <|eom_id|> and <|end_of_text|>), plus the token the template closes an assistant turn with. Control
+    tokens: the tokenizer's special tokens, less those the parsers read (<tool_call>, <think>, [TOOL_CALLS], ...):
+    dropped from what the model wrote before it is parsed."""
+
+    def __init__(self, tokenizer_path: str, chat_template: str = "", tool_parser="", reasoning_parser: str = "",
+                 template_kwargs: dict | None = None):
+        """`chat_template`: a Jinja template string ("" = the tokenizer's). `tool_parser`: an SGLang parser name
+        (TOOL_PARSERS), a function `fn(text, tools) -> (content, tool_calls)`, "none", or "" to pick the one the
+        template shows. `reasoning_parser`: qwen3, deepseek-r1, "none", or "" to pick from the template.
+        `template_kwargs`: variables every render gets (a request's chat_template_kwargs override them). The cfg keys
+        of the same names, whose dotted paths `agentflow.chat_format` resolves."""
+        from transformers import AutoTokenizer  # late: importing chat.py stays cheap (data.load_tokenizer's note)
+        self.tok = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.template = chat_template or None  # None: the tokenizer's
+        self.template_kwargs = dict(template_kwargs or {})
+        source = self.template or self.tok.chat_template or ""
+        self.user_parser = tool_parser if callable(tool_parser) else None
+        tool_parser = getattr(tool_parser, "__name__", "user") if callable(tool_parser) else tool_parser
+        self.tool_parser = tool_parser if tool_parser not in ("", "none") else (
+            pick_tool_parser(source) if tool_parser == "" else "")
+        if self.user_parser is None and self.tool_parser and self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_parser={tool_parser!r}: choose one of {TOOL_PARSERS}, 'none', a dotted "
+                             "path to fn(text, tools) -> (content, tool_calls), or '' to pick from the chat template")
+        generation_prompt = self.render([{"role": "user", "content": "x"}], add_generation_prompt=True)
+        self.reasoning_parser = reasoning_parser if reasoning_parser not in ("", "none") else (
+            pick_reasoning_parser(source, generation_prompt) if reasoning_parser == "" else "")
+        if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser={reasoning_parser!r}: choose one of {REASONING_PARSERS}, "
+                             "'none', or '' to pick from the chat template")
+        # the variable that switches thinking on and off in the template (Qwen3's enable_thinking), if it has one
+        self.thinking_switch = "enable_thinking" if "enable_thinking" in source else ""
+        self.vocab_size = len(self.tok)
+        # What the template writes after an assistant message's content (ChatML: its end token and a newline). The
+        # model's own tokens end the content with the turn's end token (its first token); the rest closes the turn.
+        self.assistant_suffix = assistant_suffix(self.render)
+        try:
+            self.eos_text = turn_end(self.assistant_suffix, self.tok.all_special_tokens)
+        except ValueError:  # a template that writes text of its own first ("]<end>"): the model ends with its eos
+            self.eos_text = self.tok.eos_token
+        self.eos_id = self.tok.convert_tokens_to_ids(self.eos_text)
+        self.stop_ids = sorted(set(end_token_ids(self.tok, tokenizer_path)) | {self.eos_id})
+        specials = {i: t.content for i, t in self.tok.added_tokens_decoder.items() if t.special}
+        if self.user_parser is not None:  # it sees every special token the model wrote but the turn's end and padding
+            self._control = frozenset(self.stop_ids) | {i for i in (self.tok.bos_token_id, self.tok.pad_token_id)
+                                                        if i is not None}
+        else:
+            read = set(MARKERS.get(self.tool_parser, ())) | set(MARKERS.get(self.reasoning_parser, ()))
+            self._control = frozenset(i for i, t in specials.items() if t not in read)
+        self._think_end = self.tok.convert_tokens_to_ids("</think>") if "</think>" in specials.values() else None
+        # close_turn_ids' two answers, tokenized once (they were 7% of AgentFlow's busy time, encoded per turn)
+        after_eos = self.assistant_suffix[len(self.eos_text):] if self.assistant_suffix.startswith(self.eos_text) \
+            else self.assistant_suffix
+        self._close_ids = {True: self.encode(after_eos), False: self.encode(self.assistant_suffix)}
+        self._prompts: dict[str, list[int]] = {}  # prompt_ids' cache: JSON of (messages, tools, kwargs) -> ids
+        self._syntax: dict[str, tuple] = {}  # call_syntax's cache: JSON of (tools, kwargs) -> its parts
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                   kwargs: dict | None = None) -> list[int]:
+        """The ids of a chat rendered with the generation prompt, cached by content: the N samples of a group
+        render the same first prompt, and the Jinja render was the largest per-trajectory cost of a step
+        (15% of AgentFlow's busy time, py-spy). Rendering is a pure function of (messages, tools, kwargs)."""
+        key = json.dumps([messages, tools, kwargs], sort_keys=True, default=str)
+        if key not in self._prompts:
+            if len(self._prompts) >= 4096:  # a bound, not an LRU: the next groups' prompts refill it
+                self._prompts.clear()
+            self._prompts[key] = self.encode(self.render(messages, tools, add_generation_prompt=True, kwargs=kwargs))
+        return list(self._prompts[key])
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False,
+               kwargs: dict | None = None) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, chat_template=self.template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **{**self.template_kwargs, **(kwargs or {})})
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False) if text else []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def assistant_text(self, output_ids: list[int]) -> str:
+        """Model output as text for parsing: the tokens the parsers read kept, control tokens dropped."""
+        return self.decode([i for i in output_ids if i not in self._control], skip_special_tokens=False)
+
+    def parse(self, text: str, tools: list[dict] | None, parse_tools: bool = True,
+              separate_reasoning: bool = True) -> tuple[str, str, list[dict]]:
+        """(reasoning, content, tool_calls) of an assistant text: the thinking split off first, then the tool calls
+        parsed from the rest, as SGLang orders them. With `separate_reasoning` False the thinking stays in the
+        content (SGLang's request field of that name)."""
+        reasoning = ""
+        if self.reasoning_parser and separate_reasoning:
+            reasoning, text = parse_reasoning(self.reasoning_parser, text)
+        calls = []
+        if parse_tools and tools:
+            if self.user_parser is not None:
+                text, calls = self.user_parser(text, tools)
+            elif self.tool_parser:
+                text, calls = parse_tool_calls(self.tool_parser, text, tools)
+        return reasoning.strip(), text.strip(), calls
+
+    def settled(self, output_ids: list[int], tools: list[dict] | None, parse_tools: bool = True,
+                separate_reasoning: bool = True, stop: list[str] | None = None) -> tuple[str, str]:
+        """(reasoning, content) of a turn still being generated that no later token can change: prefixes of what
+        `parse` gives for the whole turn (after the router's stop strings), whatever the model writes next. Held back:
+        an incomplete character, a tail that may grow into a marker (a stop string, </think>, a tool call's start),
+        whitespace at either end (the parse strips it), and everything from a tool call's start on, since a call is
+        parsed whole (and may turn out to be content); the content waits for the thinking to close. One departure:
+        Qwen3's parse makes thinking of everything before </think> once a <think> appears anywhere, so a <think>
+        written after content has been settled leaves that content sent (the stream stops settling; see TurnStream)."""
+        text = self.assistant_text(output_ids).rstrip("\ufffd")
+        if stop:
+            text = _before(text, stop)
+        reasoning, content = "", text
+        if self.reasoning_parser and separate_reasoning:
+            forced = self.reasoning_parser == "deepseek-r1"
+            if forced or "<think>" in text:
+                while text.startswith("<think>"):
+                    text = text[len("<think>"):]
+                if text and "<think>".startswith(text):
+                    return "", ""
+                if "</think>" not in text:  # still thinking (Qwen3's ends at a tool call if it never closes)
+                    return _before(text, ["</think>"] + ([] if forced else ["<tool_call>"])).strip(), ""
+                reasoning, content = text.split("</think>", 1)
+            else:
+                content = _before(text, ["<think>"])
+        if parse_tools and tools and self.user_parser is not None:
+            content = ""  # the user's parser reads the whole turn
+        elif parse_tools and tools and self.tool_parser:
+            if self.tool_parser == "llama3" and content.startswith("{"):
+                content = ""  # Llama 3 may write a call as the whole reply
+            content = _before(content, [TOOL_CALL_STARTS[self.tool_parser]])
+        return reasoning.strip(), content.strip()
+
+    def reasoning_tokens(self, output_ids: list[int], reasoning: str) -> int:
+        """How many of the output tokens are thinking: through </think>, or all of them when it never closed."""
+        if not reasoning:
+            return 0
+        if self._think_end is not None and self._think_end in output_ids:
+            return output_ids.index(self._think_end) + 1
+        return len(output_ids)
+
+    def thinking_kwargs(self, enabled: bool | None, field: str = "thinking") -> dict:
+        """Template variables for an Anthropic `thinking`, a Responses `reasoning` or a Chat Completions
+        `reasoning_effort` request (`field`; SGLang's mapping): the template's switch set on or off. Thinking asked
+        of a model without a reasoning parser, or turned off where the template cannot, is refused rather than
+        ignored."""
+        if enabled is None:
+            return {}
+        if enabled and not self.reasoning_parser:
+            raise ApiError(400, f"thinking was requested ({field}), but this model has no reasoning parser "
+                           "(cfg.reasoning_parser; its chat template shows no <think>...</think> format)", param=field)
+        if self.thinking_switch:
+            return {self.thinking_switch: enabled}
+        if not enabled and self.reasoning_parser:
+            raise ApiError(400, f"thinking is always on for this model (reasoning_parser {self.reasoning_parser!r}); "
+                           f"its chat template has no switch to turn it off ({field})", param=field)
+        return {}
+
+    def with_thinking(self, req, field: str, value) -> dict:
+        """A Chat Completions or Responses request's chat_template_kwargs with its thinking switch applied (`field`:
+        `reasoning_effort` or `reasoning`, `value` as sent); the two setting the switch differently is refused."""
+        thinking = self.thinking_kwargs(req.thinking, field)
+        clash = {k for k in thinking if k in req.template_kwargs and req.template_kwargs[k] != thinking[k]}
+        if clash:
+            raise ApiError(400, f"{field} {value!r:.100} and chat_template_kwargs set {sorted(clash)} differently; "
+                           "send one of them", param=field)
+        return {**req.template_kwargs, **thinking}
+
+    def check_structured(self, req, template_kwargs: dict) -> None:
+        """Refuse structured output (a grammar from `text.format` / `response_format`) where it and the template
+        disagree: the grammar constrains the reply from its first token, so (1) offered tools could never be called
+        (the template's tool-call syntax is not JSON of the schema): send tool_choice "none" or no tools; (2) a
+        thinking model could not think, and SGLang run with a reasoning parser lets the thinking run free before the
+        grammar starts, so the two engines would sample from different distributions: turn thinking off."""
+        if req.structured is None:
+            return
+        if req.tools and req.parse_tools:
+            raise ApiError(400, f"{req.structured} (structured output) cannot be combined with tools: the grammar "
+                           "holds from the first token, so the chat template's tool-call syntax could never be "
+                           "written; send tool_choice 'none' or leave out the tools", param=req.structured)
+        if self.reasoning_parser and not (self.thinking_switch and template_kwargs.get(self.thinking_switch) is False):
+            how = (f"reasoning.effort 'none' (Responses), reasoning_effort 'none' (Chat Completions), or "
+                   f"chat_template_kwargs {{'{self.thinking_switch}': false}}"
+                   if self.thinking_switch else "nothing: this model's template always thinks")
+            raise ApiError(400, f"{req.structured} (structured output) on a thinking model (reasoning_parser "
+                           f"{self.reasoning_parser!r}) needs thinking off: the grammar would hold from the first "
+                           f"token, where the model thinks; turn it off with {how}", param=req.structured)
+
+    def call_syntax(self, tools: list[dict], kwargs: dict) -> tuple[str, str, str, str | None]:
+        """How this template writes an assistant turn of tool calls, learnt by rendering one: (before, between, after,
+        separator). A reply of calls c1..cn is `before NAME1 between ARGS1 (separator NAME2 between ARGS2)* after`,
+        up to the turn's end token; the separator is None where the template takes one call per turn (Llama 3).
+        A tool-call id the template writes (Mistral's) appears in the parts as "\x00ID\x00"."""
+        key = json.dumps([tools, kwargs], sort_keys=True, default=str)
+        if key in self._syntax:
+            return self._syntax[key]
+        msgs, ids, names = [{"role": "user", "content": "x"}], ("zqid00001", "zqid00002"), ("zqname1", "zqname2")
+        args = [re.compile(r'\{\s*"zqarg"\s*:\s*%d\s*\}' % i) for i in (1, 2)]
+
+        def body(n: int) -> str:
+            reply = {"role": "assistant", "content": "", "tool_calls": [
+                {"id": ids[i], "type": "function", "function": {"name": names[i], "arguments": {"zqarg": i + 1}}}
+                for i in range(n)]}
+            render = functools.partial(self.render, tools=tools, kwargs=kwargs)
+            _, text = reply_text(lambda m, gen: render(m, add_generation_prompt=gen), msgs, reply, self.eos_text)
+            return text[:-len(self.eos_text)].replace(ids[0], "\x00ID\x00").replace(ids[1], "\x00ID\x00")
+
+        one = body(1)
+        name, arg = one.find(names[0]), args[0].search(one)
+        if name == -1 or arg is None or arg.start() < name:
+            raise ApiError(400, f"tool_choice: cannot tell how this chat template writes a tool call (its rendering "
+                           f"of one call: {one!r:.200}); send tool_choice 'auto'", param="tool_choice")
+        before, between, after = one[:name], one[name + len(names[0]):arg.start()], one[arg.end():]
+        separator = None
+        try:
+            two = body(2)
+        except Exception:  # a template that takes one call per turn raises (Llama 3's does)
+            two = ""
+        first, second = args[0].search(two), args[1].search(two)
+        if first and second:
+            sep = two[first.end():two.find(names[1])]
+            if two == before + names[0] + between + first.group() + sep + names[1] + between + second.group() + after:
+                separator = sep
+        if len(self._syntax) >= 256:  # a bound, as prompt_ids' cache has: agents whose tools vary refill it
+            self._syntax.clear()
+        self._syntax[key] = before, between, after, separator
+        return self._syntax[key]
+
+    def tool_grammar(self, req, template_kwargs: dict) -> dict:
+        """The sampling parameter that holds a reply's tool calls (SGLang's `structural_tag`, which both engines
+        compile with xgrammar), written in this template's own call syntax (`call_syntax`) so the sampled tokens are
+        those the template renders for the calls and the next turn extends them; {} when the request needs none.
+
+        * tool_choice "required" or a named tool (`req.forced`: the names it may call): the reply is one or more
+          calls (one with `req.parallel_calls` off). Refused where the model would be made to skip its thinking
+          (the grammar holds from the first token), and where no parser of the router's reads the calls.
+        * tool_choice "auto" with a `strict` tool: the reply is free, and a call, once the model starts one, holds
+          to its tool's schema (SGLang constrains "auto" with a strict tool the same way). Only where each call is a
+          block of its own that starts with the parser's marker (Hermes / Qwen's <tool_call>): a template that wraps
+          all calls in one block (DeepSeek's, Mistral's) or has no marker (Llama 3's) gets its calls parsed only.
+
+        A strict tool's arguments follow its JSON schema (a custom tool's input is a string), others any object."""
+        names = {t["function"]["name"] for t in req.tools or ()}
+        if not req.parse_tools or not (req.forced or req.strict & names):
+            return {}
+        if self.user_parser is not None or not self.tool_parser:
+            if not req.forced:
+                return {}  # no parser of the router's reads the calls: nothing to hold them to
+            has = "its own" if self.user_parser else "none"
+            raise ApiError(400, "tool_choice: forcing a tool call needs one of the router's tool parsers "
+                           f"({', '.join(TOOL_PARSERS)}); this model has {has}; send tool_choice 'auto'",
+                           param="tool_choice")
+        merged = {**self.template_kwargs, **template_kwargs}
+        if req.forced and self.reasoning_parser and not (self.thinking_switch and
+                                                         merged.get(self.thinking_switch) is False):
+            how = (f"reasoning_effort / reasoning.effort 'none', thinking disabled, or chat_template_kwargs "
+                   f"{{'{self.thinking_switch}': false}}" if self.thinking_switch else "nothing: it always thinks")
+            raise ApiError(400, f"tool_choice {'required' if len(req.forced) > 1 else repr(req.forced[0])} on a "
+                           f"thinking model (reasoning_parser {self.reasoning_parser!r}) needs thinking off: the "
+                           f"call's grammar holds from the first token, where the model thinks; turn it off with "
+                           f"{how}", param="tool_choice")
+        before, between, after, separator = self.call_syntax(req.tools, template_kwargs)
+
+        def schema(f: dict) -> dict:
+            return {"type": "json_schema", "json_schema": f["parameters"] if f["name"] in req.strict else
+                    {"type": "object"}}
+        if not req.forced:
+            trigger = TOOL_CALL_STARTS[self.tool_parser]
+            if "\x00ID\x00" in before + between + after or not before.startswith(trigger) or separator is None \
+                    or not (separator.startswith(after) and separator.endswith(before)):
+                return {}
+            tags = [{"type": "tag", "begin": before + t["function"]["name"] + between, "content": schema(t["function"]),
+                     "end": after} for t in req.tools]
+            return {"structural_tag": json.dumps({"type": "structural_tag", "format": {
+                "type": "triggered_tags", "triggers": [trigger], "tags": tags,
+                "stop_after_first": not req.parallel_calls}})}
+
+        def text(value: str) -> list[dict]:  # a part of the syntax; a tool-call id the template writes: 9 characters
+            out = []
+            for i, piece in enumerate(value.split("\x00ID\x00")):
+                if i:
+                    out.append({"type": "regex", "pattern": "[A-Za-z0-9]{9}"})
+                if piece:
+                    out.append({"type": "const_string", "value": piece})
+            return out
+        calls = [{"type": "sequence", "elements": [*text(t["function"]["name"] + between), schema(t["function"])]}
+                 for t in req.tools if t["function"]["name"] in req.forced]
+        call = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+        more = [{"type": "star", "content": {"type": "sequence", "elements": [*text(separator), call]}}] \
+            if separator is not None and req.parallel_calls else []
+        tag = {"type": "structural_tag", "format": {"type": "sequence",
+                                                     "elements": [*text(before), call, *more, *text(after)]}}
+        return {"structural_tag": json.dumps(tag)}
+
+    def close_turn_ids(self, output_ids: list[int]) -> list[int]:
+        """Template tokens that close an assistant turn after the model's own tokens (loss_mask 0).
+
+        The model normally ends with the turn's end token, which is the suffix's first token; then only the rest
+        ("\\n" for Qwen) is added. A turn cut by max_tokens, or ended by another end token (Llama 3's
+        <|end_of_text|>), gets the whole suffix. The model's ids stay as sampled.
+        """
+        return list(self._close_ids[bool(output_ids) and output_ids[-1] == self.eos_id])
+
+
+# Where each tool parser's call syntax starts (py's parsers): a streamed reply holds back the text from there on.
+TOOL_CALL_STARTS = {"hermes": "<tool_call>", "qwen25": "<tool_call>", "qwen": "<tool_call>", "llama3": "<|python_tag|>",
+                    "mistral": "[TOOL_CALLS", "deepseekv3": "<｜tool▁calls▁begin｜>"}
+
+
+def _before(text: str, marks: list[str]) -> str:
+    """`text` up to the first of `marks` it holds, and short of a tail that may be the start of one."""
+    cut = len(text)
+    for mark in filter(None, marks):
+        i = text.find(mark)
+        if i != -1:
+            cut = min(cut, i)
+            continue
+        for k in range(min(len(mark) - 1, len(text)), 0, -1):
+            if text.endswith(mark[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    return text[:cut]
+
+
+class TurnStream:
+    """The reasoning and content deltas of a turn as its tokens arrive, for a streamed reply: each update sends what
+    `ChatFormat.settled` adds to what was sent, and `finish` the rest of the parsed Turn, so the deltas add up to the
+    plain reply's reasoning and content. No reasoning goes out after content has. An engine retry starts its tokens
+    again: nothing goes out until they pass what was sent."""
+
+    def __init__(self, chat: ChatFormat, tools: list[dict] | None, parse_tools: bool, separate_reasoning: bool,
+                 stop: list[str] | None):
+        self.chat, self.tools, self.parse_tools = chat, tools, parse_tools
+        self.separate_reasoning, self.stop = separate_reasoning, stop
+        self.sent = {"reasoning": "", "content": ""}
+
+    def _deltas(self, reasoning: str, content: str) -> list[tuple[str, str]]:
+        out = []
+        for kind, now in (("reasoning", reasoning), ("content", content)):
+            sent = self.sent[kind]
+            if len(now) > len(sent) and now.startswith(sent) and not (kind == "reasoning" and self.sent["content"]):
+                out.append((kind, now[len(sent):]))
+                self.sent[kind] = now
+        return out
+
+    def update(self, output_ids: list[int]) -> list[tuple[str, str]]:
+        return self._deltas(*self.chat.settled(output_ids, self.tools, self.parse_tools, self.separate_reasoning,
+                                               self.stop))
+
+    def finish(self, turn: Turn) -> list[tuple[str, str]]:
+        out = self._deltas(turn.reasoning, turn.content)
+        if self.sent != {"reasoning": turn.reasoning, "content": turn.content}:
+            log.warning("a streamed reply's deltas do not add up to its turn (sent %r, parsed %r); the trajectory "
+                        "holds the parsed turn", self.sent, (turn.reasoning, turn.content))
+        return out

@@ -11,6 +11,8 @@ so the same client lines drive either engine:
   needs.
 * client helpers shared by every caller: `generate` and `generate_stream` (async), `post` / `get` (sync), each
   raising `EngineError` with the server's own message; `wait_healthy`.
+* `EnginePool`: the router's client of every engine: least-loaded choice, sticky sessions, health probes, a loop
+  tick's requests coalesced into one batched `/generate`, each token's weight version (`token_versions`).
 
 The contract, as both engines serve it (read from SGLang 0.5.23's source; it moves between releases):
 
@@ -83,23 +85,27 @@ first stops new requests from naming it, then waits until no request that named 
 `/generate` takes `lora_path`: an adapter name (or one per prompt of a batch; null = the base model), resolved to
 one adapter when the request arrives and kept until it ends, so a request in flight across a LoRA sync finishes on
 the adapter it started with, while `meta_info.weight_versions` stamps its tokens with the server's version; the
-router (agentflow.EnginePool) therefore takes a LoRA request's token versions from the adapter it named.
+router (rollout.EnginePool) therefore takes a LoRA request's token versions from the adapter it named.
 
 Run: nothing on its own (the controller starts RolloutEngine actors); `python cpu_engine.py --model-path DIR` serves
 the CPU engine alone. Test: `pytest tests/test_rollout.py` (RolloutEngine, the SGLang command line, the SGLang child's
 lifetime; the launch itself only where CUDA is); the contract, against the CPU engine, in tests/test_cpu_engine.py
 (`generate_stream` in tests/test_token_stream.py).
 Left out: SGLang's OpenAI-compatible endpoints (the router in agentflow.py serves those APIs), a streamed batch of
-prompts (the router streams one prompt per request), SGLang's router (sgl-router): agentflow.EnginePool balances
+prompts (the router streams one prompt per request), SGLang's router (sgl-router): rollout.EnginePool balances
 over the engines itself.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import ctypes
 import json
+import logging
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -110,10 +116,10 @@ import httpx
 import ray
 import torch
 
-import cpu_engine
 import data
 import transfermesh
 
+log = logging.getLogger("loongsage.rollout")
 SGLANG_STARTUP_TIMEOUT_S = 1200.0  # loading a large checkpoint and capturing CUDA graphs can take minutes
 
 
@@ -240,6 +246,377 @@ def _tail(path: str | None, n: int = 60) -> str:
 # the actor the controller wraps with ray.remote
 
 
+# ----------------------------------------------------------------------------------------------
+# the router's engine client: least-loaded choice, stickiness, health, per-token versions
+
+
+
+class EngineUnavailable(Exception):
+    """No healthy engine answered; the trajectory fails (and may be retried)."""
+
+
+class EngineRejected(EngineError):
+    """The engine refused the input itself (bad ids, too long): the client's fault, not the engine's (a 400)."""
+
+
+def _version(v) -> int:
+    """Engines report weight versions as strings (SGLang: "default" before the first update -> 0)."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0
+
+
+def token_versions(meta: dict, n: int) -> list[int]:
+    """Per-token weight versions from the engine's `weight_versions` spans (SGLang >= 0.5.23 and the CPU
+    engine: [{"version", "start", "end"}, ...] over the output tokens, end exclusive), so a request that spans
+    a weight update keeps the exact version of every token. An engine without spans reports only the version
+    at the end; every token then gets it, which can understate the lag of the request's early tokens."""
+    spans = meta.get("weight_versions")
+    if spans and spans[-1]["end"] == n and spans[0]["start"] == 0:
+        out = []
+        for span in spans:
+            out += [_version(span["version"])] * (span["end"] - span["start"])
+        if len(out) == n:
+            return out
+    return [_version(meta.get("weight_version"))] * n
+
+
+def _http_status(e: Exception) -> int | None:
+    status = getattr(e, "status_code", None)
+    if status is None:  # EngineError carries the status in its message: "... answered HTTP 400: ..."
+        m = re.search(r"answered HTTP (\d{3})", str(e))
+        status = int(m.group(1)) if m else None
+    return status
+
+
+def nodelay_transport(**kw):
+    """An httpx transport with TCP_NODELAY. httpx writes a POST's headers and body separately; with
+    Nagle on, the body waits for the peer's delayed ACK of the headers: ~40 ms per request on loopback
+    (measured here: median client overhead 44 ms -> 6 ms). Every engine and router call pays it otherwise."""
+    return httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], **kw)
+
+
+class EnginePool:
+    """Routes /generate calls over several engines, and keeps track of which are alive.
+
+    A request goes to the session's engine if it has one and it is healthy (so its prefix cache stays
+    warm), else to the healthy engine with the fewest requests in flight (ties rotate).
+
+    Health. Every failed call (connection error, 5xx) is followed at once by a `/server_info` probe of that
+    engine: no answer within `health_timeout_s` means dead (or hung), and a dead engine leaves routing
+    until `replace()` puts its successor in; an engine that answers the probe only sits out `cooldown_s`.
+    `check()` probes every engine the same way; a background task runs it every `check_every_s` while
+    the pool has requests in flight, so an engine that hangs without failing a call is found too. The
+    requests in flight on an engine that leaves routing are retried on the others: nothing of a failed
+    attempt was recorded, so the retry is invisible to the trajectory (and its group stays complete).
+    When no engine is left, a request waits up to `wait_s` for one to be replaced before it fails.
+
+    LoRA. With `use_adapter(name, version)` (each weight sync of a LoRA run) every request sent from then on names
+    that adapter (`lora_path`), and its tokens carry that adapter's version: an engine keeps a request on the adapter
+    it named until it ends, whatever weight_version it stamps (the contract above). The adapter it replaces is
+    unloaded from every engine once no request of this pool uses it.
+    """
+
+    def __init__(self, urls: list[str], *, timeout_s: float = 600.0, cooldown_s: float = 5.0,
+                 health_timeout_s: float = 10.0, check_every_s: float = 5.0, wait_s: float = 300.0,
+                 return_routed_experts: bool = False):
+        if not urls:
+            raise ValueError("EnginePool needs at least one engine URL (got an empty list); start the rollout "
+                             "engines first and pass their URLs")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.inflight = {u: 0 for u in self.urls}
+        self.down_until = {u: 0.0 for u in self.urls}
+        self.dead: set[str] = set()  # engines found dead or hung: out of routing until replace()
+        self.timeout_s, self.cooldown_s = timeout_s, cooldown_s
+        self.health_timeout_s, self.check_every_s, self.wait_s = health_timeout_s, check_every_s, wait_s
+        self.retried = 0  # requests moved to another engine after their engine failed (rollout/retried)
+        self.return_routed_experts = return_routed_experts  # ask every /generate for meta_info.routed_experts (R3)
+        self._rotate = 0
+        self._http: httpx.AsyncClient | None = None
+        self.running: dict[str, str] = {}  # rid -> engine url of every request this pool has in flight
+        self._pending: dict[tuple[str, str], list] = {}  # (engine url, batch key) -> requests of this loop tick,
+        #                                                   sent as one batch
+        self._sent: dict[str, set] = {}  # engine url -> futures of requests sent to it and not answered yet
+        self._watcher: asyncio.Task | None = None
+        self.adapter: tuple[str, int] | None = None  # LoRA: (adapter name, its weight version) new requests name
+        self.adapter_users: collections.Counter = collections.Counter()  # adapter name -> requests in flight on it
+        self.retired: set[str] = set()  # adapters replaced by a newer one, unloaded when their last request ends
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        # Created lazily so it binds to the event loop that uses it (a Ray async actor's loop).
+        if self._http is None:
+            # Few idle connections kept: httpcore scans every connection (and, for each idle one, counts them all
+            # again) on each request and each response, so 60 kept-alive connections cost 3-4x the client CPU of 8
+            # per group request (measured: 7 vs 2 ms); a new local connection is far cheaper than that scan.
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=8)
+            self._http = httpx.AsyncClient(timeout=self.timeout_s, transport=nodelay_transport(limits=limits))
+        return self._http
+
+    def healthy(self) -> list[str]:
+        # An engine that failed a call but still answers the probe sits out a cool-down (down_until) rather than
+        # leaving for good: it is more likely overloaded or restarting than dead.
+        now = time.monotonic()
+        return [u for u in self.urls if u not in self.dead and self.down_until[u] <= now]
+
+    def pick(self, prefer: str | None = None) -> str:
+        up = self.healthy()
+        if not up:
+            raise EngineUnavailable(f"no engine of {self.urls} is up (dead: {sorted(self.dead)}); check their "
+                                    f"logs; one that failed a call is retried {self.cooldown_s:.0f}s later")
+        if prefer in up:
+            return prefer
+        # Rotate the starting point so that ties in requests in flight (all idle at the start of a step) spread
+        # new sessions over the engines instead of always landing on the first one.
+        self._rotate += 1
+        order = up[self._rotate % len(up):] + up[:self._rotate % len(up)]
+        return min(order, key=lambda u: self.inflight[u])
+
+    async def _pick_or_wait(self, prefer: str | None) -> str:
+        """pick(), or wait up to `wait_s` for an engine to come back (a cool-down ends, a dead one is replaced)."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                return self.pick(prefer)
+            except EngineUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.2)
+
+    def use_adapter(self, name: str, version: int) -> None:
+        """LoRA: new requests generate with adapter `name` (weight version `version`), which every engine has loaded;
+        the one it replaces goes once its requests have ended."""
+        old, self.adapter = self.adapter, (name, int(version))
+        if old is not None and old[0] != name:
+            self.retired.add(old[0])
+            self._release(old[0])
+
+    def _release(self, name: str) -> None:
+        """Unload a retired adapter from every engine in routing, in the background, once no request uses it."""
+        if name in self.retired and not self.adapter_users[name]:
+            self.retired.discard(name)
+            asyncio.ensure_future(self._unload(name))
+
+    async def _unload(self, name: str) -> None:
+        for url in [u for u in self.urls if u not in self.dead]:
+            try:
+                r = await self.http.post(f"{url}/unload_lora_adapter", json={"lora_name": name})
+                if r.status_code >= 400:  # e.g. an engine re-created after this adapter's sync never had it
+                    log.warning("engine %s did not unload LoRA adapter %s: %s", url, name, r.text[:300])
+            except httpx.HTTPError as e:  # a dead engine leaves routing through the health checks, not here
+                log.warning("engine %s did not unload LoRA adapter %s: %r", url, name, e)
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
+                       prefer: str | None = None, batch: str = "", on_chunk=None) -> tuple[str, dict]:
+        """POST /generate on one engine (generate); returns (engine url, the engine's answer).
+        A failed engine is probed and the request moves to another; at most two tries per engine.
+        `batch`: requests of one loop tick with the same key travel together (see `_coalesced`).
+        `on_chunk`: stream instead (generate_stream, alone, never batched): it gets every chunk of the
+        running request, cumulative; a retry on another engine starts its chunks again from the first token.
+        LoRA: each try names the current adapter, and the answer's weight versions become that adapter's."""
+        if self._watcher is None and self.check_every_s > 0:
+            self._watcher = asyncio.ensure_future(self._watch())
+        last_error: Exception | None = None
+        # Two tries per engine: one transient failure (a dropped connection, an engine being replaced) must not
+        # fail a trajectory. Stickiness only on the first try: a retry is free to leave the engine that failed.
+        for attempt in range(2 * len(self.urls)):
+            url = await self._pick_or_wait(prefer if attempt == 0 else None)
+            self.inflight[url] += 1
+            self.running[rid] = url
+            adapter = self.adapter  # LoRA: this try's adapter, fixed now (a sync may name another meanwhile)
+            if adapter is not None:
+                self.adapter_users[adapter[0]] += 1
+            try:
+                lora_path = adapter[0] if adapter else None
+                answer = await (self._coalesced(url, input_ids, sampling_params, rid, batch, lora_path)
+                                if on_chunk is None else
+                                self._streamed(url, input_ids, sampling_params, rid, lora_path, on_chunk))
+                if adapter is not None:  # every token came from the adapter this request named (the docstring)
+                    n = len(answer.get("output_ids", []))
+                    answer.setdefault("meta_info", {}).update(weight_version=str(adapter[1]), weight_versions=[
+                        {"version": str(adapter[1]), "start": 0, "end": n}])
+                return url, answer
+            except EngineError as e:
+                status = _http_status(e)
+                if status is not None and status < 500:
+                    # The engine refused the input itself (bad ids, too long): the client's fault, not the engine's.
+                    raise EngineRejected(f"the rollout engine rejected the request: {e}") from None
+                last_error = e
+            except (httpx.TransportError, EngineUnavailable) as e:  # EngineUnavailable: its engine left routing
+                last_error = e
+            finally:
+                self.inflight[url] -= 1
+                self.running.pop(rid, None)
+                if adapter is not None:
+                    self.adapter_users[adapter[0]] -= 1
+                    self._release(adapter[0])
+            self.retried += 1
+            if url not in self.dead and not await self._alive(url):
+                self.mark_dead(url, f"it failed a call ({last_error!r}) and then did not answer /server_info")
+            elif url not in self.dead:
+                self.down_until[url] = time.monotonic() + self.cooldown_s
+                log.warning("engine %s failed a call (%r) but answers /server_info; skipped for %.0fs", url,
+                            last_error, self.cooldown_s)
+        raise EngineUnavailable(f"no engine could serve request {rid}: {last_error!r}")
+
+    async def _alive(self, url: str) -> bool:
+        """GET /server_info within health_timeout_s. An engine that cannot answer that is dead or hung. Not /health:
+        SGLang's runs a generation, which a paused engine (mid weight sync, or memory released) answers with a 503
+        only after 20 s; /server_info its scheduler answers between two steps, paused or not."""
+        try:
+            r = await self.http.get(f"{url}/server_info", timeout=self.health_timeout_s)
+            return r.status_code == 200
+        except (httpx.HTTPError, OSError):
+            return False
+
+    def mark_dead(self, url: str, why: str) -> None:
+        """Take an engine out of routing now; the requests waiting on it fail over to the other engines."""
+        if url in self.dead or url not in self.inflight:
+            return
+        self.dead.add(url)
+        log.warning("engine %s is out of routing: %s", url, why)
+        error = EngineUnavailable(f"engine {url} left routing: {why}")
+        for key in [k for k in self._pending if k[0] == url]:
+            self._fail(self._pending.pop(key), error)
+        for fut in list(self._sent.pop(url, ())):
+            if not fut.done():
+                fut.set_exception(error)
+
+    def replace(self, old: str, new: str) -> None:
+        """The engine at `old` was re-created at `new` (same slot, current weights): it rejoins routing."""
+        new = new.rstrip("/")
+        i = self.urls.index(old)
+        self.mark_dead(old, "replaced")
+        self.urls[i] = new
+        self.inflight.setdefault(new, 0)
+        self.down_until[new] = 0.0
+        self.dead.discard(new)
+
+    async def check(self) -> list[str]:
+        """Probe every engine in routing now; return the URLs of every engine out of routing for good."""
+        live = [u for u in self.urls if u not in self.dead]
+        for url, ok in zip(live, await asyncio.gather(*(self._alive(u) for u in live))):
+            if not ok:
+                self.mark_dead(url, f"/server_info failed: the engine is dead, or hung past "
+                                    f"{self.health_timeout_s:.0f}s (cfg.engine_health_timeout)")
+        return [u for u in self.urls if u in self.dead]
+
+    async def _watch(self) -> None:
+        """Probe the engines every check_every_s while requests are in flight: a hung engine fails no call
+        (its connection stays open), so only a probe finds it and frees the requests stuck on it."""
+        while True:
+            await asyncio.sleep(self.check_every_s)
+            if self.running:
+                await self.check()
+
+    async def _coalesced(self, url: str, input_ids: list[int], sampling_params: dict, rid: str,
+                         batch: str = "", lora_path: str | None = None) -> dict:
+        """Requests for one engine made in the same event-loop tick with the same `batch` key travel as ONE
+        batched /generate (SGLang takes lists of input_ids, sampling_params and rids). A step starts hundreds
+        of trajectories at once; sent one by one, they would spend most of their time in the HTTP client's
+        connection pool (quadratic in open connections) rather than in the engine. A batched /generate
+        answers when its LAST request ends, so AgentFlow keys by prompt group: a group is complete only
+        when all its samples are anyway, and one group's long tail then never holds back another's."""
+        fut = asyncio.get_running_loop().create_future()
+        pending = self._pending.setdefault((url, batch), [])
+        pending.append((input_ids, sampling_params, rid, lora_path, fut))
+        if len(pending) == 1:  # the first of this tick schedules the send, after everyone else has queued
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send_batch(url, batch)))
+        return await self._awaited(url, fut)
+
+    async def _awaited(self, url: str, fut: asyncio.Future) -> dict:
+        """`fut`'s answer, the future listed as sent to `url` meanwhile (mark_dead fails what it lists over)."""
+        sent = self._sent.setdefault(url, set())
+        sent.add(fut)
+        try:
+            return await fut
+        finally:
+            sent.discard(fut)
+
+    async def _streamed(self, url: str, input_ids: list[int], sampling_params: dict, rid: str,
+                        lora_path: str | None, on_chunk) -> dict:
+        """One streamed /generate, failed over like a batched one: `mark_dead` fails its future, which ends the
+        stream (the engine aborts a request whose stream is closed)."""
+        fut = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(generate_stream(
+            self.http, url, input_ids, sampling_params, on_chunk=on_chunk, rid=rid,
+            return_routed_experts=self.return_routed_experts, lora_path=lora_path))
+
+        def settle(t: asyncio.Task) -> None:
+            if fut.done():
+                return
+            if t.cancelled():
+                fut.cancel()
+            elif t.exception() is not None:
+                fut.set_exception(t.exception())
+            else:
+                fut.set_result(t.result())
+        task.add_done_callback(settle)
+        try:
+            return await self._awaited(url, fut)
+        finally:
+            task.cancel()
+
+    async def _send_batch(self, url: str, key: str) -> None:
+        batch = self._pending.pop((url, key), [])
+        if not batch:  # mark_dead() already failed them over
+            return
+        try:
+            loras = [b[3] for b in batch]
+            out = await generate(self.http, url, [b[0] for b in batch], [b[1] for b in batch],
+                                         rid=[b[2] for b in batch], return_routed_experts=self.return_routed_experts,
+                                         lora_path=loras if any(loras) else None)
+            for (*_, fut), answer in zip(batch, out):
+                if not fut.done():
+                    fut.set_result(answer)
+        except EngineError as e:
+            if len(batch) > 1 and (_http_status(e) or 500) < 500:
+                # the engine refused the batch for one bad request: resend one by one, so only it fails
+                await asyncio.gather(*(self._send_one(url, b) for b in batch))
+            else:
+                self._fail(batch, e)
+        except BaseException as e:
+            # every waiter sees the transport's error, cancellation included: a future never resolved would hang
+            # its trajectory until agent_timeout
+            self._fail(batch, e)
+
+    async def _send_one(self, url: str, item) -> None:
+        input_ids, sampling_params, rid, lora_path, fut = item
+        try:
+            answer = await generate(self.http, url, input_ids, sampling_params, rid=rid,
+                                            return_routed_experts=self.return_routed_experts, lora_path=lora_path)
+            if not fut.done():
+                fut.set_result(answer)
+        except BaseException as e:
+            self._fail([item], e)
+
+    @staticmethod
+    def _fail(batch, error: BaseException) -> None:
+        for *_, fut in batch:
+            if not fut.done():
+                fut.set_exception(error)
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request (rid) or every request of this pool (rid=None) on its engine. By rid, not
+        abort_all: other clients of the same engines (an eval, a second AgentFlow) keep their requests."""
+        rids = [rid] if rid is not None else list(self.running)
+        await asyncio.gather(*(self.http.post(f"{self.running[r]}/abort_request", json={"rid": r})
+                               for r in rids if r in self.running), return_exceptions=True)
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+# ----------------------------------------------------------------------------------------------
+# launching engines
+
+
 def _serve_host() -> str:
     """Loopback on one machine; this node's address when the Ray cluster spans several."""
     if ray.is_initialized() and sum(n["Alive"] for n in ray.nodes()) > 1:
@@ -312,11 +689,12 @@ class RolloutEngine:
         with tensor parallel size k needs all k visible, while Ray shows the actor only its own bundle's."""
         self.rank = rank
         self.proc: subprocess.Popen | None = None
-        self.handle: cpu_engine.ServerHandle | None = None
+        self.handle = None  # the CPU engine's in-process server (cpu_engine.ServerHandle)
         host = _serve_host()
         seed = int(cfg.seed) + 1000 * rank  # different engines draw different samples
         engine = cfg.engine if cfg.engine != "auto" else ("sglang" if torch.cuda.is_available() else "cpu")
         if engine == "cpu":
+            import cpu_engine  # late: the contract does not depend on its stand-in; only a CPU engine's start needs it
             if cfg.engine_threads > 0:  # see Config.engine_threads: sync uses every core
                 torch.set_num_threads(int(cfg.engine_threads))
             max_len = max(int(cfg.max_prompt_len) + int(cfg.max_new_tokens), int(cfg.max_context_len or 0))

@@ -30,7 +30,7 @@ the level itself is not enforced), as the Messages `thinking` does.
 
 Structured output (Responses `text.format`, Chat Completions `response_format`): json_schema and json_object become
 SGLang's `json_schema` sampling parameter (`_output_format`), which the engine enforces with xgrammar; the router
-refuses it alongside tools or on a thinking model that thinks (agentflow.ChatFormat.check_structured). Custom tools
+refuses it alongside tools or on a thinking model that thinks (chat.ChatFormat.check_structured). Custom tools
 (Responses, free-form text input) are rendered as a function of one string parameter, `input`, and their calls come
 back as custom_tool_call items (`responses_tools`, `responses_output`).
 
@@ -39,7 +39,7 @@ openai and anthropic clients); streaming in tests/test_token_stream.py. Left out
 Responses tools, custom tools with a grammar format, n > 1, top_logprobs, tool-call argument deltas while a call is
 generated (a function or custom tool call streams whole), `strict` function arguments under tool_choice "auto" in
 templates without a per-call marker (a forced tool_choice is enforced, `strict` schemas included, and "auto" strict
-calls in Hermes-style templates: agentflow.ChatFormat.tool_grammar), tools' defer_loading / async / programmatic
+calls in Hermes-style templates: chat.ChatFormat.tool_grammar), tools' defer_loading / async / programmatic
 callers / output_schema, `text.verbosity` (inert: the template has no such variable), Responses `truncation: auto`,
 `background`, stored `prompt`s and `conversation`s.
 """
@@ -640,7 +640,7 @@ def _finish_anthropic(turn: Turn) -> str:
 
 def _openai_logprobs(chat, turn: Turn) -> dict:
     """Per-token logprobs of the sampled tokens (no top_logprobs: the engine returns only the sampled one). `chat`:
-    agentflow.ChatFormat, whose decode gives each token's text (left unannotated: agentflow imports this module)."""
+    chat.ChatFormat, whose decode gives each token's text (left unannotated: chat.py imports this module)."""
     content = []
     for tid, lp in zip(turn.output_ids, turn.logprobs):
         text = chat.decode([tid], skip_special_tokens=False)
@@ -871,7 +871,7 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
 CUSTOM_INPUT = "input"  # the one string parameter a custom tool is rendered with
 # Tool fields accepted at their neutral value only: tool search (defer_loading), OpenAI-side execution (async,
 # programmatic callers), a schema of the tool's output: none is something a chat template renders. A function's
-# `strict` holds its arguments to its schema (ChatRequest.strict; agentflow.ChatFormat.tool_grammar says where).
+# `strict` holds its arguments to its schema (ChatRequest.strict; chat.ChatFormat.tool_grammar says where).
 _TOOL_DEFAULT_ONLY = {"defer_loading": (None, False), "async": (None, False), "allowed_callers": (None, ["direct"]),
                       "output_schema": (None,)}
 

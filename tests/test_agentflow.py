@@ -23,6 +23,7 @@ import openai
 import pytest
 
 import agentflow
+import chat
 import config
 import cpu_engine
 import data
@@ -62,7 +63,7 @@ async def started_flow(engines, model, **cfg_kw) -> agentflow.AgentFlow:
     return flow
 
 
-def record_engine_calls(pool: agentflow.EnginePool) -> list:
+def record_engine_calls(pool: rollout.EnginePool) -> list:
     """Observe (engine url, input ids, engine answer) of every /generate call; the engine stays real."""
     calls, real = [], pool.generate
 
@@ -74,7 +75,7 @@ def record_engine_calls(pool: agentflow.EnginePool) -> list:
     return calls
 
 
-def crafted_engine(pool: agentflow.EnginePool, chat: agentflow.ChatFormat, replies: list[str]) -> list:
+def crafted_engine(pool: rollout.EnginePool, chat: chat.ChatFormat, replies: list[str]) -> list:
     """TEST DOUBLE (tool-call parsing only): answer /generate with the tokens of crafted replies, in order; a streamed
     call (on_chunk) gets SGLang's cumulative chunks first, one per token."""
     seen = []
@@ -107,21 +108,21 @@ def open_session(flow, max_context_len=512, max_turns=8, sampling=SAMPLING):
 
 def test_prompt_ids_are_rendered_once_per_distinct_chat(tiny_model_dir):
     """A group's N samples share one render of their first prompt; a different chat or tool list is its own."""
-    chat = agentflow.ChatFormat(tiny_model_dir)
-    renders, real = [], chat.render
-    chat.render = lambda *a, **kw: renders.append(a) or real(*a, **kw)
+    fmt = chat.ChatFormat(tiny_model_dir)
+    renders, real = [], fmt.render
+    fmt.render = lambda *a, **kw: renders.append(a) or real(*a, **kw)
     msgs = [{"role": "user", "content": "3+4 e"}]
-    want = chat.encode(real(msgs, None, add_generation_prompt=True))
-    with_tools = chat.encode(real(msgs, wire.openai_tools([CALC_TOOL]), add_generation_prompt=True))
-    assert [chat.prompt_ids(msgs) for _ in range(8)] == [want] * 8 and len(renders) == 1
-    assert chat.prompt_ids(msgs, wire.openai_tools([CALC_TOOL])) == with_tools != want and len(renders) == 2
-    assert chat.prompt_ids([{"role": "user", "content": "3+4 f"}]) != want and len(renders) == 3
-    chat.prompt_ids(msgs).append(0)  # a caller's list is its own: the cached ids are unchanged
-    assert chat.prompt_ids(msgs) == want
+    want = fmt.encode(real(msgs, None, add_generation_prompt=True))
+    with_tools = fmt.encode(real(msgs, wire.openai_tools([CALC_TOOL]), add_generation_prompt=True))
+    assert [fmt.prompt_ids(msgs) for _ in range(8)] == [want] * 8 and len(renders) == 1
+    assert fmt.prompt_ids(msgs, wire.openai_tools([CALC_TOOL])) == with_tools != want and len(renders) == 2
+    assert fmt.prompt_ids([{"role": "user", "content": "3+4 f"}]) != want and len(renders) == 3
+    fmt.prompt_ids(msgs).append(0)  # a caller's list is its own: the cached ids are unchanged
+    assert fmt.prompt_ids(msgs) == want
 
 
 def test_tool_history_renders_the_same_from_openai_and_anthropic(tiny_model_dir):
-    chat = agentflow.ChatFormat(tiny_model_dir)
+    fmt = chat.ChatFormat(tiny_model_dir)
     oa = wire.openai_messages([
         {"role": "system", "content": "be exact"}, {"role": "user", "content": "12+7"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
@@ -135,8 +136,8 @@ def test_tool_history_renders_the_same_from_openai_and_anthropic(tiny_model_dir)
     tools = wire.openai_tools([CALC_TOOL])
     an_tools = wire.anthropic_tools([{"name": "calculator", "description": "evaluate arithmetic",
                                       "input_schema": CALC_TOOL["function"]["parameters"]}])
-    text = chat.render(oa, tools, add_generation_prompt=True)
-    assert text == chat.render(an, an_tools, add_generation_prompt=True)
+    text = fmt.render(oa, tools, add_generation_prompt=True)
+    assert text == fmt.render(an, an_tools, add_generation_prompt=True)
     assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+7"}}\n</tool_call>' in text
     assert "<|im_start|>user\n<tool_response>\n19\n</tool_response><|im_end|>" in text
     assert '"name": "calculator"' in text.split("<|im_end|>")[0]  # tools listed in the system turn
@@ -509,7 +510,7 @@ def test_single_turn_generate_groups_ids_and_rewards(engines, tiny_model_dir):
     samples = data.arith_samples(3, seed=0)
     answers = [s["answer"] for s in samples] + [samples[0]["answer"]]  # group 3 = the second call's sample
     out, out2, calls = run(body())
-    chat = agentflow.ChatFormat(tiny_model_dir)
+    fmt = chat.ChatFormat(tiny_model_dir)
     assert [(t["group_id"], t["sample_index"]) for t in out] == [(g, i) for g in range(3) for i in range(4)]
     assert [t["group_id"] for t in out2] == [3, 3]                          # unique across calls
     assert out2[0]["response_ids"] == out2[1]["response_ids"]               # greedy is deterministic
@@ -521,11 +522,11 @@ def test_single_turn_generate_groups_ids_and_rewards(engines, tiny_model_dir):
         assert all(lp <= 0 for lp in t["rollout_logprobs"])
         # the prompt is the sample rendered with the template; the response is exactly one engine answer
         msgs = (samples + samples[:1])[t["group_id"]]["messages"]
-        assert t["prompt_ids"] == chat.encode(chat.render(msgs, add_generation_prompt=True))
+        assert t["prompt_ids"] == fmt.encode(fmt.render(msgs, add_generation_prompt=True))
         assert any(o["output_ids"] == t["response_ids"] and inp == t["prompt_ids"] and
                    [x[0] for x in o["meta_info"]["output_token_logprobs"]] == t["rollout_logprobs"]
                    for _, inp, o in calls)
-        assert (t["status"] == "truncated") == (n == 6 and t["response_ids"][-1] not in chat.stop_ids)
+        assert (t["status"] == "truncated") == (n == 6 and t["response_ids"][-1] not in fmt.stop_ids)
         answer = answers[t["group_id"]]
         assert t["reward"] == float(t["response_text"].strip() == answer)  # the async reward ran on the response
 
@@ -709,7 +710,7 @@ def test_abort_drops_running_groups(engines, tiny_model_dir):
 
 def test_engine_pool_least_loaded_and_skips_dead_engines(engines):
     dead = "http://127.0.0.1:9"  # nothing listens on the discard port: connection refused
-    pool = agentflow.EnginePool([dead] + engines, cooldown_s=30)
+    pool = rollout.EnginePool([dead] + engines, cooldown_s=30)
     pool.inflight[engines[0]] = 3
     assert pool.pick() in (dead, engines[1])
     assert pool.pick(prefer=engines[0]) == engines[0]  # sticky wins over load
@@ -726,7 +727,7 @@ def test_engine_pool_least_loaded_and_skips_dead_engines(engines):
 def test_engine_pool_coalesces_a_tick_into_one_request_and_isolates_a_bad_one(engines, tiny_model_dir):
     """Requests of one loop tick go to the engine as one batched /generate; when the engine refuses
     the batch for one bad request (an out-of-vocab id), only that request fails."""
-    pool = agentflow.EnginePool(engines[:1])
+    pool = rollout.EnginePool(engines[:1])
     posts = []
     real_post = pool.http.post
 
@@ -746,7 +747,8 @@ def test_engine_pool_coalesces_a_tick_into_one_request_and_isolates_a_bad_one(en
         return ok, n_ok, mixed
     ok, n_ok, mixed = run(body())
     assert n_ok == 1 and all(len(out["output_ids"]) <= 2 for _, out in ok)
-    assert isinstance(mixed[3], wire.ApiError) and mixed[3].status == 400
+    # the engine's own 400, which the router answers as a 400 `engine_rejected` (Router's api_error)
+    assert isinstance(mixed[3], rollout.EngineRejected) and "answered HTTP 400" in str(mixed[3]), mixed[3]
     assert [m[1]["output_ids"] for m in mixed[:3]] == [out["output_ids"] for _, out in ok]  # greedy: same
 
 

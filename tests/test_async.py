@@ -15,6 +15,7 @@ import cpu
 import cpu_engine
 import fleet
 import loongsage
+import rollout
 
 
 def cfg_with(**kw):
@@ -248,10 +249,10 @@ def test_engine_busy_seconds_reads_the_engines_compute_time(tiny_model_dir):
 def test_token_versions_from_spans():
     meta = {"weight_version": "3", "weight_versions": [{"version": "1", "start": 0, "end": 2},
                                                        {"version": "3", "start": 2, "end": 5}]}
-    assert agentflow._token_versions(meta, 5) == [1, 1, 3, 3, 3]
+    assert rollout.token_versions(meta, 5) == [1, 1, 3, 3, 3]
     # an engine without spans: every token gets the final version
-    assert agentflow._token_versions({"weight_version": "3"}, 2) == [3, 3]
-    assert agentflow._token_versions({"weight_version": "0", "weight_versions": [
+    assert rollout.token_versions({"weight_version": "3"}, 2) == [3, 3]
+    assert rollout.token_versions({"weight_version": "0", "weight_versions": [
         {"version": "0", "start": 0, "end": 0}]}, 0) == []
 
 

@@ -197,7 +197,7 @@ def _published(family: str) -> str:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_template_renders_the_published_format_and_picks_its_parsers(family, models):
-    fmt = agentflow.ChatFormat(models[family])
+    fmt = chat.ChatFormat(models[family])
     assert fmt.render(_conversation(family), TOOLS) == _published(family)
     assert fmt.tool_parser == PARSER[family]
     assert fmt.reasoning_parser == ("qwen3" if family == "qwen3" else "")
@@ -213,7 +213,7 @@ def test_thinking_template_switch_and_pickers():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_end_tokens_come_from_the_generation_config(family, models):
-    fmt = agentflow.ChatFormat(models[family])
+    fmt = chat.ChatFormat(models[family])
     stops = {fmt.tok.convert_ids_to_tokens(i) for i in fmt.stop_ids}
     assert stops == set(chat.FAMILIES[family]["stop"])  # Llama 3: <|end_of_text|>, <|eom_id|> and <|eot_id|>
     assert fmt.eos_text == chat.FAMILIES[family]["eos"] and fmt.eos_id in fmt.stop_ids
@@ -226,7 +226,7 @@ def test_end_tokens_come_from_the_generation_config(family, models):
 # TITO through the router, and the official clients
 
 
-def _turn_texts(fmt: agentflow.ChatFormat, msgs: list[dict], replies: list[dict]) -> list[str]:
+def _turn_texts(fmt: chat.ChatFormat, msgs: list[dict], replies: list[dict]) -> list[str]:
     """What the model writes for each reply (the template's rendering after the generation prompt), end token off."""
     texts, history = [], list(msgs)
     for reply, nxt in replies:
@@ -242,7 +242,7 @@ def test_tito_tool_conversation_is_the_templates_rendering_token_for_token(famil
     """The calc conversation through the router with the official OpenAI client (the model's turns crafted as the
     template renders them): the trajectory is the template's rendering of the whole conversation, token for
     token, one segment; the loss mask covers exactly the model's tokens, thinking included."""
-    fmt = agentflow.ChatFormat(models[family])
+    fmt = chat.ChatFormat(models[family])
     conv = _conversation(family)
     replies = _turn_texts(fmt, conv[:1], [(conv[1], conv[2:3]), (conv[3], [])])
 
@@ -299,7 +299,7 @@ def test_a_forced_tool_choice_holds_the_reply_to_the_templates_call_syntax(famil
     templates that mark each call (Hermes / Qwen): text, and text then calls, pass; a strict call off its schema
     does not; elsewhere no grammar is sent."""
     import xgrammar
-    fmt = agentflow.ChatFormat(models[family])
+    fmt = chat.ChatFormat(models[family])
     kwargs = {fmt.thinking_switch: False} if fmt.thinking_switch else {}
     tools = [*TOOLS, LOOKUP]
     compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(
@@ -350,7 +350,7 @@ def test_a_forced_tool_choice_holds_the_reply_to_the_templates_call_syntax(famil
 def test_official_clients_get_each_familys_tool_calls(family, models):
     """OpenAI (plain, streaming) and Anthropic (plain, streaming) clients get the call the model wrote in its
     family's syntax, with the id the template shows (Mistral: the model's 9 characters)."""
-    fmt = agentflow.ChatFormat(models[family])
+    fmt = chat.ChatFormat(models[family])
     conv = _conversation(family)
     [reply] = _turn_texts(fmt, conv[:1], [(conv[1], [])])
 

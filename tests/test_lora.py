@@ -388,7 +388,7 @@ def test_engine_refuses_what_sglang_refuses_and_the_pool_names_and_retires_adapt
             assert got["output_ids"] == alone["output_ids"] and _lps(got) == pytest.approx(_lps(alone), abs=1e-5)
 
         async def pool_run():
-            pool = agentflow.EnginePool([url], check_every_s=0)
+            pool = rollout.EnginePool([url], check_every_s=0)
             try:
                 _, plain = await pool.generate(prompt, {"max_new_tokens": 4, "temperature": 0.0}, "r0")
                 assert _lps(plain) == pytest.approx(_lps(base)[:4], abs=1e-5)

@@ -225,7 +225,7 @@ def test_engine_pool_moves_requests_off_a_killed_and_a_hung_engine(tiny_model_di
         async def drill(victim_url: str, victim: subprocess.Popen, sig: int, check_every_s: float):
             # 5 s: the probe (/server_info) is answered by the scheduler between two steps, in this process beside the
             # drill, on a shared machine
-            pool = agentflow.EnginePool([victim_url, good_url], check_every_s=check_every_s, health_timeout_s=5.0)
+            pool = rollout.EnginePool([victim_url, good_url], check_every_s=check_every_s, health_timeout_s=5.0)
             prompts = [[1 + i, 2, 3] for i in range(6)]
             tasks = [asyncio.ensure_future(pool.generate(ids, dict(LONG, sampling_seed=100 + i), f"r{i}",
                                                          prefer=victim_url)) for i, ids in enumerate(prompts)]

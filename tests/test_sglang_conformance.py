@@ -427,9 +427,9 @@ def test_the_cpu_engine_compiles_and_masks_grammars_as_sglangs_xgrammar_backend(
                                      model_eos_token_ids=sorted(engine.runner.eos_ids))
     stamp = re.compile(r"\[\d\d:\d\d:\d\d\] ")
     valid = 0
-    # the structural tags the router sends (agentflow.ChatFormat.tool_grammar: the template's call syntax, a strict
+    # the structural tags the router sends (chat.ChatFormat.tool_grammar: the template's call syntax, a strict
     # tool's schema) for tool_choice "required" and for "auto", SGLang's legacy form, and one that is not JSON
-    fmt = agentflow.ChatFormat(tiny_model_dir)
+    fmt = chat.ChatFormat(tiny_model_dir)
     strict = {"name": "pick", "parameters": {"type": "object", "properties": {"w": {"enum": ["a", "b"]}}}}
     tools = [{"type": "function", "function": f} for f in (strict, {"name": "calc", "parameters": {"type": "object"}})]
     forced = fmt.tool_grammar(wire.ChatRequest([], tools, True, None, {}, None, False, forced=("pick", "calc"),

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 import agentflow
+import chat
 import cpu_engine
 import data
 import rollout
@@ -224,7 +225,7 @@ REPLIES = ["The answer is 19.  ", "  <think>\n12 plus 7\n</think>\n\nso 19", "<t
 def test_settled_text_is_always_a_prefix_of_the_parsed_turn(family):
     """On every prefix of every reply, with and without tools: what `settled` gives is a prefix of the parse of the
     whole reply (so the deltas add up to it), and a plain reply settles text before its last token."""
-    fmt = agentflow.ChatFormat(data.build_tiny_model(
+    fmt = chat.ChatFormat(data.build_tiny_model(
         data.default_cache_dir() / f"tiny-chat-{data.settings_hash(settings(family))}", **settings(family)))
     tools = wire.openai_tools([CALC_TOOL])
     for reply in REPLIES:
@@ -243,7 +244,7 @@ def test_settled_text_is_always_a_prefix_of_the_parsed_turn(family):
 # the router: every API streams as the engine generates
 
 
-def settling_point(fmt: agentflow.ChatFormat, ids: list[int]) -> int:
+def settling_point(fmt: chat.ChatFormat, ids: list[int]) -> int:
     """How many of a reply's tokens the engine must have sampled before the router can send its first delta."""
     return next(n for n in range(1, len(ids) + 1) if any(fmt.settled(ids[:n], None)))
 
