@@ -901,9 +901,14 @@ class ModelRunner:
             per_token = torch.stack(routed, dim=1).to(torch.int32)                        # (n_valid, L, top_k)
             per_chunk = list(per_token.split(lens.tolist()))                              # row-major order of `valid`
         h = _rms_norm(last, m.norm.weight, m.norm.variance_epsilon)                       # (B, H)
-        if self.fp32_lm_head and self.dtype != torch.float32:  # as SGLang's --enable-fp32-lm-head: upcast, then matmul
-            return F.linear(h.float(), self.model.lm_head.weight.float()), per_chunk      # (B, V) fp32
-        return self._linear(h, "lm_head").float(), per_chunk                              # (B, V)
+        return self.lm_head(h), per_chunk                                                 # (B, V) fp32
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, H) final hidden states -> (B, V) fp32 logits: the model dtype's matmul, upcast after it; with
+        fp32_lm_head (SGLang's --enable-fp32-lm-head) upcast before it, so the logits carry no bf16 rounding."""
+        if self.fp32_lm_head and self.dtype != torch.float32:
+            return F.linear(h.float(), self.model.lm_head.weight.float())
+        return self._linear(h, "lm_head").float()
 
     def _mla_qkv(self, h: torch.Tensor, li: int, attn, cos: torch.Tensor, sin: torch.Tensor):
         """DeepSeek-V3's multi-latent attention up to per-head q, k (B, T, Hq, D) and v (B, T, Hq, Dv), as

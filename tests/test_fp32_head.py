@@ -1,17 +1,22 @@
-"""FP32 LM head (`fp32_lm_head: true`) on both sides, with bf16 weights on CPU.
+"""FP32 LM head (`fp32_lm_head: true`) on both sides, with bf16 weights on CPU, tested where its effect is exact.
 
-What it proves: with the flag the trainer's logits are fp32 (bf16 without) and the CPU engine's head is an fp32
-matmul; the train-inference gap (mean |trainer logp - engine logp| over the engine's own greedy tokens) with the flag
-on both sides is smaller than without it, and smaller than with the flag on one side only (an engine that ignored
-it); with fp32 weights the flag changes nothing; SGLang gets --enable-fp32-lm-head.
+What it proves: the same bf16 hidden states through the trainer's LM head (Megatron's output layer, wrapped by
+convert.fp32_output_layer) and the CPU engine's (ModelRunner.lm_head) give fp32 logits equal to the fp32 product
+within 1e-6 on both sides with the flag; without it each side's logits are the bf16 rounding of that product (off
+by up to bf16's half-ulp, and visibly off: bf16 cannot hold them); a flag on the trainer only leaves the engine's
+bf16 rounding in (the one-sided control). The head's share of the train-inference gap is then zero by construction;
+the body's share (every layer in bf16) is untouched, so no assertion compares whole-model gaps, whose difference is
+one CPU's bf16 rounding. With fp32 weights the flag changes nothing; SGLang gets --enable-fp32-lm-head.
 """
+
+import json
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 
 import cpu_engine
-import data
 import rollout
 import trainer
 import transfermesh
@@ -19,61 +24,72 @@ from config import Config
 
 pytestmark = pytest.mark.timeout(600)
 
+BF16_REL = 2.0 ** -8  # bf16 keeps 8 significant bits: rounding to nearest is off by at most half of 2**-7, relative
 
 
-def _bf16_trainers(model_dir: str, flags: tuple) -> list:
-    """One trainer rank per fp32_lm_head flag, each running its model in bf16. The CPU trainer trains in fp32 only
-    (its optimizer keeps no fp32 master weights), so the test casts the loaded model; the forward is the trainer's
-    own. The ranks start together (an actor's start-up is one core's work: two overlap on two cores)."""
+def _trainer_heads(model_dir: str, h: torch.Tensor) -> dict:
+    """{flag: the trainer's LM-head logits of hidden states `h` (S, B, H)}, one rank per fp32_lm_head flag, each model
+    cast to bf16 as a bf16 run holds it. The CPU trainer trains in fp32 only (its optimizer keeps no fp32 master
+    weights), so the test casts the loaded model; the head is the trainer's own output layer."""
     workers = [ray.remote(num_cpus=1)(trainer.TrainerWorker).remote(
         Config(device="cpu", dtype="float32", seed=0, trainer_workers=1, micro_batch_size=8, trainer_threads=1,
-               fp32_lm_head=flag), 0, 1, "127.0.0.1", transfermesh.free_port()) for flag in flags]
-    ray.get([w.load_hf.remote(model_dir) for w in workers])
-    ray.get([w.__ray_call__.remote(lambda self: self.policy.gpt.to(torch.bfloat16) and None) for w in workers])
-    return workers
-
-
-def _logits_dtype(w, batch):
-    return ray.get(w.__ray_call__.remote(
-        lambda self, b: self.policy.forward(trainer.collate(b), head="logits")["logits"].dtype, batch))
-
-
-def _engine_rollouts(model_dir: str, prompts, fp32_lm_head: bool, dtype="bfloat16"):
-    eng = cpu_engine.CpuEngine(model_dir, max_batch=16, max_len=128, dtype=dtype, fp32_lm_head=fp32_lm_head).start()
+               fp32_lm_head=flag), 0, 1, "127.0.0.1", transfermesh.free_port()) for flag in (False, True)]
     try:
-        outs = eng.generate(prompts, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
+        ray.get([w.load_hf.remote(model_dir) for w in workers])
+        ray.get([w.__ray_call__.remote(lambda self: self.policy.gpt.to(torch.bfloat16) and None) for w in workers])
+        return dict(zip((False, True), ray.get([w.__ray_call__.remote(
+            lambda self, x: self.policy.gpt.output_layer(x)[0].detach(), h) for w in workers])))
     finally:
-        eng.stop()
-    return [dict(prompt_ids=p, response_ids=o["output_ids"], loss_mask=[1] * len(o["output_ids"]),
-                 rollout_logprobs=[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]], reward=0.0,
-                 group_id=i, sample_index=0) for i, (p, o) in enumerate(zip(prompts, outs))]
+        for w in workers:
+            ray.kill(w)
 
 
-def _gap(w, batch) -> float:
-    """Mean |trainer logp - engine logp| over every generated token."""
-    got = ray.get(w.compute_logprobs.remote(batch))
-    diffs = [abs(a - b) for s, lp in zip(batch, got) for a, b in zip(lp, s["rollout_logprobs"])]
-    return sum(diffs) / len(diffs)
+def _hidden(model_dir: str, *shape: int, seed: int) -> torch.Tensor:
+    size = json.loads((Path(model_dir) / "config.json").read_text())["hidden_size"]
+    return torch.randn(*shape, size, generator=torch.Generator().manual_seed(seed))
+
+
+def _engine_head(model_dir: str, h: torch.Tensor, flag: bool, dtype: str = "bfloat16") -> torch.Tensor:
+    runner = cpu_engine.ModelRunner(model_dir, max_batch=h.shape[0], max_len=64, dtype=dtype, fp32_lm_head=flag)
+    return runner.lm_head(h.to(runner.dtype).contiguous()), runner.model.lm_head.weight
 
 
 @pytest.mark.slow
-def test_fp32_lm_head_narrows_the_bf16_train_inference_gap(ray_session, tiny_model_dir):
-    prompts = [[(7 * i + 13 * j) % 300 + 10 for j in range(5 + i % 4)] for i in range(12)]
-    plain = fp32 = None
-    try:
-        plain, fp32 = _bf16_trainers(tiny_model_dir, (False, True))
-        off, on = _engine_rollouts(tiny_model_dir, prompts, False), _engine_rollouts(tiny_model_dir, prompts, True)
-        assert _logits_dtype(plain, off[:2]) == torch.bfloat16 and _logits_dtype(fp32, on[:2]) == torch.float32
-        gap_off, gap_on, gap_one_side = _gap(plain, off), _gap(fp32, on), _gap(fp32, off)
-        print(f"bf16 train-inference gap: without {gap_off:.5f}, with {gap_on:.5f}, trainer only {gap_one_side:.5f}")
-        assert gap_on <= gap_off and gap_on < gap_one_side, (gap_on, gap_off, gap_one_side)
-    finally:
-        for w in (plain, fp32):
-            if w is not None:
-                ray.kill(w)
-    # fp32 weights: the casts are no-ops, the engine keeps its packed fp32 head (bit-identical logprobs)
-    a, b = (_engine_rollouts(tiny_model_dir, prompts[:3], flag, dtype="float32") for flag in (False, True))
-    assert [s["rollout_logprobs"] for s in a] == [s["rollout_logprobs"] for s in b]
+def test_fp32_lm_head_gives_both_sides_the_fp32_logits(ray_session, tiny_model_dir):
+    h = _hidden(tiny_model_dir, 12, 1, seed=0).to(torch.bfloat16)  # (S, B, H)
+    engine_on, weight = _engine_head(tiny_model_dir, h[:, 0], True)
+    engine_off, _ = _engine_head(tiny_model_dir, h[:, 0], False)
+    assert weight.dtype == torch.bfloat16 and h.shape[-1] == weight.shape[1]
+    exact = h[:, 0].double() @ weight.double().T  # (S, V) the product of the bf16 operands, in float64
+    heads = _trainer_heads(tiny_model_dir, h)
+    trainer_off, trainer_on = heads[False][:, 0], heads[True][:, 0]  # (S, V)
+    assert trainer_on.dtype == torch.float32 and trainer_off.dtype == torch.bfloat16
+    assert engine_on.dtype == engine_off.dtype == torch.float32  # the engine upcasts after the matmul without the flag
+    scale = exact.abs().max().item()
+    on = {"trainer": (trainer_on.double() - exact).abs().max().item(),
+          "engine": (engine_on.double() - exact).abs().max().item()}
+    off = {"trainer": (trainer_off.double() - exact).abs(), "engine": (engine_off.double() - exact).abs()}
+    print(f"logits |x - exact| max: with the flag {on}; without "
+          f"{ {k: v.max().item() for k, v in off.items()} } (max |exact| {scale:.3f})")
+    # with the flag: fp32 on both sides, equal to the exact product (and so to each other) up to fp32 accumulation
+    assert max(on.values()) <= 1e-6 * max(1.0, scale), on
+    assert (trainer_on - engine_on).abs().max().item() <= 2e-6 * max(1.0, scale)
+    # without it: each side is the bf16 rounding of that product, no more (plus the accumulation's own bit) ...
+    for side, err in off.items():
+        assert (err <= BF16_REL * exact.abs() + 1e-6).all(), (side, err.max().item())
+    # ... and really rounded: bf16 cannot hold these values, so most logits move
+    assert (off["trainer"] > 1e-6).float().mean() > 0.5 and (off["engine"] > 1e-6).float().mean() > 0.5
+    # one side only: the engine's bf16 rounding stays in the gap, the flag must be on both sides
+    one_side = (trainer_on - engine_off).abs().max().item()
+    assert one_side > 100 * max(on.values()) and one_side > 1e-5, (one_side, on)
+
+
+def test_fp32_lm_head_is_a_no_op_for_fp32_weights(tiny_model_dir):
+    """fp32 weights: the casts are no-ops, the engine keeps its packed fp32 head (bit-identical logits)."""
+    h = _hidden(tiny_model_dir, 5, seed=1)
+    a, _ = _engine_head(tiny_model_dir, h, False, dtype="float32")
+    b, _ = _engine_head(tiny_model_dir, h, True, dtype="float32")
+    assert torch.equal(a, b)
 
 
 def test_sglang_gets_the_fp32_lm_head_flag(tiny_model_dir):
