@@ -717,9 +717,10 @@ class RolloutEngine:
     cfg.lora_rank and cfg.lora_targets (LoRA adapters on: the CPU engine's `lora`, SGLang's flags).
     """
 
-    def __init__(self, cfg, rank: int, gpu_ids: list[str] | None = None):
+    def __init__(self, cfg, rank: int, gpu_ids: list[str] | None = None, busy_file: str = ""):
         """`gpu_ids`: the GPUs of every placement bundle this engine spans (fleet.placement); an SGLang server
-        with tensor parallel size k needs all k visible, while Ray shows the actor only its own bundle's."""
+        with tensor parallel size k needs all k visible, while Ray shows the actor only its own bundle's.
+        `busy_file`: the run's file where a CPU engine keeps byte `rank` at 1 while computing (cpu.engine_busy_file)."""
         self.rank = rank
         self.proc: subprocess.Popen | None = None
         self.handle = None  # the CPU engine's in-process server (cpu_engine.ServerHandle)
@@ -735,8 +736,7 @@ class RolloutEngine:
             self._url, self.handle = cpu_engine.serve(cfg.model_path, host=host, max_batch=int(cfg.engine_max_batch),
                                            max_len=max_len, seed=seed, dtype=cfg.dtype,
                                            fp32_lm_head=bool(getattr(cfg, "fp32_lm_head", False)),
-                                           busy_flag=(cfg.engine_busy_file, rank) if getattr(
-                                               cfg, "engine_busy_file", "") else None,
+                                           busy_flag=(busy_file, rank) if busy_file else None,
                                            enable_deterministic_inference=bool(
                                                flags.get("enable_deterministic_inference")),
                                            disable_radix_cache=bool(flags.get("disable_radix_cache")),

@@ -5,7 +5,7 @@ Needs there: Python 3.12, torch (CUDA), transformers, safetensors, xxhash, httpx
 and the web packages come with the working tree as wheels in .gpu_wheels/ (built here, before: `scripts/gpu_wheels.sh`,
 which checks they stay under the 64 MiB that travels). One command on the GPU machine:
     python scripts/gpu_check.py          (installs .gpu_wheels/ first when megatron-core is missing)
-    python scripts/gpu_check.py --dry-run   (any machine, CPU: the same plan on a tiny model; the CPU suite runs it)
+    python scripts/gpu_check.py --dry-run   (any machine, CPU: the same plan on a tiny model; by hand, no test runs it)
 
 Parts (each bounded at 3 minutes; the model is a ~0.44B-parameter Qwen3 with random weights built locally, no hub):
   1. megatron bf16 RL step on CUDA (GRPO loss, Megatron's optimizer): finite loss and grad norm;
