@@ -1,12 +1,12 @@
 """An engine launcher (`engine: tests.recording_engine:start`, docs/EXTENDING.md) that puts a recording proxy in
-front of the CPU engine RolloutEngine would start: every request's method and path is appended to the file named by
-$LOONGSAGE_RECORD_FILE, then forwarded unchanged (streamed answers too). tests/test_contract.py runs the default
+front of the CPU engine RolloutEngine would start: every request's method and path is appended to the run's
+`engine_calls.txt` (in cfg.output_dir), then forwarded unchanged (streamed answers too). tests/test_contract.py runs the default
 recipe through it to see which rows of rollout.CONTRACT a plain run really uses."""
 
 import dataclasses
-import os
 import socket
 import threading
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -30,7 +30,8 @@ class Handle:
 
 def start(cfg, rank: int, host: str, seed: int):
     engine = rollout.RolloutEngine(dataclasses.replace(cfg, engine="cpu"), rank)  # the CPU engine, as a run gets it
-    upstream, record = engine.url(), os.environ["LOONGSAGE_RECORD_FILE"]
+    upstream, record = engine.url(), Path(cfg.output_dir) / "engine_calls.txt"
+    record.parent.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
     client = httpx.AsyncClient(timeout=None)
 

@@ -82,12 +82,11 @@ def test_the_cpu_engine_serves_the_table_and_names_what_else_it_serves(tiny_mode
 
 
 @pytest.mark.slow
-def test_the_default_recipe_sends_only_the_plain_rows(tmp_path, run_cache, ray_session, monkeypatch):
+def test_the_default_recipe_sends_only_the_plain_rows(tmp_path, run_cache, ray_session):
     from test_loongsage import _short_run  # the suite's shrunk default recipe
-    record = tmp_path / "calls.txt"
-    monkeypatch.setenv("LOONGSAGE_RECORD_FILE", str(record))  # Ray actors started from here inherit it
-    history = loongsage.train(_short_run(tmp_path, "num_steps=2", "eval_every=1",
-                                         "engine=tests.recording_engine:start"))
+    cfg = _short_run(tmp_path, "num_steps=2", "eval_every=1", "engine=tests.recording_engine:start")
+    history = loongsage.train(cfg)
+    record = Path(cfg.output_dir) / "engine_calls.txt"
     assert len([h for h in history if "train/loss" in h]) == 2
     calls = [line.split(" ", 1)[1] for line in record.read_text().splitlines()]
     print({c: calls.count(c) for c in sorted(set(calls))})
