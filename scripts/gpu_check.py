@@ -221,7 +221,8 @@ def main() -> int:
             assert loaded == len(named), (loaded, len(named))
             # fp32 on CPU: the same numbers up to summation order; bf16 on GPU: Megatron's kernels and transformers'
             # round differently, so a bound on the mean and a loose one on the largest
-            assert (diff < 1e-4) if dry else (mean < 1e-2 and diff < 0.1), f"|engine - trainer|: max {diff}, mean {mean}"
+            assert (diff < 1e-4) if dry else (mean < 1e-2 and diff < 0.1), (
+                f"|engine - trainer|: max {diff}, mean {mean}")
             return f"{loaded} tensors, |engine - trainer| logprob: max {diff:.2e}, mean {mean:.2e}"
         finally:
             conn.send(("stop",))
