@@ -84,8 +84,8 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Qwen3 with thinking. Checked against Qwen3-8B's tokenizer_config.json chat template (the revision SkyRL's
-# templates/README.md links) and SGLang's Qwen25Detector / Qwen3Detector docstrings. What it renders:
+# Qwen3 with thinking, as Qwen3-8B's tokenizer_config.json chat template and SGLang's Qwen25Detector /
+# Qwen3Detector lay it out:
 # * tools: the system turn "# Tools ... <tools>\n{tool json per line}\n</tools> ... <tool_call> ...";
 # * an assistant turn: <think>\n{reasoning}\n</think>\n\n{content}, then each call on its own line as
 #   <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, then <|im_end|>\n;
@@ -158,9 +158,8 @@ QWEN3_TEMPLATE = r"""
 QWEN3_KEEP_THINKING_TEMPLATE = QWEN3_TEMPLATE.replace(
     "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}", "{%- if true %}")
 
-# Llama 3.1 / 3.2 with JSON tool calls. Checked against Meta-Llama-3.1-8B-Instruct's tokenizer_config.json chat
-# template (as quoted in the ldp and BFCL handlers found by code search) and the model card's "JSON based tool
-# calling" section; the call syntax against SGLang's Llama32Detector. What it renders:
+# Llama 3.1 / 3.2 with JSON tool calls, as Meta-Llama-3.1-8B-Instruct's chat template, its model card's "JSON based
+# tool calling" and SGLang's Llama32Detector lay it out:
 # * <|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n, "Environment: ipython\n" when tools are given,
 #   the knowledge and today dates (fixed: "26 Jul 2024", the template's default), the system message, <|eot_id|>;
 # * tools go into the first user turn: the instruction, each tool as JSON indented by 4, then that user's text;
@@ -210,8 +209,7 @@ LLAMA3_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
 """
 
-# Mistral v0.3 (Mistral-7B-Instruct-v0.3, the reference of SGLang's MistralDetector). Checked against that
-# model's tokenizer_config.json chat template as quoted in the BFCL MistralFCHandler found by code search. It
+# Mistral v0.3 (Mistral-7B-Instruct-v0.3's chat template, the reference of SGLang's MistralDetector). It
 # renders: <s>; [AVAILABLE_TOOLS] [{"type": "function", "function": {...}}, ...][/AVAILABLE_TOOLS] just before
 # the LAST user message; [INST] {user}[/INST]; the system message only when a user message is the last message,
 # as "[INST] {system}\n\n{user}[/INST]"; an answer as " {content}</s>"; tool calls as
@@ -280,10 +278,9 @@ MISTRAL_TEMPLATE = r"""
 {%- endfor %}
 """
 
-# DeepSeek-V3. Turns as DeepSeek-V3-0324's tokenizer_config.json chat template lays them out (the reference of
-# SGLang's DeepSeekV3Detector); tools listed in the system prompt as SGLang's
-# examples/chat_template/tool_chat_template_deepseekv3.jinja (the template SGLang documents for the deepseekv3
-# parser) writes them. It renders: <｜begin▁of▁sentence｜>{system}; <｜User｜>{user}<｜Assistant｜>; an answer as
+# DeepSeek-V3. Turns as DeepSeek-V3-0324's chat template lays them out, tools in the system prompt as SGLang's
+# tool_chat_template_deepseekv3.jinja writes them. It renders: <｜begin▁of▁sentence｜>{system};
+# <｜User｜>{user}<｜Assistant｜>; an answer as
 # {content}<｜end▁of▁sentence｜>; calls as {content}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>
 # {name}\n```json\n{arguments}\n```<｜tool▁call▁end｜> (several joined by \n), then
 # <｜tool▁calls▁end｜><｜end▁of▁sentence｜>; results as <｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{result}
@@ -834,7 +831,7 @@ class ChatFormat:
             read = set(MARKERS.get(self.tool_parser, ())) | set(MARKERS.get(self.reasoning_parser, ()))
             self._control = frozenset(i for i, t in specials.items() if t not in read)
         self._think_end = self.tok.convert_tokens_to_ids("</think>") if "</think>" in specials.values() else None
-        # close_turn_ids' two answers, tokenized once (they were 7% of AgentFlow's busy time, encoded per turn)
+        # close_turn_ids' two answers, tokenized once rather than per turn
         after_eos = self.assistant_suffix[len(self.eos_text):] if self.assistant_suffix.startswith(self.eos_text) \
             else self.assistant_suffix
         self._close_ids = {True: self.encode(after_eos), False: self.encode(self.assistant_suffix)}
@@ -843,9 +840,9 @@ class ChatFormat:
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None,
                    kwargs: dict | None = None) -> list[int]:
-        """The ids of a chat rendered with the generation prompt, cached by content: the N samples of a group
-        render the same first prompt, and the Jinja render was the largest per-trajectory cost of a step
-        (15% of AgentFlow's busy time, py-spy). Rendering is a pure function of (messages, tools, kwargs)."""
+        """The ids of a chat rendered with the generation prompt, cached by content (a pure function of messages,
+        tools and kwargs): the N samples of a group render the same first prompt, and the Jinja render is the
+        largest per-trajectory cost of a step (docs/AGENTFLOW.md)."""
         key = json.dumps([messages, tools, kwargs], sort_keys=True, default=str)
         if key not in self._prompts:
             if len(self._prompts) >= 4096:  # a bound, not an LRU: the next groups' prompts refill it
