@@ -243,12 +243,7 @@ def _tail(path: str | None, n: int = 60) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# the actor the controller wraps with ray.remote
-
-
-# ----------------------------------------------------------------------------------------------
 # the router's engine client: least-loaded choice, stickiness, health, per-token versions
-
 
 
 class EngineUnavailable(Exception):
@@ -291,9 +286,8 @@ def _http_status(e: Exception) -> int | None:
 
 
 def nodelay_transport(**kw):
-    """An httpx transport with TCP_NODELAY. httpx writes a POST's headers and body separately; with
-    Nagle on, the body waits for the peer's delayed ACK of the headers: ~40 ms per request on loopback
-    (measured here: median client overhead 44 ms -> 6 ms). Every engine and router call pays it otherwise."""
+    """An httpx transport with TCP_NODELAY: httpx writes a POST's headers and body separately, and with Nagle on
+    the body waits for the peer's delayed ACK of the headers (docs/AGENTFLOW.md)."""
     return httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], **kw)
 
 
@@ -347,9 +341,8 @@ class EnginePool:
     def http(self) -> httpx.AsyncClient:
         # Created lazily so it binds to the event loop that uses it (a Ray async actor's loop).
         if self._http is None:
-            # Few idle connections kept: httpcore scans every connection (and, for each idle one, counts them all
-            # again) on each request and each response, so 60 kept-alive connections cost 3-4x the client CPU of 8
-            # per group request (measured: 7 vs 2 ms); a new local connection is far cheaper than that scan.
+            # Few idle connections kept: httpcore scans every connection on each request and response, which costs
+            # more than a new local connection (docs/AGENTFLOW.md)
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=8)
             self._http = httpx.AsyncClient(timeout=self.timeout_s, transport=nodelay_transport(limits=limits))
         return self._http
@@ -640,8 +633,8 @@ def sglang_options(cfg, seed: int) -> dict:
     opts.setdefault("random_seed", seed)
     opts.setdefault("weight_version", "0")  # versions count trainer steps; SGLang's own default is "default"
     opts.setdefault("dtype", cfg.dtype)  # SGLang's "auto" serves an fp32 checkpoint in float16, off the trainer's dtype
-    # every trajectory carries its own sampling_seed (agentflow.sampling_seed), which SGLang honours only in this
-    # mode (batch-invariant kernels: slower; null trades reproducible trajectories for throughput)
+    # each trajectory's sampling_seed (agentflow.sampling_seed) is honoured only in this mode (batch-invariant
+    # kernels: slower; null trades reproducible trajectories for throughput)
     opts.setdefault("enable_deterministic_inference", True)
     if cfg.fp32_lm_head:  # SGLang 0.5.23: exec.features.enable_fp32_lm_head
         opts.setdefault("enable_fp32_lm_head", True)
