@@ -16,11 +16,10 @@ What a teacher returns, per response token (`score`):
     (sent once, `lm_heads`) per micro-batch, so no V-sized logits travel;
   * `teacher_mask` (R,): 1 where a teacher scored the token (model tokens that some route covers).
 
-Memory: several teachers share one worker group. One model skeleton per architecture is resident; each
-teacher's weights wait as a snapshot of this rank's shards (a safetensors file on CPU, read straight
-into the skeleton's parameters at swap time; pinned host memory on CUDA) and are copied into the skeleton when needed (`_swap_in`). `score`
-groups the batch by teacher, resident teachers first, so each teacher loads at most once per step.
-`python bench.py teachers` measures peak RSS with 1 and with 3 same-size teachers.
+Memory: several teachers share one worker group. One model skeleton per architecture is resident; each teacher's
+weights wait as a snapshot of this rank's shards (a safetensors file on CPU, read straight into the parameters;
+pinned host memory on CUDA), copied in when needed (`_swap_in`). `score` groups the batch by teacher, resident
+ones first, so each loads at most once per step. `python bench.py teachers` measures the peak RSS this costs.
 
 Routing (`token_routes`), who teaches which token, first match wins:
   1. `teacher_route: module.fn` — fn(trajectory dict) -> one entry per response token: a teacher name,
