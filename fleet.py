@@ -1,12 +1,11 @@
 """The actors of a run and everything that keeps them going: where each goes (`placement`, `reserve`), starting
 trainers, engines, AgentFlow, teachers and the judge of `reward: judge` (`start_judge`), the model they start from
 (`base_model`, `prepare_model`: the tiny model and its warm start), waits that cannot hang (`wait`), engine health
-and re-creation (`check_engines`,
-`restart_engine`), the weight-sync call (`sync_engines`, `update_engines`), the colocated memory hand-off
-(`colocate_hand_off`), checkpoints that lose nothing (`save_run_state`, `load_run_state`), the metric sinks
-(`Logger`), and the end of a run's actors however it ends (`stop`, `stop_on_exit`: Ray stays up for the next
-run). Engines are driven as SGLang 0.5.23 behaves (cpu_engine.SGLANG_BEHAVIOURS): probed by /server_info,
-which a paused engine answers; sent a resume only of memory they released; flushed after every update.
+and re-creation (`check_engines`, `restart_engine`), the weight sync (`sync_engines`, `update_engines`), the
+colocated hand-off (`colocate_hand_off`), checkpoints that lose nothing (`save_run_state`, `load_run_state`), the
+metric sinks (`Logger`), and the end of a run's actors (`stop`, `stop_on_exit`: Ray stays up). Engines are driven
+as SGLang 0.5.23 behaves (cpu_engine.SGLANG_BEHAVIOURS): probed by /server_info, which a paused engine answers;
+sent a resume only of memory they released; flushed after every update.
 
 loongsage.train() calls these in order and holds what they return: actor handles and URLs (a `Fleet` for the
 engines), never tensors. Every function that blocks says on what, and under which config deadline (`wait`).

@@ -297,19 +297,15 @@ class EnginePool:
     A request goes to the session's engine if it has one and it is healthy (so its prefix cache stays
     warm), else to the healthy engine with the fewest requests in flight (ties rotate).
 
-    Health. Every failed call (connection error, 5xx) is followed at once by a `/server_info` probe of that
-    engine: no answer within `health_timeout_s` means dead (or hung), and a dead engine leaves routing
-    until `replace()` puts its successor in; an engine that answers the probe only sits out `cooldown_s`.
-    `check()` probes every engine the same way; a background task runs it every `check_every_s` while
-    the pool has requests in flight, so an engine that hangs without failing a call is found too. The
-    requests in flight on an engine that leaves routing are retried on the others: nothing of a failed
-    attempt was recorded, so the retry is invisible to the trajectory (and its group stays complete).
-    When no engine is left, a request waits up to `wait_s` for one to be replaced before it fails.
+    Health. Every failed call (connection error, 5xx) is followed at once by a `/server_info` probe: no answer
+    within `health_timeout_s` means dead (or hung), out of routing until `replace()` puts its successor in; one that
+    answers only sits out `cooldown_s`. `check()` probes every engine, every `check_every_s` while requests are in
+    flight, so a hung engine is found too. Requests in flight on an engine that leaves routing are retried on the
+    others, invisibly to the trajectory; with no engine left a request waits up to `wait_s` before it fails.
 
-    LoRA. With `use_adapter(name, version)` (each weight sync of a LoRA run) every request sent from then on names
-    that adapter (`lora_path`), and its tokens carry that adapter's version: an engine keeps a request on the adapter
-    it named until it ends, whatever weight_version it stamps (the contract above). The adapter it replaces is
-    unloaded from every engine once no request of this pool uses it.
+    LoRA. After `use_adapter(name, version)` every request names that adapter (`lora_path`) and its tokens carry
+    that adapter's version (an engine keeps a request on the adapter it named); the adapter it replaces is unloaded
+    once no request of this pool uses it.
     """
 
     def __init__(self, urls: list[str], *, timeout_s: float = 600.0, cooldown_s: float = 5.0,
