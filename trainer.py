@@ -528,9 +528,8 @@ class Parallel:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.cp_size, self.cp_rank = cp, parallel_state.get_context_parallel_rank()
         self.cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
-        # EP > 1: Megatron's allgather token dispatcher all-gathers every expert rank's (T*B, H) tokens, so those ranks
-        # (data-parallel replicas of the dense layers, each with its own samples) must run the same number of forwards
-        # with the same shapes; Model.run and Model.output pad them to that (None: no padding needed)
+        # EP > 1: the allgather token dispatcher pairs up the expert ranks' forwards, so they must run as many, of the
+        # same shapes; Model.run and Model.output pad them to that (None: no padding needed)
         self.ep_group = parallel_state.get_expert_tensor_and_model_parallel_group() if ep > 1 else None
         self.pp_size, self.pp_group = pp, parallel_state.get_pipeline_model_parallel_group()
         self.pre_process = parallel_state.is_pipeline_first_stage()   # this stage holds the embedding
@@ -609,12 +608,10 @@ class Model:
         # the TE spec's names for the norms it fuses into linear layers ({local-spec name: its name}; {} for local)
         self.fused = convert.fused_norm_names(n for n, _ in self.gpt.named_parameters())
         self.unfused = {v: k for k, v in self.fused.items()}
-        # a micro-batch's length is padded to a multiple of this: sequence parallelism splits it over TP ranks, and
-        # context parallelism into 2*CP chunks (cp_positions), each then split over TP ranks again
+        # a micro-batch's length is padded to a multiple of this: SP splits it over TP ranks, CP into 2*CP chunks
         self.seq_multiple = (par.tp_size if tcfg.sequence_parallel else 1) * (2 * par.cp_size if par.cp_size > 1
                                                                              else 1)
-        # R3: (layers, top_k) of the routed_experts rows that collate decodes; None without router replay (or for a
-        # model that routes by itself: `replay` False)
+        # R3: (layers, top_k) of the routed_experts rows collate decodes; None without replay (or `replay` False)
         self.routed_shape = ((tcfg.num_layers, tcfg.moe_router_topk)
                              if replay and tcfg.moe_enable_routing_replay else None)
 
@@ -1441,11 +1438,9 @@ class TrainerWorker:
             raise ValueError("use_rollout_logprobs=True but some trajectories lack rollout_logprobs (one per "
                              "response token); set use_rollout_logprobs=False to recompute old logprobs")
 
-        # --- 1. old/ref logprobs, before any update of this step (old-policy consistency: every mini-batch's
-        #     old logp comes from the weights at the start of the step). The first mini-batch takes its old
-        #     logp from its own training forward, detached: same weights, same numbers, ratio exactly 1, so
-        #     only the later mini-batches pay a no-grad forward. KL-in-reward advantages need every old logp
-        #     up front, and use_rollout_logprobs takes the engine's.
+        # --- 1. old/ref logprobs under the step's starting weights. Mini-batch 0 takes its old logp from its own
+        #     training forward, detached (same weights: ratio exactly 1), so only later ones pay a no-grad forward;
+        #     KL-in-reward needs every old logp up front, and use_rollout_logprobs takes the engine's.
         first = set(spans[0]) if not (cfg.recompute_old_logprobs or cfg.use_rollout_logprobs) and \
             not (cfg.kl_in_reward and cfg.kl_coef > 0) else set()  # rows of `local` in mini-batch 0
         if cfg.use_rollout_logprobs:
