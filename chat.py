@@ -18,12 +18,10 @@ on the same text, and depart from them only where the router needs a call it can
   the id it was shown, which is kept), the others `call_` + 24 hex digits as SGLang gives.
 Like SGLang, a call naming a tool the request did not offer is dropped.
 
-`ChatFormat` (last) is what the router renders and parses with: the tokenizer and its template, every end token,
-the control tokens dropped before parsing, the forced-call grammar, and `TurnStream`, a streamed reply's deltas.
-
-`pick_tool_parser` / `pick_reasoning_parser` choose a parser from the chat template where the template shows one
-format only. The tiny tokenizers (data.build_tiny_tokenizer) are built from `FAMILIES`: each family's special
-tokens, end tokens and a template written here that renders the family's published format.
+`ChatFormat` (last) is what the router renders and parses with (the template, every end token, the control tokens
+dropped before parsing, the forced-call grammar), and `TurnStream` a streamed reply's deltas. `pick_tool_parser` /
+`pick_reasoning_parser` choose a parser where the template shows one format only. The tiny tokenizers
+(data.build_tiny_tokenizer) are built from `FAMILIES`, each with a template here in the family's published format.
 
 Test: `.venv/bin/python -m pytest tests/test_chat.py` (parsers on each family's text, templates against the
 published layouts, TITO per family through the router, the official clients). Imports nothing heavy at its top
@@ -347,10 +345,8 @@ _DS_TOOL_TOKENS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
                    "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
                    "<｜tool▁output▁end｜>"]
 
-# The tiny tokenizers' families: special tokens (each one token; the first takes id 0), the tokenizer's bos/eos/pad,
-# the generation config's end tokens (every token that ends a generation, as the published generation_config.json
-# lists them), the chat template, and text the BPE vocabulary is trained on (repeated, so it is merged) so that
-# the template's fixed prose costs few tokens.
+# The tiny tokenizers' families: special tokens (the first takes id 0), bos/eos/pad, the end tokens the published
+# generation_config.json lists, the chat template, and text the BPE is trained on so the template's prose is cheap.
 FAMILIES = {
     "chatml": dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                             "<tool_response>", "</tool_response>", "<think>", "</think>"],
