@@ -1,15 +1,12 @@
 """HF <-> Megatron-Core: an HF model directory turned into a Megatron GPTModel and its weights, and back.
 
-What lives here, top to bottom:
+Top to bottom:
 
 * `read_hf_config` and `megatron_config`: an HF `config.json` (Qwen3, Qwen2, Llama/Mistral, Qwen3-MoE, Mixtral,
-  DeepSeek-V3) turned into a Megatron `TransformerConfig` plus the GPTModel arguments (`_rope`, `_moe_settings`;
-  DeepSeek-V3's multi-latent attention, YaRN and grouped sigmoid routing: `_deepseek_settings`, an
-  `MLATransformerConfig`);
-* `layer_spec`: Transformer Engine's layer spec or Megatron's local one (cfg.layer_spec, `auto` resolved where the
-  model is built), and Megatron's fast paths set in the TransformerConfig: sequence and context parallelism,
-  activation recomputation (`megatron_config`); DeepSeek-V3's dense first layers and MoE layers come from Megatron's
-  per-layer block spec;
+  DeepSeek-V3) turned into a Megatron `TransformerConfig` (for DeepSeek-V3 an `MLATransformerConfig`:
+  `_deepseek_settings`) plus the GPTModel arguments, with Megatron's fast paths (SP, CP, recomputation);
+* `layer_spec`: Transformer Engine's layer spec or Megatron's local one (cfg.layer_spec; DeepSeek-V3's dense and
+  MoE layers from Megatron's per-layer block spec);
 * `build_gpt_model`: a GPTModel on that spec, one pipeline stage of it, with the LM head in fp32 on request
   (`fp32_output_layer`, which Megatron-Core 0.16 has no option for);
 * the weights: `load_hf_state`, `hf_to_megatron`, `megatron_to_hf_tensor` (full, TP=1 layout, every expert, local-spec
