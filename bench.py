@@ -229,7 +229,8 @@ def bench_rollout(args) -> dict:
     try:
         for kind in ("hf", "engine"):
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_rollout_worker, args=(kind, child, path, prompts, workloads, threads), daemon=True)
+            proc = ctx.Process(target=_rollout_worker, args=(kind, child, path, prompts, workloads, threads),
+                               daemon=True)
             proc.start()
             sides[kind] = (conn, proc)
         for kind, (conn, proc) in sides.items():
@@ -363,9 +364,10 @@ def bench_router(args) -> dict:
     # this process (agent and router), as a router beside GPU engines has host CPU the engines do not use; with 2
     # the engine's threads take both cores and a routed request's wall time shows the contention, not the router.
     port = tm.free_port("127.0.0.1")
-    proc = subprocess.Popen([sys.executable, "cpu_engine.py", "--model-path", path, "--port", str(port), "--max-batch", "8"],
-                            cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": str(args.engine_threads)})
+    proc = subprocess.Popen([sys.executable, "cpu_engine.py", "--model-path", path, "--port", str(port),
+                             "--max-batch", "8"],
+                            cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(args.engine_threads)})
     url = f"http://127.0.0.1:{port}"
     rollout.wait_healthy(url, timeout=120, proc=proc)
     cfg = config.Config(max_context_len=512, max_new_tokens=8)
@@ -609,11 +611,13 @@ def bench_async(args) -> dict:
     print(f"bench async: long-tail task, {args.steps} steps x {args.prompts} prompts x 8 samples, mean response "
           f"{res['sync']['response_len']:.1f} tokens; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for name, r in res.items():
-        print(f"  {name:5s}: RL loop {r['wall_s']:.1f} s for {r['trained']} trained samples, {r['samples_per_s']:.1f}/s; "
+        print(f"  {name:5s}: RL loop {r['wall_s']:.1f} s for {r['trained']} trained samples, "
+              f"{r['samples_per_s']:.1f}/s; "
               f"eval {r['eval_start']:.3f} -> {r['eval_end']:.3f}; trainer waits {r['wait']:.0%} of a step, engine "
               f"idle {r['idle']:.0%}")
         print(f"         lag of trained tokens: mean {r['lag_mean']:.2f}, max {r['lag_max']:.0f}, on-policy "
-              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound {r['masked']:.0f} tokens, "
+              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound "
+              f"{r['masked']:.0f} tokens, "
               f"{r['lag_dropped']:.0f} groups (nothing left to train: the next complete group took their place)")
     print(f"  async / sync trained samples per second: {ratio:.2f}x (target >= 1.7x); final eval async - sync "
           f"{diff:+.3f} (matched within +-0.05: {abs(diff) <= 0.05})")
@@ -702,7 +706,8 @@ def bench_agentic(args) -> dict:
               f"eval {r['eval_start']:.3f} -> {r['eval_end']:.3f}; trainer waits {r['wait']:.0%} of a step, engine "
               f"idle {r['idle']:.0%}")
         print(f"         lag of trained tokens: mean {r['lag_mean']:.2f}, max {r['lag_max']:.0f}, on-policy "
-              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound {r['masked']:.0f} tokens, "
+              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound "
+              f"{r['masked']:.0f} tokens, "
               f"{r['lag_dropped']:.0f} groups (nothing left to train: the next complete group took their place)")
         print(f"         RL loop time: waiting for rollouts {t['generate']:.1f} s, train {t['train']:.1f} s, weight "
               f"sync {t['sync']:.1f} s, other {t['other']:.1f} s")
@@ -838,8 +843,9 @@ def _trainer_sync(path: str, url: str, repeats: int) -> tuple[float, int]:
 def bench_sync(args) -> dict:
     """GB/s of each CPU transport (shm, gloo broadcast, disk) into another process, against a memcpy of the same
     bytes and a one-parameter-per-request pickle-over-HTTP path, on 10 MB, 100 MB and 1 GB of fp32 weights (4 MB
-    tensors, 64 MB buckets, checksums on; best of --repeats after a warm-up); then the fixed cost of a sync (pause -> begin -> update -> end ->
-    continue) into a real CPU engine serving the tiny model, and that model's whole sync."""
+    tensors, 64 MB buckets, checksums on; best of --repeats after a warm-up); then the fixed cost of a sync
+    (pause -> begin -> update -> end -> continue) into a real CPU engine serving the tiny model, and that model's
+    whole sync."""
     sizes_mb = [1, 4] if args.quick else [10, 100, 1000]
     bucket_bytes = 64 * 2**20
     ctx = mp.get_context("spawn")
@@ -856,7 +862,8 @@ def bench_sync(args) -> dict:
     conn.send(("join", port))
     group = tm.new_sglang_group("127.0.0.1", port, 0, 2, "bench", "gloo")
     assert conn.recv() == "ok"
-    http = httpx.Client(timeout=600, transport=httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]))
+    http = httpx.Client(timeout=600, transport=httpx.HTTPTransport(
+        socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]))
     tmp = Path(tempfile.mkdtemp(prefix="loongsage_bench_sync_"))
 
     def shm(named):  # as transfermesh._push_shm: bucket i+1 is written while the receiver copies bucket i out
@@ -929,8 +936,10 @@ def bench_sync(args) -> dict:
     path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
     eport = tm.free_port("127.0.0.1")
-    eproc = subprocess.Popen([sys.executable, "cpu_engine.py", "--model-path", path, "--port", str(eport), "--max-batch", "8"],
-                             cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    eproc = subprocess.Popen([sys.executable, "cpu_engine.py", "--model-path", path, "--port", str(eport),
+                              "--max-batch", "8"],
+                             cwd=str(Path(__file__).resolve().parent), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{eport}"
     try:
         rollout.wait_healthy(url, timeout=120, proc=eproc)
@@ -1008,8 +1017,8 @@ def bench_step(args) -> dict:
     print(f"step: model {path}, {prompts} prompts x {samples} samples, up to {new_tokens} new tokens, lr {lr}, "
           f"{steps} steps (median over steps after the first {warm})")
     for mode, ph in result.items():
-        print(f"  LoongSage {mode:5s}: {ph['step']:.2f} s/step (generate {ph['generate']:.2f}, train {ph['train']:.2f}, "
-              f"sync {ph['sync']:.2f})")
+        print(f"  LoongSage {mode:5s}: {ph['step']:.2f} s/step (generate {ph['generate']:.2f}, "
+              f"train {ph['train']:.2f}, sync {ph['sync']:.2f})")
     if isinstance(trl, float):
         result["trl"] = trl
         print(f"  TRL GRPOTrainer: {trl:.2f} s/step")
@@ -1178,8 +1187,8 @@ def bench_teachers(args) -> dict:
           f"(added {out[1]['added_mb']:.0f} -> {out[3]['added_mb']:.0f} MB: {out['added_ratio']:.2f}x; target <= 1.3); "
           f"swaps {out[1]['swaps']:.0f} / {out[3]['swaps']:.0f}")
     out["targets"] = t = targets_memory()
-    print(f"top-k targets of {t['logits_mb']:.0f} MB of logits (4096 x 32768, k=8): peak extra {t['chunked_mb']:.0f} MB "
-          f"chunked (teacher.CHUNK_FLOATS) vs {t['full_mb']:.0f} MB full log-softmax")
+    print(f"top-k targets of {t['logits_mb']:.0f} MB of logits (4096 x 32768, k=8): peak extra "
+          f"{t['chunked_mb']:.0f} MB chunked (teacher.CHUNK_FLOATS) vs {t['full_mb']:.0f} MB full log-softmax")
     return out
 
 

@@ -66,7 +66,9 @@ class Config:
     num_steps: int = 20  # RL steps (one rollout batch and one policy update each)
     mode: str = "sync"  # "sync" (generate, train, sync in turn) or "async" (a producer keeps generating while it trains)
     stale_steps: float = 1.0  # async: capacity C = prompts_per_step*(1+stale_steps) groups in flight or buffered
-    # (fractions allowed); mode=sync is stale_steps=0: C = one step's groups, dispatched after each sync
+    # (fractions allowed); mode=sync is stale_steps=0: C = one step's groups, dispatched after each sync. It also
+    # sets AgentFlow's engine batching (agentflow.AgentFlow._session_args): > 0, each group is an engine batch,
+    # returned as it finishes; 0, a loop tick's rows go together, so the engine's batches (and a run's bits) repeat
     window: str = "window-gated"  # async dispatch/collect rule: no-window | window-gated | windowed-fifo (see
     # loongsage.groups_to_dispatch), or a dotted path to an object with groups_to_dispatch(C, R, Q, next_seq,
     # oldest_uncollected) and collectable(finished, min_unfinished, oldest_uncollected, B, C), the built-ins'
@@ -106,8 +108,6 @@ class Config:
     engine_threads: int = 0  # torch threads per CPU engine; 0 = derive (likewise)
     borrow_engine_cores: bool = True  # async on a local CPU node: a trainer rank also computes on an engine's cores
     # while that engine has nothing to generate (a shared-memory flag per engine, read at every transformer layer)
-    engine_busy_file: str = ""  # leave empty: the controller sets it on the engines' copy of the config only
-    # (fleet.start_engine): the file where each CPU engine publishes whether it is computing (cpu.engine_busy_file)
     gpus_per_engine: int = 1  # GPUs per SGLang engine (its tensor parallel size); CUDA only
 
     # --- model ---
@@ -159,7 +159,8 @@ class Config:
     max_turns: int = 8  # agent turns per trajectory
     agent_timeout: float = 120.0  # seconds per trajectory
     agent_retries: int = 1  # retries of a failed trajectory
-    max_context_len: int = 1024  # token budget per trajectory (prompt + all turns)
+    max_context_len: int = 1024  # token budget per trajectory (prompt + all turns); also the length of each CPU
+    # engine KV slot (rollout.RolloutEngine): with engine_max_batch it sizes the cache the engine preallocates
     chat_template: str = ""  # dotted path to a Jinja chat template string (router, fast path); "" = the tokenizer's
     # (chat.QWEN3_KEEP_THINKING_TEMPLATE: Qwen3's, keeping past thinking, so a multi-turn trajectory stays one segment)
     chat_template_kwargs: dict = field(default_factory=dict)  # variables every chat render gets (router, fast path),
@@ -176,7 +177,8 @@ class Config:
     prompts_per_step: int = 32  # B prompts per step
     samples_per_prompt: int = 8  # N samples per prompt (the group)
     max_prompt_len: int = 256  # longer prompts are rejected by the engine
-    max_new_tokens: int = 16  # per model call
+    max_new_tokens: int = 16  # per model call; also the trainer's constant length: loss_agg seq_mean_token_sum's
+    # divisor and the overlong / length penalties' max length (trainer.denominators, algos.shape_rewards)
     temperature: float = 1.0  # sampling temperature for training rollouts
     top_p: float = 1.0  # nucleus sampling for training rollouts; 1 = off
     top_k: int = -1  # top-k sampling for training rollouts; -1 = off

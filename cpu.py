@@ -113,14 +113,21 @@ def engine_busy_file(cfg) -> str:
     return path
 
 
+def thread_ids() -> list[int]:
+    """This process's thread ids, from Linux's /proc/self/task; where it cannot be read, [0] (the calling thread,
+    as sched_setaffinity takes it). Only the pinning below needs them, which runs only where usable_cores pins."""
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except (OSError, ValueError):
+        return [0]
+
+
 def pin_process(cores: list[int]) -> list[int]:
     """Pin every thread of this process to `cores` (threads started later inherit it); runs inside an actor
     (`actor.__ray_call__`). Best effort: a thread that ended meanwhile is skipped. Returns the cores it has."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:  # the thread ended meanwhile, or may not be moved
-            pass
+    for tid in thread_ids():
+        with contextlib.suppress(OSError):  # the thread ended meanwhile, or may not be moved
+            os.sched_setaffinity(tid, cores)
     return sorted(os.sched_getaffinity(0))
 
 
@@ -391,9 +398,9 @@ class BorrowedCores:
         self.own = int(own_threads)
         self.seconds, self._last = [0.0, 0.0], None  # a train step's seconds: [own threads, borrowing]
         self.cores = os.sched_getaffinity(0) | {c for _, cs in lent for c in cs}
-        for tid in os.listdir("/proc/self/task"):  # threads started later (torch's pool) inherit it
+        for tid in thread_ids():  # threads started later (torch's pool) inherit it
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                os.sched_setaffinity(int(tid), self.cores)
+                os.sched_setaffinity(tid, self.cores)
 
     def new_step(self) -> None:
         """Count a train step's layer passes from its first one."""

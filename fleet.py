@@ -353,12 +353,11 @@ def start_engine(cfg: Config, fleet: Fleet, i: int):
     bundles. Always the same bundle for the same i, so a re-created engine takes its predecessor's place."""
     import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
     o = fleet.plan["engines"][i]
-    # the engine's own copy of the config carries what this run derived: the model and the busy file
-    ecfg = dataclasses.replace(cfg, model_path=fleet.model, engine_busy_file=fleet.busy_file)
+    ecfg = dataclasses.replace(cfg, model_path=fleet.model)  # the model this run prepared (tiny, warm-started)
     engine = ray.remote(rollout.RolloutEngine).options(
         num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
         scheduling_strategy=PlacementGroupSchedulingStrategy(fleet.pg, o["bundle"])).remote(
-            ecfg, i, engine_visible_gpus(fleet.plan, fleet.where, i))
+            ecfg, i, engine_visible_gpus(fleet.plan, fleet.where, i), fleet.busy_file)
     if cores := cpu.actor_cores(cfg, "engine", i):  # async on CPU: cores no trainer uses (after __init__)
         engine.__ray_call__.remote(lambda _, c: cpu.pin_process(c), cores)
     return engine
@@ -397,7 +396,7 @@ def start_judge(cfg: Config):
     (num_cpus 0), on CUDA it asks Ray for one GPU of its own."""
     import rollout  # late, as in start_engine
     j = cfg.judge
-    jcfg = dataclasses.replace(cfg, model_path=j["model_path"], lora_rank=0, router_replay=False, engine_busy_file="",
+    jcfg = dataclasses.replace(cfg, model_path=j["model_path"], lora_rank=0, router_replay=False,
                                gpus_per_engine=1, max_new_tokens=j["max_new_tokens"],
                                max_prompt_len=j["max_context_len"] - j["max_new_tokens"],
                                max_context_len=j["max_context_len"])

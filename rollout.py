@@ -122,6 +122,39 @@ import transfermesh
 log = logging.getLogger("loongsage.rollout")
 SGLANG_STARTUP_TIMEOUT_S = 1200.0  # loading a large checkpoint and capturing CUDA graphs can take minutes
 
+# The engine contract as a table: every endpoint a LoongSage client sends an engine, the feature that needs it, and
+# the code that sends it. The "plain" rows are all that plain RL asks of an engine (sync or async, weights over shared
+# memory or CUDA IPC on the same machine); each other feature adds its rows. A second backend serves the plain rows
+# and the rows of the features it supports (tests/test_contract.py holds the table to the code three ways).
+CONTRACT = (
+    # endpoint                          feature      sent by
+    ("/health",                         "plain",     "rollout.wait_healthy: the launch waits for it"),
+    ("/server_info",                    "plain",     "EnginePool._alive and _watch: liveness, paused or not; "
+                                                     "fleet.engine_states"),
+    ("/generate",                       "plain",     "rollout.generate, rollout.generate_stream (EnginePool, eval)"),
+    ("/abort_request",                  "plain",     "EnginePool.abort (a group's leftovers), AgentFlow's judge"),
+    ("/pause_generation",               "plain",     "fleet.update_engines, colocate_hand_off (retract); "
+                                                     "transfermesh.pause_engines (in place)"),
+    ("/continue_generation",            "plain",     "fleet.update_engines, transfermesh.continue_engines"),
+    ("/flush_cache",                    "plain",     "fleet.update_engines: no prefix K/V of old weights survives"),
+    ("/begin_weight_update",            "plain",     "transfermesh.push_weights"),
+    ("/update_weights_from_tensor",     "plain",     "transfermesh._push_shm, _push_cuda_ipc"),
+    ("/end_weight_update",              "plain",     "transfermesh.push_weights"),
+    ("/update_weight_version",          "plain",     "transfermesh.push_weights, push_adapter"),
+    ("/init_weights_update_group",      "broadcast", "transfermesh._push_broadcast: receivers on other machines"),
+    ("/update_weights_from_distributed", "broadcast", "transfermesh._push_broadcast"),
+    ("/destroy_weights_update_group",   "broadcast", "transfermesh._destroy_broadcast_groups"),
+    ("/update_weights_from_disk",       "disk",      "transfermesh._push_disk (transfer: disk)"),
+    ("/release_memory_occupation",      "colocate",  "fleet.colocate_hand_off, restart_engine"),
+    ("/resume_memory_occupation",       "colocate",  "fleet.colocate_hand_off: what each engine released"),
+    ("/load_lora_adapter",              "lora",      "transfermesh.push_adapter (transfer: disk)"),
+    ("/load_lora_adapter_from_tensors", "lora",      "transfermesh.push_adapter (shm, cuda_ipc)"),
+    ("/unload_lora_adapter",            "lora",      "EnginePool._unload: an adapter no request names any more"),
+)
+# R3 (router_replay) adds no endpoint: `/generate` with `return_routed_experts` (and SGLang's server flag). Routes
+# an SGLang server (and the CPU engine) also serves, which no LoongSage client sends: aliases and introspection.
+SERVED_NOT_SENT = ("/health_generate", "/model_info", "/get_model_info", "/get_server_info", "/get_weight_version")
+
 
 # ----------------------------------------------------------------------------------------------
 # client helpers (shared by agentflow, transfermesh, the controller and the tests)
@@ -673,9 +706,10 @@ class RolloutEngine:
     cfg.lora_rank and cfg.lora_targets (LoRA adapters on: the CPU engine's `lora`, SGLang's flags).
     """
 
-    def __init__(self, cfg, rank: int, gpu_ids: list[str] | None = None):
+    def __init__(self, cfg, rank: int, gpu_ids: list[str] | None = None, busy_file: str = ""):
         """`gpu_ids`: the GPUs of every placement bundle this engine spans (fleet.placement); an SGLang server
-        with tensor parallel size k needs all k visible, while Ray shows the actor only its own bundle's."""
+        with tensor parallel size k needs all k visible, while Ray shows the actor only its own bundle's.
+        `busy_file`: the run's file where a CPU engine keeps byte `rank` at 1 while computing (cpu.engine_busy_file)."""
         self.rank = rank
         self.proc: subprocess.Popen | None = None
         self.handle = None  # the CPU engine's in-process server (cpu_engine.ServerHandle)
@@ -691,8 +725,7 @@ class RolloutEngine:
             self._url, self.handle = cpu_engine.serve(cfg.model_path, host=host, max_batch=int(cfg.engine_max_batch),
                                            max_len=max_len, seed=seed, dtype=cfg.dtype,
                                            fp32_lm_head=bool(getattr(cfg, "fp32_lm_head", False)),
-                                           busy_flag=(cfg.engine_busy_file, rank) if getattr(
-                                               cfg, "engine_busy_file", "") else None,
+                                           busy_flag=(busy_file, rank) if busy_file else None,
                                            enable_deterministic_inference=bool(
                                                flags.get("enable_deterministic_inference")),
                                            disable_radix_cache=bool(flags.get("disable_radix_cache")),

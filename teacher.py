@@ -44,6 +44,7 @@ import algos
 import convert
 import data
 import trainer
+import transfermesh
 
 # Fields of an HF config that never change the built model: teachers that differ only in these share a skeleton.
 _NOT_ARCH = ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "bos_token_id",
@@ -146,13 +147,8 @@ def token_routes(traj: dict, names: list[str], route_fn=None) -> torch.Tensor:
 
 
 def peak_rss_mb() -> tuple[float, float]:
-    """(current, peak) resident set size of this process in MiB, from /proc/self/status (VmRSS, VmHWM)."""
-    got = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
-            key, kb = line.split()[:2]
-            got[key] = int(kb) / 1024
-    return got.get("VmRSS:", 0.0), got.get("VmHWM:", 0.0)
+    """(current, peak) resident set size of this process in MiB (Linux /proc, read by transfermesh; 0 elsewhere)."""
+    return transfermesh.rss_bytes() / 2**20, transfermesh.peak_rss_bytes() / 2**20
 
 
 def read_snapshot_into(path: str, params: dict[str, torch.Tensor]) -> None:

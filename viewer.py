@@ -100,7 +100,8 @@ def rollout_files(path: Path) -> tuple[list[tuple[int, Path]], dict | None]:
     cfg, dump = find_config(path), path
     if (path / "config.yaml").is_file() and not any(path.glob("step_*.jsonl")):  # a run dir
         if not cfg.get("dump_rollouts"):
-            raise ValueError(f"run dir {path} has no rollouts: its config.yaml has dump_rollouts={cfg.get('dump_rollouts')!r}; "
+            raise ValueError(f"run dir {path} has no rollouts: its config.yaml has "
+                             f"dump_rollouts={cfg.get('dump_rollouts')!r}; "
                              "run with dump_rollouts=DIR (rollout_only=true to only generate) and view DIR")
         dump = dump_dir_of(path, cfg)
     files = sorted((int(m.group(1)), p) for p in dump.iterdir() if (m := STEP_FILE.match(p.name)))
@@ -321,7 +322,8 @@ function token(id, kind, lp, v) {
   let cls = "tok " + kind, title = "id " + id + " \u00b7 " + JSON.stringify(D.vocab ? (D.vocab[id] ?? "") : "");
   if (kind === "t" || kind === "u") {
     cls += " " + lpbin(lp) + " v" + vbin(v);
-    title += " \u00b7 logprob " + fmt(lp, 4) + " \u00b7 version " + v + (kind === "t" ? " \u00b7 trained" : " \u00b7 masked out");
+    title += " \u00b7 logprob " + fmt(lp, 4) + " \u00b7 version " + v +
+      (kind === "t" ? " \u00b7 trained" : " \u00b7 masked out");
   } else {
     title += kind === "p" ? " \u00b7 prompt" : " \u00b7 tool / template (not trained)";
   }
@@ -352,7 +354,8 @@ function segment(s, first, turnRewards) {
     let label = "tool / template";
     if (model) {
       turn += 1;
-      label = "turn " + (first + turn - 1) + (turnRewards && turnRewards.length >= turn ? " \u00b7 r " + fmt(turnRewards[turn - 1], 3) : "");
+      label = "turn " + (first + turn - 1) +
+        (turnRewards && turnRewards.length >= turn ? " \u00b7 r " + fmt(turnRewards[turn - 1], 3) : "");
     }
     div.append(block(label, toks));
   }
@@ -362,16 +365,19 @@ function segment(s, first, turnRewards) {
 
 function card(t) {
   const c = el("div", "card");
-  const resp = t.segs.reduce((n, s) => n + s.ids.length, 0), trained = t.segs.reduce((n, s) => n + s.m.filter(m => m).length, 0);
+  const resp = t.segs.reduce((n, s) => n + s.ids.length, 0),
+    trained = t.segs.reduce((n, s) => n + s.m.filter(m => m).length, 0);
   c.dataset.step = t.s;
   c.dataset.status = t.st;
   c.append(el("div", "head", "step " + t.s + " \u00b7 line " + t.i + " \u00b7 group " + t.g + " \u00b7 sample " + t.k +
-    " \u00b7 reward " + fmt(t.r, 4) + " \u00b7 " + t.st + " \u00b7 " + resp + " response tokens, " + trained + " trained" +
-    (t.nseg > 1 ? " \u00b7 " + t.nseg + " segments" : "") + (t.tr.length ? " \u00b7 turn rewards " + t.tr.map(r => fmt(r, 3)).join(", ") : "")));
+    " \u00b7 reward " + fmt(t.r, 4) + " \u00b7 " + t.st + " \u00b7 " + resp + " response tokens, " + trained +
+    " trained" + (t.nseg > 1 ? " \u00b7 " + t.nseg + " segments" : "") +
+    (t.tr.length ? " \u00b7 turn rewards " + t.tr.map(r => fmt(r, 3)).join(", ") : "")));
   if (t.e) c.append(el("div", "err", t.e));
   let turns = 0;
   t.segs.forEach((s, n) => {
-    if (t.nseg > 1) c.append(el("div", "lab", "segment " + (n + 1) + " of " + t.nseg + (n + 1 < t.nseg ? " (history rewritten after it)" : "")));
+    if (t.nseg > 1) c.append(el("div", "lab", "segment " + (n + 1) + " of " + t.nseg +
+      (n + 1 < t.nseg ? " (history rewritten after it)" : "")));
     const seg = segment(s, turns + 1, n === t.nseg - 1 ? t.tr : null);
     turns += +seg.dataset.turns;
     c.append(seg);
@@ -427,10 +433,13 @@ function render() {
 function legend() {
   const g = document.getElementById("legend");
   const item = (cls, label) => el("span", "tok " + cls, label);
-  if (state.mode === "mask") g.replaceChildren(item("t", "trained"), item("u", "model, masked out"), item("x", "tool / template"), item("p", "prompt"));
-  else if (state.mode === "logprob") g.replaceChildren(...["\u2265 -0.05", "-0.25", "-0.5", "-1", "-2", "-4", "< -4"].map((l, k) => item("t lp" + k, k === 0 || k === 6 ? l : "\u2265 " + l)));
+  if (state.mode === "mask") g.replaceChildren(item("t", "trained"), item("u", "model, masked out"),
+    item("x", "tool / template"), item("p", "prompt"));
+  else if (state.mode === "logprob") g.replaceChildren(...["\u2265 -0.05", "-0.25", "-0.5", "-1", "-2", "-4", "< -4"]
+    .map((l, k) => item("t lp" + k, k === 0 || k === 6 ? l : "\u2265 " + l)));
   else g.replaceChildren(...(VERSIONS.length <= 8 ? VERSIONS.map((v, k) => item("t v" + k, "version " + v))
-    : [...Array(8).keys()].map(k => { const lo = VMIN + Math.ceil(k * (VMAX - VMIN + 1) / 8), hi = VMIN + Math.ceil((k + 1) * (VMAX - VMIN + 1) / 8) - 1;
+    : [...Array(8).keys()].map(k => { const lo = VMIN + Math.ceil(k * (VMAX - VMIN + 1) / 8),
+                                            hi = VMIN + Math.ceil((k + 1) * (VMAX - VMIN + 1) / 8) - 1;
                                      return item("t v" + k, "versions " + lo + "\u2013" + hi); })));
 }
 // what a test reads back from the DOM: counts of what is on screen
@@ -457,7 +466,9 @@ function controls() {
     const box = el("input");
     box.type = "checkbox";
     box.checked = state.status.has(s);
-    box.addEventListener("change", () => { box.checked ? state.status.add(s) : state.status.delete(s); writeHash(); render(); });
+    box.addEventListener("change", () => {
+      box.checked ? state.status.add(s) : state.status.delete(s); writeHash(); render();
+    });
     const lab = el("label");
     lab.append(box, document.createTextNode(" " + s + " (" + D.trajs.filter(t => t.st === s).length + ")"));
     st.append(lab);

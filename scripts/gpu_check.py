@@ -5,7 +5,7 @@ Needs there: Python 3.12, torch (CUDA), transformers, safetensors, xxhash, httpx
 and the web packages come with the working tree as wheels in .gpu_wheels/ (built here, before: `scripts/gpu_wheels.sh`,
 which checks they stay under the 64 MiB that travels). One command on the GPU machine:
     python scripts/gpu_check.py          (installs .gpu_wheels/ first when megatron-core is missing)
-    python scripts/gpu_check.py --dry-run   (any machine, CPU: the same plan on a tiny model; the CPU suite runs it)
+    python scripts/gpu_check.py --dry-run   (any machine, CPU: the same plan on a tiny model; by hand, no test runs it)
 
 Parts (each bounded at 3 minutes; the model is a ~0.44B-parameter Qwen3 with random weights built locally, no hub):
   1. megatron bf16 RL step on CUDA (GRPO loss, Megatron's optimizer): finite loss and grad norm;
@@ -221,7 +221,8 @@ def main() -> int:
             assert loaded == len(named), (loaded, len(named))
             # fp32 on CPU: the same numbers up to summation order; bf16 on GPU: Megatron's kernels and transformers'
             # round differently, so a bound on the mean and a loose one on the largest
-            assert (diff < 1e-4) if dry else (mean < 1e-2 and diff < 0.1), f"|engine - trainer|: max {diff}, mean {mean}"
+            assert (diff < 1e-4) if dry else (mean < 1e-2 and diff < 0.1), (
+                f"|engine - trainer|: max {diff}, mean {mean}")
             return f"{loaded} tensors, |engine - trainer| logprob: max {diff:.2e}, mean {mean:.2e}"
         finally:
             conn.send(("stop",))

@@ -88,13 +88,16 @@ def summarize(recipe: str, runs: list[dict]) -> dict:
 
 
 def table(runs: list[dict], sums: list[dict]) -> str:
-    lines = ["| recipe | seed | eval start -> end | rise | tool call at step 0 | minutes | load (1 min) before / after |",
+    lines = ["| recipe | seed | eval start -> end | rise | tool call at step 0 | minutes "
+             "| load (1 min) before / after |",
              "|---|---|---|---|---|---|---|"]
     for r in runs:
         tc = "" if r["tool_call_frac"] is None or r["recipe"] != "calc_cpu" else f"{r['tool_call_frac']:.2f}"
-        lines.append(f"| {r['recipe']} | {r['seed']} | {r['start']:.3f} -> {r['end']:.3f} | {r['end'] - r['start']:+.3f} "
-                     f"| {tc} | {r['minutes']:.1f} | {r['load_before']:.1f} / {r['load_after']:.1f} |")
-    lines += ["", "| recipe | smallest rise (bar) | mean rise | spread of final eval | slowest run, min (budget) | bar met |",
+        lines.append(f"| {r['recipe']} | {r['seed']} | {r['start']:.3f} -> {r['end']:.3f} "
+                     f"| {r['end'] - r['start']:+.3f} | {tc} | {r['minutes']:.1f} "
+                     f"| {r['load_before']:.1f} / {r['load_after']:.1f} |")
+    lines += ["", "| recipe | smallest rise (bar) | mean rise | spread of final eval "
+              "| slowest run, min (budget) | bar met |",
               "|---|---|---|---|---|---|"]
     for s in sums:
         lines.append(f"| {s['recipe']} | {s['min_rise']:+.3f} ({s['bar']:+.1f}) | {s['mean_rise']:+.3f} | "

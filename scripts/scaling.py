@@ -102,9 +102,10 @@ def check_layout(lay: dict) -> config.Config:
     model_dir = Path(tempfile.mkdtemp(prefix="scaling-"))
     (model_dir / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", **MODELS[lay["model"]]}))
     return config.load_config(None, [
-        f"model_path={model_dir}", "device=cuda", f"trainer_workers={n}", f"tensor_parallel={lay['tp']}", f"pipeline_parallel={lay['pp']}",
-        f"context_parallel={lay['cp']}", f"expert_parallel={lay['ep']}", f"colocate={str(lay['colocate']).lower()}",
-        f"num_engines={lay['engines']}", f"gpus_per_engine={lay['gpus_per_engine']}",
+        f"model_path={model_dir}", "device=cuda", f"trainer_workers={n}", f"tensor_parallel={lay['tp']}",
+        f"pipeline_parallel={lay['pp']}", f"context_parallel={lay['cp']}", f"expert_parallel={lay['ep']}",
+        f"colocate={str(lay['colocate']).lower()}", f"num_engines={lay['engines']}",
+        f"gpus_per_engine={lay['gpus_per_engine']}",
         f"sglang.tp_size={lay['gpus_per_engine']}", "sequence_parallel=true", "use_distributed_optimizer=true",
         "recompute=full", "dtype=bfloat16", "prompts_per_step=128", "samples_per_prompt=8",
         f"global_batch_size={STEP_SAMPLES}", "micro_batch_size=1", f"bucket_mb={BUCKET_MB}"])
@@ -164,7 +165,8 @@ def markdown(rows: list[dict]) -> str:
            "(weights + grads + optimizer + layer inputs) | fits 80 GB / 141 GB |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        where = "colocated" if r["colocate"] else f"{r['trainer_gpus']} trainer + {r['gpus'] - r['trainer_gpus']} engine GPUs"
+        where = ("colocated" if r["colocate"]
+                 else f"{r['trainer_gpus']} trainer + {r['gpus'] - r['trainer_gpus']} engine GPUs")
         out.append(
             f"| {r['model']} | {r['gpus']} | {where} | {r['trainer_gpus']} ranks: TP {r['tp']} (SP) x EP {r['ep']}, "
             f"PP {r['pp']}, CP {r['cp']}, DP {r['data_parallel']} | {r['engines']} x {r['gpus_per_engine']} GPUs | "

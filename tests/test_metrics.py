@@ -1,5 +1,6 @@
 """Metrics: the unbiased pass@k estimator and mean@k by hand; every sink of the Logger (JSONL, TensorBoard, W&B
-offline, MLflow file store) receives the same numbers, read back from each."""
+offline, MLflow file store) receives the same numbers, read back from each (TensorBoard's scalars as float32, and
+the per-token lags, which only TensorBoard gets, as histograms)."""
 import glob
 import json
 import math
@@ -78,6 +79,13 @@ def test_every_tracker_gets_the_same_metrics(tmp_path, monkeypatch):
     want = [{"train/loss": 1.0 / (s + 1), "eval/pass@2": 0.25 * s} for s in range(3)]
     jsonl = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [{k: r[k] for k in want[0]} for r in jsonl] == want and all("rollout/lag" not in r for r in jsonl)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = EventAccumulator(str(tmp_path / "run/tb"), size_guidance={"histograms": 0}).Reload()  # 0: keep every one
+    for k in want[0]:
+        assert [(e.step, e.value) for e in tb.Scalars(k)] == [(s, pytest.approx(w[k], rel=1e-6)) for s, w in
+                                                              enumerate(want)], k
+    assert [(h.step, h.histogram_value.num, h.histogram_value.sum) for h in tb.Histograms("rollout/lag")] == \
+        [(s, 3, 2) for s in range(3)]
     [wb] = glob.glob(str(tmp_path / "run/wandb/offline-run-*/run-*.wandb"))
     rows = read_wandb_offline(wb)
     assert [{k: r[k] for k in want[0]} for r in rows] == want and [r["_step"] for r in rows] == [0, 1, 2]

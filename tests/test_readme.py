@@ -1,8 +1,9 @@
 """The README and docs/ stay true to the code: the README's code examples run as the README says they do (the agent
 through the real router and CPU engine, the reward and the advantage estimator through the core's own dispatch, the
 teacher keys through config.load_config); every `module.name` the docs quote exists; every file, link and anchor
-they point to exists; every metric the code names is in docs/METRICS.md, once; the README stays a short guide
-(at most 250 lines), shows CI's two commands exactly and names the quick tier, which reaches every module.
+they point to exists; every metric the code names is in docs/METRICS.md, once; every module has a row in the
+README's file table and docs/READING.md's; the README stays a short guide (at most 250 lines), shows CI's two
+commands exactly and names the quick tier, which reaches every module.
 `.venv/bin/python -m pytest tests/test_readme.py -q` (about 20 s: one CPU engine on the tiny model).
 """
 import ast
@@ -86,6 +87,16 @@ def test_the_quick_tier_is_named_and_reaches_every_module():
                          if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
     assert set(packaged) == set(MODULES), "every module at the root is in pyproject.toml's py-modules"
     assert not set(packaged) - used, f"modules no quick test uses: {sorted(set(packaged) - used)}"
+
+
+def test_every_module_is_in_the_readme_file_table_and_the_reading_path():
+    """Each module pyproject.toml packages (py-modules, so a new or split module is counted the day it is added) has
+    a row of its own in the README's file table and in docs/READING.md's, and neither names a module that is gone."""
+    packaged = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"]
+    for doc in (ROOT / "README.md", ROOT / "docs" / "READING.md"):
+        rows = set(re.findall(r"^\| `(\w+)\.py` \|", doc.read_text(), re.M))
+        assert rows == set(packaged), f"{doc.name}: no row for {sorted(set(packaged) - rows)}, " \
+                                      f"rows for no module: {sorted(rows - set(packaged))}"
 
 
 def test_readme_snippets_name_only_what_exists():

@@ -13,6 +13,7 @@ What each test proves:
 * bad input: unknown teacher names, a source without a teacher, a teacher with another vocabulary,
   meaningless ratio combinations: clear errors at config time, before anything starts;
 * data sources: batches mixed by weight with exact shares.
+* without /proc (macOS), a teacher starts, scores and reports its memory as 0 MB (unknown).
 """
 import json
 import math
@@ -112,6 +113,42 @@ def test_teacher_logprobs_equal_the_trainers(ray_session, tiny_model_dir, tmp_pa
         assert (tg["teacher_topk_logp"][:, :-1] >= tg["teacher_topk_logp"][:, 1:]).all()
         assert (tg["teacher_logp"] <= tg["teacher_topk_logp"][:, 0] + 1e-6).all()
     assert m["teacher/swaps"] == 0 and m["teacher/t0/tokens"] == sum(len(w) for w in want)
+
+
+@pytest.mark.slow
+def test_a_teacher_starts_and_scores_where_proc_cannot_be_read(ray_session, tiny_model_dir, tmp_path):
+    """macOS has no /proc: with every /proc open failing, a teacher still starts, loads, scores (finite logprobs on
+    every response token, each at most its top-1) and reports its memory as 0 MB (unknown), not a crash."""
+    def without_proc(cfg, path: str, snap_dir: str, port: int, batch: list[dict]) -> tuple:
+        """In a Ray worker of its own (max_calls=1: the worker exits after it): every open of a /proc path fails as it
+        does on macOS, then a teacher starts, loads `path`, scores `batch` and reports its memory. Returns the load
+        answer, the targets, the metrics, the memory answer and the /proc paths refused."""
+        import builtins
+        import io
+        real, refused = builtins.open, []
+
+        def no_proc(file, *args, **kw):
+            if str(file).startswith("/proc"):
+                refused.append(str(file))
+                raise FileNotFoundError(2, "No such file or directory (no /proc, as on macOS)", str(file))
+            return real(file, *args, **kw)
+        builtins.open = io.open = no_proc  # io.open: pathlib's read_text goes through it
+        w = teacher.TeacherWorker(cfg, 0, 1, "127.0.0.1", port)
+        loaded = w.load_teachers({"t0": path}, snap_dir)
+        targets, m = w.score(batch)
+        return loaded, targets, m, w.memory(), refused
+
+    cfg = make_cfg(teachers={"t0": tiny_model_dir}, pg_ratio=1.0)
+    batch = make_batch(data.load_tokenizer(tiny_model_dir))
+    run = ray.remote(num_cpus=1, max_calls=1)(without_proc)  # nested: shipped by value, the test module stays here
+    loaded, targets, m, memory, refused = ray.get(run.remote(cfg, tiny_model_dir, str(tmp_path), _port(), batch))
+    assert any(p.startswith("/proc/self/") for p in refused), refused  # the reads were made, and failed
+    assert loaded["teachers"] == ["t0"] and loaded["rss_mb"] == loaded["peak_rss_mb"] == loaded["base_rss_mb"] == 0
+    assert memory["rss_mb"] == memory["peak_rss_mb"] == 0 and m["teacher/peak_rss_mb"] == 0
+    assert m["teacher/t0/tokens"] == sum(len(t["response_ids"]) for t in batch)
+    for tg, t in zip(targets, batch):
+        assert tg["teacher_logp"].shape == (len(t["response_ids"]),) and torch.isfinite(tg["teacher_logp"]).all()
+        assert (tg["teacher_logp"] <= tg["teacher_topk_logp"][:, 0] + 1e-6).all()
 
 
 @pytest.fixture(scope="module")
