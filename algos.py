@@ -4,19 +4,10 @@ corrections (IS, M2PO, OPSM, stale tokens), reward shaping and group filters, di
 Every equation lives in exactly one function whose docstring gives it in plain text, its source (arXiv id,
 equation or section) and any departure. Variants are chosen by name with if/elif in one dispatch place per
 family (`compute_advantages`, `_pg_token_loss`, `aggregate`, `kl_estimate`, `is_weight`, `distill_loss`,
-`shape_rewards`); `validate(cfg)` rejects unknown names and invalid combinations before anything runs.
-`advantage`, `policy_loss`, `kl_type` and `distill_type` also take a dotted path to a user's function
-(docs/EXTENDING.md), called from the same dispatch with the signature given there.
-
-The controller calls `validate` at config time. The trainer calls `shape_rewards` (reward shaping happens in
-the trainer, on the batch it trains), `compute_advantages`, `policy_loss`, `gap_metrics`, `sft_loss`; with
-`advantage: gae` also the critic's `gae_returns`, `value_loss` and `explained_variance` (the value model itself
-lives in trainer.py); and for on-policy distillation `distill_advantage`, `distill_loss`, `opd_objective` (and `mixture_logp` for ensembles).
-`filter_groups` / `groups_to_request` are DAPO's group filter and refill count as pure functions; the controller's
-producer applies the same equal-reward rule to each group it collects (`dynamic_sampling`).
-
-Every knob is a field of `config.Config` (its one default lives there); these functions read them from the
-Config they are given.
+`shape_rewards`); `validate(cfg)` rejects unknown names and invalid combinations at config time. `advantage`,
+`policy_loss`, `kl_type` and `distill_type` also take a dotted path to a user's function (docs/EXTENDING.md).
+The trainer calls the rest on the batch it trains (the critic's value model lives in trainer.py); every knob is a
+field of `config.Config`, its one default there.
 
 Conventions (stated once here, repeated where a loss consumes them):
   * B sequences, T response positions. `loss_mask` (B, T) is 1 on model-generated tokens only; tool and
@@ -28,7 +19,7 @@ Conventions (stated once here, repeated where a loss consumes them):
   * Log-ratios are clamped to +-20 before exp: the ratio e^20 ~ 4.9e8 is far outside every clip range, and
     the clamp keeps float32 finite for any input (beyond it the ratio is constant, so its gradient is 0).
 
-Run the tests: `.venv/bin/pytest tests/test_algos.py -q` (about 20 s on 2 CPU cores; spawns 2 gloo procs).
+Test: `.venv/bin/pytest tests/test_algos.py -q` (spawns 2 gloo procs).
 
 Left out on purpose: PPO-KL adaptive coefficients, and M2PO's mask across micro-batches (it is computed per
 `policy_loss` call, see `m2po_drop`).
@@ -133,12 +124,9 @@ def validate(cfg) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 def global_denominators(loss_mask: torch.Tensor, max_len: float, dp_group=None) -> dict:
-    """Counts of the whole mini-batch on this rank (all micro-batches stacked), summed over DP ranks.
-
-    tokens = number of loss tokens; seqs = number of sequences with at least one loss token (a row with
-    none contributes nothing, so counting it would shrink every other row's weight); max_len = the constant
-    normaliser of seq_mean_token_sum (pass the generation budget, e.g. max_new_tokens).
-    """
+    """Counts of the whole mini-batch on this rank (all micro-batches stacked), summed over DP ranks: tokens = loss
+    tokens; seqs = sequences with at least one loss token (a row with none would shrink every other row's weight);
+    max_len = the constant normaliser of seq_mean_token_sum (the generation budget, e.g. max_new_tokens)."""
     mask = loss_mask.float()                                              # (B, T)
     counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).float().sum()])  # (2,) local tokens, seqs
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
@@ -156,8 +144,7 @@ def aggregate(x: torch.Tensor, loss_mask: torch.Tensor, agg: str, denom: dict) -
                                                                                 §3: a constant normaliser)
     N_tokens, N_seqs, L_max come from `denom` and count the whole mini-batch across micro-batches and DP
     ranks, so the sum of micro-batch results equals the full-batch result. |o_i| is local: a sequence is
-    never split. Masked positions are replaced by 0 before the sum, so inf/nan there cannot leak.
-    """
+    never split. Masked positions are replaced by 0 before the sum, so inf/nan there cannot leak."""
     mask = loss_mask > 0                                                  # (B, T) bool
     x = torch.where(mask, x, torch.zeros_like(x))                         # (B, T) 0 off the loss mask
     if agg == "token_mean":
@@ -184,8 +171,7 @@ def kl_estimate(kind: str, logp: torch.Tensor, ref_logp: torch.Tensor, old_logp:
       k3_unbiased = (pi / pi_old) * k3          DeepSeek-V3.2 (arXiv 2512.02556, "unbiased KL estimate"):
                                                 tokens come from pi_old, the ratio corrects for it.
     Gradients flow through logp (and the ratio for k3_unbiased). Use the same function with
-    (logp=sampler, ref_logp=target) for KL(sampler || target), as `gap_metrics` does.
-    """
+    (logp=sampler, ref_logp=target) for KL(sampler || target), as `gap_metrics` does."""
     d = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)       # (B, T) log pi_ref/pi
     if kind == "k1":
         return -d
@@ -231,8 +217,7 @@ def normalize(x: torch.Tensor, group_ids: torch.Tensor, mode: str, dp_group=None
       none:        x
     std is the unbiased (n-1) estimate, defined as 0 for n == 1, so a group of one or of equal values
     gives exactly 0 and never NaN. For batch mode every DP rank must call this (even with N == 0): it
-    takes part in two all-reduces.
-    """
+    takes part in two all-reduces."""
     if mode == "none":
         return x
     elif mode == "batch":
@@ -280,8 +265,7 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tens
     undiscounted. With values = 0 and lam = 1 this is the discounted return-to-go
       G_t = r_t + gamma * G_{t'},
     which `returns` and `reinforce_pp` use. Returns A (B, T), 0 off the mask; the critic target is A + V.
-    A plain loop over T, kept for readability: it costs a few kernel launches per response position.
-    """
+    A plain loop over T, kept for readability: it costs a few kernel launches per response position."""
     B, T = token_rewards.shape
     mask = loss_mask > 0                                                  # (B, T)
     r = token_rewards                                                     # (B, T) rewards, also on tool tokens
@@ -330,7 +314,6 @@ def turn_rewards_to_tokens(turn_rewards: list[list[float]], loss_mask: torch.Ten
 def compute_advantages(cfg, rewards, group_ids, loss_mask, *, old_logp=None, ref_logp=None, values=None,
                        token_rewards=None, dp_group=None, raw: bool = False) -> torch.Tensor:
     """Advantages (B, T), 0 where loss_mask == 0. The one dispatch over `cfg.advantage`:
-
       grpo          scalar reward, normalised by cfg.adv_norm (group z-score by default)
       drgrpo        scalar reward minus the group mean (adv_norm is fixed to group_mean)
       rloo          scalar reward minus the leave-one-out group mean (no scaling)
@@ -345,8 +328,7 @@ def compute_advantages(cfg, rewards, group_ids, loss_mask, *, old_logp=None, ref
     sequence estimators subtract kl_coef * sum_t KL_t from the scalar reward, the token estimators
     kl_coef * KL_t from each token's reward. Token-level normalisation treats each model token as one
     value of its sequence's group. raw=True returns the token estimators' advantages before that normalisation
-    (the critic's target `gae_returns` needs the raw GAE).
-    """
+    (the critic's target `gae_returns` needs the raw GAE)."""
     mask = (loss_mask > 0)                                                # (B, T)
     maskf = mask.float()
     rewards = rewards.float().to(maskf.device)                            # (B,)
@@ -466,8 +448,7 @@ def ppo_clip_loss(ratio, adv, clip_low: float, clip_high: float, dual_clip_c: fl
       L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
     clip_low != clip_high is DAPO's clip-higher (arXiv 2503.14476 §3.1). Dual clip (Ye et al.,
     arXiv 1912.09729, "dual-clip PPO") bounds the loss of negative advantages: L = min(L, -c A) for A < 0.
-    Returns (loss, clipped, dual_clipped); `clipped` marks tokens where the clipped branch won.
-    """
+    Returns (loss, clipped, dual_clipped); `clipped` marks tokens where the clipped branch won."""
     unclipped = -adv * ratio                                              # (B, T)
     clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)             # (B, T)
     loss = torch.maximum(unclipped, clipped)
@@ -485,8 +466,7 @@ def gspo_seq_ratio(logp, old_logp, mask):
       s_i = exp( (1/|y_i|) sum_t log(pi(y_it) / pi_old(y_it)) )
       s_it = sg(s_i) * pi(y_it) / sg(pi(y_it))
     s_it equals s_i in value; its gradient is s_i * grad log pi(y_it), so the mean over a sequence's
-    tokens of s_it * A_i has exactly the gradient of s_i * A_i. Returns s_it (B, T).
-    """
+    tokens of s_it * A_i has exactly the gradient of s_i * A_i. Returns s_it (B, T)."""
     n_tok = mask.sum(-1, keepdim=True).clamp(min=1)                       # (B, 1)
     seq_log = _log_ratio(logp, old_logp, mask).sum(-1, keepdim=True) / n_tok  # (B, 1) log s_i
     tok = torch.where(mask, logp - logp.detach(), torch.zeros_like(logp))  # (B, T) 0 in value, grad of logp
@@ -498,8 +478,7 @@ def cispo_loss(ratio, adv, logp, clip_low: float, clip_high: float):
       L = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi(y_t)
     The IS weight is clipped and detached, so every token keeps a gradient (no token is zeroed as in PPO).
     The paper sets eps_low large (no lower bound): clip_low >= 1 does that here.
-    Returns (loss, clipped) where clipped marks tokens whose weight hit a bound.
-    """
+    Returns (loss, clipped) where clipped marks tokens whose weight hit a bound."""
     weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()           # (B, T)
     return -weight * adv * logp, (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
 
@@ -550,8 +529,7 @@ def is_weight(level: str, old_logp, rollout_logp, mask, low: float, high: float,
                                             off-policy RL training", Yao et al. 2025, no arXiv)
     mask:     w <- w if low <= w <= high else 0, and the token is dropped  (masked IS, same source)
     Departure: truncation clamps from below too (low = 0 disables it). Returns (weight (B, T) detached,
-    dropped (B, T) bool).
-    """
+    dropped (B, T) bool)."""
     delta = _log_ratio(old_logp, rollout_logp, mask)                      # (B, T) log pi_old/pi_rollout
     if level == "token":
         log_w = delta
@@ -578,8 +556,7 @@ def m2po_drop(log_ratio, mask, threshold: float):
     (S - cumsum_k) / (N - k); take the smallest such k. Departure: M2 is taken over the tokens of this
     call (one micro-batch on one rank), not over the whole mini-batch; since every micro-batch ends at
     M2 <= threshold, so does their union, at the price of dropping somewhat more tokens. Returns the
-    dropped tokens (B, T) bool.
-    """
+    dropped tokens (B, T) bool."""
     sq = (log_ratio.detach() ** 2)[mask]                                  # (N,) squared log-ratios
     n = sq.numel()
     dropped = torch.zeros_like(mask)
@@ -602,8 +579,7 @@ def opsm_drop(logp, behav_logp, adv, mask, delta: float):
       A_i < 0  and  (1/|y_i|) sum_t log(pi_behav(y_t) / pi(y_t)) > delta
     i.e. negative samples the current policy has drifted away from (their gradient is mostly noise).
     Departure: the test A < 0 is per token, which is the same for sequence-level advantages.
-    Returns dropped (B, T) bool.
-    """
+    Returns dropped (B, T) bool."""
     n_tok = mask.sum(-1).clamp(min=1)                                     # (B,)
     seq_kl = _log_ratio(behav_logp, logp.detach(), mask).sum(-1) / n_tok  # (B,)
     return mask & (adv < 0) & (seq_kl[:, None] > delta)
@@ -616,7 +592,6 @@ def opsm_drop(logp, behav_logp, adv, mask, delta: float):
 def policy_loss(cfg, logp, old_logp, adv, loss_mask, *, rollout_logp=None, ref_logp=None, entropy=None,
                 stale_mask=None, denom):
     """Loss of one micro-batch, divided by the mini-batch's global `denom`; returns (loss, metrics).
-
       loss = agg(w * keep * L_pg) + kl_coef * agg(KL(pi || pi_ref)) - entropy_coef * agg(H)
     L_pg per token from `_pg_token_loss`; w the train-inference IS weight (is_correction, else 1); keep
     drops tokens by IS masking, M2PO, OPSM and stale-token masking. Dropped tokens still count in the
@@ -626,12 +601,10 @@ def policy_loss(cfg, logp, old_logp, adv, loss_mask, *, rollout_logp=None, ref_l
     All tensors (B, T); loss_mask 1 on model tokens only (off it, values are ignored). rollout_logp: the
     engine's logprobs (needed by is_correction; else optional, used for monitoring and as the behaviour
     policy of M2PO/OPSM). stale_mask: 1 on tokens generated under older weights (None: none are).
-    Metrics are scalar tensors already divided by the global denominators (so the trainer sums them):
-    pg_loss, kl, entropy
-    with cfg.loss_agg; every fraction (clip_frac, dual_clip_frac, mask_frac, is_mask_frac, m2po_frac,
-    opsm_frac, stale_frac), is_weight_mean and the trainer-vs-rollout gap (rollout_k3, rollout_abs_diff)
-    as token means.
-    """
+    Metrics are scalar tensors already divided by the global denominators (so the trainer sums them): pg_loss,
+    kl, entropy with cfg.loss_agg; every fraction (clip_frac, dual_clip_frac, mask_frac, is_mask_frac, m2po_frac,
+    opsm_frac, stale_frac), is_weight_mean and the trainer-vs-rollout gap (rollout_k3, rollout_abs_diff) as token
+    means."""
     mask = loss_mask > 0                                                  # (B, T) model tokens
 
     def clean(x):  # 0 off the mask BEFORE any math, so inf/nan there cannot reach a value or a gradient
@@ -710,7 +683,6 @@ def sft_loss(logp, loss_mask, denom) -> torch.Tensor:
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c pass (Chen et al. 2021, arXiv 2107.03374, eq. 1):
-
       pass@k = 1 - C(n - c, k) / C(n, k)      (the chance that k of the n samples, drawn without
                                                replacement, include at least one that passes)
     computed as 1 - prod_{i=n-c+1}^{n} (1 - k / i) for numerical stability (the paper's form). k <= n."""
@@ -908,8 +880,7 @@ def distill_loss(cfg, student_logits, loss_mask, denom, *, teacher_logits=None, 
       jsd         generalised JSD with jsd_beta                                  needs teacher_logits
     teacher_logits may be log-probabilities (an ensemble's `mixture_logp`): only their softmax is used.
     Returns (agg(D), metrics) with the same global-denominator aggregation as `policy_loss`; the weight
-    gkd_ratio is applied by `opd_objective`.
-    """
+    gkd_ratio is applied by `opd_objective`."""
     name = cfg.distill_type
     if name == "topk_kl":
         if teacher_topk_logp is None or teacher_topk_ids is None:

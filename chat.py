@@ -18,12 +18,10 @@ on the same text, and depart from them only where the router needs a call it can
   the id it was shown, which is kept), the others `call_` + 24 hex digits as SGLang gives.
 Like SGLang, a call naming a tool the request did not offer is dropped.
 
-`ChatFormat` (last) is what the router renders and parses with: the tokenizer and its template, every end token,
-the control tokens dropped before parsing, the forced-call grammar, and `TurnStream`, a streamed reply's deltas.
-
-`pick_tool_parser` / `pick_reasoning_parser` choose a parser from the chat template where the template shows one
-format only. The tiny tokenizers (data.build_tiny_tokenizer) are built from `FAMILIES`: each family's special
-tokens, end tokens and a template written here that renders the family's published format.
+`ChatFormat` (last) is what the router renders and parses with (the template, every end token, the control tokens
+dropped before parsing, the forced-call grammar), and `TurnStream` a streamed reply's deltas. `pick_tool_parser` /
+`pick_reasoning_parser` choose a parser where the template shows one format only. The tiny tokenizers
+(data.build_tiny_tokenizer) are built from `FAMILIES`, each with a template here in the family's published format.
 
 Test: `.venv/bin/python -m pytest tests/test_chat.py` (parsers on each family's text, templates against the
 published layouts, TITO per family through the router, the official clients). Imports nothing heavy at its top
@@ -84,8 +82,8 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Qwen3 with thinking. Checked against Qwen3-8B's tokenizer_config.json chat template (the revision SkyRL's
-# templates/README.md links) and SGLang's Qwen25Detector / Qwen3Detector docstrings. What it renders:
+# Qwen3 with thinking, as Qwen3-8B's tokenizer_config.json chat template and SGLang's Qwen25Detector /
+# Qwen3Detector lay it out:
 # * tools: the system turn "# Tools ... <tools>\n{tool json per line}\n</tools> ... <tool_call> ...";
 # * an assistant turn: <think>\n{reasoning}\n</think>\n\n{content}, then each call on its own line as
 #   <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, then <|im_end|>\n;
@@ -158,9 +156,8 @@ QWEN3_TEMPLATE = r"""
 QWEN3_KEEP_THINKING_TEMPLATE = QWEN3_TEMPLATE.replace(
     "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}", "{%- if true %}")
 
-# Llama 3.1 / 3.2 with JSON tool calls. Checked against Meta-Llama-3.1-8B-Instruct's tokenizer_config.json chat
-# template (as quoted in the ldp and BFCL handlers found by code search) and the model card's "JSON based tool
-# calling" section; the call syntax against SGLang's Llama32Detector. What it renders:
+# Llama 3.1 / 3.2 with JSON tool calls, as Meta-Llama-3.1-8B-Instruct's chat template, its model card's "JSON based
+# tool calling" and SGLang's Llama32Detector lay it out:
 # * <|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n, "Environment: ipython\n" when tools are given,
 #   the knowledge and today dates (fixed: "26 Jul 2024", the template's default), the system message, <|eot_id|>;
 # * tools go into the first user turn: the instruction, each tool as JSON indented by 4, then that user's text;
@@ -210,8 +207,7 @@ LLAMA3_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
 """
 
-# Mistral v0.3 (Mistral-7B-Instruct-v0.3, the reference of SGLang's MistralDetector). Checked against that
-# model's tokenizer_config.json chat template as quoted in the BFCL MistralFCHandler found by code search. It
+# Mistral v0.3 (Mistral-7B-Instruct-v0.3's chat template, the reference of SGLang's MistralDetector). It
 # renders: <s>; [AVAILABLE_TOOLS] [{"type": "function", "function": {...}}, ...][/AVAILABLE_TOOLS] just before
 # the LAST user message; [INST] {user}[/INST]; the system message only when a user message is the last message,
 # as "[INST] {system}\n\n{user}[/INST]"; an answer as " {content}</s>"; tool calls as
@@ -280,10 +276,9 @@ MISTRAL_TEMPLATE = r"""
 {%- endfor %}
 """
 
-# DeepSeek-V3. Turns as DeepSeek-V3-0324's tokenizer_config.json chat template lays them out (the reference of
-# SGLang's DeepSeekV3Detector); tools listed in the system prompt as SGLang's
-# examples/chat_template/tool_chat_template_deepseekv3.jinja (the template SGLang documents for the deepseekv3
-# parser) writes them. It renders: <｜begin▁of▁sentence｜>{system}; <｜User｜>{user}<｜Assistant｜>; an answer as
+# DeepSeek-V3. Turns as DeepSeek-V3-0324's chat template lays them out, tools in the system prompt as SGLang's
+# tool_chat_template_deepseekv3.jinja writes them. It renders: <｜begin▁of▁sentence｜>{system};
+# <｜User｜>{user}<｜Assistant｜>; an answer as
 # {content}<｜end▁of▁sentence｜>; calls as {content}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>
 # {name}\n```json\n{arguments}\n```<｜tool▁call▁end｜> (several joined by \n), then
 # <｜tool▁calls▁end｜><｜end▁of▁sentence｜>; results as <｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{result}
@@ -350,10 +345,8 @@ _DS_TOOL_TOKENS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
                    "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
                    "<｜tool▁output▁end｜>"]
 
-# The tiny tokenizers' families: special tokens (each one token; the first takes id 0), the tokenizer's bos/eos/pad,
-# the generation config's end tokens (every token that ends a generation, as the published generation_config.json
-# lists them), the chat template, and text the BPE vocabulary is trained on (repeated, so it is merged) so that
-# the template's fixed prose costs few tokens.
+# The tiny tokenizers' families: special tokens (the first takes id 0), bos/eos/pad, the end tokens the published
+# generation_config.json lists, the chat template, and text the BPE is trained on so the template's prose is cheap.
 FAMILIES = {
     "chatml": dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                             "<tool_response>", "</tool_response>", "<think>", "</think>"],
@@ -834,7 +827,7 @@ class ChatFormat:
             read = set(MARKERS.get(self.tool_parser, ())) | set(MARKERS.get(self.reasoning_parser, ()))
             self._control = frozenset(i for i, t in specials.items() if t not in read)
         self._think_end = self.tok.convert_tokens_to_ids("</think>") if "</think>" in specials.values() else None
-        # close_turn_ids' two answers, tokenized once (they were 7% of AgentFlow's busy time, encoded per turn)
+        # close_turn_ids' two answers, tokenized once rather than per turn
         after_eos = self.assistant_suffix[len(self.eos_text):] if self.assistant_suffix.startswith(self.eos_text) \
             else self.assistant_suffix
         self._close_ids = {True: self.encode(after_eos), False: self.encode(self.assistant_suffix)}
@@ -843,9 +836,9 @@ class ChatFormat:
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None,
                    kwargs: dict | None = None) -> list[int]:
-        """The ids of a chat rendered with the generation prompt, cached by content: the N samples of a group
-        render the same first prompt, and the Jinja render was the largest per-trajectory cost of a step
-        (15% of AgentFlow's busy time, py-spy). Rendering is a pure function of (messages, tools, kwargs)."""
+        """The ids of a chat rendered with the generation prompt, cached by content (a pure function of messages,
+        tools and kwargs): the N samples of a group render the same first prompt, and the Jinja render is the
+        largest per-trajectory cost of a step (docs/AGENTFLOW.md)."""
         key = json.dumps([messages, tools, kwargs], sort_keys=True, default=str)
         if key not in self._prompts:
             if len(self._prompts) >= 4096:  # a bound, not an LRU: the next groups' prompts refill it

@@ -1,18 +1,15 @@
 """HF <-> Megatron-Core: an HF model directory turned into a Megatron GPTModel and its weights, and back.
 
-What lives here, top to bottom:
+Top to bottom:
 
 * `read_hf_config` and `megatron_config`: an HF `config.json` (Qwen3, Qwen2, Llama/Mistral, Qwen3-MoE, Mixtral,
-  DeepSeek-V3) turned into a Megatron `TransformerConfig` plus the GPTModel arguments (`_rope`, `_moe_settings`;
-  DeepSeek-V3's multi-latent attention, YaRN and grouped sigmoid routing: `_deepseek_settings`, an
-  `MLATransformerConfig`);
-* `layer_spec`: Transformer Engine's layer spec or Megatron's local one (cfg.layer_spec, `auto` resolved where the
-  model is built), and Megatron's fast paths set in the TransformerConfig: sequence and context parallelism,
-  activation recomputation (`megatron_config`); DeepSeek-V3's dense first layers and MoE layers come from Megatron's
-  per-layer block spec;
+  DeepSeek-V3) turned into a Megatron `TransformerConfig` (for DeepSeek-V3 an `MLATransformerConfig`:
+  `_deepseek_settings`) plus the GPTModel arguments, with Megatron's fast paths (SP, CP, recomputation);
+* `layer_spec`: Transformer Engine's layer spec or Megatron's local one (cfg.layer_spec; DeepSeek-V3's dense and
+  MoE layers from Megatron's per-layer block spec);
 * `build_gpt_model`: a GPTModel on that spec, one pipeline stage of it, with the LM head in fp32 on request
   (`fp32_output_layer`, which Megatron-Core 0.16 has no option for);
-* the weights: `load_hf_state`, `hf_to_megatron`, `megatron_to_hf` (full, TP=1 layout, every expert, local-spec
+* the weights: `load_hf_state`, `hf_to_megatron`, `megatron_to_hf_tensor` (full, TP=1 layout, every expert, local-spec
   names; the name map is written out above them; `fused_norm_names` gives the TE spec's names for the two norms it
   fuses) and the tensor-parallel split / gather of one parameter (`shard_for_rank`, `gather_full`); `save_hf_dir`
   writes an HF directory the engines and transformers load.
@@ -26,7 +23,8 @@ transformers' fp32 logprobs with max abs diff 0.0 on CPU (docs/CPU.md), so the t
 Test: `.venv/bin/pytest tests/test_trainer.py -k "parity or tensor_parallel or save_hf"` (against transformers,
 other families, TP=2, the HF round trip), tests/test_moe.py (experts and routers, EP=2), tests/test_pipeline.py,
 tests/test_deepseek.py (DeepSeek-V3 at TP=1 and TP=2, YaRN, without q compression, real configs),
-tests/test_fast_paths.py (the spec's names, recomputation on CPU; the TE spec itself needs CUDA: scripts/gpu_check.sh).
+tests/test_fast_paths.py (the spec's names, recomputation on CPU; the TE spec itself needs CUDA:
+scripts/gpu_check.sh).
 Left out: sliding-window attention (exact below the window), biases other than Qwen2's qkv biases, activations
 other than SwiGLU, rope scalings other than Llama-3.1's (and YaRN for DeepSeek-V3), Qwen3-MoE models that mix dense
 and MoE layers, DeepSeek-V3's multi-token-prediction layers (dropped on load: RL trains the main model only),
@@ -368,12 +366,10 @@ def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, pre_process:
     if tcfg.multi_latent_attention and tcfg.num_moe_experts:
         from megatron.core.transformer.moe.router import TopKRouter  # Megatron: late
         for router in [m for m in model.modules() if isinstance(m, TopKRouter)]:
-            # DeepSeek-V3's score-correction bias (e_score_correction_bias), which the router adds to the sigmoid
-            # scores to choose experts (see _deepseek_settings). It is a checkpoint tensor: as a frozen parameter
-            # it is loaded, replicated over TP, gathered and exported with the weights. Megatron's own
-            # (moe_router_enable_expert_bias) is a buffer it moves by token counts, counted with a padding mask
-            # of the wrong shape in 0.16 (a RuntimeError under padding_mask); frozen, the bias never moves, and
-            # trainer and engines route alike.
+            # DeepSeek-V3's score-correction bias, added to the sigmoid scores to choose experts. A frozen parameter
+            # (loaded, replicated over TP, exported with the weights), so trainer and engines route alike; Megatron's
+            # own (moe_router_enable_expert_bias) is a buffer it moves by token counts, and 0.16 counts them with a
+            # padding mask of the wrong shape.
             router.expert_bias = torch.nn.Parameter(torch.zeros(tcfg.num_moe_experts, dtype=torch.float32),
                                                     requires_grad=False)
     if fp32_lm_head and post_process:
@@ -559,15 +555,10 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, tor
     return out
 
 
-def megatron_to_hf(meg: dict[str, torch.Tensor], hf: dict) -> list[tuple[str, torch.Tensor]]:
-    """HF-named tensors from a full (gathered, TP=1 layout) Megatron state dict; inverse of hf_to_megatron."""
-    return [pair for name, t in meg.items() for pair in megatron_to_hf_tensor(name, t, hf)]
-
-
 def megatron_to_hf_tensor(name: str, t: torch.Tensor, hf: dict) -> list[tuple[str, torch.Tensor]]:
-    """The HF tensors one full Megatron tensor (TP=1 layout, local-spec name, global layer number) becomes: one
-    for most, q/k/v for linear_qkv, gate/up for linear_fc1. Views of `t` where the layout allows (a weight sync
-    streams tensor by tensor, so no whole state dict is needed); raises ValueError on a name with no HF counterpart."""
+    """The HF tensors one full Megatron tensor (TP=1 layout, local-spec name, global layer number) becomes, the
+    inverse of hf_to_megatron tensor by tensor: one for most, q/k/v for linear_qkv, gate/up for linear_fc1. Views of
+    `t` where the layout allows (a weight sync streams); raises ValueError on a name with no HF counterpart."""
     top = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
            "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
     if name in top:

@@ -2,17 +2,12 @@
 
 Nothing here can be downloaded on an offline laptop, so the tiny recipes build their own pieces:
 
-* `build_tiny_tokenizer(dir, chat_format=...)`: a byte-level BPE tokenizer in HF format (tokenizer.json +
-  tokenizer_config.json with a chat template that renders tools, tool calls, tool results and, where the family
-  has it, thinking), trained deterministically on a synthetic corpus. A few hundred tokens; digits are always
-  single tokens so arithmetic is learnable. The family (chat.FAMILIES) gives the special tokens, bos/eos/pad
-  and template: chatml (the tiny recipes' compact Qwen-style default), qwen3, llama3, mistral, deepseek_v3.
-* `build_tiny_model(dir, ...)`: a randomly initialised Qwen3-architecture causal LM (HF config +
-  safetensors) on that tokenizer, cached and rebuilt when its settings change (`norm_std > 0`
-  randomises the norm weights too, as the test models do; `chat_format` picks the tokenizer's family and writes its
-  end tokens to generation_config.json; `num_experts > 0` builds a Qwen3-MoE, every
-  layer sparse, for expert parallelism and routed-expert replay; `model_type="deepseek_v3"` a DeepSeek-V3:
-  multi-latent attention, dense first layers, then routed + shared experts with grouped sigmoid routing).
+* `build_tiny_tokenizer(dir, chat_format=...)`: a byte-level BPE tokenizer in HF format, trained deterministically
+  on a synthetic corpus, a few hundred tokens, digits always single tokens (so arithmetic is learnable); the family
+  (chat.FAMILIES: chatml, qwen3, llama3, mistral, deepseek_v3) gives its special tokens and chat template.
+* `build_tiny_model(dir, ...)`: a randomly initialised Qwen3-architecture causal LM on that tokenizer, cached by
+  its settings (`num_experts > 0`: a Qwen3-MoE; `model_type="deepseek_v3"`: MLA, dense first layers, then routed
+  + shared experts; `norm_std > 0` randomises the norms too, as the test models do).
 * `arith_samples(n, seed)`: the synthetic arithmetic task of the default CPU recipe.
 * `sft_trajectory`, `reply_ids`, `turn_end`: warm-start examples in any chat format (the model's turn as the
   tokenizer's template renders it, through its end-of-turn token).
@@ -255,16 +250,16 @@ def load_tokenizer(path: str):
 
 
 def load_dataset(spec: str) -> list[dict]:
-    """A list of samples from `path.jsonl`, `path.parquet`, or `synthetic:<arith|add|sub|calc>:<n>:<seed>[:<max_operand>]`.
-
-    Each sample is a dict; chat samples hold `messages` (or `prompt`, wrapped as one user turn) and
-    usually `answer`.
-    """
+    """A list of samples from `path.jsonl`, `path.parquet`, or
+    `synthetic:<arith|add|sub|calc>:<n>:<seed>[:<max_operand>]`. Each sample is a dict; chat samples hold
+    `messages` (or `prompt`, wrapped as one user turn) and usually `answer`."""
     if spec.startswith("synthetic:"):
         parts = spec.split(":")
-        if len(parts) not in (4, 5) or parts[1] not in ("arith", "add", "sub", "calc") or not all(p.isdigit() for p in parts[2:]):
-            raise ValueError(f"synthetic dataset spec {spec!r} must look like 'synthetic:arith:<n>:<seed>[:<max_operand>]' "
-                             "(or add / sub for one operation), or 'synthetic:calc:<n>:<seed>'")
+        if len(parts) not in (4, 5) or parts[1] not in ("arith", "add", "sub", "calc") or \
+                not all(p.isdigit() for p in parts[2:]):
+            raise ValueError(f"synthetic dataset spec {spec!r} must look like "
+                             "'synthetic:arith:<n>:<seed>[:<max_operand>]' (or add / sub for one operation), or "
+                             "'synthetic:calc:<n>:<seed>'")
         n, seed = int(parts[2]), int(parts[3])
         if parts[1] == "calc":
             return calc_samples(n, seed)

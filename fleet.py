@@ -1,11 +1,11 @@
 """The actors of a run and everything that keeps them going: where each goes (`placement`, `reserve`), starting
-trainers, engines, AgentFlow, teachers and the judge of `reward: judge` (`start_judge`), the model they start from (`base_model`, `prepare_model`: the tiny
-model and its warm start), waits that cannot hang (`wait`), engine health and re-creation (`check_engines`,
-`restart_engine`), the weight-sync call (`sync_engines`, `update_engines`), the colocated memory hand-off
-(`colocate_hand_off`), checkpoints that lose nothing (`save_run_state`, `load_run_state`), the metric sinks
-(`Logger`), and the end of a run's actors however it ends (`stop`, `stop_on_exit`: Ray stays up for the next
-run). Engines are driven as SGLang 0.5.23 behaves (cpu_engine.SGLANG_BEHAVIOURS): probed by /server_info,
-which a paused engine answers; sent a resume only of memory they released; flushed after every update.
+trainers, engines, AgentFlow, teachers and the judge of `reward: judge` (`start_judge`), the model they start from
+(`base_model`, `prepare_model`: the tiny model and its warm start), waits that cannot hang (`wait`), engine health
+and re-creation (`check_engines`, `restart_engine`), the weight sync (`sync_engines`, `update_engines`), the
+colocated hand-off (`colocate_hand_off`), checkpoints that lose nothing (`save_run_state`, `load_run_state`), the
+metric sinks (`Logger`), and the end of a run's actors (`stop`, `stop_on_exit`: Ray stays up). Engines are driven
+as SGLang 0.5.23 behaves (cpu_engine.SGLANG_BEHAVIOURS): probed by /server_info, which a paused engine answers;
+sent a resume only of memory they released; flushed after every update.
 
 loongsage.train() calls these in order and holds what they return: actor handles and URLs (a `Fleet` for the
 engines), never tensors. Every function that blocks says on what, and under which config deadline (`wait`).
@@ -156,15 +156,13 @@ def prepare_teachers(cfg: Config, trainers) -> dict[str, str]:
 
 
 def placement(cfg: Config) -> dict:
-    """Where every actor goes, as data (reserve() and start_* follow it; `--check` prints it; tests place it on simulated GPUs).
+    """Where every actor goes, as data (reserve() and start_* follow it; `--check` prints it).
 
-    GPU: one {"GPU": 1} bundle per GPU. Trainer rank r holds bundle r. Engine i (an SGLang server with
-    tensor parallel size k = gpus_per_engine) spans k consecutive bundles and its actor sits on the first:
-    disaggregated, the k bundles after the trainers'; colocated (`colocate`), bundles i*k .. i*k+k-1 of the
-    trainers', where trainer and engine actors take half a GPU each (they hand the memory over in turn). The
-    server process sees all k GPUs (CUDA_VISIBLE_DEVICES from the bundles' GPU ids, see `bundle_gpus`).
-    CPU: one {"CPU": n} bundle per trainer rank and per engine; colocated, a trainer's bundle also holds its engine.
-    Returns {"bundles": [resource dicts], "trainers": [actor options], "engines": [actor options + "gpu_bundles"]}.
+    GPU: one {"GPU": 1} bundle per GPU; trainer rank r holds bundle r. Engine i (tensor parallel size
+    k = gpus_per_engine) spans k consecutive bundles, its actor on the first: disaggregated, after the trainers';
+    colocated, bundles i*k .. i*k+k-1 of the trainers', each side taking half a GPU. The server sees all k GPUs
+    (`bundle_gpus`). CPU: one {"CPU": n} bundle per trainer rank and per engine; colocated, a trainer's bundle also
+    holds its engine. Returns {"bundles", "trainers": [actor options], "engines": [actor options + "gpu_bundles"]}.
     """
     gpu, T, E, k = cfg.device == "cuda", cfg.trainer_workers, cfg.num_engines, cfg.gpus_per_engine
     if gpu:
@@ -202,7 +200,8 @@ def placement_table(cfg: Config, plan: dict, where: list | None = None) -> str:
             if where:
                 bs = o.get("gpu_bundles") or [o["bundle"]]
                 loc = f"{where[o['bundle']][0][:12]} / {[g for b in bs for g in where[b][1]]}"
-            rows.append(f"{kind + ' ' + str(i):12s} {o['bundle']:6d} {o['num_gpus']:5.2g} {o['num_cpus']:5.3g}  {loc}{span}")
+            rows.append(f"{kind + ' ' + str(i):12s} {o['bundle']:6d} {o['num_gpus']:5.2g} {o['num_cpus']:5.3g}  "
+                        f"{loc}{span}")
     return "\n".join(rows)
 
 
@@ -359,7 +358,7 @@ def start_engine(cfg: Config, fleet: Fleet, i: int):
         num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
         scheduling_strategy=PlacementGroupSchedulingStrategy(fleet.pg, o["bundle"])).remote(
             ecfg, i, engine_visible_gpus(fleet.plan, fleet.where, i), fleet.busy_file)
-    if cores := cpu.actor_cores(cfg, "engine", i):  # async on CPU: cores no trainer uses; after __init__, before requests
+    if cores := cpu.actor_cores(cfg, "engine", i):  # async on CPU: cores no trainer uses (after __init__)
         engine.__ray_call__.remote(lambda _, c: cpu.pin_process(c), cores)
     return engine
 
@@ -467,7 +466,8 @@ def off_node(fleet: Fleet, urls: list[str]) -> list[str]:
     """The engines among `urls` placed on another Ray node than trainer rank 0, the weights' sender: TransferMesh
     sends them no shared memory or IPC handles (transfermesh.pick_transport), whatever machine the nodes are on."""
     here = fleet.where[fleet.plan["trainers"][0]["bundle"]][0]
-    return [u for i, u in enumerate(fleet.urls) if u in urls and fleet.where[fleet.plan["engines"][i]["bundle"]][0] != here]
+    return [u for i, u in enumerate(fleet.urls)
+            if u in urls and fleet.where[fleet.plan["engines"][i]["bundle"]][0] != here]
 
 
 def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: int) -> str:
@@ -527,12 +527,10 @@ def _post_each(urls: list[str], path: str, payload: dict, timeout: float) -> Non
 
 def update_engines(cfg: Config, fleet: Fleet, urls: list[str], push):
     """`push()` (a weight push to `urls`) with the engines paused, so no forward step sees half-updated weights;
-    returns what it returns. No K/V outlives the weights that computed it: SGLang drops K/V only with nothing
-    running (flush_cache), and an update in place keeps the running requests' K/V and its radix cache's (flush_cache
-    false), so the engines pause with "retract" (running requests give their K/V back and wait, keeping their
-    tokens and logprobs), the cache is flushed after the push, and on continue every request in flight is prefilled
-    again under the new weights: one prefill per request in flight, none in sync mode (nothing is). Mid-way through
-    the colocated hand-off the engines stay paused (colocate_hand_off continues them once their KV cache is back)."""
+    returns what it returns. No K/V outlives the weights that computed it: the engines pause with "retract"
+    (running requests give their K/V back and wait, keeping their tokens), the cache is flushed after the push
+    (SGLang flushes only with nothing running), and on continue every request in flight is prefilled again under
+    the new weights. Mid-way through the colocated hand-off the engines stay paused (colocate_hand_off continues)."""
     _post_each(urls, "/pause_generation", {"mode": "retract"}, cfg.weight_sync_timeout)
     try:
         return push()
@@ -547,12 +545,10 @@ def update_engines(cfg: Config, fleet: Fleet, urls: list[str], push):
 
 
 def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int, base: bool = False) -> dict:
-    """Weights -> engines (TransferMesh) as version `version` (update_engines: the live engines pause, take every
-    bucket, drop the K/V the old weights computed, then continue on the new weights). A dead engine is skipped and
+    """Weights -> engines (TransferMesh) as version `version`, through update_engines. A dead engine is skipped and
     re-created on these weights afterwards; one that dies during the push fails it, so probe and push once more to
-    the engines left (a push is idempotent). Returns the trainers' `weights/` metrics.
-    LoRA: the adapters alone travel, as a new adapter that AgentFlow then names in new requests (those in flight
-    finish on theirs); `base` sends the base weights too (the engines loaded another checkpoint than the trainers)."""
+    the engines left (a push is idempotent). Returns the trainers' `weights/` metrics. LoRA: the adapters alone
+    travel, as a new adapter AgentFlow names in new requests; `base` sends the base weights too."""
     for attempt in (1, 2):
         dead = check_engines(cfg, fleet, flow)
         live = [u for u in fleet.urls if u not in dead]
@@ -585,8 +581,7 @@ def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> 
       "rollout" after the sync: trainers offload their weights; engines resume the KV cache, then continue
 
     so at no point do both sides hold everything. Returns each side's memory after the stage (`memory/` metrics:
-    trainer rank 0's, and the largest engine's where the engine reports it, i.e. the CPU engine) and its seconds.
-    Does nothing (returns {}) unless cfg.colocate."""
+    trainer rank 0's, the largest engine's where it reports it) and its seconds; {} unless cfg.colocate."""
     if not cfg.colocate:
         return {}
     import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
@@ -633,7 +628,8 @@ def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> 
             engine(url, "/continue_generation", {})
     else:
         raise ValueError(f"colocate_hand_off stage {stage!r}: choose 'train', 'sync' or 'rollout'")
-    out = {f"memory/{stage}_trainer_mb": mem[0]["rss_bytes"] / 2**20, f"timing/hand_off_{stage}": time.perf_counter() - t0}
+    out = {f"memory/{stage}_trainer_mb": mem[0]["rss_bytes"] / 2**20,
+           f"timing/hand_off_{stage}": time.perf_counter() - t0}
     if "gpu_used_bytes" in mem[0]:
         out[f"memory/{stage}_gpu_used_mb"] = mem[0]["gpu_used_bytes"] / 2**20
     rss = [s["rss_bytes"] for s in engine_states(fleet.urls) if "rss_bytes" in s]  # the CPU engine reports it
@@ -804,7 +800,8 @@ class Logger:
             ax.plot(*zip(*pts), "s-", color=color, label=f"student eval/{src}")
             for j, k in enumerate(k for k in keys if k.startswith("teacher/") and k.endswith(f"/{src}/accuracy")):
                 v = next(h[k] for h in self.history if k in h)
-                ax.axhline(v, color=color, ls=("--", ":", "-.")[j % 3], lw=1, label=f"{k.split('/')[1]} (teacher) on {src}")
+                ax.axhline(v, color=color, ls=("--", ":", "-.")[j % 3], lw=1,
+                           label=f"{k.split('/')[1]} (teacher) on {src}")
         ax.set_xlabel("step")
         ax.set_ylabel("reward / accuracy")
         ax.grid(alpha=0.3)
@@ -827,7 +824,6 @@ class Logger:
 
 
 _STATS_HTTP: httpx.Client | None = None  # engine_states' client, kept: a new one builds an SSL context each time
-# (~40 ms here, half of the controller's busy time in an async step, py-spy)
 
 
 def engine_states(engine_urls: list[str]) -> list[dict]:

@@ -157,7 +157,8 @@ def train(cfg: Config) -> list[dict]:
                  "actor_timeout")  # async: top the window up now, so the engines generate while this step trains
         metrics["timing/generate"] = time.perf_counter() - t0  # the trainer's wait for rollouts
         metrics.update(rollout_metrics(trajs, step))
-        metrics["perf/rollout_tokens_per_s"] = metrics["rollout/generated_tokens"] / max(metrics["timing/generate"], 1e-9)
+        metrics["perf/rollout_tokens_per_s"] = (metrics["rollout/generated_tokens"]
+                                               / max(metrics["timing/generate"], 1e-9))
         if cfg.dump_rollouts:
             dump(trajs, Path(cfg.dump_rollouts) / f"step_{step:05d}.jsonl")
         if cfg.print_every and step % cfg.print_every == 0 and trajs:
@@ -173,8 +174,7 @@ def train(cfg: Config) -> list[dict]:
             metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "train"))  # colocated: engines release memory
             t0 = time.perf_counter()
             batch_ref = ray.put(trajs)
-            # TEACHERS (teacher.py): every teacher rank scores, rank 0's per-token targets go to the trainers
-            # by ref (never through the controller); the metrics get is the blocking point of this phase.
+            # TEACHERS (teacher.py): rank 0's per-token targets reach the trainers by ref; the metrics get blocks
             targets_ref = None
             if teachers:
                 refs = [t.score.options(num_returns=2).remote(batch_ref) for t in teachers]
@@ -187,7 +187,7 @@ def train(cfg: Config) -> list[dict]:
 
             # --- 3. weights -> engines (TransferMesh); engines then report version step + 1. Requests in
             #        flight keep their tokens and continue on the new weights (partial rollouts).
-            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "sync"))  # trainers offload, engine weights back
+            metrics.update(colocate_hand_off(cfg, fleet, flow, trainers, "sync"))  # engines get their weights back
             t0 = time.perf_counter()
             metrics.update(sync_engines(cfg, fleet, flow, trainers, step + 1))  # skips, then re-creates, dead engines
             metrics["timing/sync"] = time.perf_counter() - t0
@@ -426,11 +426,9 @@ class Producer:
 
     def refill(self) -> list[tuple[int, dict]]:
         """Right after pop_batch, async only: groups dispatched before the step trains, so the engines generate
-        while the trainers train. They start on weights one version older than groups dispatched after the sync,
-        so the window keeps a batch's room here (R + Q <= C - B): with C - B groups ahead of them, they are
-        trained within stale_steps versions, as if dispatched after the sync (filling to C here put every refilled
-        group one version past stale_steps, and past max_version_lag = stale_steps, where the lag bound then
-        masked whole batches). Sync (stale_steps=0) dispatches nothing here: its next groups need the new weights."""
+        while the trainers train. They start one version older than groups dispatched after the sync, so the window
+        keeps a batch's room (R + Q <= C - B) and they are still trained within stale_steps versions (filling to C
+        would put each one version past max_version_lag, masking whole batches). Sync dispatches nothing here."""
         return self.dispatch(self.C - self.B) if self.cfg.stale_steps > 0 else []
 
     def full(self) -> bool:
@@ -473,7 +471,8 @@ def rollout_metrics(trajs: list[dict], version: int) -> dict:
         "rollout/partial_frac": sum(len({v for v, m in zip(t["weight_versions"], t["loss_mask"]) if m}) > 1
                                     for t in trajs) / n,  # trajectories whose tokens span a weight update
         "rollout/lag": lags,  # per token: a TensorBoard histogram
-        **{f"rollout/{src}/reward_mean": sum(t["reward"] for t in ts) / len(ts) for src, ts in _by_source(trajs).items()},
+        **{f"rollout/{src}/reward_mean": sum(t["reward"] for t in ts) / len(ts)
+           for src, ts in _by_source(trajs).items()},
     }
 
 
@@ -561,13 +560,13 @@ def evaluate_teachers(cfg: Config, trainers, flow, fleet, paths: dict[str, str],
             continue
         ray.get([t.load_hf.remote(path) for t in trainers])
         # update_engines: the student's prefix K/V is flushed, so no teacher answer runs over it
-        update_engines(cfg, fleet, fleet.urls, lambda: ray.get([t.sync_weights.remote(fleet.urls, -1, remote=off_node(fleet, fleet.urls))
-                                                                 for t in trainers]))
+        update_engines(cfg, fleet, fleet.urls, lambda: ray.get([
+            t.sync_weights.remote(fleet.urls, -1, remote=off_node(fleet, fleet.urls)) for t in trainers]))
         m = evaluate(cfg, flow, eval_sets, 0)
         out.update({f"teacher/{name}/{k[len('eval/'):]}": v for k, v in m.items() if k.endswith("accuracy")})
     ray.get([t.load_hf.remote(fleet.model) for t in trainers])
-    update_engines(cfg, fleet, fleet.urls, lambda: ray.get([t.sync_weights.remote(fleet.urls, 0, remote=off_node(fleet, fleet.urls))
-                                                                 for t in trainers]))
+    update_engines(cfg, fleet, fleet.urls, lambda: ray.get([
+        t.sync_weights.remote(fleet.urls, 0, remote=off_node(fleet, fleet.urls)) for t in trainers]))
     return out
 
 

@@ -276,12 +276,7 @@ def _tail(path: str | None, n: int = 60) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# the actor the controller wraps with ray.remote
-
-
-# ----------------------------------------------------------------------------------------------
 # the router's engine client: least-loaded choice, stickiness, health, per-token versions
-
 
 
 class EngineUnavailable(Exception):
@@ -324,9 +319,8 @@ def _http_status(e: Exception) -> int | None:
 
 
 def nodelay_transport(**kw):
-    """An httpx transport with TCP_NODELAY. httpx writes a POST's headers and body separately; with
-    Nagle on, the body waits for the peer's delayed ACK of the headers: ~40 ms per request on loopback
-    (measured here: median client overhead 44 ms -> 6 ms). Every engine and router call pays it otherwise."""
+    """An httpx transport with TCP_NODELAY: httpx writes a POST's headers and body separately, and with Nagle on
+    the body waits for the peer's delayed ACK of the headers (docs/AGENTFLOW.md)."""
     return httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], **kw)
 
 
@@ -336,19 +330,15 @@ class EnginePool:
     A request goes to the session's engine if it has one and it is healthy (so its prefix cache stays
     warm), else to the healthy engine with the fewest requests in flight (ties rotate).
 
-    Health. Every failed call (connection error, 5xx) is followed at once by a `/server_info` probe of that
-    engine: no answer within `health_timeout_s` means dead (or hung), and a dead engine leaves routing
-    until `replace()` puts its successor in; an engine that answers the probe only sits out `cooldown_s`.
-    `check()` probes every engine the same way; a background task runs it every `check_every_s` while
-    the pool has requests in flight, so an engine that hangs without failing a call is found too. The
-    requests in flight on an engine that leaves routing are retried on the others: nothing of a failed
-    attempt was recorded, so the retry is invisible to the trajectory (and its group stays complete).
-    When no engine is left, a request waits up to `wait_s` for one to be replaced before it fails.
+    Health. Every failed call (connection error, 5xx) is followed at once by a `/server_info` probe: no answer
+    within `health_timeout_s` means dead (or hung), out of routing until `replace()` puts its successor in; one that
+    answers only sits out `cooldown_s`. `check()` probes every engine, every `check_every_s` while requests are in
+    flight, so a hung engine is found too. Requests in flight on an engine that leaves routing are retried on the
+    others, invisibly to the trajectory; with no engine left a request waits up to `wait_s` before it fails.
 
-    LoRA. With `use_adapter(name, version)` (each weight sync of a LoRA run) every request sent from then on names
-    that adapter (`lora_path`), and its tokens carry that adapter's version: an engine keeps a request on the adapter
-    it named until it ends, whatever weight_version it stamps (the contract above). The adapter it replaces is
-    unloaded from every engine once no request of this pool uses it.
+    LoRA. After `use_adapter(name, version)` every request names that adapter (`lora_path`) and its tokens carry
+    that adapter's version (an engine keeps a request on the adapter it named); the adapter it replaces is unloaded
+    once no request of this pool uses it.
     """
 
     def __init__(self, urls: list[str], *, timeout_s: float = 600.0, cooldown_s: float = 5.0,
@@ -380,9 +370,8 @@ class EnginePool:
     def http(self) -> httpx.AsyncClient:
         # Created lazily so it binds to the event loop that uses it (a Ray async actor's loop).
         if self._http is None:
-            # Few idle connections kept: httpcore scans every connection (and, for each idle one, counts them all
-            # again) on each request and each response, so 60 kept-alive connections cost 3-4x the client CPU of 8
-            # per group request (measured: 7 vs 2 ms); a new local connection is far cheaper than that scan.
+            # Few idle connections kept: httpcore scans every connection on each request and response, which costs
+            # more than a new local connection (docs/AGENTFLOW.md)
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=8)
             self._http = httpx.AsyncClient(timeout=self.timeout_s, transport=nodelay_transport(limits=limits))
         return self._http
@@ -673,8 +662,8 @@ def sglang_options(cfg, seed: int) -> dict:
     opts.setdefault("random_seed", seed)
     opts.setdefault("weight_version", "0")  # versions count trainer steps; SGLang's own default is "default"
     opts.setdefault("dtype", cfg.dtype)  # SGLang's "auto" serves an fp32 checkpoint in float16, off the trainer's dtype
-    # every trajectory carries its own sampling_seed (agentflow.sampling_seed), which SGLang honours only in this
-    # mode (batch-invariant kernels: slower; null trades reproducible trajectories for throughput)
+    # each trajectory's sampling_seed (agentflow.sampling_seed) is honoured only in this mode (batch-invariant
+    # kernels: slower; null trades reproducible trajectories for throughput)
     opts.setdefault("enable_deterministic_inference", True)
     if cfg.fp32_lm_head:  # SGLang 0.5.23: exec.features.enable_fp32_lm_head
         opts.setdefault("enable_fp32_lm_head", True)

@@ -8,8 +8,7 @@ container per sandbox. `make_sandbox(kind)` picks one ("local" | "docker" | "aut
 
 `WarmPython` runs Python agents without starting Python: one interpreter imports the agent's libraries once
 (`agent_preload`, e.g. openai) and each command is a fork of it that enters the sandbox as a new process would.
-A black-box agent that imports the openai SDK spends 0.5 CPU-s on that import alone, more than the rest of a
-short trajectory; forked, it starts in milliseconds.
+Forked, an agent that imports the openai SDK starts in milliseconds (docs/AGENTFLOW.md has the measurements).
 
 This file imports nothing of LoongSage at module level (the warm interpreter runs it as its main program).
 Test: `.venv/bin/pytest tests/test_reliability.py tests/test_sandbox.py`.
@@ -64,7 +63,7 @@ class ExecResult:
 #     root, and for other users it counts every process of the user, not the sandbox's.
 # Whatever is unavailable is not contained; `LocalSandbox.contained` says which, and a warning says so once.
 # The namespaces are entered with raw syscalls in the forked child, before exec: the `unshare`/`mount`
-# programs cost a process per mount point (~0.5 s per command measured here, against ~1 ms this way).
+# programs cost a process per mount point (docs/AGENTFLOW.md).
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
 _MS = {"ro": 1, "nosuid": 2, "nodev": 4, "noexec": 8, "remount": 32, "noatime": 1024, "nodiratime": 2048,
        "bind": 4096, "rec": 16384, "private": 1 << 18, "relatime": 1 << 21, "strictatime": 1 << 24}
@@ -170,7 +169,7 @@ class LocalSandbox:
     address space and file size per process, the wall clock, and every process killed at the end.
 
     Not a security boundary: the same kernel, and the same user (root stays root inside, with a
-    read-only view). Measured here (root, cgroup v1): all five containment cases hold (tests/test_reliability.py)."""
+    read-only view). What holds where: docs/AGENTFLOW.md#sandboxes."""
 
     def __init__(self, *, cpu_s: int = 60, memory_mb: int = 4096, file_mb: int = 64, max_procs: int = 256,
                  network: bool = True):
@@ -437,10 +436,8 @@ class WarmPython:
     each `run` forks a child from it instead of starting Python. The child does what a new process would:
     it enters the sandbox (cgroups, namespaces, rlimits: `LocalSandbox._limits`), takes the sandbox dir as
     cwd, the command's environment and stdio, and runs the script (or module) as __main__ with its argv.
-    Only the imports are shared: `import openai` costs 0.5 CPU-s per process here, a fork ~5 ms.
-
-    What differs from a fresh interpreter: modules imported by the preload are not re-imported (a program
-    that reads the environment at import time of one of them sees the warm interpreter's), and the
+    Only the imports are shared. What differs from a fresh interpreter: modules imported by the preload are not
+    re-imported (a program that reads the environment at import time of one sees the warm interpreter's), and the
     interpreter is this one (`sys.executable`), whatever the command's `python` names."""
 
     def __init__(self, preload: list[str]):
@@ -580,7 +577,7 @@ def _serve_warm(path: str, preload: list[str]) -> None:
 
 def _submodules(packages: list[str]) -> list[str]:
     """Every submodule of `packages` but `__main__` (an SDK imports its resources and types lazily, at the first
-    client or call: 45 ms in each child for openai; all 2,071 of its modules take 3 s once, here)."""
+    client or call: cheaper once in the warm interpreter than in every child)."""
     names = []
     for name in packages:
         path = getattr(sys.modules[name], "__path__", None)
@@ -593,7 +590,7 @@ def _submodules(packages: list[str]) -> list[str]:
 def _requirements(modules: list[str]) -> list[str]:
     """The top-level packages of every distribution that the distributions providing `modules` require,
     recursively (extras left out). Libraries import some of their dependencies lazily (openai imports its HTTP
-    transport at the first client: 30 ms in every child otherwise), so the warm interpreter imports them all."""
+    transport at the first client), so the warm interpreter imports them all."""
     dists_of = importlib.metadata.packages_distributions()  # top-level package -> the distributions providing it
     provided: dict[str, list[str]] = {}  # normalized distribution name -> its top-level packages
     for module, dists in dists_of.items():

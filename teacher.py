@@ -1,26 +1,19 @@
 """Teacher Manager: forward-only teacher workers that score the student's trajectories, token by token.
 
-The controller creates `teacher_tp` `TeacherWorker` actors (one teacher group, its own tensor
-parallelism, in its own placement bundles or time-sharing the trainers'), registers every teacher of
-the recipe with `load_teachers`, and each step calls `score(batch)` on all ranks; rank 0 answers with
-one target dict per trajectory, which goes by object ref to `TrainerWorker.train_step(..., targets)`.
-
-What a teacher returns, per response token (`score`):
+The controller creates `teacher_tp` `TeacherWorker` actors (one group, its own tensor parallelism), registers
+every teacher with `load_teachers`, and each step calls `score(batch)` on all ranks; rank 0 answers with one
+target dict per trajectory, which goes by object ref to `TrainerWorker.train_step(..., targets)`:
   * `teacher_logp`        log p_teacher(y_t) of the sampled token (PG-style OPD: A' = A - pg_ratio * KL_t);
-  * `teacher_topk_logp`, `teacher_topk_ids` (R, K): the teacher's top-k (GKD `distill_type: topk_kl`), computed
-    a chunk of rows at a time from each TP rank's vocabulary shard (its top k and log-sum-exp are all that is
-    gathered, `vocab_topk` / `merge_vocab_topk`): no full-vocabulary log-softmax or gathered logits. Only ensemble
-    tokens gather their whole rows, for the mixture;
-  * `teacher_hidden` {teacher: (R, H)} final hidden states (after the last norm) for full-vocabulary
-    divergences (`forward_kl`, `reverse_kl`, `jsd`): the student side applies the teacher's LM head
-    (sent once, `lm_heads`) per micro-batch, so no V-sized logits travel;
-  * `teacher_mask` (R,): 1 where a teacher scored the token (model tokens that some route covers).
+  * `teacher_topk_logp`, `teacher_topk_ids` (R, K): the teacher's top-k (`distill_type: topk_kl`), from each TP
+    rank's vocabulary shard a chunk of rows at a time (`vocab_topk` / `merge_vocab_topk`: no V-sized gather);
+  * `teacher_hidden` {teacher: (R, H)} final hidden states for full-vocabulary divergences: the student side
+    applies the teacher's LM head (sent once, `lm_heads`), so no V-sized logits travel;
+  * `teacher_mask` (R,): 1 where a teacher scored the token.
 
-Memory: several teachers share one worker group. One model skeleton per architecture is resident; each
-teacher's weights wait as a snapshot of this rank's shards (a safetensors file on CPU, read straight
-into the skeleton's parameters at swap time; pinned host memory on CUDA) and are copied into the skeleton when needed (`_swap_in`). `score`
-groups the batch by teacher, resident teachers first, so each teacher loads at most once per step.
-`python bench.py teachers` measures peak RSS with 1 and with 3 same-size teachers.
+Memory: several teachers share one worker group. One model skeleton per architecture is resident; each teacher's
+weights wait as a snapshot of this rank's shards (a safetensors file on CPU, read straight into the parameters;
+pinned host memory on CUDA), copied in when needed (`_swap_in`). `score` groups the batch by teacher, resident
+ones first, so each loads at most once per step. `python bench.py teachers` measures the peak RSS this costs.
 
 Routing (`token_routes`), who teaches which token, first match wins:
   1. `teacher_route: module.fn` — fn(trajectory dict) -> one entry per response token: a teacher name,
@@ -31,9 +24,7 @@ Routing (`token_routes`), who teaches which token, first match wins:
      `teacher` (a name or a {name: weight} ensemble);
   3. the only teacher, when there is one.
 
-The teachers are built from trainer.py's parts, by composition: a `trainer.Parallel` for the rank and a
-forward-only `trainer.Model` per skeleton (convert.py's conversion, the trainer's micro-batch loop and
-logprob forward); a teacher has no optimizer and no training step.
+The teachers are built from trainer.py's parts: a `trainer.Parallel` and a forward-only `trainer.Model` per skeleton.
 
 Test: `.venv/bin/python -m pytest -q tests/test_teacher.py`.
 Left out: pipeline / expert parallelism for teachers, teachers with a vocabulary other than the

@@ -1,58 +1,34 @@
 """The Megatron-Core trainer: one `TrainerWorker` per rank, wrapped with `ray.remote` by the controller.
 
-What lives here, top to bottom (HF <-> Megatron conversion and model building are in convert.py; what exists only
-because there is no GPU is in cpu.py):
+Top to bottom (HF <-> Megatron conversion and model building are in convert.py, CPU stand-ins in cpu.py): the
+logp / entropy of vocab-parallel logits and MoE routing replay (R3); batches (`collate`, `segment_rows`,
+`plan_minibatches`, global denominators, the lr schedule); `opd_terms`, the student side of distillation; the rooms
+a rank is made of, small classes used by composition: `Parallel` (this rank's place in the layout), `Model` (one
+GPTModel: build, load shards, `run` = the one micro-batch loop, `stream_full` for the weight sync; the policy,
+reference, critic and teacher skeletons are one each), `Optim`, `Critic` (a `ValueHead` in place of the LM head),
+`HandOff` (colocated offload / onload), `Export` (weights out: sync, HF save); and `TrainerWorker`: load,
+`train_step`, `distill_step`, `sft_step`, checkpoints.
 
-* the per-token log-probability / entropy of vocab-parallel logits (`vocab_parallel_logp_entropy`) and MoE
-  routing replay (R3, `replay_routing`: trajectories that carry the engine's routed experts are routed by them in
-  every forward);
-* batches: trajectory dicts -> padded tensors (`collate`), trainable segments (`segment_rows`), the mini-batch
-  plan over DP ranks (`plan_minibatches`), global loss denominators, the lr schedule;
-* `opd_terms`: the student side of on-policy distillation (teacher targets from teacher.py, algos' objective);
-* the rooms a rank is made of, each a small class used by composition:
-  `Parallel` (this rank's place in the TP/DP/PP/EP layout, the metric collectives),
-  `Model` (one GPTModel: build, load this rank's shards, `run` = the one micro-batch loop every pass uses,
-  `stream_full` = the full tensors one at a time for the weight sync; the policy, the frozen reference, the critic
-  and teacher.py's skeletons are one each),
-  `Optim` (AdamW, lr, clipping, step count of one trained Model),
-  `Critic` (advantage: gae: a Model with a `ValueHead` in place of the LM head, its own Optim),
-  `HandOff` (the colocated memory hand-off: `offload` / `onload` of weights, optimizer state and grads),
-  `Export` (the policy's weights out: streamed under HF names, the weight sync for TransferMesh, HF save);
-* `TrainerWorker`: load, `train_step` (the RL step: old/ref logprobs, advantages, mini-batch policy updates, the
-  critic's updates, gap metrics), `distill_step`, `sft_step`, checkpoints, and the methods the controller calls on
-  the rooms above.
+Micro-batches are right-padded (B, T) prompt+response ids (a causal mask alone is then exact), or with
+`max_tokens_per_micro_batch` packed back to back in Megatron's THD layout (`Model._packed_output`); either way the
+outputs are read at the same response positions. Per-token tensors handed to algos.py are response-aligned (B, R),
+`loss_mask` 0 on padding and tool tokens.
 
-Micro-batches are padded by default: each is a right-padded (B, T) tensor of prompt+response ids. With right
-padding a causal mask alone is exact (real tokens never see the pads after them), so the attention needs no padding
-mask. With `max_tokens_per_micro_batch` they are packed instead (`Model._packed_output`): consecutive samples while
-their tokens fit the budget, back to back in one row in Megatron's THD layout (PackedSeqParams, cu_seqlens), each
-sequence attending to itself with positions from 0, so no padding is computed (`train/pad_frac`); the outputs are
-read back at the same response positions, so everything after the model is the same. Per-token tensors handed to
-algos.py are response-aligned (B, R): column j is response token j of each sample, with `loss_mask` 0 on padding
-and on tool tokens.
+Gradients across data-parallel ranks are SUMMED, never averaged: `calculate_per_token_loss=True` makes Megatron's
+DDP reduce with factor 1.0, and each micro-batch loss is already divided by GLOBAL mini-batch counts (`denom`), so
+a batch yields the same gradient on 1 data-parallel rank or N.
 
-Gradients across data-parallel ranks are SUMMED, never averaged: the TransformerConfig sets
-`calculate_per_token_loss=True`, which makes Megatron's DDP reduce with scaling factor 1.0, and each
-micro-batch loss is already divided by GLOBAL mini-batch counts (`denom`), so a batch yields the same
-gradient on 1 data-parallel rank or N.
-
-Parallel layouts: TP, DP, PP (each stage its share of the layers; `Model.run` goes through Megatron-Core's 1F1B
-schedule when PP > 1), EP (experts split over ranks that are data-parallel for the dense layers; `Model.run` keeps
-expert ranks in step with padding-only micro-batches), sequence parallelism (micro-batches padded to a multiple
-of TP; on CUDA with Transformer Engine's layer spec, on CPU through the shims) and, on CUDA with TE's spec, CP
-(each rank runs its share of every sequence, `cp_positions`; the last stage's outputs are gathered back into whole
-sequences, `gather_sequence`, so every pass after the model is the same). Megatron's distributed optimizer
-(cfg.use_distributed_optimizer) shards the optimizer state over DP ranks (`Optim`); activation recomputation
-(cfg.recompute) is a TransformerConfig setting (convert.megatron_config) and runs on CPU too.
+Parallel layouts: TP, DP, PP (`Model.run` uses Megatron-Core's 1F1B schedule), EP (expert ranks kept in step with
+padding-only micro-batches), sequence parallelism, and on CUDA with TE's spec CP (`cp_positions`, outputs gathered
+back into whole sequences by `gather_sequence`); the distributed optimizer (`Optim`); recomputation (a
+TransformerConfig setting, convert.megatron_config).
 
 Test: `.venv/bin/pytest tests/test_trainer.py` (real Ray actors, real Megatron-Core over gloo; parity
 against transformers, TP=2 and DP=2 equivalence, HF round trip, checkpoint resume), tests/test_pipeline.py
 (PP=2 against one rank), tests/test_moe.py (EP=2 against one rank, R3), tests/test_critic.py, tests/test_lora.py.
-Left out: context parallelism and the distributed optimizer on CPU (they need CUDA; rejected at `--check`), CP with
-EP, R3 with SP or CP, virtual pipeline stages, PP together with EP, PP with tied embeddings, packed sequences with
-PP, CP, EP or R3 (rejected at `--check`), an HF
-export of the critic (it lives in the Megatron checkpoints only), the critic with pipeline or expert parallelism
-(rejected at `--check`).
+Left out (each rejected at `--check`): CP and the distributed optimizer on CPU, CP with EP, R3 with SP or CP, virtual
+pipeline stages, PP with EP, PP with tied embeddings, packed sequences with PP, CP, EP or R3, the critic with PP or
+EP; and an HF export of the critic (it lives in the Megatron checkpoints only).
 """
 from __future__ import annotations
 
@@ -84,15 +60,10 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 
 def replay_routing(model, routed: torch.Tensor | None) -> None:
     """R3 (rollout routing replay): make every MoE router of `model` route the next forward with the engine's
-    experts instead of its own top-k. routed: (B, T, L, K) global expert ids per token and layer (collate), or
-    None to switch replay off (the routers choose their own experts again).
-
-    Megatron-Core 0.16 has the mechanism (`moe_enable_routing_replay` gives each TopKRouter a RouterReplay whose
-    REPLAY_FORWARD action takes the top-k indices as given and gathers the router's own scores at them, so the
-    gating weights keep their gradient). Its class-level helpers address every router built in the process, the
-    frozen reference's included; this sets each router's own instance instead, by the router's global layer
-    number (so a pipeline stage reads its own layers). Megatron flattens tokens sequence-first: row s*B + b is
-    token s of sample b."""
+    experts. routed: (B, T, L, K) global expert ids per token and layer (collate), or None to switch replay off.
+    Megatron-Core 0.16's RouterReplay (REPLAY_FORWARD) takes the indices as given and gathers the router's own scores
+    at them, so the gating keeps its gradient. Its class-level helpers address every router in the process (the
+    reference's too): this sets each router's own instance, by global layer number. Rows are sequence-first."""
     from megatron.core.transformer.moe.router import TopKRouter  # Megatron: late
     from megatron.core.transformer.moe.router_replay import RouterReplayAction  # Megatron: late
     for m in model.modules():
@@ -117,10 +88,8 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_g
 
     logits: (B, T, V/tp), this rank's contiguous vocab slice; labels: (B, T) global token ids.
     log p(y) = z_y - log sum_v exp(z_v) with z = logits - max; entropy H = log Z - sum_v p_v z_v.
-    The sums over the vocab are all-reduced across TP ranks with Megatron's differentiable
-    `reduce_from_tensor_model_parallel_region` (its backward is the identity, which is the right
-    gradient because every TP rank computes the same replicated loss). TP=1: the reductions vanish.
-    """
+    Vocab sums are all-reduced over TP with Megatron's `reduce_from_tensor_model_parallel_region` (backward is the
+    identity: every TP rank computes the same replicated loss)."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region  # Megatron: late
 
     tp = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
@@ -150,19 +119,17 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_g
 
 
 def cp_positions(T: int, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """The positions of a length-T sequence that context-parallel rank `cp_rank` computes: the sequence cut into
-    2*cp_size equal chunks, rank r holding chunks r and 2*cp_size-1-r, so under a causal mask every rank has the
-    same attention work. It is the layout TE's context-parallel attention expects and Megatron's RoPE slices its
-    table by (get_pos_emb_on_this_cp_rank). T: a multiple of 2*cp_size. Returns (T/cp_size,) positions."""
+    """The positions of a length-T sequence that CP rank `cp_rank` computes: 2*cp_size equal chunks, rank r holding
+    chunks r and 2*cp_size-1-r (equal causal attention work; TE's and Megatron's RoPE layout). T: a multiple of
+    2*cp_size. Returns (T/cp_size,) positions."""
     c = T // (2 * cp_size)
     late = 2 * cp_size - 1 - cp_rank
     return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c), torch.arange(late * c, (late + 1) * c)])
 
 
 class _GatherSequence(torch.autograd.Function):
-    """Every CP rank's share of dim 1 (`cp_positions`) gathered into whole sequences, in order. Every rank then
-    computes the same loss from the whole tensor, so the gradient of a rank's own share is the whole gradient at its
-    positions (a slice, not a sum over ranks); Megatron's DDP sums the ranks' parameter gradients over DP x CP."""
+    """Every CP rank's share of dim 1 (`cp_positions`) gathered into whole sequences. Every rank computes the same
+    loss, so a rank's gradient is the slice at its own positions (not a sum over ranks)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -200,20 +167,14 @@ def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None
             routed_shape: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """Right-padded tensors for a list of trajectory dicts.
 
-    Returns tokens (B, T) prompt+response ids; resp_pos (B, R): index into the shifted logp row
-    (B, T-1) of each response token (its prediction comes from the previous position); and the
-    response-aligned (B, R) tensors loss_mask (1 on model-generated tokens, 0 on tool tokens and
-    padding), rollout_logp, weight_versions, plus any `per_token` extras (lists of 1-D tensors,
-    one per sample, padded with 0). Also rewards (B,) and group_ids (B,).
+    Returns tokens (B, T) prompt+response ids; resp_pos (B, R): index into the shifted logp row (B, T-1) of each
+    response token; the response-aligned (B, R) loss_mask (1 on model-generated tokens, 0 on tool tokens and
+    padding), rollout_logp, weight_versions and any `per_token` extras (1-D tensors per sample, padded with 0);
+    rewards (B,) and group_ids (B,). A trajectory that failed before its first model call is a row of padding with
+    loss_mask all 0; R and T are at least 1 and 2, so a micro-batch of only such rows has a position to gather.
 
-    A trajectory that failed before its first model call has no response tokens: it becomes a row of
-    padding with loss_mask all 0 (it stays in its group, reward 0, and adds nothing to the loss).
-    R and T are at least 1 and 2, so even a micro-batch of only such rows has a position to gather.
-
-    `routed_shape` = (layers, top_k) with router replay: routed_experts (B, T, L, K), each sample's engine routing
-    (decode_routed_experts) on its tokens; positions the engine never ran on (the last token, padding, tool tokens
-    after the last call) hold experts 0..K-1. No real token attends to them (causal mask, right padding), so they
-    cannot change any loss token.
+    `routed_shape` = (layers, top_k) with router replay: routed_experts (B, T, L, K), each sample's engine routing;
+    positions the engine never ran on hold experts 0..K-1, which no loss token attends to.
     """
     B = len(samples)
     plen = [len(s["prompt_ids"]) for s in samples]
@@ -266,18 +227,16 @@ def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None
     return dict(tokens=tokens, resp_pos=resp_pos, weight_versions=versions,
                 rewards=torch.tensor([float(s.get("reward", 0.0)) for s in samples]),
                 group_ids=torch.tensor([int(s.get("group_id", i)) for i, s in enumerate(samples)]),
-                resp_len=torch.tensor(rlen), seq_len=torch.tensor([p + r for p, r in zip(plen, rlen)], dtype=torch.long),
+                resp_len=torch.tensor(rlen),
+                seq_len=torch.tensor([p + r for p, r in zip(plen, rlen)], dtype=torch.long),
                 **out)
 
 
 def segment_rows(batch: list[dict]) -> list[dict]:
-    """Every trainable segment of every trajectory as its own training row. A trajectory whose agent compacted
-    or edited its history has several segments (agentflow: the last one is the trajectory's top-level fields);
-    each earlier segment with model tokens becomes a row of its own that trains with its trajectory's
-    advantage. Rows keep the trajectory's group_id and reward; `traj` indexes the trajectory in `batch` and
-    `last` marks the row the advantage is computed on (one per trajectory, so group statistics count each
-    trajectory once). A failed trajectory trains nothing: its earlier segments make no rows (its last one
-    arrives with a zero mask)."""
+    """Every trainable segment of every trajectory as its own row. A trajectory whose agent compacted or edited its
+    history has several segments (the last is its top-level fields); each earlier one with model tokens trains with
+    its trajectory's advantage. `traj` indexes the trajectory in `batch`; `last` marks the row the advantage is
+    computed on (group statistics count each trajectory once). A failed trajectory's earlier segments make no rows."""
     rows = []
     for i, t in enumerate(batch):
         for seg in (t.get("segments") or [])[:-1]:
@@ -355,16 +314,11 @@ def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_siz
                      by_group: bool) -> list[list[int]]:
     """Indices into `batch` of this DP rank's share of each mini-batch.
 
-    Groups (all samples sharing a group_id, in order of first appearance; every sample its own group
-    when by_group is False) are split into `n_minibatches` consecutive global mini-batches, and the
-    groups of each mini-batch are dealt round-robin to the DP ranks. The global mini-batches do not
-    depend on dp_size, so 1 rank and N ranks step on the same samples. A rank may get an empty share
-    (fewer groups than ranks); it still joins the gradient all-reduce.
-
-    Each share is ordered by length (prompt + response tokens; ties keep batch order), so its micro-batches,
-    consecutive slices of it, hold samples of similar length and pad little: on a long-tail batch where every
-    slice in batch order held one long sample, that is most of the padding. The losses are sums over samples with
-    global denominators, so the order changes only the order of floating-point additions.
+    Groups (samples sharing a group_id, in order of first appearance; each sample alone when not by_group) are split
+    into `n_minibatches` consecutive global mini-batches, whose groups are dealt round-robin to the DP ranks, so 1
+    rank and N step on the same samples. A rank may get an empty share; it still joins the all-reduce. Each share is
+    sorted by length (ties keep batch order) so its micro-batches pad little; with global denominators the order
+    changes only the order of floating-point additions.
     """
     groups: dict[Any, list[int]] = {}
     for i, s in enumerate(batch):
@@ -429,12 +383,8 @@ def minibatch_rows(plan: list[list[int]]) -> list[range]:
 
 
 def denominators(cfg, batch: list[dict], n_mb: int, mb_i: int, by_group: bool) -> dict[str, float]:
-    """GLOBAL counts of mini-batch `mb_i` over all DP ranks, from the full batch every rank holds.
-
-    tokens: loss-mask tokens; seqs: samples with at least one loss token (as
-    algos.global_denominators counts them); max_len: cfg.max_new_tokens, the constant length
-    normaliser of seq_mean_token_sum (Dr. GRPO).
-    """
+    """GLOBAL counts of mini-batch `mb_i` over all DP ranks, from the full batch every rank holds: tokens, seqs (as
+    algos.global_denominators counts them) and max_len = cfg.max_new_tokens (Dr. GRPO's constant normaliser)."""
     idx = plan_minibatches(batch, n_mb, 0, 1, by_group)[mb_i]  # the whole mini-batch: as if one DP rank
     counts = [sum(batch[i]["loss_mask"]) for i in idx]
     return {"tokens": float(max(sum(counts), 1)), "seqs": float(max(sum(c > 0 for c in counts), 1)),
@@ -500,11 +450,9 @@ def opd_terms(cfg, mb: dict, logp, logits, targets: list[dict], denom: dict, hea
     """The distillation pieces of one micro-batch: {"adv": A', "gkd_loss": L_GKD, metrics...}.
 
     logp (b, R) student logprobs of the sampled tokens (with grad); logits (b, R, V/tp) the student's (vocab split
-    over `tp_group`, None at TP=1). Each target dict holds (R_i,)/(R_i, K) tensors: teacher_logp, teacher_mask (1
-    where a teacher scored the token), teacher_topk_logp/ids, and in hidden mode teacher_hidden {name: (R_i, H)}
-    and teacher_weight {name: (R_i,)}; `heads` {name: LM head (V, H)} turns hidden states into the teacher's
-    logits. Tokens without a teacher (route None, tool tokens) are left out. Metrics are token means over the
-    mini-batch's global token count, so micro-batches sum up.
+    over `tp_group`, None at TP=1). Each target dict holds (R_i,)/(R_i, K) tensors (collate_targets); `heads` {name:
+    LM head (V, H)} turns hidden-mode teacher states into logits. Tokens without a teacher (teacher_mask 0) are left
+    out. Metrics are token means over the mini-batch's global token count, so micro-batches sum up.
     """
     t = collate_targets(targets, logp.size(1))  # (b, R) / (b, R, K) / per-teacher (b, R, H)
     t = {k: ({n: x.to(logp.device) for n, x in v.items()} if isinstance(v, dict) else v.to(logp.device))
@@ -580,9 +528,8 @@ class Parallel:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.cp_size, self.cp_rank = cp, parallel_state.get_context_parallel_rank()
         self.cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
-        # EP > 1: Megatron's allgather token dispatcher all-gathers every expert rank's (T*B, H) tokens, so those ranks
-        # (data-parallel replicas of the dense layers, each with its own samples) must run the same number of forwards
-        # with the same shapes; Model.run and Model.output pad them to that (None: no padding needed)
+        # EP > 1: the allgather token dispatcher pairs up the expert ranks' forwards, so they must run as many, of the
+        # same shapes; Model.run and Model.output pad them to that (None: no padding needed)
         self.ep_group = parallel_state.get_expert_tensor_and_model_parallel_group() if ep > 1 else None
         self.pp_size, self.pp_group = pp, parallel_state.get_pipeline_model_parallel_group()
         self.pre_process = parallel_state.is_pipeline_first_stage()   # this stage holds the embedding
@@ -642,10 +589,9 @@ class Parallel:
 
 
 class Model:
-    """One GPTModel on this rank, forward only until `wrap_ddp` makes it trainable: built from a TransformerConfig
-    (this pipeline stage's share of it), loaded with this rank's shards of full HF-converted weights (`load`), run
-    over micro-batches (`run`, the one micro-batch loop every pass uses), streamed back as full tensors one at a
-    time (`stream_full`). The policy, the frozen reference, the critic and every teacher skeleton are one each."""
+    """One GPTModel on this rank (this pipeline stage's share), forward only until `wrap_ddp` makes it trainable:
+    `load` this rank's shards of full HF-converted weights, `run` micro-batches (the one loop every pass uses),
+    `stream_full` back as full tensors one at a time."""
 
     def __init__(self, par: Parallel, tcfg, model_kwargs: dict, micro_batch_size: int, fp32_lm_head: bool = False,
                  replay: bool = True, max_tokens: int = 0):
@@ -662,21 +608,17 @@ class Model:
         # the TE spec's names for the norms it fuses into linear layers ({local-spec name: its name}; {} for local)
         self.fused = convert.fused_norm_names(n for n, _ in self.gpt.named_parameters())
         self.unfused = {v: k for k, v in self.fused.items()}
-        # a micro-batch's length is padded to a multiple of this: sequence parallelism splits it over TP ranks, and
-        # context parallelism into 2*CP chunks (cp_positions), each then split over TP ranks again
+        # a micro-batch's length is padded to a multiple of this: SP splits it over TP ranks, CP into 2*CP chunks
         self.seq_multiple = (par.tp_size if tcfg.sequence_parallel else 1) * (2 * par.cp_size if par.cp_size > 1
                                                                              else 1)
-        # R3: (layers, top_k) of the routed_experts rows that collate decodes; None without router replay (or for a
-        # model that routes by itself: `replay` False)
+        # R3: (layers, top_k) of the routed_experts rows collate decodes; None without replay (or `replay` False)
         self.routed_shape = ((tcfg.num_layers, tcfg.moe_router_topk)
                              if replay and tcfg.moe_enable_routing_replay else None)
 
     def wrap_ddp(self, distributed_optimizer: bool = False) -> None:
-        """Make it trainable: Megatron's DistributedDataParallel around the GPTModel, fp32 gradient buffers summed
-        over DP ranks (the losses are pre-divided by global counts, see the module docstring). With
-        `distributed_optimizer` (CUDA; `Optim` then builds Megatron's DistributedOptimizer) the gradients are
-        reduce-scattered, each DP rank steps its shard, and the parameters are all-gathered after the step into one
-        buffer per dtype, which every parameter then views."""
+        """Make it trainable: Megatron's DDP around the GPTModel, fp32 gradient buffers summed over DP ranks. With
+        `distributed_optimizer` (CUDA) gradients are reduce-scattered, each DP rank steps its shard, and the parameters
+        are all-gathered after the step into one buffer per dtype that every parameter views."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # Megatron: late
         if distributed_optimizer and self.par.on_cpu:
             raise ValueError("use_distributed_optimizer=true needs CUDA (Megatron's optimizers allocate CUDA tensors); "
@@ -744,17 +686,13 @@ class Model:
             raise KeyError(f"no HF weight for Megatron parameter(s) {sorted(missing)}")
 
     def stream_full(self):
-        """The full Megatron tensors (TP=1 layout, every expert, every stage's layers, named as in the whole model),
-        one at a time, on global rank 0's device; nothing is yielded elsewhere. A generator every rank must drain at
-        once: the collectives inside pair them up, tensor by tensor, so at most the tensors a consumer keeps (a
-        weight-sync bucket) are alive; no rank ever holds the whole model.
+        """The full Megatron tensors (TP=1 layout, every expert, every stage's layers, whole-model names), one at a
+        time, on global rank 0's device; nothing is yielded elsewhere. Every rank must drain it at once: the collectives
+        inside pair up tensor by tensor, so no rank ever holds the whole model.
 
-        TP shards are all-gathered within each TP group on the device (data-parallel replica 0's result is the one
-        sent). With expert parallelism each rank holds num_experts / EP experts: expert tensors are first gathered
-        within the expert-tensor-parallel group, then all-gathered across the expert-parallel group (whose ranks
-        are different data-parallel replicas of the dense layers, so then every rank takes part). With pipeline
-        parallelism each stage's TP rank 0 of replica 0 sends its gathered tensors to rank 0 point to point, stage
-        after stage, in an order both sides know from one exchange of names, shapes and dtypes."""
+        TP shards are all-gathered within each TP group (replica 0's result is sent); expert tensors within the
+        expert-TP group, then across the EP group (every rank takes part); with PP each stage's sender sends its tensors
+        to rank 0 point to point, in an order both sides know from one exchange of names, shapes and dtypes."""
         from megatron.core import parallel_state  # Megatron: late
         par = self.par
         _, ep_size, _, etp_size = par.experts(self.tcfg.num_moe_experts)
@@ -814,9 +752,8 @@ class Model:
     # --- forward ------------------------------------------------------------------------------------------
 
     def output(self, mb: dict[str, torch.Tensor], pad_to: tuple[int, int] = (0, 0)):
-        """The model's output for a micro-batch: logits (B, T, V/tp) on the last pipeline stage (the critic: values
-        (B, T, 1)), the hidden states handed to the next stage elsewhere; and (B0, T0), the micro-batch's own shape
-        before padding to `pad_to` (PP: one activation shape per schedule run) or to the other expert ranks'."""
+        """The model's output for a micro-batch: logits (B, T, V/tp) on the last stage (critic: values (B, T, 1)),
+        hidden states elsewhere; and (B0, T0), its own shape before padding to `pad_to` (PP) or the other EP ranks'."""
         par = self.par
         if self.max_tokens:
             return self._packed_output(mb)
@@ -860,12 +797,10 @@ class Model:
         return output, (B0, T0)
 
     def _packed_output(self, mb: dict[str, torch.Tensor]):
-        """`output` for packed sequences (max_tokens_per_micro_batch): the micro-batch's B0 sequences back to back in
-        one row (1, N), no padding, each attending to itself only and with positions from 0 (Megatron's THD format:
-        PackedSeqParams with the cumulative lengths cu_seqlens; RoPE restarts per sequence). Sequence parallelism
-        needs N a multiple of TP: the few extra tokens form a sequence of their own, which no loss reads. Returns
-        the output (1, N, V/tp) and (B0, T0); mb["pack_start"] (B0,) is where each sequence starts in the row, which
-        `head` reads the response positions through."""
+        """`output` for packed sequences (max_tokens_per_micro_batch): the B0 sequences back to back in one row
+        (1, N), each attending to itself with positions from 0 (Megatron's THD format, cu_seqlens). SP needs N a
+        multiple of TP: the extra tokens form a sequence of their own no loss reads. Returns (1, N, V/tp) and
+        (B0, T0); mb["pack_start"] (B0,) is where each sequence starts, which `head` reads through."""
         from megatron.core.packed_seq_params import PackedSeqParams  # Megatron: late
         par = self.par
         lens = mb["seq_len"].tolist()  # (B0,) prompt + response tokens of each sequence
@@ -918,18 +853,14 @@ class Model:
             backward: bool = False, head: str = "logp") -> list:
         """The micro-batch loop of every pass (RL, SFT, distillation, critic, logprobs, teachers).
 
-        `rows` (trajectory dicts) go in consecutive micro-batches of micro_batch_size, collated with their
-        `extras` (per-row 1-D tensors, as collate's per_token) and R3 routing, on the rank's device. For each:
-        forward, `head` (see `head`), then `fn(part, mb, out)` with `part` the micro-batch's positions in `rows`
-        returns (loss, keep): with `backward` the loss's backward accumulates gradients (train mode); without, it
-        runs with no grad in eval mode and the loss may be None. Returns every micro-batch's `keep`, in order.
+        `rows` go in consecutive micro-batches, collated with their `extras` (per-row 1-D tensors) and R3 routing.
+        For each: forward, `head`, then `fn(part, mb, out)` (`part`: the micro-batch's positions in `rows`) returns
+        (loss, keep): with `backward` the loss's backward accumulates gradients (train mode); without, no grad, eval
+        mode, and the loss may be None. Returns every micro-batch's `keep`, in order.
 
-        PP = 1: one micro-batch after another, here. PP > 1: Megatron-Core's non-interleaved 1F1B schedule
-        (`get_forward_backward_func`) over the pipeline group, gloo p2p on CPU; `fn` runs on the last stage only,
-        and the keeps reach every stage from there. The loss goes back unscaled: calculate_per_token_loss=True,
-        and every loss is already divided by global counts, as without pipelining. EP > 1: every expert rank runs
-        as many micro-batches as the busiest one (the token dispatcher's collectives pair them up): the extra ones
-        are padding only, with a zero gradient."""
+        PP > 1: Megatron-Core's 1F1B schedule; `fn` runs on the last stage and the keeps reach every stage from
+        there; the loss goes back unscaled (already divided by global counts). EP > 1: every expert rank runs as
+        many micro-batches as the busiest one, the extra ones padding only with a zero gradient."""
         par, size = self.par, self.micro_batch_size
         parts = [range(s, min(s + size, len(rows))) for s in range(0, len(rows), size)]
         if self.max_tokens:  # packed: consecutive rows while their tokens fit the budget (a longer row goes alone)
@@ -975,8 +906,7 @@ class Model:
         """`run`'s micro-batches through Megatron-Core's 1F1B schedule (PP > 1); `kept` is filled on the last
         stage."""
         from megatron.core.pipeline_parallel import get_forward_backward_func  # Megatron: late
-        # one (B, T) for every micro-batch of this run: the shape the stages send each other (same on every stage:
-        # they hold the same rows)
+        # one (B, T) for every micro-batch of this run: the shape the stages send each other
         T = max(mb["tokens"].size(1) for mb in mbs)
         pad_to = (max(mb["tokens"].size(0) for mb in mbs), -(-T // self.seq_multiple) * self.seq_multiple)
 
@@ -1003,9 +933,8 @@ class Model:
 
     @torch.no_grad()
     def routing_used(self, batch: list[dict]) -> list[torch.Tensor]:
-        """The experts every router actually dispatched each token to, per sample a (P+R, L, K) long tensor, sorted
-        within each token (a routing map has no order): read from the routers' outputs in a no-grad forward, with
-        replay when the batch carries routed_experts and router_replay is on. For the R3 tests."""
+        """The experts every router dispatched each token to, per sample a (P+R, L, K) long tensor sorted within each
+        token, from a no-grad forward (replayed when the batch carries routed_experts). For the R3 tests."""
         from megatron.core.transformer.moe.router import TopKRouter  # Megatron: late
         if self.par.pp_size > 1:
             raise NotImplementedError("routing_used reads one whole model; call it with pipeline_parallel=1")
@@ -1036,10 +965,8 @@ class Model:
 
 
 class Optim:
-    """AdamW over one trained Model (the policy's or the critic's), its learning rate and its step count.
-    CUDA: Megatron's optimizer (fp32 master weights, clipping inside; with the Model's `distributed_optimizer`
-    Megatron's DistributedOptimizer, each DP rank holding 1/DP of the moments and masters); CPU: cpu.adamw with
-    cpu.clip_grad_norm (Megatron's optimizer wrappers need CUDA)."""
+    """AdamW over one trained Model, its learning rate and step count. CUDA: Megatron's optimizer (fp32 masters,
+    clipping inside; or its DistributedOptimizer); CPU: cpu.adamw with cpu.clip_grad_norm (Megatron's need CUDA)."""
 
     def __init__(self, model: Model, cfg, lr: float | None = None, name: str = "policy"):
         """`lr`: a constant learning rate; None: cfg's schedule (`lr_at`)."""
@@ -1107,10 +1034,9 @@ class Optim:
         return out
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of the optimizer (each rank writes its own file). Megatron's DistributedOptimizer
-        leaves the moments and fp32 masters out of its state_dict() (Megatron saves them apart, gathered over DP
-        ranks); here each rank keeps its own shard instead: each inner torch optimizer's state and its parameters,
-        which are the masters (`load_state_dict` needs the same layout, which load_checkpoint checks)."""
+        """What a checkpoint keeps of the optimizer (each rank its own file). Megatron's DistributedOptimizer leaves
+        the moments and fp32 masters out of its state_dict(); here each rank keeps its own shard: each inner torch
+        optimizer's state and its parameters, the masters (load_checkpoint checks the layout matches)."""
         if not self.model.distributed_optimizer:
             return self.optimizer.state_dict()
         return {"shards": [(o.optimizer.state_dict(), [p for g in o.optimizer.param_groups for p in g["params"]])
@@ -1134,14 +1060,10 @@ class Optim:
 
 
 class ValueHead(torch.nn.Module):
-    """The critic's head: V = w . h + b, one scalar per position, put in the place of GPTModel's output layer
-    (the LM head). GPTModel calls its output layer as `layer(hidden, weight=..., runtime_gather_output=...)`
-    on the final-normed hidden states (S, B, H) and returns the result batch-first, so the critic's forward
-    gives (B, S, 1) with no change to Megatron. Replicated on every TP rank (H is whole there, 1 output is
-    not worth splitting); zero-initialised, so a fresh critic says V = 0 and its first GAE is the
-    return-to-go. With sequence parallelism each TP rank holds S/tp positions of the hidden states: they are
-    gathered first (the LM head's ColumnParallelLinear does the same), and since every TP rank then computes the
-    same values and loss, the backward takes its own slice of that gradient rather than a sum over ranks."""
+    """The critic's head: V = w . h + b per position, in the place of GPTModel's output layer, which GPTModel calls
+    on the final-normed hidden states (S, B, H): the critic's forward gives (B, S, 1) with no change to Megatron.
+    Replicated on every TP rank; zero-initialised, so a fresh critic's first GAE is the return-to-go. With sequence
+    parallelism the hidden states are gathered first, as the LM head does."""
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
@@ -1159,10 +1081,9 @@ class ValueHead(torch.nn.Module):
 
 
 class Critic:
-    """CRITIC: the value model of PPO with GAE, in the same rank as the policy. A second GPTModel, its trunk from
-    the policy's checkpoint and a `ValueHead` in place of the LM head, with its own optimizer at the constant
-    cfg.critic_lr; saved in the policy's checkpoint file. It routes MoE tokens by itself: the engine's routing
-    (R3) is the policy's."""
+    """CRITIC: PPO's value model, in the same rank as the policy: a second GPTModel from the policy's checkpoint with
+    a `ValueHead`, its own optimizer at the constant cfg.critic_lr, saved in the policy's checkpoint file. It routes
+    MoE tokens by itself (R3 replays the policy's routing)."""
 
     def __init__(self, par: Parallel, cfg, tcfg, model_kwargs: dict, full: dict[str, torch.Tensor], hf: dict):
         self.cfg = cfg
@@ -1184,11 +1105,10 @@ class Critic:
 
     def update(self, batch: list[dict], spans: list[range], local: list[dict], old_values: list[torch.Tensor],
                returns: list[torch.Tensor], n_mb: int) -> dict[str, float]:
-        """Per mini-batch of the policy's plan (`spans`: its rows of `local`), micro-batches of algos.value_loss (the
-        clipped value loss with the mini-batch's GLOBAL token count, so DP ranks and micro-batches add up), then
-        one critic optimizer step. `old_values` / `returns`: (R_j,) per row of `local`. Returns `critic/` metrics
-        reduced over DP ranks: value_loss, clipfrac, grad_norm, lr (means over mini-batches), and before the update
-        vf_explained_var and values_mean over every trained token."""
+        """Per mini-batch of the policy's plan (`spans`: its rows of `local`), micro-batches of algos.value_loss with
+        GLOBAL counts, then one critic step. `old_values` / `returns`: (R_j,) per row of `local`. Returns `critic/`
+        metrics over DP ranks: value_loss, clipfrac, grad_norm, lr, and (before the update) vf_explained_var and
+        values_mean."""
         cfg, par, totals = self.cfg, self.model.par, {}
         for mb_i, rows in enumerate(spans):
             denom = denominators(cfg, batch, n_mb, mb_i, by_group=True)
@@ -1221,22 +1141,17 @@ def _storage_bytes(storage) -> torch.Tensor:
 
 
 class HandOff:
-    """COLOCATED: the memory a rank lends the engines. Between its phases a colocated trainer gives memory to the
-    engines on the same GPUs (fleet.colocate_hand_off): after the step its optimizer state and gradients, after the
-    weight sync its weights; all come back before the next step. Tags: "weights" (the policy's, the critic's and the
-    frozen reference's parameters), "optimizer" (Adam's moments and, on CUDA, Megatron's fp32 master weights),
-    "grads" (DDP's gradient buffers: zero between steps, so nothing is kept, and their storage is resized to zero and
-    back, so every param.main_grad view stays valid). Weights and optimizer tensors keep their identity (the
-    optimizer and DDP hold them): on CUDA their storages' bytes go to pinned host memory and the storages are resized
-    to zero and back (one entry per storage, so under the distributed optimizer DDP's parameter buffer, which every
-    parameter views, goes as one); on CPU their `.data` is swapped for a file in output_dir/offload
-    (cpu.offload_to_file), so the bytes really leave this process."""
+    """COLOCATED: the memory a rank lends the engines on its GPUs between phases (fleet.colocate_hand_off): after the
+    step its optimizer state and gradients, after the sync its weights; all come back before the next step. Tags:
+    "weights", "optimizer" (moments, fp32 masters), "grads" (zero between steps: storage resized to zero and back,
+    nothing kept). Tensors keep their identity (the optimizer and DDP hold them): on CUDA each storage's bytes go to
+    pinned host memory and the storage is resized to zero and back; on CPU `.data` moves to a file in
+    output_dir/offload (cpu.offload_to_file), so the bytes really leave this process."""
 
     TAGS = ("weights", "optimizer", "grads")
 
     def __init__(self, par: Parallel, output_dir: str, models=(), optims=()):
-        """`models`: every model of the rank (their weights); `optims`: the trained models' optimizers (their state,
-        and their models' gradients). None of either: nothing to hand off (before TrainerWorker.load_hf)."""
+        """`models`: every model of the rank (weights); `optims`: the trained ones' optimizers (state, gradients)."""
         self.par, self.output_dir = par, output_dir
         self.models, self.optims = list(models), list(optims)
         self.offloaded: dict[str, tuple] = {}  # tag -> (freed storages, file) while offloaded
@@ -1320,9 +1235,8 @@ class Export:
 
     def __init__(self, cfg, policy: Model, hf_path: str, hf_config, peft: dict | None, full_bytes: int,
                  hand_off: HandOff):
-        """`hf_path`, `hf_config`: the HF directory the policy was built from (its config and tokenizer files go
-        with every sync and HF directory); `peft`: LoRA's PEFT config (lora.peft_config), None without LoRA;
-        `full_bytes`: the full weights' size, what a sync without LoRA moves (weights/full_bytes)."""
+        """`hf_path`, `hf_config`: the HF directory the policy was built from; `peft`: LoRA's PEFT config or None;
+        `full_bytes`: what a sync without LoRA moves (weights/full_bytes)."""
         self.cfg, self.par, self.policy, self.hand_off = cfg, policy.par, policy, hand_off
         self.hf_path, self.hf_config, self.peft, self.full_bytes = str(hf_path), hf_config, peft, full_bytes
 
@@ -1343,12 +1257,10 @@ class Export:
 
     def sync(self, engine_urls: list[str], version: int, base: bool = False, remote: list[str] = ()) -> dict:
         """Push the current weights to the rollout engines as `version`, bucket by bucket as they are gathered (rank
-        0 sends; the others take part in each bucket's gather). With LoRA only the adapters travel, as the engines'
-        adapter lora.adapter_name(version); `base` also sends the frozen base weights first (the engines started
-        from another checkpoint: a warm start, a resume). Returns rank 0's `weights/` metrics, with the peak extra
-        resident memory of the sync in this process (`weights/peak_extra_mb`: about a bucket plus twice the largest
-        gathered tensor, never the model); with LoRA also weights/full_bytes, what a full sync would move. `remote`:
-        the engines on another Ray node than rank 0 (fleet.off_node): they never get shared memory or IPC handles."""
+        0 sends). With LoRA only the adapters travel (adapter lora.adapter_name(version)); `base` also sends the
+        frozen base first (a warm start, a resume). Returns rank 0's `weights/` metrics with the sync's peak extra
+        resident memory (`weights/peak_extra_mb`), with LoRA also weights/full_bytes. `remote`: engines on another
+        Ray node (fleet.off_node), never sent shared memory or IPC handles."""
         full = base or not self.peft
         stream = self.hf_weights() if full else iter(())
         adapters = self.adapters()
@@ -1382,10 +1294,9 @@ class Export:
         return stats
 
     def save_hf(self, path: str, adapter_path: str | None = None, shard_mb: float = 5 * 1024) -> str:
-        """Write an HF model directory (safetensors shards of at most `shard_mb` each, unless one tensor is larger,
-        and the source dir's config and tokenizer files), shard by shard as the weights are gathered: rank 0 holds
-        one shard at a time. With LoRA the adapters are merged in tensor by tensor (W + scale B A), and
-        `adapter_path` gets them as a PEFT adapter directory on the base this run started from (lora.save_peft)."""
+        """Write an HF model directory (safetensors shards of at most `shard_mb`, with the source config and tokenizer
+        files) as the weights are gathered: rank 0 holds one shard at a time. With LoRA the adapters are merged in
+        (W + scale B A), and `adapter_path` gets a PEFT adapter directory (lora.save_peft)."""
         adapters = self.adapters()
         stream = self.hf_weights()
         if self.par.rank == 0:
@@ -1406,17 +1317,12 @@ class Export:
 
 
 class TrainerWorker:
-    """One Megatron-Core rank of the policy. The controller creates world_size of them (`ray.remote(TrainerWorker)`),
-    and calls every method on all ranks at once; collectives inside pair them up.
+    """One Megatron-Core rank of the policy. The controller creates world_size of them and calls every method on all
+    ranks at once; collectives inside pair them up. Its parts: `par`, `policy` with `optim`, `ref` (when a KL term
+    needs one), `critic`, `export`, `hand_off`. Metrics are identical on every rank.
 
-    Its parts: `par` (this rank in the layout), `policy` (the trained Model) with `optim`, `ref` (the frozen
-    reference, when a KL term needs one), `critic` (advantage: gae), `export` (the policy's weights out: rank 0
-    streams the gathered weights to the engines and writes HF files), `hand_off` (colocated: the memory lent to the
-    engines between phases). Metrics are identical on every rank (pipeline stages get the last stage's).
-
-    LoRA (cfg.lora_rank > 0, lora.py): the policy's (and the critic's) base weights are frozen and only the adapters
-    are in the optimizer; the reference is the policy with its adapters off (no second model); a weight sync sends
-    the adapters alone; the HF export is the merged model, beside it a PEFT adapter directory.
+    LoRA (lora.py): base weights frozen, only the adapters in the optimizer; the reference is the policy with its
+    adapters off; a sync sends the adapters alone; the HF export is the merged model plus a PEFT directory.
     """
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
@@ -1431,14 +1337,9 @@ class TrainerWorker:
     # --- model, optimizer, reference, critic ------------------------------------------------------------
 
     def load_hf(self, path: str, lr: float | None = None) -> dict:
-        """Build the policy (+ optimizer, + frozen reference when a KL term needs one) from an HF dir.
-
-        `lr` set: a constant learning rate instead of cfg's schedule (the SFT warm start uses it).
-        Calling it again rebuilds everything from the new directory (optimizer state and step reset).
-        With `advantage: gae` (and no `lr`: the warm start trains the policy only) it also builds the critic.
-        With `lora_rank` (and no `lr`: the warm start makes the base, so it trains every weight) the policy gets
-        adapters on a frozen base and no reference copy (`_reference_logp` switches the adapters off instead).
-        """
+        """Build the policy (+ optimizer, + frozen reference when a KL term needs one) from an HF dir; again:
+        everything rebuilt, optimizer state reset. `lr` set (the SFT warm start): a constant learning rate, and
+        neither the critic (`advantage: gae`) nor LoRA adapters (the warm start trains every weight)."""
         cfg, par = self.cfg, self.par
         # free a previous model before building the next
         self.policy = self.optim = self.ref = self.critic = self.export = None
@@ -1512,20 +1413,10 @@ class TrainerWorker:
     # --- RL step ------------------------------------------------------------------------------------
 
     def train_step(self, batch: list[dict], step: int, targets: list[dict] | None = None) -> dict[str, float]:
-        """One RL step on `batch` (all trajectories of the step, the same list on every rank).
-
-        `step` is also the version of the weights this worker holds (one sync per step). 1. this DP rank's share,
-        by group (plan_minibatches); old logp (unless use_rollout_logprobs) of every mini-batch but the first, ref
-        logp and the critic's V_old, in no-grad forwards before any update; 2. advantages (algos.compute_advantages,
-        on the local groups); 3. for each mini-batch of global_batch_size samples: micro-batches of
-        micro_batch_size, policy loss with the mini-batch's GLOBAL denominators, backward, one optimizer step; then
-        the critic's own updates over the same mini-batches; 4. the train-inference gap of the step's starting
-        weights against the engine's logprobs. Returns `train/` (and `critic/`) metrics as python floats, reduced
-        over DP ranks (identical on every rank).
-
-        `targets`: teacher targets from teacher.py's `TeacherWorker.score`, one dict per sample of `batch` (same
-        order), or None without teachers; they add their terms to the policy loss (`opd_terms`).
-        """
+        """One RL step on `batch` (all trajectories of the step, the same list on every rank), in the four numbered
+        blocks below; `step` is also the version of the weights this worker holds (one sync per step). Returns
+        `train/` (and `critic/`) metrics as python floats, identical on every rank. `targets`: teacher targets
+        (teacher.py's `TeacherWorker.score`), one dict per sample of `batch`, or None; they add `opd_terms`."""
         cfg, par = self.cfg, self.par
         self.onload()  # colocated: whatever the hand-off offloaded comes back before the step
         if not batch:
@@ -1547,11 +1438,9 @@ class TrainerWorker:
             raise ValueError("use_rollout_logprobs=True but some trajectories lack rollout_logprobs (one per "
                              "response token); set use_rollout_logprobs=False to recompute old logprobs")
 
-        # --- 1. old/ref logprobs, before any update of this step (old-policy consistency: every mini-batch's
-        #     old logp comes from the weights at the start of the step). The first mini-batch takes its old
-        #     logp from its own training forward, detached: same weights, same numbers, ratio exactly 1, so
-        #     only the later mini-batches pay a no-grad forward. KL-in-reward advantages need every old logp
-        #     up front, and use_rollout_logprobs takes the engine's.
+        # --- 1. old/ref logprobs under the step's starting weights. Mini-batch 0 takes its old logp from its own
+        #     training forward, detached (same weights: ratio exactly 1), so only later ones pay a no-grad forward;
+        #     KL-in-reward needs every old logp up front, and use_rollout_logprobs takes the engine's.
         first = set(spans[0]) if not (cfg.recompute_old_logprobs or cfg.use_rollout_logprobs) and \
             not (cfg.kl_in_reward and cfg.kl_coef > 0) else set()  # rows of `local` in mini-batch 0
         if cfg.use_rollout_logprobs:
@@ -1663,10 +1552,9 @@ class TrainerWorker:
         return totals, before_update
 
     def _gap_metrics(self, local: list[dict], before_update: dict[int, torch.Tensor], step: int) -> dict:
-        """Step 4: the train-inference gap of the rows in `before_update` (their logp under the step's starting
-        weights) against the engine's logprobs, DP-reduced. gap: numerics only, on the tokens sampled by these
-        very weights (version == step); off-policy: every token, so in async it also holds the policy's drift
-        since the tokens were sampled."""
+        """Step 4: the train-inference gap of the rows in `before_update` (logp under the step's starting weights)
+        against the engine's logprobs, DP-reduced. gap: on tokens sampled by these very weights (version == step);
+        off-policy: every token, so in async it also holds the policy's drift."""
         gap_local: dict[str, float] = {}
         off_local: dict[str, float] = {}
         if before_update:
@@ -1744,8 +1632,8 @@ class TrainerWorker:
     # --- forward-only passes ------------------------------------------------------------------------
 
     def compute_logprobs(self, batch: list[dict], reference: bool = False) -> list[list[float]]:
-        """Per response token logprobs for every sample (every rank computes all samples; for parity
-        tests and debugging, not the training hot path). `reference`: the KL term's reference model's instead."""
+        """Per response token logprobs of every sample on every rank, for parity tests and debugging; `reference`:
+        the KL term's reference model's instead."""
         self.onload(["weights"])
         return [row.tolist() for row in (self._reference_logp(batch) if reference else self.policy.logp(batch))]
 

@@ -6,46 +6,23 @@ on the device, as the stream is read; no rank holds the whole model), the contro
 (`continue_engines`): three visible steps in `train()`, so requests in flight keep their KV cache and resume on
 the new weights, each token recording the version that produced it.
 
-`push_weights` speaks SGLang 0.5.23's weight-update contract (see /work/shared/SGLANG_CONTRACT.md):
-every update sits inside `POST /begin_weight_update {"selector": "all"}` ... `POST /end_weight_update {}`;
-tensors travel in buckets (never one round-trip per parameter) in SGLang's "flattened_bucket" layout, each
-bucket cut from the stream as it arrives, sent, and let go before the next is gathered (`buckets_with_last`);
-the last bucket carries `weight_version`, so no separate version call is needed. One persistent HTTP
-connection per engine (a module-level client) serves every call of every sync. The receiver side is
-the CPU engine's own HTTP endpoints (cpu_engine.py), using the helpers at the bottom of this file.
+`push_weights` speaks SGLang 0.5.23's weight-update contract (/work/shared/SGLANG_CONTRACT.md): every update sits
+inside `POST /begin_weight_update {"selector": "all"}` ... `POST /end_weight_update {}`; tensors travel in buckets
+in SGLang's "flattened_bucket" layout (bytes back to back, each offset a multiple of its dtype's size), each cut
+from the stream as it arrives, sent, and let go before the next is gathered (`buckets_with_last`); the last bucket
+carries `weight_version`. One persistent HTTP connection per engine serves every sync. The receiver side is the CPU
+engine's endpoints (cpu_engine.py), using the helpers at the bottom of this file.
 
-Transports (chosen per engine by `pick_transport`, or forced with `transfer=` in the recipe):
+Transports (per engine by `pick_transport`, or `transfer=` in the recipe; the table is in docs/TRANSFERMESH.md):
+`shm` (same machine, CPU engine: one shared-memory copy every local engine reads), `cuda_ipc` (same machine, SGLang
+on GPU: IPC handles, one dump per TP rank), `broadcast` (any machine: a gloo/NCCL group of 1 + the engines' TP
+ranks), `disk` (safetensors in a directory). `transfer=` may also name a user's push function by dotted path,
+`push(tensors, engines, bucket_bytes, config_dir, version) -> (buckets, bytes)`, called inside the engines'
+weight-update session (docs/EXTENDING.md).
 
-| name      | receiver                    | how                                                        |
-|-----------|-----------------------------|------------------------------------------------------------|
-| shm       | same machine, CPU engine    | bucket written once into shared memory, every local engine |
-|           |                             | copies it out (`/update_weights_from_tensor`, load_format  |
-|           |                             | "flattened_bucket", SGLang's own payload: a pickled handle |
-|           |                             | of the shared tensor per TP rank); the CPU analogue of     |
-|           |                             | CUDA IPC                                                   |
-| cuda_ipc  | same machine, SGLang on GPU | CUDA IPC handles of the trainer's tensors, serialised the  |
-|           |                             | way SGLang expects: one dump per TP rank, devices named by |
-|           |                             | UUID (`/update_weights_from_tensor`)                        |
-| broadcast | any machine                 | one flattened bucket per collective over a gloo (CPU) or   |
-|           |                             | NCCL group (built as SGLang builds its side) of            |
-|           |                             | 1 + sum of the engines' TP sizes ranks                     |
-|           |                             | (`/init_weights_update_group`,                              |
-|           |                             | `/update_weights_from_distributed`)                         |
-| disk      | anything that shares a disk | safetensors + config in a directory                        |
-|           |                             | (`/update_weights_from_disk`); slowest, simplest            |
-
-`transfer=` may also name a user's push function by dotted path: `push(tensors, engines, bucket_bytes,
-config_dir, version) -> (buckets, bytes)`, the built-ins' signature (`tensors`: an iterable of (name, tensor) to
-read once, lazily), called inside the engines' weight-update session (docs/EXTENDING.md).
-
-The flattened layout is SGLang's: the tensors' bytes back to back in one uint8 buffer, no padding, each
-tensor's offset a multiple of its dtype's size (`iter_buckets` starts a new bucket rather than misalign one).
-Every bucket carries a checksum, XXH3-64 of its bytes per 8 MB chunk (order-sensitive: a flipped bit, swapped
-chunks or a shifted buffer all change it; a LoongSage field that SGLang ignores); the CPU engine verifies it before
-loading and refuses a bucket that does not match, keeping its old weights. `rss_bytes` and `trim_freed_memory`
-serve the colocated memory hand-off (engines and trainers measure and give back memory between phases).
-`python bench.py sync` measures
-each transport here against a memcpy.
+Every bucket carries an XXH3-64 checksum per 8 MB chunk (a LoongSage field SGLang ignores); the CPU engine refuses
+a bucket that does not match and keeps its old weights. `rss_bytes` and `trim_freed_memory` serve the colocated
+memory hand-off. Test: tests/test_transfermesh.py; `python bench.py sync` measures each transport against a memcpy.
 
 Processes: senders and receivers of shm buckets are separate processes, as in a run (trainer rank 0, engine actors).
 torch's shared-memory manager table is per process, and a new segment is registered with whichever manager the table
@@ -180,8 +157,7 @@ def checksum(flat: torch.Tensor) -> list[int]:
     """XXH3-64 of each CHECKSUM_CHUNK-byte chunk of a flat uint8 tensor, in order. XXH3 mixes every byte with its
     position, so a flipped bit, two chunks that trade places (the list is positional, and within a chunk the hash
     is order-sensitive) or shifted bytes change it except with probability ~2**-64 per chunk. Chosen over CRC32
-    for speed: XXH3 reads ~25-30 GB/s on one core here, faster than a memcpy (~10 GB/s), where zlib's CRC32 read
-    ~3-4 GB/s and bounded a shared-memory sync at ~0.1x a memcpy."""
+    for speed: XXH3 hashes faster than a memcpy, where CRC32 bounded a shared-memory sync at ~0.1x a memcpy."""
     buf = memoryview(flat.contiguous().numpy()) if flat.numel() else memoryview(b"")
     return [xxhash.xxh3_64_intdigest(buf[i:i + CHECKSUM_CHUNK]) for i in range(0, max(len(buf), 1), CHECKSUM_CHUNK)]
 
@@ -212,7 +188,8 @@ def verify_adapter_sha256(named: list[tuple[str, torch.Tensor]], expected: dict[
     if expected is None:
         return
     if not isinstance(expected, dict):
-        raise ValueError(f"expected_checksums must map tensor names to sha256 hex strings, got {type(expected).__name__}")
+        raise ValueError("expected_checksums must map tensor names to sha256 hex strings, "
+                         f"got {type(expected).__name__}")
     got = adapter_sha256(named)
     mismatch = [n for n, want in expected.items() if n in got and got[n] != want]
     missing, extra = [n for n in expected if n not in got], [n for n in got if n not in expected]
@@ -263,7 +240,7 @@ _CLIENT: httpx.Client | None = None  # one per process: keeps one open connectio
 def _client() -> httpx.Client:
     global _CLIENT
     if _CLIENT is None:
-        # TCP_NODELAY: without it each small request waited ~40 ms on Nagle's algorithm meeting a delayed ACK
+        # TCP_NODELAY: without it each small request waits on Nagle's algorithm meeting a delayed ACK
         transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         _CLIENT = httpx.Client(timeout=600.0, transport=transport,
                                limits=httpx.Limits(max_keepalive_connections=64, keepalive_expiry=3600))
@@ -311,16 +288,11 @@ def _engines(engines) -> list[tuple[str, int]]:
 def push_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engines: list, version: int, *,
                  transport: str = "auto", bucket_mb: float = 64, config_dir: str | None = None,
                  remote: Collection[str] = ()) -> dict:
-    """Send all weights to every engine in buckets inside one weight-update session per engine; the last
-    bucket sets the engines' weight version. `engines`: urls, or (url, tp_size) pairs; `remote`: the urls among
-    them on another Ray node than this process (pick_transport). `named_tensors` is read
-    once, lazily: a generator that gathers each tensor when asked (trainer.Export.hf_weights) is never held whole,
-    only the bucket in hand.
-
-    Does not pause: call `pause_engines` before and `continue_engines` after (the controller does, in train()).
-    Returns `weights/` metrics: bytes, buckets, seconds and GB/s, and the engines each transport served
-    (`weights/engines_<transport>`).
-    """
+    """Send all weights to every engine in buckets inside one weight-update session per engine; the last bucket
+    sets the engines' weight version. `engines`: urls, or (url, tp_size) pairs; `remote`: the urls among them on
+    another Ray node (pick_transport). `named_tensors` is read once, lazily: only the bucket in hand is held.
+    Does not pause: the controller calls `pause_engines` before and `continue_engines` after. Returns `weights/`
+    metrics: bytes, buckets, seconds, GB/s and the engines each transport served (`weights/engines_<transport>`)."""
     t0 = time.perf_counter()
     bucket_bytes = int(bucket_mb * 2**20)
     engines = _engines(engines)
@@ -364,21 +336,15 @@ def adapter_transport(url: str, requested: str, remote: bool = False) -> str:
 
 def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list, version: int, name: str, *,
                  transport: str = "auto", remote: Collection[str] = ()) -> dict:
-    """LoRA: load `adapters` ({PEFT name: full tensor}, lora.gather) into every engine as a new adapter `name`, with
-    its PEFT `config` (adapter_config.json), then make `version` the engines' weight version. No weight-update
-    session: SGLang 0.5.23 loads adapters outside one (they never change the weights a running request uses). One
-    adapter per version: SGLang refuses a name already loaded, and a request keeps the adapter it named until it
-    ends, so the requests in flight finish on their own adapter (AgentFlow names the new one for new requests and
-    unloads the old one once no request of its uses it). `engines`: urls or (url, tp_size) pairs; `remote`: those on
-    another Ray node (pick_transport).
+    """LoRA: load `adapters` ({PEFT name: full tensor}, lora.gather) into every engine as a new adapter `name` with
+    its PEFT `config`, then make `version` the engines' weight version. No weight-update session: SGLang 0.5.23
+    loads adapters outside one. One adapter per version: SGLang refuses a name already loaded, and a request keeps
+    the adapter it named, so requests in flight finish on their own (AgentFlow names the new one for new requests
+    and unloads the old one once unused). `engines`: urls or (url, tp_size) pairs; `remote`: as in push_weights.
 
-    Transports (SGLang has no adapter broadcast): "shm" (CPU engine) and "cuda_ipc" (SGLang, same machine):
-    `/load_lora_adapter_from_tensors` with one payload per TP rank of the full tensors (SGLang slices them per rank
-    itself), SGLang's own payload as for weight updates: a flattened bucket in shared memory (`tensor_payloads`), or
-    CUDA IPC handles of a {name: tensor} dict (`cuda_ipc_payloads`, load_format null); "disk": a
-    PEFT directory and `/load_lora_adapter`, which `auto` picks for an engine on another machine (where full weights
-    would be broadcast; it needs a disk both see, as the disk transport does). Returns `weights/` metrics: bytes,
-    buckets, seconds, GB/s."""
+    Transports (SGLang has no adapter broadcast): "shm" / "cuda_ipc" send `/load_lora_adapter_from_tensors` one
+    payload of the full tensors per TP rank (`tensor_payloads` / `cuda_ipc_payloads`, load_format null); "disk" (what
+    `auto` picks for another machine) a PEFT directory and `/load_lora_adapter`. Returns `weights/` metrics."""
     t0 = time.perf_counter()
     engines = _engines(engines)
     tensors = sorted(adapters.items())
@@ -408,7 +374,8 @@ def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list,
         else:
             out = tempfile.mkdtemp(prefix="loongsage_adapter_")
             try:
-                _post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": lora.save_peft(adapters, config, out)})
+                _post(url, "/load_lora_adapter",
+                      {"lora_name": name, "lora_path": lora.save_peft(adapters, config, out)})
             finally:
                 shutil.rmtree(out, ignore_errors=True)
         # abort_all_requests defaults to true in SGLang: requests in flight must survive the version change
@@ -461,11 +428,9 @@ _SEGMENT: list = []  # [uint8 tensor in shared memory, numpy view of it]: one se
 
 @contextlib.contextmanager
 def _file_system_sharing():
-    """torch's "file_system" sharing strategy for the tensors shared inside: their storage is a named file in
-    /dev/shm that any process on the machine can map. The default "file_descriptor" strategy passes a file
-    descriptor through multiprocessing's resource sharer, which authenticates with the sender's authkey, so only the
-    sender's own children can open it (an engine started by Ray or by hand gets AuthenticationError). Scoped: the
-    process-wide default stays as it was for everything else in the process."""
+    """torch's "file_system" sharing strategy inside: storage is a named file in /dev/shm any process can map. The
+    default "file_descriptor" strategy authenticates with the sender's authkey, so only its own children could open
+    it (an engine started by Ray gets AuthenticationError). Scoped: the process-wide default is left as it was."""
     old = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
@@ -475,10 +440,8 @@ def _file_system_sharing():
 
 
 def reserve_shm(nbytes: int) -> None:
-    """Make this process's segment hold two buckets of `nbytes` (a new segment if it is smaller). The old segment
-    lives on while a receiver still maps it (torch counts the mappings and removes the file after the last one):
-    `_push_shm` reserves two full buckets at its first, so a sync writes into one segment unless a single tensor is
-    larger than a bucket."""
+    """Make this process's segment hold two buckets of `nbytes` (a new segment if it is smaller; the old one lives
+    while a receiver still maps it)."""
     half = -(-max(nbytes, 1) // 4096) * 4096  # whole pages: the second half starts aligned for any dtype's view
     if not _SEGMENT or _SEGMENT[0].numel() < 2 * half:
         _SEGMENT.clear()
@@ -487,20 +450,17 @@ def reserve_shm(nbytes: int) -> None:
         _SEGMENT.extend([seg, seg.numpy()])
 
 
-HASH_STEP = 2**20  # bytes copied into the segment, then hashed while they are still in L2 (1 MB; L2 is 2 MB per core here)
+HASH_STEP = 2**20  # bytes copied into the segment, then hashed while they are still in cache
 
 
-def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]], half: int = 0) -> tuple[torch.Tensor, list[list], list[int]]:
+def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]],
+                     half: int = 0) -> tuple[torch.Tensor, list[list], list[int]]:
     """Write a bucket into one half (0 or 1) of this process's shared-memory segment in the packed layout; returns
     the bucket's bytes (a view of the segment), its layout and its checksum. Two halves let the next bucket be
-    written while receivers copy the previous one out. The segment is reused (grown when a bucket needs more): fresh
-    pages cost a page fault each on first write, so a new segment per bucket ran several times slower than the copy
-    itself; after the first sync the copy runs at memcpy speed. Reuse is safe because a half is written again only
-    after every receiver answered the update request that read it.
-
-    Copy and checksum are one pass over memory: each HASH_STEP-sized piece is hashed right after it is copied,
-    while it is still in cache (a copy of the whole bucket and then a hash of it read every byte from memory twice).
-    The streamed XXH3 of a chunk equals the one-shot hash, so the list is exactly `checksum()` of the bytes."""
+    written while receivers copy the previous one out. The segment is reused because fresh pages cost a page fault
+    each on first write; a half is written again only after every receiver answered the request that read it.
+    Copy and checksum are one pass: each HASH_STEP piece is hashed right after it is copied, while in cache; the
+    streamed XXH3 equals the one-shot hash, so the list is exactly `checksum()` of the bytes."""
     metas, total = bucket_layout(bucket)
     reserve_shm(total)
     seg_t, seg = _SEGMENT
@@ -512,8 +472,7 @@ def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]], half: int = 0) -> t
         while pos < end:
             stop = min(end, (pos // HASH_STEP + 1) * HASH_STEP)  # pieces never cross a HASH_STEP (so chunk) boundary
             piece = seg[base + pos:base + stop]
-            # numpy's copy, one thread: torch's copy_ with 2 threads into this MAP_SHARED mapping measured 0.2-0.6
-            # GB/s here (against ~7 GB/s for this), and a trainer's torch threads are not ours to change
+            # numpy's copy: torch's copy_ into this MAP_SHARED mapping is many times slower (docs/TRANSFERMESH.md)
             np.copyto(piece, src[pos - off:stop - off])
             h.update(piece)
             pos = stop
@@ -527,13 +486,10 @@ def write_shm_bucket(bucket: list[tuple[str, torch.Tensor]], half: int = 0) -> t
 
 def tensor_payloads(flat: torch.Tensor, metas: list[list], tp_size: int) -> list[str]:
     """SGLang 0.5.23's serialized_named_tensors for a load_format "flattened_bucket" update: per TP rank, base64 of
-    a ForkingPickler dump (SGLang's MultiprocessingSerializer) of {"flattened_tensor": uint8 tensor, "metadata":
-    [FlattenedTensorMetadata]}. The tensor travels as a handle of its shared-memory storage (torch's own reduction,
-    file_system strategy), so the receiver maps the sender's bytes: no copy through HTTP. The metadata entries are
-    types.SimpleNamespace objects with FlattenedTensorMetadata's fields (name, shape, dtype, start_idx, end_idx,
-    numel in bytes): SGLang reads them by attribute and its SafeUnpickler allows SimpleNamespace, while pickling its
-    own class would need sglang imported here. One dump per TP rank: each dump takes one reference on the storage
-    and each rank's load gives one back."""
+    a ForkingPickler dump of {"flattened_tensor": uint8 tensor, "metadata": [FlattenedTensorMetadata]}. The tensor
+    travels as a handle of its shared-memory storage, so the receiver maps the sender's bytes. The metadata are
+    SimpleNamespaces with FlattenedTensorMetadata's fields (SGLang reads them by attribute and its SafeUnpickler
+    allows them; its own class would need sglang here). One dump per TP rank: each takes one storage reference."""
     meta = [types.SimpleNamespace(name=name, shape=torch.Size(shape), dtype=getattr(torch, dtype), start_idx=off,
                                   end_idx=off + _nbytes(getattr(torch, dtype), shape),
                                   numel=_nbytes(getattr(torch, dtype), shape)) for name, dtype, shape, off in metas]
@@ -554,10 +510,9 @@ def release_shm() -> None:
 
 
 def _push_shm(tensors, engines, bucket_bytes, config_dir, version):
-    """Each bucket written once into shared memory, read by every local engine. The two halves of the segment
-    alternate: bucket i+1 is gathered and written while the engines copy bucket i out (one update request in flight
-    at a time, so the buckets load in order and the version-carrying last one loads last). A bucket's tensors are
-    let go once written, so the sender holds the segment, the bucket being written and nothing else."""
+    """Each bucket written once into shared memory, read by every local engine. The segment's halves alternate:
+    bucket i+1 is written while the engines copy bucket i out (one request in flight, so buckets load in order and
+    the version-carrying last one last)."""
     n = nbytes = 0
     pending = None
     with ThreadPoolExecutor(1, thread_name_prefix="shm-update") as pool:
@@ -587,10 +542,8 @@ def _device_uuid(index: int) -> str:
 
 def _reduce_tensor_with_device_uuid(t: torch.Tensor):
     """torch's own reduction of a tensor for ForkingPickler, with a CUDA storage's device index replaced by the
-    device's UUID. SGLang 0.5.23's receiver (utils/patch_torch.py, applied by every TP rank before it deserializes)
-    maps a UUID back to its own index; a bare index would name another GPU there whenever the trainer's and the
-    engine's CUDA_VISIBLE_DEVICES differ, which Ray makes the rule. Argument 6 of torch's rebuild_cuda_tensor is the
-    storage device (SGLang patches the same position)."""
+    device's UUID, which SGLang 0.5.23's receiver (utils/patch_torch.py) maps back to its own index: a bare index
+    names another GPU whenever the two sides' CUDA_VISIBLE_DEVICES differ. Argument 6 is the storage device."""
     rebuild, args = reductions.reduce_tensor(t)
     if rebuild is reductions.rebuild_cuda_tensor:
         args = (*args[:6], _device_uuid(args[6]), *args[7:])
@@ -599,11 +552,9 @@ def _reduce_tensor_with_device_uuid(t: torch.Tensor):
 
 def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], tp_size: int) -> list[str]:
     """SGLang's serialized_named_tensors for one bucket: base64 of a ForkingPickler dump of [(name, tensor), ...]
-    (a weight update) or {name: tensor} (a LoRA adapter, /load_lora_adapter_from_tensors), one per TP rank. Each
-    rank deserializes only entry tp_rank, and each entry is its own dump: CUDA IPC counts
-    references per dump on the sender, so one dump read by two ranks would be released twice. CUDA devices travel
-    as UUIDs (`_reduce_tensor_with_device_uuid`). The dump holds only what SGLang's SafeUnpickler allows (lists,
-    tuples, str, torch's tensor rebuild functions, dtypes). Works on CPU tensors too (shared-memory handles)."""
+    (a weight update) or {name: tensor} (a LoRA adapter), one per TP rank: CUDA IPC counts references per dump,
+    so one dump read by two ranks would be released twice. Devices travel as UUIDs; the dump holds only what
+    SGLang's SafeUnpickler allows. Works on CPU tensors too (shared-memory handles)."""
     out = []
     for _ in range(tp_size):
         buf = io.BytesIO()
@@ -616,9 +567,8 @@ def cuda_ipc_payloads(bucket: list[tuple[str, torch.Tensor]] | dict[str, torch.T
 
 
 def _push_cuda_ipc(tensors, engines, bucket_bytes, config_dir, version):
-    """Each bucket's tensors shared by CUDA IPC handle where they lie (the trainer's gathered tensors are already
-    on its GPU: no host copy); every engine TP rank maps them and copies into its weights before its request
-    returns, then the bucket is freed and the next gathered."""
+    """Each bucket's tensors shared by CUDA IPC handle where they lie (no host copy); every engine TP rank copies
+    them into its weights before its request returns, then the next bucket is gathered."""
     n = nbytes = 0
     for bucket, last in buckets_with_last(tensors, bucket_bytes):
         bucket = [(name, t.detach().cuda().contiguous()) for name, t in bucket]
@@ -630,9 +580,8 @@ def _push_cuda_ipc(tensors, engines, bucket_bytes, config_dir, version):
     return n, nbytes
 
 
-# engine set -> (group name, this side's group): at most one, the set the last broadcast push went to. A new set (an
-# engine re-created) gets a group of a new name, the old one destroyed on both sides first: torch refuses a second
-# process group of one name, and SGLang keeps the old group (and its NCCL buffers) until told to destroy it.
+# engine set -> (group name, this side's group): the set the last broadcast went to. A new set gets a group of a new
+# name, the old one destroyed on both sides first (torch refuses two groups of one name; SGLang keeps the old one).
 _BROADCAST_GROUPS: dict[tuple, tuple[str, object]] = {}
 
 
@@ -712,11 +661,9 @@ _given_ports: set[int] = set()  # handed out by free_port in this process: never
 
 
 def free_port(host: str = "") -> int:
-    """A TCP port that another process will bind in a moment (a process group's rendezvous, a server), free now and
-    below the kernel's ephemeral range. A port from bind(0) is an ephemeral one, which any outgoing connection (Ray
-    opens many) may take before the other process binds it: EADDRINUSE at its rendezvous, seen once in a suite of
-    ~670 tests. Ports below the range are taken only by an explicit bind. The draw is from its own RNG, never the
-    seeded global one a run's reproducibility rests on."""
+    """A TCP port another process will bind in a moment, free now and below the kernel's ephemeral range: a bind(0)
+    port is ephemeral, and any outgoing connection (Ray opens many) may take it first (EADDRINUSE). Drawn from its
+    own RNG, never the seeded global one a run's reproducibility rests on."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])
@@ -789,10 +736,9 @@ _MAPPED: dict = {}  # "last" -> the last bucket received from shared memory: kee
 
 
 class _BucketUnpickler(pickle.Unpickler):
-    """SGLang 0.5.23's SafeUnpickler (utils/common.py), as far as a tensor update from CPU memory needs it: the
-    globals below are all in its allow-list, and any other global is refused as SGLang refuses it. SGLang's own
-    FlattenedTensorMetadata class (what a client that imports sglang pickles) loads as a SimpleNamespace with the
-    same fields, so the CPU engine takes both forms without importing sglang."""
+    """SGLang 0.5.23's SafeUnpickler (utils/common.py), as far as a tensor update from CPU memory needs it; any other
+    global is refused as SGLang refuses it. SGLang's FlattenedTensorMetadata loads as a SimpleNamespace with the same
+    fields, so the CPU engine takes both forms without importing sglang."""
     ALLOWED = {("builtins", n) for n in ("bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int",
                                          "list", "range", "set", "slice", "str", "tuple")} | \
         {("collections", n) for n in ("OrderedDict", "defaultdict", "deque", "Counter")} | \
@@ -812,7 +758,8 @@ class _BucketUnpickler(pickle.Unpickler):
         if (module, name) == ("torch.storage", "_load_from_bytes"):  # a tensor pickled by value, as SGLang loads it
             return lambda b: torch.load(io.BytesIO(b), weights_only=True)
         # torch's dtypes and storage classes by name (torch.float32, torch.FloatStorage, torch.UntypedStorage, ...)
-        torch_data = module == "torch" and (isinstance(getattr(torch, name, None), torch.dtype) or name.endswith("Storage"))
+        torch_data = module == "torch" and (isinstance(getattr(torch, name, None), torch.dtype)
+                                            or name.endswith("Storage"))
         if (module, name) in self.ALLOWED or torch_data:
             return super().find_class(module, name)
         raise ValueError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization (SGLang's "
@@ -822,14 +769,11 @@ class _BucketUnpickler(pickle.Unpickler):
 def read_tensor_payload(entry, load_format: str | None, expected_checksum: list[int] | None = None,
                         adapter: bool = False) -> list[tuple[str, torch.Tensor]]:
     """One serialized_named_tensors entry of `/update_weights_from_tensor` as SGLang 0.5.23 reads it: base64 of a
-    ForkingPickler dump; with load_format "flattened_bucket" a dict {"flattened_tensor": uint8 tensor, "metadata":
-    [entries with name, shape, dtype, start_idx, end_idx, numel]} cut into tensors as SGLang's FlattenedTensorBucket
-    does (slice, view as dtype, reshape); with load_format None a list of (name, tensor) pairs, or with `adapter`
-    (`/load_lora_adapter_from_tensors`, whose SGLang handler iterates the dump's items()) a {name: tensor} dict;
-    otherwise SGLang reads an adapter's entry as it reads a weight update's. CPU tensors arrive as handles of the
-    sender's shared memory (torch's file_system strategy; `tensor_payloads`): no copy here, the engine's own copy
-    into its parameters is the only one. The bytes of a bucket are verified against the sender's checksum (if sent)
-    before any tensor is returned. Raises ValueError on anything SGLang would refuse."""
+    ForkingPickler dump; with load_format "flattened_bucket" {"flattened_tensor": uint8, "metadata": [...]} cut into
+    tensors as SGLang's FlattenedTensorBucket does; with None a list of (name, tensor) pairs, or with `adapter`
+    (`/load_lora_adapter_from_tensors`) a {name: tensor} dict. CPU tensors arrive as handles of the sender's shared
+    memory: the engine's copy into its parameters is the only one. A bucket's bytes are verified against the sender's
+    checksum (if sent) before any tensor is returned. Raises ValueError on anything SGLang would refuse."""
     try:
         raw = base64.b64decode(entry, validate=True)
     except (binascii.Error, ValueError, TypeError):
@@ -872,10 +816,9 @@ def read_tensor_payload(entry, load_format: str | None, expected_checksum: list[
 
 def new_sglang_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                      backend: str = "nccl", timeout_s: float = 300):
-    """The trainer's side of an SGLang weight-update group, built as SGLang 0.5.23 builds its side
-    (`init_custom_process_group` in sglang/srt/utils/common.py): a TCP store at master_address:master_port (rank 0,
-    the trainer, hosts it), prefixed with group_name, then torch's group constructor with that name, so both sides
-    use the same store keys. Registered with torch.distributed under group_name beside the default group."""
+    """The trainer's side of an SGLang weight-update group, built as SGLang 0.5.23's `init_custom_process_group`
+    builds its side: a TCP store hosted by rank 0, prefixed with group_name, then torch's group constructor with that
+    name, so both sides use the same store keys."""
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
