@@ -6,7 +6,8 @@ the batch algebra) and the rules that reject meaningless combinations before any
 `describe`, `fast_paths`).
 
 Every error names what was wrong, the value seen and what to change; a misspelt key names the closest valid one.
-Nothing here starts Ray or builds a model: `--check` runs this file (and fleet.placement) only.
+Nothing here starts Ray or builds a model: `--check` runs this file (and fleet.placement, convert.layer_spec)
+only.
 
 Test: `.venv/bin/pytest tests/test_loongsage.py -k "closest or typed or algebra or missing or validation or exit_codes"`
 (config errors, overrides, the batch algebra, --check, in seconds);
