@@ -76,9 +76,9 @@ def test_rules_say_what_to_change(overrides, message, monkeypatch):
 def test_layouts_that_pass(monkeypatch):
     monkeypatch.setattr(convert, "_te_import_error", lambda: None)  # as on trainers where TE imports
     cfg = config.load_config(None, ["device=cuda", "dtype=bfloat16", "trainer_workers=8", "tensor_parallel=2",
-                                    "context_parallel=2", "sequence_parallel=true", "use_distributed_optimizer=true", "recompute=selective",
-                                    "global_batch_size=16", "micro_batch_size=1", "prompts_per_step=4",
-                                    "samples_per_prompt=4"])
+                                    "context_parallel=2", "sequence_parallel=true", "use_distributed_optimizer=true",
+                                    "recompute=selective", "global_batch_size=16", "micro_batch_size=1",
+                                    "prompts_per_step=4", "samples_per_prompt=4"])
     assert cfg.data_parallel == 2  # 8 ranks = TP 2 x CP 2 x DP 2
     assert config.fast_paths(cfg) == ("layer spec auto -> te here; distributed optimizer on; sequence parallel on; "
                                       "context parallel 2; recompute selective")

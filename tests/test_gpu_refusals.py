@@ -147,7 +147,8 @@ tcfg, kwargs = convert.megatron_config(hf, cfg, cpu=False)  # the spec and class
 with torch.device("meta"):
     model = convert.build_gpt_model(tcfg, kwargs, torch.device("meta"))
 print(json.dumps({"attention": sorted({type(l.self_attention.core_attention).__name__ for l in model.decoder.layers}),
-                  "hf": sorted(h for n, p in model.named_parameters() for h, _ in convert.megatron_to_hf_tensor(n, p, hf)),
+                  "hf": sorted(h for n, p in model.named_parameters()
+                               for h, _ in convert.megatron_to_hf_tensor(n, p, hf)),
                   "params": sum(p.numel() for p in model.parameters())}))
 """
 
