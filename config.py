@@ -6,7 +6,8 @@ the batch algebra) and the rules that reject meaningless combinations before any
 `describe`, `fast_paths`).
 
 Every error names what was wrong, the value seen and what to change; a misspelt key names the closest valid one.
-Nothing here starts Ray or builds a model: `--check` runs this file (and fleet.placement) only.
+Nothing here starts Ray or builds a model: `--check` runs this file (and fleet.placement, convert.layer_spec)
+only.
 
 Test: `.venv/bin/pytest tests/test_loongsage.py -k "closest or typed or algebra or missing or validation or exit_codes"`
 (config errors, overrides, the batch algebra, --check, in seconds);
@@ -31,6 +32,7 @@ import yaml
 
 import algos
 import chat
+import convert
 import cpu
 import data
 import lora
@@ -346,6 +348,11 @@ def finalize(cfg: Config) -> Config:
     need(cfg.dtype == "float32" or cfg.device == "cuda", f"dtype={cfg.dtype!r} with device={cfg.device!r}: the trainer "
          "trains in bfloat16 only on CUDA (Megatron's mixed-precision optimizer keeps fp32 master weights there); on "
          "CPU use dtype=float32")
+    # SGLang 0.5.23 serves with FlashAttention-3 on Hopper (its default for MHA there, and what deterministic inference
+    # falls back to: arg_groups/overrides.py, _deterministic_attention_backend), which has no fp32 kernels
+    need(cfg.dtype != "float32" or cfg.engine != "sglang", "dtype=float32 with engine=sglang: SGLang would serve "
+         "with --dtype float32, and on Hopper it picks FlashAttention-3, which has no fp32 kernels; set "
+         "dtype=bfloat16 (the trainer keeps fp32 master weights; fp32_lm_head=true keeps the logits in fp32)")
     check_pipeline(cfg)
     check_counts(cfg)
     check_rollout(cfg)
@@ -573,13 +580,12 @@ def check_lora(cfg: Config) -> None:
     need(not cfg.use_distributed_optimizer, "use_distributed_optimizer=true with lora_rank > 0 is not tested (the "
          "adapters are a few MB per rank, so sharding their optimizer state saves little); set "
          "use_distributed_optimizer=false")
-    need(cfg.context_parallel == 1, f"context_parallel={cfg.context_parallel} with lora_rank > 0 is not tested; set "
-         "context_parallel=1")
 
 
 def check_packing(cfg: Config) -> None:
     """Packed sequences (max_tokens_per_micro_batch > 0): one row per micro-batch, so no stage shapes, expert ranks or
-    per-row routing to keep in step; on CUDA the attention must take THD (Transformer Engine's layer spec)."""
+    per-row routing to keep in step; on CUDA the attention must take THD (Transformer Engine's layer spec: checked by
+    convert.layer_spec, through check_fast_paths)."""
     budget = cfg.max_tokens_per_micro_batch
     need(isinstance(budget, int) and budget >= 0, f"max_tokens_per_micro_batch={budget!r} must be an integer >= 0 "
          "(0: padded micro-batches of micro_batch_size samples)")
@@ -591,17 +597,14 @@ def check_packing(cfg: Config) -> None:
              f"tensor and data parallelism only; set {key}=1 or max_tokens_per_micro_batch=0")
     need(not cfg.router_replay, "max_tokens_per_micro_batch with router_replay=true: the replayed routing is laid "
          "out per padded row; set max_tokens_per_micro_batch=0 or router_replay=false")
-    need(cfg.device == "cpu" or cfg.layer_spec != "local", "max_tokens_per_micro_batch with layer_spec='local' on "
-         "CUDA: Megatron's local attention takes no packed (THD) sequences; set layer_spec=auto (or te) with "
-         "transformer_engine installed, or max_tokens_per_micro_batch=0")
 
 
 def check_fast_paths(cfg: Config) -> None:
     """Megatron-Core's fast paths (layer_spec, use_distributed_optimizer, sequence_parallel, context_parallel,
     recompute): what each needs. A CPU trainer has Megatron's local spec, with recomputation and sequence parallelism
-    (through the CPU shims); the distributed optimizer needs CUDA, and on CUDA sequence and context parallelism need
-    Transformer Engine's layer spec (found on the trainers at start: convert.layer_spec); context parallelism has
-    no CPU path."""
+    (through the CPU shims); the distributed optimizer needs CUDA, and on CUDA sequence and context parallelism and
+    packed sequences need Transformer Engine's layer spec, which LoRA cannot use: convert.layer_spec decides it, here
+    with transformer_engine as it imports on this machine (so run --check where the trainers run)."""
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
     need(cfg.layer_spec in LAYER_SPECS, f"layer_spec={cfg.layer_spec!r}: choose from {LAYER_SPECS}"
          f"{closest(str(cfg.layer_spec), LAYER_SPECS)}")
@@ -621,16 +624,6 @@ def check_fast_paths(cfg: Config) -> None:
              "optimizers (its DistributedOptimizer among them) allocate CUDA tensors and take torch.cuda parameters "
              "only, so a CPU trainer steps torch's AdamW over whole states (cpu.adamw); set "
              "use_distributed_optimizer=false, or device=cuda")
-        need(cfg.layer_spec != "te", "layer_spec='te' needs CUDA (Transformer Engine's kernels); on CPU set "
-             "layer_spec=auto or local (Megatron's local spec)")
-        need(cp == 1, f"context_parallel={cp} needs Transformer Engine's attention, so CUDA: it passes K/V between "
-             "the CP ranks, which Megatron's local attention and the CPU attention cannot; set context_parallel=1 "
-             "on CPU")
-    elif cfg.layer_spec == "local":  # (on CPU the shims make the local spec's norms take it: cpu.apply_cpu_shims)
-        need(not cfg.sequence_parallel, "sequence_parallel=true with layer_spec='local' on CUDA: the local spec's "
-             "torch norms refuse sequence parallelism; set layer_spec=auto (or te) with transformer_engine installed")
-        need(cp == 1, f"context_parallel={cp} with layer_spec='local': Megatron's local attention has no context "
-             "parallelism; set layer_spec=auto (or te) with transformer_engine installed")
     need(not cfg.sequence_parallel or tp > 1, "sequence_parallel=true splits the sequence over the tensor-parallel "
          "ranks, and tensor_parallel=1 has none; set tensor_parallel >= 2 or sequence_parallel=false")
     need(cp == 1 or cfg.expert_parallel == 1, f"context_parallel={cp} with expert_parallel={cfg.expert_parallel} is "
@@ -647,23 +640,15 @@ def check_fast_paths(cfg: Config) -> None:
     # not trained under TP with sequence parallelism here, so that stays refused until a test trains it
     need(not (mt == "deepseek_v3" and tp > 1), f"tensor_parallel={tp} with an MoE model ({mt}): training DeepSeek-V3 "
          "under tensor parallelism is not tested; use tensor_parallel=1 and split the experts with expert_parallel")
+    convert.layer_spec(cfg, cfg.device == "cpu")  # what the spec this machine would build cannot serve (LoRA, CP, SP,
+    # packing), as each trainer checks again where it builds the model
 
 
 def fast_paths(cfg: Config) -> str:
     """Which of Megatron's fast paths this run asks for, in one line (--check and the start of a run print it). The
-    layer spec `auto` resolves on the trainers (convert.layer_spec); here it says what this machine would pick."""
-    if cfg.layer_spec != "auto":
-        spec = cfg.layer_spec
-    elif cfg.device == "cpu":
-        spec = "auto -> local (CPU)"
-    else:
-        here = "importable here" if importlib.util.find_spec("transformer_engine") else "not installed here"
-        needs = [n for n, on in (("sequence_parallel", cfg.sequence_parallel), ("context_parallel", cfg.context_parallel
-                                                                               > 1),
-                                 ("max_tokens_per_micro_batch", cfg.max_tokens_per_micro_batch > 0)) if on]
-        spec = (f"auto -> te where transformer_engine imports on the trainers, else local (it is {here}"
-                + (f"; {' and '.join(needs)} need{'s' if len(needs) == 1 else ''} te: without it the trainers stop "
-                   "at start" if needs else "") + ")")
+    layer spec `auto` is what this machine would build; the trainers resolve it again where they run."""
+    spec = convert.layer_spec(cfg, cfg.device == "cpu")
+    spec = f"auto -> {spec} here" if cfg.layer_spec == "auto" else spec
     return (f"layer spec {spec}; distributed optimizer {'on' if cfg.use_distributed_optimizer else 'off'}; "
             f"sequence parallel {'on' if cfg.sequence_parallel else 'off'}; context parallel {cfg.context_parallel}; "
             f"recompute {cfg.recompute}")

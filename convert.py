@@ -10,7 +10,7 @@ Top to bottom:
 * `build_gpt_model`: a GPTModel on that spec, one pipeline stage of it, with the LM head in fp32 on request
   (`fp32_output_layer`, which Megatron-Core 0.16 has no option for);
 * the weights: `load_hf_state`, `hf_to_megatron`, `megatron_to_hf_tensor` (full, TP=1 layout, every expert, local-spec
-  names; the name map is written out above them; `fused_norm_names` gives the TE spec's names for the two norms it
+  names; the name map is written out above them; `fused_norm_names` gives the TE spec's names for the norms it
   fuses) and the tensor-parallel split / gather of one parameter (`shard_for_rank`, `gather_full`); `save_hf_dir`
   writes an HF directory the engines and transformers load.
 
@@ -201,31 +201,42 @@ def _te_import_error() -> str | None:
 def layer_spec(cfg, on_cpu: bool) -> str:
     """"te" (Transformer Engine's layer spec: fused norm+linear layers, TE's flash attention, sequence and context
     parallelism) or "local" (Megatron's own modules; on CPU with cpu.SDPACoreAttention and norms that take sequence
-    parallelism, cpu.apply_cpu_shims): cfg.layer_spec with `auto` resolved on this machine, where the model is built
-    (config.check_fast_paths has checked what --check can know)."""
-    if cfg.layer_spec == "local" or (cfg.layer_spec == "auto" and on_cpu):
-        spec, why = "local", f"layer_spec={cfg.layer_spec!r}" + (" on CPU" if on_cpu else "")
+    parallelism, cpu.apply_cpu_shims): cfg.layer_spec with `auto` resolved on this machine, and what the spec cannot
+    serve refused. `--check` runs it (config.check_fast_paths) where it is started, and every trainer again where
+    the model is built."""
+    if cfg.lora_rank and cfg.layer_spec == "te":
+        raise ValueError(f"lora_rank={cfg.lora_rank} with layer_spec='te': TE's linear_qkv and linear_fc1 apply the "
+                         "RMSNorm inside the layer, so the q/k/v/gate/up adapters, which read the layer's input, would "
+                         "see un-normalised activations where SGLang and PEFT apply them after the norm (every step "
+                         "after the first would diverge silently); set layer_spec=auto or local (auto builds the "
+                         "local spec for LoRA)")
+    if cfg.layer_spec == "local" or (cfg.layer_spec == "auto" and (on_cpu or cfg.lora_rank)):
+        spec, why = "local", f"layer_spec={cfg.layer_spec!r}" + (" on CPU" if on_cpu else "") + (
+            f" with lora_rank={cfg.lora_rank}" if cfg.lora_rank else "")
     elif on_cpu:
         raise ValueError("layer_spec='te' needs CUDA (Transformer Engine's kernels); set layer_spec=auto or local")
     else:
         error = _te_import_error()
         if error and cfg.layer_spec == "te":
-            raise ValueError(f"layer_spec='te' but transformer_engine does not import on this trainer ({error}); "
-                             "install Transformer Engine for this torch and CUDA, or set layer_spec=auto")
+            raise ValueError(f"layer_spec='te' but transformer_engine does not import here ({error}); install "
+                             "Transformer Engine for this torch and CUDA (docs/GPU.md), or set layer_spec=auto")
         spec, why = ("local", f"transformer_engine does not import here ({error})") if error else ("te", "")
+    todo = ""  # what gives the TE spec back (nothing does on CPU, nor with LoRA)
+    if why.startswith("transformer_engine"):
+        todo = "install Transformer Engine (docs/GPU.md), or "
+    elif cfg.layer_spec == "local" and not on_cpu:
+        todo = "set layer_spec=auto with transformer_engine installed, or "
     if spec == "local" and int(cfg.context_parallel) > 1:
-        raise ValueError(f"context_parallel={cfg.context_parallel} needs Transformer Engine's attention, and this "
-                         f"trainer builds the local spec ({why}); install Transformer Engine, or set "
-                         "context_parallel=1")
+        raise ValueError(f"context_parallel={cfg.context_parallel} needs Transformer Engine's attention, and the "
+                         f"local spec is built ({why}); {todo}set context_parallel=1")
     if spec == "local" and cfg.sequence_parallel and not on_cpu:  # on CPU the shims mark the torch norms (cpu.py)
-        raise ValueError(f"sequence_parallel=true needs Transformer Engine's layer spec on CUDA, and this trainer "
-                         f"builds the local one ({why}), whose torch norms refuse it; install Transformer Engine, or "
-                         "set sequence_parallel=false")
+        raise ValueError(f"sequence_parallel=true needs Transformer Engine's layer spec on CUDA, and the local one is "
+                         f"built ({why}), whose torch norms refuse sequence parallelism; {todo}set "
+                         "sequence_parallel=false")
     if spec == "local" and cfg.max_tokens_per_micro_batch > 0 and not on_cpu:  # CPU: cpu.SDPACoreAttention takes THD
         raise ValueError(f"max_tokens_per_micro_batch={cfg.max_tokens_per_micro_batch} (packed sequences) needs "
-                         f"Transformer Engine's attention on CUDA, and this trainer builds the local spec ({why}), "
-                         "whose attention takes no THD input; install Transformer Engine, or set "
-                         "max_tokens_per_micro_batch=0")
+                         f"Transformer Engine's attention on CUDA, and the local spec is built ({why}), whose "
+                         f"attention takes no packed (THD) sequences; {todo}set max_tokens_per_micro_batch=0")
     return spec
 
 
@@ -322,14 +333,18 @@ def _layer_spec_module(tcfg, spec: str):
     cpu.SDPACoreAttention via the shims). Experts stay one MLP each (no grouped GEMM): both specs name them alike."""
     from megatron.core.models.gpt import gpt_layer_specs  # Megatron: late
     if tcfg.multi_latent_attention:  # DeepSeek-V3: dense and MoE layers (moe_layer_freq), one spec per layer
-        if spec == "local":
-            cpu.moe_router_without_te()
-            cpu.mla_without_te()
         from megatron.core import parallel_state  # the layers of this pipeline stage; rank 0 outside a trainer
         pp_rank = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() \
             else 0
-        return gpt_layer_specs.get_gpt_decoder_block_spec(tcfg, use_transformer_engine=spec == "te",
-                                                          normalization="RMSNorm", pp_rank=pp_rank)
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(tcfg, use_transformer_engine=spec == "te",
+                                                           normalization="RMSNorm", pp_rank=pp_rank)
+        if spec == "local":
+            cpu.moe_router_without_te()
+            cpu.mla_without_te()
+            for layer in block.layer_specs:  # Megatron's DotProductAttention takes no k_channels / v_channels (MLA's
+                # q/k and v head sizes differ): torch's SDPA takes them, on CUDA as on CPU
+                layer.submodules.self_attention.submodules.core_attention = cpu.SDPACoreAttention
+        return block
     if spec == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=tcfg.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=tcfg.qk_layernorm)
@@ -407,10 +422,13 @@ def build_gpt_model(tcfg, model_kwargs: dict, device: torch.device, pre_process:
 #   output_layer.weight                         <- lm_head.weight (absent when embeddings are tied)
 
 
-# The TE spec fuses two norms into the linear layer after them (TELayerNormColumnParallelLinear), whose parameter
-# then holds the norm's weight: {fused name: local-spec name}. In MoE layers the pre-MLP norm stays a norm of its own.
+# The TE spec fuses norms into the linear layer after them (TELayerNormColumnParallelLinear), whose parameter then
+# holds the norm's weight: {fused name: local-spec name}. In MoE layers the pre-MLP norm stays a norm of its own; under
+# MLA the input norm does, and the q / kv latents' norms go into the up-projections.
 TE_FUSED_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-                  "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+                  "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+                  "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+                  "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight"}
 
 
 def fused_norm_names(param_names) -> dict[str, str]:

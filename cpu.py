@@ -1,6 +1,7 @@
 """What exists only because there is no GPU: the code that makes a laptop CPU run the same actors, and fast.
 On GPUs none of it runs (every function here answers "nothing to do" there, and `apply_cpu_shims` returns False), so
-a GPU reader can skip this file. Two sections:
+a GPU reader can skip this file, but for what a GPU without Transformer Engine borrows from it (section 2). Two
+sections:
 
 1. Cores (controller side). Ray reserves CPUs as a count and pins nothing, and torch sizes its thread pool from the
    whole machine, so on a 2-core node a trainer and an engine computing at once fight over both cores. In async mode
@@ -12,7 +13,8 @@ a GPU reader can skip this file. Two sections:
    * `apply_cpu_shims`: the changes that let Megatron-Core's GPTModel, its DistributedDataParallel, its
      tensor-parallel layers, its 1F1B pipeline schedule and its activation recomputation run on CPU over gloo
      (`SDPACoreAttention`, `_TorchOnCpu`); `moe_router_without_te` and `mla_without_te`, which any machine
-     without Transformer Engine needs (every CPU machine is one);
+     without Transformer Engine needs (every CPU machine is one), as multi-latent attention on the local spec
+     needs `SDPACoreAttention` on CUDA too;
    * `adamw`, `clip_grad_norm`: the optimizer and its TP/EP/PP-aware gradient clipping, because Megatron's
      optimizer wrappers allocate CUDA tensors;
    * `BorrowedCores`: a trainer rank computing on the cores of CPU engines while they have nothing to generate
@@ -144,7 +146,9 @@ EXPLICIT_ATTENTION_MAX_LEN = 192
 
 
 class SDPACoreAttention(torch.nn.Module):
-    """Core attention (softmax(QK^T/sqrt(d)) V, causal, GQA) on CPU, in place of Megatron's DotProductAttention.
+    """Core attention (softmax(QK^T/sqrt(d)) V, causal, GQA) on CPU, in place of Megatron's DotProductAttention; on
+    CUDA too for multi-latent attention on the local spec (convert._layer_spec_module), whose q/k and v head sizes
+    DotProductAttention cannot take.
 
     Megatron's own `DotProductAttention` preallocates its score buffer on the CUDA device; this module takes the
     same constructor and forward arguments as the layer spec passes to it. Two ways to the same math:
@@ -188,7 +192,7 @@ class SDPACoreAttention(torch.nn.Module):
         G = Hq // KV  # GQA: query head h reads kv head h // G
         dropout = self.dropout_p if self.training else 0.0
         if dropout == 0.0 and S <= EXPLICIT_ATTENTION_MAX_LEN and B * Hq * S * S <= EXPLICIT_ATTENTION_MAX_SCORES \
-                and key.size(0) == S:
+                and key.size(0) == S and query.is_cpu:  # (CUDA, MLA on the local spec: SDPA's kernels, fp32 softmax)
             scale = self.softmax_scale if self.softmax_scale is not None else D ** -0.5
             if S not in self._causal:  # the G query heads of a kv head are stacked: the mask repeats per head
                 causal = torch.full((S, S), float("-inf"), dtype=query.dtype, device=query.device).triu(1)

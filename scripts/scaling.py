@@ -35,12 +35,14 @@ import json
 import math
 import sys
 import tempfile
+import unittest.mock
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import config  # noqa: E402  (the layouts are checked by the rules --check runs)
+import convert  # noqa: E402
 
 # The published HF config.json values (huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json and
 # huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json): every layer is MoE (decoder_sparse_step 1,
@@ -97,18 +99,20 @@ def param_counts(hf: dict) -> dict[str, float]:
 
 def check_layout(lay: dict) -> config.Config:
     """The layout as LoongSage config overrides, through the rules `--check` runs (an unsupported one raises). The
-    model is a directory holding only its config.json, which is what those rules read of it."""
+    model is a directory holding only its config.json, which is what those rules read of it. They are read as on
+    trainers with Transformer Engine (sequence parallelism needs it on CUDA), wherever this script runs."""
     n = lay["trainer_gpus"]
     model_dir = Path(tempfile.mkdtemp(prefix="scaling-"))
     (model_dir / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", **MODELS[lay["model"]]}))
-    return config.load_config(None, [
-        f"model_path={model_dir}", "device=cuda", f"trainer_workers={n}", f"tensor_parallel={lay['tp']}",
-        f"pipeline_parallel={lay['pp']}", f"context_parallel={lay['cp']}", f"expert_parallel={lay['ep']}",
-        f"colocate={str(lay['colocate']).lower()}", f"num_engines={lay['engines']}",
-        f"gpus_per_engine={lay['gpus_per_engine']}",
-        f"sglang.tp_size={lay['gpus_per_engine']}", "sequence_parallel=true", "use_distributed_optimizer=true",
-        "recompute=full", "dtype=bfloat16", "prompts_per_step=128", "samples_per_prompt=8",
-        f"global_batch_size={STEP_SAMPLES}", "micro_batch_size=1", f"bucket_mb={BUCKET_MB}"])
+    with unittest.mock.patch.object(convert, "_te_import_error", lambda: None):
+        return config.load_config(None, [
+            f"model_path={model_dir}", "device=cuda", f"trainer_workers={n}", f"tensor_parallel={lay['tp']}",
+            f"pipeline_parallel={lay['pp']}", f"context_parallel={lay['cp']}", f"expert_parallel={lay['ep']}",
+            f"colocate={str(lay['colocate']).lower()}",
+            f"num_engines={lay['engines']}", f"gpus_per_engine={lay['gpus_per_engine']}",
+            f"sglang.tp_size={lay['gpus_per_engine']}", "sequence_parallel=true", "use_distributed_optimizer=true",
+            "recompute=full", "dtype=bfloat16", "prompts_per_step=128", "samples_per_prompt=8",
+            f"global_batch_size={STEP_SAMPLES}", "micro_batch_size=1", f"bucket_mb={BUCKET_MB}"])
 
 
 def trainer_memory(p: dict, hf: dict, lay: dict, dp: int) -> dict[str, float]:

@@ -2,9 +2,8 @@
 
 What each test proves:
 * the rules (`config.check_fast_paths`): each combination that cannot work fails at --check with the reason and
-  what to set; CP counts in the layout (data_parallel = workers / (TP*PP*CP)); the GPU recipes pass --check here
-  and it prints the Transformer Engine spec (auto), the distributed optimizer, sequence parallelism and
-  recomputation as on;
+  what to set; CP counts in the layout (data_parallel = workers / (TP*PP*CP)); on CUDA, where TE imports, the fast
+  paths validate and --check prints them (without TE: tests/test_gpu_refusals.py, with the GPU recipes);
 * the TE spec's names: the two norms it fuses into linear layers are found and mapped back to the local-spec names
   the HF conversion speaks (`convert.fused_norm_names`);
 * recomputation (`recompute: selective | full`, Megatron's checkpointing, on CPU through shim 6): the core attention
@@ -26,14 +25,12 @@ import torch
 
 import config
 import convert
-import loongsage
 import trainer
 from test_moe import moe_dir  # noqa: F401 (fixture)
 from test_trainer import Ranks, assert_same_weights, make_batch, make_cfg, max_diff
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)
-GPU_RECIPES = ["recipes/qwen3_4b_gsm8k.yaml", "recipes/code_repair_gpu.yaml", "recipes/mopd_qwen3_gpu.yaml"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,8 +49,9 @@ GPU_RECIPES = ["recipes/qwen3_4b_gsm8k.yaml", "recipes/code_repair_gpu.yaml", "r
     (["megatron.recompute_num_layers=2"], "refines recompute='full', but recompute='none'"),
     (["recompute=full", "megatron.recompute_modules=[core_attn]"], "refines recompute='selective'"),
     (["device=cuda", "layer_spec=local", "sequence_parallel=true", "tensor_parallel=2", "trainer_workers=2"],
-     "torch norms refuse sequence parallelism"),
-    (["device=cuda", "layer_spec=local", "context_parallel=2", "trainer_workers=2"], "local attention has no context"),
+     "torch norms refuse sequence parallelism; set layer_spec=auto with transformer_engine installed"),
+    (["device=cuda", "layer_spec=local", "context_parallel=2", "trainer_workers=2"],
+     "context_parallel=2 needs Transformer Engine's attention, and the local spec is built (layer_spec='local')"),
     (["device=cuda", "context_parallel=2", "trainer_workers=3"],
      "not a multiple of tensor_parallel*pipeline_parallel*context_parallel=2"),
     (["device=cuda", "context_parallel=2", "expert_parallel=2", "trainer_workers=4", "tiny_model.num_experts=4"],
@@ -66,33 +64,29 @@ GPU_RECIPES = ["recipes/qwen3_4b_gsm8k.yaml", "recipes/code_repair_gpu.yaml", "r
     (["max_tokens_per_micro_batch=512", "router_replay=true", "tiny_model.num_experts=4"], "laid out per padded row"),
     (["max_tokens_per_micro_batch=512", "device=cuda", "layer_spec=local"], "takes no packed (THD) sequences"),
 ])
-def test_rules_say_what_to_change(overrides, message):
+def test_rules_say_what_to_change(overrides, message, monkeypatch):
+    monkeypatch.setattr(convert, "_te_import_error", lambda: None)  # CUDA rules as where TE imports: the rule decides
+    if "device=cuda" in overrides:
+        overrides = [*overrides, "dtype=bfloat16"]  # (SGLang serves no fp32)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")
                        .replace("[", r"\[")):
         config.load_config(None, overrides)
 
 
-def test_layouts_that_pass():
-    cfg = config.load_config(None, ["device=cuda", "trainer_workers=8", "tensor_parallel=2", "context_parallel=2",
-                                    "sequence_parallel=true", "use_distributed_optimizer=true", "recompute=selective",
-                                    "global_batch_size=16", "micro_batch_size=1", "prompts_per_step=4",
-                                    "samples_per_prompt=4"])
+def test_layouts_that_pass(monkeypatch):
+    monkeypatch.setattr(convert, "_te_import_error", lambda: None)  # as on trainers where TE imports
+    cfg = config.load_config(None, ["device=cuda", "dtype=bfloat16", "trainer_workers=8", "tensor_parallel=2",
+                                    "context_parallel=2", "sequence_parallel=true", "use_distributed_optimizer=true",
+                                    "recompute=selective", "global_batch_size=16", "micro_batch_size=1",
+                                    "prompts_per_step=4", "samples_per_prompt=4"])
     assert cfg.data_parallel == 2  # 8 ranks = TP 2 x CP 2 x DP 2
-    assert "sequence parallel on; context parallel 2; recompute selective" in config.fast_paths(cfg)
+    assert config.fast_paths(cfg) == ("layer spec auto -> te here; distributed optimizer on; sequence parallel on; "
+                                      "context parallel 2; recompute selective")
     # on CPU: sequence parallelism (TP >= 2), MoE under TP with it, and recomputation validate
     cfg = config.load_config(None, ["tensor_parallel=2", "trainer_workers=2", "sequence_parallel=true",
                                     "tiny_model.num_experts=4", "recompute=full", "megatron.recompute_num_layers=2"])
-    assert config.fast_paths(cfg) == ("layer spec auto -> local (CPU); distributed optimizer off; sequence parallel "
+    assert config.fast_paths(cfg) == ("layer spec auto -> local here; distributed optimizer off; sequence parallel "
                                       "on; context parallel 1; recompute full")
-
-
-@pytest.mark.parametrize("recipe", GPU_RECIPES)
-def test_gpu_recipes_check_here_with_the_fast_paths_on(recipe, capsys):
-    assert loongsage.main([str(ROOT / recipe), "--check"]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("megatron fast paths: "))
-    assert line.startswith("megatron fast paths: layer spec auto -> te where transformer_engine imports on the "
-                           "trainers"), line
-    assert "distributed optimizer on; sequence parallel on; context parallel 1; recompute full" in line, line
 
 
 def test_fused_norm_names_map_the_te_spec_back_to_local_names():

@@ -93,8 +93,10 @@ def adapter_params_by_hand(hf: dict) -> int:
     (["lora_alpha=0"], "lora_alpha=0"),
     (['teachers={"t": "tiny"}', "gkd_ratio=0.5"], "teacher_eval=true"),
     (["tensor_parallel=2", "trainer_workers=2", "sequence_parallel=true"], "sequence_parallel=true with lora_rank"),
-    (["device=cuda", "use_distributed_optimizer=true"], "use_distributed_optimizer=true with lora_rank"),
-    (["device=cuda", "context_parallel=2", "trainer_workers=2"], "context_parallel=2 with lora_rank"),
+    (["device=cuda", "dtype=bfloat16", "use_distributed_optimizer=true"], "use_distributed_optimizer=true with lora"),
+    (["device=cuda", "dtype=bfloat16", "context_parallel=2", "trainer_workers=2"],  # LoRA builds the local spec
+     "context_parallel=2 needs Transformer Engine's attention, and the local spec is built (layer_spec='auto' with "
+     "lora_rank=8)"),
 ])
 def test_lora_config_refuses_what_it_cannot_serve(over, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
