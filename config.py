@@ -850,7 +850,8 @@ def check_runtime(cfg: Config) -> None:
         if spec and spec.startswith("reasoning_gym:"):
             data.load_dataset(spec)  # an unknown task or setting fails now, naming the valid ones
         elif spec and not spec.startswith("synthetic:") and not Path(spec).exists():
-            raise FileNotFoundError(f"dataset {spec!r} not found; give a .jsonl/.parquet path or 'synthetic:arith:<n>:<seed>'")
+            raise FileNotFoundError(f"dataset {spec!r} not found; give a .jsonl/.parquet path, "
+                                    "'synthetic:arith:<n>:<seed>' or 'reasoning_gym:<task>:<n>:<seed>'")
 
 
 def warn_off_policy(cfg: Config) -> None:

@@ -303,9 +303,11 @@ def load_dataset(spec: str) -> list[dict]:
         return reasoning_gym_samples(parts[1], int(parts[2]), int(parts[3]), settings)
     if spec.startswith("synthetic:"):
         parts = spec.split(":")
-        if len(parts) not in (4, 5) or parts[1] not in ("arith", "add", "sub", "calc") or not all(p.isdigit() for p in parts[2:]):
-            raise ValueError(f"synthetic dataset spec {spec!r} must look like 'synthetic:arith:<n>:<seed>[:<max_operand>]' "
-                             "(or add / sub for one operation), or 'synthetic:calc:<n>:<seed>'")
+        if (len(parts) not in (4, 5) or parts[1] not in ("arith", "add", "sub", "calc")
+                or not all(p.isdigit() for p in parts[2:])):
+            raise ValueError(f"synthetic dataset spec {spec!r} must look like "
+                             "'synthetic:arith:<n>:<seed>[:<max_operand>]' (or add / sub for one operation), or "
+                             "'synthetic:calc:<n>:<seed>'")
         n, seed = int(parts[2]), int(parts[3])
         if parts[1] == "calc":
             return calc_samples(n, seed)

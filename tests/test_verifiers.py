@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import agentflow
+import chat
 import config
 import cpu_engine
 import data
@@ -81,7 +82,7 @@ def test_reasoning_gym_env_rubric_scores_a_right_and_a_wrong_answer(engine, tiny
     for reply, want in ((f"<answer>{s['answer']}</answer>", 1.0), ("<answer>zzzq</answer>", 0.0)):
         [t] = generate(flow_for("rg", engine, tiny_model_dir), [s], 1, crafted=[reply])
         assert t["status"] == "ok", t["metadata"].get("error")
-        prompt = agentflow.ChatFormat(tiny_model_dir).decode(t["prompt_ids"], skip_special_tokens=False)
+        prompt = chat.ChatFormat(tiny_model_dir).decode(t["prompt_ids"], skip_special_tokens=False)
         assert RG_SYSTEM in prompt and s["messages"][0]["content"] in prompt  # verifiers' row, as verifiers built it
         assert t["reward"] == want == data.reasoning_gym_score(reply, s)
         assert t["metadata"]["turns"] == 1 and 1 in t["loss_mask"]
@@ -109,10 +110,10 @@ def test_tool_env_multi_turn_rollout_calls_the_tool_and_is_rewarded(engine, tiny
     [t] = generate(flow_for("tool", engine, tiny_model_dir), [s], 1, crafted=[call, s["answer"]])
     assert t["status"] == "ok", t["metadata"].get("error")
     assert t["metadata"]["turns"] == 2 and t["reward"] == 1.0
-    chat = agentflow.ChatFormat(tiny_model_dir)
-    text = chat.decode(t["response_ids"], skip_special_tokens=False)
+    fmt = chat.ChatFormat(tiny_model_dir)
+    text = fmt.decode(t["response_ids"], skip_special_tokens=False)
     assert '"calculator"' in text and s["answer"] in text  # the call, the tool's result and the final answer
-    masked = chat.decode([i for i, m in zip(t["response_ids"], t["loss_mask"]) if m == 0])
+    masked = fmt.decode([i for i, m in zip(t["response_ids"], t["loss_mask"]) if m == 0])
     assert s["answer"] in masked  # the tool result (the answer, computed by the tool) is not trained on
-    trained = chat.decode([i for i, m in zip(t["response_ids"], t["loss_mask"]) if m == 1], skip_special_tokens=False)
-    assert trained == call + chat.eos_text + s["answer"] + chat.eos_text  # exactly the two model turns
+    trained = fmt.decode([i for i, m in zip(t["response_ids"], t["loss_mask"]) if m == 1], skip_special_tokens=False)
+    assert trained == call + fmt.eos_text + s["answer"] + fmt.eos_text  # exactly the two model turns
