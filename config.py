@@ -830,9 +830,13 @@ def check_runtime(cfg: Config) -> None:
     for name in cfg.agent_preload:
         if importlib.util.find_spec(name) is None:
             raise ValueError(f"agent_preload: no module {name!r} here; install it, or drop it from agent_preload")
-    for spec in (cfg.dataset, cfg.eval_dataset, *cfg.eval_sets.values()):
-        if spec and not spec.startswith("synthetic:") and not Path(spec).exists():
-            raise FileNotFoundError(f"dataset {spec!r} not found; give a .jsonl/.parquet path or 'synthetic:arith:<n>:<seed>'")
+    for spec in (cfg.dataset, cfg.eval_dataset, *cfg.eval_sets.values(), *[s.get(k) for s in cfg.data_sources
+                                                                             for k in ("dataset", "eval_dataset")]):
+        if spec and spec.startswith("reasoning_gym:"):
+            data.load_dataset(spec)  # an unknown task or setting fails now, naming the valid ones
+        elif spec and not spec.startswith("synthetic:") and not Path(spec).exists():
+            raise FileNotFoundError(f"dataset {spec!r} not found; give a .jsonl/.parquet path, "
+                                    "'synthetic:arith:<n>:<seed>' or 'reasoning_gym:<task>:<n>:<seed>'")
 
 
 def warn_off_policy(cfg: Config) -> None:

@@ -13,7 +13,8 @@ Nothing here can be downloaded on an offline laptop, so the tiny recipes build t
   tokenizer's template renders it, through its end-of-turn token).
 * rewards: plain functions `reward(response_text, sample) -> float` named in recipes by dotted path; for
   `reward: judge`, the judge's prompt (`judge_prompt`) and how its verdict is read (`judge_parser`).
-* `load_dataset(spec)`: jsonl / parquet files or `synthetic:<task>:<n>:<seed>`.
+* `load_dataset(spec)`: jsonl / parquet files, `synthetic:<task>:<n>:<seed>`, or `reasoning_gym:<task>:<n>:<seed>`
+  (a family of the reasoning-gym package, generated here; reward `data.reasoning_gym_score`, its own scorer).
 * `import_object(dotted)`: the one resolver of every extension point (`mod.fn` or `mod:fn`,
   docs/EXTENDING.md).
 
@@ -22,6 +23,7 @@ Left out: streaming datasets and on-the-fly packing; datasets here are lists of 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -72,6 +74,29 @@ def calc_samples(n: int, seed: int) -> list[dict]:
         a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(2, 9)
         out.append({"messages": [{"role": "user", "content": f"({a}+{b})*{c}"}], "answer": str((a + b) * c)})
     return out
+
+
+def reasoning_gym_samples(task: str, n: int, seed: int, settings: dict) -> list[dict]:
+    """n items of the reasoning-gym family `task` (its generator at `settings`, its defaults elsewhere) as chat
+    samples; `reasoning_gym` holds what the family's own score_answer needs (reasoning_gym_score). reasoning-gym
+    draws item i from Random(seed + i): the items are seeds seed .. seed+n-1, so a held-out eval set of the same
+    family needs a seed range apart from training's (eval seed >= train seed + n); load_data reports the overlap."""
+    import reasoning_gym  # here: ~100 generators and their dependencies load only for runs that use them
+    try:
+        items = list(reasoning_gym.create_dataset(task, size=n, seed=seed, **settings))
+    except (ValueError, TypeError, AssertionError) as e:
+        raise ValueError(f"reasoning_gym:{task} with settings {settings}: {e!r}. Tasks: "
+                         f"{sorted(reasoning_gym.factory.DATASETS)}; settings are the fields of the task's config "
+                         "class (reasoning_gym.factory.DATASETS[task][1])") from None
+    return [{"messages": [{"role": "user", "content": e["question"]}], "answer": e["answer"],
+             "reasoning_gym": {"task": task, "settings": settings, "entry": e}} for e in items]
+
+
+@functools.lru_cache(maxsize=64)
+def _rg_scorer(task: str, settings_json: str):
+    """A family's score_answer, from a generator built with the samples' settings (one per task and settings)."""
+    import reasoning_gym  # late: as in reasoning_gym_samples
+    return reasoning_gym.create_dataset(task, size=1, seed=0, **json.loads(settings_json)).score_answer
 
 
 def _corpus(seed: int = 0) -> list[str]:
@@ -250,13 +275,28 @@ def load_tokenizer(path: str):
 
 
 def load_dataset(spec: str) -> list[dict]:
-    """A list of samples from `path.jsonl`, `path.parquet`, or
-    `synthetic:<arith|add|sub|calc>:<n>:<seed>[:<max_operand>]`. Each sample is a dict; chat samples hold
-    `messages` (or `prompt`, wrapped as one user turn) and usually `answer`."""
+    """A list of samples from `path.jsonl`, `path.parquet`, `synthetic:<arith|add|sub|calc>:<n>:<seed>[:<max_operand>]`
+    or `reasoning_gym:<task>:<n>:<seed>[:<key>=<value>,...]` (reasoning_gym_samples; values read as JSON). Each
+    sample is a dict; chat samples hold `messages` (or `prompt`, wrapped as one user turn) and usually `answer`."""
+    if spec.startswith("reasoning_gym:"):
+        parts = spec.split(":", 4)
+        if len(parts) not in (4, 5) or not parts[2].isdigit() or not parts[3].isdigit():
+            raise ValueError(f"reasoning-gym dataset spec {spec!r} must look like 'reasoning_gym:<task>:<n>:<seed>' "
+                             "or 'reasoning_gym:<task>:<n>:<seed>:<key>=<value>,...' (the task's config fields)")
+        settings = {}
+        for kv in filter(None, parts[4].split(",") if len(parts) == 5 else []):
+            key, eq, value = kv.partition("=")
+            if not eq:
+                raise ValueError(f"{spec!r}: setting {kv!r} is not <key>=<value>")
+            try:
+                settings[key] = json.loads(value)
+            except json.JSONDecodeError:
+                settings[key] = value  # a bare word is a string
+        return reasoning_gym_samples(parts[1], int(parts[2]), int(parts[3]), settings)
     if spec.startswith("synthetic:"):
         parts = spec.split(":")
-        if len(parts) not in (4, 5) or parts[1] not in ("arith", "add", "sub", "calc") or \
-                not all(p.isdigit() for p in parts[2:]):
+        if (len(parts) not in (4, 5) or parts[1] not in ("arith", "add", "sub", "calc")
+                or not all(p.isdigit() for p in parts[2:])):
             raise ValueError(f"synthetic dataset spec {spec!r} must look like "
                              "'synthetic:arith:<n>:<seed>[:<max_operand>]' (or add / sub for one operation), or "
                              "'synthetic:calc:<n>:<seed>'")
@@ -374,6 +414,15 @@ def math_verify(response: str, sample: dict) -> float:
     pred = parse(response)
     return float(bool(gold) and bool(pred) and verify(gold, pred))
 
+
+
+def reasoning_gym_score(response: str, sample: dict) -> float:
+    """The sample's reasoning-gym family scores the response with its own score_answer, on the text of the last
+    <answer>...</answer> when there is one (reasoning-gym's prompts ask for it), else on the whole response."""
+    from reasoning_gym.utils import extract_answer  # late: as in reasoning_gym_samples
+    rg = sample["reasoning_gym"]
+    answer = extract_answer(response) if "<answer>" in response else response.strip()
+    return float(_rg_scorer(rg["task"], json.dumps(rg["settings"], sort_keys=True))(answer, rg["entry"]))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -254,7 +254,12 @@ def load_data(cfg: Config) -> tuple[list[dict], dict[str, list[dict]]]:
             raise ValueError(f"a sample of {s.get('source') or cfg.dataset!r} has no teacher and there are "
                              f"{len(names)} teachers {names}; add a `teacher` field, a source teacher or teacher_route")
     others = {name: data.load_dataset(spec) for name, spec in cfg.eval_sets.items()}
-    return samples, {**({"": evals} if evals else {}), **others}
+    evals_by_name = {**({"": evals} if evals else {}), **others}
+    seen = {json.dumps(s["messages"], sort_keys=True) for s in samples}
+    for name, ev in evals_by_name.items():  # an eval item also trained on measures memory, not skill: say how many
+        both = sum(json.dumps(s["messages"], sort_keys=True) in seen for s in ev)
+        print(f"eval set {name or 'eval_dataset'}: {both} of {len(ev)} items also in the training data")
+    return samples, evals_by_name
 
 
 def groups_to_dispatch(window: str, C: int, R: int, Q: int, next_seq: int, oldest_uncollected: int) -> int:

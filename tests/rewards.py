@@ -33,3 +33,10 @@ def verdict_hash(verdict: str) -> float:
     the verdict is exactly the text expected."""
     import zlib
     return zlib.crc32(verdict.encode()) / 2 ** 32
+
+
+def program_reward(response: str, sample: dict) -> float:
+    """The reward a black-box program computed itself and printed as its last line, {"reward": x, ...}
+    (tests/verifiers_agents.py: a verifiers environment's rubric)."""
+    import json
+    return float(json.loads(response.strip().splitlines()[-1])["reward"])
