@@ -66,7 +66,7 @@ class Config:
     output_dir: str = "runs/default"  # metrics.jsonl, TensorBoard, reward curve, checkpoints, final HF model
     seed: int = 1234  # seeds data order, sampling and init
     num_steps: int = 20  # RL steps (one rollout batch and one policy update each)
-    mode: str = "sync"  # "sync" (generate, train, sync in turn) or "async" (a producer keeps generating while it trains)
+    mode: str = "sync"  # "sync" (generate, train, sync in turn) or "async" (a producer generates while it trains)
     stale_steps: float = 1.0  # async: capacity C = prompts_per_step*(1+stale_steps) groups in flight or buffered
     # (fractions allowed); mode=sync is stale_steps=0: C = one step's groups, dispatched after each sync. It also
     # sets AgentFlow's engine batching (agentflow.AgentFlow._session_args): > 0, each group is an engine batch,
@@ -106,7 +106,7 @@ class Config:
     colocate: bool = False  # engines share the trainers' placement bundles (GPUs), instead of their own
     cpus_per_trainer: float = 1.0  # Ray CPU resources per trainer rank
     cpus_per_engine: float = 1.0  # Ray CPU resources per engine
-    trainer_threads: int = 0  # torch threads per trainer rank; 0 = derive (async: its Ray CPUs; sync: a share of the node)
+    trainer_threads: int = 0  # torch threads per trainer rank; 0 = derive (async: its Ray CPUs; sync: a node share)
     engine_threads: int = 0  # torch threads per CPU engine; 0 = derive (likewise)
     borrow_engine_cores: bool = True  # async on a local CPU node: a trainer rank also computes on an engine's cores
     # while that engine has nothing to generate (a shared-memory flag per engine, read at every transformer layer)
@@ -117,7 +117,7 @@ class Config:
     tiny_model: dict = field(default_factory=dict)  # settings for data.build_tiny_model (model_path: tiny)
     megatron: dict = field(default_factory=dict)  # passed through to Megatron's TransformerConfig untouched
     sglang: dict = field(default_factory=dict)  # passed through to the SGLang server as --key value flags
-    fp32_lm_head: bool = False  # LM head (logits) in fp32 on both sides: trainer and engines (SGLang --enable-fp32-lm-head)
+    fp32_lm_head: bool = False  # LM head (logits) in fp32 on trainer and engines (SGLang --enable-fp32-lm-head)
 
     # --- Megatron-Core fast paths (convert.megatron_config, trainer.Optim; check_fast_paths; --check says which are on)
     layer_spec: str = "auto"  # "auto": Transformer Engine's layer spec (fused norm+linear, flash attention) where a
@@ -143,8 +143,8 @@ class Config:
     dataset: str = "synthetic:arith:4096:1"  # training prompts (data.load_dataset spec)
     eval_dataset: str = "synthetic:arith:128:2"  # eval prompts (metrics eval/accuracy, eval/pass@k, ...)
     eval_sets: dict = field(default_factory=dict)  # more eval sets at once: {name: spec} -> eval/<name>/accuracy, ...
-    reward: str = "data.exact_match"  # reward(response_text, sample) -> float, dotted path; "judge": the `judge` model's
-    # parsed verdict (agentflow.AgentFlow._judge)
+    reward: str = "data.exact_match"  # reward(response_text, sample) -> float, dotted path; "judge": the `judge`
+    # model's parsed verdict (agentflow.AgentFlow._judge)
     judge: dict = field(default_factory=dict)  # the model of `reward: judge` (check_judge): {model_path: HF dir (its
     # tokenizer renders the prompt; served by its own engine unless url is given), url: a running server speaking
     # SGLang's /generate, prompt_template: text with {prompt} {response} {answer}, parse: dotted fn(text) -> float or a
@@ -188,7 +188,8 @@ class Config:
     eval_samples: int = 1  # k samples per eval prompt: eval/accuracy is mean@k, eval/pass@k the unbiased pass@k
     eval_greedy: bool = False  # also one greedy sample per prompt (eval/greedy_accuracy) beside the sampled ones
     engine: str = "auto"  # "auto" (sglang on CUDA, cpu elsewhere) | "sglang" | "cpu" | a dotted path:
-    # fn(cfg, rank, host, seed) -> (url, handle with .shutdown()), a server speaking SGLang's HTTP contract (rollout.RolloutEngine calls it)
+    # fn(cfg, rank, host, seed) -> (url, handle with .shutdown()), a server speaking SGLang's HTTP contract
+    # (rollout.RolloutEngine calls it; rollout.CONTRACT lists what it must serve)
     engine_max_batch: int = 256  # concurrent sequences per CPU engine
 
     # --- train ---
@@ -209,7 +210,7 @@ class Config:
     # routers replay them in every forward over those trajectories (old logp and update), so training routes as
     # inference did
 
-    # --- LoRA (lora.py; checked by check_lora): adapters on a frozen base, only they train and travel to the engines ---
+    # --- LoRA (lora.py; checked by check_lora): adapters on a frozen base, only they train and go to the engines ---
     lora_rank: int = 0  # r of every adapter; 0 = no LoRA (every weight trains, full weight syncs)
     lora_alpha: float = 16.0  # adapters add (lora_alpha / lora_rank) * B A, PEFT's scaling
     lora_targets: list = field(default_factory=lambda: list(lora.TARGETS))  # HF projections that get an adapter:
@@ -254,14 +255,14 @@ class Config:
     jsd_beta: float = 0.5  # beta of the generalised JSD
 
     # --- teachers and data sources (teacher.py; the objective is in algos.py, "On-policy distillation") ---
-    teachers: dict = field(default_factory=dict)  # {name: HF dir | {path: HF dir or "tiny", tiny_model/warmstart_* overrides}}
+    teachers: dict = field(default_factory=dict)  # {name: HF dir | {path: HF dir or "tiny", tiny_model/warmstart_*}}
     teacher_route: str = ""  # dotted path: fn(trajectory) -> per response token a teacher, {teacher: weight} or None
     teacher_tp: int = 1  # tensor parallel size of the teacher group (independent of the student's)
     teacher_placement: str = "own"  # "own": the teachers' own bundles | "trainer": time-share the trainers' (CPU)
     cpus_per_teacher: float = 1.0  # Ray CPU resources per teacher rank
     teacher_topk: int = 16  # K of the top-k targets each teacher returns per token
     teacher_micro_batch: int = 64  # samples per teacher forward
-    teacher_eval: bool = True  # before training, evaluate each teacher (same architecture as the student) on the eval sets
+    teacher_eval: bool = True  # before training, evaluate each teacher (the student's architecture) on the eval sets
     data_sources: list = field(default_factory=list)  # [{name, dataset, weight, eval_dataset, reward, agent, teacher}]
 
     # --- weights ---
@@ -270,10 +271,10 @@ class Config:
     bucket_mb: float = 64.0  # bucket size for weight sync
 
     # --- reliability: engine health and timeouts (see fleet.check_engines, fleet.wait, fleet.save_run_state) ---
-    engine_check_every: float = 5.0  # seconds between engine health probes (an engine is also probed after any failed call)
-    engine_health_timeout: float = 10.0  # an engine silent on /server_info this long is hung: out of routing, re-created
+    engine_check_every: float = 5.0  # seconds between engine health probes (also probed after any failed call)
+    engine_health_timeout: float = 10.0  # silent on /server_info this long: hung, out of routing, re-created
     engine_wait: float = 180.0  # seconds a request waits for a replacement when no engine is up, before it fails
-    max_engine_restarts: int = 20  # engine re-creations per run before the run stops (a crash loop needs a fix, not more restarts)
+    max_engine_restarts: int = 20  # engine re-creations per run before it stops (a crash loop needs a fix)
     weight_sync_timeout: float = 600.0  # seconds one weight sync (trainers -> engines) may take
     actor_timeout: float = 3600.0  # seconds any other Ray call (rollout batch, train step, eval, checkpoint) may take
 
@@ -299,7 +300,8 @@ def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
     raw: dict = {}
     if recipe:
         if not Path(recipe).exists():
-            raise FileNotFoundError(f"recipe {recipe!r} not found; the recipes are in {sorted(map(str, Path('recipes').glob('*.yaml')))}")
+            raise FileNotFoundError(f"recipe {recipe!r} not found; the recipes are in "
+                                    f"{sorted(map(str, Path('recipes').glob('*.yaml')))}")
         raw = yaml.safe_load(Path(recipe).read_text()) or {}
     for ov in overrides:
         if "=" not in ov:
@@ -342,7 +344,8 @@ def finalize(cfg: Config) -> Config:
         cfg.engine = "sglang" if cfg.device == "cuda" else "cpu"
     need(cfg.engine in ("sglang", "cpu") or data.is_dotted(cfg.engine),
          f"engine={cfg.engine!r}: choose 'sglang', 'cpu', 'auto' or a dotted path 'module.function'")
-    need(cfg.engine != "sglang" or cfg.device == "cuda", "engine=sglang runs on CUDA only; set device=cuda or engine=cpu")
+    need(cfg.engine != "sglang" or cfg.device == "cuda",
+         "engine=sglang runs on CUDA only; set device=cuda or engine=cpu")
     need(cfg.mode in ("sync", "async"), f"mode={cfg.mode!r}: choose 'sync' or 'async'")
     need(cfg.dtype in ("float32", "bfloat16"), f"dtype={cfg.dtype!r}: choose 'float32' or 'bfloat16'")
     need(cfg.dtype == "float32" or cfg.device == "cuda", f"dtype={cfg.dtype!r} with device={cfg.device!r}: the trainer "
@@ -374,7 +377,8 @@ def finalize(cfg: Config) -> Config:
          f"must split evenly over data_parallel={dp} ranks (groups stay on one rank); change global_batch_size")
     per_rank = cfg.global_batch_size // dp
     need(per_rank % cfg.micro_batch_size == 0, f"global_batch_size/data_parallel={per_rank} samples per rank must be "
-         f"a multiple of micro_batch_size={cfg.micro_batch_size}; try micro_batch_size={math.gcd(per_rank, cfg.micro_batch_size)}")
+         f"a multiple of micro_batch_size={cfg.micro_batch_size}; "
+         f"try micro_batch_size={math.gcd(per_rank, cfg.micro_batch_size)}")
     # --- async: capacity, window, lag bound (train() reads them; see loongsage.groups_to_dispatch / collectable)
     need(cfg.stale_steps >= 0, f"stale_steps={cfg.stale_steps} must be >= 0 (0 = no step runs ahead of training)")
     need(cfg.window in WINDOWS or data.is_dotted(cfg.window),
@@ -387,9 +391,11 @@ def finalize(cfg: Config) -> Config:
     for knob in ("engine_check_every", "engine_health_timeout", "engine_wait", "weight_sync_timeout", "actor_timeout"):
         need(getattr(cfg, knob) > 0, f"{knob}={getattr(cfg, knob)} must be > 0 (seconds)")
     need(cfg.max_engine_restarts >= 0, f"max_engine_restarts={cfg.max_engine_restarts} must be >= 0")
-    need(not (cfg.train_only and not cfg.load_rollouts), "train_only needs load_rollouts=<dir written by dump_rollouts>")
+    need(not (cfg.train_only and not cfg.load_rollouts),
+         "train_only needs load_rollouts=<dir written by dump_rollouts>")
     for t in cfg.trackers:
-        need(t in TRACKERS, f"trackers: {t!r} is not a tracker; choose from {sorted(TRACKERS)}{closest(str(t), TRACKERS)}")
+        need(t in TRACKERS,
+             f"trackers: {t!r} is not a tracker; choose from {sorted(TRACKERS)}{closest(str(t), TRACKERS)}")
         try:
             __import__(TRACKERS[t])
         except ImportError:
@@ -442,7 +448,8 @@ def check_counts(cfg: Config) -> None:
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = off / none)")
     for name in ("agent_timeout", "cpus_per_trainer", "cpus_per_engine", "bucket_mb"):
         need(getattr(cfg, name) > 0, f"{name}={getattr(cfg, name)!r} must be > 0")
-    need(cfg.lr >= 0 and 0 <= cfg.min_lr <= max(cfg.lr, 0), f"lr={cfg.lr!r}, min_lr={cfg.min_lr!r}: need 0 <= min_lr <= lr")
+    need(cfg.lr >= 0 and 0 <= cfg.min_lr <= max(cfg.lr, 0),
+         f"lr={cfg.lr!r}, min_lr={cfg.min_lr!r}: need 0 <= min_lr <= lr")
     for name in ("temperature", "eval_temperature"):  # SGLang and the CPU engine refuse negative ones
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = greedy)")
     need(0 < cfg.top_p <= 1, f"top_p={cfg.top_p!r} must be in (0, 1]")
@@ -503,7 +510,8 @@ def check_placement(cfg: Config) -> None:
          "its memory saver; drop sglang.enable_memory_saver=false or set colocate=false")
     if cfg.engine == "sglang" and "tp_size" in cfg.sglang:
         need(int(cfg.sglang["tp_size"]) == cfg.gpus_per_engine, f"sglang.tp_size={cfg.sglang['tp_size']} but "
-             f"gpus_per_engine={cfg.gpus_per_engine}: an engine's tensor parallel size is its GPU count; set them equal")
+             f"gpus_per_engine={cfg.gpus_per_engine}: an engine's tensor parallel size is its GPU count; "
+             "set them equal")
     if cfg.expert_parallel != 1:
         need(isinstance(cfg.expert_parallel, int) and cfg.expert_parallel > 1,
              f"expert_parallel={cfg.expert_parallel!r} must be a positive integer")
@@ -556,15 +564,17 @@ def check_lora(cfg: Config) -> None:
          ">= 0 (0 = no LoRA)")
     if not cfg.lora_rank:
         return
-    need(cfg.lora_alpha > 0, f"lora_alpha={cfg.lora_alpha!r} must be > 0 (the adapters' scale is lora_alpha / lora_rank)")
+    need(cfg.lora_alpha > 0,
+         f"lora_alpha={cfg.lora_alpha!r} must be > 0 (the adapters' scale is lora_alpha / lora_rank)")
     targets = cfg.lora_targets if isinstance(cfg.lora_targets, list) else [cfg.lora_targets]
     bad = [t for t in targets if t not in lora.TARGETS]
     need(bool(targets) and not bad, f"lora_targets={cfg.lora_targets!r}: "
          + (f"{bad[0]!r} is not a projection{closest(str(bad[0]), lora.TARGETS)} " if bad else "empty; ")
          + f"(choose from {list(lora.TARGETS)})")
     mt = _model_type(cfg.model_path, cfg.tiny_model)
-    need(mt not in MOE_MODEL_TYPES, f"lora_rank={cfg.lora_rank} with {mt} ({cfg.model_path!r}): LoRA on MoE experts and "
-         "multi-latent attention is not wired in (dense Qwen3 / Qwen2 / Llama / Mistral only); set lora_rank=0")
+    need(mt not in MOE_MODEL_TYPES, f"lora_rank={cfg.lora_rank} with {mt} ({cfg.model_path!r}): LoRA on MoE "
+         "experts and multi-latent attention is not wired in (dense Qwen3 / Qwen2 / Llama / Mistral only); "
+         "set lora_rank=0")
     need(cfg.pipeline_parallel == 1, f"lora_rank={cfg.lora_rank} with pipeline_parallel={cfg.pipeline_parallel}: the "
          "adapters are gathered from one whole model per TP group; use pipeline_parallel=1 (TP and DP work)")
     need(not cfg.colocate, "lora_rank > 0 with colocate=true: a colocated engine's released weights come back zeroed "
@@ -661,7 +671,8 @@ def teacher_spec(name: str, spec) -> dict:
         raise ValueError(f"teachers.{name}={spec!r}: give an HF directory, or {{path: tiny, warmstart_dataset: ...}}")
     for key in spec:
         if key != "path" and key not in TEACHER_BUILD_KEYS:
-            raise ValueError(f"teachers.{name}.{key} is not a teacher setting{closest(key, ('path',) + TEACHER_BUILD_KEYS)}")
+            raise ValueError(f"teachers.{name}.{key} is not a teacher setting"
+                             f"{closest(key, ('path',) + TEACHER_BUILD_KEYS)}")
     if spec["path"] != "tiny" and len(spec) > 1:
         raise ValueError(f"teachers.{name}: build settings {sorted(set(spec) - {'path'})} apply to path: tiny only")
     return spec
@@ -739,13 +750,15 @@ def check_teachers(cfg: Config) -> None:
          "gkd_ratio=0, so they would teach nothing; set pg_ratio > 0 (PG-style) and/or gkd_ratio > 0 (GKD)")
     need(names or (cfg.pg_ratio == 0 and cfg.gkd_ratio == 0), f"pg_ratio={cfg.pg_ratio} / gkd_ratio={cfg.gkd_ratio} "
          "distil from teachers, but `teachers:` is empty; add teachers or set both to 0")
-    need(cfg.teacher_placement in ("own", "trainer"), f"teacher_placement={cfg.teacher_placement!r}: choose 'own' or 'trainer'")
+    need(cfg.teacher_placement in ("own", "trainer"),
+         f"teacher_placement={cfg.teacher_placement!r}: choose 'own' or 'trainer'")
     need(cfg.teacher_placement == "own" or cfg.device == "cpu", "teacher_placement='trainer' time-shares CPU bundles "
          "only for now; on CUDA use teacher_placement='own' (the teachers' own GPUs)")
     need(cfg.teacher_placement == "own" or cfg.teacher_tp <= cfg.trainer_workers, f"teacher_placement='trainer' "
          f"puts teacher_tp={cfg.teacher_tp} ranks on {cfg.trainer_workers} trainer bundles; lower teacher_tp")
     need(cfg.teacher_tp >= 1 and cfg.teacher_topk >= 1 and cfg.teacher_micro_batch >= 1,
-         f"teacher_tp={cfg.teacher_tp}, teacher_topk={cfg.teacher_topk}, teacher_micro_batch={cfg.teacher_micro_batch} must be >= 1")
+         f"teacher_tp={cfg.teacher_tp}, teacher_topk={cfg.teacher_topk}, "
+         f"teacher_micro_batch={cfg.teacher_micro_batch} must be >= 1")
     if cfg.teacher_route:
         need(bool(names), f"teacher_route={cfg.teacher_route!r} without teachers; add `teachers:`")
         data.import_object(cfg.teacher_route)
@@ -778,7 +791,8 @@ def check_teachers(cfg: Config) -> None:
 
 def check_judge(cfg: Config) -> None:
     """`reward: judge` (top-level or a data source's) and `judge:` come together, and the judge's settings are sound."""
-    users = [r for r in [cfg.reward] + [s.get("reward") for s in cfg.data_sources if isinstance(s, dict)] if r == "judge"]
+    users = [r for r in [cfg.reward] + [s.get("reward") for s in cfg.data_sources if isinstance(s, dict)]
+             if r == "judge"]
     j = cfg.judge
     need(isinstance(j, dict), f"judge={j!r} must be a mapping: {{model_path, prompt_template, parse, ...}}")
     need(bool(users) or not j, "judge: is set but no reward is 'judge'; set reward: judge (or a data source's "
@@ -819,7 +833,8 @@ def check_runtime(cfg: Config) -> None:
     """What only this machine can say: the device exists, the model and data are there."""
     if cfg.device == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("device=cuda but no CUDA device is visible; run on a GPU machine or set device=cpu engine=cpu")
+            raise ValueError("device=cuda but no CUDA device is visible; run on a GPU machine or set "
+                             "device=cpu engine=cpu")
     if cfg.model_path != "tiny" and not Path(cfg.model_path).is_dir():
         raise FileNotFoundError(f"model_path={cfg.model_path!r} is not a directory; give a local HF model directory "
                                 "(config.json + safetensors + tokenizer) or model_path=tiny")
@@ -861,7 +876,8 @@ def describe(cfg: Config) -> str:
             f"optimizer step(s) per RL step, {cfg.global_batch_size // cfg.data_parallel // cfg.micro_batch_size} "
             f"micro-batch(es) per rank per optimizer step, device={cfg.device}, engine={cfg.engine}, "
             f"torch threads trainer/engine={cfg.trainer_threads}/{cfg.engine_threads}"
-            + (f", cores trainer 0 / engine 0: {cpu.actor_cores(cfg, 'trainer', 0)} / {cpu.actor_cores(cfg, 'engine', 0)}"
+            + (f", cores trainer 0 / engine 0: {cpu.actor_cores(cfg, 'trainer', 0)} / "
+               f"{cpu.actor_cores(cfg, 'engine', 0)}"
                if cpu.actor_cores(cfg, "engine", 0) else "")
             + (f" (trainer 0 also on {[c for _, cs in cpu.lent_cores(cfg, 0) for c in cs]} while its engines idle)"
                if cpu.lent_cores(cfg, 0) else "")
