@@ -185,6 +185,53 @@ def test_engine_and_controller_killed_mid_run_lose_nothing(tmp_path):
                         for v, m in zip(t["weight_versions"], t["loss_mask"]) if m)
 
 
+@pytest.mark.slow
+def test_rank_and_controller_killed_mid_save_leave_latest_complete_and_resume_exactly(tmp_path):
+    """kill -9 inside a save, at named points (LOONGSAGE_FAULT), with 2 trainer ranks saving every 2 steps of 6:
+
+    1. trainer rank 1 dies in the save of step 3 right after writing its model file: that checkpoint holds
+       rank 1's model and not its optimizer file nor a manifest (the kill struck inside the save), the run
+       exits non-zero, and `latest` still names step 1;
+    2. resumed, the controller dies in the save of step 5 with everything written but `latest`: `latest`
+       names step 3;
+    3. resumed again, it goes on from step 3 and every step of the run is bit-identical to an uninterrupted one
+       (sync, fp32).
+    Planted bugs this catches: `latest` written before (or alongside) the rank files, a marker moved by the rank
+    that finished first, resume taking the newest directory rather than the one `latest` names (step 5's
+    checkpoint is complete but unmarked: "resumed after step 3" fails), the debris of a crashed save loaded or
+    left to mix with a new save of the same step, a rank's optimizer state taken from another save than its
+    model, rows of redone steps logged twice.
+    """
+    common = ["trainer_workers=2", "save_every=2"]
+    base, run = tmp_path / "base", tmp_path / "run"
+    b = launch(short_run(base, *common), env_for(tmp_path / "b"), tmp_path / "base.log")
+    env, ckpt = env_for(tmp_path), run / "checkpoints"
+    logs = []
+    for i, (fault, extra) in enumerate((("model:1@3", []), ("latest@5", ["resume=true"]), ("", ["resume=true"]))):
+        p = launch(short_run(run, *common, *extra), {**env, "LOONGSAGE_FAULT": fault}, tmp_path / f"{i}.log")
+        logs.append(finish(p, tmp_path / f"{i}.log"))
+        assert (ckpt / "latest").exists(), logs[-1][-3000:]
+        latest = (ckpt / "latest").read_text().strip()
+        if i == 0:
+            assert p.returncode not in (0, -signal.SIGKILL), logs[-1][-3000:]  # the controller saw its rank die
+            written = sorted(os.listdir(ckpt / "step_00003"))
+            assert "rank_00001_model.pt" in written and "rank_00001_optim.pt" not in written, written
+            assert "manifest.json" not in written and latest == "step_00001"
+        elif i == 1:
+            assert p.returncode == -signal.SIGKILL and "resumed after step 1" in logs[-1], logs[-1][-3000:]
+            assert (ckpt / "step_00005" / "manifest.json").exists() and latest == "step_00003"
+        else:
+            assert p.returncode == 0 and "resumed after step 3" in logs[-1], logs[-1][-3000:]
+    base_log = finish(b, tmp_path / "base.log")
+    assert b.returncode == 0, base_log[-3000:]
+    want, got = train_rows(base), train_rows(run)
+    assert sorted(got) == [0, 1, 2, 3, 4, 5] and len([r for r in metrics(run) if "train/loss" in r]) == 6
+    for step in range(6):
+        for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/samples", "rollout/response_len"):
+            assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+    assert (ckpt / "latest").read_text().strip() == "step_00005"
+
+
 # ------------------------------------------------------------------------------------------------
 # engine health at the pool: real CPU engines, one in this process, the victims in their own processes
 
