@@ -8,7 +8,10 @@
 - AgentFlow's engine pool against real CPU engines, one killed (kill -9) and one hung (SIGSTOP) while
   requests are in flight on them: the requests finish on the other engine, exactly as sent there;
 - `fleet.wait`: a rank that dies ends the wait at once; a deadline names what timed out and the knob;
-- the producer state a checkpoint saves hands out exactly the groups an uninterrupted run dispatches next.
+- the producer state a checkpoint saves hands out exactly the groups an uninterrupted run dispatches next;
+- checkpoints at their worst moment (docs/RELIABILITY.md's table): a trainer rank and the controller killed
+  inside a save at named fault points (LOONGSAGE_FAULT), a damaged file refused by its checksum and
+  resume=previous, a real disk-full (ENOSPC from a size-limited tmpfs) in the middle of a save.
 """
 import dataclasses
 import errno
@@ -459,6 +462,32 @@ def test_checksums_refuse_a_damaged_file_by_name_and_previous_goes_back_one(ray_
         assert (ckpt / "latest").read_text().strip() == "step_00000"
     finally:
         one.close()
+
+
+def test_fault_points_strike_only_where_named_and_the_spellings_are_checked(monkeypatch):
+    """LOONGSAGE_FAULT=point[:rank][@step] kills (SIGKILL) at that point of that step's save on that rank, nowhere
+    else; resume and on_save_error take only their documented values.
+    Planted bugs this catches: a rank's point firing on every rank or on the controller, `@step` ignored (a drill
+    would strike the first save, with no checkpoint before it to keep), a typo such as resume=prevous read as
+    true (it would load latest, the checkpoint the user meant to skip)."""
+    import config
+    import trainer
+    hits = []
+    monkeypatch.setattr(trainer.os, "kill", lambda pid, sig: hits.append(sig))
+    for spec, (point, directory, rank), strikes in [
+            ("model:1@3", ("model", "c/step_00003", 1), True), ("model:1@3", ("model", "c/step_00003", 0), False),
+            ("model:1@3", ("model", "c/step_00001", 1), False), ("model:1@3", ("optim", "c/step_00003", 1), False),
+            ("optim:0", ("optim", "c/step_00009", 0), True), ("latest@5", ("latest", "c/step_00005", None), True),
+            ("latest@5", ("controller", "c/step_00005", None), False), ("", ("latest", "c/step_00005", None), False)]:
+        monkeypatch.setenv("LOONGSAGE_FAULT", spec)
+        hits.clear()
+        trainer.fault(point, directory, rank)
+        assert hits == ([signal.SIGKILL] if strikes else []), (spec, point, directory, rank)
+    assert config.load_config(None, ["resume=previous"]).resume == "previous"
+    for bad, message in (("resume=prevous", "choose true, false or previous"), ("on_save_error=ignore",
+                                                                               "choose 'stop' or 'skip'")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            config.load_config(None, [bad])
 
 
 def mount_tmpfs(where: Path, size: int) -> None:
