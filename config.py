@@ -79,7 +79,10 @@ class Config:
     lag_policy: str = "mask"  # a group over the bound: "mask" its too-old tokens, or "regenerate" it (once)
     eval_every: int = 5  # evaluate every N steps (and before step 0 and after the last); 0 = never
     save_every: int = 0  # Megatron checkpoint every N steps; 0 = only the final HF export
-    resume: bool = False  # resume from the newest checkpoint in output_dir/checkpoints
+    resume: bool | str = False  # true: go on from the checkpoint output_dir/checkpoints/latest names; "previous":
+    # from the complete one before it (when latest fails its checksums: docs/RELIABILITY.md)
+    on_save_error: str = "stop"  # a checkpoint that cannot be written (disk full; the partial one is removed):
+    # "stop" the run with the error, or "skip" that checkpoint and train on (the next save_every tries again)
     print_every: int = 5  # print a decoded sample every N steps; 0 = never
     trackers: list = field(default_factory=list)  # metric sinks beside JSONL/TensorBoard/PNG: "wandb", "mlflow"
     tracker_project: str = "loongsage"  # the W&B project / MLflow experiment; the run is named after output_dir
@@ -329,7 +332,8 @@ def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
                 continue
             except ValueError:
                 pass
-        elif d is not dataclasses.MISSING and type(d) in (int, float, bool, str) and not isinstance(v, type(d)):
+        elif (d is not dataclasses.MISSING and type(d) in (int, float, bool, str) and not isinstance(v, type(d))
+              and "|" not in f.type):  # a union (resume) has its own rule in finalize
             raise ValueError(f"config key {f.name!r} should be a {type(d).__name__}, got {v!r}")
     return finalize(cfg)
 
@@ -390,6 +394,8 @@ def finalize(cfg: Config) -> Config:
     cfg.trainer_threads, cfg.engine_threads = cpu.torch_threads(cfg)  # those left at 0, derived from the cores
     for knob in ("engine_check_every", "engine_health_timeout", "engine_wait", "weight_sync_timeout", "actor_timeout"):
         need(getattr(cfg, knob) > 0, f"{knob}={getattr(cfg, knob)} must be > 0 (seconds)")
+    need(cfg.resume in (True, False, "previous"), f"resume={cfg.resume!r}: choose true, false or previous")
+    need(cfg.on_save_error in ("stop", "skip"), f"on_save_error={cfg.on_save_error!r}: choose 'stop' or 'skip'")
     need(cfg.max_engine_restarts >= 0, f"max_engine_restarts={cfg.max_engine_restarts} must be >= 0")
     need(not (cfg.train_only and not cfg.load_rollouts),
          "train_only needs load_rollouts=<dir written by dump_rollouts>")

@@ -642,10 +642,8 @@ def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> 
 # run state: checkpoints that lose nothing, and resume
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never a part
+def _atomic_write(path: Path, text: str) -> list:
+    return trainer.write_durable(path, lambda f: f.write(text.encode()))  # fsync + atomic rename; [bytes, xxh3]
 
 
 def rng_state() -> dict:
@@ -662,28 +660,51 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def save_run_state(cfg: Config, trainers, step: int, controller_state: dict) -> Path:
-    """Checkpoint after RL step `step`, in checkpoints/step_XXXXX/: one file per trainer rank (model,
-    optimizer, LR schedule position, python/numpy/torch RNG: trainer.save_checkpoint), the
-    `controller_state` train() hands over (JSON: data cursor, RNG, ...) and config.yaml. Then, last,
-    `checkpoints/latest` is rewritten (atomically) to name it: a crash anywhere in a save leaves
-    `latest` naming the previous checkpoint, complete."""
+def save_run_state(cfg: Config, trainers, step: int, controller_state: dict) -> Path | None:
+    """Checkpoint after RL step `step`, in checkpoints/step_XXXXX/: every trainer rank's model and optimizer files
+    (trainer.save_checkpoint), the `controller_state` train() hands over (JSON: data cursor, RNG, ...), config.yaml
+    and manifest.json (each file's size and xxh3 checksum, checked at resume), each written durably
+    (trainer.write_durable). Then, last, `checkpoints/latest` is rewritten to name it: a crash anywhere in a save
+    leaves `latest` naming the previous checkpoint, complete. A save that fails with an OSError (disk full) is
+    removed; then the run stops with the error, or with on_save_error=skip trains on without it (returns None)."""
     root = Path(cfg.output_dir) / "checkpoints"
-    path = root / f"step_{step:05d}"
-    marker = root / "latest"
-    if path.exists() and not (marker.exists() and marker.read_text().strip() == path.name):
+    path, marker = root / f"step_{step:05d}", root / "latest"
+    marked = lambda: marker.exists() and marker.read_text().strip() == path.name  # noqa: E731
+    if path.exists() and not marked():
         shutil.rmtree(path)  # debris of a save that crashed before its marker
-    wait([t.save_checkpoint.remote(str(path)) for t in trainers], f"checkpoint of step {step} (trainer ranks)",
-         cfg.actor_timeout, "actor_timeout")
-    _atomic_write(path / "controller_state.json", json.dumps({"step": step, **controller_state}))
-    _atomic_write(path / "config.yaml", yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    _atomic_write(marker, path.name + "\n")
+    try:
+        files = {}
+        for sums in wait([t.save_checkpoint.remote(str(path)) for t in trainers],
+                         f"checkpoint of step {step} (trainer ranks)", cfg.actor_timeout, "actor_timeout"):
+            files |= sums
+        trainer.fault("controller", path)
+        files["controller_state.json"] = _atomic_write(path / "controller_state.json",
+                                                       json.dumps({"step": step, **controller_state}))
+        files["config.yaml"] = _atomic_write(path / "config.yaml", yaml.safe_dump(dataclasses.asdict(cfg),
+                                                                                  sort_keys=False))
+        _atomic_write(path / "manifest.json", json.dumps({"step": step, "files": files}, indent=1))
+        trainer.fault("latest", path)
+        _atomic_write(marker, path.name + "\n")
+    except OSError as e:  # a rank's arrives wrapped by Ray (RayTaskError(OSError)), the original in .cause
+        e = getattr(e, "cause", None) or e
+        if not marked():
+            shutil.rmtree(path, ignore_errors=True)
+        msg = (f"the checkpoint of step {step} could not be written ({e}) and was removed; checkpoints/latest names "
+               f"{marker.read_text().strip() if marker.exists() else 'no checkpoint'}, complete")
+        if cfg.on_save_error == "stop":
+            raise OSError(e.errno, f"{msg}. Free space in {root} and resume=true, or set on_save_error=skip to "
+                                   "train on without the checkpoints that cannot be written") from e
+        print(f"{msg}; training goes on without it (on_save_error=skip)")
+        return None
     return path
 
 
 def load_run_state(cfg: Config, trainers) -> tuple[int, dict | None]:
-    """Restore the checkpoint `checkpoints/latest` names into every trainer rank (after load_hf) and
-    return (the first step to run, the controller_state saved with it); (0, None) when there is none."""
+    """Restore the checkpoint `checkpoints/latest` names (resume=previous: the complete one before it, which
+    `latest` then names) into every trainer rank (after load_hf) and return (the first step to run, the
+    controller_state saved with it); (0, None) when there is none. Each file is checked against the manifest by
+    the process that reads it (the controller its JSON, each rank its own files: trainer.verify), so a truncated or
+    corrupted file is refused with an error naming it."""
     root = Path(cfg.output_dir) / "checkpoints"
     marker = root / "latest"
     if not marker.exists():
@@ -692,8 +713,21 @@ def load_run_state(cfg: Config, trainers) -> tuple[int, dict | None]:
                   "version without controller state); starting from step 0")
         return 0, None
     path = root / marker.read_text().strip()
+    if cfg.resume == "previous":
+        older = sorted(p for p in root.glob("step_*") if p.name < path.name and (p / "manifest.json").exists())
+        if not older:
+            raise FileNotFoundError(f"resume=previous: {root} has no complete checkpoint before {path.name}")
+        print(f"resume=previous: loading {older[-1].name}, the checkpoint before {path.name}; `latest` names it now")
+        path = older[-1]
+        _atomic_write(marker, path.name + "\n")  # the later ones are debris now, replaced when those steps save
+    try:
+        files = json.loads((path / "manifest.json").read_text())["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{path / 'manifest.json'} cannot be read ({e!r}): written by a LoongSage without "
+                         "checksums, or damaged; set resume=previous to go on from the checkpoint before") from e
+    trainer.verify(path / "controller_state.json", files["controller_state.json"])
     state = json.loads((path / "controller_state.json").read_text())
-    wait([t.load_checkpoint.remote(str(path)) for t in trainers], f"loading checkpoint {path}",
+    wait([t.load_checkpoint.remote(str(path), files) for t in trainers], f"loading checkpoint {path}",
          cfg.actor_timeout, "actor_timeout")
     return int(state["step"]) + 1, state
 

@@ -37,6 +37,7 @@ import itertools
 import math
 import os
 import random
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+import xxhash
 
 import algos
 import convert
@@ -419,6 +421,61 @@ def _metric_sums(loss: torch.Tensor, metrics: dict) -> dict[str, float]:
     for k, v in metrics.items():
         _add(out, k, float(v))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint files: written durably, checked against their manifest, and the drills' fault points
+
+
+def write_durable(path: Path, write) -> list:
+    """`write(f)` into `path`.tmp, fsync, rename into place, fsync the directory: a crash at any moment leaves the
+    old file or the new one, never a part, and a rename that returned survives a power cut. Returns `digest(path)`,
+    what a checkpoint's manifest records of the file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except RuntimeError as e:  # torch.save's zip writer turns a failed write (disk full) into a RuntimeError
+        raise e.__context__ if isinstance(e.__context__, OSError) else e
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself
+    finally:
+        os.close(fd)
+    return digest(path)
+
+
+def digest(path: Path) -> list:
+    """[bytes, xxh3-64 hex] of a file: xxh3 hashes faster than a disk reads, so a check costs one read."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return [path.stat().st_size, h.hexdigest()]
+
+
+def verify(path: Path, want: list) -> None:
+    """Refuse a checkpoint file that is not what its manifest says was written (truncated by a failed copy,
+    corrupted on disk), naming the file: a load would train on garbage, or fail somewhere less clear."""
+    got = digest(path) if path.exists() else None
+    if got != list(want):
+        seen = "missing" if got is None else f"{got[0]} bytes with xxh3 {got[1]}"
+        raise ValueError(f"checkpoint file {path} is {seen}; its manifest says {want[0]} bytes with xxh3 {want[1]} "
+                         "(truncated, corrupted or replaced). Set resume=previous to go on from the checkpoint before")
+
+
+def fault(point: str, directory, rank: int | None = None) -> None:
+    """A drill's kill -9 inside a save (tests/test_recover.py). LOONGSAGE_FAULT=point[:rank][@step] kills this
+    process (SIGKILL) when the save of step `step` (of any step, without @) reaches `point`: `model` (rank r wrote
+    its model file, not yet its optimizer file), `optim` (rank r wrote both), `controller` (every rank wrote its
+    files, the controller none of its own), `latest` (everything is written but the `latest` marker)."""
+    where, _, step = os.environ.get("LOONGSAGE_FAULT", "").partition("@")
+    here = point + ("" if rank is None else f":{rank}")
+    if where == here and (not step or Path(directory).name == f"step_{int(step):05d}"):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def rng_states(on_cpu: bool) -> dict:
@@ -1669,53 +1726,70 @@ class TrainerWorker:
 
     # --- checkpoints --------------------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str) -> str:
-        """This rank's model shard, optimizer state, LR schedule position (optimizer steps taken), the critic's
-        shard and optimizer state (advantage: gae) and python / numpy / torch RNG states, in one file per rank
-        (call on all ranks). The frozen reference is not saved: load_hf() rebuilds it from the HF dir before
-        load_checkpoint. The file is written under a temporary name and renamed, so a rank file that exists is
-        complete; the controller's `latest` marker (fleet.save_run_state) names the newest complete
-        checkpoint directory."""
+    def save_checkpoint(self, directory: str) -> dict:
+        """This rank's two files (call on all ranks): rank_XXXXX_model.pt (the policy's shard; advantage: gae, the
+        critic's too) and rank_XXXXX_optim.pt (optimizer state, LR schedule position = optimizer steps taken, the
+        critic's optimizer, python / numpy / torch RNG states). The frozen reference is not saved: load_hf()
+        rebuilds it from the HF dir before load_checkpoint. Each file is written durably (write_durable: one that
+        exists is complete); returns {file name: [bytes, xxh3]} for the manifest the controller writes
+        (fleet.save_run_state). A write that fails on any rank (disk full) fails the save on every rank, each with
+        its own files removed and the same OSError: no rank is left waiting for another in a collective."""
         self.onload()
-        os.makedirs(directory, exist_ok=True)
-        path = Path(directory) / f"rank_{self.par.rank:05d}.pt"
-        critic = {} if self.critic is None else {  # CRITIC: its weights and optimizer travel in the same file
-            "critic": self.critic.model.gpt.state_dict(), "critic_optimizer": self.critic.optim.state_dict(),
-            "critic_steps": self.critic.optim.steps}
-        torch.save({"model": self.policy.gpt.state_dict(), "optimizer": self.optim.state_dict(),
-                    "optim_steps": self.optim.steps, "lr_override": self.optim.lr, "rng": rng_states(self.par.on_cpu),
-                    "world_size": self.par.world_size, "tensor_parallel": self.par.tp_size, **critic},
-                   str(path) + ".tmp")
-        os.replace(str(path) + ".tmp", path)
-        torch.distributed.barrier()
-        return str(path)
+        par, out, critic = self.par, Path(directory), self.critic
+        files = {"model": {"model": self.policy.gpt.state_dict(), "world_size": par.world_size,
+                           "tensor_parallel": par.tp_size}, "optim": {
+            "optimizer": self.optim.state_dict(), "optim_steps": self.optim.steps, "lr_override": self.optim.lr,
+            "rng": rng_states(par.on_cpu)}}
+        if critic is not None:  # CRITIC: its weights and optimizer travel in the same files
+            files["model"]["critic"] = critic.model.gpt.state_dict()
+            files["optim"] |= {"critic_optimizer": critic.optim.state_dict(), "critic_steps": critic.optim.steps}
+        sums, error, target = {}, None, out
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            for kind, state in files.items():
+                target = out / f"rank_{par.rank:05d}_{kind}.pt"
+                sums[target.name] = write_durable(target, lambda f, state=state: torch.save(state, f))
+                fault(kind, directory, par.rank)
+        except OSError as e:  # disk full, I/O error: every rank hears of it below
+            error = (e.errno, f"rank {par.rank} writing {target}: {e.strerror or e}")
+        errors = [None] * par.world_size
+        torch.distributed.all_gather_object(errors, error)
+        if failed := [e for e in errors if e]:  # every rank removes its part of the checkpoint
+            for p in [target.with_name(target.name + ".tmp"), *(out / name for name in sums)]:
+                p.unlink(missing_ok=True)
+            raise OSError(failed[0][0], "; ".join(msg for _, msg in failed))
+        return sums
 
-    def load_checkpoint(self, directory: str) -> int:
-        """Restore what save_checkpoint wrote (same world size and TP), after load_hf() built the model.
-        Returns the optimizer step count (the LR schedule continues from it)."""
+    def load_checkpoint(self, directory: str, sums: dict) -> int:
+        """Restore what save_checkpoint wrote (same world size and TP), after load_hf() built the model, each file
+        checked first against `sums` (the checkpoint's manifest: {file name: [bytes, xxh3]}). Returns the optimizer
+        step count (the LR schedule continues from it)."""
         par = self.par
-        path = Path(directory) / f"rank_{par.rank:05d}.pt"
-        if not path.exists():
-            raise FileNotFoundError(f"{path} does not exist; checkpoints are per rank, so resume with the "
-                                    f"world size they were saved with")
+        names = [f"rank_{par.rank:05d}_{kind}.pt" for kind in ("model", "optim")]
+        if any(name not in sums for name in names):
+            raise FileNotFoundError(f"checkpoint {directory} has no {names[0]}; checkpoints are per rank, so resume "
+                                    f"with the world size they were saved with")
         if self.policy is None:
             raise RuntimeError("load_checkpoint needs the model built first: call load_hf(model dir) before it")
+        for name in names:
+            verify(Path(directory) / name, sums[name])
         self.onload()
-        state = torch.load(path, map_location=par.device, weights_only=False)
-        if (state["world_size"], state["tensor_parallel"]) != (par.world_size, par.tp_size):
-            raise ValueError(f"checkpoint {directory} was saved with world_size={state['world_size']}, "
-                             f"tensor_parallel={state['tensor_parallel']}; this run has {par.world_size}, "
+        model, state = (torch.load(Path(directory) / name, map_location=par.device, weights_only=False)
+                        for name in names)
+        if (model["world_size"], model["tensor_parallel"]) != (par.world_size, par.tp_size):
+            raise ValueError(f"checkpoint {directory} was saved with world_size={model['world_size']}, "
+                             f"tensor_parallel={model['tensor_parallel']}; this run has {par.world_size}, "
                              f"{par.tp_size}. Resume with the same layout")
-        self.policy.gpt.load_state_dict(state["model"])
+        self.policy.gpt.load_state_dict(model["model"])
         self.optim.load_state_dict(state["optimizer"])
         self.optim.steps = int(state["optim_steps"])
         self.optim.lr = state.get("lr_override")
         if self.critic is not None:
-            if "critic" not in state:
+            if "critic" not in model:
                 raise ValueError(f"checkpoint {directory} has no critic (it was saved by a run without "
                                  "advantage='gae'); resume it with its own advantage, or start this gae run in a new "
                                  "output_dir")
-            self.critic.model.gpt.load_state_dict(state["critic"])
+            self.critic.model.gpt.load_state_dict(model["critic"])
             self.critic.optim.load_state_dict(state["critic_optimizer"])
             self.critic.optim.steps = int(state["critic_steps"])
         restore_rng_states(state["rng"], par.on_cpu)

@@ -185,13 +185,13 @@ def test_critic_starts_at_zero_learns_and_resumes_from_a_checkpoint(one, tiny_mo
     [(va, vb)] = [one.call("compute_values", [s, edited])[0]]
     assert torch.equal(va[:4], vb[:4]) and not torch.equal(va[4:], vb[4:]), (va, vb)
 
-    one.call("save_checkpoint", str(tmp_path / "ckpt"))
+    [sums] = one.call("save_checkpoint", str(tmp_path / "ckpt"))
     [saved] = one.call("compute_values", batch)
     [m5] = one.call("train_step", batch, 5)  # moves the critic on
     [moved] = one.call("compute_values", batch)
     assert any(not torch.equal(a, b) for a, b in zip(saved, moved))
     one.call("load_hf", tiny_model_dir)  # a fresh model, as after a restart: the critic is back at V = 0
-    one.call("load_checkpoint", str(tmp_path / "ckpt"))
+    one.call("load_checkpoint", str(tmp_path / "ckpt"), sums)
     [restored] = one.call("compute_values", batch)
     assert all(torch.equal(a, b) for a, b in zip(saved, restored))
     [again] = one.call("train_step", batch, 5)  # the critic's optimizer state came back too: the same step again

@@ -335,8 +335,9 @@ def test_two_engines_two_trainers_checkpoints_dump_then_train_only_replay(tmp_pa
         assert h["rollout/reward_mean"] == pytest.approx(sum(t["reward"] for t in trajs) / 16)
         assert h["train/gap_max"] < 1e-4 and h["train/gap_k3"] < 1e-6, h  # both engines hold the synced weights
         ckpt = tmp_path / "run" / "checkpoints" / f"step_{step:05d}"
-        assert sorted(p.name for p in ckpt.iterdir()) == ["config.yaml", "controller_state.json", "rank_00000.pt",
-                                                         "rank_00001.pt"]
+        assert sorted(p.name for p in ckpt.iterdir()) == ["config.yaml", "controller_state.json", "manifest.json",
+                                                         "rank_00000_model.pt", "rank_00000_optim.pt",
+                                                         "rank_00001_model.pt", "rank_00001_optim.pt"]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00001"
     assert [h["weights/version"] for h in first] == [1, 2]
 

@@ -8,10 +8,16 @@
 - AgentFlow's engine pool against real CPU engines, one killed (kill -9) and one hung (SIGSTOP) while
   requests are in flight on them: the requests finish on the other engine, exactly as sent there;
 - `fleet.wait`: a rank that dies ends the wait at once; a deadline names what timed out and the knob;
-- the producer state a checkpoint saves hands out exactly the groups an uninterrupted run dispatches next.
+- the producer state a checkpoint saves hands out exactly the groups an uninterrupted run dispatches next;
+- checkpoints at their worst moment (docs/RELIABILITY.md's table): a trainer rank and the controller killed
+  inside a save at named fault points (LOONGSAGE_FAULT), a damaged file refused by its checksum and
+  resume=previous, a real disk-full (ENOSPC from a size-limited tmpfs) in the middle of a save.
 """
+import dataclasses
+import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,8 +114,8 @@ def plant_crashed_save(out: Path) -> None:
     temporary name, the controller state half written, the new marker not yet renamed into place."""
     ckpt = out / "checkpoints"
     (ckpt / "step_00004").mkdir()
-    good = (ckpt / "step_00002" / "rank_00000.pt").read_bytes()
-    (ckpt / "step_00004" / "rank_00000.pt.tmp").write_bytes(good[:len(good) // 3])
+    good = (ckpt / "step_00002" / "rank_00000_model.pt").read_bytes()
+    (ckpt / "step_00004" / "rank_00000_model.pt.tmp").write_bytes(good[:len(good) // 3])
     (ckpt / "step_00004" / "controller_state.json.tmp").write_text('{"step": 4, "data_cur')
     (ckpt / "latest.tmp").write_text("step_00004\n")
 
@@ -180,6 +186,53 @@ def test_engine_and_controller_killed_mid_run_lose_nothing(tmp_path):
     mine = [t for t, s in served if t["metadata"]["engine"] == new_url]
     assert mine and all(v == s for t, s in served if t["metadata"]["engine"] == new_url
                         for v, m in zip(t["weight_versions"], t["loss_mask"]) if m)
+
+
+@pytest.mark.slow
+def test_rank_and_controller_killed_mid_save_leave_latest_complete_and_resume_exactly(tmp_path):
+    """kill -9 inside a save, at named points (LOONGSAGE_FAULT), with 2 trainer ranks saving every 2 steps of 6:
+
+    1. trainer rank 1 dies in the save of step 3 right after writing its model file: that checkpoint holds
+       rank 1's model and not its optimizer file nor a manifest (the kill struck inside the save), the run
+       exits non-zero, and `latest` still names step 1;
+    2. resumed, the controller dies in the save of step 5 with everything written but `latest`: `latest`
+       names step 3;
+    3. resumed again, it goes on from step 3 and every step of the run is bit-identical to an uninterrupted one
+       (sync, fp32).
+    Planted bugs this catches: `latest` written before (or alongside) the rank files, a marker moved by the rank
+    that finished first, resume taking the newest directory rather than the one `latest` names (step 5's
+    checkpoint is complete but unmarked: "resumed after step 3" fails), the debris of a crashed save loaded or
+    left to mix with a new save of the same step, a rank's optimizer state taken from another save than its
+    model, rows of redone steps logged twice.
+    """
+    common = ["trainer_workers=2", "save_every=2"]
+    base, run = tmp_path / "base", tmp_path / "run"
+    b = launch(short_run(base, *common), env_for(tmp_path / "b"), tmp_path / "base.log")
+    env, ckpt = env_for(tmp_path), run / "checkpoints"
+    logs = []
+    for i, (fault, extra) in enumerate((("model:1@3", []), ("latest@5", ["resume=true"]), ("", ["resume=true"]))):
+        p = launch(short_run(run, *common, *extra), {**env, "LOONGSAGE_FAULT": fault}, tmp_path / f"{i}.log")
+        logs.append(finish(p, tmp_path / f"{i}.log"))
+        assert (ckpt / "latest").exists(), logs[-1][-3000:]
+        latest = (ckpt / "latest").read_text().strip()
+        if i == 0:
+            assert p.returncode not in (0, -signal.SIGKILL), logs[-1][-3000:]  # the controller saw its rank die
+            written = sorted(os.listdir(ckpt / "step_00003"))
+            assert "rank_00001_model.pt" in written and "rank_00001_optim.pt" not in written, written
+            assert "manifest.json" not in written and latest == "step_00001"
+        elif i == 1:
+            assert p.returncode == -signal.SIGKILL and "resumed after step 1" in logs[-1], logs[-1][-3000:]
+            assert (ckpt / "step_00005" / "manifest.json").exists() and latest == "step_00003"
+        else:
+            assert p.returncode == 0 and "resumed after step 3" in logs[-1], logs[-1][-3000:]
+    base_log = finish(b, tmp_path / "base.log")
+    assert b.returncode == 0, base_log[-3000:]
+    want, got = train_rows(base), train_rows(run)
+    assert sorted(got) == [0, 1, 2, 3, 4, 5] and len([r for r in metrics(run) if "train/loss" in r]) == 6
+    for step in range(6):
+        for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/samples", "rollout/response_len"):
+            assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+    assert (ckpt / "latest").read_text().strip() == "step_00005"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -343,3 +396,160 @@ def test_producer_state_goes_on_where_it_stopped_across_epochs():
     new = inflight.dispatch()
     resumed = loongsage.Producer(cfg, samples, json.loads(json.dumps(inflight.state())))
     assert [s["i"] for _, s in resumed.dispatch()] == [s["i"] for _, s in new]
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoints that survive the worst moment: checksums, resume=previous, a full disk (fleet.save_run_state and
+# load_run_state driving real trainer ranks)
+
+
+def ckpt_cfg(out: Path, **over):
+    from test_trainer import make_cfg
+    return dataclasses.replace(make_cfg(), output_dir=str(out), resume=True, **over)
+
+
+def exported(ranks) -> dict:
+    return dict(ranks.call("export_hf_weights")[0])
+
+
+def test_checksums_refuse_a_damaged_file_by_name_and_previous_goes_back_one(ray_session, tiny_model_dir, tmp_path):
+    """Two checkpoints (steps 0 and 1) of one real rank, then the second one damaged four ways, each refused at
+    resume with an error naming the damaged file: a byte flipped in the middle of the optimizer file (same size),
+    the model file cut short, one digit of the controller's JSON changed (still valid JSON: it would load), the
+    manifest gone. Undamaged, it loads; with the optimizer file damaged, resume=previous loads step 0 exactly
+    (the weights exported then, and the same next training step), and `latest` names step 0 from then on.
+    Planted bugs this catches: no checksum (a flipped byte trains on garbage, a changed cursor replays the wrong
+    data), a size-only check (the flip keeps the size), a check of the rank files only (the JSON), a manifest
+    hashed from memory rather than from the file written, `previous` taking latest itself or the oldest one,
+    `latest` left naming the damaged checkpoint (a crash after resuming would load it again)."""
+    import fleet
+    from test_trainer import Ranks, assert_same_weights, make_batch
+    cfg = ckpt_cfg(tmp_path / "run")
+    one = Ranks(cfg, 1)
+    try:
+        one.call("load_hf", tiny_model_dir)
+        batch_a, batch_b = make_batch(seed=2), make_batch(seed=3)
+        one.call("train_step", batch_a, 0)
+        fleet.save_run_state(cfg, one.workers, 0, {"producer": {"cursor": 4}, "rng": fleet.rng_state()})
+        w0 = exported(one)
+        [m1] = one.call("train_step", batch_b, 1)
+        fleet.save_run_state(cfg, one.workers, 1, {"producer": {"cursor": 8}, "rng": fleet.rng_state()})
+        w1 = exported(one)
+        ckpt = tmp_path / "run" / "checkpoints"
+        step1 = ckpt / "step_00001"
+        one.call("load_hf", tiny_model_dir)
+        assert fleet.load_run_state(cfg, one.workers)[0] == 2  # undamaged: it loads
+        assert_same_weights(list(exported(one).items()), w1)
+
+        def damage(name: str, change) -> None:
+            good = (step1 / name).read_bytes()
+            (step1 / name).write_bytes(change(good))
+            with pytest.raises(Exception, match=re.escape(str(step1 / name))):
+                fleet.load_run_state(cfg, one.workers)
+            (step1 / name).write_bytes(good)
+
+        flip = lambda b: b[:len(b) // 2] + bytes([b[len(b) // 2] ^ 1]) + b[len(b) // 2 + 1:]  # noqa: E731
+        damage("rank_00000_optim.pt", flip)
+        damage("rank_00000_model.pt", lambda b: b[:len(b) - 4096])
+        damage("controller_state.json", lambda b: b.replace(b'"cursor": 8', b'"cursor": 9'))
+        damage("manifest.json", lambda b: b"")
+        (step1 / "rank_00000_optim.pt").write_bytes(flip((step1 / "rank_00000_optim.pt").read_bytes()))
+        one.call("load_hf", tiny_model_dir)
+        start, state = fleet.load_run_state(dataclasses.replace(cfg, resume="previous"), one.workers)
+        assert (start, state["producer"]) == (1, {"cursor": 4})
+        assert_same_weights(list(exported(one).items()), w0)
+        assert one.call("train_step", batch_b, 1) == [m1]  # optimizer state and RNG came back too
+        assert (ckpt / "latest").read_text().strip() == "step_00000"
+    finally:
+        one.close()
+
+
+def test_fault_points_strike_only_where_named_and_the_spellings_are_checked(monkeypatch):
+    """LOONGSAGE_FAULT=point[:rank][@step] kills (SIGKILL) at that point of that step's save on that rank, nowhere
+    else; resume and on_save_error take only their documented values.
+    Planted bugs this catches: a rank's point firing on every rank or on the controller, `@step` ignored (a drill
+    would strike the first save, with no checkpoint before it to keep), a typo such as resume=prevous read as
+    true (it would load latest, the checkpoint the user meant to skip)."""
+    import config
+    import trainer
+    hits = []
+    monkeypatch.setattr(trainer.os, "kill", lambda pid, sig: hits.append(sig))
+    for spec, (point, directory, rank), strikes in [
+            ("model:1@3", ("model", "c/step_00003", 1), True), ("model:1@3", ("model", "c/step_00003", 0), False),
+            ("model:1@3", ("model", "c/step_00001", 1), False), ("model:1@3", ("optim", "c/step_00003", 1), False),
+            ("optim:0", ("optim", "c/step_00009", 0), True), ("latest@5", ("latest", "c/step_00005", None), True),
+            ("latest@5", ("controller", "c/step_00005", None), False), ("", ("latest", "c/step_00005", None), False)]:
+        monkeypatch.setenv("LOONGSAGE_FAULT", spec)
+        hits.clear()
+        trainer.fault(point, directory, rank)
+        assert hits == ([signal.SIGKILL] if strikes else []), (spec, point, directory, rank)
+    assert config.load_config(None, ["resume=previous"]).resume == "previous"
+    for bad, message in (("resume=prevous", "choose true, false or previous"), ("on_save_error=ignore",
+                                                                               "choose 'stop' or 'skip'")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            config.load_config(None, [bad])
+
+
+def mount_tmpfs(where: Path, size: int) -> None:
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"a size-limited filesystem needs `mount -t tmpfs`, refused here: {done.stderr.decode()}")
+
+
+def test_disk_full_mid_save_removes_the_partial_checkpoint_and_stops_or_skips(ray_session, tiny_model_dir,
+                                                                             tmp_path, capsys):
+    """A real ENOSPC: output_dir on a tmpfs with room for one and a half checkpoints of two ranks (DP=2), so the
+    second save runs out of space part way. With on_save_error=stop the save raises an OSError (errno ENOSPC)
+    saying which step failed and which checkpoint `latest` still names; with skip it returns None and says so.
+    Either way the partial checkpoint and every temporary file are gone, `latest` names step 0, whose files all
+    match their manifest and load, and both ranks go on training (a step needs both: neither waits in a
+    collective for the other).
+    Planted bugs this catches: the partial directory or a .tmp file left behind (the disk stays full), `latest`
+    moved to the failed save, the rank without the error left in the save's barrier (the run hangs), an error
+    that hides ENOSPC or is raised for on_save_error=skip, a removal that takes the previous checkpoint too."""
+    import fleet
+    import trainer
+    from test_trainer import Ranks, assert_same_weights, make_batch
+    dp2 = Ranks(ckpt_cfg(tmp_path / "probe", trainer_workers=2), 2)
+    disk = tmp_path / "disk"
+    try:
+        dp2.call("load_hf", tiny_model_dir)
+        batch = make_batch()
+        dp2.call("train_step", batch, 0)
+        probe = ckpt_cfg(tmp_path / "probe")
+        size = sum(p.stat().st_size for p in fleet.save_run_state(probe, dp2.workers, 0, {}).iterdir())
+        mount_tmpfs(disk, size * 3 // 2)
+        cfg = ckpt_cfg(disk)
+        assert fleet.save_run_state(cfg, dp2.workers, 0, {}) == disk / "checkpoints" / "step_00000"
+        w0 = exported(dp2)
+        for step, on_error in ((1, "stop"), (2, "skip")):
+            dp2.call("train_step", batch, step)
+            if on_error == "stop":
+                with pytest.raises(OSError, match=r"checkpoint of step 1 could not be written .*No space left.* "
+                                                  r"names step_00000, complete") as failed:
+                    fleet.save_run_state(cfg, dp2.workers, 1, {})
+                assert failed.value.errno == errno.ENOSPC
+            else:
+                assert fleet.save_run_state(dataclasses.replace(cfg, on_save_error="skip"), dp2.workers, 2, {}) is None
+                assert "training goes on without it (on_save_error=skip)" in capsys.readouterr().out
+            left = sorted(str(p.relative_to(disk)) for p in disk.rglob("*"))
+            kept = sorted(os.listdir(disk / "checkpoints" / "step_00000"))
+            assert left == ["checkpoints", "checkpoints/latest", "checkpoints/step_00000",
+                            *[f"checkpoints/step_00000/{f}" for f in kept]]
+            assert (disk / "checkpoints" / "latest").read_text() == "step_00000\n"
+        saved = json.loads((disk / "checkpoints" / "step_00000" / "manifest.json").read_text())["files"]
+        assert len(saved) == 6  # two ranks' model and optimizer files, the controller's JSON and config
+        for name, want in saved.items():
+            trainer.verify(disk / "checkpoints" / "step_00000" / name, want)
+        dp2.call("load_hf", tiny_model_dir)
+        assert fleet.load_run_state(cfg, dp2.workers) == (1, {"step": 0})
+        assert_same_weights(list(exported(dp2).items()), w0)
+        # one rank's write fails, the other's succeeds (a directory where rank 1's file goes): both raise at once
+        (tmp_path / "one" / "rank_00001_model.pt" / "x").mkdir(parents=True)
+        with pytest.raises(IsADirectoryError, match=r"rank 1 writing .*rank_00001_model.pt: Is a directory"):
+            fleet.wait([w.save_checkpoint.remote(str(tmp_path / "one")) for w in dp2.workers], "the save", 120, "-")
+        assert os.listdir(tmp_path / "one") == ["rank_00001_model.pt"]  # rank 0's files and rank 1's .tmp removed
+    finally:
+        dp2.close()
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
