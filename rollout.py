@@ -14,78 +14,13 @@ so the same client lines drive either engine:
 * `EnginePool`: the router's client of every engine: least-loaded choice, sticky sessions, health probes, a loop
   tick's requests coalesced into one batched `/generate`, each token's weight version (`token_versions`).
 
-The contract, as both engines serve it (read from SGLang 0.5.23's source; it moves between releases):
-
-Generation. `/generate` takes `input_ids` (one list, or a batch of lists), `sampling_params` (SGLang's names and
-defaults; an unknown key is a 400), `return_logprob`, `rid`, and answers `{"text", "output_ids", "meta_info"}` per
-prompt, `meta_info.finish_reason` being `{"type": "stop" | "length" | "abort", ...}`. With `stream: true` the answer
-is Server-Sent Events: `data: {chunk}` while the request runs (every `stream_interval` tokens, 1 by default; each chunk
-cumulative, `finish_reason` null), then the finished answer, then `data: [DONE]`; a batch's chunks carry their
-prompt's `index`. SGLang reports an error of a streamed request as a `data: {"error": {...}}` event.
-
-Logprobs. `meta_info.output_token_logprobs` holds, for each sampled token, log_softmax of the RAW logits (temperature
-1, before top-k/top-p/min-p) at that token: the policy's logprob, the number the trainer recomputes, so the
-train-inference gap is a property of the numerics only. (SGLang by default reports the logprob after temperature
-scaling; RolloutEngine starts it with SGLANG_RETURN_ORIGINAL_LOGPROB=True, unless the environment already sets it,
-so both engines report the same quantity.)
-
-Constrained decoding. `sampling_params.json_schema` (a JSON schema as a JSON string), `regex` or `ebnf` (at most one)
-are compiled by xgrammar (SGLang's default grammar backend; the CPU engine pins the same 0.2.7) and applied as a token
-bitmask to the logits before sampling, so the returned logprob of a token is log_softmax of the MASKED logits
-(temperature 1): the distribution the token was drawn from, renormalized over what the grammar allowed. The
-trainer's recomputed logprob is of the unmasked policy, lower by the log of the allowed mass. A grammar ends the
-request as a stop once it is complete (the model's eos ids are its end tokens). One that does not compile is a 400,
-"Failed to compile json grammar: ..." (schema keywords xgrammar would ignore included). SGLang with
-`--reasoning-parser` lets a thinking model think before the grammar starts; the CPU engine does not, so the router
-refuses structured output on a thinking model unless thinking is off.
-
-Weight versions. Every step runs under one set of weights: weight updates and pauses are applied between steps, so
-each token's logprob comes from the weights that produced it. `meta_info.weight_versions` names those weights per
-token in SGLang's own format: a list of spans `{"version", "start", "end"}` over the output tokens (end exclusive),
-one per run of tokens sampled under one version, so a request that spans weight updates reports exactly which tokens
-each version produced; `meta_info.weight_version` is the version when the request finished. Tensor and distributed
-updates are accepted only inside a `/begin_weight_update` ... `/end_weight_update` session.
-
-Pausing. `/pause_generation` with mode "abort" ends every request (finish_reason abort, partial output returned);
-"retract" frees their KV cache and requeues them, so on `/continue_generation` they are re-prefilled (prompt +
-tokens so far) under the then-current weights; "in_place" keeps their KV cache, so partial rollouts continue with
-new weights over a cache computed by older ones. New requests queue while paused. A paused engine answers
-`/server_info` at once but `/health` only with a 503, 20 s later (it runs a generation): probe with the first.
-
-Prefix cache. Finished requests leave their K/V for later requests with the same prefix (`meta_info.cached_tokens`).
-An update with `flush_cache: false` (what an in-place pause needs) keeps it, so new requests would run over K/V the
-old weights computed; `/flush_cache` drops it, and succeeds only with nothing running (waiting requests count unless
-paused). The controller pauses with "retract" for an update and flushes after it (fleet.update_engines).
-
-Memory tags (colocated runs). `/release_memory_occupation` and `/resume_memory_occupation` take `tags`
-(["weights"], ["kv_cache"], ["cuda_graph"]; none = all three), really free and re-allocate that memory, and answer
-JSON null. As in SGLang without --enable-weights-cpu-backup, released weights are not kept anywhere: resume gives
-zeroed weights, and the next weight update restores them; nothing is generated while any memory is released
-(requests wait). Two calls end the server, as they end SGLang's: a release while requests run (pause with
-"retract" first), and a resume of a tag that is not released (the controller tracks each engine's, fleet.Fleet).
-
-Routed experts (Qwen3-MoE). A request with `return_routed_experts: true` (SGLang also needs its server flag
-`--enable-return-routed-experts`, which `sglang_command` adds under cfg.router_replay) gets
-`meta_info.routed_experts`: base64 of the little-endian int32 array (tokens, layers, top_k) of the experts each
-layer's router chose for every token the model ran on, i.e. positions [routed_experts_start_len, prompt + output - 1)
-(the last sampled token is never fed back). The trainer replays them (R3, trainer.py) so training routes every token
-as inference did.
-
-LoRA adapters (cfg.lora_rank > 0; SGLang's server flags --enable-lora --max-lora-rank --lora-target-modules, which
-`sglang_command` adds; --max-loras-per-batch, 8 by default, bounds the adapters one batch mixes). Adapters are
-loaded by name: `/load_lora_adapter` {lora_name, lora_path: a PEFT directory, pinned} or
-`/load_lora_adapter_from_tensors` {lora_name, config_dict: the adapter_config.json dict, serialized_named_tensors:
-one payload per TP rank, each with the FULL tensors under their PEFT names (SGLang slices them per rank itself),
-load_format: null (a pickled {name: tensor} dict) or "flattened_bucket", pinned, expected_checksums: {name:
-sha256}}; both answer LoRAUpdateOutput {success, error_message, loaded_adapters: {name: path}}, HTTP 400 when
-refused: LoRA not enabled, a name already loaded ("... because it is already loaded": a name is loaded once, never
-replaced), a rank above --max-lora-rank or targets outside --lora-target-modules, DoRA. Neither needs a weight-update
-session, nor takes a weight_version (`/update_weight_version` sets it apart). `/unload_lora_adapter` {lora_name}
-first stops new requests from naming it, then waits until no request that named it is left, then drops it.
-`/generate` takes `lora_path`: an adapter name (or one per prompt of a batch; null = the base model), resolved to
-one adapter when the request arrives and kept until it ends, so a request in flight across a LoRA sync finishes on
-the adapter it started with, while `meta_info.weight_versions` stamps its tokens with the server's version; the
-router (rollout.EnginePool) therefore takes a LoRA request's token versions from the adapter it named.
+The contract: `CONTRACT` below lists every endpoint a client sends, the feature that needs it (plain RL, broadcast,
+disk, colocation, LoRA) and the code that sends it; docs/ENGINES.md says what each does as both engines serve it
+(read from SGLang 0.5.23's source; it moves between releases). What every caller relies on: `meta_info` carries, per
+sampled token, log_softmax of the RAW logits (temperature 1, before top-k/top-p; under a grammar, of the masked
+logits) and the weight version in SGLang's spans `{"version", "start", "end"}`; tensor and distributed updates sit
+inside `/begin_weight_update` ... `/end_weight_update`; an update pauses with "retract" and flushes the prefix cache
+after (fleet.update_engines); an unknown `sampling_params` key is a 400.
 
 Run: nothing on its own (the controller starts RolloutEngine actors); `python cpu_engine.py --model-path DIR` serves
 the CPU engine alone. Test: `pytest tests/test_rollout.py` (RolloutEngine, the SGLang command line, the SGLang child's
