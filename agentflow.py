@@ -262,7 +262,7 @@ class Session:
     """
 
     def __init__(self, chat: chat.ChatFormat, *, sampling: dict, max_context_len: int, max_turns: int,
-                 sample: dict | None = None, batch: str = ""):
+                 sample: dict | None = None, batch: str = "", constraint: dict | None = None):
         self.id = secrets.token_urlsafe(18)       # the unguessable part of the session URL
         self.api_key = "ls-" + secrets.token_urlsafe(18)
         self.chat, self.sampling, self.sample = chat, dict(sampling), sample or {}
@@ -281,6 +281,9 @@ class Session:
         self.batch = batch                        # rollout.EnginePool batch key: the prompt group (see _coalesced)
         self.unknown_fields: set[str] = set()     # request fields no table of wire.py knows, accepted
         self.tool_parse_failures = 0              # turns that opened a tool call the parser could not read
+        # a recipe's declared grammar (SGLang's regex / ebnf / json_schema) for the first turn offered tools: how a
+        # model that cannot yet call a program's tools is made to (tests/test_real_agents.py); in the trajectory
+        self.constraint, self.constrained_turns = dict(constraint or {}), []
 
     def plan(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None = None) -> TurnPlan:
         """The input ids for a turn: extend the last segment if the history extends it, else start a new one.
@@ -383,6 +386,9 @@ class Session:
             cap = min(sp.get("max_new_tokens") or room, max_tokens or room)
             sp["max_new_tokens"] = min(cap, room)
             sp.update(stop_token_ids=self.chat.stop_ids, skip_special_tokens=False, no_stop_trim=True)
+            if self.constraint and tools and not self.constrained_turns:
+                sp = {k: v for k, v in sp.items() if k not in ("regex", "ebnf", "json_schema")} | self.constraint
+                self.constrained_turns.append(self.turns)
             rid = f"{self.id[:8]}-{self.turns}-{uuid.uuid4().hex[:8]}"
             self.inflight_rid = rid
             t0 = time.perf_counter()
@@ -465,7 +471,8 @@ class Session:
             status=status, prompt_text=self.chat.decode(seg.prompt_ids, skip_special_tokens=False),
             metadata={"turns": self.turns, "finish_reasons": self.finish_reasons, "engine": self.engine,
                       "num_segments": len(self.segments), "unknown_fields": sorted(self.unknown_fields),
-                      "tool_parse_failures": self.tool_parse_failures})
+                      "tool_parse_failures": self.tool_parse_failures, "constraint": self.constraint,
+                      "constrained_turns": self.constrained_turns})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -481,6 +488,7 @@ class Router:
         self.strict_fields = strict_fields  # refuse every unknown request field (wire._check_fields)
         self.unknown_fields: collections.Counter = collections.Counter()  # requests that sent each unknown field
         self.tool_parse_failures = 0  # turns of closed sessions whose tool-call text did not parse (Session)
+        self._later_system: bool | None = None  # does the template show a system message after the first (probed)
         self.sessions: dict[str, Session] = {}
         self.url: str | None = None
         self._server = None
@@ -489,9 +497,9 @@ class Router:
     # --- sessions
 
     def open_session(self, *, sampling: dict, max_context_len: int, max_turns: int,
-                     sample: dict | None = None, batch: str = "") -> Session:
+                     sample: dict | None = None, batch: str = "", constraint: dict | None = None) -> Session:
         s = Session(self.chat, sampling=sampling, max_context_len=max_context_len, max_turns=max_turns,
-                    sample=sample, batch=batch)
+                    sample=sample, batch=batch, constraint=constraint)
         self.sessions[s.id] = s
         return s
 
@@ -506,15 +514,28 @@ class Router:
         if s.inflight_rid:
             await self.pool.abort(s.inflight_rid)
 
-    def _note_unknown(self, s: Session, req) -> None:
-        """Unknown fields a request sent (accepted: agent programs add fields with every release): counted, warned
-        about once per name, and recorded in the session's trajectory (metadata.unknown_fields)."""
+    def _admit(self, s: Session, req) -> None:
+        """What every request goes through after its API's parsing. Unknown fields (accepted: agent programs add
+        fields with every release) are counted, warned about once per name and recorded in the session's trajectory
+        (metadata.unknown_fields). A system or developer message after the first (Codex and Claude Code send them)
+        stays a system message where the chat template shows one there (Qwen3's does); where the template would drop
+        or refuse it, it goes in as a user message, the same way every turn, so the model sees it and the history
+        keeps extending (one segment)."""
         for name in req.unknown:
             if not self.unknown_fields[name]:
                 log.warning("accepting unknown request field %r (first seen; counted in agentflow/unknown_fields and "
                             "recorded in trajectories' metadata.unknown_fields)", name)
             self.unknown_fields[name] += 1
             s.unknown_fields.add(name)
+        if self._later_system is None:
+            try:
+                self._later_system = "\x1fprobe" in self.chat.render([{"role": "user", "content": "u"},
+                                                                      {"role": "system", "content": "\x1fprobe"}])
+            except Exception:  # a template that takes no system message there
+                self._later_system = False
+        if not self._later_system:
+            req.messages = [dict(m, role="user") if m["role"] == "system" and i else m
+                            for i, m in enumerate(req.messages)]
 
     def _session(self, sid: str, headers) -> Session:
         s = self.sessions.get(sid)
@@ -608,7 +629,7 @@ class Router:
             s = self._session(sid, request.headers)
             body = await body_of(request)
             req = openai_request(body, self.strict_fields)
-            self._note_unknown(s, req)
+            self._admit(s, req)
             template_kwargs = self.chat.with_thinking(req, "reasoning_effort", body.get("reasoning_effort"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
@@ -624,7 +645,7 @@ class Router:
         async def messages(request: Request, sid: str):
             s = self._session(sid, request.headers)
             req = anthropic_request(await body_of(request), self.strict_fields, self.model_name)
-            self._note_unknown(s, req)
+            self._admit(s, req)
             template_kwargs = self.chat.thinking_kwargs(req.thinking)
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
                       overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
@@ -639,7 +660,7 @@ class Router:
             s = self._session(sid, request.headers)
             body = await body_of(request)
             req = responses_request(body, s.responses, self.strict_fields)
-            self._note_unknown(s, req)
+            self._admit(s, req)
             template_kwargs = self.chat.with_thinking(req, "reasoning", body.get("reasoning"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, template_kwargs=template_kwargs,
@@ -662,7 +683,7 @@ class Router:
             """Messages count_tokens (Claude Code asks it): the prompt's length as the template renders it; no turn."""
             s = self._session(sid, request.headers)
             req = anthropic_request({**await body_of(request), "max_tokens": 1}, self.strict_fields, self.model_name)
-            self._note_unknown(s, req)
+            self._admit(s, req)
             kwargs = {**self.chat.template_kwargs, **self.chat.thinking_kwargs(req.thinking)}
             return JSONResponse({"input_tokens": len(self.chat.prompt_ids(req.messages, req.tools, kwargs))})
 

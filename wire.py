@@ -680,7 +680,7 @@ def anthropic_request(body: dict, strict: bool = False, model: str = "loongsage"
     return ChatRequest(msgs, tools, kind != "none", _positive_int(body["max_tokens"], "max_tokens"),
                        {**_sampling_overrides(body, temperature_max=1.0), **grammar},
                        _stop_list(stop, "stop_sequences"), _flag(body, "stream"),
-                       thinking=effort if thinking is None else thinking, forced=forced,
+                       thinking=effort if body.get("thinking") is None else thinking, forced=forced,
                        structured="output_config.format" if grammar else None,
                        parallel_calls=not (choice or {}).get("disable_parallel_tool_use"),
                        strict=frozenset(t["name"] for t in body.get("tools") or () if t.get("strict") is True),
