@@ -527,13 +527,13 @@ class Router:
                             "recorded in trajectories' metadata.unknown_fields)", name)
             self.unknown_fields[name] += 1
             s.unknown_fields.add(name)
-        if self._later_system is None:
+        if self._later_system is None and any(m["role"] == "system" for m in req.messages[1:]):
             try:
                 self._later_system = "\x1fprobe" in self.chat.render([{"role": "user", "content": "u"},
                                                                       {"role": "system", "content": "\x1fprobe"}])
             except Exception:  # a template that takes no system message there
                 self._later_system = False
-        if not self._later_system:
+        if self._later_system is False:
             req.messages = [dict(m, role="user") if m["role"] == "system" and i else m
                             for i, m in enumerate(req.messages)]
 

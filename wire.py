@@ -22,8 +22,9 @@ What an API refuses gets an `ApiError` (HTTP status, message naming the field an
 that API's error shape by the router. In all three APIs, options the engine cannot honour are refused rather than
 ignored, so the trainer never sees a sample drawn from a different distribution than the agent asked for: each
 top-level field of the official SDK's request type is honoured, inert (no effect on what is generated: metadata,
-store, user, caching and billing hints; only type-checked) or accepted only at its default (`_check_fields`), and an
-unknown one is a 400 naming the closest known field. `chat_template_kwargs` (Chat Completions and Responses, SGLang's
+store, user, caching and billing hints; only type-checked) or accepted only at its default (`_check_fields`); an
+unknown one near a sampling field (`temprature`) is a 400 naming it, any other is accepted and returned in
+`ChatRequest.unknown` for the router to count and record (agent programs add fields with every release). `chat_template_kwargs` (Chat Completions and Responses, SGLang's
 extension) sets template variables such as Qwen3's `enable_thinking`; the Responses `reasoning.effort` and the Chat
 Completions `reasoning_effort` do the same through the template's thinking switch ("none" off, any other level on;
 the level itself is not enforced), as the Messages `thinking` does.
@@ -258,9 +259,11 @@ def anthropic_messages(system, raw) -> list[dict]:
         out.append({"role": "system", "content": _text_of(system, "system"), "where": "system"})
     for i, m in enumerate(raw):
         where = f"messages.{i}"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system") or \
+                m["role"] == "system" and i == 0:
             role = m.get("role") if isinstance(m, dict) else None
-            raise ApiError(400, f"{where}.role is {role!r}; Anthropic messages take 'user', 'assistant' or 'system'",
+            raise ApiError(400, f"{where}.role is {role!r}; Anthropic messages take 'user', 'assistant' or, after the "
+                           "first, 'system' (the system prompt goes in the top-level 'system' field)",
                            param=f"{where}.role")
         if m["role"] == "system":  # Claude Code sends its environment as one, after the first user message
             out.append({"role": "system", "content": _text_of(m.get("content"), where), "where": where})
