@@ -24,10 +24,11 @@ ignored, so the trainer never sees a sample drawn from a different distribution 
 top-level field of the official SDK's request type is honoured, inert (no effect on what is generated: metadata,
 store, user, caching and billing hints; only type-checked) or accepted only at its default (`_check_fields`); an
 unknown one near a sampling field (`temprature`) is a 400 naming it, any other is accepted and returned in
-`ChatRequest.unknown` for the router to count and record (agent programs add fields with every release). `chat_template_kwargs` (Chat Completions and Responses, SGLang's
-extension) sets template variables such as Qwen3's `enable_thinking`; the Responses `reasoning.effort` and the Chat
-Completions `reasoning_effort` do the same through the template's thinking switch ("none" off, any other level on;
-the level itself is not enforced), as the Messages `thinking` does.
+`ChatRequest.unknown` for the router to count and record (agent programs add fields with every release).
+`chat_template_kwargs` (Chat Completions and Responses, SGLang's extension) sets template variables such as Qwen3's
+`enable_thinking`; the Responses `reasoning.effort` and the Chat Completions `reasoning_effort` do the same through
+the template's thinking switch ("none" off, any other level on; the level itself is not enforced), as the Messages
+`thinking` does.
 
 Structured output (Responses `text.format`, Chat Completions `response_format`): json_schema and json_object become
 SGLang's `json_schema` sampling parameter (`_output_format`), which the engine enforces with xgrammar; the router
@@ -340,9 +341,10 @@ def anthropic_tools(raw) -> list[dict] | None:
 
 # Top-level request fields: those of the official SDKs' request types, and those the agent programs of
 # tests/test_real_agents.py send (tests/agent_requests/). An unknown field passes unless it looks like a mistyped
-# sampling field (`_check_fields`). Known fields fall in three kinds: honoured (the handlers read them); inert (no effect on what is generated:
-# metadata, caching, billing hints), only type-checked; honoured only at their default value, because the
-# engine cannot do otherwise and ignoring them would hand the trainer a different sample than was asked for.
+# sampling field (`_check_fields`). Known fields fall in three kinds: honoured (the handlers read them); inert (no
+# effect on what is generated: metadata, caching, billing hints), only type-checked; honoured only at their default
+# value, because the engine cannot do otherwise and ignoring them would hand the trainer a different sample than was
+# asked for.
 _OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options",
                     "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs", "response_format",
                     "reasoning_effort", "chat_template_kwargs", "separate_reasoning",  # these two: SGLang's
@@ -970,8 +972,8 @@ def _decrypt(blob, where: str) -> list[dict]:
     if blob is None:
         return []
     if not isinstance(blob, str) or not blob.startswith("ls1."):
-        raise ApiError(400, f"{where} {blob!r:.60} was not made by this router (it reads back only the encrypted_content"
-                       " of its own reasoning items)", param=where)
+        raise ApiError(400, f"{where} {blob!r:.60} was not made by this router (it reads back only the "
+                       "encrypted_content of its own reasoning items)", param=where)
     return [{"type": "reasoning_text", "text": base64.urlsafe_b64decode(blob[4:].encode()).decode()}]
 
 
