@@ -84,6 +84,7 @@ import argparse
 import asyncio
 import atexit
 import base64
+import collections
 import contextlib
 import dataclasses
 import functools

@@ -26,8 +26,10 @@ from pathlib import Path
 import pytest
 
 import agentflow
+import chat
 import cpu_engine
 import data
+import rollout
 import wire
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
@@ -90,9 +92,9 @@ def first_call_id(program: str, body: dict) -> str:
 
 
 async def episode(program: str, model: str, engine_url: str, work: Path) -> dict:
-    pool = agentflow.EnginePool([engine_url])
-    chat = agentflow.ChatFormat(model)
-    router = agentflow.Router(pool, chat, model_name="loongsage")
+    pool = rollout.EnginePool([engine_url])
+    fmt = chat.ChatFormat(model)
+    router = agentflow.Router(pool, fmt, model_name="loongsage")
     log = recorded(router)
     calls, real = [], pool.generate
 
@@ -122,7 +124,7 @@ async def episode(program: str, model: str, engine_url: str, work: Path) -> dict
         await router.stop()
         await pool.close()
     return dict(rc=proc.returncode, out=out.decode(errors="replace"), err=err.decode(errors="replace"), log=log,
-                calls=calls, segments=s.segments, traj=traj, chat=chat, router=router,
+                calls=calls, segments=s.segments, traj=traj, chat=fmt, router=router,
                 seconds=time.perf_counter() - t0)
 
 
