@@ -84,6 +84,7 @@ import argparse
 import asyncio
 import atexit
 import base64
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -262,7 +263,7 @@ class Session:
     """
 
     def __init__(self, chat: chat.ChatFormat, *, sampling: dict, max_context_len: int, max_turns: int,
-                 sample: dict | None = None, batch: str = ""):
+                 sample: dict | None = None, batch: str = "", constraint: dict | None = None):
         self.id = secrets.token_urlsafe(18)       # the unguessable part of the session URL
         self.api_key = "ls-" + secrets.token_urlsafe(18)
         self.chat, self.sampling, self.sample = chat, dict(sampling), sample or {}
@@ -279,6 +280,11 @@ class Session:
         self.responses: dict[str, list[dict]] = {}  # Responses API: id -> the conversation up to it
         self.generate_s = 0.0
         self.batch = batch                        # rollout.EnginePool batch key: the prompt group (see _coalesced)
+        self.unknown_fields: set[str] = set()     # request fields no table of wire.py knows, accepted
+        self.tool_parse_failures = 0              # turns that opened a tool call the parser could not read
+        # a recipe's declared grammar (SGLang's regex / ebnf / json_schema) for the first turn offered tools: how a
+        # model that cannot yet call a program's tools is made to (tests/test_real_agents.py); in the trajectory
+        self.constraint, self.constrained_turns = dict(constraint or {}), []
 
     def plan(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None = None) -> TurnPlan:
         """The input ids for a turn: extend the last segment if the history extends it, else start a new one.
@@ -381,6 +387,9 @@ class Session:
             cap = min(sp.get("max_new_tokens") or room, max_tokens or room)
             sp["max_new_tokens"] = min(cap, room)
             sp.update(stop_token_ids=self.chat.stop_ids, skip_special_tokens=False, no_stop_trim=True)
+            if self.constraint and tools and not self.constrained_turns:
+                sp = {k: v for k, v in sp.items() if k not in ("regex", "ebnf", "json_schema")} | self.constraint
+                self.constrained_turns.append(self.turns)
             rid = f"{self.id[:8]}-{self.turns}-{uuid.uuid4().hex[:8]}"
             self.inflight_rid = rid
             t0 = time.perf_counter()
@@ -414,6 +423,12 @@ class Session:
                 matched = min((x for x in stop if x in text), key=text.find)
                 text, finish = text[:text.find(matched)], "stop"
             reasoning, content, calls = self.chat.parse(text, tools, parse_tools, separate_reasoning)
+            opens = chat.TOOL_CALL_STARTS.get(self.chat.tool_parser)
+            if parse_tools and tools and not calls and opens and opens in text:
+                # A malformed call (bad JSON, an unknown tool): it goes back as the text the model wrote, as the real
+                # services answer, and the episode goes on; counted (agentflow/tool_parse_failures)
+                self.tool_parse_failures += 1
+                reasoning, content, _ = self.chat.parse(text, tools, False, separate_reasoning)
             routed = _routed_prefix(meta.get("routed_experts") or "", len(plan.input_ids) + len(lps) - 1,
                                     len(plan.input_ids) + len(output_ids) - 1)
             turn = Turn(output_ids, logprobs, versions, finish, content, calls, len(plan.input_ids), url, matched,
@@ -456,7 +471,9 @@ class Session:
                       for s in self.segments], reward=float(reward) if status != "failed" else 0.0,
             status=status, prompt_text=self.chat.decode(seg.prompt_ids, skip_special_tokens=False),
             metadata={"turns": self.turns, "finish_reasons": self.finish_reasons, "engine": self.engine,
-                      "num_segments": len(self.segments)})
+                      "num_segments": len(self.segments), "unknown_fields": sorted(self.unknown_fields),
+                      "tool_parse_failures": self.tool_parse_failures, "constraint": self.constraint,
+                      "constrained_turns": self.constrained_turns})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,8 +484,12 @@ class Router:
     """Sessions + the Starlette app that serves them. Runs inside the caller's event loop (the AgentFlow actor)."""
 
     def __init__(self, pool: rollout.EnginePool, chat: chat.ChatFormat, *, model_name: str = "loongsage",
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", strict_fields: bool = False):
         self.pool, self.chat, self.model_name, self.host = pool, chat, model_name, host
+        self.strict_fields = strict_fields  # refuse every unknown request field (wire._check_fields)
+        self.unknown_fields: collections.Counter = collections.Counter()  # requests that sent each unknown field
+        self.tool_parse_failures = 0  # turns of closed sessions whose tool-call text did not parse (Session)
+        self._later_system: bool | None = None  # does the template show a system message after the first (probed)
         self.sessions: dict[str, Session] = {}
         self.url: str | None = None
         self._server = None
@@ -477,9 +498,9 @@ class Router:
     # --- sessions
 
     def open_session(self, *, sampling: dict, max_context_len: int, max_turns: int,
-                     sample: dict | None = None, batch: str = "") -> Session:
+                     sample: dict | None = None, batch: str = "", constraint: dict | None = None) -> Session:
         s = Session(self.chat, sampling=sampling, max_context_len=max_context_len, max_turns=max_turns,
-                    sample=sample, batch=batch)
+                    sample=sample, batch=batch, constraint=constraint)
         self.sessions[s.id] = s
         return s
 
@@ -489,9 +510,33 @@ class Router:
     async def close_session(self, s: Session) -> None:
         """Finish a session: later requests get 404; a turn still generating is aborted on its engine."""
         s.closed = True
-        self.sessions.pop(s.id, None)
+        if self.sessions.pop(s.id, None) is not None:
+            self.tool_parse_failures += s.tool_parse_failures
         if s.inflight_rid:
             await self.pool.abort(s.inflight_rid)
+
+    def _admit(self, s: Session, req) -> None:
+        """What every request goes through after its API's parsing. Unknown fields (accepted: agent programs add
+        fields with every release) are counted, warned about once per name and recorded in the session's trajectory
+        (metadata.unknown_fields). A system or developer message after the first (Codex and Claude Code send them)
+        stays a system message where the chat template shows one there (Qwen3's does); where the template would drop
+        or refuse it, it goes in as a user message, the same way every turn, so the model sees it and the history
+        keeps extending (one segment)."""
+        for name in req.unknown:
+            if not self.unknown_fields[name]:
+                log.warning("accepting unknown request field %r (first seen; counted in agentflow/unknown_fields and "
+                            "recorded in trajectories' metadata.unknown_fields)", name)
+            self.unknown_fields[name] += 1
+            s.unknown_fields.add(name)
+        if self._later_system is None and any(m["role"] == "system" for m in req.messages[1:]):
+            try:
+                self._later_system = "\x1fprobe" in self.chat.render([{"role": "user", "content": "u"},
+                                                                      {"role": "system", "content": "\x1fprobe"}])
+            except Exception:  # a template that takes no system message there
+                self._later_system = False
+        if self._later_system is False:
+            req.messages = [dict(m, role="user") if m["role"] == "system" and i else m
+                            for i, m in enumerate(req.messages)]
 
     def _session(self, sid: str, headers) -> Session:
         s = self.sessions.get(sid)
@@ -584,7 +629,8 @@ class Router:
         async def chat_completions(request: Request, sid: str):
             s = self._session(sid, request.headers)
             body = await body_of(request)
-            req = openai_request(body)
+            req = openai_request(body, self.strict_fields)
+            self._admit(s, req)
             template_kwargs = self.chat.with_thinking(req, "reasoning_effort", body.get("reasoning_effort"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
@@ -599,7 +645,8 @@ class Router:
         @guarded(anthropic_error_body)
         async def messages(request: Request, sid: str):
             s = self._session(sid, request.headers)
-            req = anthropic_request(await body_of(request))
+            req = anthropic_request(await body_of(request), self.strict_fields, self.model_name)
+            self._admit(s, req)
             template_kwargs = self.chat.thinking_kwargs(req.thinking)
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
                       overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
@@ -613,7 +660,8 @@ class Router:
         async def responses(request: Request, sid: str):
             s = self._session(sid, request.headers)
             body = await body_of(request)
-            req = responses_request(body, s.responses)
+            req = responses_request(body, s.responses, self.strict_fields)
+            self._admit(s, req)
             template_kwargs = self.chat.with_thinking(req, "reasoning", body.get("reasoning"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, template_kwargs=template_kwargs,
@@ -631,11 +679,31 @@ class Router:
             output = responses_output(turn, req.custom_tools, logprobs_of(turn) if logprobs_of else None)
             return JSONResponse(responses_response(turn, self.model_name, rid, body, output))
 
+        @guarded(anthropic_error_body)
+        async def count_tokens(request: Request, sid: str):
+            """Messages count_tokens (Claude Code asks it): the prompt's length as the template renders it; no turn."""
+            s = self._session(sid, request.headers)
+            req = anthropic_request({**await body_of(request), "max_tokens": 1}, self.strict_fields, self.model_name)
+            self._admit(s, req)
+            kwargs = {**self.chat.template_kwargs, **self.chat.thinking_kwargs(req.thinking)}
+            return JSONResponse({"input_tokens": len(self.chat.prompt_ids(req.messages, req.tools, kwargs))})
+
         @guarded(openai_error_body)
         async def models(request: Request, sid: str):
+            """The one model served, in the shape of the API asking: Anthropic's (its clients send anthropic-version)
+            or OpenAI's; /models/{id} the model itself."""
             self._session(sid, request.headers)
-            return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                              "created": 0, "owned_by": "loongsage"}]})
+            anthropic = "anthropic-version" in request.headers
+            model = {"type": "model", "id": self.model_name, "display_name": self.model_name,
+                     "created_at": "1970-01-01T00:00:00Z"} if anthropic else \
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "loongsage"}
+            if "model" in request.path_params:
+                if request.path_params["model"] != self.model_name:
+                    raise ApiError(404, f"model {request.path_params['model']!r} is not served here; the one model "
+                                   f"is {self.model_name!r}", code="model_not_found")
+                return JSONResponse(model)
+            return JSONResponse({"data": [model], "has_more": False, "first_id": self.model_name,
+                                 "last_id": self.model_name} if anthropic else {"object": "list", "data": [model]})
 
         @guarded(openai_error_body)
         async def unscoped(request: Request, sid=None):
@@ -653,7 +721,9 @@ class Router:
             Route("/s/{sid}/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/s/{sid}/v1/messages", messages, methods=["POST"]),
             Route("/s/{sid}/v1/responses", responses, methods=["POST"]),
+            Route("/s/{sid}/v1/messages/count_tokens", count_tokens, methods=["POST"]),
             Route("/s/{sid}/v1/models", models, methods=["GET"]),
+            Route("/s/{sid}/v1/models/{model:path}", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/{path:path}", unscoped),  # any other path or method: a 404 in the OpenAI error shape
         ])
@@ -795,7 +865,7 @@ class AgentFlow:
         self._warm = sandbox.WarmPython(cfg.agent_preload) if cfg.agent_command and cfg.agent_preload else None
         # Loopback by default: agents run on this node. Set cfg.router_host to serve sandboxes elsewhere.
         self.router = Router(self.pool, self.chat, model_name=Path(tokenizer_path).name or "loongsage",
-                             host=cfg.router_host)
+                             host=cfg.router_host, strict_fields=cfg.strict_fields)
         # The white-box agents' clients share one connection pool to the router: a trajectory's first call takes a
         # kept-alive connection instead of opening one (~0.4 ms less CPU per trajectory here: docs/BENCHMARKS.md)
         self._sdk_http = None
@@ -912,7 +982,9 @@ class AgentFlow:
         self.pool.use_adapter(name, version)
 
     def engine_metrics(self) -> dict:
-        return {"engines/healthy": len(self.pool.healthy()), "rollout/retried": self.pool.retried}
+        return {"engines/healthy": len(self.pool.healthy()), "rollout/retried": self.pool.retried,
+                "agentflow/unknown_fields": sum(self.router.unknown_fields.values()),
+                "agentflow/tool_parse_failures": self.router.tool_parse_failures}
 
     async def abort(self) -> None:
         """Stop every running trajectory now (weight update with abort, or shutdown); their groups are dropped."""

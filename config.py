@@ -160,6 +160,8 @@ class Config:
     max_parallel_sandboxes: int = 32  # black-box agents / code-test rewards running at once
     agent_preload: list = field(default_factory=list)  # modules a Python agent_command imports (e.g. [openai]):
     # each trajectory forks from one interpreter that imported them, not a new Python (sandbox: local only)
+    strict_fields: bool = False  # router: refuse every request field wire.py does not know (default: accept, count
+    #                              and record the unknown ones, refusing only near-misses of sampling fields)
     router_host: str = "127.0.0.1"  # where the AgentFlow router listens (0.0.0.0 for agents on other machines)
     max_turns: int = 8  # agent turns per trajectory
     agent_timeout: float = 120.0  # seconds per trajectory

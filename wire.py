@@ -22,11 +22,13 @@ What an API refuses gets an `ApiError` (HTTP status, message naming the field an
 that API's error shape by the router. In all three APIs, options the engine cannot honour are refused rather than
 ignored, so the trainer never sees a sample drawn from a different distribution than the agent asked for: each
 top-level field of the official SDK's request type is honoured, inert (no effect on what is generated: metadata,
-store, user, caching and billing hints; only type-checked) or accepted only at its default (`_check_fields`), and an
-unknown one is a 400 naming the closest known field. `chat_template_kwargs` (Chat Completions and Responses, SGLang's
-extension) sets template variables such as Qwen3's `enable_thinking`; the Responses `reasoning.effort` and the Chat
-Completions `reasoning_effort` do the same through the template's thinking switch ("none" off, any other level on;
-the level itself is not enforced), as the Messages `thinking` does.
+store, user, caching and billing hints; only type-checked) or accepted only at its default (`_check_fields`); an
+unknown one near a sampling field (`temprature`) is a 400 naming it, any other is accepted and returned in
+`ChatRequest.unknown` for the router to count and record (agent programs add fields with every release).
+`chat_template_kwargs` (Chat Completions and Responses, SGLang's extension) sets template variables such as Qwen3's
+`enable_thinking`; the Responses `reasoning.effort` and the Chat Completions `reasoning_effort` do the same through
+the template's thinking switch ("none" off, any other level on; the level itself is not enforced), as the Messages
+`thinking` does.
 
 Structured output (Responses `text.format`, Chat Completions `response_format`): json_schema and json_object become
 SGLang's `json_schema` sampling parameter (`_output_format`), which the engine enforces with xgrammar; the router
@@ -45,6 +47,7 @@ callers / output_schema, `text.verbosity` (inert: the template has no such varia
 """
 from __future__ import annotations
 
+import base64
 import difflib
 import json
 import re
@@ -257,10 +260,15 @@ def anthropic_messages(system, raw) -> list[dict]:
         out.append({"role": "system", "content": _text_of(system, "system"), "where": "system"})
     for i, m in enumerate(raw):
         where = f"messages.{i}"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system") or \
+                m["role"] == "system" and i == 0:
             role = m.get("role") if isinstance(m, dict) else None
-            raise ApiError(400, f"{where}.role is {role!r}; Anthropic messages take 'user' or 'assistant' "
-                           "(the system prompt goes in the top-level 'system' field)", param=f"{where}.role")
+            raise ApiError(400, f"{where}.role is {role!r}; Anthropic messages take 'user', 'assistant' or, after the "
+                           "first, 'system' (the system prompt goes in the top-level 'system' field)",
+                           param=f"{where}.role")
+        if m["role"] == "system":  # Claude Code sends its environment as one, after the first user message
+            out.append({"role": "system", "content": _text_of(m.get("content"), where), "where": where})
+            continue
         if m["role"] == "assistant" and i == len(raw) - 1:
             raise ApiError(400, f"{where}: the conversation ends with an assistant message (prefill); this "
                            "router does not support prefill: end with a user message", param=where)
@@ -320,6 +328,8 @@ def anthropic_tools(raw) -> list[dict] | None:
         raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
     tools = []
     for i, t in enumerate(raw):
+        if isinstance(t, dict) and t.get("defer_loading") is True:
+            continue  # a deferred tool is not in the model's context until a tool search loads it (none runs here)
         if not isinstance(t, dict) or t.get("type", "custom") != "custom" or not isinstance(t.get("input_schema"), dict):
             raise ApiError(400, f"invalid tool schema at tools.{i}: expected a client tool {{'name', 'description', "
                            "'input_schema': {'type': 'object', ...}}} (server tools are not supported)",
@@ -329,29 +339,61 @@ def anthropic_tools(raw) -> list[dict] | None:
     return _unique_tools(tools)
 
 
-# Top-level request fields, as the official SDKs' request types list them. An unknown field is refused,
-# naming the closest known one, as both APIs refuse it (a typo like `temprature` must not pass silently).
-# Known fields fall in three kinds: honoured (the handlers read them); inert (no effect on what is generated:
-# metadata, caching, billing hints), only type-checked; honoured only at their default value, because the
-# engine cannot do otherwise and ignoring them would hand the trainer a different sample than was asked for.
+# Top-level request fields: those of the official SDKs' request types, and those the agent programs of
+# tests/test_real_agents.py send (tests/agent_requests/). An unknown field passes unless it looks like a mistyped
+# sampling field (`_check_fields`). Known fields fall in three kinds: honoured (the handlers read them); inert (no
+# effect on what is generated: metadata, caching, billing hints), only type-checked; honoured only at their default
+# value, because the engine cannot do otherwise and ignoring them would hand the trainer a different sample than was
+# asked for.
 _OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options",
                     "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs", "response_format",
                     "reasoning_effort", "chat_template_kwargs", "separate_reasoning",  # these two: SGLang's
                     "parallel_tool_calls"}  # enforced with a forced tool_choice; with "auto" the model's calls stand
 _OPENAI_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
                  "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str, "seed": int,
-                 "verbosity": str, "moderation": dict}
+                 "verbosity": str, "moderation": dict, "client_metadata": dict}
 _OPENAI_DEFAULT_ONLY = {"n": [1], "top_logprobs": [0], "frequency_penalty": [0], "presence_penalty": [0],
                         "logit_bias": [{}], "modalities": [["text"]],
                         "audio": [], "prediction": [], "web_search_options": [], "functions": [], "function_call": []}
 _ANTHROPIC_HONOURED = {"messages", "model", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
-                       "top_k", "tools", "tool_choice", "thinking"}
+                       "top_k", "tools", "tool_choice", "thinking",
+                       "output_config", "context_management"}  # Claude Code's: effort (and format), thinking edits
 _ANTHROPIC_INERT = {"metadata": dict, "service_tier": str, "cache_control": dict, "inference_geo": str, "speed": str,
-                    "diagnostics": dict, "user_profile_id": str, "workspace_id": str, "container": (str, dict)}
-_ANTHROPIC_DEFAULT_ONLY = {"output_config": [{}], "mcp_servers": [[]]}
+                    "diagnostics": dict, "user_profile_id": str, "workspace_id": str, "container": (str, dict),
+                    "betas": list}
+_ANTHROPIC_DEFAULT_ONLY = {"mcp_servers": [[]]}
 
 
-def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict) -> None:
+# Sampling fields of the three APIs. An unknown field within a small edit distance of one (`temprature`, `max_token`,
+# `top-k`) is a typo the router refuses: passing it by would sample with a setting the agent did not ask for.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "max_output_tokens",
+                   "stop", "stop_sequences", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                   "logit_bias", "logprobs", "top_logprobs", "n")
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance, '-' and '_' and case alike (`top-k` is `top_k` mistyped, at distance 0)."""
+    a, b = a.lower().replace("-", "_"), b.lower().replace("-", "_")
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
+    return row[-1]
+
+
+def sampling_typo(name: str) -> str | None:
+    """The sampling field `name` is a typo of: within 1 edit of a name of up to 5 characters, 2 of a longer one."""
+    near = sorted((_edit_distance(name, f), f) for f in SAMPLING_FIELDS if len(f) > 1)
+    return next((f for d, f in near if d <= (1 if len(f) <= 5 else 2)), None)
+
+
+def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict, strict: bool = False) -> tuple:
+    """Check the top-level fields; returns the unknown ones accepted. Agent programs send beta and client fields the
+    real services take and change them with every release, so an unknown field passes (the router counts, warns
+    and records it: agentflow.Router), unless it looks like a mistyped sampling field (400); `strict` refuses every
+    unknown field, naming the closest known one."""
+    unknown = []
     for k, v in body.items():
         if k in honoured:
             continue
@@ -363,10 +405,15 @@ def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict) ->
             if v is not None and v not in default_only[k]:
                 raise ApiError(400, f"'{k}'={v!r:.200} is not supported by this router (the engine cannot honour it);"
                                f" leave it unset" + (f" or {default_only[k][0]!r}" if default_only[k] else ""), param=k)
+        elif sampling_typo(k) or strict:
+            close = sampling_typo(k) or (difflib.get_close_matches(k, sorted(honoured | set(inert) | set(default_only)),
+                                                                   n=1) or [None])[0]
+            raise ApiError(400, f"unrecognized request argument supplied: {k!r}" + (
+                " (a sampling setting this API does not take)" if close == k else
+                f"; did you mean {close!r}?" if close else ""), param=k)
         else:
-            close = difflib.get_close_matches(k, sorted(honoured | set(inert) | set(default_only)), n=1)
-            raise ApiError(400, f"unrecognized request argument supplied: {k!r}" +
-                           (f"; did you mean {close[0]!r}?" if close else ""), param=k)
+            unknown.append(k)
+    return tuple(unknown)
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -473,7 +520,8 @@ def _output_format(fmt, param: str, nested: bool) -> dict:
 
 
 def _anthropic_thinking(v) -> bool | None:
-    """The Messages `thinking` field -> thinking on (enabled, adaptive) / off (disabled) / not asked (None). Checked
+    """The Messages `thinking` field -> thinking on (enabled) / off (disabled) / the model's own choice (adaptive, or
+    not asked: None, the template's default; Claude Code asks adaptive of any model, thinking or not). Checked
     as the SDK's three variants: enabled needs budget_tokens >= 1024; disabled takes no other field; adaptive no
     budget. The budget is accepted and not enforced (the API calls it a target; max_tokens still caps the turn)."""
     if v is None:
@@ -490,7 +538,46 @@ def _anthropic_thinking(v) -> bool | None:
         raise ApiError(400, f"thinking {v!r:.200}: 'enabled' needs an integer budget_tokens >= 1024, 'adaptive' takes "
                        "no budget_tokens, 'disabled' no other field; display is 'summarized' or 'omitted'",
                        param="thinking")
-    return kind != "disabled"
+    return None if kind == "adaptive" else kind == "enabled"
+
+
+def _anthropic_output_config(v) -> tuple[bool | None, dict]:
+    """Messages `output_config` -> (thinking, grammar): `effort` (low ... max) sets thinking on as a reasoning effort
+    does (any level; the level itself is not enforced) where `thinking` does not say; `format` {"type":
+    "json_schema", "schema"} becomes the engine's json_schema parameter, as Chat Completions' response_format."""
+    if v is None:
+        return None, {}
+    if not isinstance(v, dict) or set(v) - {"effort", "format"} or \
+            v.get("effort") not in (None, "low", "medium", "high", "xhigh", "max"):
+        raise ApiError(400, f"output_config {v!r:.200} takes effort (low, medium, high, xhigh, max) and format",
+                       param="output_config")
+    fmt = v.get("format")
+    grammar = {} if fmt is None else _output_format({"name": "output", **fmt}, "output_config.format", nested=False)
+    return (None if v.get("effort") is None else True), grammar
+
+
+def _context_edits(v, messages: list[dict], model: str) -> None:
+    """Messages `context_management` (Claude Code sends it): `clear_thinking_20251015` is applied (keep "all": no
+    change; keep {"type": "thinking_turns", "value": n}: the thinking of all but the last n assistant turns is dropped
+    before rendering); `clear_tool_uses_20250919` is refused in the words Claude Code recognises (it then stops
+    sending the edit for the rest of its process, and old tool results stay in the prompt, as they are rendered)."""
+    edits = v.get("edits") if isinstance(v, dict) and set(v) <= {"edits"} else None
+    if not isinstance(edits, list) or not all(isinstance(e, dict) for e in edits):
+        raise ApiError(400, f"context_management {v!r:.200} must be {{'edits': [...]}}", param="context_management")
+    for e in edits:
+        keep = e.get("keep", "all")
+        if e.get("type") == "clear_tool_uses_20250919":
+            raise ApiError(400, f"{model} does not support the clear_tool_uses_20250919 context management strategy "
+                           "(the router renders every tool result; clear tool results in the agent, or start a new "
+                           "context)", param="context_management")
+        turns = keep.get("value") if isinstance(keep, dict) and keep.get("type") == "thinking_turns" else None
+        if e.get("type") != "clear_thinking_20251015" or not (keep == "all" or isinstance(turns, int) and turns >= 0):
+            raise ApiError(400, f"context_management edit {e!r:.200}: this router applies clear_thinking_20251015 "
+                           "(keep 'all' or {'type': 'thinking_turns', 'value': n}) only", param="context_management")
+        if turns is not None:
+            said = [m for m in messages if m["role"] == "assistant"]
+            for m in said[:len(said) - turns]:
+                m.pop("reasoning_content", None)
 
 
 @dataclass
@@ -513,11 +600,12 @@ class ChatRequest:
     forced: tuple = ()             # tool_choice "required" / named: the tools the reply must call (one or more)
     parallel_calls: bool = True    # with `forced`: more than one call allowed (parallel_tool_calls)
     strict: frozenset = frozenset()  # tools whose arguments must follow their schema (`strict`; with `forced`)
+    unknown: tuple = ()            # top-level fields no table knows, accepted (_check_fields)
 
 
-def openai_request(body: dict) -> ChatRequest:
+def openai_request(body: dict, strict: bool = False) -> ChatRequest:
     """A Chat Completions body, checked against what the OpenAI API accepts (and what the router can do)."""
-    _check_fields(body, _OPENAI_HONOURED, _OPENAI_INERT, _OPENAI_DEFAULT_ONLY)
+    unknown = _check_fields(body, _OPENAI_HONOURED, _OPENAI_INERT, _OPENAI_DEFAULT_ONLY, strict)
     if "messages" not in body:
         raise ApiError(400, "missing required field 'messages'", param="messages")
     if body.get("model") is not None and not isinstance(body["model"], str):
@@ -556,12 +644,12 @@ def openai_request(body: dict) -> ChatRequest:
                        structured="response_format" if grammar else None, forced=forced,
                        parallel_calls=body.get("parallel_tool_calls") is None or _flag(body, "parallel_tool_calls"),
                        strict=frozenset(t["function"]["name"] for t in body.get("tools") or ()
-                                        if t["function"].get("strict") is True))
+                                        if t["function"].get("strict") is True), unknown=unknown)
 
 
-def anthropic_request(body: dict) -> ChatRequest:
+def anthropic_request(body: dict, strict: bool = False, model: str = "loongsage") -> ChatRequest:
     """A Messages body, checked against what the Anthropic API accepts (and what the router can do)."""
-    _check_fields(body, _ANTHROPIC_HONOURED, _ANTHROPIC_INERT, _ANTHROPIC_DEFAULT_ONLY)
+    unknown = _check_fields(body, _ANTHROPIC_HONOURED, _ANTHROPIC_INERT, _ANTHROPIC_DEFAULT_ONLY, strict)
     for name in ("messages", "max_tokens"):
         if name not in body:
             raise ApiError(400, f"missing required field '{name}'", param=name)
@@ -573,6 +661,10 @@ def anthropic_request(body: dict) -> ChatRequest:
     if body["max_tokens"] is None:
         raise ApiError(400, "max_tokens must be a positive integer, got None", param="max_tokens")
     msgs, tools = anthropic_messages(body.get("system"), body["messages"]), anthropic_tools(body.get("tools"))
+    if body.get("context_management") is not None:
+        _context_edits(body["context_management"], msgs, model)
+    effort, grammar = _anthropic_output_config(body.get("output_config"))
+    thinking = _anthropic_thinking(body.get("thinking"))
     choice = body.get("tool_choice")
     if choice is not None:
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
@@ -590,12 +682,14 @@ def anthropic_request(body: dict) -> ChatRequest:
     stop = body.get("stop_sequences")
     if stop is not None and not isinstance(stop, list):
         raise ApiError(400, f"'stop_sequences' must be a list of strings, got {stop!r:.100}", param="stop_sequences")
-    return ChatRequest(msgs, tools, kind != "none",
-                       _positive_int(body["max_tokens"], "max_tokens"), _sampling_overrides(body, temperature_max=1.0),
+    return ChatRequest(msgs, tools, kind != "none", _positive_int(body["max_tokens"], "max_tokens"),
+                       {**_sampling_overrides(body, temperature_max=1.0), **grammar},
                        _stop_list(stop, "stop_sequences"), _flag(body, "stream"),
-                       thinking=_anthropic_thinking(body.get("thinking")), forced=forced,
+                       thinking=effort if body.get("thinking") is None else thinking, forced=forced,
+                       structured="output_config.format" if grammar else None,
                        parallel_calls=not (choice or {}).get("disable_parallel_tool_use"),
-                       strict=frozenset(t["name"] for t in body.get("tools") or () if t.get("strict") is True))
+                       strict=frozenset(t["name"] for t in body.get("tools") or () if t.get("strict") is True),
+                       unknown=unknown)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -803,7 +897,9 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
     A reasoning item's text becomes the reasoning_content of the assistant turn that follows it. A custom tool call
     becomes a call of the function it is rendered as (`responses_tools`): arguments {"input": its input}; its output
     a tool message like a function's."""
-    msgs = [m for m in (previous or []) if m["role"] != "system"]
+    msgs = list(previous or [])
+    if msgs and msgs[0]["role"] == "system":  # the previous request's instructions (or first developer message)
+        msgs.pop(0)
     if instructions is not None:
         if not isinstance(instructions, str):
             raise ApiError(400, f"'instructions' must be a string, got {type(instructions).__name__}",
@@ -831,9 +927,6 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
             if role not in ("system", "user", "assistant"):
                 raise ApiError(400, f"{where}.role is {item.get('role')!r}; expected user, assistant, system or "
                                "developer", param=f"{where}.role")
-            if role == "system" and msgs:
-                raise ApiError(400, f"{where}: a system/developer message is only allowed first; use "
-                               "'instructions'", param=where)
             msg = {"role": role, "content": _response_parts_text(item.get("content"), where)}
             msgs.append(assistant(msg) if role == "assistant" else msg)
         elif kind in ("function_call", "custom_tool_call"):
@@ -855,7 +948,7 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
             msgs.append({"role": "tool", "tool_call_id": item["call_id"],
                          "content": output if isinstance(output, str) else _response_parts_text(output, where)})
         elif kind == "reasoning":
-            parts = item.get("content") or []
+            parts = item.get("content") or _decrypt(item.get("encrypted_content"), f"{where}.encrypted_content")
             if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
                                                      for p in parts):
                 raise ApiError(400, f"{where}.content must be a list of {{'type': 'reasoning_text', 'text': ...}}",
@@ -866,6 +959,22 @@ def responses_messages(instructions, raw, previous: list[dict] | None) -> list[d
                            "function_call_output, custom_tool_call, custom_tool_call_output, reasoning",
                            param=f"{where}.type")
     return msgs
+
+
+def _encrypt(reasoning: str) -> str:
+    """A reasoning item's `encrypted_content` (asked for by include reasoning.encrypted_content with store false, as
+    Codex does): the thinking itself, readable back by `_decrypt` when the item returns in a later input. Not a
+    secret: a trajectory's thinking is the trainer's to read."""
+    return "ls1." + base64.urlsafe_b64encode(reasoning.encode()).decode()
+
+
+def _decrypt(blob, where: str) -> list[dict]:
+    if blob is None:
+        return []
+    if not isinstance(blob, str) or not blob.startswith("ls1."):
+        raise ApiError(400, f"{where} {blob!r:.60} was not made by this router (it reads back only the "
+                       "encrypted_content of its own reasoning items)", param=where)
+    return [{"type": "reasoning_text", "text": base64.urlsafe_b64decode(blob[4:].encode()).decode()}]
 
 
 CUSTOM_INPUT = "input"  # the one string parameter a custom tool is rendered with
@@ -915,10 +1024,18 @@ def responses_tools(raw) -> list[dict] | None:
             fn["parameters"] = {"type": "object", "required": [CUSTOM_INPUT], "properties": {CUSTOM_INPUT: {
                 "type": "string", "description": "the tool's whole input, as free-form text"}}}
             tools.append({"type": "function", "function": fn})
-        else:
-            raise ApiError(400, f"{where} has type {kind!r}; only function and custom tools are supported (built-in "
-                           "tools run at OpenAI, not here)", param=where)
+        elif kind == "namespace" and isinstance(t.get("tools"), list):  # Codex's group of functions: each by its name
+            tools += [f for f in responses_tools(t["tools"]) or ()]
+        elif kind not in HOSTED_TOOLS:
+            raise ApiError(400, f"{where} has type {kind!r}; supported: function, custom, namespace, and the hosted "
+                           f"tools {sorted(HOSTED_TOOLS)} (not shown to the model)", param=where)
     return _unique_tools(tools)
+
+
+# Tools that run at OpenAI (Codex offers web_search by default): nothing runs them here, so the model is not shown
+# them, as a request without them; the router warns once per kind and records them (responses_request: `unknown`)
+HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
+                          "computer_use_preview", "mcp", "tool_search"})
 
 
 # The fields of a Responses create request (the official SDK's ResponseCreateParams), sorted as for Chat Completions.
@@ -928,7 +1045,7 @@ _RESPONSES_HONOURED = {"model", "input", "instructions", "tools", "tool_choice",
                        "parallel_tool_calls"}  # enforced with a forced tool_choice; with "auto" the model's calls stand
 _RESPONSES_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
                     "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str,
-                    "moderation": dict,
+                    "moderation": dict, "client_metadata": dict,  # Codex's: ids of its thread and turn
                     "max_tool_calls": int}  # caps built-in tool calls, and no built-in tool runs here
 _RESPONSES_DEFAULT_ONLY = {"top_logprobs": [0], "truncation": ["disabled"], "background": [False], "prompt": [],
                            "conversation": [], "context_management": [[]], "background_options": [],
@@ -985,12 +1102,12 @@ def _responses_tool_choice(choice, tools: list[dict] | None, custom: frozenset) 
     return tuple(t["function"]["name"] for t in tools or ()) if choice == "required" else ()
 
 
-def responses_request(body: dict, previous: dict[str, list[dict]]) -> ChatRequest:
+def responses_request(body: dict, previous: dict[str, list[dict]], strict: bool = False) -> ChatRequest:
     """A Responses body -> ChatRequest, checked as Chat Completions is: an unknown field a 400 naming the closest one,
     inert ones type-checked, ones the engine cannot honour accepted only at their default. `previous` maps the
     session's response ids to their conversations (the API's `previous_response_id` reaches only responses of the
     same session)."""
-    _check_fields(body, _RESPONSES_HONOURED, _RESPONSES_INERT, _RESPONSES_DEFAULT_ONLY)
+    unknown = _check_fields(body, _RESPONSES_HONOURED, _RESPONSES_INERT, _RESPONSES_DEFAULT_ONLY, strict)
     if "input" not in body:
         raise ApiError(400, "missing required field 'input'", param="input")
     if body.get("model") is not None and not isinstance(body["model"], str):
@@ -1002,6 +1119,7 @@ def responses_request(body: dict, previous: dict[str, list[dict]]) -> ChatReques
     msgs = responses_messages(body.get("instructions"), body["input"], previous.get(prev))
     tools = responses_tools(body.get("tools"))
     custom = frozenset(t["name"] for t in body.get("tools") or () if t.get("type") == "custom")
+    unknown += tuple(f"tools:{t['type']}" for t in body.get("tools") or () if t.get("type") in HOSTED_TOOLS)
     choice = body.get("tool_choice")
     forced = () if choice is None else _responses_tool_choice(choice, tools, custom)
     stream = _flag(body, "stream")
@@ -1027,7 +1145,7 @@ def responses_request(body: dict, previous: dict[str, list[dict]]) -> ChatReques
                        parallel_calls=body.get("parallel_tool_calls") is None or _flag(body, "parallel_tool_calls"),
                        # a custom tool's one string is its schema, always held; a function's where it is strict
                        strict=custom | {t["name"] for t in body.get("tools") or ()
-                                        if t.get("type") == "function" and t.get("strict") is True})
+                                        if t.get("type") == "function" and t.get("strict") is True}, unknown=unknown)
 
 
 def _custom_input(arguments: dict) -> str:
@@ -1041,11 +1159,13 @@ def _custom_input(arguments: dict) -> str:
 def responses_output(turn: Turn, custom: frozenset = frozenset(), logprobs: list | None = None) -> list[dict]:
     """The output items of a turn: a reasoning item (its thinking, if any), a message (its text, with `logprobs`: the
     output tokens' when `include` asks for message.output_text.logprobs) and one function_call item per call of a
-    function tool, one custom_tool_call item per call of a custom tool (names in `custom`)."""
+    function tool, one custom_tool_call item per call of a custom tool (names in `custom`). A reasoning item carries
+    its thinking in `content` and, for clients that keep nothing but `encrypted_content` (store false), there too."""
     out = []
     if turn.reasoning:
         out.append({"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "status": "completed", "summary": [],
-                    "content": [{"type": "reasoning_text", "text": turn.reasoning}]})
+                    "content": [{"type": "reasoning_text", "text": turn.reasoning}],
+                    "encrypted_content": _encrypt(turn.reasoning)})
     if turn.content or not turn.tool_calls:
         out.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
                     "content": [{"type": "output_text", "text": turn.content, "annotations": [],
@@ -1116,7 +1236,8 @@ async def responses_stream(parts, model: str, rid: str, body: dict, custom: froz
         if item["type"] == "reasoning":
             yield event("response.reasoning_text.done", **where(), text=item["text"])
             done = {"type": "reasoning", "id": item["id"], "status": "completed", "summary": [],
-                    "content": [{"type": "reasoning_text", "text": item["text"]}]}
+                    "content": [{"type": "reasoning_text", "text": item["text"]}],
+                    "encrypted_content": _encrypt(item["text"])}
         else:
             lps = logprobs_of(turn) if logprobs_of is not None and turn is not None else []
             part = {"type": "output_text", "text": item["text"], "annotations": [], "logprobs": lps}

@@ -497,7 +497,8 @@ def test_thinking_blocks_in_messages_and_reasoning_items_in_responses(models):
 
 
 def test_thinking_requests_refused_where_the_model_cannot(models):
-    """Thinking asked of a model without a reasoning parser is refused, not ignored (SGLang's rule)."""
+    """Thinking asked of a model without a reasoning parser is refused, not ignored (SGLang's rule); adaptive thinking
+    (the model's own choice, as Claude Code asks of any model) is a reply without thinking there."""
     async def body():
         flow = agentflow.AgentFlow(make_cfg(), NOWHERE, models["chatml"])
         await flow.start_router()
@@ -506,7 +507,9 @@ def test_thinking_requests_refused_where_the_model_cannot(models):
         an = anthropic.AsyncAnthropic(base_url=f"{flow.router.url}/s/{s.id}", api_key=s.api_key, max_retries=0)
         msgs = [{"role": "user", "content": "12+7"}]
         with pytest.raises(anthropic.BadRequestError, match="no reasoning parser"):
-            await an.messages.create(model="m", max_tokens=8, messages=msgs, thinking={"type": "adaptive"})
+            await an.messages.create(model="m", max_tokens=8, messages=msgs, thinking={"type": "enabled",
+                                                                                        "budget_tokens": 1024})
+        await an.messages.create(model="m", max_tokens=8, messages=msgs, thinking={"type": "adaptive"})
         ok = await an.messages.create(model="m", max_tokens=8, messages=msgs, thinking={"type": "disabled"})
         with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set"):
             await session_client(flow, s).chat.completions.create(

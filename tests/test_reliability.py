@@ -373,7 +373,8 @@ ANTHROPIC_BAD = {  # each a body the Anthropic API answers with a 400
                     "server tools are not supported"),
     "no max_tokens": ({"messages": [AUSER], "max_tokens": None}, "max_tokens must be a positive integer"),
     "missing max_tokens": ({"messages": [AUSER], "max_tokens": ...}, "missing required field 'max_tokens'"),
-    "system role in messages": ({"messages": [{"role": "system", "content": "x"}, AUSER]}, "'user' or 'assistant'"),
+    # (a system message among them is taken: Claude Code sends one, tests/test_agent_fields.py)
+    "tool role in messages": ({"messages": [{"role": "tool", "content": "x"}, AUSER]}, "'user', 'assistant' or"),
 }
 
 

@@ -85,8 +85,11 @@ def test_responses_function_tools_and_previous_response(engines, tiny_model_dir)
         with pytest.raises(openai.BadRequestError, match="no function_call with call_id"):
             await client.responses.create(model="m", input=[{"type": "function_call_output", "call_id": "c9",
                                                              "output": "1"}])
-        with pytest.raises(openai.BadRequestError, match="only function and custom tools"):
-            await client.responses.create(model="m", input="x", tools=[{"type": "web_search"}])
+        with pytest.raises(openai.BadRequestError, match="supported: function, custom, namespace"):
+            await client.responses.create(model="m", input="x", tools=[{"type": "local_shell"}])
+        # a hosted tool (Codex offers web_search) is not shown to the model: accepted, recorded with the session
+        await client.responses.create(model="m", input="x", tools=[{"type": "web_search"}], max_output_tokens=3)
+        assert s.unknown_fields == {"tools:web_search"}
         r3 = await client.responses.create(model="m", input="1+1", max_output_tokens=3)  # still serving
         assert r3.status in ("completed", "incomplete")
         await flow.close()
