@@ -40,14 +40,11 @@ Reading order: requests and sampling parameters (`SamplingParams`, `parse_sampli
   `/unload_lora_adapter` (waits until no request uses the adapter), and `/generate`'s `lora_path`, resolved to one
   adapter when the request arrives and kept to its end. A request's adapter adds scale * (x A^T) B^T beside each
   adapted projection, unmerged, as the trainer computes it.
-* `SGLANG_BEHAVIOURS`, below: where SGLang refuses, blocks, ignores or dies, the CPU engine does the same, and the
-  table names the SGLang source of each such behaviour; tests/test_conformance.py has one test per row.
 * Constrained decoding as SGLang's xgrammar backend does it: `sampling_params.json_schema` / `regex` / `ebnf` /
-  `structural_tag` compiled
-  when the request arrives (`compile_grammar`: SGLang's 400 text for one that does not compile, and for the schema
-  keywords SGLang refuses because xgrammar would ignore them), one xgrammar matcher per request, its token bitmask
-  applied to the logits before sampling (`_mask_by_grammar`), so the logprob returned is that of the masked
-  distribution, as SGLang's (rollout.py's docstring); a grammar that completes finishes the request as a stop.
+  `structural_tag` compiled when the request arrives (`compile_grammar`: SGLang's 400 text for one that does not
+  compile, and for the schema keywords SGLang refuses because xgrammar would ignore them), one xgrammar matcher per
+  request, its token bitmask applied to the logits before sampling (`_mask_by_grammar`), so the logprob returned is
+  that of the masked distribution, as SGLang's (rollout.py's docstring); a grammar that completes finishes it as a stop.
 * `/generate` with `stream: true` (`_stream_chunks`): SGLang's Server-Sent Events, a cumulative chunk per decode step
   (every `stream_interval` tokens) as the scheduler samples it, the finished answer, `data: [DONE]`.
 * `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
@@ -58,6 +55,14 @@ request without one then gets SGLang's 42); otherwise the seed is ignored and th
 seed and the request's arrival index. Either way a fixed seed gives the same tokens whatever else is in the batch (up
 to float ties in the batched matmuls).
 
+Long prompts. A prefill runs in pieces of CHUNKED_PREFILL_SIZE tokens (SGLang's chunked prefill) and computes the
+last position's logits only: its memory grows with the prompt, not its square (peak engine RSS 0.73 / 0.79 / 0.90 GB
+at 8K / 16K / 32K prompt tokens on a tiny model; 4.1 GB at 8K with the whole prompt's scores). `--max-len` sizes the
+KV cache, refused at start if the memory available cannot hold it; a longer prompt is a 400 naming it. Exactness:
+decode steps and prefill steps of up to DENSE_ATTENTION_MAX_LEN (192) tokens a row run the written-out `_attention`,
+as before and as the trainer does for such sequences; longer ones torch's fused kernel (`_fused_attention`), as the
+trainer does past 192 tokens: the same function, float rounding apart.
+
 Run: `python cpu_engine.py --model-path DIR --port 30000`. Test: `pytest tests/test_cpu_engine.py` (against
 transformers on the same weights, over real HTTP) and `tests/test_conformance.py` (SGLANG_BEHAVIOURS); routed experts
 in `tests/test_moe.py`, DeepSeek-V3 in `tests/test_deepseek.py`, the memory hand-off in `tests/test_colocate.py`, LoRA
@@ -65,13 +70,13 @@ adapters in `tests/test_lora.py`, token streaming in `tests/test_token_stream.py
 
 Left out: text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA on MoE experts,
 multi-latent attention, embeddings or the LM head, multimodal input, a deferred `/flush_cache?timeout=`,
-`--incremental-streaming-output` (chunks are cumulative, SGLang's default), SGLang's reasoning-aware
-grammars (with `--reasoning-parser` SGLang starts the grammar after the thinking; here it holds from the first token),
+`--incremental-streaming-output` (chunks are cumulative, SGLang's default), SGLang's reasoning-aware grammars (with
+`--reasoning-parser` SGLang starts the grammar after the thinking; here it holds from the first token),
 `--constrained-json-disable-any-whitespace` / max whitespace (SGLang's defaults, any whitespace, are what is done), a
-grammar compiled off the scheduler's path (SGLang compiles in a thread pool; here before the request is queued). A stream=true request that SGLang's
-schema admits but its checks refuse (a negative temperature, a prompt past the context) gets a 400 before the stream
-here, where SGLang answers 200 and an error event. A dropped HTTP connection aborts a streamed request but not a
-plain one (call /abort_request).
+grammar compiled off the scheduler's path (SGLang compiles in a thread pool; here before the request is queued). A
+stream=true request that SGLang's schema admits but its checks refuse (a negative temperature, a prompt past the
+context) gets a 400 before the stream here, where SGLang answers 200 and an error event. A dropped HTTP connection
+aborts a streamed request but not a plain one (call /abort_request).
 """
 from __future__ import annotations
 
@@ -107,6 +112,11 @@ from transformers.utils import logging as hf_logging
 import lora
 import transfermesh
 
+# Prefills run in pieces of at most CHUNKED_PREFILL_SIZE tokens (SGLang's --chunked-prefill-size). A step of at most
+# DENSE_ATTENTION_MAX_LEN tokens a row (cpu.EXPLICIT_ATTENTION_MAX_LEN) and DENSE_ATTENTION_MAX_SCORES scores takes the
+# written-out attention, the rest torch's fused kernel (the module docstring: where exactness ends).
+CHUNKED_PREFILL_SIZE = 1024
+DENSE_ATTENTION_MAX_LEN, DENSE_ATTENTION_MAX_SCORES = 192, 2 ** 24
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "deepseek_v3")  # layouts forward handles
 
 
@@ -181,7 +191,6 @@ SGLANG_BEHAVIOURS = {
 }
 
 
-
 # ----------------------------------------------------------------------------------------------
 # requests, sampling, and SGLang's memory tags and weight-version spans
 
@@ -219,14 +228,12 @@ SGLANG_SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex"
 # SGLang parameters the CPU engine accepts only at their neutral value (anything else is a 400 saying so).
 _NEUTRAL_PARAMS = {"n": 1, "stop": None, "stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                    "repetition_penalty": 1.0, "min_new_tokens": 0, "logit_bias": None, "custom_params": None,
-                   "spaces_between_special_tokens": True, "beam_width": None,
-                   "watermark": None, "choice": None}
+                   "spaces_between_special_tokens": True, "beam_width": None, "watermark": None, "choice": None}
 
 
 def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
     """Validate a JSON sampling_params dict into SamplingParams; raises BadRequest naming the bad key and value."""
-    if raw is None:
-        raw = {}
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise BadRequest(f"sampling_params must be a JSON object, got {type(raw).__name__}")
     fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
@@ -242,9 +249,8 @@ def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise BadRequest(f"sampling_params: unknown field `{key}`, expected one of "
                              f"{', '.join(f'`{k}`' for k in SGLANG_SAMPLING_KEYS)}{hint}")
-        if value is None:
-            continue
-        setattr(out, key, value)
+        if value is not None:
+            setattr(out, key, value)
     try:
         out.temperature, out.top_p, out.min_p = float(out.temperature), float(out.top_p), float(out.min_p)
         out.top_k, out.max_new_tokens = int(out.top_k), int(out.max_new_tokens)
@@ -267,8 +273,7 @@ def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
         raise BadRequest(f"sampling_params.top_p must be in (0, 1], got {out.top_p}")
     if not 0 <= out.min_p <= 1:
         raise BadRequest(f"sampling_params.min_p must be in [0, 1], got {out.min_p}")
-    if out.top_k == 0:
-        out.top_k = -1
+    out.top_k = -1 if out.top_k == 0 else out.top_k
     if out.top_k < -1:
         raise BadRequest(f"sampling_params.top_k must be -1 (off) or >= 1, got {out.top_k}")
     if out.max_new_tokens < 0:
@@ -496,8 +501,7 @@ class Req:
     kv_len: int = 0                       # tokens whose K/V sit in the slot
     cached_tokens: int = 0                # context tokens whose K/V another request's prefill made (SGLang's field)
     adapter: "LoraAdapter | None" = None  # the LoRA adapter its lora_path named when it arrived; None = the base
-    stream: object = None                 # stream=true: fn(n) called on the scheduler thread when the first n output
-    #                                       tokens are to go out as a chunk (SGLang's output streamer); None otherwise
+    stream: object = None                 # stream=true: fn(n), sends the first n output tokens (scheduler thread)
     sent: int = 0                         # output tokens already streamed (SGLang's send_token_offset)
     grammar: object = None                # xgrammar.GrammarMatcher of a constrained request (json_schema/regex/ebnf)
 
@@ -570,7 +574,7 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_a
     Written out instead of calling scaled_dot_product_attention: it reads the slot cache's strided views without
     copies, folds the mask and scale into one baddbmm, and measured ~20% faster than the CPU SDPA kernel for the
     one-query decode shape. Query head h reads key/value head h // G (G = Hq // KV), as transformers' repeat_kv
-    lays them out.
+    lays them out. Its scores and mask are B*Hq*T*S floats each: longer prefills go to `_fused_attention`.
     """
     B, T, Hq, D = q.shape
     KV, S, Dv = keys.shape[1], keys.shape[2], values.shape[3]
@@ -579,6 +583,24 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_a
     scores = torch.baddbmm(mask_add, q, keys.reshape(B * KV, S, D).transpose(1, 2), alpha=scale)  # (B*KV, G*T, S)
     out = torch.softmax(scores, dim=-1) @ values.reshape(B * KV, S, Dv)                  # (B*KV, G*T, Dv)
     return out.view(B, KV, G, T, Dv).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, Dv)        # (B, T, Hq, Dv)
+
+
+def _fused_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor,
+                     lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`_attention` by torch's fused kernel (CPU flash attention: no scores in memory), row by row: row b's lens[b]
+    queries at positions start[b]... over its first start[b] + lens[b] keys, causal by the kernel's own flag from
+    position 0, by a boolean (lens, start + lens) mask past cached K/V. The kernel takes one head size: multi-latent
+    attention's values (Dv < D) are zero-padded to D, the padding sliced off. Padding queries give 0."""
+    B, T, Hq, D = q.shape
+    Dv = values.shape[-1]
+    out = q.new_zeros(B, T, Hq, Dv)                                                      # (B, T, Hq, Dv)
+    for b, (s, n) in enumerate(zip(start.tolist(), lens.tolist())):
+        k, v = keys[b:b + 1, :, :s + n], F.pad(values[b:b + 1, :, :s + n], (0, D - Dv))  # (1, KV, s+n, D)
+        mask = None if s == 0 else torch.arange(s + n) <= torch.arange(s, s + n)[:, None]  # (n, s+n) visible
+        o = F.scaled_dot_product_attention(q[b:b + 1, :n].transpose(1, 2), k, v, attn_mask=mask, is_causal=s == 0,
+                                           scale=scale, enable_gqa=True)                  # (1, Hq, n, D)
+        out[b, :n] = o[0, :, :, :Dv].transpose(0, 1)                                      # (n, Hq, Dv)
+    return out
 
 
 def _fuse_rows(params: list) -> torch.Tensor:
@@ -671,10 +693,11 @@ class ModelRunner:
             raise ValueError(f"CPU engine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r} "
                              f"from {self.model_path}; use engine=sglang for other architectures")
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
-        self.eos_ids = self._eos_ids()
+        eos = [getattr(source, "eos_token_id", None) for source in (self.model.generation_config, cfg)]
+        self.eos_ids = frozenset(i for e in eos for i in ([e] if isinstance(e, int) else e or []))
         self.max_batch = int(max_batch)
         self.max_len = int(min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings))
-        self.fp32_lm_head = bool(fp32_lm_head)  # logits from an fp32 matmul (a no-op for fp32 weights), as SGLang's flag
+        self.fp32_lm_head = bool(fp32_lm_head)  # logits from an fp32 matmul (no-op for fp32 weights), SGLang's flag
 
         attn = self.model.model.layers[0].self_attn
         # DeepSeek-V3's multi-latent attention: every head has its own key (a no-RoPE part expanded from the shared
@@ -750,17 +773,20 @@ class ModelRunner:
         # kv heads before positions: a slot's keys for one head are one (S, D) block, so attention reads a
         # batch of slots as a strided view and the matmuls need no copy
         cache_shape = (cfg.num_hidden_layers, self.max_batch, self.n_kv_heads, self.max_len)
+        need = cfg.num_hidden_layers * self.max_batch * self.n_kv_heads * self.max_len * self.dtype.itemsize \
+            * (self.head_dim + self.v_head_dim)                                           # bytes of k_cache + v_cache
+        free = float("inf")  # MemAvailable: what Linux can give without swapping (not checked elsewhere)
+        if os.path.exists("/proc/meminfo"):
+            with open("/proc/meminfo") as f:
+                free = next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), free)
+        if need > free:  # refused here, not killed by the kernel in the allocation
+            raise ValueError(f"the CPU engine's KV cache for --max-batch {self.max_batch} x --max-len {self.max_len} "
+                             f"tokens needs {need / 2 ** 30:.1f} GiB, and {free / 2 ** 30:.1f} GiB are available: "
+                             f"start it with a smaller --max-len (or --max-batch)")
         self.k_cache = torch.zeros(cache_shape + (self.head_dim,), dtype=self.dtype)    # (L, slots, KV, max_len, D)
         self.v_cache = torch.zeros(cache_shape + (self.v_head_dim,), dtype=self.dtype)  # (L, slots, KV, max_len, Dv)
         self.released: dict[str, list] = {}  # tag -> [(storage, nbytes)] handed back by release()
         self.step_adapters: list = []  # LoRA: the adapters of the rows of the forward pass running (see _lora)
-
-    def _eos_ids(self) -> frozenset:
-        ids = set()
-        for source in (self.model.generation_config, self.model.config):
-            eos = getattr(source, "eos_token_id", None)
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
-        return frozenset(ids)
 
     def _pack_weights(self, names: list[str] | None = None) -> None:
         """oneDNN's blocked copy of every weight matrix the forward pass multiplies by. A plain F.linear (MKL's
@@ -817,15 +843,34 @@ class ModelRunner:
         position `kv_lens[b]` on (the tokens already there), each chunk attending over everything in its slot, chunk b
         through LoRA adapter `adapters[b]` (None: the base model). Returns (logits at each chunk's last token (B, V),
         and with `return_routed` on an MoE model the (len(chunk), layers, top_k) int32 experts each chunk's tokens were
-        routed to, else None)."""
+        routed to, else None).
+
+        Chunks longer than CHUNKED_PREFILL_SIZE run as pieces of that many tokens (SGLang's chunked prefill), each
+        over the K/V the pieces before it wrote, so a prefill's memory is one piece's whatever the prompt's length."""
+        C, adapters = CHUNKED_PREFILL_SIZE, adapters or [None] * len(chunks)
+        if max(len(c) for c in chunks) <= C:
+            return self._forward(slot_ids, kv_lens, chunks, return_routed, adapters)
+        logits, routed = [None] * len(chunks), [[] for _ in chunks]
+        for t0 in range(0, max(len(c) for c in chunks), C):
+            rows = [b for b, c in enumerate(chunks) if len(c) > t0]  # the chunks that reach this piece
+            out, r = self._forward([slot_ids[b] for b in rows], [kv_lens[b] + t0 for b in rows],
+                                   [chunks[b][t0:t0 + C] for b in rows], return_routed, [adapters[b] for b in rows])
+            for i, b in enumerate(rows):
+                logits[b] = out[i]  # the last piece a chunk reaches holds its last token
+                routed[b] += [] if r is None else [r[i]]
+        return torch.stack(logits), [torch.cat(r) for r in routed] if routed[0] else None
+
+    def _forward(self, slot_ids: list[int], kv_lens: list[int], chunks: list[list[int]], return_routed: bool,
+                 adapters: list) -> tuple[torch.Tensor, list | None]:
+        """`forward` over chunks of at most CHUNKED_PREFILL_SIZE tokens."""
         m = self.model.model
+        B, T, D, Dv = len(chunks), max(len(c) for c in chunks), self.head_dim, self.v_head_dim
         # LoRA: [(adapter, its rows as an index tensor, or None when every row has it)], read by _lora
         groups: dict = {}
-        for b, a in enumerate(adapters or ()):
+        for b, a in enumerate(adapters):
             if a is not None:
                 groups.setdefault(a, []).append(b)
-        self.step_adapters = [(a, None if len(rows) == len(chunks) else torch.tensor(rows)) for a, rows in groups.items()]
-        B, T, D, Dv = len(chunks), max(len(c) for c in chunks), self.head_dim, self.v_head_dim
+        self.step_adapters = [(a, None if len(rows) == B else torch.tensor(rows)) for a, rows in groups.items()]
         Hq, KV = self.n_heads, self.n_kv_heads
         lens = torch.tensor([len(c) for c in chunks])                                     # (B,)
         start = torch.tensor(kv_lens)                                                     # (B,) cache offset
@@ -836,14 +881,16 @@ class ModelRunner:
         key_pos = torch.arange(S)
         G = Hq // KV
         # key j is visible to query i of row b iff j <= pos[b, i] (causal) and j < start[b] + lens[b] (written);
-        # built once per step as an additive mask in the (B*KV, G*T, S) layout _attention uses
+        # built once per step as an additive mask in the (B*KV, G*T, S) layout _attention uses, for a step that
+        # takes the written-out attention (the module docstring: where it and the fused kernel agree bit for bit)
+        dense = T == 1 or T <= DENSE_ATTENTION_MAX_LEN and B * Hq * T * S <= DENSE_ATTENTION_MAX_SCORES
         if T == 1:  # decode: one query per row, so the mask is per row only and baddbmm broadcasts it over G
             visible = (key_pos[None, :] < (start + lens)[:, None])[:, None, None, :]     # (B, 1, 1, S)
             visible = visible.expand(B, KV, 1, S).reshape(B * KV, 1, S)                  # (B*KV, 1, S)
-        else:
-            visible = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] < (start + lens)[:, None, None])
+        elif dense:
+            visible = (key_pos <= pos[:, :, None]) & (key_pos < (start + lens)[:, None, None])  # (B, T, S)
             visible = visible[:, None, None].expand(B, KV, G, T, S).reshape(B * KV, G * T, S)
-        mask_add = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
+        mask_add = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf")) if dense else None
         valid = torch.arange(T)[None, :] < lens[:, None]                                  # (B, T) real tokens
         all_valid = bool(valid.all())  # decode steps: every row holds exactly one real token
         write_slots = slots[:, None].expand(B, T)[valid]                                  # (n_valid,)
@@ -885,7 +932,10 @@ class ModelRunner:
                 keys, values = self.k_cache[li, s0:s0 + B, :, :S], self.v_cache[li, s0:s0 + B, :, :S]
             else:
                 keys, values = self.k_cache[li, slots, :, :S], self.v_cache[li, slots, :, :S]  # (B, KV, S, D)
-            out = _attention(q, keys, values, mask_add, attn.scaling)                     # (B, T, Hq, Dv)
+            if dense:
+                out = _attention(q, keys, values, mask_add, attn.scaling)                 # (B, T, Hq, Dv)
+            else:
+                out = _fused_attention(q, keys, values, start, lens, attn.scaling)        # (B, T, Hq, Dv)
             out = out.reshape(B, T, Hq * Dv)                                              # (B, T, Hq*Dv)
             x = x + self._lora(self._linear(out, ("o", li), attn.o_proj.bias), out, li, "o")  # (B, T, H)
             h = _rms_norm(x, *self.norms[li][2])                                          # (B, T, H)
@@ -1000,7 +1050,8 @@ class ModelRunner:
         try:
             r, alpha, targets = int(config["r"]), float(config["lora_alpha"]), config["target_modules"]
         except (KeyError, TypeError, ValueError) as e:
-            raise BadRequest(f"LoRA adapter {name}: its config needs r, lora_alpha and target_modules ({e!r})") from None
+            raise BadRequest(f"LoRA adapter {name}: its config needs r, lora_alpha and target_modules ({e!r})") \
+                from None
         targets = [targets] if isinstance(targets, str) else list(targets)
         if config.get("use_dora"):
             raise BadRequest(f"Failed to load {name} because LoRA serving currently doesn't support DoRA adapters")
@@ -1024,8 +1075,8 @@ class ModelRunner:
             m = lora.PEFT_NAME.match(full_name)
             if m is None or int(m.group(1)) >= cfg.num_hidden_layers or m.group(3) not in where:
                 raise BadRequest(f"LoRA adapter {name}: tensor {full_name!r} is not a PEFT adapter matrix of this "
-                                 f"model's q/k/v/o/gate/up/down projections (base_model.model.model.layers.<L>.self_attn"
-                                 f".q_proj.lora_A.weight, ...)")
+                                 f"model's q/k/v/o/gate/up/down projections (base_model.model.model.layers.<L>."
+                                 f"self_attn.q_proj.lora_A.weight, ...)")
             if m.group(3) not in targets:
                 raise BadRequest(f"LoRA adapter {name}: tensor {full_name!r} adapts {m.group(3)}, which is not in its "
                                  f"target_modules {targets}")
@@ -1200,9 +1251,10 @@ class CpuEngine:
         The model is loaded and packed (`_build`) on a thread of its own that ends before this returns, so that the
         scheduler thread is the only one in the process to keep an OpenMP thread pool. libgomp keeps one pool per
         thread that ran a parallel region, and once the process's pools hold more threads than there are cores it
-        makes every waiting thread sleep almost at once: each parallel region then pays a wake-up. Built on the caller's thread
-        (which lives on: an actor's, a server's main thread), a 2-thread engine generated at 1,950-2,410 tok/s on
-        2 cores here; built this way, 4,080-4,500 (bench rollout's fixed workload; 1 thread: 2,920)."""
+        makes every waiting thread sleep almost at once: each parallel region then pays a wake-up. Built on the
+        caller's thread (which lives on: an actor's, a server's main thread), a 2-thread engine generated at
+        1,950-2,410 tok/s on 2 cores here; built this way, 4,080-4,500 (bench rollout's fixed workload; 1 thread:
+        2,920)."""
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cpu-engine-build") as pool:
             pool.submit(self._build, model_path, **opts).result()  # the pool's thread has ended when `with` exits
 
@@ -1221,7 +1273,9 @@ class CpuEngine:
         self.model_path = str(model_path)
         self.runner = ModelRunner(self.model_path, max_batch=max_batch, max_len=max_len, dtype=dtype,
                                   fp32_lm_head=fp32_lm_head)
-        self.tokenizer = self._load_tokenizer()
+        has_tokenizer = any(os.path.exists(os.path.join(self.model_path, f))
+                            for f in ("tokenizer.json", "tokenizer_config.json"))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path) if has_tokenizer else None  # None: ids only
         self.max_batch, self.max_len = self.runner.max_batch, self.runner.max_len
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.seed = int(seed)
@@ -1251,12 +1305,6 @@ class CpuEngine:
                 self._busy_flag = (mmap.mmap(f.fileno(), 0), int(busy_flag[1]))
         self.stats = {"steps": 0, "max_running": 0, "generated_tokens": 0, "finished": 0,
                       "busy_s": 0.0}  # busy_s: seconds spent in forward steps (the controller's engine idle fraction)
-
-    def _load_tokenizer(self):
-        files = ("tokenizer.json", "tokenizer_config.json")
-        if not any(os.path.exists(os.path.join(self.model_path, f)) for f in files):
-            return None  # no tokenizer: responses carry ids only, "text" stays ""
-        return AutoTokenizer.from_pretrained(self.model_path)
 
     # --- public API (any thread)
 
@@ -1308,13 +1356,15 @@ class CpuEngine:
         bad = [t for t in input_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
             raise BadRequest(f"input_ids {bad[:8]} are outside the vocabulary [0, {self.runner.vocab_size})")
-        if len(input_ids) >= self.max_len:
-            raise BadRequest(f"the prompt has {len(input_ids)} tokens but the engine's context is {self.max_len} "
-                             f"tokens (prompt + output); shorten the prompt or raise max_len")
+        if len(input_ids) >= self.max_len:  # what passes fits: the KV cache holds --max-len tokens a slot
+            raise BadRequest(f"the prompt has {len(input_ids)} tokens, and the engine's context (--max-len, prompt + "
+                             f"output) is {self.max_len}: send a shorter prompt, or start the engine with a larger "
+                             f"--max-len (its KV cache, allocated at start, holds --max-batch x --max-len tokens)")
         params = parse_sampling_params(sampling_params, self.runner.vocab_size)
         if return_routed_experts and not self.runner.moe:
             raise BadRequest(f"return_routed_experts=true but {self.model_path} is a dense "
-                             f"{self.runner.model.config.model_type} model with no router; ask for it with MoE models only")
+                             f"{self.runner.model.config.model_type} model with no router; ask for it with MoE models "
+                             "only")
         if not isinstance(routed_experts_start_len, int) or not 0 <= routed_experts_start_len <= len(input_ids):
             raise BadRequest(f"routed_experts_start_len={routed_experts_start_len!r} must be an integer in "
                              f"[0, {len(input_ids)}] (the number of input tokens)")
@@ -1675,18 +1725,12 @@ def _env_bool(name: str, default: bool) -> bool:
     """An environment flag read as SGLang's EnvBool reads it (environ.py): true/1/yes/y or false/0/no/n in any case;
     unset, or anything else (with a warning), is `default`."""
     value = os.getenv(name)
-    if value is None:
-        return default
-    if value.lower() in ("true", "1", "yes", "y"):
-        return True
-    if value.lower() in ("false", "0", "no", "n"):
-        return False
-    print(f"Invalid value for {name}: {value!r} is not a valid boolean value, using default {default}", file=sys.stderr)
+    if value is not None and value.lower() in ("true", "1", "yes", "y", "false", "0", "no", "n"):
+        return value.lower() in ("true", "1", "yes", "y")
+    if value is not None:
+        print(f"Invalid value for {name}: {value!r} is not a valid boolean value, using default {default}",
+              file=sys.stderr)
     return default
-
-
-def _bad(message: str):
-    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": 400}}, status_code=400)
 
 
 async def _json_body(request) -> dict:
@@ -2103,7 +2147,7 @@ def build_app(engine: CpuEngine):
 
     @app.exception_handler(BadRequest)
     async def _bad_request(request, exc: BadRequest):
-        return _bad(str(exc))
+        return JSONResponse({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}}, status_code=400)
 
     @app.exception_handler(Exception)
     async def _server_error(request, exc: Exception):

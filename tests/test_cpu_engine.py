@@ -26,9 +26,12 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
 import cpu_engine
+import data
 import rollout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -487,6 +490,92 @@ def test_other_families_match_transformers(kind, tmp_path):
         engine.stop()
 
 
+TEST_SETTINGS = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     intermediate_size=128, norm_std=0.2)  # conftest's tiny model, built here with longer contexts
+
+
+def _tiny(**over) -> str:
+    s = {**TEST_SETTINGS, **over}
+    return data.build_tiny_model(data.default_cache_dir() / f"tiny-test-{data.settings_hash(s)}", **s)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "deepseek_v3"])
+def test_chunked_prefill_through_the_fused_kernel_matches_transformers(kind, monkeypatch):
+    """A prefill longer than CHUNKED_PREFILL_SIZE runs in pieces, each over the K/V the pieces before it wrote, and
+    past DENSE_ATTENTION_MAX_LEN through torch's fused kernel: the first piece causal, later pieces and a
+    prefix-cache hit masked, DeepSeek-V3's value heads (of another size) padded. Greedy ids are transformers' and
+    logprobs within 1e-5 of its, as for short prompts; the routed experts are those of one unchunked prefill."""
+    monkeypatch.setattr(cpu_engine, "CHUNKED_PREFILL_SIZE", 96)
+    monkeypatch.setattr(cpu_engine, "DENSE_ATTENTION_MAX_LEN", 8)
+    path = _tiny() if kind == "qwen3" else _tiny(model_type="deepseek_v3", num_experts=8, moe_intermediate_size=32,
+                                                 v_head_dim=12)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = torch.randint(10, 300, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    engine = cpu_engine.CpuEngine(path, max_batch=2, max_len=MAX_LEN, seed=0).start()
+    try:
+        moe = dict(return_routed_experts=kind != "qwen3")
+        first = engine.generate([prompt], sp, **moe)[0]
+        longer = prompt + first["output_ids"] + prompt[:150]  # over the first request's cached K/V
+        second = engine.generate([longer], sp)[0]
+        monkeypatch.setattr(cpu_engine, "CHUNKED_PREFILL_SIZE", MAX_LEN)
+        assert engine.flush_cache()
+        whole = engine.generate([prompt], sp, **moe)[0]
+    finally:
+        engine.stop()
+    assert second["meta_info"]["cached_tokens"] == len(prompt) + 5  # all but the last sampled token's K/V
+    for p, out in ((prompt, first), (longer, second)):
+        assert out["output_ids"] == hf_greedy(hf, p, 6, ignore_eos=True)
+        assert (engine_logprobs(out) - hf_logprobs(hf, p, out["output_ids"])).abs().max() <= 1e-5
+    assert first["meta_info"].get("routed_experts") == whole["meta_info"].get("routed_experts")
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any torch op returns while it is on (bytes of its own extent, views included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.nbytes = max(self.nbytes, t.numel() * t.element_size())
+        return out
+
+
+def test_prefill_memory_is_linear_in_the_prompt():
+    """The largest tensor a prefill makes grows linearly with the prompt, at most one 4-byte number per (piece
+    query, key) pair: 4 MB at 4,096 tokens (a boolean mask of one piece over the keys), where the scores and additive
+    mask of the whole prompt took 256 MB (quadratic: 64 MB at 2,048 tokens). It counts what every op returns, not a
+    kernel's own scratch (peak engine RSS in the README: 0.9 GB at 32K tokens). The chunked prefill's last logits are
+    the unchunked written-out path's, to float rounding."""
+    n_max = 4096
+    runner = cpu_engine.ModelRunner(_tiny(max_position_embeddings=n_max + 64), max_batch=1, max_len=n_max + 64,
+                                    dtype="float32", fp32_lm_head=False)
+    largest, logits = {}, {}
+    for n in (n_max // 2, n_max):
+        with torch.inference_mode(), _LargestTensor() as seen:
+            logits[n], _ = runner.forward([0], [0], [[10 + i * 7 % 290 for i in range(n)]])
+        largest[n] = seen.nbytes
+        assert seen.nbytes <= 4 * cpu_engine.CHUNKED_PREFILL_SIZE * n, (n, seen.nbytes)
+    assert largest[n_max] <= 2.1 * largest[n_max // 2], largest
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:  # every token in one piece, written out
+        for name, big in (("CHUNKED_PREFILL_SIZE", n_max), ("DENSE_ATTENTION_MAX_LEN", n_max),
+                          ("DENSE_ATTENTION_MAX_SCORES", 2 ** 40)):
+            mp.setattr(cpu_engine, name, big)
+        whole, _ = runner.forward([0], [0], [[10 + i * 7 % 290 for i in range(n_max // 2)]])
+    assert (torch.log_softmax(whole, -1) - torch.log_softmax(logits[n_max // 2], -1)).abs().max() <= 1e-5
+
+
+def test_a_kv_cache_past_the_machines_memory_is_refused_at_start(tiny_model_dir):
+    """The KV cache (--max-batch x --max-len tokens) is allocated at start: one larger than the memory available
+    is refused then, naming the flag to lower, instead of the engine dying in the allocation."""
+    with pytest.raises(ValueError, match=r"--max-batch 10000000 x --max-len 512 tokens needs .* smaller --max-len"):
+        cpu_engine.CpuEngine(tiny_model_dir, max_batch=10 ** 7, max_len=MAX_LEN)
+
+
 # Constrained decoding: each of SGLang's three grammar fields, with a sampled (seeded) request
 CONSTRAINTS = {
     "json_schema": (json.dumps({"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
@@ -548,7 +637,7 @@ def test_constrained_decoding_samples_and_scores_the_masked_distribution(key, se
     ({"input_ids": [1, 2, 99999]}, "outside the vocabulary"),
     ({"input_ids": [1, -1]}, "outside the vocabulary"),
     ({"input_ids": [1, "a"]}, "integers"),
-    ({"input_ids": [1] * MAX_LEN}, "context"),
+    ({"input_ids": [1] * MAX_LEN}, "--max-len"),
     ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
     ({"input_ids": [1, 2], "sampling_params": {"max_tokens": 4}}, "max_new_tokens"),
     ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}}, "not implemented"),
