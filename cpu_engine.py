@@ -20,12 +20,8 @@ Reading order: requests and sampling parameters (`SamplingParams`, `parse_sampli
   Decode-step costs that need not recur are paid once: weight matrices are kept in oneDNN's blocked layout
   (re-blocked when a weight update touches them), RoPE cos/sin come from a table, K/V land in the cache with one
   index_copy_.
-* `CpuEngine`: continuous batching. A scheduler thread owns all engine state; requests join the running batch as they
-  arrive and leave as they finish, each in a KV slot of its own. Weight loads, pauses and memory release are applied
-  between two steps, so every step runs under one set of weights. A finished (or retracted) request leaves its K/V in
-  its slot for later requests that start with the same tokens under the same LoRA adapter: SGLang's radix cache, one
-  entry per slot, the least recently used given up when a slot is needed (`PrefixCache`; `--disable-radix-cache`
-  turns it off).
+* `CpuEngine`: continuous batching, one scheduler thread owning all engine state; weight loads, pauses and memory
+  release run between two steps. `PrefixCache`: SGLang's radix cache, one entry per KV slot (`--disable-radix-cache`).
 * Weight updates as SGLang 0.5.23 takes them: `/update_weights_from_tensor` and `/update_weights_from_distributed`
   are refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine
   reads `serialized_named_tensors[0]` (it is TP rank 0 of one): SGLang's payload, base64 of a pickle that its
@@ -55,13 +51,11 @@ request without one then gets SGLang's 42); otherwise the seed is ignored and th
 seed and the request's arrival index. Either way a fixed seed gives the same tokens whatever else is in the batch (up
 to float ties in the batched matmuls).
 
-Long prompts. A prefill runs in pieces of CHUNKED_PREFILL_SIZE tokens (SGLang's chunked prefill) and computes the
-last position's logits only: its memory grows with the prompt, not its square (peak engine RSS 0.73 / 0.79 / 0.90 GB
-at 8K / 16K / 32K prompt tokens on a tiny model; 4.1 GB at 8K with the whole prompt's scores). `--max-len` sizes the
-KV cache, refused at start if the memory available cannot hold it; a longer prompt is a 400 naming it. Exactness:
-decode steps and prefill steps of up to DENSE_ATTENTION_MAX_LEN (192) tokens a row run the written-out `_attention`,
-as before and as the trainer does for such sequences; longer ones torch's fused kernel (`_fused_attention`), as the
-trainer does past 192 tokens: the same function, float rounding apart.
+Long prompts (docs/CPU.md). A prefill runs in pieces of CHUNKED_PREFILL_SIZE tokens (SGLang's chunked prefill) and
+computes the last position's logits only: its memory grows with the prompt, not its square. `--max-len` sizes the KV
+cache, refused at start if the memory available cannot hold it; a longer prompt is a 400 naming it. Exactness: decode
+steps and prefill steps of up to DENSE_ATTENTION_MAX_LEN (192) tokens a row run the written-out `_attention`, as
+before and as the trainer for such sequences; longer ones torch's fused kernel, as the trainer past 192 tokens.
 
 Run: `python cpu_engine.py --model-path DIR --port 30000`. Test: `pytest tests/test_cpu_engine.py` (against
 transformers on the same weights, over real HTTP) and `tests/test_conformance.py` (SGLANG_BEHAVIOURS); routed experts
@@ -103,7 +97,7 @@ import uuid
 import torch
 import torch.nn.functional as F
 import uvicorn
-from fastapi import FastAPI, Request  # Request at module level: FastAPI resolves handler annotations by name
+from fastapi import Depends, FastAPI, Request  # Request at module level: FastAPI resolves annotations by name
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -676,12 +670,8 @@ class LoraRegistry:
 
 
 class ModelRunner:
-    """The model side of the CPU engine (SGLang's name for it): the transformers model with its weights packed for
-    decoding, and the slot KV cache of shape (layers, slots, kv_heads, max_len, head_dim) it reads and writes.
-
-    It knows slots and token ids, not requests: `forward` runs chunks of ids into given slots at given offsets, and
-    the scheduler (CpuEngine) decides which. Everything here runs on the scheduler thread.
-    """
+    """The model side of the CPU engine (the module docstring): it knows slots and token ids, not requests. `forward`
+    runs chunks of ids into given slots at given offsets, the scheduler (CpuEngine) decides which, on its thread."""
 
     def __init__(self, model_path: str, *, max_batch: int, max_len: int | None, dtype: str, fp32_lm_head: bool):
         self.model_path = str(model_path)
@@ -789,12 +779,11 @@ class ModelRunner:
         self.step_adapters: list = []  # LoRA: the adapters of the rows of the forward pass running (see _lora)
 
     def _pack_weights(self, names: list[str] | None = None) -> None:
-        """oneDNN's blocked copy of every weight matrix the forward pass multiplies by. A plain F.linear (MKL's
-        sgemm) lays the weight out into GEMM panels on every call, and at decode shapes (a few dozen rows against a
-        full weight) oneDNN's kernel on a pre-blocked weight ran 1.2-2x faster here (AVX2 EPYC: a 64 x 256 x 1536
-        product 252 us against 483 us with two threads); fp32 results differ from sgemm's in rounding only. Re-run
-        after every weight load with the loaded names (the blocked copy does not follow in-place updates). Without
-        oneDNN (or for non-fp32 weights) the forward pass uses F.linear."""
+        """oneDNN's blocked copy of every weight matrix the forward pass multiplies by: F.linear (MKL's sgemm) lays the
+        weight out into GEMM panels on every call, and at decode shapes oneDNN's kernel on a pre-blocked weight ran
+        1.2-2x faster (docs/CPU.md); fp32 results differ in rounding only. Re-run after every weight load with the
+        loaded names (the blocked copy does not follow in-place updates). Without oneDNN (or for non-fp32 weights)
+        the forward pass uses F.linear."""
         dnn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") and \
             self.dtype == torch.float32
         weights = {"lm_head": self.model.lm_head.weight}
@@ -1249,12 +1238,8 @@ class CpuEngine:
         """`opts`: the keyword arguments of `_build` (max_batch, max_len, seed, dtype, ...).
 
         The model is loaded and packed (`_build`) on a thread of its own that ends before this returns, so that the
-        scheduler thread is the only one in the process to keep an OpenMP thread pool. libgomp keeps one pool per
-        thread that ran a parallel region, and once the process's pools hold more threads than there are cores it
-        makes every waiting thread sleep almost at once: each parallel region then pays a wake-up. Built on the
-        caller's thread (which lives on: an actor's, a server's main thread), a 2-thread engine generated at
-        1,950-2,410 tok/s on 2 cores here; built this way, 4,080-4,500 (bench rollout's fixed workload; 1 thread:
-        2,920)."""
+        scheduler thread is the only one in the process to keep an OpenMP thread pool: with a second pool a 2-thread
+        engine generated about half as fast (docs/CPU.md, OpenMP thread pools)."""
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cpu-engine-build") as pool:
             pool.submit(self._build, model_path, **opts).result()  # the pool's thread has ended when `with` exits
 
@@ -1733,7 +1718,8 @@ def _env_bool(name: str, default: bool) -> bool:
     return default
 
 
-async def _json_body(request) -> dict:
+async def _json_body(request: Request) -> dict:
+    """The request's JSON object ({} for an empty body), which FastAPI hands each handler as `body` (BODY)."""
     raw = await request.body()
     if not raw.strip():
         return {}
@@ -1744,6 +1730,9 @@ async def _json_body(request) -> dict:
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+BODY = Depends(_json_body)
 
 
 def _per_item(value, n: int, name: str) -> list:
@@ -1908,8 +1897,7 @@ def _add_generate_routes(app, engine: CpuEngine) -> None:
     """Generation and what stops or resumes it: /generate, abort, pause, continue, /flush_cache."""
 
     @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate_endpoint(request: Request):
-        body = await _json_body(request)
+    async def generate_endpoint(body: dict = BODY):
         input_ids, text = body.get("input_ids"), body.get("text")
         if input_ids is None and text is not None:
             if engine.tokenizer is None:
@@ -1948,14 +1936,12 @@ def _add_generate_routes(app, engine: CpuEngine) -> None:
         return outs if batched else outs[0]
 
     @app.post("/abort_request")
-    async def abort_request(request: Request):
-        body = await _json_body(request)
+    async def abort_request(body: dict = BODY):
         await asyncio.to_thread(engine.abort, body.get("rid") or None, bool(body.get("abort_all", False)))
         return PlainTextResponse("", status_code=200)
 
     @app.post("/pause_generation")
-    async def pause_generation(request: Request):
-        body = await _json_body(request)
+    async def pause_generation(body: dict = BODY):
         await asyncio.to_thread(engine.pause, body.get("mode", "abort"))
         return {"message": "Generation paused successfully.", "status": "ok"}
 
@@ -1980,14 +1966,12 @@ def _add_memory_routes(app, engine: CpuEngine) -> None:
     released tags and this process's memory are in /server_info's internal_states."""
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    async def release_memory_occupation(request: Request):
-        body = await _json_body(request)
+    async def release_memory_occupation(body: dict = BODY):
         await asyncio.to_thread(engine.release_memory, body.get("tags"))
         return None
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def resume_memory_occupation(request: Request):
-        body = await _json_body(request)
+    async def resume_memory_occupation(body: dict = BODY):
         await asyncio.to_thread(engine.resume_memory, body.get("tags"))
         return None
 
@@ -1996,8 +1980,7 @@ def _add_weight_routes(app, engine: CpuEngine, session: dict) -> None:
     """Weight updates from disk and from tensors, the weight-update session around them, the weight version."""
 
     @app.post("/update_weight_version")
-    async def update_weight_version(request: Request):
-        body = await _json_body(request)
+    async def update_weight_version(body: dict = BODY):
         if "new_version" not in body:
             raise BadRequest("update_weight_version needs new_version (a string)")
         await asyncio.to_thread(engine.set_weight_version, str(body["new_version"]),
@@ -2006,8 +1989,7 @@ def _add_weight_routes(app, engine: CpuEngine, session: dict) -> None:
                 "new_version": str(body["new_version"])}
 
     @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        body = await _json_body(request)
+    async def update_weights_from_disk(body: dict = BODY):
         path = body.get("model_path")
         if not path:
             raise BadRequest("update_weights_from_disk needs model_path (an HF directory with *.safetensors)")
@@ -2018,8 +2000,7 @@ def _add_weight_routes(app, engine: CpuEngine, session: dict) -> None:
         return {**answer, "num_paused_requests": 0} if isinstance(answer, dict) else answer
 
     @app.post("/begin_weight_update")
-    async def begin_weight_update(request: Request):
-        body = await _json_body(request)
+    async def begin_weight_update(body: dict = BODY):
         if body.get("selector", "all") not in ("all", "target", "draft"):
             raise BadRequest(f"selector must be 'all', 'target' or 'draft', got {body['selector']!r}")
         session["open"] = True
@@ -2031,8 +2012,7 @@ def _add_weight_routes(app, engine: CpuEngine, session: dict) -> None:
         return {"success": True, "message": "Weight update session ended."}
 
     @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request):
-        body = await _json_body(request)
+    async def update_weights_from_tensor(body: dict = BODY):
         if (refused := _refuse_outside_session(session, "update_weights_from_tensor")) is not None:
             return refused
         return await _update_weights(engine, await _own_payload(body, "update_weights_from_tensor"), body)
@@ -2043,8 +2023,7 @@ def _add_weight_group_routes(app, engine: CpuEngine, session: dict) -> None:
     groups = engine.weight_update_groups  # group_name -> the gloo group /update_weights_from_distributed reads
 
     @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        body = await _json_body(request)
+    async def init_weights_update_group(body: dict = BODY):
         missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
         if missing:
             raise BadRequest(f"init_weights_update_group is missing {missing}")
@@ -2063,8 +2042,7 @@ def _add_weight_group_routes(app, engine: CpuEngine, session: dict) -> None:
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        body = await _json_body(request)
+    async def update_weights_from_distributed(body: dict = BODY):
         if (refused := _refuse_outside_session(session, "update_weights_from_distributed")) is not None:
             return refused
         name = body.get("group_name", "weight_update_group")
@@ -2083,8 +2061,7 @@ def _add_weight_group_routes(app, engine: CpuEngine, session: dict) -> None:
         return await _update_weights(engine, named, body)
 
     @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request):
-        body = await _json_body(request)
+    async def destroy_weights_update_group(body: dict = BODY):
         # Registered by name with torch.distributed (as SGLang's is): destroyed there too, so the name can be reused
         pg = groups.pop(body.get("group_name", "weight_update_group"), None)
         if pg is None:
@@ -2111,8 +2088,7 @@ def _add_lora_routes(app, engine: CpuEngine) -> None:
         return body["lora_name"]
 
     @app.post("/load_lora_adapter")
-    async def load_lora_adapter(request: Request):
-        body = await _json_body(request)
+    async def load_lora_adapter(body: dict = BODY):
         name, path = lora_name(body), body.get("lora_path")
         if not isinstance(path, str) or not os.path.isfile(os.path.join(path, lora.PEFT_CONFIG)):
             raise BadRequest(f"lora_path {path!r} is not a PEFT adapter directory (with {lora.PEFT_CONFIG} and "
@@ -2122,8 +2098,7 @@ def _add_lora_routes(app, engine: CpuEngine) -> None:
         return await lora_answer(asyncio.to_thread(engine.load_adapter, name, path, config, named))
 
     @app.post("/load_lora_adapter_from_tensors")
-    async def load_lora_adapter_from_tensors(request: Request):
-        body = await _json_body(request)
+    async def load_lora_adapter_from_tensors(body: dict = BODY):
         name, config = lora_name(body), body.get("config_dict")
         if not isinstance(config, dict):
             raise BadRequest("load_lora_adapter_from_tensors needs config_dict, the adapter's adapter_config.json")
@@ -2136,8 +2111,7 @@ def _add_lora_routes(app, engine: CpuEngine) -> None:
         return await lora_answer(read_and_load())
 
     @app.post("/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request):
-        body = await _json_body(request)
+    async def unload_lora_adapter(body: dict = BODY):
         return await lora_answer(asyncio.to_thread(engine.unload_adapter, lora_name(body)))
 
 
