@@ -153,7 +153,7 @@ class SDPACoreAttention(torch.nn.Module):
     Megatron's own `DotProductAttention` preallocates its score buffer on the CUDA device; this module takes the
     same constructor and forward arguments as the layer spec passes to it. Two ways to the same math:
     * short sequences in small micro-batches (the RL case on CPU): written out as the CPU engine computes it
-      (cpu_engine._attention),
+      (cpu_model._attention),
       the query heads of each kv head stacked into one matrix, the causal mask and the scale folded into one
       baddbmm, a softmax and a bmm. No kv-head copies for GQA, and at the tiny recipes' shapes (64 rows of ~50
       tokens) forward + backward took 0.54x the time of torch's CPU flash kernel (1 thread; 0.53x on 2);

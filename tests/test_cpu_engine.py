@@ -30,7 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
+import cpu
 import cpu_engine
+import cpu_model
 import data
 import rollout
 
@@ -161,11 +163,11 @@ def test_engine_norm_and_rope_are_transformers_bit_for_bit():
         qn.weight.copy_(torch.randn(16, generator=g))
         kn.weight.copy_(torch.randn(16, generator=g))
         w = torch.cat([qn.weight.expand(4, -1), kn.weight.expand(2, -1)])  # (6, D) as the engine packs it
-        qk = cpu_engine._rms_norm(torch.cat([q, k], dim=2), w, 1e-6)                 # (B, T, 6, D)
+        qk = cpu_model._rms_norm(torch.cat([q, k], dim=2), w, 1e-6)                 # (B, T, 6, D)
         assert torch.equal(qk[:, :, :4], qn(q)) and torch.equal(qk[:, :, 4:], kn(k))
         cos, sin = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 16, generator=g)
         hq, hk = apply_rotary_pos_emb(qn(q), kn(k), cos, sin, unsqueeze_dim=2)
-        ours = qk * cos[:, :, None] + qk.roll(8, dims=-1) * cpu_engine._signed_sin(sin)[:, :, None]  # as the engine
+        ours = qk * cos[:, :, None] + qk.roll(8, dims=-1) * cpu_model._signed_sin(sin)[:, :, None]  # as the engine
     assert torch.equal(ours[:, :, :4], hq) and torch.equal(ours[:, :, 4:], hk)
 
 
@@ -248,7 +250,7 @@ def test_sample_filters_and_inverse_cdf(params, kept):
     logits = probs.log().expand(n, 4)
     sp = cpu_engine.parse_sampling_params(params, vocab_size=4)
     u = (torch.arange(n) + 0.5) / n
-    tokens, logp = cpu_engine.sample(logits, [sp] * n, u)
+    tokens, logp = cpu_model.sample(logits, [sp] * n, u)
     freq = torch.bincount(tokens, minlength=4).float() / n
     assert torch.allclose(freq, torch.tensor(kept), atol=2e-3), freq
     assert torch.allclose(logp, probs.log()[tokens], atol=1e-6)
@@ -504,9 +506,11 @@ def test_chunked_prefill_through_the_fused_kernel_matches_transformers(kind, mon
     """A prefill longer than CHUNKED_PREFILL_SIZE runs in pieces, each over the K/V the pieces before it wrote, and
     past DENSE_ATTENTION_MAX_LEN through torch's fused kernel: the first piece causal, later pieces and a
     prefix-cache hit masked, DeepSeek-V3's value heads (of another size) padded. Greedy ids are transformers' and
-    logprobs within 1e-5 of its, as for short prompts; the routed experts are those of one unchunked prefill."""
-    monkeypatch.setattr(cpu_engine, "CHUNKED_PREFILL_SIZE", 96)
-    monkeypatch.setattr(cpu_engine, "DENSE_ATTENTION_MAX_LEN", 8)
+    logprobs within 1e-5 of its, as for short prompts; the routed experts are those of one unchunked prefill. The
+    written-out attention reaches as far as the trainer's (cpu.EXPLICIT_ATTENTION_MAX_LEN)."""
+    assert cpu_model.DENSE_ATTENTION_MAX_LEN == cpu.EXPLICIT_ATTENTION_MAX_LEN
+    monkeypatch.setattr(cpu_model, "CHUNKED_PREFILL_SIZE", 96)
+    monkeypatch.setattr(cpu_model, "DENSE_ATTENTION_MAX_LEN", 8)
     path = _tiny() if kind == "qwen3" else _tiny(model_type="deepseek_v3", num_experts=8, moe_intermediate_size=32,
                                                  v_head_dim=12)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -518,7 +522,7 @@ def test_chunked_prefill_through_the_fused_kernel_matches_transformers(kind, mon
         first = engine.generate([prompt], sp, **moe)[0]
         longer = prompt + first["output_ids"] + prompt[:150]  # over the first request's cached K/V
         second = engine.generate([longer], sp)[0]
-        monkeypatch.setattr(cpu_engine, "CHUNKED_PREFILL_SIZE", MAX_LEN)
+        monkeypatch.setattr(cpu_model, "CHUNKED_PREFILL_SIZE", MAX_LEN)
         assert engine.flush_cache()
         whole = engine.generate([prompt], sp, **moe)[0]
     finally:
@@ -549,22 +553,22 @@ def test_prefill_memory_is_linear_in_the_prompt():
     """The largest tensor a prefill makes grows linearly with the prompt, at most one 4-byte number per (piece
     query, key) pair: 4 MB at 4,096 tokens (a boolean mask of one piece over the keys), where the scores and additive
     mask of the whole prompt took 256 MB (quadratic: 64 MB at 2,048 tokens). It counts what every op returns, not a
-    kernel's own scratch (peak engine RSS in the README: 0.9 GB at 32K tokens). The chunked prefill's last logits are
+    kernel's own scratch (peak engine RSS in docs/CPU.md: 0.9 GB at 32K tokens). The chunked prefill's last logits are
     the unchunked written-out path's, to float rounding."""
     n_max = 4096
-    runner = cpu_engine.ModelRunner(_tiny(max_position_embeddings=n_max + 64), max_batch=1, max_len=n_max + 64,
+    runner = cpu_model.ModelRunner(_tiny(max_position_embeddings=n_max + 64), max_batch=1, max_len=n_max + 64,
                                     dtype="float32", fp32_lm_head=False)
     largest, logits = {}, {}
     for n in (n_max // 2, n_max):
         with torch.inference_mode(), _LargestTensor() as seen:
             logits[n], _ = runner.forward([0], [0], [[10 + i * 7 % 290 for i in range(n)]])
         largest[n] = seen.nbytes
-        assert seen.nbytes <= 4 * cpu_engine.CHUNKED_PREFILL_SIZE * n, (n, seen.nbytes)
+        assert seen.nbytes <= 4 * cpu_model.CHUNKED_PREFILL_SIZE * n, (n, seen.nbytes)
     assert largest[n_max] <= 2.1 * largest[n_max // 2], largest
     with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:  # every token in one piece, written out
         for name, big in (("CHUNKED_PREFILL_SIZE", n_max), ("DENSE_ATTENTION_MAX_LEN", n_max),
                           ("DENSE_ATTENTION_MAX_SCORES", 2 ** 40)):
-            mp.setattr(cpu_engine, name, big)
+            mp.setattr(cpu_model, name, big)
         whole, _ = runner.forward([0], [0], [[10 + i * 7 % 290 for i in range(n_max // 2)]])
     assert (torch.log_softmax(whole, -1) - torch.log_softmax(logits[n_max // 2], -1)).abs().max() <= 1e-5
 

@@ -16,7 +16,7 @@ import pytest
 import ray
 import torch
 
-import cpu_engine
+import cpu_model
 import rollout
 import trainer
 import transfermesh
@@ -50,7 +50,7 @@ def _hidden(model_dir: str, *shape: int, seed: int) -> torch.Tensor:
 
 
 def _engine_head(model_dir: str, h: torch.Tensor, flag: bool, dtype: str = "bfloat16") -> torch.Tensor:
-    runner = cpu_engine.ModelRunner(model_dir, max_batch=h.shape[0], max_len=64, dtype=dtype, fp32_lm_head=flag)
+    runner = cpu_model.ModelRunner(model_dir, max_batch=h.shape[0], max_len=64, dtype=dtype, fp32_lm_head=flag)
     return runner.lm_head(h.to(runner.dtype).contiguous()), runner.model.lm_head.weight
 
 

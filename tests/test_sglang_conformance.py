@@ -47,6 +47,7 @@ import agentflow  # noqa: E402
 import chat  # noqa: E402
 import config  # noqa: E402
 import cpu_engine  # noqa: E402
+import cpu_model  # noqa: E402
 import data  # noqa: E402
 import fleet  # noqa: E402
 import rollout  # noqa: E402
@@ -443,7 +444,7 @@ def test_the_cpu_engine_compiles_and_masks_grammars_as_sglangs_xgrammar_backend(
         theirs = backend._init_value_dispatch((kind, source), False)
         try:
             req = engine.make_request([5, 6, 7], {key: source})
-        except cpu_engine.BadRequest as e:
+        except cpu_model.BadRequest as e:
             assert isinstance(theirs, InvalidGrammarObject), (key, source, str(e))
             assert stamp.sub("", str(e)) == stamp.sub("", f"Failed to compile {kind} grammar: {theirs.error_message}")
             continue
@@ -454,7 +455,7 @@ def test_the_cpu_engine_compiles_and_masks_grammars_as_sglangs_xgrammar_backend(
             theirs.fill_vocab_mask(mask, 0)
             sglang_logits = torch.zeros(1, V)
             theirs.apply_vocab_mask(sglang_logits, mask)
-            ours = cpu_engine._mask_by_grammar(torch.zeros(1, V), [req.grammar])
+            ours = cpu_model.mask_by_grammar(torch.zeros(1, V), [req.grammar])
             assert torch.equal(torch.isinf(ours), torch.isinf(sglang_logits)), (key, source)
             tok = int(torch.isfinite(ours[0]).nonzero()[0])
             theirs.accept_token(tok)
