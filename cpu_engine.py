@@ -5,41 +5,30 @@ implement is refused with a 400 naming it, never ignored, so the laptop runs and
 calls a GPU run makes. The contract both engines serve (fields, logprob semantics, weight versions, pause modes,
 memory tags, routed experts) is written down once, in rollout.py's docstring; this file is how the CPU engine meets it.
 
-Reading order: requests and sampling parameters (`SamplingParams`, `parse_sampling_params`, `Req`, and `response`,
-SGLang's answer to one); `LoraRegistry`; `PrefixCache` (the KV slots and the prefix cache over them); `CpuEngine` (the
-scheduler); the HTTP server (`build_app`, `serve`). Below them, as SGLang's ModelRunner is below its scheduler:
-cpu_model.py, the model, its KV cache, attention and sampling kernels (`ModelRunner`, `sample`).
+Reading order: requests (`SamplingParams`, `parse_sampling_params`, `Req`, `response`: SGLang's answer to one);
+`LoraRegistry`; `PrefixCache` (the KV slots, the prefix cache); `CpuEngine` (the scheduler); the HTTP server
+(`build_app`, `serve`). Below them, as SGLang's ModelRunner is below its scheduler: cpu_model.py (`ModelRunner`).
 
 * `CpuEngine`: continuous batching, one scheduler thread owning all engine state; weight loads, pauses and memory
   release run between two steps. `PrefixCache`: SGLang's radix cache, one entry per KV slot (`--disable-radix-cache`).
-* Weight updates as SGLang 0.5.23 takes them: `/update_weights_from_tensor` and `/update_weights_from_distributed`
-  are refused outside a `/begin_weight_update` ... `/end_weight_update` session (SGLang's error text), the engine
-  reads `serialized_named_tensors[0]` (it is TP rank 0 of one): SGLang's payload, base64 of a pickle that its
-  SafeUnpickler accepts, of a `flattened_bucket` dict or of (name, tensor) pairs, CPU tensors shared through torch's
-  file_system strategy (`transfermesh.read_tensor_payload`); anything else is refused (400) as SGLang refuses it.
-  Broadcasts join SGLang's own rendezvous (`transfermesh.new_sglang_group`, gloo). A bucket whose checksum does not
-  match the sender's is refused (400) and the engine keeps its weights.
-* LoRA adapters as SGLang 0.5.23 serves them (started with `lora={...}`, SGLang's --enable-lora --max-lora-rank
-  --lora-target-modules): `/load_lora_adapter` (a PEFT directory), `/load_lora_adapter_from_tensors` (entry 0 of
-  serialized_named_tensors read as a weight update's, `transfermesh.read_tensor_payload`: a flattened bucket, or
-  with load_format null a {name: tensor} dict; SGLang's `expected_checksums`, sha256 per tensor, verified),
-  `/unload_lora_adapter` (waits until no request uses the adapter), and `/generate`'s `lora_path`, resolved to one
-  adapter when the request arrives and kept to its end. A request's adapter adds scale * (x A^T) B^T beside each
-  adapted projection, unmerged, as the trainer computes it.
+* Weight updates as SGLang 0.5.23 takes them: tensor and distributed updates only inside a `/begin_weight_update`
+  ... `/end_weight_update` session; `serialized_named_tensors[0]` (TP rank 0 of one) read as SGLang's payload
+  (`transfermesh.read_tensor_payload`: anything else is a 400, as on SGLang); broadcasts through SGLang's own
+  rendezvous (`transfermesh.new_sglang_group`, gloo); a bucket whose checksum does not match is a 400, weights kept.
+* LoRA adapters as SGLang 0.5.23 serves them (`lora={...}`: its --enable-lora --max-lora-rank --lora-target-modules):
+  `/load_lora_adapter` (a PEFT directory), `/load_lora_adapter_from_tensors` (a weight update's payload, SGLang's
+  `expected_checksums` verified), `/unload_lora_adapter` (waits until no request uses it), `/generate`'s `lora_path`
+  (resolved on arrival, kept to the end); an adapter adds scale * (x A^T) B^T beside each projection, unmerged.
 * Constrained decoding as SGLang's xgrammar backend does it: `sampling_params.json_schema` / `regex` / `ebnf` /
   `structural_tag` compiled when the request arrives (`compile_grammar`: SGLang's 400 text for one that does not
   compile, and for the schema keywords SGLang refuses because xgrammar would ignore them), one xgrammar matcher per
   request, its token bitmask applied to the logits before sampling (`mask_by_grammar`), so the logprob returned is
   that of the masked distribution, as SGLang's (rollout.py's docstring); a grammar that completes finishes it as a stop.
-* `/generate` with `stream: true` (`_stream_chunks`): SGLang's Server-Sent Events, a cumulative chunk per decode step
-  (every `stream_interval` tokens) as the scheduler samples it, the finished answer, `data: [DONE]`.
-* `serve(model_path, ...) -> (url, handle)`: the FastAPI app on a background uvicorn thread.
+* `/generate` with `stream: true` (`_stream_chunks`): SGLang's Server-Sent Events. `serve`: the app on a thread.
 
-Determinism. Each request draws its random numbers from its own `torch.Generator`. As in SGLang, the request's
-`sampling_params["sampling_seed"]` seeds it only when the engine runs with `--enable-deterministic-inference` (a
-request without one then gets SGLang's 42); otherwise the seed is ignored and the generator is seeded from the engine
-seed and the request's arrival index. Either way a fixed seed gives the same tokens whatever else is in the batch (up
-to float ties in the batched matmuls).
+Determinism. Each request draws from its own `torch.Generator`, seeded by its `sampling_seed` under
+`--enable-deterministic-inference` (SGLang's 42 without one), else by the engine seed and its arrival index: a fixed
+seed gives the same tokens whatever else is in the batch (up to float ties in the batched matmuls).
 
 Run: `python cpu_engine.py --model-path DIR --port 30000`. Test: `pytest tests/test_cpu_engine.py` (against
 transformers on the same weights, over real HTTP) and `tests/test_conformance.py` (SGLANG_BEHAVIOURS); routed experts
@@ -176,9 +165,8 @@ class SamplingParams:
     no_stop_trim: bool = False        # keep the matched stop token in the returned text
     sampling_seed: int | None = None  # per-request seed, honoured under enable_deterministic_inference only
     stream_interval: int | None = None  # stream=true: a chunk every this many tokens (None: the server's, 1)
-    # constrained decoding (at most one of the four): a JSON schema as a JSON string, a regex, an EBNF grammar in
-    # xgrammar's GBNF dialect, an xgrammar structural tag as a JSON string; SGLang's fields, compiled by xgrammar as
-    # SGLang's default grammar backend does
+    # constrained decoding, at most one (SGLang's fields, compiled by xgrammar as its default backend does): a JSON
+    # schema as a JSON string, a regex, an EBNF grammar (xgrammar's GBNF), an xgrammar structural tag as JSON
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -1075,7 +1063,6 @@ def _env_bool(name: str, default: bool) -> bool:
 
 
 async def _json_body(request: Request) -> dict:
-    """The request's JSON object ({} for an empty body), which FastAPI hands each handler as `body` (BODY)."""
     raw = await request.body()
     if not raw.strip():
         return {}
@@ -1088,7 +1075,7 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-BODY = Depends(_json_body)
+BODY = Depends(_json_body)  # FastAPI hands a handler `body`: the request's JSON object ({} for an empty body)
 
 
 def _per_item(value, n: int, name: str) -> list:
@@ -1118,10 +1105,9 @@ async def _update_weights(engine: CpuEngine, named_tensors, body: dict):
                                     bool(body.get("flush_cache", True)))
     except FlushRefused as e:
         return JSONResponse({"success": False, "message": str(e)}, status_code=400)
-    message = f"Loaded {n} tensors."
-    if body.get("weight_version") is not None:
-        message += f" Weight version updated to {body['weight_version']}."
-    return {"success": True, "message": message}
+    version = body.get("weight_version")
+    return {"success": True, "message": f"Loaded {n} tensors." + (
+        "" if version is None else f" Weight version updated to {version}.")}
 
 
 async def _own_payload(body: dict, endpoint: str, adapter: bool = False) -> list:

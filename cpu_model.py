@@ -1,17 +1,14 @@
 """The CPU engine's model runner (SGLang's ModelRunner, below the scheduler and HTTP app of cpu_engine.py): the
-transformers model, its slot KV cache, attention, and the sampling kernels.
+transformers model, its slot KV cache and attention, and the sampling kernels (`sample`, `mask_by_grammar`).
 
-* `ModelRunner`: the transformers model and a preallocated slot KV
-  cache of shape (layers, slots, kv_heads, max_len, head_dim). The forward pass reuses the model's own modules and
-  parameters (embeddings, norms, q/k norms, rotary embedding, o/down projections, activation, lm_head), with q|k|v
-  and gate|up each run as one matmul over fused weights that the modules' parameters are views of, and its own
-  attention over the slot cache; Qwen3 (q/k norm), Qwen2 (qkv bias), Llama, Mistral, Qwen3-MoE and DeepSeek-V3
-  (multi-latent attention, its keys and values cached expanded per head; grouped sigmoid routing, shared experts,
-  dense first layers) layouts work.
-  Decode-step costs that need not recur are paid once: weight matrices are kept in oneDNN's blocked layout
-  (re-blocked when a weight update touches them), RoPE cos/sin come from a table, K/V land in the cache with one
-  index_copy_.
-* `sample`: inverse-CDF sampling and the policy's logprob; `mask_by_grammar`: xgrammar's token bitmask, SGLang's way.
+* `ModelRunner`: the transformers model and a preallocated slot KV cache of shape (layers, slots, kv_heads, max_len,
+  head_dim). The forward pass reuses the model's own modules and parameters (embeddings, norms, q/k norms, rotary
+  embedding, o/down projections, activation, lm_head), with q|k|v and gate|up each run as one matmul over fused
+  weights that the modules' parameters are views of, and its own attention over the slot cache; Qwen3 (q/k norm),
+  Qwen2 (qkv bias), Llama, Mistral, Qwen3-MoE and DeepSeek-V3 (multi-latent attention, its keys and values cached
+  expanded per head; grouped sigmoid routing, shared experts, dense first layers) layouts work. Decode-step costs that
+  need not recur are paid once: weight matrices are kept in oneDNN's blocked layout (re-blocked when a weight update
+  touches them), RoPE cos/sin come from a table, K/V land in the cache with one index_copy_.
 
 Long prompts (docs/CPU.md). A prefill runs in pieces of CHUNKED_PREFILL_SIZE tokens (SGLang's chunked prefill) and
 computes the last position's logits only: its memory grows with the prompt, not its square. `--max-len` sizes the KV
@@ -33,9 +30,8 @@ from transformers import AutoModelForCausalLM
 import lora
 import transfermesh
 
-# Prefills run in pieces of at most CHUNKED_PREFILL_SIZE tokens (SGLang's --chunked-prefill-size). A step of at most
-# DENSE_ATTENTION_MAX_LEN tokens a row (cpu.EXPLICIT_ATTENTION_MAX_LEN) and DENSE_ATTENTION_MAX_SCORES scores takes the
-# written-out attention, the rest torch's fused kernel (the module docstring: where exactness ends).
+# Long prompts (the module docstring): a prefill's piece (SGLang's --chunked-prefill-size); the written-out attention's
+# reach (tokens a row: the trainer's cpu.EXPLICIT_ATTENTION_MAX_LEN) and its largest score tensor.
 CHUNKED_PREFILL_SIZE = 1024
 DENSE_ATTENTION_MAX_LEN, DENSE_ATTENTION_MAX_SCORES = 192, 2 ** 24
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "deepseek_v3")  # layouts forward handles
@@ -138,8 +134,7 @@ def _fused_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     queries at positions start[b]... over its first start[b] + lens[b] keys, causal by the kernel's own flag from
     position 0, by a boolean (lens, start + lens) mask past cached K/V. The kernel takes one head size: multi-latent
     attention's values (Dv < D) are zero-padded to D, the padding sliced off. Padding queries give 0."""
-    B, T, Hq, D = q.shape
-    Dv = values.shape[-1]
+    (B, T, Hq, D), Dv = q.shape, values.shape[-1]
     out = q.new_zeros(B, T, Hq, Dv)                                                      # (B, T, Hq, Dv)
     for b, (s, n) in enumerate(zip(start.tolist(), lens.tolist())):
         k, v = keys[b:b + 1, :, :s + n], F.pad(values[b:b + 1, :, :s + n], (0, D - Dv))  # (1, KV, s+n, D)
