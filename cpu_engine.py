@@ -3,7 +3,7 @@
 It must be as strict as SGLang: a request SGLang refuses is refused here too, and an SGLang option the engine does not
 implement is refused with a 400 naming it, never ignored, so the laptop runs and the test suite exercise the very
 calls a GPU run makes. The contract both engines serve (fields, logprob semantics, weight versions, pause modes,
-memory tags, routed experts) is written down once, in rollout.py's docstring; this file is how the CPU engine meets it.
+memory tags, routed experts) is written down once, in docs/ENGINES.md; this file is how the CPU engine meets it.
 
 Reading order: requests (`SamplingParams`, `parse_sampling_params`, `Req`, `response`: SGLang's answer to one);
 `LoraRegistry`; `PrefixCache` (the KV slots, the prefix cache); `CpuEngine` (the scheduler); the HTTP server
@@ -23,7 +23,7 @@ Reading order: requests (`SamplingParams`, `parse_sampling_params`, `Req`, `resp
   `structural_tag` compiled when the request arrives (`compile_grammar`: SGLang's 400 text for one that does not
   compile, and for the schema keywords SGLang refuses because xgrammar would ignore them), one xgrammar matcher per
   request, its token bitmask applied to the logits before sampling (`mask_by_grammar`), so the logprob returned is
-  that of the masked distribution, as SGLang's (rollout.py's docstring); a grammar that completes finishes it as a stop.
+  that of the masked distribution, as SGLang's (docs/ENGINES.md); a grammar that completes finishes it as a stop.
 * `/generate` with `stream: true` (`_stream_chunks`): SGLang's Server-Sent Events. `serve`: the app on a thread.
 
 Determinism. Each request draws from its own `torch.Generator`, seeded by its `sampling_seed` under

@@ -46,7 +46,7 @@ def sample(logits: torch.Tensor, params: list, u: torch.Tensor) -> tuple[torch.T
     `params`: each row's cpu_engine.SamplingParams (temperature, top_k, top_p, min_p).
 
     Returns (tokens, logp): logp is log_softmax of the RAW logits (temperature 1, no filtering) at the sampled token,
-    i.e. the policy's logprob (rollout.py's docstring says why).
+    i.e. the policy's logprob (docs/ENGINES.md says why).
     """
     B, V = logits.shape
     logp_all = torch.log_softmax(logits, dim=-1)                                          # (B, V) policy logprobs
