@@ -33,8 +33,8 @@ The router is one HTTP server in front of all engines. Each trajectory gets a se
 `http://host:port/s/<session>/v1` (the session id and the api key are unguessable tokens) serving
 OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function and custom tools, structured
 output, `previous_response_id` within the session, across weight updates), Anthropic `POST /messages` and
-`GET /models`, plain and streaming, with tool calls. A streamed reply streams from the engine (SGLang's `stream: true`): its reasoning and content go
-out as the tokens arrive, as far as they are settled (`TurnStream`: a tool call's text is held back and the call
+`GET /models`, plain and streaming, with tool calls. A streamed reply streams from the engine (SGLang's
+`stream: true`): its reasoning and content go out as the tokens arrive, as far as they are settled (`TurnStream`: a tool call's text is held back and the call
 sent whole at the end), and the turn it records is the one the plain reply records. A session sticks to one engine
 (its KV prefix cache stays warm); new sessions go to the engine with the fewest requests in flight. An engine that
 fails a call, or misses a periodic `/server_info` probe, leaves routing at once (dead or hung) and its requests move
@@ -44,8 +44,8 @@ Requests are checked against the APIs' request schemas (`openai_request`, `anthr
 in wire.py): what they refuse gets a 400 in their error shape, options the engine cannot honour are refused rather
 than ignored, and `model` is optional (one model is served). Structured output (`text.format`, `response_format`)
 reaches the engine as SGLang's `json_schema` sampling parameter, constrained decoding whose logprobs are those of the
-masked distribution (rollout.py); `chat.ChatFormat.check_structured` refuses it where the chat template and a grammar that
-holds from the first token disagree (tools offered, a thinking model thinking).
+masked distribution (docs/ENGINES.md); `chat.ChatFormat.check_structured` refuses it where the chat template and
+a grammar that holds from the first token disagree (tools offered, a thinking model thinking).
 
 Token in, token out (TITO): the chat is rendered with the template once. On the next turn the router
 checks that the new messages extend the previous ones, keeps the exact token ids the model produced,
@@ -70,8 +70,8 @@ Run a router by hand over running engines (prints session settings for any OpenA
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
 clients), the Responses API in `tests/test_responses.py`; streaming in `tests/test_token_stream.py`. Left out:
 a strict tool's calls held to its schema under tool_choice "auto" where the template wraps all calls in one block
-(DeepSeek, Mistral) or marks none (Llama 3) (a forced tool_choice is held in every family: `chat.ChatFormat.tool_grammar`),
-structured output or a forced tool call together with thinking, structured output with tools, images/audio content
+(DeepSeek, Mistral) or marks none (Llama 3) (a forced tool_choice is held in every family:
+`chat.ChatFormat.tool_grammar`), structured output or a forced tool call together with thinking, structured output with tools, images/audio content
 parts, built-in tools of the Responses API, n > 1 per request (ask n sessions instead), tool-call deltas
 while the call is generated (a call is parsed whole, so it goes out at the end of a streamed reply), stop strings
 inside the engine (the router cuts the turn after it ends, so a streamed reply with `stop` waits, like a plain one,
@@ -593,8 +593,8 @@ class Router:
             chunk (or the turn's end, if that comes first), so a request refused before any token (bad input, a
             budget, the engine's own 400) still gets its plain error answer and status; a failure after that is the
             stream's error event. A client that leaves does not stop the turn: it is committed as a plain one is."""
-            live = chat.TurnStream(self.chat, req.tools, kw.get("parse_tools", True), kw.get("separate_reasoning", True),
-                              kw.get("stop"))
+            live = chat.TurnStream(self.chat, req.tools, kw.get("parse_tools", True),
+                                   kw.get("separate_reasoning", True), kw.get("stop"))
             queue: asyncio.Queue = asyncio.Queue()
             task = asyncio.ensure_future(s.run_turn(self.pool, req.messages, req.tools, **kw,
                                                     on_tokens=lambda chunk: queue.put_nowait(("chunk", chunk))))

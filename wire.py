@@ -330,7 +330,8 @@ def anthropic_tools(raw) -> list[dict] | None:
     for i, t in enumerate(raw):
         if isinstance(t, dict) and t.get("defer_loading") is True:
             continue  # a deferred tool is not in the model's context until a tool search loads it (none runs here)
-        if not isinstance(t, dict) or t.get("type", "custom") != "custom" or not isinstance(t.get("input_schema"), dict):
+        if not isinstance(t, dict) or t.get("type", "custom") != "custom" or \
+                not isinstance(t.get("input_schema"), dict):
             raise ApiError(400, f"invalid tool schema at tools.{i}: expected a client tool {{'name', 'description', "
                            "'input_schema': {'type': 'object', ...}}} (server tools are not supported)",
                            param=f"tools.{i}")
@@ -627,7 +628,8 @@ def openai_request(body: dict, strict: bool = False) -> ChatRequest:
     stream, logprobs = _flag(body, "stream"), _flag(body, "logprobs")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
-        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true, as an object", param="stream_options")
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true, as an object",
+                       param="stream_options")
     include_usage = _flag(options or {}, "include_usage")
     for name in ("max_tokens", "max_completion_tokens"):
         _positive_int(body.get(name), name)
