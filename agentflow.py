@@ -34,8 +34,8 @@ The router is one HTTP server in front of all engines. Each trajectory gets a se
 OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function and custom tools, structured
 output, `previous_response_id` within the session, across weight updates), Anthropic `POST /messages` and
 `GET /models`, plain and streaming, with tool calls. A streamed reply streams from the engine (SGLang's
-`stream: true`): its reasoning and content go out as the tokens arrive, as far as they are settled (`TurnStream`: a tool call's text is held back and the call
-sent whole at the end), and the turn it records is the one the plain reply records. A session sticks to one engine
+`stream: true`): its reasoning and content go out as the tokens arrive, as far as they are settled
+(`chat.TurnStream`: a tool call's text is held back and the call sent whole at the end), and the turn it records is the one the plain reply records. A session sticks to one engine
 (its KV prefix cache stays warm); new sessions go to the engine with the fewest requests in flight. An engine that
 fails a call, or misses a periodic `/server_info` probe, leaves routing at once (dead or hung) and its requests move
 to the other engines; the controller re-creates it and `replace_engine` routes to its successor.
@@ -71,8 +71,8 @@ Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official
 clients), the Responses API in `tests/test_responses.py`; streaming in `tests/test_token_stream.py`. Left out:
 a strict tool's calls held to its schema under tool_choice "auto" where the template wraps all calls in one block
 (DeepSeek, Mistral) or marks none (Llama 3) (a forced tool_choice is held in every family:
-`chat.ChatFormat.tool_grammar`), structured output or a forced tool call together with thinking, structured output with tools, images/audio content
-parts, built-in tools of the Responses API, n > 1 per request (ask n sessions instead), tool-call deltas
+`chat.ChatFormat.tool_grammar`), structured output or a forced tool call together with thinking, structured
+output with tools, images/audio content parts, built-in tools of the Responses API, n > 1 per request (ask n sessions instead), tool-call deltas
 while the call is generated (a call is parsed whole, so it goes out at the end of a streamed reply), stop strings
 inside the engine (the router cuts the turn after it ends, so a streamed reply with `stop` waits, like a plain one,
 for the engine to finish), per-token logprobs in stream chunks (they all come with the last one), retrying a failed
