@@ -35,10 +35,11 @@ OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function
 output, `previous_response_id` within the session, across weight updates), Anthropic `POST /messages` and
 `GET /models`, plain and streaming, with tool calls. A streamed reply streams from the engine (SGLang's
 `stream: true`): its reasoning and content go out as the tokens arrive, as far as they are settled
-(`chat.TurnStream`: a tool call's text is held back and the call sent whole at the end), and the turn it records is the one the plain reply records. A session sticks to one engine
-(its KV prefix cache stays warm); new sessions go to the engine with the fewest requests in flight. An engine that
-fails a call, or misses a periodic `/server_info` probe, leaves routing at once (dead or hung) and its requests move
-to the other engines; the controller re-creates it and `replace_engine` routes to its successor.
+(`chat.TurnStream`: a tool call's text is held back and the call sent whole at the end), and the turn it records is
+the one the plain reply records. A session sticks to one engine (its KV prefix cache stays warm); new sessions go to
+the engine with the fewest requests in flight. An engine that fails a call, or misses a periodic `/server_info`
+probe, leaves routing at once (dead or hung) and its requests move to the other engines; the controller re-creates it
+and `replace_engine` routes to its successor.
 
 Requests are checked against the APIs' request schemas (`openai_request`, `anthropic_request`, `responses_request`,
 in wire.py): what they refuse gets a 400 in their error shape, options the engine cannot honour are refused rather
@@ -72,11 +73,11 @@ clients), the Responses API in `tests/test_responses.py`; streaming in `tests/te
 a strict tool's calls held to its schema under tool_choice "auto" where the template wraps all calls in one block
 (DeepSeek, Mistral) or marks none (Llama 3) (a forced tool_choice is held in every family:
 `chat.ChatFormat.tool_grammar`), structured output or a forced tool call together with thinking, structured
-output with tools, images/audio content parts, built-in tools of the Responses API, n > 1 per request (ask n sessions instead), tool-call deltas
-while the call is generated (a call is parsed whole, so it goes out at the end of a streamed reply), stop strings
-inside the engine (the router cuts the turn after it ends, so a streamed reply with `stop` waits, like a plain one,
-for the engine to finish), per-token logprobs in stream chunks (they all come with the last one), retrying a failed
-judgement (the trajectory stays failed).
+output with tools, images/audio content parts, built-in tools of the Responses API, n > 1 per request (ask n sessions
+instead), tool-call deltas while the call is generated (a call is parsed whole, so it goes out at the end of a
+streamed reply), stop strings inside the engine (the router cuts the turn after it ends, so a streamed reply with
+`stop` waits, like a plain one, for the engine to finish), per-token logprobs in stream chunks (they all come with
+the last one), retrying a failed judgement (the trajectory stays failed).
 """
 from __future__ import annotations
 
