@@ -38,7 +38,9 @@ import agents  # noqa: E402  (recipes/agents.py: the launchers)
 # the tiny test model with room for the programs' shrunk prompts (~1.4k tokens for Claude Code, ~4.1k for Codex)
 SETTINGS = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 intermediate_size=128, norm_std=0.2, max_position_embeddings=8192)
-TOOL = {"codex": ("exec_command", "cmd"), "claude": ("Bash", "command")}  # each program's shell tool, its argument
+# each program's shell tool, its argument
+TOOL = {"codex": ("exec_command", "cmd"), "claude": ("Bash", "command"), "opencode": ("bash", "command"),
+        "mini": ("bash", "command")}
 TASK = "Run `cat nonce.txt` with your shell tool and tell me what it prints."
 
 
@@ -80,6 +82,8 @@ def tool_results(program: str, body: dict) -> dict:
     """call id -> tool result text, of one request body in the program's API."""
     if program == "codex":
         return {i["call_id"]: i["output"] for i in body["input"] if i.get("type") == "function_call_output"}
+    if program in ("opencode", "mini"):
+        return {m["tool_call_id"]: wire._text_of(m["content"], "tool") for m in body["messages"] if m["role"] == "tool"}
     return {b["tool_use_id"]: wire._text_of(b["content"], "tool_result") for m in body["messages"]
             if isinstance(m["content"], list) for b in m["content"] if b.get("type") == "tool_result"}
 
@@ -87,6 +91,8 @@ def tool_results(program: str, body: dict) -> dict:
 def first_call_id(program: str, body: dict) -> str:
     if program == "codex":
         return next(i["call_id"] for i in body["input"] if i.get("type") == "function_call")
+    if program in ("opencode", "mini"):
+        return next(m["tool_calls"][0]["id"] for m in body["messages"] if m.get("tool_calls"))
     return next(b["id"] for m in body["messages"] if m["role"] == "assistant" and isinstance(m["content"], list)
                 for b in m["content"] if b.get("type") == "tool_use")
 
@@ -107,7 +113,7 @@ async def episode(program: str, model: str, engine_url: str, work: Path) -> dict
     name, arg = TOOL[program]
     # the declared first-turn constraint: one call of the shell tool, in the template's tool-call syntax (Hermes)
     call = "<tool_call>\n" + json.dumps({"name": name, "arguments": {arg: "cat nonce.txt"}}) + "\n</tool_call>"
-    s = router.open_session(sampling=dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=64),
+    s = router.open_session(sampling=dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=96),
                             max_context_len=SETTINGS["max_position_embeddings"], max_turns=6,
                             constraint={"regex": "".join("\\" + c if c in ".^$*+?()[]{}|\\" else c for c in call)})
     argv, env = agents.launch(program, TASK, router.base_url(s), s.api_key)
@@ -129,9 +135,9 @@ async def episode(program: str, model: str, engine_url: str, work: Path) -> dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("program", ["codex", "claude"])
+@pytest.mark.parametrize("program", list(agents.PINNED))
 def test_program_runs_unmodified_through_a_tool_episode(program, agent_engine, tmp_path):
-    argv0 = agents.AGENTS_DIR / "node_modules/.bin" / program
+    argv0 = agents.executable(program)
     if not argv0.exists():
         if os.environ.get("LOONGSAGE_AGENTS_REQUIRED") == "1":
             pytest.fail(f"{argv0} is missing: run scripts/agents_env.sh")
