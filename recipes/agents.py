@@ -22,13 +22,16 @@ it: Codex's sandbox is bypassed, Claude Code is given its tools by --allowedTool
 """
 import json
 import os
+import pwd
 import sys
 import tempfile
 from pathlib import Path
 
 PINNED = {"codex": "@openai/codex@0.171.0", "claude": "@anthropic-ai/claude-code@2.1.332",
           "opencode": "opencode-ai@1.18.33", "mini": "mini-swe-agent==2.4.6"}  # mini: pip, the rest npm
-AGENTS_DIR = Path(os.environ.get("LOONGSAGE_AGENTS_DIR", Path.home() / ".cache" / "loongsage" / "agents"))
+# the user's own home, not $HOME: a sandbox sets HOME to its directory
+AGENTS_DIR = Path(os.environ.get("LOONGSAGE_AGENTS_DIR") or
+                  Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache" / "loongsage" / "agents")
 def executable(program: str) -> Path:
     """Where scripts/agents_env.sh installs `program`."""
     return AGENTS_DIR / ("mini-swe-agent/bin/mini" if program == "mini" else f"node_modules/.bin/{program}")
@@ -125,11 +128,16 @@ def launch(program: str, task: str, base_url: str, api_key: str, shrink: bool = 
 
 def main() -> int:
     """agent_command entry: the session from OPENAI_BASE_URL / OPENAI_API_KEY, the task from $LOONGSAGE_TASK or
-    stdin; the program's output on stdout, its exit status returned. AGENT_SHRINK=0 keeps the full prompts."""
+    stdin, the task's working copy from the sample's `files` ({path: text}, written into the working directory);
+    the program's output on stdout, its exit status returned. AGENT_SHRINK=0 keeps the full prompts."""
     if len(sys.argv) != 2:
         print(f"usage: agents.py PROGRAM ({'|'.join(PINNED)})", file=sys.stderr)
         return 2
     task = os.environ.get("LOONGSAGE_TASK") or sys.stdin.read().strip()
+    sample_file = os.environ.get("LOONGSAGE_SAMPLE_FILE")
+    for name, text in (json.loads(Path(sample_file).read_text()) if sample_file else {}).get("files", {}).items():
+        Path(name).parent.mkdir(parents=True, exist_ok=True)
+        Path(name).write_text(text)
     argv, env = launch(sys.argv[1], task, os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"],
                        shrink=os.environ.get("AGENT_SHRINK", "1") != "0")
     os.execve(argv[0], argv, env)

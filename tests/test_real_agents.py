@@ -15,18 +15,21 @@ Run: `scripts/agents_env.sh && pytest -q -s tests/test_real_agents.py` (prints e
 segments and time). Without the programs installed the tests skip, unless LOONGSAGE_AGENTS_REQUIRED=1 (the tier).
 """
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 import agentflow
 import chat
+import config
 import cpu_engine
 import data
 import rollout
@@ -41,6 +44,7 @@ SETTINGS = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_
 # each program's shell tool, its argument
 TOOL = {"codex": ("exec_command", "cmd"), "claude": ("Bash", "command"), "opencode": ("bash", "command"),
         "mini": ("bash", "command")}
+SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=96)  # room for the constrained call
 TASK = "Run `cat nonce.txt` with your shell tool and tell me what it prints."
 
 
@@ -51,6 +55,27 @@ def agent_engine():
     url, handle = cpu_engine.serve(model, max_batch=4, max_len=SETTINGS["max_position_embeddings"], seed=0)
     yield model, url
     handle.shutdown()
+
+
+def first_call(program: str) -> dict:
+    """The declared first-turn constraint: one call of the program's shell tool running `cat nonce.txt`, in the
+    template's tool-call syntax (Hermes), as a regex."""
+    name, arg = TOOL[program]
+    call = "<tool_call>\n" + json.dumps({"name": name, "arguments": {arg: "cat nonce.txt"}}) + "\n</tool_call>"
+    return {"regex": "".join("\\" + c if c in ".^$*+?()[]{}|\\" else c for c in call)}
+
+
+def installed(program: str) -> str:
+    """The program's version; skips (fails in the tier) where it is not installed."""
+    argv0 = agents.executable(program)
+    if not argv0.exists():
+        if os.environ.get("LOONGSAGE_AGENTS_REQUIRED") == "1":
+            pytest.fail(f"{argv0} is missing: run scripts/agents_env.sh")
+        pytest.skip(f"{program} is not installed (scripts/agents_env.sh)")
+    version = [str(argv0.parent / "python"), "-c", "import minisweagent as m; print('mini-swe-agent', m.__version__)"] \
+        if program == "mini" else [str(argv0), "--version"]
+    return subprocess.run(version, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MSWEA_SILENT_STARTUP": "1"}).stdout.strip()
 
 
 def recorded(router: agentflow.Router) -> list[dict]:
@@ -110,12 +135,8 @@ async def episode(program: str, model: str, engine_url: str, work: Path) -> dict
         return url, out
     pool.generate = generate
     await router.start()
-    name, arg = TOOL[program]
-    # the declared first-turn constraint: one call of the shell tool, in the template's tool-call syntax (Hermes)
-    call = "<tool_call>\n" + json.dumps({"name": name, "arguments": {arg: "cat nonce.txt"}}) + "\n</tool_call>"
-    s = router.open_session(sampling=dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=96),
-                            max_context_len=SETTINGS["max_position_embeddings"], max_turns=6,
-                            constraint={"regex": "".join("\\" + c if c in ".^$*+?()[]{}|\\" else c for c in call)})
+    s = router.open_session(sampling=SAMPLING, max_context_len=SETTINGS["max_position_embeddings"], max_turns=6,
+                            constraint=first_call(program))
     argv, env = agents.launch(program, TASK, router.base_url(s), s.api_key)
     t0 = time.perf_counter()
     proc = await asyncio.create_subprocess_exec(*argv, cwd=work, env=env, stdin=asyncio.subprocess.DEVNULL,
@@ -137,12 +158,7 @@ async def episode(program: str, model: str, engine_url: str, work: Path) -> dict
 @pytest.mark.slow
 @pytest.mark.parametrize("program", list(agents.PINNED))
 def test_program_runs_unmodified_through_a_tool_episode(program, agent_engine, tmp_path):
-    argv0 = agents.executable(program)
-    if not argv0.exists():
-        if os.environ.get("LOONGSAGE_AGENTS_REQUIRED") == "1":
-            pytest.fail(f"{argv0} is missing: run scripts/agents_env.sh")
-        pytest.skip(f"{program} is not installed (scripts/agents_env.sh)")
-    version = subprocess.run([str(argv0), "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    version = installed(program)
     model, url = agent_engine
     nonce = secrets.token_hex(8)
     (tmp_path / "nonce.txt").write_text(nonce + "\n")
@@ -150,23 +166,79 @@ def test_program_runs_unmodified_through_a_tool_episode(program, agent_engine, t
     posts = [e for e in r["log"] if e["method"] == "POST"]
     print(f"\n{program} {version}: exit {r['rc']} in {r['seconds']:.1f} s; requests "
           f"{[(e['method'], e['path'].split('/v1')[-1], e['status']) for e in r['log']]}; segments "
-          f"{[(len(g.prompt_ids), len(g.response_ids)) for g in r['segments']]}; unknown fields "
+          f"{[(g.label, len(g.prompt_ids), len(g.response_ids)) for g in r['segments']]}; unknown fields "
           f"{r['traj'].metadata['unknown_fields']}")
     assert r["rc"] == 0, f"{program} exited {r['rc']}: {r['err'][-2000:]}"
     assert [e for e in r["log"] if e["status"] >= 400] == []
-    assert len(posts) >= 2 and len(r["calls"]) == len(posts)
+    assert len(r["calls"]) == len(posts)
+    check_episode(program, nonce, posts, r["calls"], r["segments"], r["traj"], r["router"])
+
+
+def check_episode(program: str, nonce: str, posts: list[dict], calls: list, segments: list, traj, router) -> None:
+    """The tool call ran, and the trajectory is token-exact (the module's docstring)."""
+    main = [e for e in posts if e["body"].get("model") != agents.SIDE_MODEL]  # opencode's title call is a side call
+    assert len(main) >= 2 and agents.SIDE_MODEL == agentflow.SIDE_MODEL
     # the tool call ran: the second request answers the first call's id with the nonce the file holds
-    assert nonce in tool_results(program, posts[1]["body"])[first_call_id(program, posts[1]["body"])]
-    assert r["traj"].metadata["constrained_turns"] == [0] and r["traj"].metadata["constraint"]
-    # token-exact: one segment; its prompt is the template's rendering of the first request as sent ...
-    [seg] = r["segments"]
-    first = posts[0]["body"]
-    req = wire.responses_request(first, {}) if program == "codex" else wire.anthropic_request(first)
-    r["router"]._admit(r["router"].open_session(sampling={}, max_context_len=1, max_turns=1), req)
-    assert seg.prompt_ids == r["calls"][0][0] == r["chat"].prompt_ids(req.messages, req.tools)
-    # ... each engine input is a prefix of it, and its trained tokens are exactly the engine's output ids, in order
-    ids = seg.ids()
-    assert all(ids[:len(inp)] == inp for inp, _ in r["calls"])
-    trained = [t for t, m in zip(seg.response_ids, seg.loss_mask) if m == 1]
-    assert trained == [t for _, out in r["calls"] for t in out]
-    assert len(seg.loss_mask) == len(seg.response_ids) == len(seg.rollout_logprobs)
+    assert nonce in tool_results(program, main[1]["body"])[first_call_id(program, main[1]["body"])]
+    assert len(traj.metadata["constrained_turns"]) == 1 and traj.metadata["constraint"]
+    # the first main segment's prompt is the template's rendering of the first main request as sent ...
+    seg = next(g for g in segments if g.label == "main")
+    first = main[0]["body"]
+    req = wire.responses_request(first, {}) if program == "codex" else wire.anthropic_request(first) \
+        if program == "claude" else wire.openai_request(first)
+    router._admit(router.open_session(sampling={}, max_context_len=1, max_turns=1), req)
+    assert seg.prompt_ids == router.chat.prompt_ids(req.messages, req.tools)
+    # ... and the request answering its tool call extended it (one main segment, unless the program drops a turn:
+    # mini-swe-agent does not send back a reply without a call, and the next request then starts a new one)
+    assert any(seg.ids()[:len(inp)] == inp and len(inp) > len(seg.prompt_ids) for inp, _ in calls)
+    assert [g.label for g in segments].count("main") == 1 or program == "mini"
+    # every engine call ran on a prefix of a segment, whose next tokens, trained, are exactly the ids it sampled
+    for inp, out in calls:
+        g = next(g for g in segments if g.ids()[:len(inp) + len(out)] == inp + out)
+        k = len(inp) - len(g.prompt_ids)
+        assert g.loss_mask[k:k + len(out)] == [1] * len(out)
+    assert sum(sum(g.loss_mask) for g in segments) == sum(len(out) for _, out in calls)
+    assert all(len(g.loss_mask) == len(g.response_ids) == len(g.rollout_logprobs) for g in segments)
+
+
+@pytest.mark.slow
+def test_codex_as_a_recipe_agent_command_through_agentflow(agent_engine):
+    """The black-box path end to end: AgentFlow runs `agent_command: python $LOONGSAGE_ROOT/recipes/agents.py codex` in
+    its sandbox for one group; the task's working copy (the nonce file) comes from the sample's `files`, the first-turn
+    constraint from the recipe (cfg.first_turn_constraint). The trajectory is ok and passes the tier's checks: the
+    tool call ran (the nonce came back under its id) and every trained token is one the engine sampled."""
+    installed("codex")
+    model, url = agent_engine
+    nonce = secrets.token_hex(8)
+    cfg = dataclasses.replace(config.Config(), agent_command="python $LOONGSAGE_ROOT/recipes/agents.py codex",
+                              sandbox="local", first_turn_constraint=first_call("codex"), max_turns=6,
+                              max_context_len=SETTINGS["max_position_embeddings"], agent_timeout=240.0,
+                              agent_retries=0, reward="data.exact_match")
+    config.check_rollout(cfg)
+    sample = {"messages": [{"role": "user", "content": TASK}], "files": {"nonce.txt": nonce + "\n"}, "answer": nonce}
+
+    async def one_group():
+        flow = agentflow.AgentFlow(cfg, [url], model)
+        log, calls, real = recorded(flow.router), [], flow.pool.generate
+
+        async def generate(input_ids, sampling_params, rid, prefer=None, batch="", **streaming):
+            out = await real(input_ids, sampling_params, rid, prefer, batch, **streaming)
+            calls.append((list(input_ids), list(out[1]["output_ids"])))
+            return out
+        flow.pool.generate = generate
+        try:
+            return await flow.generate([sample], 1, SAMPLING, 0), log, calls, flow.router
+        finally:
+            await flow.close()
+    t0 = time.perf_counter()
+    [traj], log, calls, router = asyncio.run(one_group())
+    segments = [agentflow.Segment([], None, "", g["prompt_ids"], g["response_ids"], g["loss_mask"],
+                                  g["rollout_logprobs"], g["weight_versions"], label=g["label"])
+                for g in traj["segments"]]
+    print(f"\ncodex through AgentFlow: {traj['status']} in {time.perf_counter() - t0:.1f} s; requests "
+          f"{[(e['path'].split('/v1')[-1], e['status']) for e in log]}; segments "
+          f"{[(g.label, len(g.prompt_ids), len(g.response_ids)) for g in segments]}")
+    assert traj["status"] == "ok", traj["metadata"].get("error")
+    assert [e for e in log if e["status"] >= 400] == [] and traj["metadata"]["constraint"] == cfg.first_turn_constraint
+    check_episode("codex", nonce, [e for e in log if e["method"] == "POST"], calls, segments,
+                  types.SimpleNamespace(metadata=traj["metadata"]), router)
