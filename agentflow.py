@@ -685,7 +685,8 @@ class Router:
             label = self._admit(s, req, body.get("model"))
             template_kwargs = self.chat.with_thinking(req, "reasoning", body.get("reasoning"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
-            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, template_kwargs=template_kwargs, label=label,
+            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, template_kwargs=template_kwargs,
+                      label=label,
                       overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)})
             rid = "resp_" + uuid.uuid4().hex
             logprobs_of = functools.partial(responses_logprobs, self.chat) if req.logprobs else None

@@ -16,9 +16,10 @@ mkdir -p "$DIR"
 NPM_PINS=$(tr ' ' '\n' <<< "$PINS" | grep '@' | tr '\n' ' ')
 npm install --prefix "$DIR" --no-audit --no-fund --no-save --loglevel=error $NPM_PINS
 [ -x "$DIR/mini-swe-agent/bin/python" ] || python3 -m venv "$DIR/mini-swe-agent"
-"$DIR/mini-swe-agent/bin/python" -m pip install -q --disable-pip-version-check "$(tr ' ' '\n' <<< "$PINS" | grep '==')" \
+MINI_PIN=$(tr ' ' '\n' <<< "$PINS" | grep '==')
+"$DIR/mini-swe-agent/bin/python" -m pip install -q --disable-pip-version-check "$MINI_PIN" \
   2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 for p in codex claude opencode; do echo "$p $("$DIR/node_modules/.bin/$p" --version)"; done
-echo "mini-swe-agent $(MSWEA_SILENT_STARTUP=1 "$DIR/mini-swe-agent/bin/python" -c 'import minisweagent; print(minisweagent.__version__)')"
+MSWEA_SILENT_STARTUP=1 "$DIR/mini-swe-agent/bin/python" -c 'import minisweagent as m; print("mini", m.__version__)'
 echo "$PINS" > "$stamp"
 echo "agents_env: $PINS in $DIR ready in $(( $(date +%s) - t0 )) s"

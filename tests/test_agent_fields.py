@@ -1,14 +1,14 @@
 """The request fields of the agent programs people train, and the router's rule for fields it does not know.
 
 tests/agent_requests/ holds requests captured from the pinned programs through the router (tests/test_real_agents.py
-runs them): Codex CLI 0.171's Responses requests (a compaction among them) and Claude Code 2.1's Messages requests, at
-default settings and shrunk, long prompt texts trimmed (every field and message shape kept); opencode 1.18's and
-mini-swe-agent 2.4's Chat Completions requests, shrunk (opencode's title side call among them). Each is accepted with every top-level field
-known (honoured or inert: none lands in the unknown bucket), its developer/system messages kept where they are and
-its hosted tools recorded. A mistyped sampling field (`temprature`, `max_token`, `top-k`) is refused on all three
-APIs; any other unknown field is accepted and returned for the router to count and record; `strict` refuses it.
-The captured side calls, compaction and count_tokens, replayed through the router, each make a segment of their label
-that trains only when the recipe's train_labels name it."""
+runs them): Codex CLI 0.171's Responses requests (a compaction among them) and Claude Code 2.1's Messages requests,
+at default settings and shrunk, long prompt texts trimmed (every field and message shape kept); opencode 1.18's and
+mini-swe-agent 2.4's Chat Completions requests, shrunk (opencode's title side call among them). Each is accepted
+with every top-level field known (honoured or inert: none lands in the unknown bucket), its developer/system
+messages kept where they are and its hosted tools recorded. A mistyped sampling field (`temprature`, `max_token`,
+`top-k`) is refused on all three APIs; any other unknown field is accepted and returned for the router to count and
+record; `strict` refuses it. The captured side calls, compaction and count_tokens, replayed through the router, each
+make a segment of their label that trains only when the recipe's train_labels name it."""
 import asyncio
 import json
 from pathlib import Path

@@ -1,15 +1,17 @@
-"""Compatibility tier: the coding-agent programs people train (Codex CLI, Claude Code), installed at pinned versions
-by scripts/agents_env.sh and run unmodified (recipes/agents.py) through the router on the CPU engine, each through a
-multi-turn episode whose tool call is proven executed.
+"""Compatibility tier: the coding-agent programs people train (Codex CLI, Claude Code, opencode, mini-swe-agent),
+installed at pinned versions by scripts/agents_env.sh and run unmodified (recipes/agents.py) through the router on the
+CPU engine, each through a multi-turn episode whose tool call is proven executed.
 
-What each test proves, per program: the program exits 0 after at least two model requests, none answered 4xx/5xx;
-its working copy holds a nonce file, and the request after its first tool call carries a tool result containing the
-nonce under that call's id (the program ran the call the model made); the trajectory is token-exact: one segment,
-whose prompt is the chat template's rendering of the program's first request, whose every trained token is an id
-the engine sampled (in order, each engine input a prefix of the segment) and whose other tokens are the later
-requests' new messages. The tiny random model cannot choose to call a tool: the first turn that offers tools is
-constrained by a declared grammar (SGLang's `regex`, enforced by the engine's xgrammar) to one call of the program's
-shell tool, `cat nonce.txt`, recorded in the trajectory's metadata; every later turn is sampled freely.
+What each test proves, per program: the program exits 0 after at least two model requests of its loop, none answered
+4xx/5xx; its working copy holds a nonce file, and the loop's request after its first tool call carries a tool result
+containing the nonce under that call's id (the program ran the call the model made); the trajectory is token-exact:
+the first main segment's prompt is the chat template's rendering of the program's first request, the request that
+answers its tool call extends that segment, and every engine call ran on a prefix of a segment whose next tokens,
+trained, are exactly the ids it sampled (no other token is trained). A side call (opencode's title request to its
+small model) is a segment of its own label. The tiny random model cannot choose to call a tool: the first turn that
+offers tools is constrained by a declared grammar (SGLang's `regex`, enforced by the engine's xgrammar) to one call
+of the program's shell tool, `cat nonce.txt`, recorded in the trajectory's metadata; every later turn is sampled
+freely. The last case runs Codex as a recipe's agent_command through AgentFlow's black-box runner (its docstring).
 
 Run: `scripts/agents_env.sh && pytest -q -s tests/test_real_agents.py` (prints each program's version, requests,
 segments and time). Without the programs installed the tests skip, unless LOONGSAGE_AGENTS_REQUIRED=1 (the tier).
