@@ -124,6 +124,12 @@ from wire import (ApiError, Turn, anthropic_error_body, anthropic_request, anthr
 
 log = logging.getLogger("loongsage.agentflow")
 ROOT = Path(__file__).resolve().parent
+# What a request is, as a segment label (Router._admit): the agent's own loop, a side call to its small/fast model
+# (the launchers name it SIDE_MODEL: Claude Code's ANTHROPIC_SMALL_FAST_MODEL, opencode's small_model), Codex's
+# compaction (its prompt opens the last user message), Messages count_tokens (a prompt, nothing generated). The recipe
+# picks which train (cfg.train_labels; default the main loop): the others stay in the trajectory, loss mask 0.
+LABELS, SIDE_MODEL = ("main", "side", "compaction", "count_tokens"), "loongsage-side"
+CODEX_COMPACTION = "You are performing a CONTEXT CHECKPOINT COMPACTION."
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,6 +241,7 @@ class Segment:
     kwargs: dict = field(default_factory=dict)  # the chat_template_kwargs it was rendered with (a change: new segment)
     thinking_shown: bool = True  # False once the template drops a turn's thinking from that very turn's rendering (it
     #                              never shows past thinking, e.g. DeepSeek-R1's): the next turn starts a new segment
+    label: str = "main"          # which kind of request made it (LABELS); a turn extends only a segment of its label
 
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
@@ -242,7 +249,7 @@ class Segment:
     def as_dict(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "loss_mask": self.loss_mask,
                 "rollout_logprobs": self.rollout_logprobs, "weight_versions": self.weight_versions,
-                "routed_experts": self.routed_experts}
+                "routed_experts": self.routed_experts, "label": self.label}
 
 
 @dataclass
@@ -254,6 +261,7 @@ class TurnPlan:
     messages: list[dict]          # the chat it renders: the segment's own record of its turns, then the new messages
     tools: list[dict] | None
     kwargs: dict                  # chat_template_kwargs
+    label: str = "main"
 
 
 class Session:
@@ -264,7 +272,8 @@ class Session:
     """
 
     def __init__(self, chat: chat.ChatFormat, *, sampling: dict, max_context_len: int, max_turns: int,
-                 sample: dict | None = None, batch: str = "", constraint: dict | None = None):
+                 sample: dict | None = None, batch: str = "", constraint: dict | None = None,
+                 train_labels: tuple = ("main",)):
         self.id = secrets.token_urlsafe(18)       # the unguessable part of the session URL
         self.api_key = "ls-" + secrets.token_urlsafe(18)
         self.chat, self.sampling, self.sample = chat, dict(sampling), sample or {}
@@ -286,8 +295,10 @@ class Session:
         # a recipe's declared grammar (SGLang's regex / ebnf / json_schema) for the first turn offered tools: how a
         # model that cannot yet call a program's tools is made to (tests/test_real_agents.py); in the trajectory
         self.constraint, self.constrained_turns = dict(constraint or {}), []
+        self.train_labels = tuple(train_labels)   # segments of other labels are kept with loss mask 0 (trajectory)
 
-    def plan(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None = None) -> TurnPlan:
+    def plan(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None = None,
+             label: str = "main") -> TurnPlan:
         """The input ids for a turn: extend the last segment if the history extends it, else start a new one.
 
         The history extends when the messages continue the segment's (same roles, content and calls; thinking, which
@@ -296,7 +307,7 @@ class Session:
         template that drops past thinking (Qwen3 at a new user query) renders the history differently: a new segment
         starts, and the earlier one keeps its sampled tokens (docs/AGENTFLOW.md, thinking models)."""
         kwargs = dict(kwargs or {})
-        seg = self.segments[-1] if self.segments else None
+        seg = next((g for g in reversed(self.segments) if g.label == label), None)
         if seg is not None and tools == seg.tools and kwargs == seg.kwargs and \
                 len(messages) >= len(seg.messages) and \
                 all(_message_key(a) == _message_key(b) for a, b in zip(seg.messages, messages)) and \
@@ -306,15 +317,16 @@ class Session:
             if full.startswith(seg.text):
                 # Reuse the segment's ids verbatim; only the new messages and the template glue are tokenized.
                 new_ids = seg.pending_close + self.chat.encode(full[len(seg.text):])
-                return TurnPlan(seg, new_ids, seg.ids() + new_ids, messages, tools, kwargs)
+                return TurnPlan(seg, new_ids, seg.ids() + new_ids, messages, tools, kwargs, label)
         prompt = self.chat.prompt_ids(messages, tools, kwargs)
-        return TurnPlan(None, prompt, prompt, messages, tools, kwargs)
+        return TurnPlan(None, prompt, prompt, messages, tools, kwargs, label)
 
     def commit(self, plan: TurnPlan, turn: Turn) -> None:
         """Append a generated turn (and the ids that led to it) to its segment."""
         seg = plan.segment
         if seg is None:
-            seg = Segment(messages=[], tools=plan.tools, text="", prompt_ids=plan.new_ids, kwargs=plan.kwargs)
+            seg = Segment(messages=[], tools=plan.tools, text="", prompt_ids=plan.new_ids, kwargs=plan.kwargs,
+                          label=plan.label)
             self.segments.append(seg)
         else:
             n = len(plan.new_ids)
@@ -338,7 +350,7 @@ class Session:
         seg.messages = plan.messages + [assistant]
         seg.text = None  # rendered by the next turn's plan(), if one comes (_render_text)
         self.turns += 1
-        self.last_text = turn.content
+        self.last_text = turn.content if plan.label == "main" else self.last_text
         self.finish_reasons.append(turn.finish_reason)
 
     def _render_text(self, seg: Segment) -> Segment:
@@ -357,7 +369,7 @@ class Session:
     async def run_turn(self, pool: rollout.EnginePool, messages: list[dict], tools: list[dict] | None, *,
                        parse_tools: bool = True, max_tokens: int | None = None, overrides: dict | None = None,
                        stop: list[str] | None = None, template_kwargs: dict | None = None,
-                       separate_reasoning: bool = True, on_tokens=None) -> Turn:
+                       separate_reasoning: bool = True, on_tokens=None, label: str = "main") -> Turn:
         """Render, check the budgets, generate on an engine, parse thinking and tool calls, commit. Raises ApiError.
         `template_kwargs`: the request's chat_template_kwargs (e.g. enable_thinking). `on_tokens`: the engine streams,
         and `on_tokens(chunk)` gets each of its chunks (SGLang's, cumulative: output_ids, meta_info) while the turn
@@ -374,7 +386,7 @@ class Session:
                 self.status = "truncated"
                 raise ApiError(400, f"this session used its {self.max_turns} turns (cfg.max_turns); "
                                "end the episode", code="max_turns_exceeded")
-            plan = self.plan(messages, tools, template_kwargs)
+            plan = self.plan(messages, tools, template_kwargs, label)
             room = self.max_context_len - len(plan.input_ids)
             if room <= 0:
                 self.status = "truncated"
@@ -435,7 +447,7 @@ class Session:
             turn = Turn(output_ids, logprobs, versions, finish, content, calls, len(plan.input_ids), url, matched,
                         routed, reasoning=reasoning, reasoning_tokens=self.chat.reasoning_tokens(output_ids, reasoning))
             self.commit(plan, turn)
-            if finish == "length" and len(self.segments[-1].ids()) >= self.max_context_len:
+            if finish == "length" and len((plan.segment or self.segments[-1]).ids()) >= self.max_context_len:
                 self.status = "truncated"
             return turn
 
@@ -452,9 +464,12 @@ class Session:
         return output_ids, finish
 
     def trajectory(self, reward: float, status: str | None = None) -> Trajectory:
-        """The session as a Trajectory: the last segment on top, all segments in `segments`."""
+        """The session as a Trajectory: the last segment of a trained label on top (and last in `segments`), the
+        other segments before it in order; those of labels the recipe does not train with loss mask 0."""
         status = status or self.status
-        if not self.segments:  # nothing was generated: keep the prompt so the trainer has a valid row
+        trained = [g for g in self.segments if g.label in self.train_labels]
+        segs = [g for g in self.segments if g is not trained[-1]] + trained[-1:] if trained else self.segments
+        if not segs:  # nothing was generated: keep the prompt so the trainer has a valid row
             msgs = self.sample.get("messages") or [{"role": "user", "content": ""}]
             try:
                 prompt = self.chat.prompt_ids(msgs)
@@ -462,19 +477,20 @@ class Session:
                 prompt = [self.chat.eos_id]
             seg = Segment(messages=[], tools=None, text="", prompt_ids=prompt)
         else:
-            seg = self.segments[-1]
-        mask = seg.loss_mask if status != "failed" else [0] * len(seg.loss_mask)
+            seg = segs[-1]
+        dicts = [g.as_dict() if status != "failed" and g.label in self.train_labels else
+                 {**g.as_dict(), "loss_mask": [0] * len(g.loss_mask)} for g in segs]
+        mask = dicts[-1]["loss_mask"] if segs else []
         return Trajectory(
             prompt_ids=list(seg.prompt_ids), response_ids=list(seg.response_ids), loss_mask=list(mask),
             rollout_logprobs=list(seg.rollout_logprobs), weight_versions=list(seg.weight_versions),
             routed_experts=seg.routed_experts,
-            segments=[s.as_dict() if status != "failed" else {**s.as_dict(), "loss_mask": [0] * len(s.loss_mask)}
-                      for s in self.segments], reward=float(reward) if status != "failed" else 0.0,
+            segments=dicts, reward=float(reward) if status != "failed" else 0.0,
             status=status, prompt_text=self.chat.decode(seg.prompt_ids, skip_special_tokens=False),
             metadata={"turns": self.turns, "finish_reasons": self.finish_reasons, "engine": self.engine,
                       "num_segments": len(self.segments), "unknown_fields": sorted(self.unknown_fields),
                       "tool_parse_failures": self.tool_parse_failures, "constraint": self.constraint,
-                      "constrained_turns": self.constrained_turns})
+                      "constrained_turns": self.constrained_turns, "segment_labels": [g.label for g in segs]})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,9 +515,10 @@ class Router:
     # --- sessions
 
     def open_session(self, *, sampling: dict, max_context_len: int, max_turns: int,
-                     sample: dict | None = None, batch: str = "", constraint: dict | None = None) -> Session:
+                     sample: dict | None = None, batch: str = "", constraint: dict | None = None,
+                     train_labels: tuple = ("main",)) -> Session:
         s = Session(self.chat, sampling=sampling, max_context_len=max_context_len, max_turns=max_turns,
-                    sample=sample, batch=batch, constraint=constraint)
+                    sample=sample, batch=batch, constraint=constraint, train_labels=train_labels)
         self.sessions[s.id] = s
         return s
 
@@ -516,13 +533,13 @@ class Router:
         if s.inflight_rid:
             await self.pool.abort(s.inflight_rid)
 
-    def _admit(self, s: Session, req) -> None:
+    def _admit(self, s: Session, req, model=None) -> str:
         """What every request goes through after its API's parsing. Unknown fields (accepted: agent programs add
         fields with every release) are counted, warned about once per name and recorded in the session's trajectory
         (metadata.unknown_fields). A system or developer message after the first (Codex and Claude Code send them)
         stays a system message where the chat template shows one there (Qwen3's does); where the template would drop
         or refuse it, it goes in as a user message, the same way every turn, so the model sees it and the history
-        keeps extending (one segment)."""
+        keeps extending (one segment). Returns the request's segment label (LABELS)."""
         for name in req.unknown:
             if not self.unknown_fields[name]:
                 log.warning("accepting unknown request field %r (first seen; counted in agentflow/unknown_fields and "
@@ -538,6 +555,9 @@ class Router:
         if self._later_system is False:
             req.messages = [dict(m, role="user") if m["role"] == "system" and i else m
                             for i, m in enumerate(req.messages)]
+        last_user = next((m.get("content") for m in reversed(req.messages) if m["role"] == "user"), "")
+        return "side" if model == SIDE_MODEL else "compaction" if isinstance(last_user, str) and \
+            last_user.lstrip().startswith(CODEX_COMPACTION) else "main"
 
     def _session(self, sid: str, headers) -> Session:
         s = self.sessions.get(sid)
@@ -631,12 +651,12 @@ class Router:
             s = self._session(sid, request.headers)
             body = await body_of(request)
             req = openai_request(body, self.strict_fields)
-            self._admit(s, req)
+            label = self._admit(s, req, body.get("model"))
             template_kwargs = self.chat.with_thinking(req, "reasoning_effort", body.get("reasoning_effort"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
                       overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
-                      template_kwargs=template_kwargs, separate_reasoning=req.separate_reasoning)
+                      template_kwargs=template_kwargs, separate_reasoning=req.separate_reasoning, label=label)
             if req.stream:
                 return await streamed(s, req, kw, lambda parts: openai_stream(
                     self.chat, parts, self.model_name, req.logprobs, req.include_usage))
@@ -646,12 +666,13 @@ class Router:
         @guarded(anthropic_error_body)
         async def messages(request: Request, sid: str):
             s = self._session(sid, request.headers)
-            req = anthropic_request(await body_of(request), self.strict_fields, self.model_name)
-            self._admit(s, req)
+            body = await body_of(request)
+            req = anthropic_request(body, self.strict_fields, self.model_name)
+            label = self._admit(s, req, body.get("model"))
             template_kwargs = self.chat.thinking_kwargs(req.thinking)
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
                       overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
-                      template_kwargs=template_kwargs)
+                      template_kwargs=template_kwargs, label=label)
             if req.stream:
                 return await streamed(s, req, kw, lambda parts: anthropic_stream(parts, self.model_name))
             turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
@@ -662,16 +683,17 @@ class Router:
             s = self._session(sid, request.headers)
             body = await body_of(request)
             req = responses_request(body, s.responses, self.strict_fields)
-            self._admit(s, req)
+            label = self._admit(s, req, body.get("model"))
             template_kwargs = self.chat.with_thinking(req, "reasoning", body.get("reasoning"))
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
             kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, template_kwargs=template_kwargs,
+                      label=label,
                       overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)})
             rid = "resp_" + uuid.uuid4().hex
             logprobs_of = functools.partial(responses_logprobs, self.chat) if req.logprobs else None
 
             def remember(turn: Turn) -> None:  # the conversation so far, for a later previous_response_id
-                s.responses[rid] = s.segments[-1].messages
+                s.responses[rid] = next(g for g in reversed(s.segments) if g.label == label).messages
             if req.stream:
                 return await streamed(s, req, kw, lambda parts: responses_stream(
                     parts, self.model_name, rid, body, req.custom_tools, logprobs_of), after=remember)
@@ -682,12 +704,15 @@ class Router:
 
         @guarded(anthropic_error_body)
         async def count_tokens(request: Request, sid: str):
-            """Messages count_tokens (Claude Code asks it): the prompt's length as the template renders it; no turn."""
+            """Messages count_tokens (Claude Code asks it): the prompt's length as the template renders it; no turn. The
+            prompt is recorded as a segment of its own, labelled count_tokens (nothing generated: nothing to train)."""
             s = self._session(sid, request.headers)
             req = anthropic_request({**await body_of(request), "max_tokens": 1}, self.strict_fields, self.model_name)
             self._admit(s, req)
             kwargs = {**self.chat.template_kwargs, **self.chat.thinking_kwargs(req.thinking)}
-            return JSONResponse({"input_tokens": len(self.chat.prompt_ids(req.messages, req.tools, kwargs))})
+            ids = self.chat.prompt_ids(req.messages, req.tools, kwargs)
+            s.segments.append(Segment(req.messages, req.tools, "", ids, kwargs=kwargs, label="count_tokens"))
+            return JSONResponse({"input_tokens": len(ids)})
 
         @guarded(openai_error_body)
         async def models(request: Request, sid: str):
@@ -1043,7 +1068,8 @@ class AgentFlow:
         # its batch composition (which can move a logit's last bits) is the same in every run: bit for bit
         streaming = self.cfg.mode == "async" and self.cfg.stale_steps > 0
         return dict(sampling=sampling, max_context_len=self.cfg.max_context_len, max_turns=max_turns, sample=sample,
-                    batch=str(group_id) if streaming else "")
+                    batch=str(group_id) if streaming else "", constraint=self.cfg.first_turn_constraint,
+                    train_labels=tuple(self.cfg.train_labels))
 
     async def _finish(self, s: Session, sample: dict, *, status: str | None = None, error: str | None = None,
                       reward: float | None = None, response_text: str | None = None) -> Trajectory:

@@ -162,6 +162,13 @@ class Config:
     # each trajectory forks from one interpreter that imported them, not a new Python (sandbox: local only)
     strict_fields: bool = False  # router: refuse every request field wire.py does not know (default: accept, count
     #                              and record the unknown ones, refusing only near-misses of sampling fields)
+    train_labels: list = field(default_factory=lambda: ["main"])  # which of an agent's requests train, by the label
+    # the router gives their segments (agentflow.LABELS): main (the agent's loop), side (calls naming its small/fast
+    # model agentflow.SIDE_MODEL, as recipes/agents.py sets it), compaction (Codex's), count_tokens (a prompt only);
+    # segments of the other labels stay in the trajectory with loss mask 0
+    first_turn_constraint: dict = field(default_factory=dict)  # one SGLang grammar parameter (regex, ebnf,
+    # json_schema or structural_tag: a string) holding the first turn that offers tools, e.g. to one call of a
+    # program's shell tool by a model that cannot call it yet; recorded in metadata.constraint
     router_host: str = "127.0.0.1"  # where the AgentFlow router listens (0.0.0.0 for agents on other machines)
     max_turns: int = 8  # agent turns per trajectory
     agent_timeout: float = 120.0  # seconds per trajectory
@@ -479,6 +486,13 @@ def check_rollout(cfg: Config) -> None:
          "engines take cuda_ipc, broadcast or disk (or auto)")
     need(not (cfg.agent and cfg.agent_command), f"set either agent ({cfg.agent!r}, a Python function) or "
          f"agent_command ({cfg.agent_command!r}, a black-box program), not both")
+    import agentflow  # late: the router's imports are needed only here
+    need(bool(cfg.train_labels) and set(cfg.train_labels) <= set(agentflow.LABELS), f"train_labels="
+         f"{cfg.train_labels}: choose one or more of {list(agentflow.LABELS)}")
+    c = cfg.first_turn_constraint
+    need(not c or len(c) == 1 and next(iter(c)) in ("regex", "ebnf", "json_schema", "structural_tag") and
+         isinstance(next(iter(c.values())), str), f"first_turn_constraint={c!r:.200}: give one of regex, ebnf, "
+         "json_schema, structural_tag, as a string (SGLang's sampling parameter)")
     if cfg.agent_preload:
         need(bool(cfg.agent_command), f"agent_preload={cfg.agent_preload} preloads modules for agent_command, which "
              "is empty; set agent_command or remove agent_preload")

@@ -1,17 +1,28 @@
 """The request fields of the agent programs people train, and the router's rule for fields it does not know.
 
 tests/agent_requests/ holds requests captured from the pinned programs through the router (tests/test_real_agents.py
-runs them): Codex CLI 0.171's Responses requests and Claude Code 2.1's Messages requests, at default settings and
-shrunk, long prompt texts trimmed (every field and message shape kept). Each is accepted with every top-level field
-known (honoured or inert: none lands in the unknown bucket), its developer/system messages kept where they are and
-its hosted tools recorded. A mistyped sampling field (`temprature`, `max_token`, `top-k`) is refused on all three
-APIs; any other unknown field is accepted and returned for the router to count and record; `strict` refuses it."""
+runs them): Codex CLI 0.171's Responses requests (a compaction among them) and Claude Code 2.1's Messages requests,
+at default settings and shrunk, long prompt texts trimmed (every field and message shape kept); opencode 1.18's and
+mini-swe-agent 2.4's Chat Completions requests, shrunk (opencode's title side call among them). Each is accepted
+with every top-level field known (honoured or inert: none lands in the unknown bucket), its developer/system
+messages kept where they are and its hosted tools recorded. A mistyped sampling field (`temprature`, `max_token`,
+`top-k`) is refused on all three APIs; any other unknown field is accepted and returned for the router to count and
+record; `strict` refuses it. The captured side calls, compaction and count_tokens, replayed through the router, each
+make a segment of their label that trains only when the recipe's train_labels name it."""
+import asyncio
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
+import agentflow
+import chat
+import cpu_engine
+import data
+import rollout
 import wire
+from test_real_agents import SETTINGS
 
 REQUESTS = Path(__file__).parent / "agent_requests"
 CAPTURED = [(p.stem, i, r) for p in sorted(REQUESTS.glob("*.json"))
@@ -31,12 +42,12 @@ def parse(api: str, body: dict, strict: bool = False) -> wire.ChatRequest:
 
 @pytest.mark.parametrize("program, i, request_", CAPTURED, ids=[f"{p}-{i}" for p, i, _ in CAPTURED])
 def test_every_captured_request_is_accepted_with_every_field_known(program, i, request_):
-    api = "responses" if request_["path"].endswith("/responses") else "anthropic"
+    api = {"/v1/responses": "responses", "/v1/messages": "anthropic"}.get(request_["path"], "openai")
     req = parse(api, request_["body"])
     assert [u for u in req.unknown if not u.startswith("tools:")] == []
     # system / developer messages are kept, in order; the first one leads, later ones stay where they were sent
     raw = request_["body"]["input"] if api == "responses" else request_["body"]["messages"]
-    later = [m for m in raw if m.get("role") in ("system", "developer")][1 if api == "responses" else 0:]
+    later = [m for m in raw if m.get("role") in ("system", "developer")][0 if api == "anthropic" else 1:]
     assert sum(m["role"] == "system" for m in req.messages[1:]) == len(later)
     if program == "codex" and i == 0:  # the default request: hosted web_search is recorded, namespaces flattened
         assert req.unknown == ("tools:web_search",) and "spawn_agent" in {t["function"]["name"] for t in req.tools}
@@ -79,3 +90,64 @@ def test_context_management_and_encrypted_reasoning():
                                           {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}],
                                    None)
     assert msgs[1] == {"role": "assistant", "content": "a", "reasoning_content": "thought"}
+
+
+def captured(program: str, *indices: int) -> list[dict]:
+    requests = json.loads((REQUESTS / f"{program}.json").read_text())["requests"]
+    return [requests[i] for i in indices]
+
+
+async def replay(engine_url: str, model: str, requests: list[dict], train_labels: tuple) -> agentflow.Trajectory:
+    """POST the captured requests, as sent, to one session of a router on the CPU engine; its trajectory."""
+    pool = rollout.EnginePool([engine_url])
+    router = agentflow.Router(pool, chat.ChatFormat(model), model_name="loongsage")
+    await router.start()
+    s = router.open_session(sampling=dict(temperature=1.0, max_new_tokens=4), max_context_len=8192, max_turns=8,
+                            train_labels=train_labels)
+    try:
+        async with httpx.AsyncClient(timeout=300) as client:
+            for r in requests:
+                answer = await client.post(router.base_url(s).removesuffix("/v1") + r["path"], json=r["body"],
+                                           headers={"authorization": f"Bearer {s.api_key}"})
+                assert answer.status_code == 200, answer.text
+        return s.trajectory(1.0)
+    finally:
+        await router.close_session(s)
+        await router.stop()
+        await pool.close()
+
+
+@pytest.fixture(scope="module")
+def labels_engine():
+    model = data.build_tiny_model(data.default_cache_dir() / f"tiny-agents-{data.settings_hash(SETTINGS)}",
+                                  **SETTINGS)
+    url, handle = cpu_engine.serve(model, max_batch=2, max_len=SETTINGS["max_position_embeddings"], seed=0)
+    yield model, url
+    handle.shutdown()
+
+
+def test_side_calls_compaction_and_count_tokens_are_labelled_segments(labels_engine):
+    """Through the router: opencode's title call (its small_model, named agentflow.SIDE_MODEL) is a `side` segment,
+    Codex's compaction request a `compaction` segment, Claude Code's count_tokens a prompt-only `count_tokens` segment;
+    by default only `main` segments train (the others keep loss mask 0) and the last main segment is the trajectory's
+    top level, last in `segments`; train_labels naming `side` trains the side call too."""
+    model, url = labels_engine
+    requests = captured("opencode", 0, 1) + captured("codex", 4) + [
+        {**r, "path": "/v1/messages/count_tokens"} for r in captured("claude", 1)]
+    assert requests[0]["body"]["model"] == agentflow.SIDE_MODEL
+    traj = asyncio.run(replay(url, model, requests, ("main",)))
+    assert traj.metadata["segment_labels"] == ["side", "compaction", "count_tokens", "main"]
+    side, compaction, counted, main = traj.segments
+    assert (counted["response_ids"], counted["loss_mask"]) == ([], [])
+    assert not any(side["loss_mask"]) and not any(compaction["loss_mask"]) and len(side["response_ids"]) == 4
+    assert main["loss_mask"] == traj.loss_mask == [1] * 4 and main["prompt_ids"] == traj.prompt_ids
+    both = asyncio.run(replay(url, model, requests[:2], ("main", "side")))
+    assert both.metadata["segment_labels"] == ["side", "main"] and both.segments[0]["loss_mask"] == [1] * 4
+
+
+def test_unknown_train_labels_are_refused_at_check():
+    import config
+    cfg = config.Config(train_labels=["main", "titles"])
+    with pytest.raises(ValueError, match=r"train_labels=\['main', 'titles'\]: choose one or more of \['main', 'side'"):
+        config.check_rollout(cfg)
+    config.check_rollout(config.Config(train_labels=["main", "side", "compaction"]))
