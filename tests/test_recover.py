@@ -13,6 +13,7 @@
   inside a save at named fault points (LOONGSAGE_FAULT), a damaged file refused by its checksum and
   resume=previous, a real disk-full (ENOSPC from a size-limited tmpfs) in the middle of a save.
 """
+import contextlib
 import dataclasses
 import errno
 import json
@@ -234,6 +235,72 @@ def test_rank_and_controller_killed_mid_save_leave_latest_complete_and_resume_ex
             assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
     assert (ckpt / "latest").read_text().strip() == "step_00005"
 
+
+def struck(log: str, spec: str) -> int:
+    """The pid of the engine that LOONGSAGE_FAULT=`spec` struck (Ray prefixes an actor's lines with its pid)."""
+    line = next((ln for ln in log.splitlines() if f"LOONGSAGE_FAULT={spec} strikes" in ln), None)
+    assert line and "not its last" in line, f"the fault {spec} never struck inside a sync:\n{log[-3000:]}"
+    return int(re.search(r"pid=(\d+)", line).group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transfer", ["shm", "broadcast"])
+def test_engine_killed_mid_sync_comes_back_at_the_current_version_and_nothing_trains_on_mixed_weights(
+        tmp_path, transfer):
+    """kill -9 one of two CPU engines inside the weight sync to version 2 (LOONGSAGE_FAULT=sync:1@2: it has loaded
+    a bucket of that sync that is not the last, so k < n buckets reached it; n comes from the step's metrics), in a
+    sync run of 4 steps, over shared memory and over a gloo broadcast:
+    the sync neither hangs nor fails the run: it is pushed again to the engine left, the dead one is re-created on
+    the trainer's weights at version 2 and serves the next steps; every token of every step was sampled at the
+    version it trained as, and with exactly the trainer's weights of that version (gap < 1e-4: a half-applied
+    sync, a surviving engine left on mixed weights or a re-created engine on version 0, would show).
+    Planted bugs this catches: a failed push taken as the sync's own failure (the run stops), engines continued on
+    half-loaded weights, a re-created engine labelled 2 holding other weights, a sync waiting on the dead engine."""
+    out = tmp_path / "run"
+    p = launch(short_run(out, "num_steps=4", "num_engines=2", "bucket_mb=0.05", f"transfer={transfer}",
+                         f"dump_rollouts={tmp_path}/dump"),
+               {**env_for(tmp_path), "LOONGSAGE_FAULT": "sync:1@2"}, tmp_path / "run.log")
+    log = finish(p, tmp_path / "run.log")
+    assert p.returncode == 0, log[-3000:]
+    struck(log, "sync:1@2")
+    assert "weight sync of version 2 failed as an engine died" in log, log[-3000:]
+    new_url = re.search(r"re-created at (\S+), serving weight version 2\n", log)
+    assert new_url, log[-3000:]
+    rows = train_rows(out)
+    assert sorted(rows) == [0, 1, 2, 3]
+    assert rows[1]["weights/version"] == 2 and rows[1]["weights/buckets"] >= 2  # k = 1 < n
+    for step, r in rows.items():
+        assert r["rollout/weight_version_min"] == r["rollout/weight_version_max"] == step, (step, r)
+        assert r["train/gap_max"] < 1e-4, (step, r["train/gap_max"])
+    assert rows[3]["engines/restarts"] == 1 and rows[3]["engines/healthy"] == 2
+    served = [json.loads(line) for s in (2, 3) for line in open(tmp_path / "dump" / f"step_{s:05d}.jsonl")]
+    assert any(t["metadata"]["engine"] == new_url.group(1) for t in served)
+
+
+@pytest.mark.slow
+def test_engine_stalled_mid_sync_fails_the_sync_within_its_deadline_naming_the_knob(tmp_path):
+    """SIGSTOP one of two CPU engines inside the weight sync to version 2 (LOONGSAGE_FAULT=stall:1@2: a hung
+    receiver, its connection open and silent, after k < n buckets): the run stops with exit code 1 and its error is
+    the sync's deadline, naming the sync and the knob (weight_sync_timeout), not a later wait on the stalled engine
+    (the engines' flush and continue also wait on it, each for as long) nor a hang.
+    Planted bugs this catches: a push with no deadline, cleanup after a failed push that waits on the stalled
+    engine again and replaces the error, an error that does not say which knob to raise."""
+    out = tmp_path / "run"
+    p = launch(short_run(out, "num_steps=4", "num_engines=2", "bucket_mb=0.05", "weight_sync_timeout=20"),
+               {**env_for(tmp_path), "LOONGSAGE_FAULT": "stall:1@2"}, tmp_path / "run.log")
+    try:
+        log = finish(p, tmp_path / "run.log")
+    finally:
+        if "strikes" in (tmp_path / "run.log").read_text():
+            with contextlib.suppress(ProcessLookupError, AssertionError):
+                os.kill(struck((tmp_path / "run.log").read_text(), "stall:1@2"), signal.SIGKILL)
+    assert p.returncode == 1, log[-3000:]
+    struck(log, "stall:1@2")
+    tail = log[log.index("run failed:"):]
+    error = [ln for ln in tail.splitlines() if re.match(r"[\w.]+(Error|Exception): ", ln)][-1]
+    assert error.startswith("TimeoutError: weight sync of version 2 to 2 engine(s) did not finish within 20s "
+                            "(config `weight_sync_timeout`)"), tail[-3000:]
+    assert sorted(train_rows(out)) == [0]  # step 1 trained, and its row is logged after its sync: the one stalled
 
 # ------------------------------------------------------------------------------------------------
 # engine health at the pool: real CPU engines, one in this process, the victims in their own processes
@@ -465,24 +532,28 @@ def test_checksums_refuse_a_damaged_file_by_name_and_previous_goes_back_one(ray_
 
 
 def test_fault_points_strike_only_where_named_and_the_spellings_are_checked(monkeypatch):
-    """LOONGSAGE_FAULT=point[:rank][@step] kills (SIGKILL) at that point of that step's save on that rank, nowhere
-    else; resume and on_save_error take only their documented values.
+    """LOONGSAGE_FAULT=point[:rank][@step] kills (SIGKILL; SIGSTOP for `stall`) at that point of that step's save or
+    weight sync on that rank, nowhere else; resume and on_save_error take only their documented values.
     Planted bugs this catches: a rank's point firing on every rank or on the controller, `@step` ignored (a drill
-    would strike the first save, with no checkpoint before it to keep), a typo such as resume=prevous read as
-    true (it would load latest, the checkpoint the user meant to skip)."""
+    would strike the first save, with no checkpoint before it to keep), a stall that kills (the drill of a hung
+    engine would test a dead one), a typo such as resume=prevous read as true (it would load latest, the
+    checkpoint the user meant to skip)."""
     import config
     import trainer
     hits = []
     monkeypatch.setattr(trainer.os, "kill", lambda pid, sig: hits.append(sig))
-    for spec, (point, directory, rank), strikes in [
-            ("model:1@3", ("model", "c/step_00003", 1), True), ("model:1@3", ("model", "c/step_00003", 0), False),
-            ("model:1@3", ("model", "c/step_00001", 1), False), ("model:1@3", ("optim", "c/step_00003", 1), False),
-            ("optim:0", ("optim", "c/step_00009", 0), True), ("latest@5", ("latest", "c/step_00005", None), True),
-            ("latest@5", ("controller", "c/step_00005", None), False), ("", ("latest", "c/step_00005", None), False)]:
+    for spec, (point, step, rank), sig in [
+            ("model:1@3", ("model", 3, 1), signal.SIGKILL), ("model:1@3", ("model", 3, 0), None),
+            ("model:1@3", ("model", 1, 1), None), ("model:1@3", ("optim", 3, 1), None),
+            ("optim:0", ("optim", 9, 0), signal.SIGKILL), ("latest@5", ("latest", 5, None), signal.SIGKILL),
+            ("latest@5", ("controller", 5, None), None), ("", ("latest", 5, None), None),
+            ("model:0@3", ("model", None, 0), None), ("sync:1@2", ("sync", 2, 1), signal.SIGKILL),
+            ("sync:1@2", ("stall", 2, 1), None), ("stall:1@2", ("stall", 2, 1), signal.SIGSTOP),
+            ("stall:1@2", ("stall", 1, 1), None)]:
         monkeypatch.setenv("LOONGSAGE_FAULT", spec)
         hits.clear()
-        trainer.fault(point, directory, rank)
-        assert hits == ([signal.SIGKILL] if strikes else []), (spec, point, directory, rank)
+        trainer.fault(point, step, rank)
+        assert hits == ([sig] if sig else []), (spec, point, step, rank)
     assert config.load_config(None, ["resume=previous"]).resume == "previous"
     for bad, message in (("resume=prevous", "choose true, false or previous"), ("on_save_error=ignore",
                                                                                "choose 'stop' or 'skip'")):
