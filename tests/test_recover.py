@@ -11,7 +11,9 @@
 - the producer state a checkpoint saves hands out exactly the groups an uninterrupted run dispatches next;
 - checkpoints at their worst moment (docs/RELIABILITY.md's table): a trainer rank and the controller killed
   inside a save at named fault points (LOONGSAGE_FAULT), a damaged file refused by its checksum and
-  resume=previous, a real disk-full (ENOSPC from a size-limited tmpfs) in the middle of a save.
+  resume=previous, a real disk-full (ENOSPC from a size-limited tmpfs) in the middle of a save;
+- weight syncs at their worst moment: a CPU engine killed (shm and broadcast) or stalled (SIGSTOP) after a bucket
+  that is not the last, at named fault points (LOONGSAGE_FAULT=sync / stall).
 """
 import contextlib
 import dataclasses
