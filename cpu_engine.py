@@ -1211,10 +1211,11 @@ class CpuEngine:
                fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None, lora: dict | None = None,
                enable_deterministic_inference: bool = False, disable_radix_cache: bool = False,
                stream_interval: int = 1, rank: int = 0) -> None:
-        """`rank`: this engine's index in the run (LoongSage's, for drills: trainer.fault). `busy_flag` (file, i): keep byte i of that file at 1 while there are requests to compute, 0 otherwise, for
+        """`busy_flag` (file, i): keep byte i of that file at 1 while there are requests to compute, 0 otherwise, for
         trainer ranks that borrow this engine's cores while it idles (cpu.lent_cores). `lora`: serve LoRA adapters,
         {"max_lora_rank": r, "lora_target_modules": [...]} (SGLang's --enable-lora and its two flags); None: refuse
-        them, as SGLang without --enable-lora does.
+        them, as SGLang without --enable-lora does. `rank`: this engine's index in the run, which drills name
+        (LOONGSAGE_FAULT, trainer.fault).
         `enable_deterministic_inference`, `disable_radix_cache`, `stream_interval`: SGLang's server flags of those
         names (the module docstring's Determinism; the prefix cache; tokens per stream=true chunk, 1 = every step)."""
         hf_logging.disable_progress_bar()
