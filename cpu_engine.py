@@ -591,11 +591,12 @@ class CpuEngine:
                dtype: str = "float32", max_prefill_tokens: int = 8192, weight_version: str = "0",
                fp32_lm_head: bool = False, busy_flag: tuple[str, int] | None = None, lora: dict | None = None,
                enable_deterministic_inference: bool = False, disable_radix_cache: bool = False,
-               stream_interval: int = 1) -> None:
+               stream_interval: int = 1, rank: int = 0) -> None:
         """`busy_flag` (file, i): keep byte i of that file at 1 while there are requests to compute, 0 otherwise, for
         trainer ranks that borrow this engine's cores while it idles (cpu.lent_cores). `lora`: serve LoRA adapters,
         {"max_lora_rank": r, "lora_target_modules": [...]} (SGLang's --enable-lora and its two flags); None: refuse
-        them, as SGLang without --enable-lora does.
+        them, as SGLang without --enable-lora does. `rank`: this engine's index in the run, which drills name
+        (LOONGSAGE_FAULT, trainer.fault).
         `enable_deterministic_inference`, `disable_radix_cache`, `stream_interval`: SGLang's server flags of those
         names (the module docstring's Determinism; the prefix cache; tokens per stream=true chunk, 1 = every step)."""
         hf_logging.disable_progress_bar()
@@ -607,7 +608,7 @@ class CpuEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path) if has_tokenizer else None  # None: ids only
         self.max_batch, self.max_len = self.runner.max_batch, self.runner.max_len
         self.max_prefill_tokens = int(max_prefill_tokens)
-        self.seed = int(seed)
+        self.seed, self.rank = int(seed), int(rank)
         self.weight_version = str(weight_version)
         self.uniforms = torch.zeros(self.max_batch, self.max_len)  # (slots, max_len) running requests' draws
         self.deterministic = bool(enable_deterministic_inference)
@@ -1100,12 +1101,18 @@ async def _update_weights(engine: CpuEngine, named_tensors, body: dict):
     success false, 400, when its flush_cache found the engine busy)."""
     if body.get("abort_all_requests"):
         await asyncio.to_thread(engine.abort, None, True)
+    before = engine.weight_version
     try:  # flush_cache defaults to true, as in SGLang's update requests
         n = await asyncio.to_thread(engine.load_weights, named_tensors, body.get("weight_version"),
                                     bool(body.get("flush_cache", True)))
     except FlushRefused as e:
         return JSONResponse({"success": False, "message": str(e)}, status_code=400)
     version = body.get("weight_version")
+    if os.environ.get("LOONGSAGE_FAULT") and version is None and before.isdigit():
+        import trainer  # late: drills only (trainer.fault: `sync` and `stall` strike here, inside a weight sync)
+        for point in ("sync", "stall"):
+            trainer.fault(point, int(before) + 1, engine.rank, f"engine {engine.rank} loaded a bucket of the update "
+                          f"from version {before}, not its last (the version-carrying one), and has not answered")
     return {"success": True, "message": f"Loaded {n} tensors." + (
         "" if version is None else f" Weight version updated to {version}.")}
 

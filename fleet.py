@@ -530,18 +530,17 @@ def update_engines(cfg: Config, fleet: Fleet, urls: list[str], push):
     returns what it returns. No K/V outlives the weights that computed it: the engines pause with "retract"
     (running requests give their K/V back and wait, keeping their tokens), the cache is flushed after the push
     (SGLang flushes only with nothing running), and on continue every request in flight is prefilled again under
-    the new weights. Mid-way through the colocated hand-off the engines stay paused (colocate_hand_off continues)."""
+    the new weights. Mid-way through the colocated hand-off the engines stay paused (colocate_hand_off continues).
+    A push that fails (an engine died or stalled in it) may have loaded part of the weights: the engines stay paused,
+    so no token is computed on mixed weights, until sync_engines pushes again to the live ones or the run stops."""
     _post_each(urls, "/pause_generation", {"mode": "retract"}, cfg.weight_sync_timeout)
-    try:
-        return push()
-    finally:  # a failed push may have loaded part of the weights: flush and continue all the same
-        # an engine that released its KV cache flushed it then and computed nothing since
-        kv = [u for u in urls if "kv_cache" not in fleet.released[fleet.urls.index(u)]] if fleet.released else urls
-        try:
-            _post_each(kv, "/flush_cache", {}, cfg.weight_sync_timeout)
-        finally:
-            if not fleet.hand_off:
-                _post_each(urls, "/continue_generation", {}, cfg.weight_sync_timeout)
+    out = push()
+    # an engine that released its KV cache flushed it then and computed nothing since
+    kv = [u for u in urls if "kv_cache" not in fleet.released[fleet.urls.index(u)]] if fleet.released else urls
+    _post_each(kv, "/flush_cache", {}, cfg.weight_sync_timeout)
+    if not fleet.hand_off:
+        _post_each(urls, "/continue_generation", {}, cfg.weight_sync_timeout)
+    return out
 
 
 def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int, base: bool = False) -> dict:
@@ -677,13 +676,13 @@ def save_run_state(cfg: Config, trainers, step: int, controller_state: dict) -> 
         for sums in wait([t.save_checkpoint.remote(str(path)) for t in trainers],
                          f"checkpoint of step {step} (trainer ranks)", cfg.actor_timeout, "actor_timeout"):
             files |= sums
-        trainer.fault("controller", path)
+        trainer.fault("controller", step)
         files["controller_state.json"] = _atomic_write(path / "controller_state.json",
                                                        json.dumps({"step": step, **controller_state}))
         files["config.yaml"] = _atomic_write(path / "config.yaml", yaml.safe_dump(dataclasses.asdict(cfg),
                                                                                   sort_keys=False))
         _atomic_write(path / "manifest.json", json.dumps({"step": step, "files": files}, indent=1))
-        trainer.fault("latest", path)
+        trainer.fault("latest", step)
         _atomic_write(marker, path.name + "\n")
     except OSError as e:  # a rank's arrives wrapped by Ray (RayTaskError(OSError)), the original in .cause
         e = getattr(e, "cause", None) or e

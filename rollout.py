@@ -660,7 +660,7 @@ class RolloutEngine:
             self._url, self.handle = cpu_engine.serve(cfg.model_path, host=host, max_batch=int(cfg.engine_max_batch),
                                            max_len=max_len, seed=seed, dtype=cfg.dtype,
                                            fp32_lm_head=bool(getattr(cfg, "fp32_lm_head", False)),
-                                           busy_flag=(busy_file, rank) if busy_file else None,
+                                           busy_flag=(busy_file, rank) if busy_file else None, rank=rank,
                                            enable_deterministic_inference=bool(
                                                flags.get("enable_deterministic_inference")),
                                            disable_radix_cache=bool(flags.get("disable_radix_cache")),

@@ -38,6 +38,7 @@ import math
 import os
 import random
 import signal
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -467,15 +468,20 @@ def verify(path: Path, want: list) -> None:
                          "(truncated, corrupted or replaced). Set resume=previous to go on from the checkpoint before")
 
 
-def fault(point: str, directory, rank: int | None = None) -> None:
-    """A drill's kill -9 inside a save (tests/test_recover.py). LOONGSAGE_FAULT=point[:rank][@step] kills this
-    process (SIGKILL) when the save of step `step` (of any step, without @) reaches `point`: `model` (rank r wrote
-    its model file, not yet its optimizer file), `optim` (rank r wrote both), `controller` (every rank wrote its
-    files, the controller none of its own), `latest` (everything is written but the `latest` marker)."""
-    where, _, step = os.environ.get("LOONGSAGE_FAULT", "").partition("@")
+def fault(point: str, step: int | None, rank: int | None = None, detail: str = "") -> None:
+    """A drill's kill -9 (or SIGSTOP) at a named point (tests/test_recover.py). LOONGSAGE_FAULT=point[:rank][@step]
+    strikes the process that reaches `point` at step `step` (at any step without @), saying so on stderr first.
+    In the save of a step: `model` (rank r wrote its model file, not yet its optimizer file), `optim` (rank r wrote
+    both), `controller` (every rank wrote its files, the controller none of its own), `latest` (everything is
+    written but the `latest` marker). In the weight sync to version `step` (an engine holding version step-1, so
+    not one re-created meanwhile, which starts from 0): `sync` (engine r loaded the first bucket and has not
+    answered), `stall` (the same point, SIGSTOP: a hung engine, not a dead one)."""
+    where, _, at = os.environ.get("LOONGSAGE_FAULT", "").partition("@")
     here = point + ("" if rank is None else f":{rank}")
-    if where == here and (not step or Path(directory).name == f"step_{int(step):05d}"):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if where == here and (not at or step == int(at)):
+        print(f"LOONGSAGE_FAULT={where}{'@' + at if at else ''} strikes{': ' + detail if detail else ''}",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP if point == "stall" else signal.SIGKILL)
 
 
 def rng_states(on_cpu: bool) -> dict:
@@ -1749,7 +1755,7 @@ class TrainerWorker:
             for kind, state in files.items():
                 target = out / f"rank_{par.rank:05d}_{kind}.pt"
                 sums[target.name] = write_durable(target, lambda f, state=state: torch.save(state, f))
-                fault(kind, directory, par.rank)
+                fault(kind, int(out.name[5:]) if out.name[5:].isdigit() else None, par.rank)
         except OSError as e:  # disk full, I/O error: every rank hears of it below
             error = (e.errno, f"rank {par.rank} writing {target}: {e.strerror or e}")
         errors = [None] * par.world_size
