@@ -128,7 +128,8 @@ ROOT = Path(__file__).resolve().parent
 # (the launchers name it SIDE_MODEL: Claude Code's ANTHROPIC_SMALL_FAST_MODEL, opencode's small_model), Codex's
 # compaction (its prompt opens the last user message), Messages count_tokens (a prompt, nothing generated). The recipe
 # picks which train (cfg.train_labels; default the main loop): the others stay in the trajectory, loss mask 0.
-LABELS, SIDE_MODEL = ("main", "side", "compaction", "count_tokens"), "loongsage-side"
+LABELS = ("main", "side", "compaction", "count_tokens")
+SIDE_MODEL = "loongsage-side"
 CODEX_COMPACTION = "You are performing a CONTEXT CHECKPOINT COMPACTION."
 
 
