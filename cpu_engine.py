@@ -5,42 +5,35 @@ implement is refused with a 400 naming it, never ignored, so the laptop runs and
 calls a GPU run makes. The contract both engines serve (fields, logprob semantics, weight versions, pause modes,
 memory tags, routed experts) is written down once, in docs/ENGINES.md; this file is how the CPU engine meets it.
 
-Reading order: requests (`SamplingParams`, `parse_sampling_params`, `Req`, `response`: SGLang's answer to one);
-`LoraRegistry`; `PrefixCache` (the KV slots, the prefix cache); `CpuEngine` (the scheduler); the HTTP server
-(`build_app`, `serve`). Below them, as SGLang's ModelRunner is below its scheduler: cpu_model.py (`ModelRunner`).
+Reading order: requests (`SamplingParams`, `parse_sampling_params`, `Req`, `response`); `LoraRegistry`; `PrefixCache`;
+`CpuEngine` (the scheduler); the HTTP server (`build_app`, `serve`); below them, as in SGLang, cpu_model.ModelRunner.
 
 * `CpuEngine`: continuous batching, one scheduler thread owning all engine state; weight loads, pauses and memory
   release run between two steps. `PrefixCache`: SGLang's radix cache, one entry per KV slot (`--disable-radix-cache`).
-* Weight updates as SGLang 0.5.23 takes them: tensor and distributed updates only inside a `/begin_weight_update`
-  ... `/end_weight_update` session; `serialized_named_tensors[0]` (TP rank 0 of one) read as SGLang's payload
-  (`transfermesh.read_tensor_payload`: anything else is a 400, as on SGLang); broadcasts through SGLang's own
-  rendezvous (`transfermesh.new_sglang_group`, gloo); a bucket whose checksum does not match is a 400, weights kept.
-* LoRA adapters as SGLang 0.5.23 serves them (`lora={...}`: its --enable-lora --max-lora-rank --lora-target-modules):
-  `/load_lora_adapter` (a PEFT directory), `/load_lora_adapter_from_tensors` (a weight update's payload, SGLang's
-  `expected_checksums` verified), `/unload_lora_adapter` (waits until no request uses it), `/generate`'s `lora_path`
-  (resolved on arrival, kept to the end); an adapter adds scale * (x A^T) B^T beside each projection, unmerged.
+* Weight updates as SGLang 0.5.23 takes them: tensor and distributed updates only inside a begin/end session;
+  `serialized_named_tensors[0]` read as SGLang's payload (`transfermesh.read_tensor_payload`; else a 400); broadcasts
+  through SGLang's own rendezvous (`transfermesh.new_sglang_group`, gloo); a bad bucket checksum is a 400, weights kept.
+* LoRA adapters as SGLang 0.5.23 serves them (`lora={...}`: its --enable-lora and two flags): loaded from a PEFT
+  directory or a weight update's payload (`expected_checksums` verified), unloaded once no request uses them, named by
+  `/generate`'s `lora_path` (kept to the end); an adapter adds scale * (x A^T) B^T beside each projection, unmerged.
 * Constrained decoding as SGLang's xgrammar backend does it: `sampling_params.json_schema` / `regex` / `ebnf` /
   `structural_tag` compiled when the request arrives (`compile_grammar`: SGLang's 400 text for one that does not
   compile, and for the schema keywords SGLang refuses because xgrammar would ignore them), one xgrammar matcher per
   request, its token bitmask applied to the logits before sampling (`mask_by_grammar`), so the logprob returned is
   that of the masked distribution, as SGLang's (docs/ENGINES.md); a grammar that completes finishes it as a stop.
-* `/generate` with `stream: true` (`_stream_chunks`): SGLang's Server-Sent Events. `serve`: the app on a thread.
 
-Determinism. Each request draws from its own `torch.Generator`, seeded by its `sampling_seed` under
-`--enable-deterministic-inference` (SGLang's 42 without one), else by the engine seed and its arrival index: a fixed
-seed gives the same tokens whatever else is in the batch (up to float ties in the batched matmuls).
+Determinism. Each request draws from its own `torch.Generator`, seeded by its `sampling_seed` under deterministic
+inference (SGLang's 42 without one), else by the engine seed and its arrival index, whatever else is in the batch.
 
 Run: `python cpu_engine.py --model-path DIR --port 30000`. Test: `pytest tests/test_cpu_engine.py` (against
-transformers on the same weights, over real HTTP) and `tests/test_conformance.py` (SGLANG_BEHAVIOURS); routed experts
-in `tests/test_moe.py`, DeepSeek-V3 in `tests/test_deepseek.py`, the memory hand-off in `tests/test_colocate.py`, LoRA
-adapters in `tests/test_lora.py`, token streaming in `tests/test_token_stream.py`.
+transformers, over real HTTP), `tests/test_conformance.py` (SGLANG_BEHAVIOURS), test_moe, test_deepseek, test_colocate,
+test_lora, test_token_stream.
 
-Left out: text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA on MoE experts,
-multi-latent attention, embeddings or the LM head, multimodal input, a deferred `/flush_cache?timeout=`,
-`--incremental-streaming-output` (chunks are cumulative, SGLang's default), SGLang's reasoning-aware grammars (with
-`--reasoning-parser` SGLang starts the grammar after the thinking; here it holds from the first token),
-`--constrained-json-disable-any-whitespace` / max whitespace (SGLang's defaults, any whitespace, are what is done), a
-grammar compiled off the scheduler's path (SGLang compiles in a thread pool; here before the request is queued). A
+Left out: text stop strings, penalties, `n > 1` (send a batch of input_ids instead), LoRA on MoE experts, MLA,
+embeddings or the LM head, multimodal input, a deferred `/flush_cache?timeout=`, `--incremental-streaming-output`
+(chunks are cumulative, SGLang's default), SGLang's reasoning-aware grammars (here a grammar holds from the first
+token), `--constrained-json-disable-any-whitespace` (any whitespace, SGLang's default), a grammar compiled off the
+scheduler's path (SGLang compiles in a thread pool; here before the request is queued). A
 stream=true request that SGLang's schema admits but its checks refuse (a negative temperature, a prompt past the
 context) gets a 400 before the stream here, where SGLang answers 200 and an error event. A dropped HTTP connection
 aborts a streamed request but not a plain one (call /abort_request).
