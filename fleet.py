@@ -525,11 +525,38 @@ def _post_each(urls: list[str], path: str, payload: dict, timeout: float) -> Non
         raise errors[0]
 
 
+def _flush_caches(urls: list[str], timeout: float) -> None:
+    """/flush_cache on every engine, again on each that answers 400 until `timeout` (weight_sync_timeout) has passed:
+    SGLang flushes only when idle, and a request whose grammar is still compiling keeps it busy even while paused
+    (scheduler.is_fully_idle counts the grammar queue). Then raises the first failure, as _post_each."""
+    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
+    deadline, errors = time.monotonic() + timeout, []
+    while urls:
+        refused = []
+        for url in urls:
+            try:
+                rollout.post(url, "/flush_cache", {}, timeout=timeout)
+            except rollout.EngineError as e:
+                if "answered HTTP 400" not in str(e):
+                    errors.append(e)
+                elif time.monotonic() < deadline:
+                    refused.append(url)
+                else:
+                    errors.append(rollout.EngineError(f"{e} (still, after weight_sync_timeout={timeout} s of retries: "
+                                                      "SGLang flushes only when idle; raise weight_sync_timeout)"))
+            except httpx.HTTPError as e:
+                errors.append(e)
+        urls = refused
+        time.sleep(0.2 if urls else 0)
+    if errors:
+        raise errors[0]
+
+
 def update_engines(cfg: Config, fleet: Fleet, urls: list[str], push):
     """`push()` (a weight push to `urls`) with the engines paused, so no forward step sees half-updated weights;
     returns what it returns. No K/V outlives the weights that computed it: the engines pause with "retract"
     (running requests give their K/V back and wait, keeping their tokens), the cache is flushed after the push
-    (SGLang flushes only with nothing running), and on continue every request in flight is prefilled again under
+    (SGLang flushes only when idle: _flush_caches retries), and on continue every request in flight is prefilled again under
     the new weights. Mid-way through the colocated hand-off the engines stay paused (colocate_hand_off continues)."""
     _post_each(urls, "/pause_generation", {"mode": "retract"}, cfg.weight_sync_timeout)
     try:
@@ -538,7 +565,7 @@ def update_engines(cfg: Config, fleet: Fleet, urls: list[str], push):
         # an engine that released its KV cache flushed it then and computed nothing since
         kv = [u for u in urls if "kv_cache" not in fleet.released[fleet.urls.index(u)]] if fleet.released else urls
         try:
-            _post_each(kv, "/flush_cache", {}, cfg.weight_sync_timeout)
+            _flush_caches(kv, cfg.weight_sync_timeout)
         finally:
             if not fleet.hand_off:
                 _post_each(urls, "/continue_generation", {}, cfg.weight_sync_timeout)
@@ -552,11 +579,13 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int, base: 
     for attempt in (1, 2):
         dead = check_engines(cfg, fleet, flow)
         live = [u for u in fleet.urls if u not in dead]
+
+        def push():
+            return wait([t.sync_weights.remote(live, version, base, off_node(fleet, live)) for t in trainers],
+                        f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
+                        "weight_sync_timeout")[0]
         try:
-            stats = update_engines(cfg, fleet, live, lambda: wait(
-                [t.sync_weights.remote(live, version, base, off_node(fleet, live)) for t in trainers],
-                f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
-                "weight_sync_timeout")[0])
+            stats = update_engines(cfg, fleet, live, push)
             break
         except (ray.exceptions.RayTaskError, RuntimeError, httpx.HTTPError) as e:
             if attempt == 2 or not check_engines(cfg, fleet, flow):
