@@ -575,7 +575,7 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int, base: 
     """Weights -> engines (TransferMesh) as version `version`, through update_engines. A dead engine is skipped and
     re-created on these weights afterwards; one that dies during the push fails it, so probe and push once more to
     the engines left (a push is idempotent). Returns the trainers' `weights/` metrics. LoRA: the adapters alone
-    travel, as a new adapter AgentFlow names in new requests; `base` sends the base weights too."""
+    travel, as a new adapter AgentFlow names in new requests, with no pause; `base` sends the base weights too."""
     for attempt in (1, 2):
         dead = check_engines(cfg, fleet, flow)
         live = [u for u in fleet.urls if u not in dead]
@@ -585,7 +585,9 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int, base: 
                         f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
                         "weight_sync_timeout")[0]
         try:
-            stats = update_engines(cfg, fleet, live, push)
+            # LoRA without the base: a new adapter, loaded by name beside the weights nothing changes; requests keep
+            # the adapter they named and prefix K/V is keyed by adapter, so no pause, retract or flush is needed
+            stats = push() if cfg.lora_rank and not base else update_engines(cfg, fleet, live, push)
             break
         except (ray.exceptions.RayTaskError, RuntimeError, httpx.HTTPError) as e:
             if attempt == 2 or not check_engines(cfg, fleet, flow):
