@@ -556,8 +556,9 @@ def update_engines(cfg: Config, fleet: Fleet, urls: list[str], push):
     """`push()` (a weight push to `urls`) with the engines paused, so no forward step sees half-updated weights;
     returns what it returns. No K/V outlives the weights that computed it: the engines pause with "retract"
     (running requests give their K/V back and wait, keeping their tokens), the cache is flushed after the push
-    (SGLang flushes only when idle: _flush_caches retries), and on continue every request in flight is prefilled again under
-    the new weights. Mid-way through the colocated hand-off the engines stay paused (colocate_hand_off continues)."""
+    (SGLang flushes only when idle: _flush_caches retries), and on continue every request in flight is prefilled
+    again under the new weights. Mid-way through the colocated hand-off the engines stay paused (colocate_hand_off
+    continues)."""
     _post_each(urls, "/pause_generation", {"mode": "retract"}, cfg.weight_sync_timeout)
     try:
         return push()
@@ -661,8 +662,9 @@ def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> 
         raise ValueError(f"colocate_hand_off stage {stage!r}: choose 'train', 'sync' or 'rollout'")
     out = {f"memory/{stage}_trainer_mb": mem[0]["rss_bytes"] / 2**20,
            f"timing/hand_off_{stage}": time.perf_counter() - t0}
-    if "gpu_used_bytes" in mem[0]:
-        out[f"memory/{stage}_gpu_used_mb"] = mem[0]["gpu_used_bytes"] / 2**20
+    if "gpu_used_bytes" in mem[0]:  # the whole device: read again now the engines' half of the stage is done too
+        used = wait([trainers[0].memory.remote()], "trainer memory", cfg.actor_timeout, "actor_timeout")[0]
+        out[f"memory/{stage}_gpu_used_mb"] = used["gpu_used_bytes"] / 2**20
     rss = [s["rss_bytes"] for s in engine_states(fleet.urls) if "rss_bytes" in s]  # the CPU engine reports it
     if rss:
         out[f"memory/{stage}_engine_mb"] = max(rss) / 2**20

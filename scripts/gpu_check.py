@@ -69,8 +69,8 @@ def use_carried_wheels() -> str:
     for dist in missing:
         wheels = sorted(WHEELS.glob(f"{dist}-*.whl"))
         if not wheels:
-            sys.exit(f"{CARRIED[dist]} does not import here and {WHEELS} has no {dist} wheel: run scripts/gpu_wheels.sh "
-                     "on a machine with registries, then carry the working tree here")
+            sys.exit(f"{CARRIED[dist]} does not import here and {WHEELS} has no {dist} wheel: run "
+                     "scripts/gpu_wheels.sh on a machine with registries, then carry the working tree here")
         zipfile.ZipFile(wheels[-1]).extractall(site)
     if missing:
         sys.path.insert(1, str(site))
@@ -272,7 +272,8 @@ def part_distopt(c) -> str:
     w, runs = c.worker(), []
     for distributed in (False, True):
         lr = 1e-3 * (1.5 if distributed and "distopt" in c.broken else 1)  # control: another learning rate
-        w.cfg = config.load_config(None, c.base + [f"lr={lr}", f"use_distributed_optimizer={str(distributed and not c.dry).lower()}"])
+        on = str(distributed and not c.dry).lower()
+        w.cfg = config.load_config(None, c.base + [f"lr={lr}", f"use_distributed_optimizer={on}"])
         info = w.load_hf(c.model_dir)
         start = w.export_hf_weights()
         norms = [round(w.train_step(c.batch, s)["train/grad_norm"], 5) for s in range(2)]

@@ -28,5 +28,6 @@ EOF
 rm -rf .gpu_wheels/tmp
 total=$(du -cb .gpu_wheels | tail -1 | cut -f1)
 ls -l .gpu_wheels
-echo "gpu_wheels: $(ls .gpu_wheels/*.whl | wc -l) wheels + SGLang's receiver, $((total / 1024)) KiB of the 65536 KiB budget"
+echo "gpu_wheels: $(ls .gpu_wheels/*.whl | wc -l) wheels + SGLang's receiver," \
+  "$((total / 1024)) KiB of the 65536 KiB budget"
 [ "$total" -le $((64 * 1024 * 1024)) ] || { echo "gpu_wheels: over the 64 MiB budget" >&2; exit 1; }

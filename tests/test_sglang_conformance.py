@@ -166,13 +166,17 @@ def test_the_colocated_hand_off_through_sglangs_app(sglang_server, tiny_model_di
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         @ray.remote
-        def mem():
-            return {"rss_bytes": tm.rss_bytes()}
+        def mem(gpu_mb=1):
+            return {"rss_bytes": tm.rss_bytes(), "gpu_used_bytes": gpu_mb * 2**20}
         trainers = [type("Trainer", (), {"onload": type("M", (), {"remote": staticmethod(mem.remote)}),
-                                         "offload": type("M", (), {"remote": staticmethod(lambda tags: mem.remote())})})]
+                                         "offload": type("M", (), {"remote": staticmethod(lambda tags: mem.remote())}),
+                                         "memory": type("M", (), {"remote": staticmethod(lambda: mem.remote(2))})})]
         fl = fleet.Fleet(pg=None, plan={}, where=[], urls=[sglang_server], released=[set()])
         for stage in ("train", "sync", "rollout"):
-            fleet.colocate_hand_off(cfg, fl, None, trainers, stage)
+            out = fleet.colocate_hand_off(cfg, fl, None, trainers, stage)
+            # the device is read once the stage is done on both sides (rollout: after the KV cache is resumed), not
+            # in the trainers' own half of it
+            assert out[f"memory/{stage}_gpu_used_mb"] == 2, out
     finally:
         ray.shutdown()
     paths = [p for _, p, _ in rec.sent]
