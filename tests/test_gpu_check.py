@@ -31,7 +31,10 @@ def lent_machine_site(out: Path) -> Path:
         if key in seen:
             return
         seen.add(key)
-        dist = importlib.metadata.distribution(name)
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            return  # an optional requirement, or a carried one this venv lacks (the dry run then says which)
         for top in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".." and not f.name.endswith(".pth")}:
             src, dst = Path(dist.locate_file(top)), out / top
             if src.exists() and not dst.exists():
