@@ -24,12 +24,12 @@ Parts, each with the control that must make it fail:
             monkey_patch_torch_reductions, MultiprocessingSerializer.deserialize through its SafeUnpickler): imported
             where SGLang imports, else its definitions run from the carried source files (its package's imports need
             orjson, pybase64, triton and more, which this machine lacks); SKIP without either. Control: the flipped bit.
-  distopt   Megatron's DistributedOptimizer at DP=1 against its plain optimizer: two steps from the same weights land
-            on the same weights within 5% of how far they moved (and they move). Control: the distributed run at 1.5x
-            the learning rate. Dry run: both runs on the CPU optimizer (the distributed one needs CUDA).
   offload   offload / onload (HandOff, the colocated hand-off): optimizer + grads, then weights freed (their storage
             bytes to 0, torch.cuda.memory_allocated down by as much), onload restoring them bit for bit (digests), and
             it trains after; device memory at each stage and the peak printed. Control: an offload that frees nothing.
+  distopt   Megatron's DistributedOptimizer at DP=1 against its plain optimizer: two steps from the same weights land
+            on the same weights within 5% of how far they moved (and they move). Control: the distributed run at 1.5x
+            the learning rate. Dry run: both runs on the CPU optimizer (the distributed one needs CUDA).
 Left out: SGLang's server (scripts/gpu_check.sh, on a GPU machine with registries), multi-GPU layouts, throughput.
 """
 from __future__ import annotations
