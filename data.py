@@ -34,7 +34,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -310,6 +309,7 @@ def load_dataset(spec: str) -> list[dict]:
         raise FileNotFoundError(f"dataset {spec!r} does not exist; give a .jsonl/.parquet path or "
                                 "'synthetic:arith:<n>:<seed>'")
     if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # late: the lent GPU machine (scripts/gpu_check.py) has no pyarrow
         # a column some rows lack reads back as None in those rows: drop it, as if the key were absent (jsonl)
         rows = [{k: v for k, v in r.items() if v is not None} for r in pq.read_table(path).to_pylist()]
     elif path.suffix == ".jsonl":

@@ -525,19 +525,47 @@ def _post_each(urls: list[str], path: str, payload: dict, timeout: float) -> Non
         raise errors[0]
 
 
+def _flush_caches(urls: list[str], timeout: float) -> None:
+    """/flush_cache on every engine, again on each that answers 400 until `timeout` (weight_sync_timeout) has passed:
+    SGLang flushes only when idle, and a request whose grammar is still compiling keeps it busy even while paused
+    (scheduler.is_fully_idle counts the grammar queue). Then raises the first failure, as _post_each."""
+    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
+    deadline, errors = time.monotonic() + timeout, []
+    while urls:
+        refused = []
+        for url in urls:
+            try:
+                rollout.post(url, "/flush_cache", {}, timeout=timeout)
+            except rollout.EngineError as e:
+                if "answered HTTP 400" not in str(e):
+                    errors.append(e)
+                elif time.monotonic() < deadline:
+                    refused.append(url)
+                else:
+                    errors.append(rollout.EngineError(f"{e} (still, after weight_sync_timeout={timeout} s of retries: "
+                                                      "SGLang flushes only when idle; raise weight_sync_timeout)"))
+            except httpx.HTTPError as e:
+                errors.append(e)
+        urls = refused
+        time.sleep(0.2 if urls else 0)
+    if errors:
+        raise errors[0]
+
+
 def update_engines(cfg: Config, fleet: Fleet, urls: list[str], push):
     """`push()` (a weight push to `urls`) with the engines paused, so no forward step sees half-updated weights;
     returns what it returns. No K/V outlives the weights that computed it: the engines pause with "retract"
     (running requests give their K/V back and wait, keeping their tokens), the cache is flushed after the push
-    (SGLang flushes only with nothing running), and on continue every request in flight is prefilled again under
-    the new weights. Mid-way through the colocated hand-off the engines stay paused (colocate_hand_off continues).
-    A push that fails (an engine died or stalled in it) may have loaded part of the weights: the engines stay paused,
-    so no token is computed on mixed weights, until sync_engines pushes again to the live ones or the run stops."""
+    (SGLang flushes only when idle: _flush_caches retries), and on continue every request in flight is prefilled
+    again under the new weights. Mid-way through the colocated hand-off the engines stay paused (colocate_hand_off
+    continues). A push that fails (an engine died or stalled in it) may have loaded part of the weights: the engines
+    stay paused, so no token is computed on mixed weights, until sync_engines pushes again to the live ones or the
+    run stops."""
     _post_each(urls, "/pause_generation", {"mode": "retract"}, cfg.weight_sync_timeout)
     out = push()
     # an engine that released its KV cache flushed it then and computed nothing since
     kv = [u for u in urls if "kv_cache" not in fleet.released[fleet.urls.index(u)]] if fleet.released else urls
-    _post_each(kv, "/flush_cache", {}, cfg.weight_sync_timeout)
+    _flush_caches(kv, cfg.weight_sync_timeout)
     if not fleet.hand_off:
         _post_each(urls, "/continue_generation", {}, cfg.weight_sync_timeout)
     return out
@@ -547,15 +575,19 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int, base: 
     """Weights -> engines (TransferMesh) as version `version`, through update_engines. A dead engine is skipped and
     re-created on these weights afterwards; one that dies during the push fails it, so probe and push once more to
     the engines left (a push is idempotent). Returns the trainers' `weights/` metrics. LoRA: the adapters alone
-    travel, as a new adapter AgentFlow names in new requests; `base` sends the base weights too."""
+    travel, as a new adapter AgentFlow names in new requests, with no pause; `base` sends the base weights too."""
     for attempt in (1, 2):
         dead = check_engines(cfg, fleet, flow)
         live = [u for u in fleet.urls if u not in dead]
+
+        def push():
+            return wait([t.sync_weights.remote(live, version, base, off_node(fleet, live)) for t in trainers],
+                        f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
+                        "weight_sync_timeout")[0]
         try:
-            stats = update_engines(cfg, fleet, live, lambda: wait(
-                [t.sync_weights.remote(live, version, base, off_node(fleet, live)) for t in trainers],
-                f"weight sync of version {version} to {len(live)} engine(s)", cfg.weight_sync_timeout,
-                "weight_sync_timeout")[0])
+            # LoRA without the base: a new adapter, loaded by name beside the weights nothing changes; requests keep
+            # the adapter they named and prefix K/V is keyed by adapter, so no pause, retract or flush is needed
+            stats = push() if cfg.lora_rank and not base else update_engines(cfg, fleet, live, push)
             break
         except (ray.exceptions.RayTaskError, RuntimeError, httpx.HTTPError) as e:
             if attempt == 2 or not check_engines(cfg, fleet, flow):
@@ -629,8 +661,9 @@ def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> 
         raise ValueError(f"colocate_hand_off stage {stage!r}: choose 'train', 'sync' or 'rollout'")
     out = {f"memory/{stage}_trainer_mb": mem[0]["rss_bytes"] / 2**20,
            f"timing/hand_off_{stage}": time.perf_counter() - t0}
-    if "gpu_used_bytes" in mem[0]:
-        out[f"memory/{stage}_gpu_used_mb"] = mem[0]["gpu_used_bytes"] / 2**20
+    if "gpu_used_bytes" in mem[0]:  # the whole device: read again now the engines' half of the stage is done too
+        used = wait([trainers[0].memory.remote()], "trainer memory", cfg.actor_timeout, "actor_timeout")[0]
+        out[f"memory/{stage}_gpu_used_mb"] = used["gpu_used_bytes"] / 2**20
     rss = [s["rss_bytes"] for s in engine_states(fleet.urls) if "rss_bytes" in s]  # the CPU engine reports it
     if rss:
         out[f"memory/{stage}_engine_mb"] = max(rss) / 2**20

@@ -1,40 +1,57 @@
 #!/usr/bin/env bash
-# The CUDA paths of LoongSage with SGLang on one GPU: one PASS / FAIL / SKIP line per item, in four runs of under
-# 10 minutes each (a GPU machine with the registries: bootstrap installs the [gpu] extra where a GPU is visible):
-#   ./bootstrap.sh && scripts/gpu_check.sh --run 1   SGLang launch + /generate spans; Megatron bf16 step; FP32 head
-#   scripts/gpu_check.sh --run 2                      3-step async runs: CUDA IPC, NCCL broadcast (2 GPUs); hand-off
-#   scripts/gpu_check.sh --run 3                      the sync, proven: SGLang's own /weights_checker checksum after
-#                                                     each push equals the one of the trainer's weights loaded from
-#                                                     disk; pause in place -> update -> continue with requests in
-#                                                     flight; GPU memory read after the KV cache resumes
-#   scripts/gpu_check.sh --run 4                      Megatron's fast paths: the layer spec picked, the distributed
-#                                                     optimizer + recompute=full through a checkpoint and a resume,
-#                                                     with two GPUs SP (TP=2) and CP (CP=2, needs TE)
-#   scripts/gpu_check.sh --dry-run                    (any machine: every run's config through `loongsage.py --check`
-#                                                     and the SGLang command line; run 3's flow against a CPU engine)
+# The CUDA paths of LoongSage with SGLang, on a GPU machine of your own that reaches the package registries
+# (./bootstrap.sh installs the [gpu] extra there): one PASS / FAIL / SKIP line per item, in six runs of under 10
+# minutes each (a whole-pipeline run is bounded at 270 s, at most two per run):
+#   ./bootstrap.sh && scripts/gpu_check.sh --run 1   SGLang launch + /generate weight_versions spans; Megatron bf16 step
+#   scripts/gpu_check.sh --run 2   FP32 LM head on both sides; 3-step async run syncing by CUDA IPC
+#   scripts/gpu_check.sh --run 3   3-step async run syncing by NCCL broadcast (2 GPUs); the colocated hand-off, GPU
+#                                  memory read after each stage (after the KV cache resumes, for rollout)
+#   scripts/gpu_check.sh --run 4   the sync proven: SGLang's own /weights_checker checksum after each push equals the
+#                                  one of the trainer's weights loaded from disk; pause in place -> update -> continue
+#                                  with requests in flight (each has streamed its first token); GPU memory read after
+#                                  the KV cache resumes
+#   scripts/gpu_check.sh --run 5   Megatron's fast paths: the layer spec picked, the distributed optimizer +
+#                                  recompute=full through a checkpoint and a resume
+#   scripts/gpu_check.sh --run 6   with two GPUs and Transformer Engine: SP (TP=2) and CP (CP=2)
+#   scripts/gpu_check.sh --dry-run (any machine with ./bootstrap.sh's .venv: every run's config through
+#                                  `loongsage.py --check` and the SGLang command line; run 4's flow on a CPU engine)
 # Every whole-pipeline run asserts engines/restarts == 0 and weights/bytes > 0 on every step. The tiny model is built
-# locally (no hub access needed). Logs go to runs/gpu_check/. The GPU machine without registries, Ray or SGLang has
-# scripts/gpu_check.py instead.
+# locally (no hub access needed). Logs go to runs/gpu_check/. The lent GPU machine (no registries, Ray, Megatron-Core
+# or SGLang) runs scripts/gpu_check.py instead.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || { echo "gpu_check.sh: no $PY: run ./bootstrap.sh first (or set PYTHON); a machine without registries" \
+  "runs scripts/gpu_check.py" >&2; exit 1; }
 mkdir -p runs/gpu_check
 exec "$PY" - "$@" <<'PYEOF'
-import json, os, subprocess, sys, time, traceback
+import asyncio, json, os, subprocess, sys, threading, time, traceback
 sys.path.insert(0, os.getcwd())
 DRY = "--dry-run" in sys.argv[1:]
 RUN = sys.argv[sys.argv.index("--run") + 1] if "--run" in sys.argv else None  # None: all (the dry run)
+RUN_LIMIT_S = 270  # one whole-pipeline run: two fit a run's 10 minutes
 results = []
+try:  # LoongSage's environment, with SGLang for a real run: say so at once rather than fail on an import later
+    import ray, megatron.core  # noqa: F401
+    if not DRY:
+        import sglang  # noqa: F401
+except ImportError as e:
+    sys.exit(f"FAIL prerequisites: {e.name} does not import with {sys.executable}. gpu_check.sh runs in LoongSage's "
+             "environment on a GPU machine with registries (./bootstrap.sh installs it, SGLang included where a GPU "
+             "is visible); a machine without registries, Ray or SGLang runs scripts/gpu_check.py")
 
 def in_run(n: str) -> bool:
     return DRY or RUN is None or RUN == n
 
-def item(name):
+def item(name, run_no):
+    """Run the decorated check now if it belongs to this run (the dry run: every run's), one line for it."""
     def run(fn):
+        if not in_run(run_no):
+            return
         t0 = time.time()
         try:
             note = fn() or ""
-            results.append(("PASS", name, note))
+            results.append(("SKIP" if note.startswith("SKIP") else "PASS", name, note.removeprefix("SKIP: ")))
         except Exception as e:  # noqa: BLE001 - every item reports, none stops the others
             traceback.print_exc()
             results.append(("FAIL", name, f"{type(e).__name__}: {str(e)[:300]}"))
@@ -57,7 +74,7 @@ def run(name: str, *overrides: str) -> list[dict]:
     Dry run: the same command line through --check only."""
     d = f"runs/gpu_check/{name}"
     cmd = [sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", *GPU, *overrides, f"output_dir={d}"]
-    r = subprocess.run(cmd + (["--check"] if DRY else []), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd + (["--check"] if DRY else []), capture_output=True, text=True, timeout=RUN_LIMIT_S)
     open(f"{d}.log", "w").write(" ".join(cmd) + "\n" + r.stdout + r.stderr)
     assert r.returncode == 0, f"{name}: " + r.stderr[-2000:]
     rows = [] if DRY else [x for x in map(json.loads, open(f"{d}/metrics.jsonl")) if "train/loss" in x]
@@ -66,10 +83,8 @@ def run(name: str, *overrides: str) -> list[dict]:
         assert x.get("weights/bytes", 0) > 0, f"{name}: weights/bytes {x.get('weights/bytes')} at {x}"
     return rows
 
-@item("sglang launch + /generate with weight_versions spans")
+@item("sglang launch + /generate with weight_versions spans", "1")
 def _():
-    if not in_run("1"):
-        return "not in this run"
     cfg = config.load_config(None, [f"model_path={model}", "device=cuda", "engine=sglang", "dtype=bfloat16",
                                     "output_dir=runs/gpu_check",
                                     "sglang.mem_fraction_static=0.3", "fp32_lm_head=true", "colocate=true"])
@@ -90,60 +105,52 @@ def _():
 
 gaps = {}
 
-@item("megatron on cuda: bf16 train step with Megatron's optimizer")
+@item("megatron on cuda: bf16 train step with Megatron's optimizer", "1")
 def _():
-    if not in_run("1"):
-        return "not in this run"
     rows = run("bf16", "dtype=bfloat16", "num_steps=1")
     if rows:
         gaps["bf16 head"] = rows[-1].get("train/gap_k3")
-        return f"loss {rows[-1]['train/loss']:.4f} grad_norm {rows[-1]['train/grad_norm']:.3f} gap_k3 {gaps['bf16 head']}"
+        m = rows[-1]
+        return f"loss {m['train/loss']:.4f} grad_norm {m['train/grad_norm']:.3f} gap_k3 {gaps['bf16 head']}"
 
-@item("fp32 LM head on both sides (fp32_lm_head=true, SGLang --enable-fp32-lm-head)")
+@item("fp32 LM head on both sides (fp32_lm_head=true, SGLang --enable-fp32-lm-head)", "2")
 def _():
-    if not in_run("1"):
-        return "not in this run"
     rows = run("fp32_head", "dtype=bfloat16", "num_steps=1", "fp32_lm_head=true")
     if rows:
         gaps["fp32 head"] = rows[-1].get("train/gap_k3")
-        return f"train-inference gap_k3: {gaps}"  # the fp32 head's should be the smaller (CPU test: tests/test_fp32_head.py)
+        return f"train-inference gap_k3: {gaps}"  # the fp32 head's should be the smaller (tests/test_fp32_head.py)
 
-@item("transfermesh cuda_ipc into sglang, 3-step async run")
+@item("transfermesh cuda_ipc into sglang, 3-step async run", "2")
 def _():
-    if not in_run("2"):
-        return "not in this run"
     rows = run("async_cuda_ipc", "mode=async", "stale_steps=1", "max_version_lag=1", "num_steps=3", "transfer=cuda_ipc")
     if rows:
         assert [x["weights/version"] for x in rows] == [1, 2, 3], rows
         return f"gap_k3 {[x.get('train/gap_k3') for x in rows]}, {rows[-1]['weights/gbps']:.2f} GB/s"
 
 if DRY or torch.cuda.device_count() >= 2:
-    @item("transfermesh nccl broadcast into sglang, 3-step async run (trainer and engine on two GPUs)")
+    @item("transfermesh nccl broadcast into sglang, 3-step async run (trainer and engine on two GPUs)", "3")
     def _():
-        if not in_run("2"):
-            return "not in this run"
         rows = run("async_broadcast", "colocate=false", "mode=async", "stale_steps=1", "max_version_lag=1",
                    "num_steps=3", "transfer=broadcast")
         if rows:
             assert [x["weights/version"] for x in rows] == [1, 2, 3], rows
             return f"gap_k3 {[x.get('train/gap_k3') for x in rows]}, {rows[-1]['weights/gbps']:.2f} GB/s"
-else:  # NCCL refuses a communicator with two ranks on one device ("Duplicate GPU detected")
+elif in_run("3"):  # NCCL refuses a communicator with two ranks on one device ("Duplicate GPU detected")
     results.append(("SKIP", "transfermesh nccl broadcast: needs 2 GPUs (NCCL puts no two ranks on one GPU)", ""))
     print(f"SKIP {results[-1][1]}", flush=True)
 
-@item("colocated memory hand-off on one GPU (release/resume_memory_occupation, trainer offload)")
+@item("colocated memory hand-off on one GPU (release/resume_memory_occupation, trainer offload)", "3")
 def _():
-    if not in_run("2"):
-        return "not in this run"
     rows = run("colocate", "colocate=true", "num_steps=2", "dtype=bfloat16")
-    for m in rows:  # device memory in use after each stage: engines' weights + KV come back only for the rollouts
+    for m in rows:  # device memory in use once each stage is done on both sides (rollout: after the KV cache is
+        # resumed): engines' weights + KV come back only for the rollouts
         used = [m[f"memory/{s}_gpu_used_mb"] for s in ("train", "sync", "rollout")]
         assert used[0] < used[2] - 1024 and used[1] < used[2], f"GPU MB in use after train/sync/rollout: {used}"
     if rows:
         return "GPU MB in use after train/sync/rollout stages: " + "; ".join(
             str([round(m[f"memory/{s}_gpu_used_mb"]) for s in ("train", "sync", "rollout")]) for m in rows)
 
-@item("the sync proven on SGLang: checksums, pause in place with requests in flight, memory after KV resume")
+@item("the sync proven on SGLang: checksums, pause in place with requests in flight, memory after KV resume", "4")
 def _():
     """A trainer (Megatron on CUDA) and one SGLang engine on the GPU, driven step by step. After each of two
     train-and-push steps: SGLang's /weights_checker checksum of the pushed weights equals the checksum of the same
@@ -152,9 +159,7 @@ def _():
     with /generate requests in flight that finish with weight_versions spans across both versions. Then the
     colocated release -> resume weights -> push -> resume KV cache, and the device memory read after the resume.
     Dry run: the same flow against a CPU engine (no checksum route there)."""
-    if not in_run("3"):
-        return "not in this run"
-    import threading, httpx, trainer, transfermesh as tm
+    import httpx, trainer, transfermesh as tm
     overrides = [f"model_path={model}", "output_dir=runs/gpu_check/sync3", "eval_every=0", "warmstart_steps=0",
                  "prompts_per_step=2", "samples_per_prompt=4", "global_batch_size=8", "micro_batch_size=8"]
     overrides += ["device=cpu", "engine=cpu"] if DRY else ["device=cuda", "engine=sglang", "transfer=cuda_ipc",
@@ -180,13 +185,18 @@ def _():
                                   "weight_versions": [version - 1] * n, "reward": float(i % 2), "status": "ok",
                                   "group_id": g, "sample_index": i})
             w.train_step(batch, version - 1)
-            answers = []  # requests in flight across the update
-            flights = [threading.Thread(target=lambda p=p: answers.append(rollout.post(url, "/generate", {
-                "input_ids": p, "sampling_params": {"temperature": 1.0, "max_new_tokens": 256, "ignore_eos": True}},
-                timeout=600))) for p in prompts]
+            answers, started = [], [threading.Event() for _ in prompts]  # requests in flight across the update
+
+            async def stream(p, first):
+                async with httpx.AsyncClient() as client:
+                    return await rollout.generate_stream(client, url, p, {
+                        "temperature": 1.0, "max_new_tokens": 256, "ignore_eos": True}, on_chunk=lambda c: first.set(),
+                        timeout=600)
+            flights = [threading.Thread(target=lambda p=p, e=e: answers.append(asyncio.run(stream(p, e))))
+                       for p, e in zip(prompts, started)]
             [t.start() for t in flights]
-            time.sleep(0.3)  # long enough for the requests to be admitted, well short of 256 tokens' decode
-            tm.pause_engines([url])
+            assert all(e.wait(timeout=120) for e in started), "a request in flight streamed no token in 120 s"
+            tm.pause_engines([url])  # each request has streamed a token and decodes 255 more: paused mid-decode
             stats = w.sync_weights([url], version)
             tm.continue_engines([url])
             [t.join(timeout=600) for t in flights]
@@ -228,10 +238,8 @@ def te_importable() -> bool:
     except (ImportError, OSError):
         return False
 
-@item("megatron fast paths: layer spec, distributed optimizer + recompute=full, checkpoint and resume")
+@item("megatron fast paths: layer spec, distributed optimizer + recompute=full, checkpoint and resume", "5")
 def _():
-    if not in_run("4"):
-        return "not in this run"
     fast = ["dtype=bfloat16", "use_distributed_optimizer=true", "recompute=full", "save_every=1"]
     rows = run("fastpaths", *fast, "num_steps=2")
     if DRY:
@@ -242,10 +250,8 @@ def _():
     return f"{spec.strip()}; losses {[round(x['train/loss'], 4) for x in rows]}"
 
 if DRY or torch.cuda.device_count() >= 2:
-    @item("sequence parallel (TP=2) and context parallel (CP=2), 2-step runs on two GPUs")
+    @item("sequence parallel (TP=2) and context parallel (CP=2), 2-step runs on two GPUs", "6")
     def _():
-        if not in_run("4"):
-            return "not in this run"
         if not te_importable():  # (--check refuses them without it, dry run included)
             return "SKIP: transformer_engine does not import here (sequence and context parallelism need its spec)"
         sp = run("sequence_parallel", "dtype=bfloat16", "num_steps=2", "trainer_workers=2", "tensor_parallel=2",
@@ -253,7 +259,7 @@ if DRY or torch.cuda.device_count() >= 2:
         cp = run("context_parallel", "dtype=bfloat16", "num_steps=2", "trainer_workers=2", "context_parallel=2")
         if sp:
             return f"losses SP {[round(x['train/loss'], 4) for x in sp]}, CP {[round(x['train/loss'], 4) for x in cp]}"
-else:
+elif in_run("6"):
     results.append(("SKIP", "sequence / context parallelism: needs 2 GPUs", ""))
     print(f"SKIP {results[-1][1]}", flush=True)
 

@@ -3,14 +3,16 @@
 encoding between tokenizer manager and scheduler, the scheduler's weight-update manager (begin/end session rules,
 memory tags) and the model runner's WeightUpdater (payload deserialization, FlattenedTensorBucket, SGLang's own
 process-group rendezvous) and WeightChecker, all SGLang's code. Faked, because they need CUDA: the scheduler
-process's socket (requests are decoded and handled on one thread here, as the scheduler's loop would) and the model
-(an nn.Module holding the HF checkpoint's tensors by HF name, whose `load_weights` copies by name and refuses an
-unknown name, as SGLang's model classes do).
+process's socket (requests are decoded and handled on one thread here, as the scheduler's loop would; its flush
+wrapper and internal-state readback answer /flush_cache and /server_info, and an exception in a handler ends the
+server as SGLang's scheduler ends it, so a wrong request fails a test instead of hanging it) and the model (an
+nn.Module holding the HF checkpoint's tensors by HF name, whose `load_weights` copies by name and refuses an unknown
+name, as SGLang's model classes do).
 
 Run: `.venv-sglang/bin/python tests/sglang_app.py --model-path DIR --port P` (the tier starts it as a process: a
 broadcast group is one rank per process, as in a real run). Besides SGLang's routes it serves `GET
 /conformance/loaded`: what the fake model received (name, dtype, shape, sha256 of the bytes, per load) and the
-pause modes the scheduler got.
+pause modes the scheduler got; and `POST /conformance/compile {"seconds": s}`: a grammar compiling for s seconds.
 Left out: generation (`/generate` needs the scheduler and the model; its request bodies are validated against
 SGLang's structs in the tier instead), multi-rank TP.
 """
@@ -20,8 +22,12 @@ import argparse
 import asyncio
 import concurrent.futures
 import hashlib
+import os
 import pickle
+import sys
 import threading
+import time
+import traceback
 import types
 
 import torch
@@ -57,6 +63,7 @@ def build_app(model_dir: str):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.entrypoints import http_server
     from sglang.srt.managers import io_struct as io
+    from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
     from sglang.srt.managers.tp_worker import TpModelWorker
@@ -64,6 +71,7 @@ def build_app(model_dir: str):
     from sglang.srt.runtime_context import get_context, get_parallel
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.utils.aio_rwlock import RWLock
+    from sglang.srt.utils.msgspec_utils import msgspec_to_builtins
     from sglang.srt.utils.weight_checker import WeightChecker
     from sglang.utils import TypeBasedDispatcher
 
@@ -107,7 +115,16 @@ def build_app(model_dir: str):
     def cont(req):
         scheduler._engine_paused = False
 
+    # nothing runs here, so the scheduler is idle but for a grammar said to compile (POST /conformance/compile):
+    # SGLang's scheduler counts its grammar queue as busy, paused or not, and flushes only when idle
+    compiling = {"until": 0.0}
+    idle = lambda: time.monotonic() >= compiling["until"]  # noqa: E731
+    flusher = SchedulerFlushWrapper(flush_cache=idle, is_fully_idle=idle, send_output=lambda out, req: None)
     handle = TypeBasedDispatcher([
+        (io.FlushCacheReqInput, flusher.handle),
+        # the scheduler's readback of its resolved server args (the per-step contributions need its loop: left out)
+        (io.GetInternalStateReq, lambda r: io.GetInternalStateReqOutput(
+            internal_state=msgspec_to_builtins(get_context().resolved_server_args_dict()))),
         (io.BeginWeightUpdateReqInput, updater.begin_weight_update),
         (io.EndWeightUpdateReqInput, updater.end_weight_update),
         (io.UpdateWeightsFromTensorReqInput, updater.update_weights_from_tensor),
@@ -132,7 +149,7 @@ def build_app(model_dir: str):
     tm.model_update_lock, tm.is_pause, tm.is_pause_cond = RWLock(), False, asyncio.Condition()
     tm.initial_weights_loaded, tm.server_args, tm.model_config = True, server_args, model_config
     tm.model_path = tm.served_model_name = model_dir  # what /model_info reports, with the served weight_version
-    tm.is_generation = True
+    tm.is_generation, tm.startup_time = True, time.time()
     tm.auto_create_handle_loop, tm.elastic_worker_count = (lambda: None), 1
     tm.init_request_dispatcher()
     loop_box = {}
@@ -152,7 +169,12 @@ def build_app(model_dir: str):
             loop = loop_box.setdefault("loop", asyncio.get_running_loop())
 
             def run():
-                out = handle(obj)
+                try:
+                    out = handle(obj)
+                except Exception:  # noqa: BLE001 - as SGLang's scheduler: it logs, SIGQUITs the launcher, which
+                    traceback.print_exc()  # kills the server's process tree; a client sees the connection drop
+                    print("Scheduler hit an exception: the server ends", file=sys.stderr, flush=True)
+                    os._exit(1)
                 if out is not None:
                     loop.call_soon_threadsafe(tm._result_dispatcher, out)
             scheduler_thread.submit(run)
@@ -170,6 +192,11 @@ def build_app(model_dir: str):
     @app.get("/conformance/loaded")
     async def loaded():
         return {"loads": model.loads, "pauses": scheduler.pauses}
+
+    @app.post("/conformance/compile")
+    async def compile_for(body: dict):
+        compiling["until"] = time.monotonic() + float(body["seconds"])
+        return {}
 
     return app
 

@@ -474,9 +474,12 @@ def test_async_lora_run_versions_gap_and_bytes(tmp_path, monkeypatch, ray_sessio
     then every sync moves only adapter bytes; requests in flight across a sync finish on their own adapter and
     their tokens keep its version (lag <= 1 with max_version_lag 1, versions within the window), tokens sampled by
     the trainer's own adapter give a ~0 train-inference gap, and the run ends with a merged HF model and a PEFT
-    adapter."""
+    adapter. Only the base's sync pauses the engines (retract) and flushes: an adapter's needs neither."""
     import json
     import loongsage
+    import rollout
+    posted, post = [], rollout.post
+    monkeypatch.setattr(rollout, "post", lambda url, path, *a, **kw: (posted.append(path), post(url, path, *a, **kw))[1])
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
@@ -496,5 +499,6 @@ def test_async_lora_run_versions_gap_and_bytes(tmp_path, monkeypatch, ray_sessio
         if "train/gap_k3" in h:
             assert h["train/gap_k3"] < 1e-6 and h["train/gap_max"] < 1e-4, (i, h)
     assert any("train/gap_k3" in h for h in steps)
+    assert posted.count("/pause_generation") == posted.count("/flush_cache") == 1, posted
     run = tmp_path / "run"
     assert (run / "final_adapter" / lora.PEFT_WEIGHTS).exists() and (run / "final_hf" / "model.safetensors").exists()

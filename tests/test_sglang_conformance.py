@@ -83,11 +83,10 @@ class Recorder:
         return send
 
 
-@pytest.fixture(scope="module")
-def sglang_server(tiny_model_dir):
-    """SGLang's app with the scheduler link and model faked, in a process of its own (tests/sglang_app.py)."""
+def _start_app(model_dir):
+    """tests/sglang_app.py started, once it answers: (process, url)."""
     port = tm.free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/sglang_app.py"), "--model-path", tiny_model_dir,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/sglang_app.py"), "--model-path", model_dir,
                              "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -95,10 +94,16 @@ def sglang_server(tiny_model_dir):
         assert proc.poll() is None, "tests/sglang_app.py exited at start: run it by hand to see why"
         try:
             httpx.get(url + "/conformance/loaded", timeout=5).raise_for_status()
-            break
+            return proc, url
         except httpx.HTTPError:
             assert time.monotonic() < deadline, "SGLang's app did not come up within 300 s"
             time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def sglang_server(tiny_model_dir):
+    """SGLang's app with the scheduler link and model faked, in a process of its own (tests/sglang_app.py)."""
+    proc, url = _start_app(tiny_model_dir)
     yield url
     proc.terminate()
     try:
@@ -162,13 +167,17 @@ def test_the_colocated_hand_off_through_sglangs_app(sglang_server, tiny_model_di
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         @ray.remote
-        def mem():
-            return {"rss_bytes": tm.rss_bytes()}
+        def mem(gpu_mb=1):
+            return {"rss_bytes": tm.rss_bytes(), "gpu_used_bytes": gpu_mb * 2**20}
         trainers = [type("Trainer", (), {"onload": type("M", (), {"remote": staticmethod(mem.remote)}),
-                                         "offload": type("M", (), {"remote": staticmethod(lambda tags: mem.remote())})})]
+                                         "offload": type("M", (), {"remote": staticmethod(lambda tags: mem.remote())}),
+                                         "memory": type("M", (), {"remote": staticmethod(lambda: mem.remote(2))})})]
         fl = fleet.Fleet(pg=None, plan={}, where=[], urls=[sglang_server], released=[set()])
         for stage in ("train", "sync", "rollout"):
-            fleet.colocate_hand_off(cfg, fl, None, trainers, stage)
+            out = fleet.colocate_hand_off(cfg, fl, None, trainers, stage)
+            # the device is read once the stage is done on both sides (rollout: after the KV cache is resumed), not
+            # in the trainers' own half of it
+            assert out[f"memory/{stage}_gpu_used_mb"] == 2, out
     finally:
         ray.shutdown()
     paths = [p for _, p, _ in rec.sent]
@@ -177,6 +186,64 @@ def test_the_colocated_hand_off_through_sglangs_app(sglang_server, tiny_model_di
                      "/server_info", "/resume_memory_occupation", "/continue_generation", "/server_info"]
     assert _loaded(sglang_server)["pauses"][-1] == "retract"
     RECORDED.extend(rec.sent)
+
+
+def test_the_syncs_flush_retries_while_sglang_compiles_a_grammar(sglang_server, tiny_model_dir, monkeypatch):
+    """fleet.update_engines (retract pause, push, /flush_cache, continue) against SGLang's app: the flush is SGLang's
+    flush wrapper's 200; while a grammar compiles (SGLang's scheduler is then not idle, paused or not) its 400 is
+    retried until the grammar is done, and one that outlasts weight_sync_timeout fails the sync naming that knob,
+    in about that time. The stats probe (fleet.engine_states) reads SGLang's /server_info."""
+    rec = Recorder(monkeypatch)
+    fl = fleet.Fleet(pg=None, plan={}, where=[], urls=[sglang_server], released=[set()])
+    sync = lambda timeout: fleet.update_engines(  # noqa: E731
+        config.load_config(None, [f"model_path={tiny_model_dir}", f"weight_sync_timeout={timeout}"]), fl,
+        [sglang_server], lambda: tm.push_weights([], [sglang_server], version=13, transport="shm"))
+    sync(60)
+    assert [p for _, p, _ in rec.sent].count("/flush_cache") == 1
+    assert fleet.engine_states([sglang_server])[0]["model_path"] == tiny_model_dir
+    httpx.post(sglang_server + "/conformance/compile", json={"seconds": 1.5}, timeout=30)
+    t0 = time.monotonic()
+    sync(60)
+    assert time.monotonic() - t0 >= 1.4 and [p for _, p, _ in rec.sent].count("/flush_cache") > 2
+    httpx.post(sglang_server + "/conformance/compile", json={"seconds": 300}, timeout=30)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(rollout.EngineError, match="answered HTTP 400.*weight_sync_timeout=2"):
+            sync(2)
+    finally:
+        httpx.post(sglang_server + "/conformance/compile", json={"seconds": 0}, timeout=30)
+    assert 2 <= time.monotonic() - t0 < 30
+    assert _loaded(sglang_server)["pauses"][-1] == "retract"
+    RECORDED.extend(rec.sent)
+
+
+def test_a_bad_resume_ends_sglangs_server_as_its_scheduler_does(tiny_model_dir):
+    """/resume_memory_occupation of a tag never released: SGLang's scheduler raises (offload_tags.remove) and
+    SIGQUITs its launcher, which ends the server; the harness does the same, so the request fails at once."""
+    proc, url = _start_app(tiny_model_dir)
+    try:
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(url + "/resume_memory_occupation", json={"tags": ["weights"]}, timeout=60)
+        assert proc.wait(timeout=30) == 1
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_gpu_checks_sglang_part_runs_sglangs_receiver(broken, tmp_path, monkeypatch):
+    """scripts/gpu_check.py --dry-run --part sglang, reading SGLang's receiver from its source files as on the lent
+    GPU machine: the pushed weights arrive bit for bit through SGLang's SafeUnpickler; its control (one bit flipped)
+    FAILs the part at its check."""
+    import sglang
+    monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path))
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry-run", "--part", "sglang",
+                        "--sglang-src", str(Path(sglang.__file__).parents[1])] + (["--break", "sglang"] * broken),
+                       capture_output=True, text=True, timeout=900)
+    line = next((x for x in r.stdout.splitlines() if x.startswith(("PASS", "FAIL", "SKIP"))), r.stdout + r.stderr)
+    if broken:
+        assert r.returncode == 1 and line.startswith("FAIL (dry run) sglang") and "AssertionError" in line, line
+    else:
+        assert r.returncode == 0 and line.startswith("PASS (dry run) sglang") and "SGLang's definitions" in line, line
 
 
 def test_the_router_generates_and_aborts(tiny_model_dir, monkeypatch):
