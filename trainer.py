@@ -1206,10 +1206,9 @@ def _storage_bytes(storage) -> torch.Tensor:
 class HandOff:
     """COLOCATED: the memory a rank lends the engines on its GPUs between phases (fleet.colocate_hand_off): after the
     step its optimizer state and gradients, after the sync its weights; all come back before the next step. Tags:
-    "weights", "optimizer" (moments, fp32 masters), "grads" (zero between steps: storage resized to zero and back,
-    nothing kept). Tensors keep their identity (the optimizer and DDP hold them): on CUDA each storage's bytes go to
-    pinned host memory and the storage is resized to zero and back; on CPU `.data` moves to a file in
-    output_dir/offload (cpu.offload_to_file), so the bytes really leave this process."""
+    "weights", "optimizer" (moments, fp32 masters), "grads" (zero between steps: nothing kept). Tensors keep their
+    identity (the optimizer and DDP hold them): each storage is resized to zero and back, its bytes kept in pinned
+    host memory on CUDA, in a file in output_dir/offload on CPU (cpu.offload_to_file)."""
 
     TAGS = ("weights", "optimizer", "grads")
 
@@ -1382,11 +1381,9 @@ class Export:
 class TrainerWorker:
     """One Megatron-Core rank of the policy. The controller creates world_size of them and calls every method on all
     ranks at once; collectives inside pair them up. Its parts: `par`, `policy` with `optim`, `ref` (when a KL term
-    needs one), `critic`, `export`, `hand_off`. Metrics are identical on every rank.
-
-    LoRA (lora.py): base weights frozen, only the adapters in the optimizer; the reference is the policy with its
-    adapters off; a sync sends the adapters alone; the HF export is the merged model plus a PEFT directory.
-    """
+    needs one), `critic`, `export`, `hand_off`. Metrics are identical on every rank. LoRA (lora.py): base weights
+    frozen, only the adapters in the optimizer; the reference is the policy with its adapters off (Export: what
+    leaves the rank)."""
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
         self.cfg = cfg
