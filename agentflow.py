@@ -30,16 +30,12 @@ trajectory is "truncated"); a failed trajectory is retried up to `cfg.agent_retr
 kept as "failed" (reward 0, loss_mask all 0) so its group stays complete.
 
 The router is one HTTP server in front of all engines. Each trajectory gets a session base URL
-`http://host:port/s/<session>/v1` (the session id and the api key are unguessable tokens) serving
-OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function and custom tools, structured
-output, `previous_response_id` within the session, across weight updates), Anthropic `POST /messages` and
-`GET /models`, plain and streaming, with tool calls. A streamed reply streams from the engine (SGLang's
-`stream: true`): its reasoning and content go out as the tokens arrive, as far as they are settled
-(`chat.TurnStream`: a tool call's text is held back and the call sent whole at the end), and the turn it records is
-the one the plain reply records. A session sticks to one engine (its KV prefix cache stays warm); new sessions go to
-the engine with the fewest requests in flight. An engine that fails a call, or misses a periodic `/server_info`
-probe, leaves routing at once (dead or hung) and its requests move to the other engines; the controller re-creates it
-and `replace_engine` routes to its successor.
+`http://host:port/s/<session>/v1` (the session id and the api key are unguessable tokens) serving OpenAI
+`POST /chat/completions` and `POST /responses` (`previous_response_id` within the session, across weight updates),
+Anthropic `POST /messages` and `GET /models`, plain and streaming (`streamed` in `Router.app`), with tool calls. A
+session sticks to one engine (its KV prefix cache stays warm); new sessions go to the engine with the fewest requests
+in flight. An engine that fails a call or a periodic probe leaves routing at once (rollout.EnginePool); the controller
+re-creates it and `replace_engine` routes to its successor.
 
 Requests are checked, and answered, in each API's own shapes by wire.py (its docstring says what is refused and
 why); structured output is constrained decoding in the engine, its logprobs those of the masked distribution
@@ -1219,16 +1215,13 @@ class AgentFlow:
                 if r.timed_out:
                     status, error = "truncated", f"agent command timed out after {self.cfg.agent_timeout}s"
                 elif r.exit_code != 0 and s.status == "ok":
-                    status, error = "failed", (f"agent command exited {r.exit_code}: "
-                                               f"{r.stderr.strip()[-1000:]}")
+                    status, error = "failed", f"agent command exited {r.exit_code}: {r.stderr.strip()[-1000:]}"
             except Exception as e:  # sandbox start/exec trouble fails this trajectory, not the step
                 status, error = "failed", f"sandbox error: {e!r}"
             finally:
                 await self.router.close_session(s)
                 await box.delete()
-            traj = await self._finish(s, sample, status=status, error=error,
-                                      response_text=answer or s.last_text)
-            return traj
+            return await self._finish(s, sample, status=status, error=error, response_text=answer or s.last_text)
 
 
 # ----------------------------------------------------------------------------------------------
