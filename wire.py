@@ -22,16 +22,10 @@ What an API refuses gets an `ApiError` (HTTP status, message naming the field an
 that API's error shape by the router. Options the engine cannot honour are refused rather than ignored, so the
 trainer never sees a sample drawn from a different distribution than the agent asked for (the field tables and
 `_check_fields` say how each top-level field is taken).
-`chat_template_kwargs` (Chat Completions and Responses, SGLang's extension) sets template variables such as Qwen3's
-`enable_thinking`; the Responses `reasoning.effort` and the Chat Completions `reasoning_effort` do the same through
-the template's thinking switch ("none" off, any other level on; the level itself is not enforced), as the Messages
-`thinking` does.
-
-Structured output (Responses `text.format`, Chat Completions `response_format`): json_schema and json_object become
-SGLang's `json_schema` sampling parameter (`_output_format`), which the engine enforces with xgrammar; the router
-refuses it alongside tools or on a thinking model that thinks (chat.ChatFormat.check_structured). Custom tools
-(Responses, free-form text input) are rendered as a function of one string parameter, `input`, and their calls come
-back as custom_tool_call items (`responses_tools`, `responses_output`).
+`chat_template_kwargs` (SGLang's extension) sets template variables such as Qwen3's `enable_thinking`, which a
+reasoning effort or the Messages `thinking` also switches (`_effort`). Structured output (Responses `text.format`,
+Chat Completions `response_format`) becomes SGLang's `json_schema` sampling parameter (`_output_format`); Responses
+custom tools are functions of one string parameter (`responses_tools`).
 
 Test: `.venv/bin/pytest tests/test_agentflow.py tests/test_responses.py` (through the router, with the official
 openai and anthropic clients); streaming in tests/test_token_stream.py. Left out: images/audio parts, built-in
