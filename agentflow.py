@@ -45,8 +45,7 @@ Token in, token out (TITO): the chat is rendered with the template once. On the 
 checks that the new messages extend the previous ones, keeps the exact token ids the model produced,
 and appends only the tokens of the new messages (loss_mask 0). Generated text is never re-tokenized,
 so the trainer sees exactly the ids — and logprobs, and weight versions — the engine sampled, a thinking model's
-thinking included. A history that does not extend (compacted or edited, or rendered without thinking the model
-sampled: Qwen3's template drops it at a new user query) starts a new segment; all segments are kept.
+thinking included. A history that does not extend starts a new segment (`Session.plan`); all segments are kept.
 
 Black-box agents and code-test rewards run in sandboxes (sandbox.py: limits, containment where the OS allows,
 every process killed at the end). With `cfg.agent_preload` (e.g. ["openai"]) a Python agent command is forked
