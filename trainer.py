@@ -327,12 +327,10 @@ def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_siz
     for i, s in enumerate(batch):
         groups.setdefault(s.get("group_id", i) if by_group else i, []).append(i)
     order = list(groups.values())
-    per = [len(c) for c in _split_evenly(len(order), n_minibatches)]
     length = [len(s.get("prompt_ids", ())) + len(s.get("response_ids", ())) for s in batch]
-    out, start = [], 0
-    for n in per:
-        mb_groups = order[start:start + n]
-        start += n
+    out = []
+    for span in _split_evenly(len(order), n_minibatches):
+        mb_groups = order[span.start:span.stop]
         out.append(sorted((i for g in mb_groups[dp_rank::dp_size] for i in g), key=length.__getitem__))
     return out
 
@@ -340,9 +338,7 @@ def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_siz
 def _split_evenly(n: int, parts: int) -> list[range]:
     """`parts` consecutive ranges covering range(n), sizes differing by at most one."""
     q, r = divmod(n, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + q + (1 if i < r else 0))
+    bounds = [0, *itertools.accumulate(q + (1 if i < r else 0) for i in range(parts))]
     return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
@@ -378,11 +374,8 @@ def n_minibatches(cfg, batch: list[dict]) -> int:
 def minibatch_rows(plan: list[list[int]]) -> list[range]:
     """For each mini-batch of `plan`, its rows in `local` (the plan's indices concatenated, mini-batch after
     mini-batch)."""
-    out, start = [], 0
-    for mine in plan:
-        out.append(range(start, start + len(mine)))
-        start += len(mine)
-    return out
+    ends = itertools.accumulate(len(mine) for mine in plan)
+    return [range(end - len(mine), end) for mine, end in zip(plan, ends)]
 
 
 def denominators(cfg, batch: list[dict], n_mb: int, mb_i: int, by_group: bool) -> dict[str, float]:
