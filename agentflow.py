@@ -30,30 +30,22 @@ trajectory is "truncated"); a failed trajectory is retried up to `cfg.agent_retr
 kept as "failed" (reward 0, loss_mask all 0) so its group stays complete.
 
 The router is one HTTP server in front of all engines. Each trajectory gets a session base URL
-`http://host:port/s/<session>/v1` (the session id and the api key are unguessable tokens) serving
-OpenAI `POST /chat/completions`, OpenAI `POST /responses` (input items, function and custom tools, structured
-output, `previous_response_id` within the session, across weight updates), Anthropic `POST /messages` and
-`GET /models`, plain and streaming, with tool calls. A streamed reply streams from the engine (SGLang's
-`stream: true`): its reasoning and content go out as the tokens arrive, as far as they are settled
-(`chat.TurnStream`: a tool call's text is held back and the call sent whole at the end), and the turn it records is
-the one the plain reply records. A session sticks to one engine (its KV prefix cache stays warm); new sessions go to
-the engine with the fewest requests in flight. An engine that fails a call, or misses a periodic `/server_info`
-probe, leaves routing at once (dead or hung) and its requests move to the other engines; the controller re-creates it
-and `replace_engine` routes to its successor.
+`http://host:port/s/<session>/v1` (the session id and the api key are unguessable tokens) serving OpenAI
+`POST /chat/completions` and `POST /responses` (`previous_response_id` within the session, across weight updates),
+Anthropic `POST /messages` and `GET /models`, plain and streaming (`streamed` in `Router.app`), with tool calls. A
+session sticks to one engine (its KV prefix cache stays warm); new sessions go to the engine with the fewest requests
+in flight. An engine that fails a call or a periodic probe leaves routing at once (rollout.EnginePool); the controller
+re-creates it and `replace_engine` routes to its successor.
 
-Requests are checked against the APIs' request schemas (`openai_request`, `anthropic_request`, `responses_request`,
-in wire.py): what they refuse gets a 400 in their error shape, options the engine cannot honour are refused rather
-than ignored, and `model` is optional (one model is served). Structured output (`text.format`, `response_format`)
-reaches the engine as SGLang's `json_schema` sampling parameter, constrained decoding whose logprobs are those of the
-masked distribution (docs/ENGINES.md); `chat.ChatFormat.check_structured` refuses it where the chat template and
-a grammar that holds from the first token disagree (tools offered, a thinking model thinking).
+Requests are checked, and answered, in each API's own shapes by wire.py (its docstring says what is refused and
+why); structured output is constrained decoding in the engine, its logprobs those of the masked distribution
+(docs/ENGINES.md).
 
 Token in, token out (TITO): the chat is rendered with the template once. On the next turn the router
 checks that the new messages extend the previous ones, keeps the exact token ids the model produced,
 and appends only the tokens of the new messages (loss_mask 0). Generated text is never re-tokenized,
 so the trainer sees exactly the ids — and logprobs, and weight versions — the engine sampled, a thinking model's
-thinking included. A history that does not extend (compacted or edited, or rendered without thinking the model
-sampled: Qwen3's template drops it at a new user query) starts a new segment; all segments are kept.
+thinking included. A history that does not extend starts a new segment (`Session.plan`); all segments are kept.
 
 Black-box agents and code-test rewards run in sandboxes (sandbox.py: limits, containment where the OS allows,
 every process killed at the end). With `cfg.agent_preload` (e.g. ["openai"]) a Python agent command is forked
@@ -62,9 +54,8 @@ from one warm interpreter that has imported those modules, instead of starting P
 Reading order (top to bottom): `Trajectory`, what the trainer reads (the engines behind the router are
 `rollout.EnginePool`; the chat template, end tokens and the family's parsers `chat.ChatFormat`); `Session`, where TITO
 happens (render, check that the history extends, generate, append exactly the sampled ids); `Router`, the HTTP
-endpoints, which call wire.py at their edges only (request parsing, response and stream shapes, error bodies);
-the code-test reward; `AgentFlow`, the actor the controller calls. wire.py holds the OpenAI / Anthropic / Responses
-formats and nothing else, so this file is the system and that one the protocol.
+endpoints; the code-test reward; `AgentFlow`, the actor the controller calls. wire.py holds the OpenAI / Anthropic /
+Responses formats and nothing else, so this file is the system and that one the protocol.
 
 Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
@@ -192,8 +183,8 @@ def sampling_seed(*key) -> int:
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
     """The TLS context of every router client, built once. The router speaks plain HTTP, but an httpx transport
-    builds a context of its own unless given one, and loading the CA store took 18 ms of CPU per white-box
-    trajectory on these CPUs (cProfile): time the event loop, and every session on it, waited."""
+    builds a context of its own unless given one, loading the CA store while the event loop waits
+    (docs/BENCHMARKS.md)."""
     return ssl.create_default_context()
 
 
@@ -206,10 +197,9 @@ def sdk_httpx():
 
 def openai_http_client():
     """The http client of every white-box agent's AsyncOpenAI client: the SDK's own aiohttp backend
-    (`openai.DefaultAioHttpClient`), whose C HTTP parser costs the agent's event loop ~0.2 ms less per request than
-    the default transport's pure-Python one (the router's whole overhead was ~0.9 ms: bench.py router). aiohttp sets
-    TCP_NODELAY itself; `max_connections=0` is aiohttp's "no limit": as many connections as the requests in flight
-    need, each kept open for the next request until it has idled for the pool's expiry (5 s)."""
+    (`openai.DefaultAioHttpClient`), whose C HTTP parser costs the agent's event loop less per request than the default
+    transport's pure-Python one (docs/BENCHMARKS.md). aiohttp sets TCP_NODELAY itself; `max_connections=0` is aiohttp's
+    "no limit", each connection kept open for the next request until it has idled for the pool's expiry (5 s)."""
     limits = sdk_httpx().Limits(max_connections=0, max_keepalive_connections=None)
     return openai.DefaultAioHttpClient(limits=limits, verify=_tls_context())
 
@@ -356,8 +346,8 @@ class Session:
 
     def _render_text(self, seg: Segment) -> Segment:
         """Render the segment's chat (its `text`) and decide `thinking_shown`, once, when a turn extends it. Done
-        here rather than at commit, so a session's last turn (every turn of a single-turn agent) is never rendered: a
-        Jinja render of the whole chat, growing with it (0.12 of the 0.16 ms CPU of a short chat's turn here)."""
+        here rather than at commit, so a session's last turn (every turn of a single-turn agent) is never rendered:
+        a Jinja render of the whole chat, growing with it, most of a short turn's CPU."""
         if seg.text is None:
             seg.text = self.chat.render(seg.messages, seg.tools, kwargs=seg.kwargs)
             reasoning = seg.messages[-1].get("reasoning_content")
@@ -741,9 +731,8 @@ class Router:
             return JSONResponse({"status": "ok", "sessions": len(self.sessions),
                                  "engines_up": len(self.pool.healthy())})
 
-        # Plain Starlette, not FastAPI: the handlers take the bare Request, and FastAPI's layers around them (its
-        # middleware, parameter injection, exit stacks) cost ~0.1 ms of the ~0.9 ms a request spent outside the
-        # SDK and the engine (bench.py router)
+        # Plain Starlette, not FastAPI: FastAPI's layers around the handlers cost ~0.1 ms of the ~0.9 ms a request
+        # spent outside the SDK and the engine (bench.py router)
         return Starlette(routes=[
             Route("/s/{sid}/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/s/{sid}/v1/messages", messages, methods=["POST"]),
@@ -867,8 +856,8 @@ class AgentFlow:
                                     data.import_object(cfg.tool_parser) if data.is_dotted(cfg.tool_parser)
                                     else cfg.tool_parser, cfg.reasoning_parser, cfg.chat_template_kwargs)
         self.pool = rollout.EnginePool(engine_urls, health_timeout_s=cfg.engine_health_timeout,
-                               check_every_s=cfg.engine_check_every, wait_s=cfg.engine_wait,
-                               return_routed_experts=bool(cfg.router_replay))
+                                       check_every_s=cfg.engine_check_every, wait_s=cfg.engine_wait,
+                                       return_routed_experts=bool(cfg.router_replay))
         # reward None: `reward: judge`, the judge model scores each group once it is complete (_judge)
         self.reward_fn = None if cfg.reward == "judge" else data.import_object(cfg.reward)
         self.agent_fn = data.import_object(cfg.agent) if cfg.agent else None
@@ -894,7 +883,7 @@ class AgentFlow:
         self.router = Router(self.pool, self.chat, model_name=Path(tokenizer_path).name or "loongsage",
                              host=cfg.router_host, strict_fields=cfg.strict_fields)
         # The white-box agents' clients share one connection pool to the router: a trajectory's first call takes a
-        # kept-alive connection instead of opening one (~0.4 ms less CPU per trajectory here: docs/BENCHMARKS.md)
+        # kept-alive connection instead of opening one (docs/BENCHMARKS.md)
         self._sdk_http = None
         self._next_group = 0                # generate()'s group ids (eval): unique across its calls
         self._tasks: set[asyncio.Task] = set()
@@ -912,9 +901,9 @@ class AgentFlow:
             self.judge_chat = chat.ChatFormat(cfg.judge["model_path"])  # the judge's own tokenizer and chat template
             self.judge_parse = data.judge_parser(cfg.judge["parse"])
             self._judge_http = httpx.AsyncClient(transport=rollout.nodelay_transport())
-        # A full garbage collection walks every object the process tracks, ~475k once torch, transformers and the
-        # tokenizer are loaded (216-226 ms of CPU each, measured), and the router and every agent on this loop wait
-        # for it. What start-up made lives as long as the process: moved out of the collector's sight, once.
+        # A full garbage collection walks every object the process tracks (~475k once torch and the tokenizer are
+        # loaded: ~220 ms of CPU, with the router and every agent on this loop waiting). What start-up made lives as
+        # long as the process: moved out of the collector's sight, once.
         if gc.get_freeze_count() == 0:
             gc.collect()
             gc.freeze()
@@ -966,9 +955,8 @@ class AgentFlow:
         if not aborted and self.judge_url is not None:
             await self._judge(results, sample)
         # an aborted group is incomplete: group-relative advantages over it would be biased
-        # vars(), not dataclasses.asdict: asdict deep-copies every token list element by element (~0.5-2 ms a
-        # trajectory on these CPUs, the largest per-trajectory cost of a step); the lists are already this
-        # trajectory's own (Session.trajectory copies them), so a shallow dict is the same data
+        # vars(), not dataclasses.asdict, which deep-copies every token list (the largest per-trajectory cost of a
+        # step); the lists are already this trajectory's own (Session.trajectory copies them)
         return {"seq": seq, "aborted": aborted, "trajs": [] if aborted else [dict(vars(r)) for r in results]}
 
     async def generate(self, samples: list[dict], n: int, sampling: dict, step: int) -> list[dict]:
@@ -1226,16 +1214,13 @@ class AgentFlow:
                 if r.timed_out:
                     status, error = "truncated", f"agent command timed out after {self.cfg.agent_timeout}s"
                 elif r.exit_code != 0 and s.status == "ok":
-                    status, error = "failed", (f"agent command exited {r.exit_code}: "
-                                               f"{r.stderr.strip()[-1000:]}")
+                    status, error = "failed", f"agent command exited {r.exit_code}: {r.stderr.strip()[-1000:]}"
             except Exception as e:  # sandbox start/exec trouble fails this trajectory, not the step
                 status, error = "failed", f"sandbox error: {e!r}"
             finally:
                 await self.router.close_session(s)
                 await box.delete()
-            traj = await self._finish(s, sample, status=status, error=error,
-                                      response_text=answer or s.last_text)
-            return traj
+            return await self._finish(s, sample, status=status, error=error, response_text=answer or s.last_text)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -489,10 +489,8 @@ def _call_id(style: str = "openai", written=None) -> str:
 
 def _calls(actions, tools, style: str = "openai") -> list[dict]:
     """Call objects ({"name", "arguments" | "parameters"}) -> tool calls, as SGLang's parse_base_json reads them:
-    "parameters" first when truthy, then "arguments"; a call of a tool not offered is dropped. One departure, on
-    purpose: arguments written as a JSON string holding an object are decoded (SGLang forwards the string), and
-    arguments that are neither make the whole text content, because the router's histories hold arguments as
-    objects and the agent must be able to send the call back."""
+    "parameters" first when truthy, then "arguments"; a call of a tool not offered is dropped. Where it departs
+    (arguments must be an object, or a JSON string of one): the module docstring."""
     names = {t["function"]["name"] for t in tools or ()}
     out = []
     for act in actions if isinstance(actions, list) else [actions]:
@@ -717,17 +715,11 @@ def parse_deepseekv3(text: str, tools) -> tuple[str, list[dict]]:
 
 def parse_tool_calls(parser: str, text: str, tools) -> tuple[str, list[dict]]:
     """Dispatch on the parser's name (TOOL_PARSERS)."""
-    if parser == "hermes":
-        return parse_hermes(text, tools)
-    elif parser in ("qwen25", "qwen"):
-        return parse_qwen25(text, tools)
-    elif parser == "llama3":
-        return parse_llama3(text, tools)
-    elif parser == "mistral":
-        return parse_mistral(text, tools)
-    elif parser == "deepseekv3":
-        return parse_deepseekv3(text, tools)
-    raise ValueError(f"tool_parser {parser!r} is not one of {TOOL_PARSERS} (or a dotted path to your own)")
+    parse = {"hermes": parse_hermes, "qwen25": parse_qwen25, "qwen": parse_qwen25, "llama3": parse_llama3,
+             "mistral": parse_mistral, "deepseekv3": parse_deepseekv3}.get(parser)
+    if parse is None:
+        raise ValueError(f"tool_parser {parser!r} is not one of {TOOL_PARSERS} (or a dotted path to your own)")
+    return parse(text, tools)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -763,11 +755,10 @@ def reason_deepseek_r1(text: str) -> tuple[str, str]:
 
 def parse_reasoning(parser: str, text: str) -> tuple[str, str]:
     """Dispatch on the parser's name (REASONING_PARSERS)."""
-    if parser == "qwen3":
-        return reason_qwen3(text)
-    elif parser == "deepseek-r1":
-        return reason_deepseek_r1(text)
-    raise ValueError(f"reasoning_parser {parser!r} is not one of {REASONING_PARSERS}")
+    reason = {"qwen3": reason_qwen3, "deepseek-r1": reason_deepseek_r1}.get(parser)
+    if reason is None:
+        raise ValueError(f"reasoning_parser {parser!r} is not one of {REASONING_PARSERS}")
+    return reason(text)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -788,7 +779,7 @@ class ChatFormat:
         (TOOL_PARSERS), a function `fn(text, tools) -> (content, tool_calls)`, "none", or "" to pick the one the
         template shows. `reasoning_parser`: qwen3, deepseek-r1, "none", or "" to pick from the template.
         `template_kwargs`: variables every render gets (a request's chat_template_kwargs override them). The cfg keys
-        of the same names, whose dotted paths `agentflow.chat_format` resolves."""
+        of the same names, whose dotted paths AgentFlow resolves."""
         from transformers import AutoTokenizer  # late: importing chat.py stays cheap (data.load_tokenizer's note)
         self.tok = AutoTokenizer.from_pretrained(tokenizer_path)
         self.template = chat_template or None  # None: the tokenizer's
@@ -948,10 +939,9 @@ class ChatFormat:
 
     def check_structured(self, req, template_kwargs: dict) -> None:
         """Refuse structured output (a grammar from `text.format` / `response_format`) where it and the template
-        disagree: the grammar constrains the reply from its first token, so (1) offered tools could never be called
-        (the template's tool-call syntax is not JSON of the schema): send tool_choice "none" or no tools; (2) a
-        thinking model could not think, and SGLang run with a reasoning parser lets the thinking run free before the
-        grammar starts, so the two engines would sample from different distributions: turn thinking off."""
+        disagree: the grammar holds from the reply's first token, so offered tools could never be called, and a
+        thinking model could not think (SGLang with a reasoning parser lets the thinking run free before the grammar
+        starts: the two engines would sample from different distributions)."""
         if req.structured is None:
             return
         if req.tools and req.parse_tools:

@@ -364,8 +364,7 @@ def finalize(cfg: Config) -> Config:
     need(cfg.dtype == "float32" or cfg.device == "cuda", f"dtype={cfg.dtype!r} with device={cfg.device!r}: the trainer "
          "trains in bfloat16 only on CUDA (Megatron's mixed-precision optimizer keeps fp32 master weights there); on "
          "CPU use dtype=float32")
-    # SGLang 0.5.23 serves with FlashAttention-3 on Hopper (its default for MHA there, and what deterministic inference
-    # falls back to: arg_groups/overrides.py, _deterministic_attention_backend), which has no fp32 kernels
+    # SGLang 0.5.23 on Hopper: FlashAttention-3 (arg_groups/overrides.py, _deterministic_attention_backend)
     need(cfg.dtype != "float32" or cfg.engine != "sglang", "dtype=float32 with engine=sglang: SGLang would serve "
          "with --dtype float32, and on Hopper it picks FlashAttention-3, which has no fp32 kernels; set "
          "dtype=bfloat16 (the trainer keeps fp32 master weights; fp32_lm_head=true keeps the logits in fp32)")
@@ -451,8 +450,7 @@ def check_pipeline(cfg: Config) -> None:
 
 def check_counts(cfg: Config) -> None:
     """Counts, budgets, rates and sampling knobs in their ranges."""
-    # counts and budgets: a zero or negative value here would divide by zero in finalize's batch algebra or
-    # hang/do nothing later
+    # counts and budgets: zero or less would divide by zero in finalize's batch algebra or hang/do nothing later
     for name in ("trainer_workers", "tensor_parallel", "num_engines", "prompts_per_step", "samples_per_prompt",
                  "global_batch_size", "micro_batch_size", "max_new_tokens", "max_prompt_len", "max_context_len",
                  "max_turns", "eval_samples", "engine_max_batch", "max_parallel_sandboxes", "warmstart_batch_size"):
@@ -668,8 +666,7 @@ def check_fast_paths(cfg: Config) -> None:
          f"MoE model ({mt}) and tensor_parallel={tp}: Megatron-Core trains MoE layers under tensor parallelism only "
          "with sequence parallelism (its MoELayer refuses otherwise); set sequence_parallel=true, or split the "
          "experts with expert_parallel instead")
-    # DeepSeek-V3 under TP has been checked for a forward only (tests/test_deepseek.py): its MLA and MoE layers have
-    # not trained under TP with sequence parallelism here, so that stays refused until a test trains it
+    # DeepSeek-V3 under TP: a forward is tested (tests/test_deepseek.py), a training step not yet
     need(not (mt == "deepseek_v3" and tp > 1), f"tensor_parallel={tp} with an MoE model ({mt}): training DeepSeek-V3 "
          "under tensor parallelism is not tested; use tensor_parallel=1 and split the experts with expert_parallel")
     convert.layer_spec(cfg, cfg.device == "cpu")  # what the spec this machine would build cannot serve (LoRA, CP, SP,
@@ -853,17 +850,14 @@ def check_judge(cfg: Config) -> None:
 
 def check_runtime(cfg: Config) -> None:
     """What only this machine can say: the device exists, the model and data are there."""
-    if cfg.device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device=cuda but no CUDA device is visible; run on a GPU machine or set "
-                             "device=cpu engine=cpu")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is visible; run on a GPU machine or set device=cpu engine=cpu")
     if cfg.model_path != "tiny" and not Path(cfg.model_path).is_dir():
         raise FileNotFoundError(f"model_path={cfg.model_path!r} is not a directory; give a local HF model directory "
                                 "(config.json + safetensors + tokenizer) or model_path=tiny")
-    if cfg.agent_command and cfg.sandbox == "docker":
-        if not sandbox.docker_available():
-            raise ValueError("sandbox=docker but no Docker engine answers `docker info` on this machine; start "
-                             "dockerd, or set sandbox=local (LocalSandbox.contained says what it contains here)")
+    if cfg.agent_command and cfg.sandbox == "docker" and not sandbox.docker_available():
+        raise ValueError("sandbox=docker but no Docker engine answers `docker info` on this machine; start "
+                         "dockerd, or set sandbox=local (LocalSandbox.contained says what it contains here)")
     for name in cfg.agent_preload:
         if importlib.util.find_spec(name) is None:
             raise ValueError(f"agent_preload: no module {name!r} here; install it, or drop it from agent_preload")

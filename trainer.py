@@ -327,12 +327,10 @@ def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_siz
     for i, s in enumerate(batch):
         groups.setdefault(s.get("group_id", i) if by_group else i, []).append(i)
     order = list(groups.values())
-    per = [len(c) for c in _split_evenly(len(order), n_minibatches)]
     length = [len(s.get("prompt_ids", ())) + len(s.get("response_ids", ())) for s in batch]
-    out, start = [], 0
-    for n in per:
-        mb_groups = order[start:start + n]
-        start += n
+    out = []
+    for span in _split_evenly(len(order), n_minibatches):
+        mb_groups = order[span.start:span.stop]
         out.append(sorted((i for g in mb_groups[dp_rank::dp_size] for i in g), key=length.__getitem__))
     return out
 
@@ -340,9 +338,7 @@ def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_siz
 def _split_evenly(n: int, parts: int) -> list[range]:
     """`parts` consecutive ranges covering range(n), sizes differing by at most one."""
     q, r = divmod(n, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + q + (1 if i < r else 0))
+    bounds = [0, *itertools.accumulate(q + (1 if i < r else 0) for i in range(parts))]
     return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
@@ -378,11 +374,8 @@ def n_minibatches(cfg, batch: list[dict]) -> int:
 def minibatch_rows(plan: list[list[int]]) -> list[range]:
     """For each mini-batch of `plan`, its rows in `local` (the plan's indices concatenated, mini-batch after
     mini-batch)."""
-    out, start = [], 0
-    for mine in plan:
-        out.append(range(start, start + len(mine)))
-        start += len(mine)
-    return out
+    ends = itertools.accumulate(len(mine) for mine in plan)
+    return [range(end - len(mine), end) for mine, end in zip(plan, ends)]
 
 
 def denominators(cfg, batch: list[dict], n_mb: int, mb_i: int, by_group: bool) -> dict[str, float]:
@@ -1206,10 +1199,9 @@ def _storage_bytes(storage) -> torch.Tensor:
 class HandOff:
     """COLOCATED: the memory a rank lends the engines on its GPUs between phases (fleet.colocate_hand_off): after the
     step its optimizer state and gradients, after the sync its weights; all come back before the next step. Tags:
-    "weights", "optimizer" (moments, fp32 masters), "grads" (zero between steps: storage resized to zero and back,
-    nothing kept). Tensors keep their identity (the optimizer and DDP hold them): on CUDA each storage's bytes go to
-    pinned host memory and the storage is resized to zero and back; on CPU `.data` moves to a file in
-    output_dir/offload (cpu.offload_to_file), so the bytes really leave this process."""
+    "weights", "optimizer" (moments, fp32 masters), "grads" (zero between steps: nothing kept). Tensors keep their
+    identity (the optimizer and DDP hold them): each storage is resized to zero and back, its bytes kept in pinned
+    host memory on CUDA, in a file in output_dir/offload on CPU (cpu.offload_to_file)."""
 
     TAGS = ("weights", "optimizer", "grads")
 
@@ -1382,11 +1374,9 @@ class Export:
 class TrainerWorker:
     """One Megatron-Core rank of the policy. The controller creates world_size of them and calls every method on all
     ranks at once; collectives inside pair them up. Its parts: `par`, `policy` with `optim`, `ref` (when a KL term
-    needs one), `critic`, `export`, `hand_off`. Metrics are identical on every rank.
-
-    LoRA (lora.py): base weights frozen, only the adapters in the optimizer; the reference is the policy with its
-    adapters off; a sync sends the adapters alone; the HF export is the merged model plus a PEFT directory.
-    """
+    needs one), `critic`, `export`, `hand_off`. Metrics are identical on every rank. LoRA (lora.py): base weights
+    frozen, only the adapters in the optimizer; the reference is the policy with its adapters off (Export: what
+    leaves the rank)."""
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
         self.cfg = cfg

@@ -19,22 +19,13 @@ Reading order: error bodies; request parsing (`openai_request`, `anthropic_reque
 and `responses_tools`, then `responses_output`, `responses_response`, `responses_stream`).
 
 What an API refuses gets an `ApiError` (HTTP status, message naming the field and the value seen), rendered in
-that API's error shape by the router. In all three APIs, options the engine cannot honour are refused rather than
-ignored, so the trainer never sees a sample drawn from a different distribution than the agent asked for: each
-top-level field of the official SDK's request type is honoured, inert (no effect on what is generated: metadata,
-store, user, caching and billing hints; only type-checked) or accepted only at its default (`_check_fields`); an
-unknown one near a sampling field (`temprature`) is a 400 naming it, any other is accepted and returned in
-`ChatRequest.unknown` for the router to count and record (agent programs add fields with every release).
-`chat_template_kwargs` (Chat Completions and Responses, SGLang's extension) sets template variables such as Qwen3's
-`enable_thinking`; the Responses `reasoning.effort` and the Chat Completions `reasoning_effort` do the same through
-the template's thinking switch ("none" off, any other level on; the level itself is not enforced), as the Messages
-`thinking` does.
-
-Structured output (Responses `text.format`, Chat Completions `response_format`): json_schema and json_object become
-SGLang's `json_schema` sampling parameter (`_output_format`), which the engine enforces with xgrammar; the router
-refuses it alongside tools or on a thinking model that thinks (chat.ChatFormat.check_structured). Custom tools
-(Responses, free-form text input) are rendered as a function of one string parameter, `input`, and their calls come
-back as custom_tool_call items (`responses_tools`, `responses_output`).
+that API's error shape by the router. Options the engine cannot honour are refused rather than ignored, so the
+trainer never sees a sample drawn from a different distribution than the agent asked for (the field tables and
+`_check_fields` say how each top-level field is taken).
+`chat_template_kwargs` (SGLang's extension) sets template variables such as Qwen3's `enable_thinking`, which a
+reasoning effort or the Messages `thinking` also switches (`_effort`). Structured output (Responses `text.format`,
+Chat Completions `response_format`) becomes SGLang's `json_schema` sampling parameter (`_output_format`); Responses
+custom tools are functions of one string parameter (`responses_tools`).
 
 Test: `.venv/bin/pytest tests/test_agentflow.py tests/test_responses.py` (through the router, with the official
 openai and anthropic clients); streaming in tests/test_token_stream.py. Left out: images/audio parts, built-in
@@ -340,12 +331,10 @@ def anthropic_tools(raw) -> list[dict] | None:
     return _unique_tools(tools)
 
 
-# Top-level request fields: those of the official SDKs' request types, and those the agent programs of
-# tests/test_real_agents.py send (tests/agent_requests/). An unknown field passes unless it looks like a mistyped
-# sampling field (`_check_fields`). Known fields fall in three kinds: honoured (the handlers read them); inert (no
-# effect on what is generated: metadata, caching, billing hints), only type-checked; honoured only at their default
-# value, because the engine cannot do otherwise and ignoring them would hand the trainer a different sample than was
-# asked for.
+# Top-level request fields: those of the official SDKs' request types and those the agent programs of
+# tests/test_real_agents.py send (tests/agent_requests/), in three kinds: honoured (the handlers read them); inert
+# (no effect on what is generated), only type-checked; honoured only at their default value, because the engine
+# cannot do otherwise. Unknown fields: `_check_fields`.
 _OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options",
                     "temperature", "top_p", "top_k", "tools", "tool_choice", "logprobs", "response_format",
                     "reasoning_effort", "chat_template_kwargs", "separate_reasoning",  # these two: SGLang's
@@ -390,10 +379,9 @@ def sampling_typo(name: str) -> str | None:
 
 
 def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict, strict: bool = False) -> tuple:
-    """Check the top-level fields; returns the unknown ones accepted. Agent programs send beta and client fields the
-    real services take and change them with every release, so an unknown field passes (the router counts, warns
-    and records it: agentflow.Router), unless it looks like a mistyped sampling field (400); `strict` refuses every
-    unknown field, naming the closest known one."""
+    """Check the top-level fields; returns the unknown ones accepted. Agent programs add fields with every release,
+    so an unknown field passes (the router counts, warns and records it: agentflow.Router), unless it looks like a
+    mistyped sampling field (`temprature`: 400); `strict` refuses every unknown field, naming the closest known one."""
     unknown = []
     for k, v in body.items():
         if k in honoured:
@@ -1062,7 +1050,7 @@ _REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max"
 
 def _effort(v, param: str) -> bool | None:
     """A reasoning effort (Chat Completions `reasoning_effort`, Responses `reasoning.effort`) -> thinking on / off /
-    not asked: "none" turns thinking off, any other level on (see _responses_reasoning)."""
+    not asked: "none" turns thinking off, any other level on (a chat template's thinking is a switch)."""
     if v is None:
         return None
     if v not in _REASONING_EFFORTS:
@@ -1071,11 +1059,9 @@ def _effort(v, param: str) -> bool | None:
 
 
 def _responses_reasoning(v) -> bool | None:
-    """`reasoning` -> thinking on / off / not asked, what a chat template can do (Qwen3's enable_thinking is a switch):
-    effort "none" turns thinking off, any other level turns it on; the level itself is not enforced (the API calls it
-    guidance; no template takes a budget), as Messages' budget_tokens. `summary` is accepted and has no effect: the
-    reasoning item carries the whole thinking as its content, with an empty summary. mode "pro" (more compute at
-    OpenAI) and a `context` other than auto are refused."""
+    """`reasoning` -> thinking on / off / not asked (`_effort`; the level itself is not enforced: the API calls it
+    guidance, as Messages' budget_tokens). `summary` has no effect: the reasoning item carries the whole thinking as
+    its content, with an empty summary. mode "pro" and a `context` other than auto are refused."""
     if v is None:
         return None
     extra = sorted(set(v) - {"effort", "summary", "generate_summary", "context", "mode"}) if isinstance(v, dict) else 0
@@ -1105,10 +1091,8 @@ def _responses_tool_choice(choice, tools: list[dict] | None, custom: frozenset) 
 
 
 def responses_request(body: dict, previous: dict[str, list[dict]], strict: bool = False) -> ChatRequest:
-    """A Responses body -> ChatRequest, checked as Chat Completions is: an unknown field a 400 naming the closest one,
-    inert ones type-checked, ones the engine cannot honour accepted only at their default. `previous` maps the
-    session's response ids to their conversations (the API's `previous_response_id` reaches only responses of the
-    same session)."""
+    """A Responses body -> ChatRequest, its fields checked as Chat Completions' are (`_check_fields`). `previous`
+    maps the session's response ids to their conversations (`previous_response_id` reaches only this session's)."""
     unknown = _check_fields(body, _RESPONSES_HONOURED, _RESPONSES_INERT, _RESPONSES_DEFAULT_ONLY, strict)
     if "input" not in body:
         raise ApiError(400, "missing required field 'input'", param="input")
