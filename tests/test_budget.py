@@ -11,9 +11,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STAND_INS_AND_TOOLS = ("cpu_engine.py", "cpu_model.py", "cpu.py", "bench.py", "viewer.py")
-# The reading core's cap: 12,000 lines when the house budget landed, plus the share each later change was granted
-# (its issue states it) and used. A change that needs more makes room first.
-CORE_SHARES = {"the house budget": 12_000}
+# The reading core's cap: the house budget's goal of 12,000 lines, plus the share each change was granted (its issue
+# states it) and used, plus what the core still held over the goal when the budget landed: a debt to cut, never to
+# spend. A change that needs more makes room first; a cut lowers the debt.
+CORE_SHARES = {"the house budget's goal (issue 40)": 12_000,
+               "GPU refusals (issue 41)": 3, "agent programs (issue 42)": 230,
+               "reasoning-gym and verifiers (issue 45)": 61, "checkpoint faults (issue 49)": 114,
+               "live fault drills (issue 50)": 5, "the device check (issue 51)": 33,
+               "over the goal at the budget's landing: to cut (issue 40)": 467}
 CAPS = {"reading core": sum(CORE_SHARES.values()), "stand-ins and tools": 4_500, "recipes": 1_000, "scripts": 800}
 FILE_CAPS = {"agentflow.py": 1_300}  # the router, sessions, TITO and the agent runners; the engine client and the
 #                                     chat rendering live in rollout.py and chat.py
@@ -44,6 +49,8 @@ def table(buckets: dict[str, dict[str, int]]) -> str:
     for name, files in buckets.items():
         cap = CAPS.get(name)
         rows.append(f"{name}: {sum(files.values()):,} lines" + (f" (cap {cap:,})" if cap else " (no bucket: move it)"))
+        if name == "reading core":
+            rows += [f"    cap: {n:6,}  {why}" for why, n in CORE_SHARES.items()]
         rows += [f"    {n:5d}  {f}" for f, n in sorted(files.items(), key=lambda kv: -kv[1])]
     return "\n".join(rows)
 
