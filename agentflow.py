@@ -106,6 +106,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 import chat
+import config
 import data
 import rollout
 import sandbox
@@ -115,11 +116,9 @@ from wire import (ApiError, Turn, anthropic_error_body, anthropic_request, anthr
 
 log = logging.getLogger("loongsage.agentflow")
 ROOT = Path(__file__).resolve().parent
-# What a request is, as a segment label (Router._admit): the agent's own loop, a side call to its small/fast model
-# (the launchers name it SIDE_MODEL: Claude Code's ANTHROPIC_SMALL_FAST_MODEL, opencode's small_model), Codex's
-# compaction (its prompt opens the last user message), Messages count_tokens (a prompt, nothing generated). The recipe
-# picks which train (cfg.train_labels; default the main loop): the others stay in the trajectory, loss mask 0.
-LABELS = ("main", "side", "compaction", "count_tokens")
+# A request's segment label (Router._admit; what each means: Config.train_labels, which picks those that train; the
+# others stay in the trajectory, loss mask 0). A side call names SIDE_MODEL; a compaction opens with Codex's prompt.
+LABELS = config.SEGMENT_LABELS
 SIDE_MODEL = "loongsage-side"
 CODEX_COMPACTION = "You are performing a CONTEXT CHECKPOINT COMPACTION."
 

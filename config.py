@@ -46,6 +46,7 @@ RECOMPUTE = ("none", "selective", "full")  # Config.recompute
 MEGATRON_OWNED = {"tensor_model_parallel_size": "tensor_parallel", "pipeline_model_parallel_size": "pipeline_parallel",
                   "expert_model_parallel_size": "expert_parallel", "context_parallel_size": "context_parallel",
                   "sequence_parallel": "sequence_parallel", "recompute_granularity": "recompute"}
+SEGMENT_LABELS = ("main", "side", "compaction", "count_tokens")  # what a router request is (agentflow.LABELS)
 WINDOWS = ("no-window", "window-gated", "windowed-fifo")  # the built-in async windows (loongsage.groups_to_dispatch)
 TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker name -> the optional package it needs
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")  # HF model types with routers (R3, expert parallelism)
@@ -163,7 +164,7 @@ class Config:
     strict_fields: bool = False  # router: refuse every request field wire.py does not know (default: accept, count
     #                              and record the unknown ones, refusing only near-misses of sampling fields)
     train_labels: list = field(default_factory=lambda: ["main"])  # which of an agent's requests train, by the label
-    # the router gives their segments (agentflow.LABELS): main (the agent's loop), side (calls naming its small/fast
+    # the router gives their segments (SEGMENT_LABELS): main (the agent's loop), side (calls naming its small/fast
     # model agentflow.SIDE_MODEL, as recipes/agents.py sets it), compaction (Codex's), count_tokens (a prompt only);
     # segments of the other labels stay in the trajectory with loss mask 0
     first_turn_constraint: dict = field(default_factory=dict)  # one SGLang grammar parameter (regex, ebnf,
@@ -484,9 +485,8 @@ def check_rollout(cfg: Config) -> None:
          "engines take cuda_ipc, broadcast or disk (or auto)")
     need(not (cfg.agent and cfg.agent_command), f"set either agent ({cfg.agent!r}, a Python function) or "
          f"agent_command ({cfg.agent_command!r}, a black-box program), not both")
-    import agentflow  # late: the router's imports are needed only here
-    need(bool(cfg.train_labels) and set(cfg.train_labels) <= set(agentflow.LABELS), f"train_labels="
-         f"{cfg.train_labels}: choose one or more of {list(agentflow.LABELS)}")
+    need(bool(cfg.train_labels) and set(cfg.train_labels) <= set(SEGMENT_LABELS), f"train_labels="
+         f"{cfg.train_labels}: choose one or more of {list(SEGMENT_LABELS)}")
     c = cfg.first_turn_constraint
     need(not c or len(c) == 1 and next(iter(c)) in ("regex", "ebnf", "json_schema", "structural_tag") and
          isinstance(next(iter(c.values())), str), f"first_turn_constraint={c!r:.200}: give one of regex, ebnf, "
