@@ -18,11 +18,9 @@ import pytest
 
 import agentflow
 import chat
-import cpu_engine
-import data
 import rollout
 import wire
-from test_real_agents import SETTINGS
+from test_real_agents import agent_engine  # noqa: F401  the tier's engine fixture, reused
 
 REQUESTS = Path(__file__).parent / "agent_requests"
 CAPTURED = [(p.stem, i, r) for p in sorted(REQUESTS.glob("*.json"))
@@ -117,21 +115,12 @@ async def replay(engine_url: str, model: str, requests: list[dict], train_labels
         await pool.close()
 
 
-@pytest.fixture(scope="module")
-def labels_engine():
-    model = data.build_tiny_model(data.default_cache_dir() / f"tiny-agents-{data.settings_hash(SETTINGS)}",
-                                  **SETTINGS)
-    url, handle = cpu_engine.serve(model, max_batch=2, max_len=SETTINGS["max_position_embeddings"], seed=0)
-    yield model, url
-    handle.shutdown()
-
-
-def test_side_calls_compaction_and_count_tokens_are_labelled_segments(labels_engine):
+def test_side_calls_compaction_and_count_tokens_are_labelled_segments(agent_engine):
     """Through the router: opencode's title call (its small_model, named agentflow.SIDE_MODEL) is a `side` segment,
     Codex's compaction request a `compaction` segment, Claude Code's count_tokens a prompt-only `count_tokens` segment;
     by default only `main` segments train (the others keep loss mask 0) and the last main segment is the trajectory's
     top level, last in `segments`; train_labels naming `side` trains the side call too."""
-    model, url = labels_engine
+    model, url = agent_engine
     requests = captured("opencode", 0, 1) + captured("codex", 4) + [
         {**r, "path": "/v1/messages/count_tokens"} for r in captured("claude", 1)]
     assert requests[0]["body"]["model"] == agentflow.SIDE_MODEL
