@@ -537,7 +537,7 @@ def _flush_caches(urls: list[str], timeout: float) -> None:
             try:
                 rollout.post(url, "/flush_cache", {}, timeout=timeout)
             except rollout.EngineError as e:
-                if "answered HTTP 400" not in str(e):
+                if rollout.http_status(e) != 400:
                     errors.append(e)
                 elif time.monotonic() < deadline:
                     refused.append(url)

@@ -245,7 +245,8 @@ def token_versions(meta: dict, n: int) -> list[int]:
     return [_version(meta.get("weight_version"))] * n
 
 
-def _http_status(e: Exception) -> int | None:
+def http_status(e: Exception) -> int | None:
+    """The HTTP status an engine call failed with (an httpx error's, or the one EngineError's message names)."""
     status = getattr(e, "status_code", None)
     if status is None:  # EngineError carries the status in its message: "... answered HTTP 400: ..."
         m = re.search(r"answered HTTP (\d{3})", str(e))
@@ -395,7 +396,7 @@ class EnginePool:
                         {"version": str(adapter[1]), "start": 0, "end": n}])
                 return url, answer
             except EngineError as e:
-                status = _http_status(e)
+                status = http_status(e)
                 if status is not None and status < 500:
                     # The engine refused the input itself (bad ids, too long): the client's fault, not the engine's.
                     raise EngineRejected(f"the rollout engine rejected the request: {e}") from None
@@ -528,7 +529,7 @@ class EnginePool:
                 if not fut.done():
                     fut.set_result(answer)
         except EngineError as e:
-            if len(batch) > 1 and (_http_status(e) or 500) < 500:
+            if len(batch) > 1 and (http_status(e) or 500) < 500:
                 # the engine refused the batch for one bad request: resend one by one, so only it fails
                 await asyncio.gather(*(self._send_one(url, b) for b in batch))
             else:
