@@ -487,12 +487,9 @@ def rng_states(on_cpu: bool) -> dict:
 
 def restore_rng_states(rng, on_cpu: bool) -> None:
     """Inverse of rng_states."""
-    if isinstance(rng, torch.Tensor):  # checkpoints written before python/numpy states were kept
-        rng = {"torch": rng}
     torch.set_rng_state(rng["torch"].cpu())
-    if "python" in rng:
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
     if "cuda" in rng and torch.cuda.is_available() and not on_cpu:
         torch.cuda.set_rng_state(rng["cuda"].cpu())
 
