@@ -401,20 +401,13 @@ def add_up(dicts) -> dict[str, float]:
     out: dict[str, float] = {}
     for d in dicts:
         for k, v in d.items():
-            _add(out, k, v)
+            out[k] = out.get(k, 0.0) + v
     return out
-
-
-def _add(d: dict[str, float], key: str, value: float) -> None:
-    d[key] = d.get(key, 0.0) + value
 
 
 def _metric_sums(loss: torch.Tensor, metrics: dict) -> dict[str, float]:
     """One micro-batch's loss and metrics as python floats, the loss under "loss"."""
-    out = {"loss": float(loss.detach())}
-    for k, v in metrics.items():
-        _add(out, k, float(v))
-    return out
+    return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -609,11 +602,7 @@ class Parallel:
             return dict(values)
         gathered = [None] * self.dp_size
         torch.distributed.all_gather_object(gathered, values, group=self.dp_group_gloo)
-        out: dict[str, float] = {}
-        for d in gathered:
-            for k, v in d.items():
-                out[k] = out.get(k, 0.0) + v
-        return out
+        return add_up(gathered)
 
     def dp_max(self, value: float) -> float:
         if self.dp_size == 1:
@@ -1070,9 +1059,8 @@ class Optim:
         """End a mini-batch: one optimizer step, then its DP-summed metric sums and grad norm into the step's means
         over `n_mb` mini-batches (`totals`, updated in place; lr is the last one's)."""
         grad_norm, lr = self.step()
-        for k, v in self.model.par.dp_sum(sums).items():
-            _add(totals, k, v / n_mb)
-        _add(totals, "grad_norm", grad_norm / n_mb)
+        for k, v in {**self.model.par.dp_sum(sums), "grad_norm": grad_norm}.items():
+            totals[k] = totals.get(k, 0.0) + v / n_mb
         totals["lr"] = lr
 
     def tensors(self) -> list[torch.Tensor]:
