@@ -440,7 +440,8 @@ def check_pipeline(cfg: Config) -> None:
     need(isinstance(cfg.pipeline_parallel, int) and cfg.pipeline_parallel >= 1,
          f"pipeline_parallel={cfg.pipeline_parallel!r} must be a positive integer")
     if cfg.pipeline_parallel > 1:
-        layers, tied = _layers_and_tied(cfg.model_path, cfg.tiny_model)
+        hf = _hf_config(cfg.model_path, cfg.tiny_model)
+        layers, tied = hf.get("num_hidden_layers"), bool(hf.get("tie_word_embeddings", False))
         need(layers is None or layers % cfg.pipeline_parallel == 0, f"pipeline_parallel={cfg.pipeline_parallel} "
              f"does not divide the model's {layers} layers; choose a divisor of {layers}")
         need(not tied, f"pipeline_parallel={cfg.pipeline_parallel} with tied input/output embeddings "
@@ -535,10 +536,11 @@ def check_placement(cfg: Config) -> None:
     if cfg.expert_parallel != 1:
         need(isinstance(cfg.expert_parallel, int) and cfg.expert_parallel > 1,
              f"expert_parallel={cfg.expert_parallel!r} must be a positive integer")
-        mt = _model_type(cfg.model_path, cfg.tiny_model)
+        hf = _hf_config(cfg.model_path, cfg.tiny_model)
+        mt = hf.get("model_type")
         need(mt in (None,) + MOE_MODEL_TYPES, f"expert_parallel={cfg.expert_parallel} needs an MoE model, but "
              f"{cfg.model_path!r} is {mt!r}; set expert_parallel=1")
-        experts = _num_experts(cfg.model_path, cfg.tiny_model)
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
         need(not experts or experts % cfg.expert_parallel == 0, f"expert_parallel={cfg.expert_parallel} does not "
              f"divide the model's {experts} experts; choose a divisor of {experts}")
         ranks = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.expert_parallel  # Megatron's expert grid
@@ -697,38 +699,22 @@ def teacher_spec(name: str, spec) -> dict:
     return spec
 
 
-def _model_type(path: str, tiny_model: dict) -> str | None:
-    """config.json's model_type of `path` (the tiny builder's, for "tiny"); None where it cannot be read yet."""
-    if path == "tiny":
-        if tiny_model.get("model_type", "qwen3") != "qwen3":
-            return tiny_model["model_type"]
-        return "qwen3_moe" if int(tiny_model.get("num_experts", 0) or 0) > 0 else "qwen3"
-    cfg_file = Path(path) / "config.json"
-    return json.loads(cfg_file.read_text()).get("model_type") if cfg_file.exists() else None
-
-
-def _layers_and_tied(path: str, tiny_model: dict) -> tuple[int | None, bool]:
-    """(num_hidden_layers, tie_word_embeddings) of `path` (the tiny builder's for "tiny"); (None, False) where
-    unknown yet."""
+def _hf_config(path: str, tiny_model: dict) -> dict:
+    """config.json of the HF directory `path`, {} where it does not exist yet; for "tiny" the fields the rules read
+    (model_type, num_hidden_layers, tie_word_embeddings, num_experts) as the tiny builder will write them."""
     if path == "tiny":
         s = {**data.TINY_DEFAULTS, **tiny_model}
-        return int(s["num_hidden_layers"]), bool(s["tie_word_embeddings"])
+        experts = int(s["num_experts"] or 0)
+        return {"model_type": "qwen3_moe" if s["model_type"] == "qwen3" and experts else s["model_type"],
+                "num_hidden_layers": int(s["num_hidden_layers"]), "tie_word_embeddings": bool(s["tie_word_embeddings"]),
+                "num_experts": experts}
     cfg_file = Path(path) / "config.json"
-    if not cfg_file.exists():
-        return None, False
-    hf = json.loads(cfg_file.read_text())
-    return hf.get("num_hidden_layers"), bool(hf.get("tie_word_embeddings", False))
+    return json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
 
 
-def _num_experts(path: str, tiny_model: dict) -> int | None:
-    """Routed experts per layer of `path` (the tiny builder's for "tiny"); None where unknown yet."""
-    if path == "tiny":
-        return int({**data.TINY_DEFAULTS, **tiny_model}["num_experts"])
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.exists():
-        return None
-    hf = json.loads(cfg_file.read_text())
-    return hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
+def _model_type(path: str, tiny_model: dict) -> str | None:
+    """config.json's model_type of `path` (the tiny builder's, for "tiny"); None where it cannot be read yet."""
+    return _hf_config(path, tiny_model).get("model_type")
 
 
 def _vocab_of(path: str, tiny_model: dict) -> tuple | None:
@@ -737,12 +723,8 @@ def _vocab_of(path: str, tiny_model: dict) -> tuple | None:
     if path == "tiny":
         s = {**data.TINY_DEFAULTS, **tiny_model}
         return ("tiny", s["tokenizer_vocab"], s["vocab_multiple"], s["chat_format"])
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.exists():
-        return None
-    tok = Path(path) / "tokenizer.json"
-    return (json.loads(cfg_file.read_text()).get("vocab_size"),
-            data.settings_hash(tok.read_text()) if tok.exists() else None)
+    hf, tok = _hf_config(path, {}), Path(path) / "tokenizer.json"
+    return (hf.get("vocab_size"), data.settings_hash(tok.read_text()) if tok.exists() else None) if hf else None
 
 
 def check_teacher_vocab(student_path: str, teacher_paths: dict[str, str], student_tiny: dict | None = None,
