@@ -520,8 +520,7 @@ def _mtp_weight(name: str, hf: dict) -> bool:
 
 def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
     """Full (unsharded, TP=1 layout) Megatron state dict from an HF state dict; all experts included."""
-    heads, kv, d = _dims(hf)
-    q_per_group = heads // kv
+    _, kv, d = _dims(hf)
     unused = set(hf_state)
     hf_state = _Tracked(hf_state, unused)
     out = {"embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"],
@@ -533,16 +532,12 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, tor
         if hf["model_type"] == "deepseek_v3":  # multi-latent attention: the projections keep their row layouts
             out.update({m + mn: hf_state[h + hn] for hn, mn in _MLA_NAMES if h + hn in hf_state})
         else:
-            q = hf_state[h + "self_attn.q_proj.weight"].view(kv, q_per_group, d, -1)  # (G, Nq/G, D, H)
-            k = hf_state[h + "self_attn.k_proj.weight"].view(kv, 1, d, -1)  # (G, 1, D, H)
-            v = hf_state[h + "self_attn.v_proj.weight"].view(kv, 1, d, -1)  # (G, 1, D, H)
-            qkv = torch.cat([q, k, v], 1)  # (G, Nq/G + 2, D, H): per group its q heads, its k head, its v head
-            out[m + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, qkv.size(-1))  # (G*(Nq/G+2)*D, H)
-        if h + "self_attn.q_proj.bias" in hf_state:
-            qb = hf_state[h + "self_attn.q_proj.bias"].view(kv, q_per_group, d)  # (G, Nq/G, D)
-            kb = hf_state[h + "self_attn.k_proj.bias"].view(kv, 1, d)
-            vb = hf_state[h + "self_attn.v_proj.bias"].view(kv, 1, d)
-            out[m + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], 1).reshape(-1)  # (G*(Nq/G+2)*D,)
+            for kind in ["weight"] + (["bias"] if h + "self_attn.q_proj.bias" in hf_state else []):  # bias: Qwen2
+                q, k, v = (hf_state[h + f"self_attn.{p}_proj.{kind}"] for p in "qkv")  # (N*D[, H]), N = Nq, G, G
+                rest = q.shape[1:]  # (H,) for the weight, () for the bias
+                # (G, Nq/G + 2, D[, H]): per query group its q heads, its k head, its v head
+                qkv = torch.cat([x.view(kv, -1, d, *rest) for x in (q, k, v)], 1)
+                out[m + f"self_attention.linear_qkv.{kind}"] = qkv.reshape(-1, *rest)  # (G*(Nq/G+2)*D[, H])
         out[m + "self_attention.linear_proj.weight"] = hf_state[h + "self_attn.o_proj.weight"]
         if h + "self_attn.q_norm.weight" in hf_state:
             out[m + "self_attention.q_layernorm.weight"] = hf_state[h + "self_attn.q_norm.weight"]
@@ -587,16 +582,12 @@ def megatron_to_hf_tensor(name: str, t: torch.Tensor, hf: dict) -> list[tuple[st
     L, h = int(layer), f"model.layers.{layer}."
     heads, kv, d = _dims(hf)
     q_per_group = heads // kv
-    if rest == "self_attention.linear_qkv.weight":
-        qkv = t.view(kv, q_per_group + 2, d, t.size(-1))  # (G, Nq/G+2, D, H)
-        return [(h + "self_attn.q_proj.weight", qkv[:, :q_per_group].reshape(heads * d, -1)),
-                (h + "self_attn.k_proj.weight", qkv[:, q_per_group].reshape(kv * d, -1)),
-                (h + "self_attn.v_proj.weight", qkv[:, q_per_group + 1].reshape(kv * d, -1))]
-    if rest == "self_attention.linear_qkv.bias":
-        b = t.view(kv, q_per_group + 2, d)  # (G, Nq/G+2, D)
-        return [(h + "self_attn.q_proj.bias", b[:, :q_per_group].reshape(-1)),
-                (h + "self_attn.k_proj.bias", b[:, q_per_group].reshape(-1)),
-                (h + "self_attn.v_proj.bias", b[:, q_per_group + 1].reshape(-1))]
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind, tail = rest.rsplit(".", 1)[1], t.shape[1:]  # tail: (H,) for the weight, () for the bias
+        qkv = t.view(kv, q_per_group + 2, d, *tail)  # (G, Nq/G+2, D[, H])
+        return [(h + f"self_attn.q_proj.{kind}", qkv[:, :q_per_group].reshape(heads * d, *tail)),
+                (h + f"self_attn.k_proj.{kind}", qkv[:, q_per_group].reshape(kv * d, *tail)),
+                (h + f"self_attn.v_proj.{kind}", qkv[:, q_per_group + 1].reshape(kv * d, *tail))]
     if hf["model_type"] == "deepseek_v3":
         mla = {mn: hn for hn, mn in _MLA_NAMES}
         if rest in mla:
