@@ -330,8 +330,7 @@ def start_trainers(cfg: Config, fleet: Fleet) -> list:
                     .remote(cfg, r, cfg.trainer_workers, addr, port) for r, o in enumerate(plan["trainers"])]
         fleet.others += trainers
         try:
-            wait([t.__ray_ready__.remote() for t in trainers], "starting the trainer ranks", cfg.actor_timeout,
-                 "actor_timeout")
+            wait([t.__ray_ready__.remote() for t in trainers], "starting the trainer ranks", cfg.actor_timeout)
             for r, t in enumerate(trainers):  # async on CPU: each rank on cores of its own (see cpu.actor_cores)
                 if cores := cpu.actor_cores(cfg, "trainer", r):
                     t.__ray_call__.remote(lambda _, c: cpu.pin_process(c), cores)
@@ -437,12 +436,12 @@ def _addr_and_port():
 # colocated hand-off
 
 
-def wait(refs, what: str, timeout: float, knob: str, every: float = 0.0, tick=None):
+def wait(refs, what: str, timeout: float, knob: str = "actor_timeout", every: float = 0.0, tick=None):
     """`ray.get(refs)` that cannot hang. A failure is raised the moment it arrives, even while other
     ranks still wait for the failed one inside a collective; past `timeout` seconds it raises
     TimeoutError naming `what` and the config `knob` that sets the limit (a bare ray.get would wait
-    forever on a hung actor). `tick()` runs every `every` seconds meanwhile (the engine health check
-    while a rollout batch is generated)."""
+    forever on a hung actor; most calls' limit is `actor_timeout`). `tick()` runs every `every` seconds
+    meanwhile (the engine health check while a rollout batch is generated)."""
     order = list(refs) if isinstance(refs, list) else [refs]
     pending, results = list(order), {}
     start = time.monotonic()
@@ -480,7 +479,7 @@ def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: i
     old = fleet.urls[i]
     ray.kill(fleet.actors[i], no_restart=True)  # a hung engine still holds its bundle (and port, GPU)
     fleet.actors[i] = start_engine(cfg, fleet, i)
-    url = wait(fleet.actors[i].url.remote(), f"re-creating rollout engine {i}", cfg.actor_timeout, "actor_timeout")
+    url = wait(fleet.actors[i].url.remote(), f"re-creating rollout engine {i}", cfg.actor_timeout)
     # it loaded fleet.model (version 0); every later version lives only in the trainers, and with LoRA the router
     # names the current adapter (version 0's too, after a warm start), which this engine must have
     if version > 0 or cfg.lora_rank:
@@ -493,7 +492,7 @@ def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: i
         rollout.post(url, "/pause_generation", {"mode": "retract"}, timeout=cfg.weight_sync_timeout)
         rollout.post(url, "/release_memory_occupation", {"tags": list(fleet.hand_off)}, timeout=cfg.weight_sync_timeout)
         fleet.released[i] = set(fleet.hand_off)
-    wait(flow.replace_engine.remote(old, url), "AgentFlow.replace_engine", cfg.actor_timeout, "actor_timeout")
+    wait(flow.replace_engine.remote(old, url), "AgentFlow.replace_engine", cfg.actor_timeout)
     fleet.urls[i] = url
     fleet.restarts += 1
     print(f"engine {i} at {old} was dead or hung: re-created at {url}, serving weight version {version}")
@@ -595,8 +594,7 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int, base: 
             print(f"weight sync of version {version} failed as an engine died ({str(e).splitlines()[0]}); "
                   "pushing again to the others")
     if cfg.lora_rank:  # every live engine has the new adapter: new requests name it
-        wait(flow.use_adapter.remote(lora.adapter_name(version), version), "AgentFlow.use_adapter", cfg.actor_timeout,
-             "actor_timeout")
+        wait(flow.use_adapter.remote(lora.adapter_name(version), version), "AgentFlow.use_adapter", cfg.actor_timeout)
     check_engines(cfg, fleet, flow, trainers, version)
     return stats
 
@@ -644,15 +642,13 @@ def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> 
             engine(url, "/pause_generation", {"mode": "retract"})
         memory("release", ["weights", "kv_cache"])
         fleet.hand_off = ["weights", "kv_cache"]
-        mem = wait([t.onload.remote() for t in trainers], "trainer onload", cfg.actor_timeout, "actor_timeout")
+        mem = wait([t.onload.remote() for t in trainers], "trainer onload", cfg.actor_timeout)
     elif stage == "sync":
-        mem = wait([t.offload.remote(["optimizer", "grads"]) for t in trainers], "trainer offload", cfg.actor_timeout,
-                   "actor_timeout")
+        mem = wait([t.offload.remote(["optimizer", "grads"]) for t in trainers], "trainer offload", cfg.actor_timeout)
         memory("resume", ["weights"])
         fleet.hand_off = ["kv_cache"]
     elif stage == "rollout":
-        mem = wait([t.offload.remote(["weights"]) for t in trainers], "trainer offload", cfg.actor_timeout,
-                   "actor_timeout")
+        mem = wait([t.offload.remote(["weights"]) for t in trainers], "trainer offload", cfg.actor_timeout)
         memory("resume", ["kv_cache"])
         fleet.hand_off = []
         for url in fleet.urls:
@@ -662,7 +658,7 @@ def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> 
     out = {f"memory/{stage}_trainer_mb": mem[0]["rss_bytes"] / 2**20,
            f"timing/hand_off_{stage}": time.perf_counter() - t0}
     if "gpu_used_bytes" in mem[0]:  # the whole device: read again now the engines' half of the stage is done too
-        used = wait([trainers[0].memory.remote()], "trainer memory", cfg.actor_timeout, "actor_timeout")[0]
+        used = wait([trainers[0].memory.remote()], "trainer memory", cfg.actor_timeout)[0]
         out[f"memory/{stage}_gpu_used_mb"] = used["gpu_used_bytes"] / 2**20
     rss = [s["rss_bytes"] for s in engine_states(fleet.urls) if "rss_bytes" in s]  # the CPU engine reports it
     if rss:
@@ -707,7 +703,7 @@ def save_run_state(cfg: Config, trainers, step: int, controller_state: dict) -> 
     try:
         files = {}
         for sums in wait([t.save_checkpoint.remote(str(path)) for t in trainers],
-                         f"checkpoint of step {step} (trainer ranks)", cfg.actor_timeout, "actor_timeout"):
+                         f"checkpoint of step {step} (trainer ranks)", cfg.actor_timeout):
             files |= sums
         trainer.fault("controller", step)
         files["controller_state.json"] = _atomic_write(path / "controller_state.json",
@@ -760,7 +756,7 @@ def load_run_state(cfg: Config, trainers) -> tuple[int, dict | None]:
     trainer.verify(path / "controller_state.json", files["controller_state.json"])
     state = json.loads((path / "controller_state.json").read_text())
     wait([t.load_checkpoint.remote(str(path), files) for t in trainers], f"loading checkpoint {path}",
-         cfg.actor_timeout, "actor_timeout")
+         cfg.actor_timeout)
     return int(state["step"]) + 1, state
 
 

@@ -99,8 +99,7 @@ def train(cfg: Config) -> list[dict]:
     built = ray.get([t.load_hf.remote(fleet.model) for t in trainers])
     print(f"trainer: Megatron-Core with {built[0]['megatron']}")  # what `auto` resolved to on the trainers
     flow = start_rollout(cfg, fleet) if late else flow
-    fleet.urls = wait([e.url.remote() for e in fleet.actors], "starting the rollout engines", cfg.actor_timeout,
-                      "actor_timeout")
+    fleet.urls = wait([e.url.remote() for e in fleet.actors], "starting the rollout engines", cfg.actor_timeout)
     print(f"engines: {fleet.urls}")
     teachers = start_teachers(cfg, fleet, teacher_paths) if cfg.teachers else []  # teacher.py, scores each batch
     if teachers and float(cfg.gkd_ratio) > 0 and cfg.distill_type != "topk_kl":  # hidden-state targets
@@ -142,19 +141,18 @@ def train(cfg: Config) -> list[dict]:
         else:
             while not producer.full():
                 new = producer.dispatch()
-                if new:
-                    wait(flow.submit.remote(new, N, sampling, step), "AgentFlow.submit", cfg.actor_timeout,
-                         "actor_timeout")  # returns at once: the groups start
+                if new:  # submit returns at once: the groups start
+                    wait(flow.submit.remote(new, N, sampling, step), "AgentFlow.submit", cfg.actor_timeout)
                 # blocks until a group finishes; meanwhile engines are probed and dead ones re-created (the
                 # trainers are idle here and hold version `step`, which a re-created engine gets)
                 producer.receive(wait(flow.completed.remote(), f"rollouts of step {step}", cfg.actor_timeout,
-                                      "actor_timeout", every=cfg.engine_check_every,
+                                      every=cfg.engine_check_every,
                                       tick=lambda: check_engines(cfg, fleet, flow, trainers,
                                                                  0 if cfg.rollout_only else step)), version=step)
             trajs, m = producer.pop_batch()
             metrics.update(m)
-            wait(flow.submit.remote(producer.refill(), N, sampling, step), "AgentFlow.submit", cfg.actor_timeout,
-                 "actor_timeout")  # async: top the window up now, so the engines generate while this step trains
+            # async: top the window up now, so the engines generate while this step trains
+            wait(flow.submit.remote(producer.refill(), N, sampling, step), "AgentFlow.submit", cfg.actor_timeout)
         metrics["timing/generate"] = time.perf_counter() - t0  # the trainer's wait for rollouts
         metrics.update(rollout_metrics(trajs, step))
         metrics["perf/rollout_tokens_per_s"] = (metrics["rollout/generated_tokens"]
@@ -179,10 +177,10 @@ def train(cfg: Config) -> list[dict]:
             if teachers:
                 refs = [t.score.options(num_returns=2).remote(batch_ref) for t in teachers]
                 targets_ref, scored = refs[0]
-                metrics.update(wait(scored, f"teacher scoring of step {step}", cfg.actor_timeout, "actor_timeout"))
+                metrics.update(wait(scored, f"teacher scoring of step {step}", cfg.actor_timeout))
                 metrics["timing/teacher"], t0 = time.perf_counter() - t0, time.perf_counter()
             metrics.update(wait([t.train_step.remote(batch_ref, step, targets_ref) for t in trainers],
-                                f"train step {step}", cfg.actor_timeout, "actor_timeout")[0])  # reduced over DP ranks
+                                f"train step {step}", cfg.actor_timeout)[0])  # reduced over DP ranks
             metrics["timing/train"] = time.perf_counter() - t0
 
             # --- 3. weights -> engines (TransferMesh); engines then report version step + 1. Requests in
@@ -201,8 +199,7 @@ def train(cfg: Config) -> list[dict]:
             metrics["timing/eval"] = time.perf_counter() - t0
 
         perf, used = step_usage(fleet, used, t_step, metrics["timing/generate"], local=not cfg.ray_address)
-        metrics.update({**perf, **wait(flow.engine_metrics.remote(), "AgentFlow.engine_metrics", cfg.actor_timeout,
-                                       "actor_timeout")})
+        metrics.update({**perf, **wait(flow.engine_metrics.remote(), "AgentFlow.engine_metrics", cfg.actor_timeout)})
         logger.log(step, metrics)
         bar.write(logger.line(step, metrics))
 
@@ -541,13 +538,13 @@ def evaluate(cfg: Config, flow, eval_sets: dict[str, list[dict]], step: int) -> 
     for name, samples in eval_sets.items():
         prefix = f"eval/{name}/" if name else "eval/"
         trajs = wait(flow.generate.remote(samples, cfg.eval_samples, sampled, step), f"eval at step {step}",
-                     cfg.actor_timeout, "actor_timeout")
+                     cfg.actor_timeout)
         out.update(eval_metrics(trajs, cfg.eval_samples, prefix))
         for src, ts in _by_source(trajs).items():  # data_sources: one accuracy per source's eval set
             out[f"{prefix}{src}/accuracy"] = sum(t["reward"] for t in ts) / len(ts)
         if cfg.eval_greedy:
             greedy = wait(flow.generate.remote(samples, 1, {**sampled, "temperature": 0.0}, step),
-                          f"greedy eval at step {step}", cfg.actor_timeout, "actor_timeout")
+                          f"greedy eval at step {step}", cfg.actor_timeout)
             out[f"{prefix}greedy_accuracy"] = eval_metrics(greedy, 1)["eval/accuracy"]
     return out
 
