@@ -1,34 +1,27 @@
-"""TransferMesh: trainer -> rollout engines weight sync, over the fastest path each receiver has.
+"""TransferMesh: trainer -> rollout engines weight sync, over the fastest path each receiver has (docs/TRANSFERMESH.md:
+the transports, buckets and streaming, and what each costs).
 
-After each optimizer step the controller pauses the engines in place (`pause_engines`), the trainer calls
-`push_weights` on rank 0 with a stream of HF-named tensors (trainer.py gathers them over TP/EP/PP one at a time,
-on the device, as the stream is read; no rank holds the whole model), the controller lets them continue
-(`continue_engines`): three visible steps in `train()`, so requests in flight keep their KV cache and resume on
-the new weights, each token recording the version that produced it.
+Trainer rank 0 calls `push_weights` with a stream of HF-named tensors (trainer.py gathers them over TP/EP/PP one at a
+time, on the device, as the stream is read; no rank holds the whole model) while the controller holds the engines
+paused (fleet.update_engines). It speaks SGLang 0.5.23's weight-update contract (/work/shared/SGLANG_CONTRACT.md):
+every update sits inside `POST /begin_weight_update {"selector": "all"}` ... `POST /end_weight_update {}`; tensors
+travel in buckets in SGLang's "flattened_bucket" layout (bytes back to back, each offset a multiple of its dtype's
+size), each cut from the stream as it arrives, sent, and let go before the next is gathered (`buckets_with_last`);
+the last bucket carries `weight_version`. One persistent HTTP connection per engine serves every sync. The receiver
+side is the CPU engine's endpoints (cpu_engine.py), using the helpers at the bottom of this file.
 
-`push_weights` speaks SGLang 0.5.23's weight-update contract (/work/shared/SGLANG_CONTRACT.md): every update sits
-inside `POST /begin_weight_update {"selector": "all"}` ... `POST /end_weight_update {}`; tensors travel in buckets
-in SGLang's "flattened_bucket" layout (bytes back to back, each offset a multiple of its dtype's size), each cut
-from the stream as it arrives, sent, and let go before the next is gathered (`buckets_with_last`); the last bucket
-carries `weight_version`. One persistent HTTP connection per engine serves every sync. The receiver side is the CPU
-engine's endpoints (cpu_engine.py), using the helpers at the bottom of this file.
-
-Transports (per engine by `pick_transport`, or `transfer=` in the recipe; the table is in docs/TRANSFERMESH.md):
-`shm` (same machine, CPU engine: one shared-memory copy every local engine reads), `cuda_ipc` (same machine, SGLang
-on GPU: IPC handles, one dump per TP rank), `broadcast` (any machine: a gloo/NCCL group of 1 + the engines' TP
-ranks), `disk` (safetensors in a directory). `transfer=` may also name a user's push function by dotted path,
-`push(tensors, engines, bucket_bytes, config_dir, version) -> (buckets, bytes)`, called inside the engines'
-weight-update session (docs/EXTENDING.md).
-
-Every bucket carries an XXH3-64 checksum per 8 MB chunk (a LoongSage field SGLang ignores); the CPU engine refuses
-a bucket that does not match and keeps its old weights. `rss_bytes` and `trim_freed_memory` serve the colocated
-memory hand-off. Test: tests/test_transfermesh.py; `python bench.py sync` measures each transport against a memcpy.
+Transports, per engine by `pick_transport` or `transfer=` in the recipe: `shm`, `cuda_ipc`, `broadcast`, `disk`, or a
+user's push function by dotted path, `push(tensors, engines, bucket_bytes, config_dir, version) -> (buckets, bytes)`,
+called inside the engines' weight-update session (docs/EXTENDING.md). Every bucket carries an XXH3-64 checksum per
+8 MB chunk (a LoongSage field SGLang ignores); the CPU engine refuses a bucket that does not match and keeps its old
+weights. `rss_bytes` and `trim_freed_memory` serve the colocated memory hand-off.
 
 Processes: senders and receivers of shm buckets are separate processes, as in a run (trainer rank 0, engine actors).
 torch's shared-memory manager table is per process, and a new segment is registered with whichever manager the table
 lists first: a process that has mapped another sender's segment and then allocates its own can reach that sender's
 manager after it exited (RuntimeError: Broken pipe).
 
+Test: tests/test_transfermesh.py; `python bench.py sync` measures each transport against a memcpy.
 Left out: RDMA/NIXL transports, pipelining buckets over several collectives at once, and atomicity across
 buckets (a refused bucket leaves the earlier buckets of the same sync loaded, as in SGLang; the weight version
 only moves when the last bucket lands).
