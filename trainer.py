@@ -1328,8 +1328,8 @@ class Export:
         stats["weights/peak_extra_mb"] = max(transfermesh.peak_rss_bytes() - before, 0) / 2**20
         return stats
 
-    def save_hf(self, path: str, adapter_path: str | None = None, shard_mb: float = 5 * 1024) -> str:
-        """Write an HF model directory (safetensors shards of at most `shard_mb`, with the source config and tokenizer
+    def save_hf(self, path: str, adapter_path: str | None = None) -> str:
+        """Write an HF model directory (safetensors shards of at most 5 GiB, with the source config and tokenizer
         files) as the weights are gathered: rank 0 holds one shard at a time. With LoRA the adapters are merged in
         (W + scale B A), and `adapter_path` gets a PEFT adapter directory (lora.save_peft)."""
         adapters = self.adapters()
@@ -1340,7 +1340,7 @@ class Export:
                 named = lora.merge(stream, adapters, float(self.cfg.lora_alpha) / int(self.cfg.lora_rank))
                 if adapter_path:
                     lora.save_peft(adapters, self.peft, adapter_path)
-            convert.save_hf_dir(named, path, self.hf_path, shard_bytes=int(shard_mb * 2**20))
+            convert.save_hf_dir(named, path, self.hf_path)
         for _ in stream:
             pass
         torch.distributed.barrier()
@@ -1695,10 +1695,9 @@ class TrainerWorker:
         another Ray node); returns rank 0's `weights/` metrics. Every rank must call it."""
         return self.export.sync(engine_urls, version, base, remote)
 
-    def save_hf(self, path: str, adapter_path: str | None = None, shard_mb: float = 5 * 1024) -> str:
-        """Write an HF model directory, with LoRA also a PEFT adapter directory (Export.save_hf). Every rank must
-        call it."""
-        return self.export.save_hf(path, adapter_path, shard_mb)
+    def save_hf(self, path: str, adapter_path: str | None = None) -> str:
+        """Write an HF model directory, with LoRA also a PEFT adapter directory (Export.save_hf); on every rank."""
+        return self.export.save_hf(path, adapter_path)
 
     # --- checkpoints --------------------------------------------------------------------------------
 
