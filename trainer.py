@@ -361,9 +361,6 @@ def lr_at(cfg, it: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
 
 
-# ----------------------------------------------------------------------------------------------
-
-
 def n_minibatches(cfg, batch: list[dict]) -> int:
     """Mini-batches (optimizer steps) for this batch: samples / global_batch_size, at least 1 and never more than
     the groups (an empty mini-batch would still move Adam's weights through its momentum)."""
@@ -1686,13 +1683,11 @@ class TrainerWorker:
         return [(name, t.detach().cpu().clone()) for name, t in self.export.hf_weights()]
 
     def export_adapters(self) -> dict[str, torch.Tensor]:
-        """LoRA: every adapter matrix, full, by its PEFT name, on rank 0; {} elsewhere and without LoRA
-        (Export.adapters; for tests). Every rank must call it."""
+        """LoRA: the full adapter matrices on rank 0 (Export.adapters; for tests). Every rank must call it."""
         return self.export.adapters()
 
     def sync_weights(self, engine_urls: list[str], version: int, base: bool = False, remote: list[str] = ()) -> dict:
-        """Push the current weights to the rollout engines as `version` (Export.sync; `remote`: the engines on
-        another Ray node); returns rank 0's `weights/` metrics. Every rank must call it."""
+        """Push the current weights to the rollout engines as `version` (Export.sync). Every rank must call it."""
         return self.export.sync(engine_urls, version, base, remote)
 
     def save_hf(self, path: str, adapter_path: str | None = None) -> str:
