@@ -102,7 +102,7 @@ def train(cfg: Config) -> list[dict]:
     fleet.urls = wait([e.url.remote() for e in fleet.actors], "starting the rollout engines", cfg.actor_timeout)
     print(f"engines: {fleet.urls}")
     teachers = start_teachers(cfg, fleet, teacher_paths) if cfg.teachers else []  # teacher.py, scores each batch
-    if teachers and float(cfg.gkd_ratio) > 0 and cfg.distill_type != "topk_kl":  # hidden-state targets
+    if teachers and teacher.needs_hidden(cfg):  # hidden-state targets
         heads = teachers[0].lm_heads.remote()  # the teachers' LM heads, sent to the trainers once
         ray.get([t.set_teacher_heads.remote(heads) for t in trainers])
 
@@ -555,20 +555,20 @@ def evaluate_teachers(cfg: Config, trainers, flow, fleet, paths: dict[str, str],
     the student's weights (fleet.model) go back (version 0). Other architectures cannot be served by the
     student's engines and are skipped."""
     mine = teacher.arch_key(convert.read_hf_config(fleet.model))
+
+    def serve(path: str, version: int) -> None:  # update_engines: no answer runs over the previous model's prefix K/V
+        ray.get([t.load_hf.remote(path) for t in trainers])
+        update_engines(cfg, fleet, fleet.urls, lambda: ray.get([
+            t.sync_weights.remote(fleet.urls, version, remote=off_node(fleet, fleet.urls)) for t in trainers]))
     out = {}
     for name, path in paths.items():
         if teacher.arch_key(convert.read_hf_config(path)) != mine:
             print(f"teacher {name}: another architecture than the student, not evaluated")
             continue
-        ray.get([t.load_hf.remote(path) for t in trainers])
-        # update_engines: the student's prefix K/V is flushed, so no teacher answer runs over it
-        update_engines(cfg, fleet, fleet.urls, lambda: ray.get([
-            t.sync_weights.remote(fleet.urls, -1, remote=off_node(fleet, fleet.urls)) for t in trainers]))
+        serve(path, -1)
         m = evaluate(cfg, flow, eval_sets, 0)
         out.update({f"teacher/{name}/{k[len('eval/'):]}": v for k, v in m.items() if k.endswith("accuracy")})
-    ray.get([t.load_hf.remote(fleet.model) for t in trainers])
-    update_engines(cfg, fleet, fleet.urls, lambda: ray.get([
-        t.sync_weights.remote(fleet.urls, 0, remote=off_node(fleet, fleet.urls)) for t in trainers]))
+    serve(fleet.model, 0)
     return out
 
 
