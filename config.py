@@ -369,8 +369,8 @@ def finalize(cfg: Config) -> Config:
     need(cfg.dtype != "float32" or cfg.engine != "sglang", "dtype=float32 with engine=sglang: SGLang would serve "
          "with --dtype float32, and on Hopper it picks FlashAttention-3, which has no fp32 kernels; set "
          "dtype=bfloat16 (the trainer keeps fp32 master weights; fp32_lm_head=true keeps the logits in fp32)")
-    check_pipeline(cfg)
     check_counts(cfg)
+    check_pipeline(cfg)
     check_rollout(cfg)
     check_models(cfg)
     check_placement(cfg)
@@ -401,11 +401,8 @@ def finalize(cfg: Config) -> Config:
     if cfg.mode == "sync":
         cfg.stale_steps = 0.0  # one code path: sync is the pipeline with nothing running ahead
     cfg.trainer_threads, cfg.engine_threads = cpu.torch_threads(cfg)  # those left at 0, derived from the cores
-    for knob in ("engine_check_every", "engine_health_timeout", "engine_wait", "weight_sync_timeout", "actor_timeout"):
-        need(getattr(cfg, knob) > 0, f"{knob}={getattr(cfg, knob)} must be > 0 (seconds)")
     need(cfg.resume in (True, False, "previous"), f"resume={cfg.resume!r}: choose true, false or previous")
     need(cfg.on_save_error in ("stop", "skip"), f"on_save_error={cfg.on_save_error!r}: choose 'stop' or 'skip'")
-    need(cfg.max_engine_restarts >= 0, f"max_engine_restarts={cfg.max_engine_restarts} must be >= 0")
     need(not (cfg.train_only and not cfg.load_rollouts),
          "train_only needs load_rollouts=<dir written by dump_rollouts>")
     for t in cfg.trackers:
@@ -437,8 +434,6 @@ def finalize(cfg: Config) -> Config:
 
 def check_pipeline(cfg: Config) -> None:
     """Pipeline parallelism: the stages split the model's layers evenly; what it does not serve."""
-    need(isinstance(cfg.pipeline_parallel, int) and cfg.pipeline_parallel >= 1,
-         f"pipeline_parallel={cfg.pipeline_parallel!r} must be a positive integer")
     if cfg.pipeline_parallel > 1:
         hf = _hf_config(cfg.model_path, cfg.tiny_model)
         layers, tied = hf.get("num_hidden_layers"), bool(hf.get("tie_word_embeddings", False))
@@ -453,15 +448,17 @@ def check_pipeline(cfg: Config) -> None:
 def check_counts(cfg: Config) -> None:
     """Counts, budgets, rates and sampling knobs in their ranges."""
     # counts and budgets: zero or less would divide by zero in finalize's batch algebra or hang/do nothing later
-    for name in ("trainer_workers", "tensor_parallel", "num_engines", "prompts_per_step", "samples_per_prompt",
-                 "global_batch_size", "micro_batch_size", "max_new_tokens", "max_prompt_len", "max_context_len",
-                 "max_turns", "eval_samples", "engine_max_batch", "max_parallel_sandboxes", "warmstart_batch_size"):
+    for name in ("trainer_workers", "tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel",
+                 "num_engines", "prompts_per_step", "samples_per_prompt", "global_batch_size", "micro_batch_size",
+                 "max_new_tokens", "max_prompt_len", "max_context_len", "max_turns", "eval_samples", "engine_max_batch",
+                 "max_parallel_sandboxes", "warmstart_batch_size", "teacher_tp", "teacher_topk", "teacher_micro_batch"):
         need(isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 1,
              f"{name}={getattr(cfg, name)!r} must be a positive integer")
     for name in ("num_steps", "eval_every", "save_every", "print_every", "agent_retries", "warmstart_steps",
-                 "lr_warmup_steps", "warmstart_stop_loss"):
+                 "lr_warmup_steps", "warmstart_stop_loss", "max_engine_restarts"):
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = off / none)")
-    for name in ("agent_timeout", "cpus_per_trainer", "cpus_per_engine", "bucket_mb"):
+    for name in ("agent_timeout", "cpus_per_trainer", "cpus_per_engine", "bucket_mb", "engine_check_every",
+                 "engine_health_timeout", "engine_wait", "weight_sync_timeout", "actor_timeout"):
         need(getattr(cfg, name) > 0, f"{name}={getattr(cfg, name)!r} must be > 0")
     need(cfg.lr >= 0 and 0 <= cfg.min_lr <= max(cfg.lr, 0),
          f"lr={cfg.lr!r}, min_lr={cfg.min_lr!r}: need 0 <= min_lr <= lr")
@@ -533,9 +530,7 @@ def check_placement(cfg: Config) -> None:
         need(int(cfg.sglang["tp_size"]) == cfg.gpus_per_engine, f"sglang.tp_size={cfg.sglang['tp_size']} but "
              f"gpus_per_engine={cfg.gpus_per_engine}: an engine's tensor parallel size is its GPU count; "
              "set them equal")
-    if cfg.expert_parallel != 1:
-        need(isinstance(cfg.expert_parallel, int) and cfg.expert_parallel > 1,
-             f"expert_parallel={cfg.expert_parallel!r} must be a positive integer")
+    if cfg.expert_parallel > 1:
         hf = _hf_config(cfg.model_path, cfg.tiny_model)
         mt = hf.get("model_type")
         need(mt in (None,) + MOE_MODEL_TYPES, f"expert_parallel={cfg.expert_parallel} needs an MoE model, but "
@@ -642,7 +637,6 @@ def check_fast_paths(cfg: Config) -> None:
          f"{closest(str(cfg.layer_spec), LAYER_SPECS)}")
     need(cfg.recompute in RECOMPUTE, f"recompute={cfg.recompute!r}: choose from {RECOMPUTE}"
          f"{closest(str(cfg.recompute), RECOMPUTE)}")
-    need(isinstance(cp, int) and cp >= 1, f"context_parallel={cp!r} must be a positive integer")
     for key, owner in MEGATRON_OWNED.items():
         need(key not in cfg.megatron, f"megatron.{key}={cfg.megatron.get(key)!r}: LoongSage sets it from its own "
              f"field `{owner}` (which it acts on beyond Megatron); set {owner} instead and drop megatron.{key}")
@@ -757,9 +751,6 @@ def check_teachers(cfg: Config) -> None:
          "only for now; on CUDA use teacher_placement='own' (the teachers' own GPUs)")
     need(cfg.teacher_placement == "own" or cfg.teacher_tp <= cfg.trainer_workers, f"teacher_placement='trainer' "
          f"puts teacher_tp={cfg.teacher_tp} ranks on {cfg.trainer_workers} trainer bundles; lower teacher_tp")
-    need(cfg.teacher_tp >= 1 and cfg.teacher_topk >= 1 and cfg.teacher_micro_batch >= 1,
-         f"teacher_tp={cfg.teacher_tp}, teacher_topk={cfg.teacher_topk}, "
-         f"teacher_micro_batch={cfg.teacher_micro_batch} must be >= 1")
     if cfg.teacher_route:
         need(bool(names), f"teacher_route={cfg.teacher_route!r} without teachers; add `teachers:`")
         data.import_object(cfg.teacher_route)
