@@ -1,21 +1,13 @@
 """HF <-> Megatron-Core: an HF model directory turned into a Megatron GPTModel and its weights, and back.
 
-Top to bottom:
-
-* `read_hf_config` and `megatron_config`: an HF `config.json` (Qwen3, Qwen2, Llama/Mistral, Qwen3-MoE, Mixtral,
-  DeepSeek-V3) turned into a Megatron `TransformerConfig` (for DeepSeek-V3 an `MLATransformerConfig`:
-  `_deepseek_settings`) plus the GPTModel arguments, with Megatron's fast paths (SP, CP, recomputation);
-* `layer_spec`: Transformer Engine's layer spec or Megatron's local one (cfg.layer_spec; DeepSeek-V3's dense and
-  MoE layers from Megatron's per-layer block spec);
-* `build_gpt_model`: a GPTModel on that spec, one pipeline stage of it, with the LM head in fp32 on request
-  (`fp32_output_layer`, which Megatron-Core 0.16 has no option for);
-* the weights: `load_hf_state`, `hf_to_megatron`, `megatron_to_hf_tensor` (full, TP=1 layout, every expert, local-spec
-  names; the name map is written out above them; `fused_norm_names` gives the TE spec's names for the norms it
-  fuses) and the tensor-parallel split / gather of one parameter (`shard_for_rank`, `gather_full`); `save_hf_dir`
-  writes an HF directory the engines and transformers load.
-
-Which shard of a full tensor a rank holds under TP / EP / PP is the trainer's `Model.load` / `Model.gather`;
-this file knows one tensor's TP split only.
+Top to bottom: `read_hf_config` and `megatron_config` (an HF `config.json` of Qwen3, Qwen2, Llama/Mistral,
+Qwen3-MoE, Mixtral or DeepSeek-V3 as a Megatron `TransformerConfig`, an `MLATransformerConfig` for DeepSeek-V3, plus
+the GPTModel arguments and Megatron's fast paths); `layer_spec` (Transformer Engine's or Megatron's local one);
+`build_gpt_model` (one pipeline stage of a GPTModel, the LM head in fp32 on request: `fp32_output_layer`); the
+weights, full (TP=1 layout, every expert, local-spec names, the name map written out above them): `load_hf_state`,
+`hf_to_megatron`, `megatron_to_hf_tensor`, `fused_norm_names` (the TE spec's names of the norms it fuses), one
+parameter's TP split / gather (`shard_for_rank`, `gather_full`), and `save_hf_dir`. Which shard a rank holds under
+TP / EP / PP is the trainer's (`Model.load`, `Model.stream_full`).
 
 Megatron-Core and transformers agree bit for bit on these conversions: a Qwen3 checkpoint loaded here gives
 transformers' fp32 logprobs with max abs diff 0.0 on CPU (docs/CPU.md), so the tests that use them are strict.

@@ -13,12 +13,9 @@ Read `train()` first, right below: it is the whole system, top to bottom. Every 
     TrainerWorker x (TP*PP*DP) (Megatron-Core): old/ref logprobs, advantages, loss, step
 
 This file, in reading order: `train()`; the producer that feeds it and its window rules (`Producer`,
-`groups_to_dispatch`, `collectable`, the version-lag bound); eval; `main`. Beside it:
-  config.py   `Config`, loading and validation, what `--check` prints
-  fleet.py    placement, starting actors, the model a run starts from, `wait`, engine health and re-creation,
-              the weight sync, the colocated hand-off, checkpoints, `Logger`
-  cpu.py      only what exists because there is no GPU (core pinning); a GPU reader can skip it
-  trainer.py, rollout.py, agentflow.py, teacher.py, transfermesh.py, algos.py: the actors and the math
+`groups_to_dispatch`, `collectable`, the version-lag bound); eval; `main`. Beside it (docs/READING.md maps every
+file): config.py (`Config`, validation, `--check`), fleet.py (the actors' plumbing: placement, start-up, `wait`,
+engine health, weight sync, hand-off, checkpoints, `Logger`), cpu.py (only what exists because there is no GPU).
 
 Modes: `mode: async` runs a rollout producer beside the trainer: prompt groups are dispatched under a sliding
 window (capacity C = B*(1+stale_steps) groups in flight or buffered), each is collected the moment it finishes,
