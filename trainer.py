@@ -1586,7 +1586,7 @@ class TrainerWorker:
         against the engine's logprobs, DP-reduced. gap: on tokens sampled by these very weights (version == step);
         off-policy: every token, so in async it also holds the policy's drift."""
         gap_local: dict[str, float] = {}
-        off_local: dict[str, float] = {}
+        off_local: dict[str, float] = {}  # both token-weighted sums (gap_sums) of this rank's rows
         if before_update:
             rows = sorted(before_update)
             lb = collate([local[j] for j in rows], {"logp": [before_update[j] for j in rows]})
@@ -1598,15 +1598,14 @@ class TrainerWorker:
             on_policy = lb["loss_mask"] * (versions == step) * (first == step)  # (b, R)
             gap_local = gap_sums(lb["logp"], lb["rollout_logp"], on_policy)
             off_local = gap_sums(lb["logp"], lb["rollout_logp"], lb["loss_mask"])
-        out = {}
-        gap = self.par.dp_sum({k: v for k, v in gap_local.items() if k != "max"})
-        gap_max = self.par.dp_max(gap_local.get("max", 0.0))
-        if gap.get("tokens", 0) > 0:
-            out.update({"train/gap_k3": gap["k3"] / gap["tokens"], "train/gap_abs": gap["abs"] / gap["tokens"],
+        out, gap_max = {}, self.par.dp_max(gap_local.get("max", 0.0))
+        s = self.par.dp_sum({**{k: v for k, v in gap_local.items() if k != "max"},
+                             **{f"off_{k}": v for k, v in off_local.items() if k != "max"}})
+        if s.get("tokens", 0) > 0:
+            out.update({"train/gap_k3": s["k3"] / s["tokens"], "train/gap_abs": s["abs"] / s["tokens"],
                         "train/gap_max": gap_max})
-        off = self.par.dp_sum({k: v for k, v in off_local.items() if k != "max"})
-        if off.get("tokens", 0) > 0:
-            out["train/offpolicy_k3"] = off["k3"] / off["tokens"]
+        if s.get("off_tokens", 0) > 0:
+            out["train/offpolicy_k3"] = s["off_k3"] / s["off_tokens"]
         return out
 
     # --- on-policy distillation (targets from teacher.py) ---------------------------------------------
