@@ -415,7 +415,6 @@ def math_verify(response: str, sample: dict) -> float:
     return float(bool(gold) and bool(pred) and verify(gold, pred))
 
 
-
 def reasoning_gym_score(response: str, sample: dict) -> float:
     """The sample's reasoning-gym family scores the response with its own score_answer, on the text of the last
     <answer>...</answer> when there is one (reasoning-gym's prompts ask for it), else on the whole response."""
