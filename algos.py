@@ -123,15 +123,13 @@ def validate(cfg) -> None:
 # Aggregation (global denominators)
 # --------------------------------------------------------------------------------------------------------
 
-def global_denominators(loss_mask: torch.Tensor, max_len: float, dp_group=None) -> dict:
-    """Counts of the whole mini-batch on this rank (all micro-batches stacked), summed over DP ranks: tokens = loss
-    tokens; seqs = sequences with at least one loss token (a row with none would shrink every other row's weight);
-    max_len = the constant normaliser of seq_mean_token_sum (the generation budget, e.g. max_new_tokens)."""
-    mask = loss_mask.float()                                              # (B, T)
-    counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).float().sum()])  # (2,) local tokens, seqs
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(counts, group=dp_group)
-    return {"tokens": max(counts[0].item(), 1.0), "seqs": max(counts[1].item(), 1.0), "max_len": float(max_len)}
+def global_denominators(tokens_per_seq, max_len: float) -> dict:
+    """Counts of a whole mini-batch (all its micro-batches, all DP ranks), from the loss tokens of each of its
+    sequences: tokens = loss tokens; seqs = sequences with at least one loss token (a row with none would shrink
+    every other row's weight); max_len = the constant normaliser of seq_mean_token_sum (e.g. max_new_tokens)."""
+    tokens = [float(n) for n in tokens_per_seq]
+    return {"tokens": max(sum(tokens), 1.0), "seqs": max(float(sum(n > 0 for n in tokens)), 1.0),
+            "max_len": float(max_len)}
 
 
 def aggregate(x: torch.Tensor, loss_mask: torch.Tensor, agg: str, denom: dict) -> torch.Tensor:
@@ -750,7 +748,7 @@ def kimi_length_reward(rewards: torch.Tensor, lengths: torch.Tensor, group_ids: 
 def shape_rewards(cfg, rewards: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor, max_len: int):
     """Reward (B,) after length shaping: + DAPO overlong penalty (overlong_buffer > 0) + length_penalty_coef *
     the chosen length penalty. lengths (B,) = model-generated tokens per sample; max_len = the generation
-    budget. Call it before filter_groups if the shaped reward should decide which groups are dropped."""
+    budget. Dynamic sampling (loongsage.Producer) decides on the raw reward, before this shaping."""
     rewards = rewards.float()
     out = rewards + overlong_penalty(lengths, max_len, cfg.overlong_buffer, cfg.overlong_penalty)
     name, coef = cfg.length_penalty, cfg.length_penalty_coef
@@ -761,35 +759,6 @@ def shape_rewards(cfg, rewards: torch.Tensor, lengths: torch.Tensor, group_ids: 
     elif name != "":
         raise _choice_error("length_penalty", name, LENGTH_PENALTIES)
     return out
-
-
-def filter_groups(rewards_by_group) -> tuple[torch.Tensor, dict]:
-    """DAPO dynamic sampling (arXiv 2503.14476 §3.2, the constraint 0 < |correct| < G): keep a
-    group only if its rewards are not all equal (else every advantage in it is 0 and it only dilutes the
-    batch). rewards_by_group: a sequence of G reward lists (sizes may differ) or a (G, N) tensor.
-    Departure: "not all equal" instead of "not all correct/incorrect", so it also works for graded rewards.
-    An empty group or a group of one is dropped. Returns (keep (G,) bool, stats) with stats
-    {"groups", "kept", "dropped", "keep_rate"}."""
-    keep = []
-    for group in rewards_by_group:
-        vals = [float(v) for v in group]
-        keep.append(len(vals) > 1 and max(vals) != min(vals))
-    keep_t = torch.tensor(keep, dtype=torch.bool)
-    kept = int(keep_t.sum())
-    groups = len(keep)
-    return keep_t, {"groups": groups, "kept": kept, "dropped": groups - kept,
-                    "keep_rate": kept / groups if groups else 0.0}
-
-
-def groups_to_request(num_kept: int, num_target: int, keep_rate: float, *, min_keep_rate: float = 0.125) -> int:
-    """How many more groups to sample so that, at the observed keep rate, num_target kept groups are
-    expected: ceil((num_target - num_kept) / max(keep_rate, min_keep_rate)); 0 when enough are kept.
-    min_keep_rate caps over-sampling (at 1/0.125 = 8x the shortfall) when almost every group was dropped;
-    the controller still bounds the number of refill rounds."""
-    missing = num_target - num_kept
-    if missing <= 0:
-        return 0
-    return math.ceil(missing / max(keep_rate, min_keep_rate))
 
 
 # --------------------------------------------------------------------------------------------------------

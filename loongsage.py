@@ -399,6 +399,8 @@ class Producer:
                                min(self.running, default=self.next_seq), self.B, self.C):
             self.running.discard(seq)
             group = self.finished.pop(seq)
+            # DAPO dynamic sampling (arXiv 2503.14476 §3.2): equal rewards give every sample a zero advantage.
+            # Departure: "not all equal" rather than "not all correct/incorrect", so graded rewards work too
             equal = cfg.dynamic_sampling and len({t["reward"] for t in group}) == 1
             if equal or (cfg.group_filter and not data.import_object(cfg.group_filter)(group)):
                 self.stats["dropped"] += 1  # equal rewards (DAPO: zero advantages) or the user's filter; refilled

@@ -376,12 +376,10 @@ def minibatch_rows(plan: list[list[int]]) -> list[range]:
 
 
 def denominators(cfg, batch: list[dict], n_mb: int, mb_i: int, by_group: bool) -> dict[str, float]:
-    """GLOBAL counts of mini-batch `mb_i` over all DP ranks, from the full batch every rank holds: tokens, seqs (as
-    algos.global_denominators counts them) and max_len = cfg.max_new_tokens (Dr. GRPO's constant normaliser)."""
+    """algos.global_denominators of mini-batch `mb_i` over all DP ranks, from the full batch every rank holds (no
+    all-reduce), with max_len = cfg.max_new_tokens (Dr. GRPO's constant normaliser)."""
     idx = plan_minibatches(batch, n_mb, 0, 1, by_group)[mb_i]  # the whole mini-batch: as if one DP rank
-    counts = [sum(batch[i]["loss_mask"]) for i in idx]
-    return {"tokens": float(max(sum(counts), 1)), "seqs": float(max(sum(c > 0 for c in counts), 1)),
-            "max_len": float(cfg.max_new_tokens)}
+    return algos.global_denominators([sum(batch[i]["loss_mask"]) for i in idx], cfg.max_new_tokens)
 
 
 def gap_sums(train_logp, rollout_logp, loss_mask) -> dict[str, float]:

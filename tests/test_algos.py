@@ -24,7 +24,7 @@ def make_cfg(**overrides):
 
 
 def denom_of(mask, max_len=None):
-    return algos.global_denominators(mask, mask.shape[1] if max_len is None else max_len)
+    return algos.global_denominators(mask.sum(-1).tolist(), mask.shape[1] if max_len is None else max_len)
 
 
 def t(x):
@@ -119,7 +119,7 @@ def test_aggregate_with_global_denominator_scales_micro_batch():
 def test_global_denominators_skip_empty_rows():
     mask = t([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
     # tokens 3; seqs: rows 0 and 2 have tokens, row 1 none -> 2; max_len passed through
-    assert algos.global_denominators(mask, 16) == {"tokens": 3.0, "seqs": 2.0, "max_len": 16.0}
+    assert algos.global_denominators(mask.sum(-1).tolist(), 16) == {"tokens": 3.0, "seqs": 2.0, "max_len": 16.0}
 
 
 # ------------------------------------------------------------------------------------------------ KL
@@ -585,7 +585,7 @@ def test_micro_batch_invariance(name, agg):
     b = tiny_policy_batch()
     cfg = invariance_cfg(name, agg)
     adv = algos.compute_advantages(cfg, b["rewards"], b["group_ids"], b["mask"])
-    denom = algos.global_denominators(b["mask"], 6)
+    denom = algos.global_denominators(b["mask"].sum(-1).tolist(), 6)
     rows = torch.arange(8)
     W1 = (b["W0"] + 0.1).requires_grad_()
     l1, m1 = run_policy(cfg, b, rows, W1, denom, adv, 1)
@@ -617,7 +617,7 @@ def _dp_worker(rank, world, init_file, out_dir):
             adv = algos.compute_advantages(cfg, b["rewards"][rows], b["group_ids"][rows], b["mask"][rows],
                                            old_logp=b["old"][rows], ref_logp=b["ref"][rows],
                                            dp_group=dist.group.WORLD)
-            denom = algos.global_denominators(b["mask"][rows], 6, dp_group=dist.group.WORLD)
+            denom = algos.global_denominators(b["mask"].sum(-1).tolist(), 6)  # the whole batch, as each rank holds it
             full_adv = torch.zeros(8, 6)
             full_adv[rows] = adv
             W = (b["W0"] + 0.1).requires_grad_()
@@ -643,7 +643,7 @@ def test_dp_split_over_two_gloo_processes_matches_full_batch(tmp_path):
             adv = algos.compute_advantages(cfg, b["rewards"], b["group_ids"], b["mask"], old_logp=b["old"],
                                            ref_logp=b["ref"])
             W = (b["W0"] + 0.1).requires_grad_()
-            loss = run_policy(cfg, b, rows, W, algos.global_denominators(b["mask"], 6), adv, 1)[0]
+            loss = run_policy(cfg, b, rows, W, algos.global_denominators(b["mask"].sum(-1).tolist(), 6), adv, 1)[0]
             key = (name, agg, advantage)
             close(torch.cat([results[0][key][0], results[1][key][0]]), adv)      # batch z-score across ranks
             for r in range(2):
@@ -652,21 +652,6 @@ def test_dp_split_over_two_gloo_processes_matches_full_batch(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ shaping, filters
-
-def test_filter_groups_and_refill_count():
-    # all-equal, mixed, single, empty, graded-mixed -> keep [F, T, F, F, T]
-    keep, stats = algos.filter_groups([[1, 1, 1], [0, 1, 0], [0.5], [], [2.0, 2.5]])
-    assert keep.tolist() == [False, True, False, False, True]
-    assert stats == {"groups": 5, "kept": 2, "dropped": 3, "keep_rate": 0.4}
-    keep, _ = algos.filter_groups(t([[0., 0.], [0., 1.]]))
-    assert keep.tolist() == [False, True]
-    assert algos.filter_groups([])[1] == {"groups": 0, "kept": 0, "dropped": 0, "keep_rate": 0.0}
-    # ceil(missing / max(rate, 0.125))
-    assert algos.groups_to_request(6, 8, 0.5) == 4           # 2 / 0.5
-    assert algos.groups_to_request(5, 8, 0.25) == 12         # 3 / 0.25
-    assert algos.groups_to_request(8, 8, 0.1) == 0
-    assert algos.groups_to_request(0, 8, 0.0) == 64          # 8 / 0.125 (the cap)
-
 
 def test_overlong_penalty_hand_values():
     # L_max 10, L_cache 4 -> ramp from 6: [5 -> 0, 6 -> 0, 8 -> (6-8)/4 = -0.5, 10 -> -1, 11 -> -1]

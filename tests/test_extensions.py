@@ -195,7 +195,7 @@ def test_distill_divergence_by_dotted_path(tmp_path, monkeypatch):
     algos.validate(cfg)
     student, teacher_logits = torch.zeros(1, 2, 3), torch.ones(1, 2, 3)
     mask = torch.tensor([[1, 1]])
-    value, m = algos.distill_loss(cfg, student, mask, algos.global_denominators(mask, 2),
+    value, m = algos.distill_loss(cfg, student, mask, algos.global_denominators(mask.sum(-1).tolist(), 2),
                                   teacher_logits=teacher_logits)
     assert float(value) == 3.0 and float(m[f"distill_{mod}.l1"]) == 3.0  # the trainer reads this key  # |0 - 1| * 3 vocab entries, token mean
 
@@ -257,6 +257,20 @@ def test_group_filter_by_dotted_path(tmp_path, monkeypatch):
     p.receive([finished(0, [1.0, 0.0]), finished(1, [1.0, 1.0])], version=0)  # dynamic_sampling would keep both
     assert [[t["reward"] for t in g] for g in p.batch] == [[1.0, 1.0]] and p.stats["dropped"] == 1
     assert not p.full()
+
+
+def test_dynamic_sampling_drops_groups_of_equal_rewards():
+    """DAPO dynamic sampling on the Producer's own path: a group whose rewards are all equal (binary or graded) is
+    dropped and counted (its prompt is not trained on); a group with any two different rewards is kept."""
+    cfg = config.Config(dynamic_sampling=True, prompts_per_step=4, samples_per_prompt=3, stale_steps=0.0)
+    p = loongsage.Producer(cfg, data.arith_samples(8, seed=0))
+    assert [seq for seq, _ in p.dispatch()] == [0, 1, 2, 3]
+    p.receive([finished(0, [1.0, 1.0, 1.0]), finished(1, [0.0, 1.0, 0.0]), finished(2, [0.5, 0.5, 0.5]),
+               finished(3, [2.0, 2.5, 2.0])], version=0)
+    assert [[t["reward"] for t in g] for g in p.batch] == [[0.0, 1.0, 0.0], [2.0, 2.5, 2.0]]
+    assert p.stats["dropped"] == 2 and not p.full()
+    metrics = p.pop_batch()[1]
+    assert (metrics["rollout/groups_kept"], metrics["rollout/groups_sampled"]) == (2, 4) and not p.prompt_of
 
 
 def test_window_by_dotted_path(tmp_path, monkeypatch):
