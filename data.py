@@ -380,11 +380,6 @@ def sft_trajectory(tok, sample: dict, rng: random.Random | None = None, label_no
 # rewards: reward(response_text, sample) -> float
 
 
-def _last_number(text: str) -> str | None:
-    nums = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
-    return nums[-1] if nums else None
-
-
 def exact_match(response: str, sample: dict) -> float:
     """1.0 when the response, stripped, equals the answer exactly; else 0.0."""
     return float(response.strip() == str(sample["answer"]).strip())
@@ -400,9 +395,9 @@ def char_match(response: str, sample: dict) -> float:
 
 def last_number_match(response: str, sample: dict) -> float:
     """1.0 when the last number in the response equals the answer numerically."""
-    got = _last_number(response)
+    nums = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
     try:
-        return float(got is not None and float(got) == float(sample["answer"]))
+        return float(bool(nums) and float(nums[-1]) == float(sample["answer"]))
     except ValueError:
         return 0.0
 

@@ -328,18 +328,10 @@ def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_siz
         groups.setdefault(s.get("group_id", i) if by_group else i, []).append(i)
     order = list(groups.values())
     length = [len(s.get("prompt_ids", ())) + len(s.get("response_ids", ())) for s in batch]
-    out = []
-    for span in _split_evenly(len(order), n_minibatches):
-        mb_groups = order[span.start:span.stop]
-        out.append(sorted((i for g in mb_groups[dp_rank::dp_size] for i in g), key=length.__getitem__))
-    return out
-
-
-def _split_evenly(n: int, parts: int) -> list[range]:
-    """`parts` consecutive ranges covering range(n), sizes differing by at most one."""
-    q, r = divmod(n, parts)
-    bounds = [0, *itertools.accumulate(q + (1 if i < r else 0) for i in range(parts))]
-    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
+    q, r = divmod(len(order), n_minibatches)  # consecutive spans of groups, sizes differing by at most one
+    bounds = [0, *itertools.accumulate(q + (1 if i < r else 0) for i in range(n_minibatches))]
+    return [sorted((i for g in order[a:b][dp_rank::dp_size] for i in g), key=length.__getitem__)
+            for a, b in zip(bounds, bounds[1:])]
 
 
 def optimizer_steps_per_rl_step(cfg) -> int:
@@ -366,13 +358,6 @@ def n_minibatches(cfg, batch: list[dict]) -> int:
     the groups (an empty mini-batch would still move Adam's weights through its momentum)."""
     n_groups = len({s.get("group_id", i) for i, s in enumerate(batch)})
     return max(1, min(n_groups, round(len(batch) / int(cfg.global_batch_size))))
-
-
-def minibatch_rows(plan: list[list[int]]) -> list[range]:
-    """For each mini-batch of `plan`, its rows in `local` (the plan's indices concatenated, mini-batch after
-    mini-batch)."""
-    ends = itertools.accumulate(len(mine) for mine in plan)
-    return [range(end - len(mine), end) for mine, end in zip(plan, ends)]
 
 
 def denominators(cfg, batch: list[dict], n_mb: int, mb_i: int, by_group: bool) -> dict[str, float]:
@@ -1465,7 +1450,8 @@ class TrainerWorker:
                                                              for i, t in enumerate(batch)]
         plan = plan_minibatches(batch, n_mb, par.dp_rank, par.dp_size, by_group=True)
         local = [batch[i] for mine in plan for i in mine]  # this rank's rows, mini-batch after mini-batch
-        spans = minibatch_rows(plan)  # each mini-batch's rows of `local`
+        ends = itertools.accumulate(len(mine) for mine in plan)
+        spans = [range(end - len(mine), end) for mine, end in zip(plan, ends)]  # each mini-batch's rows of `local`
         has_rollout = all(len(s.get("rollout_logprobs") or []) == len(s["response_ids"]) for s in batch)
         if cfg.use_rollout_logprobs and not has_rollout:
             raise ValueError("use_rollout_logprobs=True but some trajectories lack rollout_logprobs (one per "
