@@ -349,9 +349,7 @@ class DockerSandbox:
         return self
 
     def write(self, name: str, text: str) -> str:
-        path = Path(self.dir) / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        LocalSandbox.write(self, name, text)  # into self.dir, which the container mounts at /work
         return f"/work/{name}"
 
     async def execute(self, command: str, *, stdin: str = "", env: dict | None = None,
