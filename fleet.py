@@ -428,6 +428,27 @@ def start_teachers(cfg: Config, fleet: Fleet, paths: dict[str, str]) -> list:
     return group
 
 
+def score_batch(cfg: Config, fleet: Fleet, teachers: list, paths: dict[str, str], batch_ref, step: int):
+    """(teachers, targets ref, `teacher/` metrics) of the step's batch. A teacher rank that dies while scoring (OOM,
+    a lost node) takes its group's collectives with it: the group is re-created from the same teachers and scores
+    the whole batch again, once, so the step trains on complete targets or not at all."""
+    for attempt in (1, 2):
+        refs = [t.score.options(num_returns=2).remote(batch_ref) for t in teachers]
+        try:  # every rank's, so a dead rank's error arrives while the others wait for it in a collective
+            return teachers, refs[0][0], wait([m for _, m in refs], f"teacher scoring of step {step}",
+                                              cfg.actor_timeout, "actor_timeout")[0]
+        except ray.exceptions.RayActorError as e:
+            if attempt == 2:
+                raise
+            print(f"a teacher rank died scoring step {step} ({str(e).splitlines()[0]}): re-creating the teachers")
+            fleet.others = [a for a in fleet.others if a not in teachers]
+            for t in teachers:
+                ray.kill(t, no_restart=True)
+            if fleet.teacher_pg is not None:
+                remove_placement_group(fleet.teacher_pg)
+            teachers = start_teachers(cfg, fleet, paths)
+
+
 def _addr_and_port():
     return ray.util.get_node_ip_address(), transfermesh.free_port()
 
@@ -930,11 +951,14 @@ def usage(fleet: Fleet) -> tuple[float, float, tuple[int, int]]:
 
 def step_usage(fleet: Fleet, before: tuple, t_step: float, t_generate: float, local: bool) -> tuple[dict, tuple]:
     """The step's timing/step and perf/ fractions since `before` (a usage()), and the usage now, for the next step.
-    `local`: every actor is on this machine, so its CPU time (perf/node_cpu_busy_frac) is the run's."""
+    `local`: every actor is on this machine, so its CPU time (perf/node_cpu_busy_frac) is the run's. Also the
+    resident MB of the controller and of the largest CPU engine, each step (a leak shows as a slope)."""
     (busy0, wall0, jiffies0), (busy, wall, jiffies) = before, (now := usage(fleet))
     m = {"timing/step": wall - t_step, "perf/trainer_wait_frac": t_generate / (wall - t_step),
          "perf/engine_idle_frac": max(0.0, 1 - (busy - busy0) / len(fleet.urls) / (wall - wall0)),
-         "engines/restarts": fleet.restarts}
+         "engines/restarts": fleet.restarts, "memory/controller_mb": transfermesh.rss_bytes() / 2**20}
+    if rss := [s["rss_bytes"] for s in engine_states(fleet.urls) if "rss_bytes" in s]:
+        m["memory/engine_mb"] = max(rss) / 2**20
     if jiffies[1] > jiffies0[1] and local:
         m["perf/node_cpu_busy_frac"] = (jiffies[0] - jiffies0[0]) / (jiffies[1] - jiffies0[1])
     return m, now
