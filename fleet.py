@@ -37,8 +37,8 @@ import httpx
 import numpy as np
 import ray
 import yaml
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 from tqdm import tqdm
 
 import cpu
@@ -385,7 +385,9 @@ def start_rollout(cfg: Config, fleet: Fleet):
     fleet.actors = [start_engine(cfg, fleet, i) for i in range(cfg.num_engines)]
     fleet.released = [set() for _ in fleet.actors]
     fleet.judge = start_judge(cfg) if cfg.judge and not cfg.judge.get("url") else None
-    fleet.flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(
+    # on the controller's node: a lost node takes both or neither (engines' and trainers' nodes may go alone)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    fleet.flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0, scheduling_strategy=here).remote(
         cfg, [e.url.remote() for e in fleet.actors], fleet.model, fleet.judge.url.remote() if fleet.judge else None)
     return fleet.flow
 
@@ -500,8 +502,18 @@ def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: i
                            "above say why they die. Fix that, or raise max_engine_restarts")
     old = fleet.urls[i]
     ray.kill(fleet.actors[i], no_restart=True)  # a hung engine still holds its bundle (and port, GPU)
-    fleet.actors[i] = start_engine(cfg, fleet, i)
-    url = wait(fleet.actors[i].url.remote(), f"re-creating rollout engine {i}", cfg.actor_timeout, "actor_timeout")
+    deadline, bundle = time.monotonic() + cfg.actor_timeout, fleet.plan["engines"][i]["bundle"]
+    while True:  # its node lost: an engine started before Ray places the bundle on another node dies, so again
+        node = placement_group_table(fleet.pg)["bundles_to_node_id"].get(bundle)
+        fleet.actors[i] = start_engine(cfg, fleet, i)
+        try:
+            url = wait(fleet.actors[i].url.remote(), f"re-creating rollout engine {i}",
+                       deadline - time.monotonic(), "actor_timeout")
+            break
+        except ray.exceptions.RayActorError:
+            if node in {n["NodeID"] for n in ray.nodes() if n["Alive"]}:
+                raise  # its node is up: the engine's own failure
+            time.sleep(1.0)
     # it loaded fleet.model (version 0); every later version lives only in the trainers, and with LoRA the router
     # names the current adapter (version 0's too, after a warm start), which this engine must have
     if version > 0 or cfg.lora_rank:
@@ -608,7 +620,8 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int, base: 
         try:
             # LoRA without the base: a new adapter, loaded by name beside the weights nothing changes; requests keep
             # the adapter they named and prefix K/V is keyed by adapter, so no pause, retract or flush is needed
-            stats = push() if cfg.lora_rank and not base else update_engines(cfg, fleet, live, push)
+            # no engine left (all dead, a lost node): nothing to push now; each is re-created on these weights below
+            stats = {} if not live else push() if cfg.lora_rank and not base else update_engines(cfg, fleet, live, push)
             break
         except (ray.exceptions.RayTaskError, RuntimeError, httpx.HTTPError) as e:
             if attempt == 2 or not check_engines(cfg, fleet, flow):

@@ -384,13 +384,13 @@ def test_teacher_killed_mid_scoring_is_recreated_and_the_step_trains_on_the_same
 @pytest.mark.slow
 def test_node_lost_engine_node_replaced_trainer_node_stops_and_resumes_exactly(tmp_path):
     """A two-node Ray cluster on this machine (as tests/test_loongsage.py's two-node test builds it: a head with no
-    CPU, a node of one CPU for the trainer rank's bundle and one for the engine's), a sync run of 8 steps saving every
-    2, the controller in its own process:
+    CPU, a node of one CPU for the trainer rank's bundle and one for the engine's), a sync run of 10 steps saving
+    every 2, the controller in its own process:
 
     1. after step 1 a spare node joins and the node holding the engine is removed (its raylet and every process on
-       it die): Ray places the engine's bundle again on the spare, the controller re-creates the engine there on
+       it end): Ray places the engine's bundle again on the spare, the controller re-creates the engine there on
        the trainer's weights (the log says so; engines/restarts = 1) and the run goes on;
-    2. once the checkpoint of step 3 is written, a node joins and the node holding the trainer rank is removed: the
+    2. once a checkpoint is written after that, a node joins and the node holding the trainer rank is removed: the
        run stops with exit code 1 and the trainer's death as its error;
     3. `resume=true` on the same cluster goes on from `latest` and every step of the run is bit-identical to an
        uninterrupted run on one node (the two-node test shows the layout changes no bit).
@@ -399,7 +399,7 @@ def test_node_lost_engine_node_replaced_trainer_node_stops_and_resumes_exactly(t
     that does not restore the state (rows differ)."""
     import ray
     from ray.cluster_utils import Cluster
-    common = ["num_steps=8", "save_every=2", "engine_wait=600", "trainer_threads=1", "engine_threads=1",
+    common = ["num_steps=10", "save_every=2", "engine_wait=600", "trainer_threads=1", "engine_threads=1",
               "borrow_engine_cores=false"]
     base, run = tmp_path / "base", tmp_path / "run"
     b = launch(short_run(base, *common), env_for(tmp_path / "b"), tmp_path / "base.log")
@@ -418,16 +418,20 @@ def test_node_lost_engine_node_replaced_trainer_node_stops_and_resumes_exactly(t
         assert on["trainer 0"] is not on["engine 0"], table
         wait_for(lambda: "step    1 |" in (tmp_path / "0.log").read_text(), p, tmp_path / "0.log", what="step 1")
         cluster.add_node(num_cpus=1)
-        cluster.remove_node(on["engine 0"])
+        cluster.remove_node(on["engine 0"])  # its raylet ends (SIGTERM) and every process on the node with it
+        wait_for(lambda: "re-created at" in (tmp_path / "0.log").read_text(), p, tmp_path / "0.log",
+                 what="the engine re-created on another node")
         marker = run / "checkpoints" / "latest"
-        wait_for(lambda: marker.exists() and marker.read_text().strip() == "step_00003", p, tmp_path / "0.log",
-                 what="the checkpoint of step 3, after the engine's node was lost")
+        seen = marker.read_text() if marker.exists() else ""
+        wait_for(lambda: marker.exists() and marker.read_text() != seen, p, tmp_path / "0.log",
+                 what="a checkpoint after the engine came back")
         cluster.add_node(num_cpus=1)
         cluster.remove_node(on["trainer 0"])
         log = finish(p, tmp_path / "0.log")
         assert p.returncode == 1, log[-3000:]
         tail = log[log.index("run failed:"):]
-        assert "ActorDiedError" in tail and "TrainerWorker" in tail, tail[-3000:]
+        # the trainer's actor is gone (dead, or unreachable: Ray may not have marked its node dead yet); no deadline
+        assert re.search(r"ray\.exceptions\.Actor(Died|Unavailable)Error", tail) and "TimeoutError" not in tail, tail
         assert re.search(r"engine 0 at \S+ was dead or hung: re-created at \S+, serving weight version \d+", log), \
             log[-3000:]
         latest = marker.read_text().strip()
@@ -439,12 +443,12 @@ def test_node_lost_engine_node_replaced_trainer_node_stops_and_resumes_exactly(t
     base_log = finish(b, tmp_path / "base.log")
     assert b.returncode == 0, base_log[-3000:]
     want, got = train_rows(base), train_rows(run)
-    assert sorted(got) == list(range(8)) and len([r for r in metrics(run) if "train/loss" in r]) == 8
-    for step in range(8):
+    assert sorted(got) == list(range(10)) and len([r for r in metrics(run) if "train/loss" in r]) == 10
+    for step in range(10):
         for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/samples", "rollout/response_len"):
             assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
         assert got[step]["train/gap_max"] < 1e-4
-    assert got[3]["engines/restarts"] == 1 and got[3]["engines/healthy"] == 1
+    assert max(r["engines/restarts"] for r in got.values()) == 1  # the first launch's rows; a resume counts anew
 
 
 # ------------------------------------------------------------------------------------------------
