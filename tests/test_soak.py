@@ -10,8 +10,8 @@ import pytest
 from test_recover import TINY, env_for, finish, launch, metrics
 
 STEPS, WARMUP = 220, 20
-# MB per 100 steps, each process: see the test's docstring for where the number comes from
-BOUND = {"memory/controller_mb": 4.0, "memory/router_mb": 4.0, "memory/engine_mb": 4.0}
+# MB per 100 steps, each process: see the test's docstring for where the numbers come from
+BOUND = {"memory/controller_mb": 4.0, "memory/router_mb": 4.0, "memory/engine_mb": 10.0}
 
 
 def slope_per_100(steps: list[int], mb: list[float]) -> float:
@@ -21,17 +21,19 @@ def slope_per_100(steps: list[int], mb: list[float]) -> float:
 
 @pytest.mark.slow
 def test_soak_of_220_async_steps_grows_no_process_memory(tmp_path):
-    """220 steps of recipes/arith_cpu.yaml in async mode (2 prompts x 4 samples, 4 new tokens, a tiny model: about a
+    """220 steps of recipes/arith_cpu.yaml in async mode (2 prompts x 4 samples, 4 new tokens, a tiny model: under a
     second a step), the controller in its own process. Every step logs the resident MB of the controller, of the
     AgentFlow actor (the router) and of the CPU engine; the least-squares slope of each over steps 20-219 must stay
-    under BOUND MB per 100 steps. What a leak of one step's trajectories looks like: 16 trajectories of ~40 tokens,
-    with their logprobs and metadata, are some tens of KB as Python objects, so a leak of everything a step
-    produces adds a few MB per 100 steps; a leak of any tensor the size of the weights (the tiny model's ~40 MB, or a
-    sync's buckets) adds far more. The bound, 4 MB per 100 steps, is twice the largest slope measured on this
-    machine with no leak (reported by the print), and low enough that keeping each step's batch of trajectories
-    alive in the controller crosses it (measured: see docs/RELIABILITY.md).
-    Planted bugs this catches: a per-step list that only grows (history, trajectories, finished sessions, a pool's
-    per-request state), a sync buffer never freed, an engine keeping finished requests."""
+    under BOUND MB per 100 steps (the print gives each process's first and last MB and slope).
+    The bounds, from a measurement on 2 shared cores (slopes over steps 20-219: controller -1.5, router +0.2, engine
+    +3.9 MB per 100 steps; the engine's growth slows, +7.1 over steps 20-119 and +3.2 over 120-219, as its
+    allocator's arenas settle; the controller's +-4 MB is noise around a flat 555-559 MB): 4 MB per 100 steps for
+    the controller and the router, 10 for the engine, about 2.5 times the largest measured. So a leak of 40 KB a
+    step (100 KB in the engine) fails: any tensor kept per step (a sync bucket, the step's requests' K/V, ~160 KB
+    here, the weights). Measured with a planted leak, the controller keeping a copy of each step's 8 trajectories
+    (~40 KB): its slope went to +4.4 MB per 100 steps and the test failed; a leak much smaller than that passes.
+    Planted bugs this catches: a per-step list of tensors or sessions that only grows, a sync buffer never freed, an
+    engine keeping finished requests' K/V."""
     out = tmp_path / "run"
     cmd = [sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", f"output_dir={out}", f"num_steps={STEPS}",
            "mode=async", "prompts_per_step=2", "samples_per_prompt=4", "global_batch_size=8", "micro_batch_size=8",
