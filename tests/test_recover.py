@@ -13,7 +13,10 @@
   inside a save at named fault points (LOONGSAGE_FAULT), a damaged file refused by its checksum and
   resume=previous, a real disk-full (ENOSPC from a size-limited tmpfs) in the middle of a save;
 - weight syncs at their worst moment: a CPU engine killed (shm and broadcast) or stalled (SIGSTOP) after a bucket
-  that is not the last, at named fault points (LOONGSAGE_FAULT=sync / stall);
+  that is not the last, at named fault points (LOONGSAGE_FAULT=sync / stall); a trainer rank killed inside a train
+  step (`step`) and inside the sync (`push`), then resumed;
+- a teacher killed mid-scoring (`teacher`): re-created, the same targets; a Ray node lost (two-node cluster): the
+  engine's re-placed, the trainer's stops the run, which resumes;
 - a flooded router: 2,000 concurrent agent sessions over loopback, some slow, some hanging up: nothing lost or
   crossed, and the router's memory back to its baseline after they close.
 """
@@ -364,7 +367,7 @@ def test_teacher_killed_mid_scoring_is_recreated_and_the_step_trains_on_the_same
     scored are bit-identical (sync, fp32), steps 1 and 2 included.
     Planted bugs this catches: a step trained on the half-scored batch (targets of one teacher only, zeros for the
     other: a different loss), a dead teacher taken as the run's end, a re-created group that serves other weights
-    (another snapshot, an unloaded skeleton), a retry that waits only on rank 0 while a dead rank holds the others."""
+    (another snapshot, an unloaded skeleton)."""
     b = launch(mopd_run(tmp_path / "base"), env_for(tmp_path / "b"), tmp_path / "base.log")
     p = launch(mopd_run(tmp_path / "run"), {**env_for(tmp_path), "LOONGSAGE_FAULT": "teacher:0@1"}, tmp_path / "run.log")
     log, base_log = finish(p, tmp_path / "run.log"), finish(b, tmp_path / "base.log")
