@@ -998,7 +998,8 @@ class AgentFlow:
     def engine_metrics(self) -> dict:
         return {"engines/healthy": len(self.pool.healthy()), "rollout/retried": self.pool.retried,
                 "agentflow/unknown_fields": sum(self.router.unknown_fields.values()),
-                "agentflow/tool_parse_failures": self.router.tool_parse_failures}
+                "agentflow/tool_parse_failures": self.router.tool_parse_failures,
+                "memory/router_mb": rollout.transfermesh.rss_bytes() / 2**20}  # this process: AgentFlow and its router
 
     async def abort(self) -> None:
         """Stop every running trajectory now (weight update with abort, or shutdown); their groups are dropped."""

@@ -37,8 +37,8 @@ import httpx
 import numpy as np
 import ray
 import yaml
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 from tqdm import tqdm
 
 import cpu
@@ -384,7 +384,9 @@ def start_rollout(cfg: Config, fleet: Fleet):
     fleet.actors = [start_engine(cfg, fleet, i) for i in range(cfg.num_engines)]
     fleet.released = [set() for _ in fleet.actors]
     fleet.judge = start_judge(cfg) if cfg.judge and not cfg.judge.get("url") else None
-    fleet.flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0).remote(
+    # on the controller's node: a lost node takes both or neither (engines' and trainers' nodes may go alone)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    fleet.flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0, scheduling_strategy=here).remote(
         cfg, [e.url.remote() for e in fleet.actors], fleet.model, fleet.judge.url.remote() if fleet.judge else None)
     return fleet.flow
 
@@ -425,6 +427,27 @@ def start_teachers(cfg: Config, fleet: Fleet, paths: dict[str, str]) -> list:
     info = ray.get([t.load_teachers.remote(paths, str(Path(cfg.output_dir) / "teacher_snapshots")) for t in group])[0]
     print(f"teachers: {info}")
     return group
+
+
+def score_batch(cfg: Config, fleet: Fleet, teachers: list, paths: dict[str, str], batch_ref, step: int):
+    """(teachers, targets ref, `teacher/` metrics) of the step's batch. A teacher rank that dies while scoring (OOM,
+    a lost node) takes its group's collectives with it: the group is re-created from the same teachers and scores
+    the whole batch again, once, so the step trains on complete targets or not at all."""
+    for attempt in (1, 2):
+        refs = [t.score.options(num_returns=2).remote(batch_ref) for t in teachers]
+        try:  # every rank's, so a dead rank's error arrives while the others wait for it in a collective
+            return teachers, refs[0][0], wait([m for _, m in refs], f"teacher scoring of step {step}",
+                                              cfg.actor_timeout)[0]
+        except ray.exceptions.RayActorError as e:
+            if attempt == 2:
+                raise
+            print(f"a teacher rank died scoring step {step} ({str(e).splitlines()[0]}): re-creating the teachers")
+            fleet.others = [a for a in fleet.others if a not in teachers]
+            for t in teachers:
+                ray.kill(t, no_restart=True)
+            if fleet.teacher_pg is not None:
+                remove_placement_group(fleet.teacher_pg)
+            teachers = start_teachers(cfg, fleet, paths)
 
 
 def _addr_and_port():
@@ -478,8 +501,17 @@ def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: i
                            "above say why they die. Fix that, or raise max_engine_restarts")
     old = fleet.urls[i]
     ray.kill(fleet.actors[i], no_restart=True)  # a hung engine still holds its bundle (and port, GPU)
-    fleet.actors[i] = start_engine(cfg, fleet, i)
-    url = wait(fleet.actors[i].url.remote(), f"re-creating rollout engine {i}", cfg.actor_timeout)
+    deadline, bundle = time.monotonic() + cfg.actor_timeout, fleet.plan["engines"][i]["bundle"]
+    while True:  # its node lost: an engine started before Ray places the bundle on another node dies, so again
+        node = placement_group_table(fleet.pg)["bundles_to_node_id"].get(bundle)
+        fleet.actors[i] = start_engine(cfg, fleet, i)
+        try:
+            url = wait(fleet.actors[i].url.remote(), f"re-creating rollout engine {i}", deadline - time.monotonic())
+            break
+        except ray.exceptions.RayActorError:
+            if node in {n["NodeID"] for n in ray.nodes() if n["Alive"]}:
+                raise  # its node is up: the engine's own failure
+            time.sleep(1.0)
     # it loaded fleet.model (version 0); every later version lives only in the trainers, and with LoRA the router
     # names the current adapter (version 0's too, after a warm start), which this engine must have
     if version > 0 or cfg.lora_rank:
@@ -586,7 +618,8 @@ def sync_engines(cfg: Config, fleet: Fleet, flow, trainers, version: int, base: 
         try:
             # LoRA without the base: a new adapter, loaded by name beside the weights nothing changes; requests keep
             # the adapter they named and prefix K/V is keyed by adapter, so no pause, retract or flush is needed
-            stats = push() if cfg.lora_rank and not base else update_engines(cfg, fleet, live, push)
+            # no engine left (all dead, a lost node): nothing to push now; each is re-created on these weights below
+            stats = {} if not live else push() if cfg.lora_rank and not base else update_engines(cfg, fleet, live, push)
             break
         except (ray.exceptions.RayTaskError, RuntimeError, httpx.HTTPError) as e:
             if attempt == 2 or not check_engines(cfg, fleet, flow):
@@ -926,11 +959,14 @@ def usage(fleet: Fleet) -> tuple[float, float, tuple[int, int]]:
 
 def step_usage(fleet: Fleet, before: tuple, t_step: float, t_generate: float, local: bool) -> tuple[dict, tuple]:
     """The step's timing/step and perf/ fractions since `before` (a usage()), and the usage now, for the next step.
-    `local`: every actor is on this machine, so its CPU time (perf/node_cpu_busy_frac) is the run's."""
+    `local`: every actor is on this machine, so its CPU time (perf/node_cpu_busy_frac) is the run's. Also the
+    resident MB of the controller and of the largest CPU engine, each step (a leak shows as a slope)."""
     (busy0, wall0, jiffies0), (busy, wall, jiffies) = before, (now := usage(fleet))
     m = {"timing/step": wall - t_step, "perf/trainer_wait_frac": t_generate / (wall - t_step),
          "perf/engine_idle_frac": max(0.0, 1 - (busy - busy0) / len(fleet.urls) / (wall - wall0)),
-         "engines/restarts": fleet.restarts}
+         "engines/restarts": fleet.restarts, "memory/controller_mb": transfermesh.rss_bytes() / 2**20}
+    if rss := [s["rss_bytes"] for s in engine_states(fleet.urls) if "rss_bytes" in s]:
+        m["memory/engine_mb"] = max(rss) / 2**20
     if jiffies[1] > jiffies0[1] and local:
         m["perf/node_cpu_busy_frac"] = (jiffies[0] - jiffies0[0]) / (jiffies[1] - jiffies0[1])
     return m, now

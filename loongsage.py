@@ -63,7 +63,7 @@ import teacher
 from config import Config, capacity, check_runtime, check_teacher_vocab, closest, explain, load_config, warn_off_policy
 from fleet import (Logger, base_model, check_engines, colocate_hand_off, load_run_state, off_node, placement,
                    placement_table, prepare_model, prepare_teachers, reserve, rng_state, save_run_state, set_rng_state,
-                   start_rollout, start_teachers, start_trainers, step_usage, stop_on_exit, sync_engines,
+                   score_batch, start_rollout, start_teachers, start_trainers, step_usage, stop_on_exit, sync_engines,
                    update_engines, usage, wait)
 
 
@@ -172,9 +172,8 @@ def train(cfg: Config) -> list[dict]:
             # TEACHERS (teacher.py): rank 0's per-token targets reach the trainers by ref; the metrics get blocks
             targets_ref = None
             if teachers:
-                refs = [t.score.options(num_returns=2).remote(batch_ref) for t in teachers]
-                targets_ref, scored = refs[0]
-                metrics.update(wait(scored, f"teacher scoring of step {step}", cfg.actor_timeout))
+                teachers, targets_ref, m = score_batch(cfg, fleet, teachers, teacher_paths, batch_ref, step)
+                metrics.update(m)
                 metrics["timing/teacher"], t0 = time.perf_counter() - t0, time.perf_counter()
             metrics.update(wait([t.train_step.remote(batch_ref, step, targets_ref) for t in trainers],
                                 f"train step {step}", cfg.actor_timeout)[0])  # reduced over DP ranks

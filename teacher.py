@@ -194,6 +194,7 @@ class TeacherWorker:
         self.snapshots: dict[str, object] = {}  # teacher -> safetensors path (CPU) | {name: pinned tensor} (CUDA)
         self.heads: dict[str, torch.Tensor] = {}  # teacher -> full LM head (V, H), hidden-state mode only
         self.swaps = 0  # weight loads into a skeleton since start
+        self.calls = 0  # score() calls of this group since start (the drill point `teacher`, trainer.fault)
         self.route_fn = data.import_object(cfg.teacher_route) if cfg.teacher_route else None
 
     # --- registration and swapping -------------------------------------------------------------------
@@ -354,6 +355,8 @@ class TeacherWorker:
             metrics[f"teacher/{name}/tokens"] = n_tok
             if n_tok:
                 metrics[f"teacher/{name}/kl"] = kl_sum / n_tok
+            if j != used[-1]:
+                trainer.fault("teacher", self.calls, self.par.rank, f"{name} scored, {self.names[used[-1]]} not yet")
         for i, per_teacher in mixed.items():  # ensembles: the target is the weighted mixture of distributions
             W = routes[i]
             rows = (W.sum(1) > 0) & (W.max(1).values < 1)  # (r,)
@@ -365,7 +368,7 @@ class TeacherWorker:
             top = mix.topk(K, -1)
             out[i]["teacher_logp"][rows] = mix.gather(-1, y.unsqueeze(-1)).squeeze(-1)
             out[i]["teacher_topk_logp"][rows], out[i]["teacher_topk_ids"][rows] = top.values, top.indices
-        rss, peak = peak_rss_mb()
+        rss, peak, self.calls = *peak_rss_mb(), self.calls + 1
         metrics.update({"teacher/seconds": time.perf_counter() - t0, "teacher/swaps": float(self.swaps - swaps0),
                         "teacher/teachers_used": float(len(used)), "teacher/peak_rss_mb": peak})
         return (out if self.par.rank == 0 else None), metrics

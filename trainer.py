@@ -441,13 +441,23 @@ def fault(point: str, step: int | None, rank: int | None = None, detail: str = "
     both), `controller` (every rank wrote its files, the controller none of its own), `latest` (everything is
     written but the `latest` marker). In the weight sync to version `step` (an engine holding version step-1, so
     not one re-created meanwhile, which starts from 0): `sync` (engine r loaded the first bucket and has not
-    answered), `stall` (the same point, SIGSTOP: a hung engine, not a dead one)."""
+    answered), `stall` (the same point, SIGSTOP: a hung engine, not a dead one), `push` (trainer rank r gathered
+    every tensor; rank 0 has handed the engines every bucket but the last). In train step `step`: `step` (rank r
+    ran the step's forwards, not its update: the others block in the update's gradient all-reduce). `teacher`
+    (teacher rank r, in its group's score call `step`, counted from 0 by each group, so a re-created group is not
+    struck at once: one teacher scored the batch, another has not)."""
     where, _, at = os.environ.get("LOONGSAGE_FAULT", "").partition("@")
     here = point + ("" if rank is None else f":{rank}")
     if where == here and (not at or step == int(at)):
         print(f"LOONGSAGE_FAULT={where}{'@' + at if at else ''} strikes{': ' + detail if detail else ''}",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGSTOP if point == "stall" else signal.SIGKILL)
+
+
+def push_fault(stream, version: int, rank: int):
+    """`stream`, then the drill point `push` (fault): every bucket but the last has left for the engines."""
+    yield from stream
+    fault("push", version, rank, f"rank {rank} sent every bucket of weight version {version} but the last")
 
 
 def rng_states(on_cpu: bool) -> dict:
@@ -1282,7 +1292,7 @@ class Export:
         resident memory (`weights/peak_extra_mb`), with LoRA also weights/full_bytes. `remote`: engines on another
         Ray node (fleet.off_node), never sent shared memory or IPC handles."""
         full = base or not self.peft
-        stream = self.hf_weights() if full else iter(())
+        stream = push_fault(self.hf_weights(), version, self.par.rank) if full else iter(())
         adapters = self.adapters()
         if self.par.rank != 0:
             for _ in stream:  # the collectives of every tensor's gather
@@ -1478,6 +1488,7 @@ class TrainerWorker:
         # --- 3. mini-batches: micro-batch losses with global denominators, one optimizer step each; then the
         #     critic regresses on its targets over the same mini-batches (clipped value loss, its own optimizer)
         policy_trains = self.critic is None or step >= int(cfg.critic_warmup_steps)  # CRITIC: warm-up trains it alone
+        fault("step", step, par.rank)
         totals, before_update = self._policy_updates(batch, spans if policy_trains else [], n_mb, local, old, ref,
                                                      adv, first, targets, has_rollout)
         critic_metrics = self.critic.update(batch, spans, local, values, returns, n_mb) if self.critic else {}

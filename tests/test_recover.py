@@ -13,7 +13,10 @@
   inside a save at named fault points (LOONGSAGE_FAULT), a damaged file refused by its checksum and
   resume=previous, a real disk-full (ENOSPC from a size-limited tmpfs) in the middle of a save;
 - weight syncs at their worst moment: a CPU engine killed (shm and broadcast) or stalled (SIGSTOP) after a bucket
-  that is not the last, at named fault points (LOONGSAGE_FAULT=sync / stall);
+  that is not the last, at named fault points (LOONGSAGE_FAULT=sync / stall); a trainer rank killed inside a train
+  step (`step`) and inside the sync (`push`), then resumed;
+- a teacher killed mid-scoring (`teacher`): re-created, the same targets; a Ray node lost (two-node cluster): the
+  engine's re-placed, the trainer's stops the run, which resumes;
 - a flooded router: 2,000 concurrent agent sessions over loopback, some slow, some hanging up: nothing lost or
   crossed, and the router's memory back to its baseline after they close.
 """
@@ -197,42 +200,70 @@ def test_engine_and_controller_killed_mid_run_lose_nothing(tmp_path):
                         for v, m in zip(t["weight_versions"], t["loss_mask"]) if m)
 
 
-@pytest.mark.slow
-def test_rank_and_controller_killed_mid_save_leave_latest_complete_and_resume_exactly(tmp_path):
-    """kill -9 inside a save, at named points (LOONGSAGE_FAULT), with 2 trainer ranks saving every 2 steps of 6:
+def died(log: str, spec: str, t_struck: float, t_exit: float) -> str:
+    """The run's error after LOONGSAGE_FAULT=`spec` killed a trainer rank: the death of that rank's process (its pid
+    in the error), not a deadline passed waiting on it; prints how long the run took to stop."""
+    pid = re.search(r"pid=(\d+)", next(ln for ln in log.splitlines() if f"LOONGSAGE_FAULT={spec} strikes" in ln))[1]
+    tail = log[log.index("run failed:"):]
+    assert "ActorDiedError" in tail and pid in re.findall(r"(?i)pid[:=]\s*(\d+)", tail), tail[-3000:]
+    assert "TimeoutError" not in tail, tail[-3000:]
+    print(f"{spec}: the run stopped {t_exit - t_struck:.1f} s after the strike")
+    return tail
 
-    1. trainer rank 1 dies in the save of step 3 right after writing its model file: that checkpoint holds
-       rank 1's model and not its optimizer file nor a manifest (the kill struck inside the save), the run
-       exits non-zero, and `latest` still names step 1;
-    2. resumed, the controller dies in the save of step 5 with everything written but `latest`: `latest`
-       names step 3;
-    3. resumed again, it goes on from step 3 and every step of the run is bit-identical to an uninterrupted one
+
+@pytest.mark.slow
+def test_rank_killed_mid_step_mid_save_and_mid_sync_and_controller_mid_save_resume_exactly(tmp_path):
+    """kill -9 at named points (LOONGSAGE_FAULT) inside a train step, a save and a weight sync, with 2 trainer ranks
+    saving every 2 steps of 6, resuming after each:
+
+    1. trainer rank 1 dies inside step 3 (`step:1@3`: it ran the step's forwards, not its update; rank 0 blocks in
+       the gradient all-reduce): the run exits 1 with that rank's death as its error (ActorDiedError naming its
+       pid, no TimeoutError: no wait sat out its deadline), `latest` names step 1, steps 0-2 are logged;
+    2. resumed, rank 1 dies in the save of step 3 right after writing its model file: that checkpoint holds rank 1's
+       model and not its optimizer file nor a manifest (the kill struck inside the save), `latest` still names 1;
+    3. resumed, rank 0 dies inside the weight sync to version 5 (`push:0@5`: it sent the engines every bucket but
+       the last, the version-carrying one; n >= 2 buckets per sync, so 1 <= k < n): exit 1 with rank 0's death,
+       `latest` names step 3, steps up to 3 are logged (step 4 trained, its sync failed);
+    4. resumed, the controller dies in the save of step 5 with everything written but `latest`: `latest` names 3;
+    5. resumed again, it goes on from step 3 and every step of the run is bit-identical to an uninterrupted one
        (sync, fp32).
-    Planted bugs this catches: `latest` written before (or alongside) the rank files, a marker moved by the rank
-    that finished first, resume taking the newest directory rather than the one `latest` names (step 5's
-    checkpoint is complete but unmarked: "resumed after step 3" fails), the debris of a crashed save loaded or
-    left to mix with a new save of the same step, a rank's optimizer state taken from another save than its
-    model, rows of redone steps logged twice.
+    Planted bugs this catches: a dead rank's error lost while the survivor waits in a collective (a hang until
+    actor_timeout), `latest` written before (or alongside) the rank files, a marker moved by the rank that finished
+    first, resume taking the newest directory rather than the one `latest` names (step 5's checkpoint is complete but
+    unmarked), the debris of a crashed save loaded or left to mix with a new save of the same step, a rank's
+    optimizer state taken from another save than its model, rows of redone steps logged twice, a half-done step or
+    sync leaking into the resumed run.
     """
-    common = ["trainer_workers=2", "save_every=2"]
+    common = ["trainer_workers=2", "save_every=2", "bucket_mb=0.05"]  # several buckets per sync
     base, run = tmp_path / "base", tmp_path / "run"
     b = launch(short_run(base, *common), env_for(tmp_path / "b"), tmp_path / "base.log")
     env, ckpt = env_for(tmp_path), run / "checkpoints"
     logs = []
-    for i, (fault, extra) in enumerate((("model:1@3", []), ("latest@5", ["resume=true"]), ("", ["resume=true"]))):
-        p = launch(short_run(run, *common, *extra), {**env, "LOONGSAGE_FAULT": fault}, tmp_path / f"{i}.log")
-        logs.append(finish(p, tmp_path / f"{i}.log"))
+    for i, fault in enumerate(("step:1@3", "model:1@3", "push:0@5", "latest@5", "")):
+        log = tmp_path / f"{i}.log"
+        p = launch(short_run(run, *common, *(["resume=true"] if i else [])), {**env, "LOONGSAGE_FAULT": fault}, log)
+        if fault in ("step:1@3", "push:0@5"):  # when it struck, to time how long the run takes to stop
+            wait_for(lambda: f"LOONGSAGE_FAULT={fault} strikes" in log.read_text(), p, log, what=f"{fault} to strike")
+            t_struck = time.monotonic()
+        logs.append(finish(p, log))
         assert (ckpt / "latest").exists(), logs[-1][-3000:]
-        latest = (ckpt / "latest").read_text().strip()
-        if i == 0:
+        latest, rows = (ckpt / "latest").read_text().strip(), train_rows(run)
+        assert ("resumed after step " in logs[-1]) == (i > 0), logs[-1][-3000:]
+        if fault in ("step:1@3", "push:0@5"):
+            assert p.returncode == 1, logs[-1][-3000:]
+            died(logs[-1], fault, t_struck, time.monotonic())
+            assert latest == ("step_00001" if i == 0 else "step_00003") and max(rows) == (2 if i == 0 else 3)
+        if fault == "push:0@5":
+            assert "but the last" in logs[-1] and rows[3]["weights/buckets"] >= 2, rows[3]
+        elif fault == "model:1@3":
             assert p.returncode not in (0, -signal.SIGKILL), logs[-1][-3000:]  # the controller saw its rank die
             written = sorted(os.listdir(ckpt / "step_00003"))
             assert "rank_00001_model.pt" in written and "rank_00001_optim.pt" not in written, written
             assert "manifest.json" not in written and latest == "step_00001"
-        elif i == 1:
-            assert p.returncode == -signal.SIGKILL and "resumed after step 1" in logs[-1], logs[-1][-3000:]
+        elif fault == "latest@5":
+            assert p.returncode == -signal.SIGKILL and "resumed after step 3" in logs[-1], logs[-1][-3000:]
             assert (ckpt / "step_00005" / "manifest.json").exists() and latest == "step_00003"
-        else:
+        elif not fault:
             assert p.returncode == 0 and "resumed after step 3" in logs[-1], logs[-1][-3000:]
     base_log = finish(b, tmp_path / "base.log")
     assert b.returncode == 0, base_log[-3000:]
@@ -309,6 +340,119 @@ def test_engine_stalled_mid_sync_fails_the_sync_within_its_deadline_naming_the_k
     assert error.startswith("TimeoutError: weight sync of version 2 to 2 engine(s) did not finish within 20s "
                             "(config `weight_sync_timeout`)"), tail[-3000:]
     assert sorted(train_rows(out)) == [0]  # step 1 trained, and its row is logged after its sync: the one stalled
+
+def mopd_run(out: Path, *extra: str) -> list[str]:
+    """recipes/mopd_cpu.yaml shrunk to seconds per step: two tiny teachers (2 SFT steps each), each teaching one of
+    two data sources mixed 50/50, 3 steps of 4 prompts x 2 samples, pure distillation (the loss is the top-k KL to
+    the teachers' targets alone)."""
+    build = {"warmstart_steps": 2, "warmstart_batch_size": 8, "tiny_model": TINY}
+    teachers = {"add_teacher": {"path": "tiny", "warmstart_dataset": "synthetic:add:64:11:9", **build},
+                "sub_teacher": {"path": "tiny", "warmstart_dataset": "synthetic:sub:64:12:9", **build}}
+    sources = [{"name": "add", "dataset": "synthetic:add:64:1:9", "teacher": "add_teacher"},
+               {"name": "sub", "dataset": "synthetic:sub:64:3:9", "teacher": "sub_teacher"}]
+    return [sys.executable, "loongsage.py", "recipes/mopd_cpu.yaml", f"output_dir={out}", "num_steps=3",
+            "prompts_per_step=4", "samples_per_prompt=2", "global_batch_size=8", "micro_batch_size=8", "eval_every=0",
+            "teacher_eval=false", "warmstart_steps=2", "warmstart_batch_size=8", "print_every=0",
+            f"tiny_model={json.dumps(TINY)}", f"teachers={json.dumps(teachers)}", f"data_sources={json.dumps(sources)}",
+            *extra]
+
+
+@pytest.mark.slow
+def test_teacher_killed_mid_scoring_is_recreated_and_the_step_trains_on_the_same_targets(tmp_path):
+    """kill -9 the teacher worker inside the scoring of a two-teacher run (LOONGSAGE_FAULT=teacher:0@1: in a group's
+    second scoring, one teacher scored the batch, the other not yet; so the first group dies in step 1 and the one
+    re-created then in step 2): each time the controller re-creates the teacher group, which scores the whole batch
+    again, and the run goes on to the end. Every step's targets equal an uninterrupted run's: with pure distillation
+    the loss is the KL to the targets alone, and it, the per-teacher KL of the sampler and the tokens each teacher
+    scored are bit-identical (sync, fp32), steps 1 and 2 included.
+    Planted bugs this catches: a step trained on the half-scored batch (targets of one teacher only, zeros for the
+    other: a different loss), a dead teacher taken as the run's end, a re-created group that serves other weights
+    (another snapshot, an unloaded skeleton)."""
+    b = launch(mopd_run(tmp_path / "base"), env_for(tmp_path / "b"), tmp_path / "base.log")
+    p = launch(mopd_run(tmp_path / "run"), {**env_for(tmp_path), "LOONGSAGE_FAULT": "teacher:0@1"}, tmp_path / "run.log")
+    log, base_log = finish(p, tmp_path / "run.log"), finish(b, tmp_path / "base.log")
+    assert p.returncode == 0 and b.returncode == 0, (log[-3000:], base_log[-3000:])
+    lines = [ln for ln in log.splitlines() if "LOONGSAGE_FAULT=teacher:0@1 strikes" in ln]
+    assert len(lines) == 2 and all("_teacher scored, " in ln and "not yet" in ln for ln in lines), lines
+    assert "a teacher rank died scoring step 1" in log and "a teacher rank died scoring step 2" in log, log[-3000:]
+    want, got = train_rows(tmp_path / "base"), train_rows(tmp_path / "run")
+    assert sorted(got) == sorted(want) == [0, 1, 2]
+    for step in range(3):
+        for key in ("train/loss", "train/opd_loss", "train/opd_kl", "train/grad_norm", "teacher/add_teacher/kl",
+                    "teacher/sub_teacher/kl", "teacher/add_teacher/tokens", "teacher/sub_teacher/tokens"):
+            assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+        assert got[step]["teacher/add_teacher/tokens"] > 0 and got[step]["teacher/sub_teacher/tokens"] > 0
+
+
+@pytest.mark.slow
+def test_node_lost_engine_node_replaced_trainer_node_stops_and_resumes_exactly(tmp_path):
+    """A two-node Ray cluster on this machine (as tests/test_loongsage.py's two-node test builds it: a head with no
+    CPU, a node of one CPU for the trainer rank's bundle and one for the engine's), a sync run of 10 steps saving
+    every 2, the controller in its own process:
+
+    1. after step 1 a spare node joins and the node holding the engine is removed (its raylet and every process on
+       it end): Ray places the engine's bundle again on the spare, the controller re-creates the engine there on
+       the trainer's weights (the log says so; engines/restarts = 1) and the run goes on;
+    2. once a checkpoint is written after that, a node joins and the node holding the trainer rank is removed: the
+       run stops with exit code 1 and the trainer's death as its error;
+    3. `resume=true` on the same cluster goes on from `latest` and every step of the run is bit-identical to an
+       uninterrupted run on one node (the two-node test shows the layout changes no bit).
+    Planted bugs this catches: a re-created engine that waits on the lost node's bundle forever, or is left out of
+    routing; an engine re-created on version-0 weights (rows differ); a lost trainer node that hangs the run; a resume
+    that does not restore the state (rows differ)."""
+    import ray
+    from ray.cluster_utils import Cluster
+    common = ["num_steps=10", "save_every=2", "engine_wait=600", "trainer_threads=1", "engine_threads=1",
+              "borrow_engine_cores=false"]
+    base, run = tmp_path / "base", tmp_path / "run"
+    b = launch(short_run(base, *common), env_for(tmp_path / "b"), tmp_path / "base.log")
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    env = {k: v for k, v in env_for(tmp_path).items() if k != "RAY_ADDRESS"}
+    cmd = short_run(run, *common, f"ray_address={cluster.address}")
+    try:
+        p = launch(cmd, env, tmp_path / "0.log")
+        table = wait_for(lambda: "engine 0 " in (tmp_path / "0.log").read_text() and (tmp_path / "0.log").read_text(),
+                         p, tmp_path / "0.log", what="the placement table")
+        on = {kind: next(n for n in nodes if n.node_id[:12] in next(ln for ln in table.splitlines()
+                                                                    if ln.startswith(kind)))
+              for kind in ("trainer 0", "engine 0")}
+        assert on["trainer 0"] is not on["engine 0"], table
+        wait_for(lambda: "step    1 |" in (tmp_path / "0.log").read_text(), p, tmp_path / "0.log", what="step 1")
+        cluster.add_node(num_cpus=1)
+        cluster.remove_node(on["engine 0"])  # its raylet ends (SIGTERM) and every process on the node with it
+        wait_for(lambda: "re-created at" in (tmp_path / "0.log").read_text(), p, tmp_path / "0.log",
+                 what="the engine re-created on another node")
+        marker = run / "checkpoints" / "latest"
+        seen = marker.read_text() if marker.exists() else ""
+        wait_for(lambda: marker.exists() and marker.read_text() != seen, p, tmp_path / "0.log",
+                 what="a checkpoint after the engine came back")
+        cluster.add_node(num_cpus=1)
+        cluster.remove_node(on["trainer 0"])
+        log = finish(p, tmp_path / "0.log")
+        assert p.returncode == 1, log[-3000:]
+        tail = log[log.index("run failed:"):]
+        # the trainer's actor is gone (dead, or unreachable: Ray may not have marked its node dead yet); no deadline
+        assert re.search(r"ray\.exceptions\.Actor(Died|Unavailable)Error", tail) and "TimeoutError" not in tail, tail
+        assert re.search(r"engine 0 at \S+ was dead or hung: re-created at \S+, serving weight version \d+", log), \
+            log[-3000:]
+        latest = marker.read_text().strip()
+        p = launch(cmd + ["resume=true"], env, tmp_path / "1.log")
+        log = finish(p, tmp_path / "1.log")
+        assert p.returncode == 0 and f"resumed after step {int(latest[5:])}" in log, log[-3000:]
+    finally:
+        cluster.shutdown()
+    base_log = finish(b, tmp_path / "base.log")
+    assert b.returncode == 0, base_log[-3000:]
+    want, got = train_rows(base), train_rows(run)
+    assert sorted(got) == list(range(10)) and len([r for r in metrics(run) if "train/loss" in r]) == 10
+    for step in range(10):
+        for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/samples", "rollout/response_len"):
+            assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+        assert got[step]["train/gap_max"] < 1e-4
+    assert max(r["engines/restarts"] for r in got.values()) == 1  # the first launch's rows; a resume counts anew
+
 
 # ------------------------------------------------------------------------------------------------
 # a flooded router: thousands of agent sessions at once over loopback, the router in its own process
@@ -678,7 +822,9 @@ def test_fault_points_strike_only_where_named_and_the_spellings_are_checked(monk
             ("latest@5", ("controller", 5, None), None), ("", ("latest", 5, None), None),
             ("model:0@3", ("model", None, 0), None), ("sync:1@2", ("sync", 2, 1), signal.SIGKILL),
             ("sync:1@2", ("stall", 2, 1), None), ("stall:1@2", ("stall", 2, 1), signal.SIGSTOP),
-            ("stall:1@2", ("stall", 1, 1), None)]:
+            ("stall:1@2", ("stall", 1, 1), None), ("push:0@5", ("push", 5, 0), signal.SIGKILL),
+            ("push:0@5", ("push", 5, 1), None), ("step:1@3", ("step", 3, 1), signal.SIGKILL),
+            ("step:1@3", ("step", 3, 0), None)]:
         monkeypatch.setenv("LOONGSAGE_FAULT", spec)
         hits.clear()
         trainer.fault(point, step, rank)
