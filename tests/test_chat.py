@@ -586,9 +586,13 @@ def test_three_rl_steps_with_a_tool_calling_agent(family, tmp_path, monkeypatch,
     through the template with loss_mask 0, and three RL steps train."""
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path / "cache"))
     dump = tmp_path / "dump"
+    # The warm start is ~90% of the test's time. It must teach the protocol's fixed tokens (not the copying of
+    # digits), which takes optimizer steps more than samples: with 80 steps of 16 the loss reached its plateau by
+    # step 45-60 in every family; 60 steps of 8 follow the same loss per step, and the trajectories that called the
+    # tool went from 22/20/23/21/19 of 24 to 22/12/22/20/19 (chatml/qwen3/llama3/mistral/deepseek_v3).
     cfg = config.load_config(str(ROOT / "recipes/calc_cpu.yaml"), [
-        f"output_dir={tmp_path}/run", f"tiny_model={json.dumps(settings(family))}", "warmstart_steps=80",
-        "warmstart_stop_loss=0", "warmstart_batch_size=16", "warmstart_lr=5e-3", "warmstart_label_noise=0.0",
+        f"output_dir={tmp_path}/run", f"tiny_model={json.dumps(settings(family))}", "warmstart_steps=60",
+        "warmstart_stop_loss=0", "warmstart_batch_size=8", "warmstart_lr=5e-3", "warmstart_label_noise=0.0",
         "num_steps=3", "eval_every=0", "prompts_per_step=4", "samples_per_prompt=2", "global_batch_size=8",
         "micro_batch_size=8", "max_context_len=640", "max_prompt_len=512", "print_every=0",
         f"dump_rollouts={dump}"])
@@ -603,6 +607,7 @@ def test_three_rl_steps_with_a_tool_calling_agent(family, tmp_path, monkeypatch,
         assert (h["train/grad_norm"] > 0) == any(len(r) > 1 for r in groups.values()), (h, groups)
     tok = data.load_tokenizer(str(Path(cfg.output_dir) / "final_hf"))
     called = [t for t in trajs if t["metadata"]["turns"] >= 2]
+    print(f"{family}: {len(called)} of {len(trajs)} trajectories called the calculator")
     assert called, [t["response_text"] for t in trajs]
     for t in called:  # the calculator's answer came back in the family's tool-result syntax, masked out
         masked = tok.decode([i for i, m in zip(t["response_ids"], t["loss_mask"]) if not m], skip_special_tokens=False)

@@ -71,9 +71,27 @@ def test_the_dry_run_passes_every_part_with_only_the_lent_machines_packages(tmp_
     assert re.search(r"\d+ tensors bit for bit", lines["ipc"]) and "torch's rebuild" in lines["ipc"], lines["ipc"]
 
 
-@pytest.mark.parametrize("part", ["logprobs", "ipc", "offload", "distopt"])
-def test_each_control_makes_its_part_fail(part, run_cache):
+# each control's part, and what its own assertion's message says (so a FAIL caused by another part's control would
+# not pass for this one's)
+CONTROLS = {"logprobs": "|trainer - HF fp32|", "ipc": "arrived with other bytes than pushed",
+            "offload": "held MiB (weights/optimizer/grads)", "distopt": "sum |plain - distributed|"}
+
+
+@pytest.fixture(scope="module")
+def controls(_session_cache) -> tuple[int, dict[str, str]]:
+    """One dry run of the four parts, each with its control on: a part reports and the next one runs whatever the
+    last one did (gpu_check.main), and every break is the part's own (a copy of the reference model, a copy of the
+    pushed tensors, the worker's offload, the learning rate of distopt's reloads), so one process tells what four
+    did, without three more start-ups of torch, transformers and a trainer."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOONGSAGE_CACHE", str(_session_cache))  # run_cache's: the dry run's model is built once
+        return dry_run(*[a for p in CONTROLS for a in ("--part", p, "--break", p)])
+
+
+@pytest.mark.parametrize("part", list(CONTROLS))
+def test_each_control_makes_its_part_fail(part, controls):
     """`--break PART`: the logprobs against a model with another final norm, a push with one bit flipped, an offload
     that frees nothing, the distributed optimizer at another learning rate: the part FAILs at its own assertion."""
-    rc, lines = dry_run("--part", part, "--break", part)
-    assert rc == 1 and lines.get(part, "").startswith("FAIL AssertionError"), lines
+    rc, lines = controls
+    assert rc == 1 and lines.get(part, "").startswith("FAIL AssertionError: "), lines
+    assert CONTROLS[part] in lines[part], lines[part]
