@@ -596,6 +596,18 @@ class Router:
                            code="invalid_api_key")
         return s
 
+    def _turn_args(self, s: Session, req, body: dict, thinking_field: str) -> dict:
+        """Session.run_turn's arguments for a checked request of any API: its label (_admit), the template variables
+        its thinking field sets, the grammar of a forced or strict tool call. Structured output is checked against the
+        template for the OpenAI APIs only (Messages' output_config.format is not)."""
+        label = self._admit(s, req, body.get("model"))
+        template_kwargs = self.chat.with_thinking(req, thinking_field, body.get(thinking_field))
+        if thinking_field != "thinking":
+            self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
+        return dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
+                    overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
+                    template_kwargs=template_kwargs, separate_reasoning=req.separate_reasoning, label=label)
+
     # --- the app: one method per route, each answering errors in its API's shape (_answering)
 
     def app(self) -> Starlette:
@@ -617,12 +629,7 @@ class Router:
     async def chat_completions(self, request: Request):
         s, body = self._session(request), await _json_body(request)
         req = openai_request(body, self.strict_fields)
-        label = self._admit(s, req, body.get("model"))
-        template_kwargs = self.chat.with_thinking(req, "reasoning_effort", body.get("reasoning_effort"))
-        self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
-        kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
-                  overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
-                  template_kwargs=template_kwargs, separate_reasoning=req.separate_reasoning, label=label)
+        kw = self._turn_args(s, req, body, "reasoning_effort")
         if req.stream:
             return await self._streamed(s, req, kw, lambda parts: openai_stream(
                 self.chat, parts, self.model_name, req.logprobs, req.include_usage))
@@ -632,11 +639,7 @@ class Router:
     async def messages(self, request: Request):
         s, body = self._session(request), await _json_body(request)
         req = anthropic_request(body, self.strict_fields, self.model_name)
-        label = self._admit(s, req, body.get("model"))
-        template_kwargs = self.chat.thinking_kwargs(req.thinking)
-        kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
-                  overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
-                  template_kwargs=template_kwargs, label=label)
+        kw = self._turn_args(s, req, body, "thinking")
         if req.stream:
             return await self._streamed(s, req, kw, lambda parts: anthropic_stream(parts, self.model_name))
         turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
@@ -645,16 +648,12 @@ class Router:
     async def responses(self, request: Request):
         s, body = self._session(request), await _json_body(request)
         req = responses_request(body, s.responses, self.strict_fields)
-        label = self._admit(s, req, body.get("model"))
-        template_kwargs = self.chat.with_thinking(req, "reasoning", body.get("reasoning"))
-        self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
-        kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, template_kwargs=template_kwargs,
-                  label=label, overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)})
+        kw = self._turn_args(s, req, body, "reasoning")
         rid = "resp_" + uuid.uuid4().hex
         logprobs_of = functools.partial(responses_logprobs, self.chat) if req.logprobs else None
 
         def remember(turn: Turn) -> None:  # the conversation so far, for a later previous_response_id
-            s.responses[rid] = next(g for g in reversed(s.segments) if g.label == label).messages
+            s.responses[rid] = next(g for g in reversed(s.segments) if g.label == kw["label"]).messages
         if req.stream:
             return await self._streamed(s, req, kw, lambda parts: responses_stream(
                 parts, self.model_name, rid, body, req.custom_tools, logprobs_of), after=remember)
@@ -704,8 +703,7 @@ class Router:
         chunk (or the turn's end, if that comes first), so a request refused before any token (bad input, a
         budget, the engine's own 400) still gets its plain error answer and status; a failure after that is the
         stream's error event. A client that leaves does not stop the turn: it is committed as a plain one is."""
-        live = chat.TurnStream(self.chat, req.tools, kw.get("parse_tools", True),
-                               kw.get("separate_reasoning", True), kw.get("stop"))
+        live = chat.TurnStream(self.chat, req.tools, kw["parse_tools"], kw["separate_reasoning"], kw["stop"])
         queue: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(s.run_turn(self.pool, req.messages, req.tools, **kw,
                                                 on_tokens=lambda chunk: queue.put_nowait(("chunk", chunk))))

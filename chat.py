@@ -928,8 +928,8 @@ class ChatFormat:
         return {}
 
     def with_thinking(self, req, field: str, value) -> dict:
-        """A Chat Completions or Responses request's chat_template_kwargs with its thinking switch applied (`field`:
-        `reasoning_effort` or `reasoning`, `value` as sent); the two setting the switch differently is refused."""
+        """A request's chat_template_kwargs with its thinking switch applied (`field`: `reasoning_effort`, `thinking` or
+        `reasoning`, `value` as sent); the two setting the switch differently is refused."""
         thinking = self.thinking_kwargs(req.thinking, field)
         clash = {k for k in thinking if k in req.template_kwargs and req.template_kwargs[k] != thinking[k]}
         if clash:
