@@ -179,14 +179,6 @@ def sampling_seed(*key) -> int:
     return int.from_bytes(hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=7).digest(), "big")
 
 
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """The TLS context of every router client, built once. The router speaks plain HTTP, but an httpx transport
-    builds a context of its own unless given one, loading the CA store while the event loop waits
-    (docs/BENCHMARKS.md)."""
-    return ssl.create_default_context()
-
-
 def sdk_httpx():
     """The httpx flavour the official OpenAI SDK builds its requests with (httpx, or its fork httpx2 in newer
     releases): a transport given to the SDK's client must come from this module."""
@@ -198,9 +190,11 @@ def openai_http_client():
     """The http client of every white-box agent's AsyncOpenAI client: the SDK's own aiohttp backend
     (`openai.DefaultAioHttpClient`), whose C HTTP parser costs the agent's event loop less per request than the default
     transport's pure-Python one (docs/BENCHMARKS.md). aiohttp sets TCP_NODELAY itself; `max_connections=0` is aiohttp's
-    "no limit", each connection kept open for the next request until it has idled for the pool's expiry (5 s)."""
+    "no limit", each connection kept open for the next request until it has idled for the pool's expiry (5 s). The
+    TLS context is given, though the router speaks plain HTTP: else the transport builds one, loading the CA store
+    while the event loop waits (docs/BENCHMARKS.md)."""
     limits = sdk_httpx().Limits(max_connections=0, max_keepalive_connections=None)
-    return openai.DefaultAioHttpClient(limits=limits, verify=_tls_context())
+    return openai.DefaultAioHttpClient(limits=limits, verify=ssl.create_default_context())
 
 
 def _message_key(m: dict) -> tuple:
@@ -539,11 +533,9 @@ class Router:
 
     # --- sessions
 
-    def open_session(self, *, sampling: dict, max_context_len: int, max_turns: int,
-                     sample: dict | None = None, batch: str = "", constraint: dict | None = None,
-                     train_labels: tuple = ("main",)) -> Session:
-        s = Session(self.chat, sampling=sampling, max_context_len=max_context_len, max_turns=max_turns,
-                    sample=sample, batch=batch, constraint=constraint, train_labels=train_labels)
+    def open_session(self, **session_args) -> Session:
+        """A new Session (its keyword arguments), served at base_url(s) until close_session(s)."""
+        s = Session(self.chat, **session_args)
         self.sessions[s.id] = s
         return s
 
