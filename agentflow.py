@@ -60,15 +60,12 @@ Responses formats and nothing else, so this file is the system and that one the 
 Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
-clients), the Responses API in `tests/test_responses.py`; streaming in `tests/test_token_stream.py`. Left out:
-a strict tool's calls held to its schema under tool_choice "auto" where the template wraps all calls in one block
-(DeepSeek, Mistral) or marks none (Llama 3) (a forced tool_choice is held in every family:
-`chat.ChatFormat.tool_grammar`), structured output or a forced tool call together with thinking, structured
-output with tools, images/audio content parts, built-in tools of the Responses API, n > 1 per request (ask n sessions
-instead), tool-call deltas while the call is generated (a call is parsed whole, so it goes out at the end of a
-streamed reply), stop strings inside the engine (the router cuts the turn after it ends, so a streamed reply with
-`stop` waits, like a plain one, for the engine to finish), per-token logprobs in stream chunks (they all come with
-the last one), retrying a failed judgement (the trajectory stays failed).
+clients), the Responses API in `tests/test_responses.py`; streaming in `tests/test_token_stream.py`. Left out: the API
+features wire.py's docstring lists (images/audio, built-in tools, n > 1 per request: ask n sessions instead, tool-call
+deltas, strict calls under tool_choice "auto" in templates without a per-call marker), structured output or a forced
+tool call together with thinking, structured output with tools, stop strings inside the engine (the router cuts the
+turn after it ends, so a streamed reply with `stop` waits, like a plain one, for the engine to finish), per-token
+logprobs in stream chunks (they all come with the last one), retrying a failed judgement (the trajectory stays failed).
 """
 from __future__ import annotations
 
