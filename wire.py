@@ -378,10 +378,11 @@ def sampling_typo(name: str) -> str | None:
     return next((f for d, f in near if d <= (1 if len(f) <= 5 else 2)), None)
 
 
-def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict, strict: bool = False) -> tuple:
-    """Check the top-level fields; returns the unknown ones accepted. Agent programs add fields with every release,
-    so an unknown field passes (the router counts, warns and records it: agentflow.Router), unless it looks like a
-    mistyped sampling field (`temprature`: 400); `strict` refuses every unknown field, naming the closest known one."""
+def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict, strict: bool, required: tuple) -> tuple:
+    """Check the top-level fields, the `required` ones present and `model` a string; returns the unknown ones
+    accepted. Agent programs add fields with every release, so an unknown field passes (the router counts, warns and
+    records it: agentflow.Router), unless it looks like a mistyped sampling field (`temprature`: 400); `strict`
+    refuses every unknown field, naming the closest known one."""
     unknown = []
     for k, v in body.items():
         if k in honoured:
@@ -402,6 +403,11 @@ def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict, st
                 f"; did you mean {close!r}?" if close else ""), param=k)
         else:
             unknown.append(k)
+    for name in required:
+        if name not in body:
+            raise ApiError(400, f"missing required field '{name}'", param=name)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
     return tuple(unknown)
 
 
@@ -594,11 +600,7 @@ class ChatRequest:
 
 def openai_request(body: dict, strict: bool = False) -> ChatRequest:
     """A Chat Completions body, checked against what the OpenAI API accepts (and what the router can do)."""
-    unknown = _check_fields(body, _OPENAI_HONOURED, _OPENAI_INERT, _OPENAI_DEFAULT_ONLY, strict)
-    if "messages" not in body:
-        raise ApiError(400, "missing required field 'messages'", param="messages")
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
+    unknown = _check_fields(body, _OPENAI_HONOURED, _OPENAI_INERT, _OPENAI_DEFAULT_ONLY, strict, ("messages",))
     messages, tools = openai_messages(body["messages"]), openai_tools(body.get("tools"))
     choice = body.get("tool_choice", "auto")
     named = isinstance(choice, dict) and choice.get("type") == "function" and \
@@ -639,12 +641,8 @@ def openai_request(body: dict, strict: bool = False) -> ChatRequest:
 
 def anthropic_request(body: dict, strict: bool = False, model: str = "loongsage") -> ChatRequest:
     """A Messages body, checked against what the Anthropic API accepts (and what the router can do)."""
-    unknown = _check_fields(body, _ANTHROPIC_HONOURED, _ANTHROPIC_INERT, _ANTHROPIC_DEFAULT_ONLY, strict)
-    for name in ("messages", "max_tokens"):
-        if name not in body:
-            raise ApiError(400, f"missing required field '{name}'", param=name)
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
+    unknown = _check_fields(body, _ANTHROPIC_HONOURED, _ANTHROPIC_INERT, _ANTHROPIC_DEFAULT_ONLY, strict,
+                            ("messages", "max_tokens"))
     if body["max_tokens"] == 0:
         raise ApiError(400, "max_tokens=0 (prompt-cache pre-warming) is not supported by this router; ask for "
                        ">= 1 token", param="max_tokens")
@@ -1093,11 +1091,7 @@ def _responses_tool_choice(choice, tools: list[dict] | None, custom: frozenset) 
 def responses_request(body: dict, previous: dict[str, list[dict]], strict: bool = False) -> ChatRequest:
     """A Responses body -> ChatRequest, its fields checked as Chat Completions' are (`_check_fields`). `previous`
     maps the session's response ids to their conversations (`previous_response_id` reaches only this session's)."""
-    unknown = _check_fields(body, _RESPONSES_HONOURED, _RESPONSES_INERT, _RESPONSES_DEFAULT_ONLY, strict)
-    if "input" not in body:
-        raise ApiError(400, "missing required field 'input'", param="input")
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
+    unknown = _check_fields(body, _RESPONSES_HONOURED, _RESPONSES_INERT, _RESPONSES_DEFAULT_ONLY, strict, ("input",))
     prev = body.get("previous_response_id")
     if prev is not None and prev not in previous:
         raise ApiError(400, f"previous_response_id {prev!r} is not a response of this session",
