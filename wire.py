@@ -201,12 +201,8 @@ def openai_messages(raw) -> list[dict]:
 
 def openai_tools(raw) -> list[dict] | None:
     """Validate OpenAI `tools` ([{"type": "function", "function": {name, description?, parameters?}}])."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
     tools = []
-    for i, t in enumerate(raw):
+    for i, t in enumerate(_tool_list(raw)):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
             raise ApiError(400, f"invalid tool schema at tools[{i}]: expected "
@@ -215,6 +211,13 @@ def openai_tools(raw) -> list[dict] | None:
         tools.append({"type": "function", "function": _tool_function(fn.get("name"), fn.get("description"),
                                                                      fn.get("parameters"), f"tools[{i}]")})
     return _unique_tools(tools)
+
+
+def _tool_list(raw) -> list:
+    """A request's `tools`, a list ([] when absent); what each tool may be is its API's to check."""
+    if raw is not None and not isinstance(raw, list):
+        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
+    return raw or []
 
 
 def _unique_tools(tools: list[dict]) -> list[dict] | None:
@@ -313,12 +316,8 @@ def anthropic_messages(system, raw) -> list[dict]:
 
 def anthropic_tools(raw) -> list[dict] | None:
     """Anthropic tools ([{name, description?, input_schema}]) -> the OpenAI tool format the template renders."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
     tools = []
-    for i, t in enumerate(raw):
+    for i, t in enumerate(_tool_list(raw)):
         if isinstance(t, dict) and t.get("defer_loading") is True:
             continue  # a deferred tool is not in the model's context until a tool search loads it (none runs here)
         if not isinstance(t, dict) or t.get("type", "custom") != "custom" or \
@@ -980,12 +979,8 @@ def responses_tools(raw) -> list[dict] | None:
     template and tool-call parser handles it as it handles functions; a call of it is answered as a custom_tool_call
     item whose `input` is that string (`responses_output`). Its format may only be text: a grammar (lark / regex) on
     the input alone would need a constrained span inside a free reply, which the engines are not asked for."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
     tools = []
-    for i, t in enumerate(raw):
+    for i, t in enumerate(_tool_list(raw)):
         kind = t.get("type") if isinstance(t, dict) else type(t).__name__
         where = f"tools[{i}]"
         if kind in ("function", "custom"):
