@@ -1200,8 +1200,8 @@ async def responses_stream(parts, model: str, rid: str, body: dict, custom: froz
     created = responses_response(None, model, rid, body, [])
     yield event("response.created", response=created)
     yield event("response.in_progress", response=created)
-    opened: list[dict] = []  # the items streamed so far, each {"type", "id", "text"}; the last may be open
-    is_open, turn = False, None
+    opened: list[dict] = []  # the items streamed so far, each {"type", "id", "text"}; the last is open till the end
+    turn = None
 
     def where():
         return dict(item_id=opened[-1]["id"], output_index=len(opened) - 1, content_index=0)
@@ -1245,19 +1245,16 @@ async def responses_stream(parts, model: str, rid: str, body: dict, custom: froz
             if kind not in ("reasoning", "content"):
                 continue
             item_type = "reasoning" if kind == "reasoning" else "message"
-            if not (is_open and opened[-1]["type"] == item_type):
-                if is_open:
-                    for ev in close():
-                        yield ev
-                for ev in add(item_type, ("rs_" if kind == "reasoning" else "msg_") + uuid.uuid4().hex):
+            if not (opened and opened[-1]["type"] == item_type):
+                item_id = ("rs_" if kind == "reasoning" else "msg_") + uuid.uuid4().hex
+                for ev in [*(close() if opened else ()), *add(item_type, item_id)]:  # the open one closes first
                     yield ev
-                is_open = True
             for ev in delta(value):
                 yield ev
     except ApiError as e:
         yield event("error", code=e.code, message=e.message, param=e.param)
         return
-    if is_open:
+    if opened:
         for ev in close():
             yield ev
     output = responses_output(turn, custom, logprobs_of(turn) if logprobs_of is not None else None)
@@ -1281,8 +1278,7 @@ async def responses_stream(parts, model: str, rid: str, body: dict, custom: froz
             yield event("response.output_item.done", output_index=i, item=item)
         else:  # nothing of it settled before the end (an empty message): its whole sequence now
             text = item["content"][0]["text"]
-            events = [*add(item["type"], item["id"]), *(delta(text) if text else ()), *close()]
-            for ev in events:
+            for ev in [*add(item["type"], item["id"]), *(delta(text) if text else ()), *close()]:
                 yield ev
     yield event("response.completed", response={**responses_response(turn, model, rid, body, output),
                                                 "created_at": created["created_at"]})
