@@ -654,10 +654,10 @@ class Router:
     async def count_tokens(self, request: Request):
         """Messages count_tokens (Claude Code asks it): the prompt's length as the template renders it; no turn. The
         prompt is recorded as a segment of its own, labelled count_tokens (nothing generated: nothing to train)."""
-        s = self._session(request)
-        req = anthropic_request({**await _json_body(request), "max_tokens": 1}, self.strict_fields, self.model_name)
+        s, body = self._session(request), await _json_body(request)
+        req = anthropic_request({**body, "max_tokens": 1}, self.strict_fields, self.model_name)
         self._admit(s, req)
-        kwargs = {**self.chat.template_kwargs, **self.chat.thinking_kwargs(req.thinking)}
+        kwargs = {**self.chat.template_kwargs, **self.chat.with_thinking(req, "thinking", body.get("thinking"))}
         ids = self.chat.prompt_ids(req.messages, req.tools, kwargs)
         s.segments.append(Segment(req.messages, req.tools, "", ids, kwargs=kwargs, label="count_tokens"))
         return JSONResponse({"input_tokens": len(ids)})
