@@ -340,7 +340,7 @@ _OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", 
                     "parallel_tool_calls"}  # enforced with a forced tool_choice; with "auto" the model's calls stand
 _OPENAI_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
                  "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str, "seed": int,
-                 "verbosity": str, "moderation": dict, "client_metadata": dict}
+                 "verbosity": str, "moderation": dict, "client_metadata": dict}  # Codex's: ids of its thread and turn
 _OPENAI_DEFAULT_ONLY = {"n": [1], "top_logprobs": [0], "frequency_penalty": [0], "presence_penalty": [0],
                         "logit_bias": [{}], "modalities": [["text"]],
                         "audio": [], "prediction": [], "web_search_options": [], "functions": [], "function_call": []}
@@ -1026,9 +1026,7 @@ _RESPONSES_HONOURED = {"model", "input", "instructions", "tools", "tool_choice",
                        "top_p", "stream", "stream_options", "previous_response_id", "text", "reasoning", "include",
                        "top_k", "chat_template_kwargs",  # these two: SGLang's extensions
                        "parallel_tool_calls"}  # enforced with a forced tool_choice; with "auto" the model's calls stand
-_RESPONSES_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
-                    "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str,
-                    "moderation": dict, "client_metadata": dict,  # Codex's: ids of its thread and turn
+_RESPONSES_INERT = {**{k: v for k, v in _OPENAI_INERT.items() if k not in ("seed", "verbosity")},  # as Chat's
                     "max_tool_calls": int}  # caps built-in tool calls, and no built-in tool runs here
 _RESPONSES_DEFAULT_ONLY = {"top_logprobs": [0], "truncation": ["disabled"], "background": [False], "prompt": [],
                            "conversation": [], "context_management": [[]], "background_options": [],
