@@ -51,11 +51,10 @@ Black-box agents and code-test rewards run in sandboxes (sandbox.py: limits, con
 every process killed at the end). With `cfg.agent_preload` (e.g. ["openai"]) a Python agent command is forked
 from one warm interpreter that has imported those modules, instead of starting Python per trajectory.
 
-Reading order (top to bottom): `Trajectory`, what the trainer reads (the engines behind the router are
-`rollout.EnginePool`; the chat template, end tokens and the family's parsers `chat.ChatFormat`); `Session`, where TITO
-happens (render, check that the history extends, generate, append exactly the sampled ids); `Router`, the HTTP
-endpoints; the code-test reward; `AgentFlow`, the actor the controller calls. wire.py holds the OpenAI / Anthropic /
-Responses formats and nothing else, so this file is the system and that one the protocol.
+Reading order (top to bottom): `Trajectory`, what the trainer reads; `Session`, where TITO happens; `Router`, the HTTP
+endpoints, one method per route; the code-test reward; `AgentFlow`, the actor the controller calls. The engines behind
+the router are `rollout.EnginePool`, the chat template and the family's parsers `chat.ChatFormat`, and wire.py holds
+the OpenAI / Anthropic / Responses formats and nothing else: this file is the system and that one the protocol.
 
 Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.

@@ -57,10 +57,9 @@ import transfermesh
 log = logging.getLogger("loongsage.rollout")
 SGLANG_STARTUP_TIMEOUT_S = 1200.0  # loading a large checkpoint and capturing CUDA graphs can take minutes
 
-# The engine contract as a table: every endpoint a LoongSage client sends an engine, the feature that needs it, and
-# the code that sends it. The "plain" rows are all that plain RL asks of an engine (sync or async, weights over shared
-# memory or CUDA IPC on the same machine); each other feature adds its rows. A second backend serves the plain rows
-# and the rows of the features it supports (tests/test_contract.py holds the table to the code three ways).
+# The engine contract (the module docstring says what a row is). The "plain" rows are all that plain RL asks of an
+# engine (sync or async, weights over shared memory or CUDA IPC on one machine); a second backend serves them and the
+# rows of the features it supports (tests/test_contract.py holds the table to the code three ways).
 CONTRACT = (
     # endpoint                          feature      sent by
     ("/health",                         "plain",     "rollout.wait_healthy: the launch waits for it"),
