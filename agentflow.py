@@ -611,7 +611,9 @@ class Router:
             Route("/s/{sid}/v1/models", openai_route(self.models), methods=["GET"]),
             Route("/s/{sid}/v1/models/{model:path}", openai_route(self.models), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-            Route("/{path:path}", openai_route(self.unscoped)),  # any other path or method: a 404, OpenAI's shape
+            # any other GET: a 404 in OpenAI's shape (Starlette gives a route without methods GET and HEAD only, so
+            # another method on an unknown path gets its plain 405)
+            Route("/{path:path}", openai_route(self.unscoped)),
         ])
 
     async def chat_completions(self, request: Request):
