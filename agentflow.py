@@ -32,7 +32,7 @@ kept as "failed" (reward 0, loss_mask all 0) so its group stays complete.
 The router is one HTTP server in front of all engines. Each trajectory gets a session base URL
 `http://host:port/s/<session>/v1` (the session id and the api key are unguessable tokens) serving OpenAI
 `POST /chat/completions` and `POST /responses` (`previous_response_id` within the session, across weight updates),
-Anthropic `POST /messages` and `GET /models`, plain and streaming (`streamed` in `Router.app`), with tool calls. A
+Anthropic `POST /messages` and `GET /models`, plain and streaming (`Router._streamed`), with tool calls. A
 session sticks to one engine (its KV prefix cache stays warm); new sessions go to the engine with the fewest requests
 in flight. An engine that fails a call or a periodic probe leaves routing at once (rollout.EnginePool); the controller
 re-creates it and `replace_engine` routes to its successor.
@@ -51,24 +51,20 @@ Black-box agents and code-test rewards run in sandboxes (sandbox.py: limits, con
 every process killed at the end). With `cfg.agent_preload` (e.g. ["openai"]) a Python agent command is forked
 from one warm interpreter that has imported those modules, instead of starting Python per trajectory.
 
-Reading order (top to bottom): `Trajectory`, what the trainer reads (the engines behind the router are
-`rollout.EnginePool`; the chat template, end tokens and the family's parsers `chat.ChatFormat`); `Session`, where TITO
-happens (render, check that the history extends, generate, append exactly the sampled ids); `Router`, the HTTP
-endpoints; the code-test reward; `AgentFlow`, the actor the controller calls. wire.py holds the OpenAI / Anthropic /
-Responses formats and nothing else, so this file is the system and that one the protocol.
+Reading order (top to bottom): `Trajectory`, what the trainer reads; `Session`, where TITO happens; `Router`, the HTTP
+endpoints, one method per route; the code-test reward; `AgentFlow`, the actor the controller calls. The engines behind
+the router are `rollout.EnginePool`, the chat template and the family's parsers `chat.ChatFormat`, and wire.py holds
+the OpenAI / Anthropic / Responses formats and nothing else: this file is the system and that one the protocol.
 
 Run a router by hand over running engines (prints session settings for any OpenAI/Anthropic client):
 `python agentflow.py --engine http://127.0.0.1:30000 --tokenizer DIR`.
 Test: `.venv/bin/pytest tests/test_agentflow.py` (CPU engine + router + official openai/anthropic
-clients), the Responses API in `tests/test_responses.py`; streaming in `tests/test_token_stream.py`. Left out:
-a strict tool's calls held to its schema under tool_choice "auto" where the template wraps all calls in one block
-(DeepSeek, Mistral) or marks none (Llama 3) (a forced tool_choice is held in every family:
-`chat.ChatFormat.tool_grammar`), structured output or a forced tool call together with thinking, structured
-output with tools, images/audio content parts, built-in tools of the Responses API, n > 1 per request (ask n sessions
-instead), tool-call deltas while the call is generated (a call is parsed whole, so it goes out at the end of a
-streamed reply), stop strings inside the engine (the router cuts the turn after it ends, so a streamed reply with
-`stop` waits, like a plain one, for the engine to finish), per-token logprobs in stream chunks (they all come with
-the last one), retrying a failed judgement (the trajectory stays failed).
+clients), the Responses API in `tests/test_responses.py`; streaming in `tests/test_token_stream.py`. Left out: the API
+features wire.py's docstring lists (images/audio, built-in tools, n > 1 per request: ask n sessions instead, tool-call
+deltas, strict calls under tool_choice "auto" in templates without a per-call marker), structured output or a forced
+tool call together with thinking, structured output with tools, stop strings inside the engine (the router cuts the
+turn after it ends, so a streamed reply with `stop` waits, like a plain one, for the engine to finish), per-token
+logprobs in stream chunks (they all come with the last one), retrying a failed judgement (the trajectory stays failed).
 """
 from __future__ import annotations
 
@@ -179,14 +175,6 @@ def sampling_seed(*key) -> int:
     return int.from_bytes(hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=7).digest(), "big")
 
 
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """The TLS context of every router client, built once. The router speaks plain HTTP, but an httpx transport
-    builds a context of its own unless given one, loading the CA store while the event loop waits
-    (docs/BENCHMARKS.md)."""
-    return ssl.create_default_context()
-
-
 def sdk_httpx():
     """The httpx flavour the official OpenAI SDK builds its requests with (httpx, or its fork httpx2 in newer
     releases): a transport given to the SDK's client must come from this module."""
@@ -198,9 +186,11 @@ def openai_http_client():
     """The http client of every white-box agent's AsyncOpenAI client: the SDK's own aiohttp backend
     (`openai.DefaultAioHttpClient`), whose C HTTP parser costs the agent's event loop less per request than the default
     transport's pure-Python one (docs/BENCHMARKS.md). aiohttp sets TCP_NODELAY itself; `max_connections=0` is aiohttp's
-    "no limit", each connection kept open for the next request until it has idled for the pool's expiry (5 s)."""
+    "no limit", each connection kept open for the next request until it has idled for the pool's expiry (5 s). The
+    TLS context is given, though the router speaks plain HTTP: else the transport builds one, loading the CA store
+    while the event loop waits (docs/BENCHMARKS.md)."""
     limits = sdk_httpx().Limits(max_connections=0, max_keepalive_connections=None)
-    return openai.DefaultAioHttpClient(limits=limits, verify=_tls_context())
+    return openai.DefaultAioHttpClient(limits=limits, verify=ssl.create_default_context())
 
 
 def _message_key(m: dict) -> tuple:
@@ -487,6 +477,41 @@ class Session:
 # the router: one HTTP server, a session URL per trajectory
 
 
+async def _json_body(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _api_error(e: Exception) -> ApiError:
+    """A failed request as its client sees it: an ApiError as raised, no engine a 503, a bug a 500."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, rollout.EngineUnavailable):
+        return ApiError(503, str(e), code="engine_unavailable")
+    if isinstance(e, rollout.EngineRejected):
+        return ApiError(400, str(e), code="engine_rejected")
+    log.error("router error", exc_info=e)  # a bug here must not take the router (and every session) down
+    return ApiError(500, f"internal router error: {e!r}")
+
+
+def _answering(error_body, handler):
+    """The route of `handler(request)`: every error answered in its API's shape (`error_body(ApiError)`), unexpected
+    ones as 500s, never a crash."""
+    @functools.wraps(handler)
+    async def route(request: Request):
+        try:
+            return await handler(request)
+        except Exception as e:
+            error = _api_error(e)
+            return JSONResponse(error_body(error), status_code=error.status)
+    return route
+
+
 class Router:
     """Sessions + the Starlette app that serves them. Runs inside the caller's event loop (the AgentFlow actor)."""
 
@@ -504,11 +529,9 @@ class Router:
 
     # --- sessions
 
-    def open_session(self, *, sampling: dict, max_context_len: int, max_turns: int,
-                     sample: dict | None = None, batch: str = "", constraint: dict | None = None,
-                     train_labels: tuple = ("main",)) -> Session:
-        s = Session(self.chat, sampling=sampling, max_context_len=max_context_len, max_turns=max_turns,
-                    sample=sample, batch=batch, constraint=constraint, train_labels=train_labels)
+    def open_session(self, **session_args) -> Session:
+        """A new Session (its keyword arguments), served at base_url(s) until close_session(s)."""
+        s = Session(self.chat, **session_args)
         self.sessions[s.id] = s
         return s
 
@@ -549,8 +572,9 @@ class Router:
         return "side" if model == SIDE_MODEL else "compaction" if isinstance(last_user, str) and \
             last_user.lstrip().startswith(CODEX_COMPACTION) else "main"
 
-    def _session(self, sid: str, headers) -> Session:
-        s = self.sessions.get(sid)
+    def _session(self, request: Request) -> Session:
+        """The session a request's URL names, its api key checked."""
+        s, headers = self.sessions.get(request.path_params["sid"]), request.headers
         if s is None:
             raise ApiError(404, "unknown or finished session; each trajectory has its own base URL "
                            "http://host:port/s/<session>/v1", code="session_not_found")
@@ -560,188 +584,144 @@ class Router:
                            code="invalid_api_key")
         return s
 
-    # --- the app
-
-    def app(self):
-
-        async def body_of(request: Request) -> dict:
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"request body is not valid JSON: {e}") from None
-            if not isinstance(body, dict):
-                raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
-            return body
-
-        def api_error(e: Exception) -> ApiError:
-            """A failed request as its client sees it: an ApiError as raised, no engine a 503, a bug a 500."""
-            if isinstance(e, ApiError):
-                return e
-            if isinstance(e, rollout.EngineUnavailable):
-                return ApiError(503, str(e), code="engine_unavailable")
-            if isinstance(e, rollout.EngineRejected):
-                return ApiError(400, str(e), code="engine_rejected")
-            log.error("router error", exc_info=e)  # a bug here must not take the router (and every session) down
-            return ApiError(500, f"internal router error: {e!r}")
-
-        def guarded(error_body):
-            """Every endpoint answers errors in its API's shape; unexpected errors are 500s, never crashes."""
-            def wrap(fn):
-                async def handler(request: Request):
-                    try:
-                        return await fn(request, request.path_params.get("sid"))
-                    except Exception as e:
-                        error = api_error(e)
-                        return JSONResponse(error_body(error), status_code=error.status)
-                handler.__name__ = fn.__name__
-                return handler
-            return wrap
-
-        async def streamed(s: Session, req, kw: dict, render, after=None) -> StreamingResponse:
-            """Run a turn with the engine streaming and answer with the Server-Sent Events `render(parts)` (wire.py's
-            *_stream) as it generates: parts are ("start", prompt tokens), the reasoning and content deltas as they
-            settle (TurnStream), then ("turn", Turn), after `after(turn)`. The answer starts at the engine's first
-            chunk (or the turn's end, if that comes first), so a request refused before any token (bad input, a
-            budget, the engine's own 400) still gets its plain error answer and status; a failure after that is the
-            stream's error event. A client that leaves does not stop the turn: it is committed as a plain one is."""
-            live = chat.TurnStream(self.chat, req.tools, kw.get("parse_tools", True),
-                                   kw.get("separate_reasoning", True), kw.get("stop"))
-            queue: asyncio.Queue = asyncio.Queue()
-            task = asyncio.ensure_future(s.run_turn(self.pool, req.messages, req.tools, **kw,
-                                                    on_tokens=lambda chunk: queue.put_nowait(("chunk", chunk))))
-            # the end, and the turn's error marked as seen: a client that left never reads it
-            task.add_done_callback(lambda t: (t.cancelled() or t.exception(), queue.put_nowait(("end", None))))
-            first = await queue.get()
-            if first[0] == "end":
-                task.result()  # a turn that failed before any token: its plain error answer
-
-            async def parts():
-                kind, value = first
-                yield "start", value["meta_info"]["prompt_tokens"] if kind == "chunk" else task.result().prompt_tokens
-                while kind == "chunk":
-                    for part in live.update(value["output_ids"]):
-                        yield part
-                    kind, value = await queue.get()
-                    while kind == "chunk" and not queue.empty():  # chunks are cumulative: the newest is enough
-                        kind, value = queue.get_nowait()
-                try:
-                    turn = task.result()
-                except Exception as e:
-                    raise api_error(e) from None
-                if after is not None:
-                    after(turn)
-                for part in live.finish(turn):
-                    yield part
-                yield "turn", turn
-            return StreamingResponse(render(parts()), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-
-        @guarded(openai_error_body)
-        async def chat_completions(request: Request, sid: str):
-            s = self._session(sid, request.headers)
-            body = await body_of(request)
-            req = openai_request(body, self.strict_fields)
-            label = self._admit(s, req, body.get("model"))
-            template_kwargs = self.chat.with_thinking(req, "reasoning_effort", body.get("reasoning_effort"))
+    def _turn_args(self, s: Session, req, body: dict, thinking_field: str) -> dict:
+        """Session.run_turn's arguments for a checked request of any API: its label (_admit), the template variables
+        its thinking field sets, the grammar of a forced or strict tool call. Structured output is checked against the
+        template for the OpenAI APIs only (Messages' output_config.format is not)."""
+        label = self._admit(s, req, body.get("model"))
+        template_kwargs = self.chat.with_thinking(req, thinking_field, body.get(thinking_field))
+        if thinking_field != "thinking":
             self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
-            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
-                      overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
-                      template_kwargs=template_kwargs, separate_reasoning=req.separate_reasoning, label=label)
-            if req.stream:
-                return await streamed(s, req, kw, lambda parts: openai_stream(
-                    self.chat, parts, self.model_name, req.logprobs, req.include_usage))
-            turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
-            return JSONResponse(openai_response(self.chat, turn, self.model_name, req.logprobs))
+        return dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
+                    overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
+                    template_kwargs=template_kwargs, separate_reasoning=req.separate_reasoning, label=label)
 
-        @guarded(anthropic_error_body)
-        async def messages(request: Request, sid: str):
-            s = self._session(sid, request.headers)
-            body = await body_of(request)
-            req = anthropic_request(body, self.strict_fields, self.model_name)
-            label = self._admit(s, req, body.get("model"))
-            template_kwargs = self.chat.thinking_kwargs(req.thinking)
-            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
-                      overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
-                      template_kwargs=template_kwargs, label=label)
-            if req.stream:
-                return await streamed(s, req, kw, lambda parts: anthropic_stream(parts, self.model_name))
-            turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
-            return JSONResponse(anthropic_response(turn, self.model_name))
+    # --- the app: one method per route, each answering errors in its API's shape (_answering)
 
-        @guarded(openai_error_body)
-        async def responses(request: Request, sid: str):
-            s = self._session(sid, request.headers)
-            body = await body_of(request)
-            req = responses_request(body, s.responses, self.strict_fields)
-            label = self._admit(s, req, body.get("model"))
-            template_kwargs = self.chat.with_thinking(req, "reasoning", body.get("reasoning"))
-            self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
-            kw = dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, template_kwargs=template_kwargs,
-                      label=label,
-                      overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)})
-            rid = "resp_" + uuid.uuid4().hex
-            logprobs_of = functools.partial(responses_logprobs, self.chat) if req.logprobs else None
-
-            def remember(turn: Turn) -> None:  # the conversation so far, for a later previous_response_id
-                s.responses[rid] = next(g for g in reversed(s.segments) if g.label == label).messages
-            if req.stream:
-                return await streamed(s, req, kw, lambda parts: responses_stream(
-                    parts, self.model_name, rid, body, req.custom_tools, logprobs_of), after=remember)
-            turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
-            remember(turn)
-            output = responses_output(turn, req.custom_tools, logprobs_of(turn) if logprobs_of else None)
-            return JSONResponse(responses_response(turn, self.model_name, rid, body, output))
-
-        @guarded(anthropic_error_body)
-        async def count_tokens(request: Request, sid: str):
-            """Messages count_tokens (Claude Code asks it): the prompt's length as the template renders it; no turn. The
-            prompt is recorded as a segment of its own, labelled count_tokens (nothing generated: nothing to train)."""
-            s = self._session(sid, request.headers)
-            req = anthropic_request({**await body_of(request), "max_tokens": 1}, self.strict_fields, self.model_name)
-            self._admit(s, req)
-            kwargs = {**self.chat.template_kwargs, **self.chat.thinking_kwargs(req.thinking)}
-            ids = self.chat.prompt_ids(req.messages, req.tools, kwargs)
-            s.segments.append(Segment(req.messages, req.tools, "", ids, kwargs=kwargs, label="count_tokens"))
-            return JSONResponse({"input_tokens": len(ids)})
-
-        @guarded(openai_error_body)
-        async def models(request: Request, sid: str):
-            """The one model served, in the shape of the API asking: Anthropic's (its clients send anthropic-version)
-            or OpenAI's; /models/{id} the model itself."""
-            self._session(sid, request.headers)
-            anthropic = "anthropic-version" in request.headers
-            model = {"type": "model", "id": self.model_name, "display_name": self.model_name,
-                     "created_at": "1970-01-01T00:00:00Z"} if anthropic else \
-                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "loongsage"}
-            if "model" in request.path_params:
-                if request.path_params["model"] != self.model_name:
-                    raise ApiError(404, f"model {request.path_params['model']!r} is not served here; the one model "
-                                   f"is {self.model_name!r}", code="model_not_found")
-                return JSONResponse(model)
-            return JSONResponse({"data": [model], "has_more": False, "first_id": self.model_name,
-                                 "last_id": self.model_name} if anthropic else {"object": "list", "data": [model]})
-
-        @guarded(openai_error_body)
-        async def unscoped(request: Request, sid=None):
-            raise ApiError(404, f"no such endpoint {request.url.path}; use the session base URL "
-                           "http://host:port/s/<session>/v1 handed out with each trajectory", code="not_found")
-
-        async def health(request: Request):
-            return JSONResponse({"status": "ok", "sessions": len(self.sessions),
-                                 "engines_up": len(self.pool.healthy())})
-
-        # Plain Starlette, not FastAPI: FastAPI's layers around the handlers cost ~0.1 ms of the ~0.9 ms a request
-        # spent outside the SDK and the engine (bench.py router)
+    def app(self) -> Starlette:
+        """The routes. Plain Starlette, not FastAPI: FastAPI's layers around the handlers cost ~0.1 ms of the ~0.9 ms
+        a request spent outside the SDK and the engine (bench.py router)."""
+        openai_route = functools.partial(_answering, openai_error_body)
+        anthropic_route = functools.partial(_answering, anthropic_error_body)
         return Starlette(routes=[
-            Route("/s/{sid}/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/s/{sid}/v1/messages", messages, methods=["POST"]),
-            Route("/s/{sid}/v1/responses", responses, methods=["POST"]),
-            Route("/s/{sid}/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-            Route("/s/{sid}/v1/models", models, methods=["GET"]),
-            Route("/s/{sid}/v1/models/{model:path}", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/{path:path}", unscoped),  # any other path or method: a 404 in the OpenAI error shape
+            Route("/s/{sid}/v1/chat/completions", openai_route(self.chat_completions), methods=["POST"]),
+            Route("/s/{sid}/v1/messages", anthropic_route(self.messages), methods=["POST"]),
+            Route("/s/{sid}/v1/responses", openai_route(self.responses), methods=["POST"]),
+            Route("/s/{sid}/v1/messages/count_tokens", anthropic_route(self.count_tokens), methods=["POST"]),
+            Route("/s/{sid}/v1/models", openai_route(self.models), methods=["GET"]),
+            Route("/s/{sid}/v1/models/{model:path}", openai_route(self.models), methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            # any other GET: a 404 in OpenAI's shape (Starlette gives a route without methods GET and HEAD only, so
+            # another method on an unknown path gets its plain 405)
+            Route("/{path:path}", openai_route(self.unscoped)),
         ])
+
+    async def chat_completions(self, request: Request):
+        s, body = self._session(request), await _json_body(request)
+        req = openai_request(body, self.strict_fields)
+        kw = self._turn_args(s, req, body, "reasoning_effort")
+        if req.stream:
+            return await self._streamed(s, req, kw, lambda parts: openai_stream(
+                self.chat, parts, self.model_name, req.logprobs, req.include_usage))
+        turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
+        return JSONResponse(openai_response(self.chat, turn, self.model_name, req.logprobs))
+
+    async def messages(self, request: Request):
+        s, body = self._session(request), await _json_body(request)
+        req = anthropic_request(body, self.strict_fields, self.model_name)
+        kw = self._turn_args(s, req, body, "thinking")
+        if req.stream:
+            return await self._streamed(s, req, kw, lambda parts: anthropic_stream(parts, self.model_name))
+        turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
+        return JSONResponse(anthropic_response(turn, self.model_name))
+
+    async def responses(self, request: Request):
+        s, body = self._session(request), await _json_body(request)
+        req = responses_request(body, s.responses, self.strict_fields)
+        kw = self._turn_args(s, req, body, "reasoning")
+        rid = "resp_" + uuid.uuid4().hex
+        logprobs_of = functools.partial(responses_logprobs, self.chat) if req.logprobs else None
+
+        def remember(turn: Turn) -> None:  # the conversation so far, for a later previous_response_id
+            s.responses[rid] = next(g for g in reversed(s.segments) if g.label == kw["label"]).messages
+        if req.stream:
+            return await self._streamed(s, req, kw, lambda parts: responses_stream(
+                parts, self.model_name, rid, body, req.custom_tools, logprobs_of), after=remember)
+        turn = await s.run_turn(self.pool, req.messages, req.tools, **kw)
+        remember(turn)
+        output = responses_output(turn, req.custom_tools, logprobs_of(turn) if logprobs_of else None)
+        return JSONResponse(responses_response(turn, self.model_name, rid, body, output))
+
+    async def count_tokens(self, request: Request):
+        """Messages count_tokens (Claude Code asks it): the prompt's length as the template renders it; no turn. The
+        prompt is recorded as a segment of its own, labelled count_tokens (nothing generated: nothing to train)."""
+        s, body = self._session(request), await _json_body(request)
+        req = anthropic_request({**body, "max_tokens": 1}, self.strict_fields, self.model_name)
+        self._admit(s, req)
+        kwargs = {**self.chat.template_kwargs, **self.chat.with_thinking(req, "thinking", body.get("thinking"))}
+        ids = self.chat.prompt_ids(req.messages, req.tools, kwargs)
+        s.segments.append(Segment(req.messages, req.tools, "", ids, kwargs=kwargs, label="count_tokens"))
+        return JSONResponse({"input_tokens": len(ids)})
+
+    async def models(self, request: Request):
+        """The one model served, in the shape of the API asking: Anthropic's (its clients send anthropic-version)
+        or OpenAI's; /models/{id} the model itself."""
+        self._session(request)
+        anthropic = "anthropic-version" in request.headers
+        model = {"type": "model", "id": self.model_name, "display_name": self.model_name,
+                 "created_at": "1970-01-01T00:00:00Z"} if anthropic else \
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "loongsage"}
+        if "model" in request.path_params:
+            if request.path_params["model"] != self.model_name:
+                raise ApiError(404, f"model {request.path_params['model']!r} is not served here; the one model "
+                               f"is {self.model_name!r}", code="model_not_found")
+            return JSONResponse(model)
+        return JSONResponse({"data": [model], "has_more": False, "first_id": self.model_name,
+                             "last_id": self.model_name} if anthropic else {"object": "list", "data": [model]})
+
+    async def health(self, request: Request):
+        return JSONResponse({"status": "ok", "sessions": len(self.sessions), "engines_up": len(self.pool.healthy())})
+
+    async def unscoped(self, request: Request):
+        raise ApiError(404, f"no such endpoint {request.url.path}; use the session base URL "
+                       "http://host:port/s/<session>/v1 handed out with each trajectory", code="not_found")
+
+    async def _streamed(self, s: Session, req, kw: dict, render, after=None) -> StreamingResponse:
+        """Run a turn with the engine streaming and answer with the Server-Sent Events `render(parts)` (wire.py's
+        *_stream) as it generates: parts are ("start", prompt tokens), the reasoning and content deltas as they
+        settle (TurnStream), then ("turn", Turn), after `after(turn)`. The answer starts at the engine's first
+        chunk (or the turn's end, if that comes first), so a request refused before any token (bad input, a
+        budget, the engine's own 400) still gets its plain error answer and status; a failure after that is the
+        stream's error event. A client that leaves does not stop the turn: it is committed as a plain one is."""
+        live = chat.TurnStream(self.chat, req.tools, kw["parse_tools"], kw["separate_reasoning"], kw["stop"])
+        queue: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(s.run_turn(self.pool, req.messages, req.tools, **kw,
+                                                on_tokens=lambda chunk: queue.put_nowait(("chunk", chunk))))
+        # the end, and the turn's error marked as seen: a client that left never reads it
+        task.add_done_callback(lambda t: (t.cancelled() or t.exception(), queue.put_nowait(("end", None))))
+        first = await queue.get()
+        if first[0] == "end":
+            task.result()  # a turn that failed before any token: its plain error answer
+
+        async def parts():
+            kind, value = first
+            yield "start", value["meta_info"]["prompt_tokens"] if kind == "chunk" else task.result().prompt_tokens
+            while kind == "chunk":
+                for part in live.update(value["output_ids"]):
+                    yield part
+                kind, value = await queue.get()
+                while kind == "chunk" and not queue.empty():  # chunks are cumulative: the newest is enough
+                    kind, value = queue.get_nowait()
+            try:
+                turn = task.result()
+            except Exception as e:
+                raise _api_error(e) from None
+            if after is not None:
+                after(turn)
+            for part in live.finish(turn):
+                yield part
+            yield "turn", turn
+        return StreamingResponse(render(parts()), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def start(self, port: int = 0) -> str:
         """Serve the app on host:port (0 = any free port) as a task of the running loop; returns the URL."""

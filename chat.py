@@ -910,27 +910,20 @@ class ChatFormat:
             return output_ids.index(self._think_end) + 1
         return len(output_ids)
 
-    def thinking_kwargs(self, enabled: bool | None, field: str = "thinking") -> dict:
-        """Template variables for an Anthropic `thinking`, a Responses `reasoning` or a Chat Completions
-        `reasoning_effort` request (`field`; SGLang's mapping): the template's switch set on or off. Thinking asked
-        of a model without a reasoning parser, or turned off where the template cannot, is refused rather than
-        ignored."""
-        if enabled is None:
-            return {}
+    def with_thinking(self, req, field: str, value) -> dict:
+        """A request's chat_template_kwargs with its thinking (`req.thinking`, from the request's `field`: an Anthropic
+        `thinking`, a Responses `reasoning` or a Chat Completions `reasoning_effort`, `value` as sent) set as the
+        template's switch, on or off (SGLang's mapping). Thinking asked of a model without a reasoning parser, turned
+        off where the template cannot, or set differently by chat_template_kwargs is refused rather than ignored."""
+        enabled, thinking = req.thinking, {}
         if enabled and not self.reasoning_parser:
             raise ApiError(400, f"thinking was requested ({field}), but this model has no reasoning parser "
                            "(cfg.reasoning_parser; its chat template shows no <think>...</think> format)", param=field)
-        if self.thinking_switch:
-            return {self.thinking_switch: enabled}
-        if not enabled and self.reasoning_parser:
+        if enabled is not None and self.thinking_switch:
+            thinking = {self.thinking_switch: enabled}
+        elif enabled is False and self.reasoning_parser:
             raise ApiError(400, f"thinking is always on for this model (reasoning_parser {self.reasoning_parser!r}); "
                            f"its chat template has no switch to turn it off ({field})", param=field)
-        return {}
-
-    def with_thinking(self, req, field: str, value) -> dict:
-        """A Chat Completions or Responses request's chat_template_kwargs with its thinking switch applied (`field`:
-        `reasoning_effort` or `reasoning`, `value` as sent); the two setting the switch differently is refused."""
-        thinking = self.thinking_kwargs(req.thinking, field)
         clash = {k for k in thinking if k in req.template_kwargs and req.template_kwargs[k] != thinking[k]}
         if clash:
             raise ApiError(400, f"{field} {value!r:.100} and chat_template_kwargs set {sorted(clash)} differently; "

@@ -57,10 +57,9 @@ import transfermesh
 log = logging.getLogger("loongsage.rollout")
 SGLANG_STARTUP_TIMEOUT_S = 1200.0  # loading a large checkpoint and capturing CUDA graphs can take minutes
 
-# The engine contract as a table: every endpoint a LoongSage client sends an engine, the feature that needs it, and
-# the code that sends it. The "plain" rows are all that plain RL asks of an engine (sync or async, weights over shared
-# memory or CUDA IPC on the same machine); each other feature adds its rows. A second backend serves the plain rows
-# and the rows of the features it supports (tests/test_contract.py holds the table to the code three ways).
+# The engine contract (the module docstring says what a row is). The "plain" rows are all that plain RL asks of an
+# engine (sync or async, weights over shared memory or CUDA IPC on one machine); a second backend serves them and the
+# rows of the features it supports (tests/test_contract.py holds the table to the code three ways).
 CONTRACT = (
     # endpoint                          feature      sent by
     ("/health",                         "plain",     "rollout.wait_healthy: the launch waits for it"),
@@ -523,8 +522,8 @@ class EnginePool:
         try:
             loras = [b[3] for b in batch]
             out = await generate(self.http, url, [b[0] for b in batch], [b[1] for b in batch],
-                                         rid=[b[2] for b in batch], return_routed_experts=self.return_routed_experts,
-                                         lora_path=loras if any(loras) else None)
+                                 rid=[b[2] for b in batch], return_routed_experts=self.return_routed_experts,
+                                 lora_path=loras if any(loras) else None)
             for (*_, fut), answer in zip(batch, out):
                 if not fut.done():
                     fut.set_result(answer)
@@ -543,7 +542,7 @@ class EnginePool:
         input_ids, sampling_params, rid, lora_path, fut = item
         try:
             answer = await generate(self.http, url, input_ids, sampling_params, rid=rid,
-                                            return_routed_experts=self.return_routed_experts, lora_path=lora_path)
+                                    return_routed_experts=self.return_routed_experts, lora_path=lora_path)
             if not fut.done():
                 fut.set_result(answer)
         except BaseException as e:
@@ -658,16 +657,14 @@ class RolloutEngine:
                 torch.set_num_threads(int(cfg.engine_threads))
             max_len = max(int(cfg.max_prompt_len) + int(cfg.max_new_tokens), int(cfg.max_context_len or 0))
             flags = sglang_options(cfg, seed)  # the SGLang flags the CPU engine implements, as SGLang would get them
-            self._url, self.handle = cpu_engine.serve(cfg.model_path, host=host, max_batch=int(cfg.engine_max_batch),
-                                           max_len=max_len, seed=seed, dtype=cfg.dtype,
-                                           fp32_lm_head=bool(getattr(cfg, "fp32_lm_head", False)),
-                                           busy_flag=(busy_file, rank) if busy_file else None, rank=rank,
-                                           enable_deterministic_inference=bool(
-                                               flags.get("enable_deterministic_inference")),
-                                           disable_radix_cache=bool(flags.get("disable_radix_cache")),
-                                           lora=dict(max_lora_rank=cfg.lora_rank,
-                                                     lora_target_modules=list(cfg.lora_targets))
-                                           if cfg.lora_rank else None)
+            self._url, self.handle = cpu_engine.serve(
+                cfg.model_path, host=host, max_batch=int(cfg.engine_max_batch), max_len=max_len, seed=seed,
+                dtype=cfg.dtype, fp32_lm_head=bool(cfg.fp32_lm_head), rank=rank,
+                busy_flag=(busy_file, rank) if busy_file else None,
+                enable_deterministic_inference=bool(flags.get("enable_deterministic_inference")),
+                disable_radix_cache=bool(flags.get("disable_radix_cache")),
+                lora=dict(max_lora_rank=cfg.lora_rank, lora_target_modules=list(cfg.lora_targets)) if cfg.lora_rank
+                else None)
         elif engine == "sglang":
             if not torch.cuda.is_available():
                 raise RuntimeError("engine=sglang needs CUDA, and none is visible to this actor; use engine=cpu "

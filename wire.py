@@ -201,12 +201,8 @@ def openai_messages(raw) -> list[dict]:
 
 def openai_tools(raw) -> list[dict] | None:
     """Validate OpenAI `tools` ([{"type": "function", "function": {name, description?, parameters?}}])."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
     tools = []
-    for i, t in enumerate(raw):
+    for i, t in enumerate(_tool_list(raw)):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
             raise ApiError(400, f"invalid tool schema at tools[{i}]: expected "
@@ -215,6 +211,13 @@ def openai_tools(raw) -> list[dict] | None:
         tools.append({"type": "function", "function": _tool_function(fn.get("name"), fn.get("description"),
                                                                      fn.get("parameters"), f"tools[{i}]")})
     return _unique_tools(tools)
+
+
+def _tool_list(raw) -> list:
+    """A request's `tools`, a list ([] when absent); what each tool may be is its API's to check."""
+    if raw is not None and not isinstance(raw, list):
+        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
+    return raw or []
 
 
 def _unique_tools(tools: list[dict]) -> list[dict] | None:
@@ -313,12 +316,8 @@ def anthropic_messages(system, raw) -> list[dict]:
 
 def anthropic_tools(raw) -> list[dict] | None:
     """Anthropic tools ([{name, description?, input_schema}]) -> the OpenAI tool format the template renders."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
     tools = []
-    for i, t in enumerate(raw):
+    for i, t in enumerate(_tool_list(raw)):
         if isinstance(t, dict) and t.get("defer_loading") is True:
             continue  # a deferred tool is not in the model's context until a tool search loads it (none runs here)
         if not isinstance(t, dict) or t.get("type", "custom") != "custom" or \
@@ -341,7 +340,7 @@ _OPENAI_HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", 
                     "parallel_tool_calls"}  # enforced with a forced tool_choice; with "auto" the model's calls stand
 _OPENAI_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
                  "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str, "seed": int,
-                 "verbosity": str, "moderation": dict, "client_metadata": dict}
+                 "verbosity": str, "moderation": dict, "client_metadata": dict}  # Codex's: ids of its thread and turn
 _OPENAI_DEFAULT_ONLY = {"n": [1], "top_logprobs": [0], "frequency_penalty": [0], "presence_penalty": [0],
                         "logit_bias": [{}], "modalities": [["text"]],
                         "audio": [], "prediction": [], "web_search_options": [], "functions": [], "function_call": []}
@@ -378,10 +377,11 @@ def sampling_typo(name: str) -> str | None:
     return next((f for d, f in near if d <= (1 if len(f) <= 5 else 2)), None)
 
 
-def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict, strict: bool = False) -> tuple:
-    """Check the top-level fields; returns the unknown ones accepted. Agent programs add fields with every release,
-    so an unknown field passes (the router counts, warns and records it: agentflow.Router), unless it looks like a
-    mistyped sampling field (`temprature`: 400); `strict` refuses every unknown field, naming the closest known one."""
+def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict, strict: bool, required: tuple) -> tuple:
+    """Check the top-level fields, the `required` ones present and `model` a string; returns the unknown ones
+    accepted. Agent programs add fields with every release, so an unknown field passes (the router counts, warns and
+    records it: agentflow.Router), unless it looks like a mistyped sampling field (`temprature`: 400); `strict`
+    refuses every unknown field, naming the closest known one."""
     unknown = []
     for k, v in body.items():
         if k in honoured:
@@ -402,6 +402,11 @@ def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict, st
                 f"; did you mean {close!r}?" if close else ""), param=k)
         else:
             unknown.append(k)
+    for name in required:
+        if name not in body:
+            raise ApiError(400, f"missing required field '{name}'", param=name)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
     return tuple(unknown)
 
 
@@ -594,11 +599,7 @@ class ChatRequest:
 
 def openai_request(body: dict, strict: bool = False) -> ChatRequest:
     """A Chat Completions body, checked against what the OpenAI API accepts (and what the router can do)."""
-    unknown = _check_fields(body, _OPENAI_HONOURED, _OPENAI_INERT, _OPENAI_DEFAULT_ONLY, strict)
-    if "messages" not in body:
-        raise ApiError(400, "missing required field 'messages'", param="messages")
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
+    unknown = _check_fields(body, _OPENAI_HONOURED, _OPENAI_INERT, _OPENAI_DEFAULT_ONLY, strict, ("messages",))
     messages, tools = openai_messages(body["messages"]), openai_tools(body.get("tools"))
     choice = body.get("tool_choice", "auto")
     named = isinstance(choice, dict) and choice.get("type") == "function" and \
@@ -639,12 +640,8 @@ def openai_request(body: dict, strict: bool = False) -> ChatRequest:
 
 def anthropic_request(body: dict, strict: bool = False, model: str = "loongsage") -> ChatRequest:
     """A Messages body, checked against what the Anthropic API accepts (and what the router can do)."""
-    unknown = _check_fields(body, _ANTHROPIC_HONOURED, _ANTHROPIC_INERT, _ANTHROPIC_DEFAULT_ONLY, strict)
-    for name in ("messages", "max_tokens"):
-        if name not in body:
-            raise ApiError(400, f"missing required field '{name}'", param=name)
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
+    unknown = _check_fields(body, _ANTHROPIC_HONOURED, _ANTHROPIC_INERT, _ANTHROPIC_DEFAULT_ONLY, strict,
+                            ("messages", "max_tokens"))
     if body["max_tokens"] == 0:
         raise ApiError(400, "max_tokens=0 (prompt-cache pre-warming) is not supported by this router; ask for "
                        ">= 1 token", param="max_tokens")
@@ -982,12 +979,8 @@ def responses_tools(raw) -> list[dict] | None:
     template and tool-call parser handles it as it handles functions; a call of it is answered as a custom_tool_call
     item whose `input` is that string (`responses_output`). Its format may only be text: a grammar (lark / regex) on
     the input alone would need a constrained span inside a free reply, which the engines are not asked for."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise ApiError(400, f"'tools' must be a list, got {type(raw).__name__}", param="tools")
     tools = []
-    for i, t in enumerate(raw):
+    for i, t in enumerate(_tool_list(raw)):
         kind = t.get("type") if isinstance(t, dict) else type(t).__name__
         where = f"tools[{i}]"
         if kind in ("function", "custom"):
@@ -1033,9 +1026,7 @@ _RESPONSES_HONOURED = {"model", "input", "instructions", "tools", "tool_choice",
                        "top_p", "stream", "stream_options", "previous_response_id", "text", "reasoning", "include",
                        "top_k", "chat_template_kwargs",  # these two: SGLang's extensions
                        "parallel_tool_calls"}  # enforced with a forced tool_choice; with "auto" the model's calls stand
-_RESPONSES_INERT = {"metadata": dict, "store": bool, "user": str, "safety_identifier": str, "prompt_cache_key": str,
-                    "prompt_cache_options": dict, "prompt_cache_retention": str, "service_tier": str,
-                    "moderation": dict, "client_metadata": dict,  # Codex's: ids of its thread and turn
+_RESPONSES_INERT = {**{k: v for k, v in _OPENAI_INERT.items() if k not in ("seed", "verbosity")},  # as Chat's
                     "max_tool_calls": int}  # caps built-in tool calls, and no built-in tool runs here
 _RESPONSES_DEFAULT_ONLY = {"top_logprobs": [0], "truncation": ["disabled"], "background": [False], "prompt": [],
                            "conversation": [], "context_management": [[]], "background_options": [],
@@ -1093,11 +1084,7 @@ def _responses_tool_choice(choice, tools: list[dict] | None, custom: frozenset) 
 def responses_request(body: dict, previous: dict[str, list[dict]], strict: bool = False) -> ChatRequest:
     """A Responses body -> ChatRequest, its fields checked as Chat Completions' are (`_check_fields`). `previous`
     maps the session's response ids to their conversations (`previous_response_id` reaches only this session's)."""
-    unknown = _check_fields(body, _RESPONSES_HONOURED, _RESPONSES_INERT, _RESPONSES_DEFAULT_ONLY, strict)
-    if "input" not in body:
-        raise ApiError(400, "missing required field 'input'", param="input")
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise ApiError(400, f"'model' must be a string, got {body['model']!r:.100}", param="model")
+    unknown = _check_fields(body, _RESPONSES_HONOURED, _RESPONSES_INERT, _RESPONSES_DEFAULT_ONLY, strict, ("input",))
     prev = body.get("previous_response_id")
     if prev is not None and prev not in previous:
         raise ApiError(400, f"previous_response_id {prev!r} is not a response of this session",
@@ -1211,8 +1198,8 @@ async def responses_stream(parts, model: str, rid: str, body: dict, custom: froz
     created = responses_response(None, model, rid, body, [])
     yield event("response.created", response=created)
     yield event("response.in_progress", response=created)
-    opened: list[dict] = []  # the items streamed so far, each {"type", "id", "text"}; the last may be open
-    is_open, turn = False, None
+    opened: list[dict] = []  # the items streamed so far, each {"type", "id", "text"}; the last is open till the end
+    turn = None
 
     def where():
         return dict(item_id=opened[-1]["id"], output_index=len(opened) - 1, content_index=0)
@@ -1256,19 +1243,16 @@ async def responses_stream(parts, model: str, rid: str, body: dict, custom: froz
             if kind not in ("reasoning", "content"):
                 continue
             item_type = "reasoning" if kind == "reasoning" else "message"
-            if not (is_open and opened[-1]["type"] == item_type):
-                if is_open:
-                    for ev in close():
-                        yield ev
-                for ev in add(item_type, ("rs_" if kind == "reasoning" else "msg_") + uuid.uuid4().hex):
+            if not (opened and opened[-1]["type"] == item_type):
+                item_id = ("rs_" if kind == "reasoning" else "msg_") + uuid.uuid4().hex
+                for ev in [*(close() if opened else ()), *add(item_type, item_id)]:  # the open one closes first
                     yield ev
-                is_open = True
             for ev in delta(value):
                 yield ev
     except ApiError as e:
         yield event("error", code=e.code, message=e.message, param=e.param)
         return
-    if is_open:
+    if opened:
         for ev in close():
             yield ev
     output = responses_output(turn, custom, logprobs_of(turn) if logprobs_of is not None else None)
@@ -1292,8 +1276,7 @@ async def responses_stream(parts, model: str, rid: str, body: dict, custom: froz
             yield event("response.output_item.done", output_index=i, item=item)
         else:  # nothing of it settled before the end (an empty message): its whole sequence now
             text = item["content"][0]["text"]
-            events = [*add(item["type"], item["id"]), *(delta(text) if text else ()), *close()]
-            for ev in events:
+            for ev in [*add(item["type"], item["id"]), *(delta(text) if text else ()), *close()]:
                 yield ev
     yield event("response.completed", response={**responses_response(turn, model, rid, body, output),
                                                 "created_at": created["created_at"]})
