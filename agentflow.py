@@ -611,9 +611,10 @@ class Router:
             Route("/s/{sid}/v1/models", openai_route(self.models), methods=["GET"]),
             Route("/s/{sid}/v1/models/{model:path}", openai_route(self.models), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-            # any other GET: a 404 in OpenAI's shape (Starlette gives a route without methods GET and HEAD only, so
-            # another method on an unknown path gets its plain 405)
-            Route("/{path:path}", openai_route(self.unscoped)),
+            # any other path, any method: a 404 in OpenAI's shape naming the session URL (a client pointed at the
+            # router's root POSTs /v1/chat/completions; the real service answers an unknown URL with a JSON 404)
+            Route("/{path:path}", openai_route(self.unscoped),
+                  methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]),
         ])
 
     async def chat_completions(self, request: Request):

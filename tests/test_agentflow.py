@@ -463,6 +463,8 @@ def test_bad_requests_get_4xx_error_bodies_and_router_keeps_serving(engines, tin
                 (post("/chat/completions", {"messages": ok_msg}, headers={"Authorization": "Bearer nope"}), 401, None),
                 (post("/chat/completions", {"messages": ok_msg}, url=f"{flow.router.url}/s/nosuchsession/v1"),
                  404, None),
+                # a client given the router's root instead of its session URL: the same JSON 404, naming the fix
+                (post("/chat/completions", {"messages": ok_msg}, url=f"{flow.router.url}/v1"), 404, "not_found"),
             ]
             for coro, status, code in cases:
                 r = await coro
