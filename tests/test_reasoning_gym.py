@@ -100,14 +100,11 @@ def test_a_seed_past_the_training_range_holds_out_every_item(capsys):
     assert "eval set eval_dataset: 0 of 20 items also in the training data" in capsys.readouterr().out
 
 
-def test_the_spell_backward_recipe_loads_holds_out_its_eval_set_and_scores_with_the_family(capsys, tiny_model_dir):
+
+def test_the_spell_backward_recipe_loads_holds_out_its_eval_set_and_scores_with_the_family(capsys):
     """recipes/rg_spell_cpu.yaml (reasoning-gym's spell_backward at the generator's defaults) loads and passes the
     runtime check; its eval items are not its training items but for the few words drawn twice (printed); the reward
-    is the family's: 1.0 for the reversal, the share of letters in place for the word copied unreversed (its warm
-    start's near miss); the warm start writes the reversal, or with probability label_noise the word itself."""
-    import random
-
-    import recipes.rg_spell as rg_spell
+    is the family's: 1.0 for the reversal, the share of letters in place for the word copied unreversed."""
     cfg = config.load_config(str(Path(__file__).resolve().parents[1] / "recipes" / "rg_spell_cpu.yaml"))
     config.check_runtime(cfg)
     assert cfg.dataset.startswith("reasoning_gym:spell_backward:") and cfg.reward == "data.reasoning_gym_score"
@@ -117,8 +114,3 @@ def test_the_spell_backward_recipe_loads_holds_out_its_eval_set_and_scores_with_
     s = samples[0]  # item 0 of seed 1: "ammonia"
     assert s["answer"] == "ainomma" and data.reasoning_gym_score("ainomma", s) == 1.0
     assert data.reasoning_gym_score("ammonia", s) == pytest.approx(3 / 7)  # a, o, a in place: 3 of 7
-    tok = data.load_tokenizer(tiny_model_dir)
-    reply = lambda t: tok.decode(t["response_ids"], skip_special_tokens=True).strip()
-    assert reply(rg_spell.sft_trajectory(tok, s)) == "ainomma"
-    noisy = [reply(rg_spell.sft_trajectory(tok, s, random.Random(i), cfg.warmstart_label_noise)) for i in range(200)]
-    assert set(noisy) == {"ainomma", "ammonia"} and 0.3 < noisy.count("ammonia") / 200 < 0.7
