@@ -9,6 +9,7 @@ exact-match re-implementation. Needs the `reasoning-gym` package (the dev extra)
 """
 import dataclasses
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,19 @@ def test_a_seed_past_the_training_range_holds_out_every_item(capsys):
                               eval_dataset="reasoning_gym:number_sorting:20:55")
     loongsage.load_data(cfg)
     assert "eval set eval_dataset: 0 of 20 items also in the training data" in capsys.readouterr().out
+
+
+
+def test_the_spell_backward_recipe_loads_holds_out_its_eval_set_and_scores_with_the_family(capsys):
+    """recipes/rg_spell_cpu.yaml (reasoning-gym's spell_backward at the generator's defaults) loads and passes the
+    runtime check; its eval items are not its training items but for the few words drawn twice (printed); the reward
+    is the family's: 1.0 for the reversal, the share of letters in place for the word copied unreversed."""
+    cfg = config.load_config(str(Path(__file__).resolve().parents[1] / "recipes" / "rg_spell_cpu.yaml"))
+    config.check_runtime(cfg)
+    assert cfg.dataset.startswith("reasoning_gym:spell_backward:") and cfg.reward == "data.reasoning_gym_score"
+    samples, evals = loongsage.load_data(cfg)
+    overlap = int(capsys.readouterr().out.split("eval set eval_dataset: ")[1].split()[0])
+    assert overlap <= 5 and len(evals[""]) == 128
+    s = samples[0]  # item 0 of seed 1: "ammonia"
+    assert s["answer"] == "ainomma" and data.reasoning_gym_score("ainomma", s) == 1.0
+    assert data.reasoning_gym_score("ammonia", s) == pytest.approx(3 / 7)  # a, o, a in place: 3 of 7
