@@ -384,6 +384,17 @@ def test_teacher_killed_mid_scoring_is_recreated_and_the_step_trains_on_the_same
         assert got[step]["teacher/add_teacher/tokens"] > 0 and got[step]["teacher/sub_teacher/tokens"] > 0
 
 
+def lose_node(p: subprocess.Popen, cluster, node) -> None:
+    """A spare node joins and `node` is removed while the controller `p` is held, then it goes on."""
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.remove_node(node)
+        time.sleep(3.0)  # the node's workers notice their raylet is gone and exit
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+
+
 @pytest.mark.slow
 def test_node_lost_engine_node_replaced_trainer_node_stops_and_resumes_exactly(tmp_path):
     """A two-node Ray cluster on this machine (as tests/test_loongsage.py's two-node test builds it: a head with no
@@ -420,16 +431,16 @@ def test_node_lost_engine_node_replaced_trainer_node_stops_and_resumes_exactly(t
               for kind in ("trainer 0", "engine 0")}
         assert on["trainer 0"] is not on["engine 0"], table
         wait_for(lambda: "step    1 |" in (tmp_path / "0.log").read_text(), p, tmp_path / "0.log", what="step 1")
-        cluster.add_node(num_cpus=1)
-        cluster.remove_node(on["engine 0"])  # its raylet ends (SIGTERM) and every process on the node with it
+        # each node is lost while the controller is held (SIGSTOP), so the fault lands mid-run however fast the
+        # steps go (a quiet machine runs all 10 in ~2 s); it comes back to find the node gone
+        lose_node(p, cluster, on["engine 0"])  # its raylet ends (SIGTERM) and every process on the node with it
         wait_for(lambda: "re-created at" in (tmp_path / "0.log").read_text(), p, tmp_path / "0.log",
                  what="the engine re-created on another node")
         marker = run / "checkpoints" / "latest"
         seen = marker.read_text() if marker.exists() else ""
         wait_for(lambda: marker.exists() and marker.read_text() != seen, p, tmp_path / "0.log",
                  what="a checkpoint after the engine came back")
-        cluster.add_node(num_cpus=1)
-        cluster.remove_node(on["trainer 0"])
+        lose_node(p, cluster, on["trainer 0"])
         log = finish(p, tmp_path / "0.log")
         assert p.returncode == 1, log[-3000:]
         tail = log[log.index("run failed:"):]
