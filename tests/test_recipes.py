@@ -20,14 +20,19 @@ def test_every_recipe_passes_validation_and_its_reward_knows_the_answer(recipe, 
     import data
     cfg = config.load_config(str(ROOT / "recipes" / recipe))
     assert set(cfg.tiny_model) <= set(data.TINY_DEFAULTS)
-    if not cfg.dataset.startswith("synthetic:"):
+    if not cfg.dataset.startswith(("synthetic:", "reasoning_gym:")):
         assert cfg.device == "cuda" and cfg.model_path.startswith("/")  # GPU recipes: real data and model on disk
         return
     reward = data.import_object(cfg.reward)
     tok = data.load_tokenizer(tiny_model_dir)
     for spec in (cfg.dataset, cfg.eval_dataset):
         for s in data.load_dataset(spec)[:20]:
-            assert reward(s["answer"], s) == 1.0 and reward(str(int(s["answer"]) + 1), s) == 0.0, s
+            if s["answer"].lstrip("-").isdigit():  # a number: one more is wrong
+                assert reward(s["answer"], s) == 1.0 and reward(str(int(s["answer"]) + 1), s) == 0.0, s
+            else:  # a reasoning-gym answer, scored with partial credit by its family: a wrong first letter is not
+                #     whole (spell_backward's scorer gives 1.0000000000000002 to the answer with a letter appended)
+                wrong = ("b" if s["answer"][:1] == "a" else "a") + s["answer"][1:]
+                assert reward(s["answer"], s) == 1.0 and reward(wrong, s) < 1.0, s
             assert len(data.prompt_ids(tok, s)) <= cfg.max_prompt_len
     if cfg.warmstart_steps:
         example = data.import_object(cfg.warmstart_example)
