@@ -935,9 +935,8 @@ def engine_states(engine_urls: list[str]) -> list[dict]:
     return states
 
 
-def engine_busy_seconds(engine_urls: list[str]) -> float:
-    """Seconds CPU engines have spent computing so far (their /server_info); 0 when any engine does not tell."""
-    states = engine_states(engine_urls)
+def engine_busy_seconds(states: list[dict]) -> float:
+    """Seconds CPU engines have spent computing so far (their engine_states); 0 when any engine does not tell."""
     return sum(s["busy_s"] for s in states) if all("busy_s" in s for s in states) else 0.0
 
 
@@ -952,20 +951,21 @@ def node_cpu_jiffies() -> tuple[int, int]:
     return v[0] + v[1] + v[2] + v[5] + v[6], sum(v)
 
 
-def usage(fleet: Fleet) -> tuple[float, float, tuple[int, int]]:
-    """(engine busy seconds, wall clock, node CPU jiffies) now; step_usage compares two of these."""
-    return engine_busy_seconds(fleet.urls), time.perf_counter(), node_cpu_jiffies()
+def usage(fleet: Fleet, states: list[dict] | None = None) -> tuple[float, float, tuple[int, int]]:
+    """(engine busy seconds, wall clock, node CPU jiffies) now, from the engines' `states` if just read; step_usage
+    compares two of these."""
+    return engine_busy_seconds(states or engine_states(fleet.urls)), time.perf_counter(), node_cpu_jiffies()
 
 
 def step_usage(fleet: Fleet, before: tuple, t_step: float, t_generate: float, local: bool) -> tuple[dict, tuple]:
     """The step's timing/step and perf/ fractions since `before` (a usage()), and the usage now, for the next step.
     `local`: every actor is on this machine, so its CPU time (perf/node_cpu_busy_frac) is the run's. Also the
     resident MB of the controller and of the largest CPU engine, each step (a leak shows as a slope)."""
-    (busy0, wall0, jiffies0), (busy, wall, jiffies) = before, (now := usage(fleet))
+    (busy0, wall0, jiffies0), (busy, wall, jiffies) = before, (now := usage(fleet, states := engine_states(fleet.urls)))
     m = {"timing/step": wall - t_step, "perf/trainer_wait_frac": t_generate / (wall - t_step),
          "perf/engine_idle_frac": max(0.0, 1 - (busy - busy0) / len(fleet.urls) / (wall - wall0)),
          "engines/restarts": fleet.restarts, "memory/controller_mb": transfermesh.rss_bytes() / 2**20}
-    if rss := [s["rss_bytes"] for s in engine_states(fleet.urls) if "rss_bytes" in s]:
+    if rss := [s["rss_bytes"] for s in states if "rss_bytes" in s]:
         m["memory/engine_mb"] = max(rss) / 2**20
     if jiffies[1] > jiffies0[1] and local:
         m["perf/node_cpu_busy_frac"] = (jiffies[0] - jiffies0[0]) / (jiffies[1] - jiffies0[1])

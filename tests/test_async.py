@@ -237,10 +237,10 @@ def test_engine_busy_seconds_reads_the_engines_compute_time(tiny_model_dir):
     not answer counts as 0 instead of failing the step."""
     url, handle = cpu_engine.serve(tiny_model_dir, max_batch=4, max_len=128, seed=0)
     try:
-        before = fleet.engine_busy_seconds([url])
+        before = fleet.engine_busy_seconds(fleet.engine_states([url]))
         handle.engine.generate([[1, 2, 3]] * 4, {"max_new_tokens": 32, "ignore_eos": True})
-        after = fleet.engine_busy_seconds([url])
-        assert fleet.engine_busy_seconds([url, "http://127.0.0.1:9"]) == 0.0
+        after = fleet.engine_busy_seconds(fleet.engine_states([url]))
+        assert fleet.engine_busy_seconds(fleet.engine_states([url, "http://127.0.0.1:9"])) == 0.0
     finally:
         handle.shutdown()
     assert before == 0.0 < after == handle.engine.state()["busy_s"]
