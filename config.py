@@ -121,6 +121,8 @@ class Config:
     tiny_model: dict = field(default_factory=dict)  # settings for data.build_tiny_model (model_path: tiny)
     megatron: dict = field(default_factory=dict)  # passed through to Megatron's TransformerConfig untouched
     sglang: dict = field(default_factory=dict)  # passed through to the SGLang server as --key value flags
+    vllm: dict = field(default_factory=dict)  # engine=vllm: passed through to the vLLM server as --key value flags
+    vllm_kv_cache_gb: int = 1  # engine=vllm: VLLM_CPU_KVCACHE_SPACE (GiB), its K/V cache (else 90% of RAM)
     fp32_lm_head: bool = False  # LM head (logits) in fp32 on trainer and engines (SGLang --enable-fp32-lm-head)
 
     # --- Megatron-Core fast paths (convert.megatron_config, trainer.Optim; check_fast_paths; --check says which are on)
@@ -356,8 +358,8 @@ def finalize(cfg: Config) -> Config:
     need(cfg.device in ("cpu", "cuda"), f"device={cfg.device!r}: choose 'auto', 'cpu' or 'cuda'")
     if cfg.engine == "auto":
         cfg.engine = "sglang" if cfg.device == "cuda" else "cpu"
-    need(cfg.engine in ("sglang", "cpu") or data.is_dotted(cfg.engine),
-         f"engine={cfg.engine!r}: choose 'sglang', 'cpu', 'auto' or a dotted path 'module.function'")
+    need(cfg.engine in ("sglang", "cpu", "vllm") or data.is_dotted(cfg.engine),
+         f"engine={cfg.engine!r}: choose 'sglang', 'cpu', 'vllm', 'auto' or a dotted path 'module.function'")
     need(cfg.engine != "sglang" or cfg.device == "cuda",
          "engine=sglang runs on CUDA only; set device=cuda or engine=cpu")
     need(cfg.mode in ("sync", "async"), f"mode={cfg.mode!r}: choose 'sync' or 'async'")
@@ -369,6 +371,7 @@ def finalize(cfg: Config) -> Config:
     need(cfg.dtype != "float32" or cfg.engine != "sglang", "dtype=float32 with engine=sglang: SGLang would serve "
          "with --dtype float32, and on Hopper it picks FlashAttention-3, which has no fp32 kernels; set "
          "dtype=bfloat16 (the trainer keeps fp32 master weights; fp32_lm_head=true keeps the logits in fp32)")
+    check_vllm(cfg)
     check_counts(cfg)
     check_pipeline(cfg)
     check_rollout(cfg)
@@ -466,6 +469,28 @@ def check_counts(cfg: Config) -> None:
         need(getattr(cfg, name) >= 0, f"{name}={getattr(cfg, name)!r} must be >= 0 (0 = greedy)")
     need(0 < cfg.top_p <= 1, f"top_p={cfg.top_p!r} must be in (0, 1]")
     need(cfg.top_k == -1 or cfg.top_k >= 1, f"top_k={cfg.top_k!r}: use -1 (off) or a positive integer")
+
+
+def check_vllm(cfg: Config) -> None:
+    """engine=vllm (vllm_engine.py): vLLM's CPU build in .venv-vllm, with what its front serves today."""
+    if cfg.engine != "vllm":
+        return
+    import vllm_engine  # late: only an engine=vllm config reads it
+    try:
+        vllm_engine.python()
+    except RuntimeError as e:
+        need(False, str(e))
+    need(cfg.device == "cpu", "engine=vllm runs vLLM's CPU build (scripts/vllm_env.sh); set device=cpu")
+    for key, why in (("colocate", "release/resume of memory"), ("lora_rank", "LoRA adapters"),
+                     ("router_replay", "routed experts"), ("judge", "a judge engine"), ("teachers", "teacher engines")):
+        need(not getattr(cfg, key), f"engine=vllm does not serve {why} yet; unset {key} or use engine=cpu")
+    need(cfg.transfer in ("auto", "shm"), f"transfer={cfg.transfer!r} with engine=vllm: its weights arrive through "
+         "vllm_plugin.py's shared-memory backend only; set transfer=auto or shm (engines on the trainer's machine)")
+    head_dim = ({**data.TINY_DEFAULTS, **cfg.tiny_model} if cfg.model_path == "tiny"
+                else _hf_config(cfg.model_path, cfg.tiny_model)).get("head_dim")
+    need(head_dim is None or int(head_dim) >= 32, f"engine=vllm: the model's head_dim is {head_dim}, and vLLM's CPU "
+         "attention needs >= 32 (it starts, then dies on the first request); use a model (tiny_model.head_dim) "
+         "with head_dim >= 32")
 
 
 def check_rollout(cfg: Config) -> None:

@@ -613,12 +613,11 @@ def sglang_options(cfg, seed: int) -> dict:
     return opts
 
 
-def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
-    """`python -m sglang.launch_server ...` with every key of `sglang_options` passed through as a `--key value` flag
-    (underscores become dashes, True is a bare flag, False and null are left out, lists give several values)."""
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
-           "--host", host, "--port", str(port)]
-    for key, value in sglang_options(cfg, seed).items():
+def server_flags(opts: dict) -> list[str]:
+    """Every key of `opts` as a `--key value` flag (underscores become dashes, True is a bare flag, False and null
+    are left out, lists give several values, a dict goes as JSON)."""
+    cmd = []
+    for key, value in opts.items():
         flag = "--" + str(key).replace("_", "-")
         if value is True:
             cmd.append(flag)
@@ -631,6 +630,12 @@ def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
         else:
             cmd += [flag, str(value)]
     return cmd
+
+
+def sglang_command(cfg, host: str, port: int, seed: int) -> list[str]:
+    """`python -m sglang.launch_server ...` with every key of `sglang_options` passed through as a flag."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
+            "--host", host, "--port", str(port), *server_flags(sglang_options(cfg, seed))]
 
 
 class RolloutEngine:
@@ -665,21 +670,24 @@ class RolloutEngine:
                 disable_radix_cache=bool(flags.get("disable_radix_cache")),
                 lora=dict(max_lora_rank=cfg.lora_rank, lora_target_modules=list(cfg.lora_targets)) if cfg.lora_rank
                 else None)
-        elif engine == "sglang":
-            if not torch.cuda.is_available():
+        elif engine in ("sglang", "vllm"):
+            if engine == "sglang" and not torch.cuda.is_available():
                 raise RuntimeError("engine=sglang needs CUDA, and none is visible to this actor; use engine=cpu "
                                    "or give the rollout actors GPUs")
             port = transfermesh.free_port(host)
             self._url = f"http://{host}:{port}"
             log_dir = Path(cfg.output_dir or tempfile.gettempdir())
             log_dir.mkdir(parents=True, exist_ok=True)
-            self.log_path = str(log_dir / f"sglang_engine_{rank}.log")
-            cmd = sglang_command(cfg, host, port, seed)
+            self.log_path = str(log_dir / f"{engine}_engine_{rank}.log")
+            if engine == "vllm":  # vllm_engine.py: its own venv; a front serves SGLang's endpoints over it
+                import vllm_engine
+                cmd, env = vllm_engine.vllm_command(cfg, host, port, seed)
+            else:  # raw (temperature-1) logprobs, the same quantity the CPU engine and the trainer compute
+                cmd = sglang_command(cfg, host, port, seed)
+                env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "True", **os.environ}
             with open(self.log_path, "w") as log:
                 log.write(" ".join(cmd) + "\n")
                 log.flush()
-                # raw (temperature-1) logprobs, the same quantity the CPU engine and the trainer compute
-                env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "True", **os.environ}
                 if gpu_ids:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
                 # own session: shutdown() kills the server and every process it spawned (schedulers, detokenizer)
@@ -687,6 +695,9 @@ class RolloutEngine:
                                              start_new_session=True, preexec_fn=_die_with_parent)
             try:
                 wait_healthy(self._url, SGLANG_STARTUP_TIMEOUT_S, self.proc, self.log_path)
+                if engine == "vllm":  # versions count trainer steps (vLLM starts at "default")
+                    post(self._url, "/update_weight_version", {"new_version": "0"})
+                    self._url, self.handle = vllm_engine.serve_front(self._url, cfg.model_path, host)
             except BaseException:
                 self.shutdown()
                 raise
@@ -694,8 +705,8 @@ class RolloutEngine:
             #                           SGLang's HTTP contract; handle.shutdown() stops it
             self._url, self.handle = data.import_object(engine)(cfg, rank=rank, host=host, seed=seed)
         else:
-            raise ValueError(f"cfg.engine must be 'auto', 'cpu', 'sglang' or a dotted path 'module.function', got "
-                             f"{cfg.engine!r}")
+            raise ValueError(f"cfg.engine must be 'auto', 'cpu', 'sglang', 'vllm' or a dotted path 'module.function', "
+                             f"got {cfg.engine!r}")
 
     def url(self) -> str:
         return self._url
