@@ -78,6 +78,9 @@ def vllm_options(cfg, seed: int) -> dict:
     opts.setdefault("max_model_len", min(max(int(cfg.max_prompt_len) + int(cfg.max_new_tokens),
                                              int(cfg.max_context_len or 0)), int(positions)))
     opts.setdefault("max_num_seqs", cfg.engine_max_batch)
+    # eager: a compiled forward keeps the CPU linears' packed weights it was traced with (cpu_linear closures that
+    # the layer-by-layer reload replaces), so updated weights would reach only part of the model
+    opts.setdefault("enforce_eager", True)
     opts.setdefault("enable_scale_out", True)  # /inference/v1/generate: token ids in, token ids out
     opts.setdefault("weight_transfer_config", {"backend": "loongsage_shm"})  # vllm_plugin.py
     opts.setdefault("worker_extension_cls", "vllm_plugin.WorkerExtension")  # makes the worker import the plugin
@@ -241,12 +244,16 @@ def build_app(backend: str, tokenizer) -> FastAPI:
                 named = transfermesh.read_tensor_payload(entry, body.get("load_format"), body.get("checksum"))
             except ValueError as e:
                 raise Refused(str(e)) from None
-            base = named[0][1].untyped_storage() if named else None
-            infos.append({"shm_file": base._share_filename_cpu_()[1].decode() if named else "",
-                          "names": [n for n, _ in named], "dtype_names": [str(t.dtype)[6:] for _, t in named],
+            if not named:
+                continue
+            base = named[0][1].untyped_storage()  # the sender's segment, mapped here by its /dev/shm file
+            name = base._share_filename_cpu_()[1].decode().strip("/")
+            head = os.path.getsize(f"/dev/shm/{name}") - base.nbytes()  # torch's refcount header before the bytes
+            infos.append({"shm_file": name, "names": [n for n, _ in named],
+                          "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in named],
                           "shapes": [list(t.shape) for _, t in named],
-                          "offsets": [t.data_ptr() - base.data_ptr() for _, t in named]})
-        if infos and infos[0]["names"]:
+                          "offsets": [head + t.data_ptr() - base.data_ptr() for _, t in named]})
+        if infos:
             await call("POST", "/update_weights", json={"update_info": infos[0]})  # one worker: TP 1
         if body.get("weight_version") is not None:
             session["version"] = str(body["weight_version"])
