@@ -486,6 +486,9 @@ def check_vllm(cfg: Config) -> None:
         need(not getattr(cfg, key), f"engine=vllm does not serve {why} yet; unset {key} or use engine=cpu")
     need(cfg.transfer in ("auto", "shm"), f"transfer={cfg.transfer!r} with engine=vllm: its weights arrive through "
          "vllm_plugin.py's shared-memory backend only; set transfer=auto or shm (engines on the trainer's machine)")
+    need(cfg.mode != "async" or not cfg.borrow_engine_cores, "engine=vllm in async mode: a trainer rank borrows "
+         "an engine's cores only while a CPU engine flags them idle, and vLLM flags nothing; set "
+         "borrow_engine_cores=false")
     head_dim = ({**data.TINY_DEFAULTS, **cfg.tiny_model} if cfg.model_path == "tiny"
                 else _hf_config(cfg.model_path, cfg.tiny_model)).get("head_dim")
     need(head_dim is None or int(head_dim) >= 32, f"engine=vllm: the model's head_dim is {head_dim}, and vLLM's CPU "

@@ -195,13 +195,18 @@ def test_weight_update_through_plugin(engine):
            AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict().items()}
     sp = {"max_new_tokens": MAX_NEW, "ignore_eos": True}
     t, out = _streaming(url, [4, 5, 6], sp, "wu-1", "in_place")  # as transfermesh.pause_engines pauses
+    # held paused a moment before the push: in one run on a fresh server, a push made at once after the pause's
+    # answer left every token of this request at version 0 (not yet understood; see docs/ENGINES.md)
+    time.sleep(0.5)
+    assert t.is_alive(), "the request finished while the engine was paused in place"
     t0 = time.perf_counter()
     stats = transfermesh.push_weights(sorted(new.items()), [url], 1, transport="shm")
     update_s = time.perf_counter() - t0
     transfermesh.continue_engines([url])
     t.join(300)
     spans = out["r"]["meta_info"]["weight_versions"]
-    assert [s["version"] for s in spans] == ["0", "1"] and spans[0]["start"] == 0 and spans[-1]["end"] == MAX_NEW
+    assert [s["version"] for s in spans] == ["0", "1"] and spans[0]["start"] == 0 and spans[-1]["end"] == MAX_NEW, \
+        (spans, len(out["r"]["output_ids"]))
     assert spans[0]["end"] == spans[1]["start"] and 0 < spans[0]["end"] < MAX_NEW
     assert stats["weights/engines_shm"] == 1 and stats["weights/buckets"] >= 1
     o = _generate(url, [4, 5, 6], {"max_new_tokens": 8, "ignore_eos": True})
