@@ -50,7 +50,9 @@ import transfermesh
 VLLM_VERSION = "0.32.0"  # scripts/vllm_env.sh installs exactly this; its routes and fields are read from it
 VENV = Path(__file__).resolve().parent / ".venv-vllm"
 # SGLang sampling_params -> vLLM SamplingParams; a grammar goes to structured_outputs; any other key is a 400
+# (None: nothing to send; no_stop_trim: vLLM's token_ids keep the stop token anyway)
 SAMPLING = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
+            "no_stop_trim": None,
             **{k: k for k in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
                               "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
                               "n", "logit_bias")}}
@@ -113,7 +115,7 @@ def _sampling(sp: dict, return_logprob: bool) -> dict:
             if value is not None:
                 out["structured_outputs"] = {GRAMMAR[key]: json.loads(value) if key == "json_schema" else value}
         elif key in SAMPLING:
-            out[SAMPLING[key]] = value
+            out.update({SAMPLING[key]: value} if SAMPLING[key] else {})
         else:
             raise Refused(f"sampling_params key {key!r} is not one engine=vllm serves; valid: "
                           f"{sorted(SAMPLING) + sorted(GRAMMAR)}")
