@@ -50,8 +50,10 @@ import transfermesh
 VLLM_VERSION = "0.32.0"  # scripts/vllm_env.sh installs exactly this; its routes and fields are read from it
 VENV = Path(__file__).resolve().parent / ".venv-vllm"
 # SGLang sampling_params -> vLLM SamplingParams; a grammar goes to structured_outputs; any other key is a 400
-# (None: nothing to send; no_stop_trim: vLLM's token_ids keep the stop token anyway)
-SAMPLING = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
+# (None: nothing to send. no_stop_trim: vLLM's token_ids keep the stop token anyway. sampling_seed: a per-request
+# seed kills vLLM 0.32's CPU engine once a seeded request's token is discarded mid-prefill ("CPU Generator does not
+# use offset", gpu_model_runner._bookkeeping_sync), so requests draw from the server's seeded stream instead)
+SAMPLING = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": None,
             "no_stop_trim": None,
             **{k: k for k in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
                               "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
@@ -139,7 +141,9 @@ def _answer(choice: dict, rid: str, n_prompt: int, decode) -> dict:
 def build_app(backend: str, tokenizer) -> FastAPI:
     """SGLang's endpoints (the contract's plain rows) served by the vLLM server at `backend`."""
     app = FastAPI(title="LoongSage front of a vLLM server")
-    http = httpx.AsyncClient(base_url=backend, timeout=None, transport=httpx.AsyncHTTPTransport())
+    # no connection cap: a step's hundreds of requests wait in vLLM, and a probe (/server_info) never queues behind
+    # them in httpx's pool (its default 100 connections held a probe past engine_health_timeout)
+    http = httpx.AsyncClient(base_url=backend, timeout=None, limits=httpx.Limits(max_connections=None))
     session = {"version": None, "open": False}  # the weight-update session: the version its last bucket carries
 
     def decode(ids):
