@@ -384,8 +384,7 @@ def start_rollout(cfg: Config, fleet: Fleet):
     fleet.actors = [start_engine(cfg, fleet, i) for i in range(cfg.num_engines)]
     fleet.released = [set() for _ in fleet.actors]
     fleet.judge = start_judge(cfg) if cfg.judge and not cfg.judge.get("url") else None
-    # on the controller's node, hard (Ray spills a soft affinity to other nodes even when this one fits): a lost node
-    # takes both or neither (engines' and trainers' nodes may go alone)
+    # hard on the controller's node (Ray spills a soft one): a lost node takes both or neither, unlike engines, trainers
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     fleet.flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0, scheduling_strategy=here).remote(
         cfg, [e.url.remote() for e in fleet.actors], fleet.model, fleet.judge.url.remote() if fleet.judge else None)
