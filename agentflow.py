@@ -591,7 +591,7 @@ class Router:
         label = self._admit(s, req, body.get("model"))
         template_kwargs = self.chat.with_thinking(req, thinking_field, body.get(thinking_field))
         if thinking_field != "thinking":
-            self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
+            self.chat.check_structured(req, template_kwargs)
         return dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
                     overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
                     template_kwargs=template_kwargs, separate_reasoning=req.separate_reasoning, label=label)
