@@ -574,6 +574,15 @@ def _context_edits(v, messages: list[dict], model: str) -> None:
                 m.pop("reasoning_content", None)
 
 
+def _forced(tools: list[dict] | None, name: str | None, every: bool) -> tuple:
+    """ChatRequest.forced of any API: the one tool a choice names (`name`), else with `every` (OpenAI's "required",
+    Anthropic's "any") all the tools, else none."""
+    names = tuple(t["function"]["name"] for t in tools or ())
+    if name is not None and name not in names:
+        raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return (name,) if name is not None else names if every else ()
+
+
 @dataclass
 class ChatRequest:
     """A validated chat request, whichever API it came in."""
@@ -604,16 +613,12 @@ def openai_request(body: dict, strict: bool = False) -> ChatRequest:
     choice = body.get("tool_choice", "auto")
     named = isinstance(choice, dict) and choice.get("type") == "function" and \
         isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
-    forced = (choice["function"]["name"],) if named else \
-        tuple(t["function"]["name"] for t in tools or ()) if choice == "required" else ()
     if not (named or choice in ("auto", "none", "required")):
         raise ApiError(400, f"tool_choice {choice!r:.200} must be 'auto', 'none', 'required' or "
                        "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
     if "tool_choice" in body and body["tool_choice"] is not None and not tools:
         raise ApiError(400, "'tool_choice' is only allowed when 'tools' are specified", param="tool_choice")
-    if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
-        raise ApiError(400, f"tool_choice names {choice['function']['name']!r}, which is not among the tools",
-                       param="tool_choice")
+    forced = _forced(tools, choice["function"]["name"] if named else None, choice == "required")
     stream, logprobs = _flag(body, "stream"), _flag(body, "logprobs")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
@@ -657,15 +662,11 @@ def anthropic_request(body: dict, strict: bool = False, model: str = "loongsage"
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
             raise ApiError(400, f"tool_choice {choice!r:.200} must be {{'type': 'auto' | 'any' | 'tool' | 'none'}}",
                            param="tool_choice")
-        if choice["type"] == "tool" and choice.get("name") not in {t["function"]["name"] for t in tools or ()}:
-            raise ApiError(400, f"tool_choice names {choice.get('name')!r}, which is not among the tools",
-                           param="tool_choice")
         if choice.get("disable_parallel_tool_use") not in (None, True, False):
             raise ApiError(400, f"tool_choice.disable_parallel_tool_use must be a boolean, got "
                            f"{choice['disable_parallel_tool_use']!r:.100}", param="tool_choice")
     kind = (choice or {}).get("type")
-    forced = (choice["name"],) if kind == "tool" else tuple(t["function"]["name"] for t in tools or ()) \
-        if kind == "any" else ()
+    forced = _forced(tools, (choice.get("name") or "") if kind == "tool" else None, kind == "any")
     stop = body.get("stop_sequences")
     if stop is not None and not isinstance(stop, list):
         raise ApiError(400, f"'stop_sequences' must be a list of strings, got {stop!r:.100}", param="stop_sequences")
@@ -1072,13 +1073,10 @@ def _responses_tool_choice(choice, tools: list[dict] | None, custom: frozenset) 
     if not (named or choice in ("auto", "none", "required")):
         raise ApiError(400, f"tool_choice {choice!r:.200} must be 'auto', 'none', 'required', {{'type': 'function', "
                        "'name': ...}} or {'type': 'custom', 'name': ...}", param="tool_choice")
-    if named:
-        names = {t["function"]["name"] for t in tools or ()}
-        if choice["name"] not in names or (choice["type"] == "custom") != (choice["name"] in custom):
-            raise ApiError(400, f"tool_choice names the {choice['type']} tool {choice['name']!r}, which is not among "
-                           "the tools", param="tool_choice")
-        return (choice["name"],)
-    return tuple(t["function"]["name"] for t in tools or ()) if choice == "required" else ()
+    if named and (choice["type"] == "custom") != (choice["name"] in custom):
+        raise ApiError(400, f"tool_choice names the {choice['type']} tool {choice['name']!r}, which is not among "
+                       "the tools", param="tool_choice")
+    return _forced(tools, choice["name"] if named else None, choice == "required")
 
 
 def responses_request(body: dict, previous: dict[str, list[dict]], strict: bool = False) -> ChatRequest:
