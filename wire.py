@@ -410,11 +410,11 @@ def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict, st
     return tuple(unknown)
 
 
-def _flag(body: dict, name: str) -> bool:
+def _flag(body: dict, name: str, default: bool = False) -> bool:
     v = body.get(name)
     if v is not None and not isinstance(v, bool):
         raise ApiError(400, f"'{name}' must be a boolean, got {v!r:.100}", param=name)
-    return bool(v)
+    return default if v is None else v
 
 
 def _positive_int(v, name: str) -> int | None:
@@ -635,10 +635,10 @@ def openai_request(body: dict, strict: bool = False) -> ChatRequest:
     return ChatRequest(messages, tools, choice != "none", body.get("max_completion_tokens") or body.get("max_tokens"),
                        {**_sampling_overrides(body, temperature_max=2.0), **grammar}, stop, stream, logprobs,
                        include_usage, _template_kwargs(body.get("chat_template_kwargs")),
-                       body.get("separate_reasoning") is None or _flag(body, "separate_reasoning"),
+                       _flag(body, "separate_reasoning", True),
                        thinking=_effort(body.get("reasoning_effort"), "reasoning_effort"),
                        structured="response_format" if grammar else None, forced=forced,
-                       parallel_calls=body.get("parallel_tool_calls") is None or _flag(body, "parallel_tool_calls"),
+                       parallel_calls=_flag(body, "parallel_tool_calls", True),
                        strict=frozenset(t["function"]["name"] for t in body.get("tools") or ()
                                         if t["function"].get("strict") is True), unknown=unknown)
 
@@ -1113,7 +1113,7 @@ def responses_request(body: dict, previous: dict[str, list[dict]], strict: bool 
                        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")),
                        thinking=_responses_reasoning(body.get("reasoning")), custom_tools=custom,
                        structured="text.format" if grammar else None, forced=forced,
-                       parallel_calls=body.get("parallel_tool_calls") is None or _flag(body, "parallel_tool_calls"),
+                       parallel_calls=_flag(body, "parallel_tool_calls", True),
                        # a custom tool's one string is its schema, always held; a function's where it is strict
                        strict=custom | {t["name"] for t in body.get("tools") or ()
                                         if t.get("type") == "function" and t.get("strict") is True}, unknown=unknown)
