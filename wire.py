@@ -238,11 +238,8 @@ def _tool_function(name, description, parameters, where: str) -> dict:
                        f"({{'type': 'object', ...}}), got {parameters!r:.200}", param=where)
     if description is not None and not isinstance(description, str):
         raise ApiError(400, f"invalid tool schema at {where}: description must be a string", param=where)
-    fn = {"name": name}
-    if description is not None:
-        fn["description"] = description
-    fn["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
-    return fn
+    return {"name": name, **({} if description is None else {"description": description}),
+            "parameters": parameters if parameters is not None else {"type": "object", "properties": {}}}
 
 
 def anthropic_messages(system, raw) -> list[dict]:
@@ -713,11 +710,8 @@ def _finish_openai(turn: Turn) -> str:
 
 
 def _finish_anthropic(turn: Turn) -> str:
-    if turn.tool_calls:
-        return "tool_use"
-    if turn.stop_sequence is not None:
-        return "stop_sequence"
-    return "max_tokens" if turn.finish_reason == "length" else "end_turn"
+    return "tool_use" if turn.tool_calls else "stop_sequence" if turn.stop_sequence is not None else \
+        "max_tokens" if turn.finish_reason == "length" else "end_turn"
 
 
 def _openai_logprobs(chat, turn: Turn) -> dict:
@@ -1257,20 +1251,14 @@ async def responses_stream(parts, model: str, rid: str, body: dict, custom: froz
     for item, streamed in zip(output, opened):  # the streamed items come first, in the same order
         item["id"] = streamed["id"]
     for i, item in enumerate(output[len(opened):], start=len(opened)):
-        if item["type"] == "function_call":
-            yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
-                                                                             "arguments": ""})
-            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                        delta=item["arguments"])
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                        arguments=item["arguments"], name=item["name"])
-            yield event("response.output_item.done", output_index=i, item=item)
-        elif item["type"] == "custom_tool_call":
-            yield event("response.output_item.added", output_index=i, item={**item, "input": ""})
-            yield event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=i,
-                        delta=item["input"])
-            yield event("response.custom_tool_call_input.done", item_id=item["id"], output_index=i,
-                        input=item["input"])
+        if item["type"] in ("function_call", "custom_tool_call"):  # a function's arguments, a custom tool's input
+            key, kind = ("arguments", "function_call_arguments") if item["type"] == "function_call" else \
+                ("input", "custom_tool_call_input")
+            yield event("response.output_item.added", output_index=i, item={**item, key: ""} | (
+                {"status": "in_progress"} if "status" in item else {}))
+            yield event(f"response.{kind}.delta", item_id=item["id"], output_index=i, delta=item[key])
+            yield event(f"response.{kind}.done", item_id=item["id"], output_index=i, **{key: item[key]},
+                        **({"name": item["name"]} if key == "arguments" else {}))
             yield event("response.output_item.done", output_index=i, item=item)
         else:  # nothing of it settled before the end (an empty message): its whole sequence now
             text = item["content"][0]["text"]
