@@ -809,12 +809,6 @@ def _scalar_reward(value, source: str) -> tuple[float | None, str | None]:
     return value, None
 
 
-def _task_text(sample: dict) -> str:
-    """The task a black-box agent gets: the last user message of the sample."""
-    users = [m.get("content", "") for m in sample.get("messages", []) if m.get("role") == "user"]
-    return str(users[-1] if users else sample.get("prompt", ""))
-
-
 class AgentFlow:
     """Turns prompts into rewarded trajectory groups. The controller wraps it with `ray.remote` as an
     async actor; every method runs on that actor's event loop, as does the router it starts."""
@@ -1182,7 +1176,7 @@ class AgentFlow:
             status, error, answer = None, None, None
             try:
                 await box.create()
-                task = _task_text(sample)
+                task = data.task_text(sample)
                 env = {"OPENAI_BASE_URL": self.router.base_url(s), "OPENAI_API_KEY": s.api_key,
                        # the Anthropic SDK appends /v1/messages to its base URL itself
                        "ANTHROPIC_BASE_URL": f"{self.router.url}/s/{s.id}", "ANTHROPIC_API_KEY": s.api_key,

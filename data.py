@@ -423,12 +423,16 @@ def reasoning_gym_score(response: str, sample: dict) -> float:
 # extension points
 
 
+def task_text(sample: dict) -> str:
+    """A sample's task as one text, its last user message: what a black-box agent gets, a judge's {prompt}."""
+    users = [m.get("content", "") for m in sample.get("messages", []) if m.get("role") == "user"]
+    return str(users[-1] if users else sample.get("prompt", ""))
+
+
 def judge_prompt(template: str, sample: dict, response: str) -> str:
     """The text a judge model reads (`reward: judge`, agentflow.AgentFlow._judge): `template` with {prompt} (the
     sample's last user message), {response} (what is judged) and {answer} (the sample's reference, "" if none)."""
-    users = [m.get("content", "") for m in sample.get("messages", []) if m.get("role") == "user"]
-    prompt = str(users[-1] if users else sample.get("prompt", ""))
-    return template.format(prompt=prompt, response=response, answer=sample.get("answer", ""))
+    return template.format(prompt=task_text(sample), response=response, answer=sample.get("answer", ""))
 
 
 def judge_parser(parse: str):
