@@ -843,9 +843,6 @@ class AgentFlow:
         # the dotted names, for error messages: a failed trajectory names the reward / agent that failed it
         self._reward_name = {s["name"]: s["reward"] for s in sources if s.get("reward")}
         self._agent_name = {s["name"]: s["agent"] for s in sources if s.get("agent")}
-        if cfg.agent and cfg.agent_command:
-            raise ValueError(f"set either agent ({cfg.agent!r}, a Python function) or agent_command "
-                             f"({cfg.agent_command!r}, a black-box program), not both")
         for name, fn in [(cfg.agent, self.agent_fn), *((self._agent_name[k], f) for k, f in self.source_agent.items())]:
             if fn is not None and not callable(fn):
                 raise ValueError(f"agent {name!r} is not callable; it must be `async def agent(client, sample)`")

@@ -539,13 +539,7 @@ class Parallel:
         if cfg.trainer_threads > 0:  # see Config.trainer_threads: sync uses every core
             torch.set_num_threads(int(cfg.trainer_threads))
         tp, pp, ep = int(cfg.tensor_parallel), int(cfg.pipeline_parallel), int(cfg.expert_parallel)
-        cp = int(cfg.context_parallel)
-        if pp > 1 and ep > 1:
-            raise ValueError(f"pipeline_parallel={pp} with expert_parallel={ep} is not wired in (the padding that "
-                             "keeps expert ranks in step runs outside the pipeline schedule); use one of them")
-        if world_size % (tp * pp * cp):
-            raise ValueError(f"world_size={world_size} is not a multiple of tensor_parallel*pipeline_parallel*"
-                             f"context_parallel={tp * pp * cp}; use a world size of k*{tp * pp * cp}")
+        cp = int(cfg.context_parallel)  # the layout itself is checked at --check (config.check_pipeline, finalize)
         if self.on_cpu:
             self.device = torch.device("cpu")
         else:
@@ -652,9 +646,6 @@ class Model:
         `distributed_optimizer` (CUDA) gradients are reduce-scattered, each DP rank steps its shard, and the parameters
         are all-gathered after the step into one buffer per dtype that every parameter views."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # Megatron: late
-        if distributed_optimizer and self.par.on_cpu:
-            raise ValueError("use_distributed_optimizer=true needs CUDA (Megatron's optimizers allocate CUDA tensors); "
-                             "set use_distributed_optimizer=false on CPU")
         self.distributed_optimizer = bool(distributed_optimizer)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=self.distributed_optimizer)
