@@ -1040,12 +1040,10 @@ class AgentFlow:
             status = "failed"  # nothing was generated: nothing to train on
             error = error or "the agent finished without calling the model"
         text = s.last_text if response_text is None else response_text
-        t0 = time.perf_counter()
-        judged = False
-        fn = self.source_reward.get(sample.get("source"), self.reward_fn)
-        if status not in ("failed", "aborted") and reward is None and fn is None:
-            judged = True  # reward: judge; _group asks the judge for the whole group at once
-        elif status not in ("failed", "aborted") and reward is None:
+        t0, fn = time.perf_counter(), self.source_reward.get(sample.get("source"), self.reward_fn)
+        rewarding = status not in ("failed", "aborted") and reward is None
+        judged = rewarding and fn is None  # reward: judge; _group asks the judge for the whole group at once
+        if rewarding and fn is not None:
             name = self._reward_name.get(sample.get("source"), self.cfg.reward)
             try:
                 reward, bad = _scalar_reward(await _call(fn, text, sample), f"reward {name}")
