@@ -948,10 +948,11 @@ class Model:
             forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))), model=[self.module],
             num_microbatches=len(mbs), seq_length=pad_to[1], micro_batch_size=pad_to[0], forward_only=not backward)
 
-    def logp(self, rows: list[dict]) -> list[torch.Tensor]:
-        """Per-row 1-D logp of every response token, no grad (old and reference logprobs)."""
-        kept = self.run(rows, lambda part, mb, out: (None, [out["logp"][b, :len(rows[j]["response_ids"])].cpu()
-                                                            for b, j in enumerate(part)]))
+    def per_token(self, rows: list[dict], head: str = "logp") -> list[torch.Tensor]:
+        """Per-row 1-D `head` output of every response token, no grad: "logp" (old and reference logprobs) or, of the
+        critic's model, "values" (V_old of a step)."""
+        kept = self.run(rows, lambda part, mb, out: (None, [out[head][b, :len(rows[j]["response_ids"])].cpu()
+                                                            for b, j in enumerate(part)]), head=head)
         return [row for rows_of_mb in kept for row in rows_of_mb]
 
     @torch.no_grad()
@@ -1118,12 +1119,6 @@ class Critic:
                                                 tcfg.sequence_parallel).to(par.device)
         self.model.wrap_ddp(cfg.use_distributed_optimizer)
         self.optim = Optim(self.model, cfg, float(cfg.critic_lr), name="critic")
-
-    def values(self, rows: list[dict]) -> list[torch.Tensor]:
-        """Per-row 1-D V(s_t) of every response token, no grad (the V_old of a step; also for tests)."""
-        kept = self.model.run(rows, lambda part, mb, out: (None, [out["values"][b, :len(rows[j]["response_ids"])].cpu()
-                                                                  for b, j in enumerate(part)]), head="values")
-        return [v for values_of_mb in kept for v in values_of_mb]
 
     def update(self, batch: list[dict], spans: list[range], local: list[dict], old_values: list[torch.Tensor],
                returns: list[torch.Tensor], n_mb: int) -> dict[str, float]:
@@ -1407,10 +1402,10 @@ class TrainerWorker:
         """Per-row reference logprobs for a KL term (None without one): the frozen reference model's; with LoRA the
         policy's own base, its adapters switched off for the forward (the reference LoRA keeps no copy of)."""
         if self.ref is not None:
-            return self.ref.logp(rows)
+            return self.ref.per_token(rows)
         if self.lora and self._needs_reference():
             with lora.disabled(self.policy.gpt):
-                return self.policy.logp(rows)
+                return self.policy.per_token(rows)
         return None
 
     def _models(self) -> list[Model]:
@@ -1467,10 +1462,10 @@ class TrainerWorker:
             old = [torch.tensor(s["rollout_logprobs"], dtype=torch.float) for s in local]  # behaviour = engine
         else:
             rest = [j for j in range(len(local)) if j not in first]
-            computed = dict(zip(rest, self.policy.logp([local[j] for j in rest])))
+            computed = dict(zip(rest, self.policy.per_token([local[j] for j in rest])))
             old = [computed.get(j) for j in range(len(local))]  # None: filled by mini-batch 0's forward
         ref = self._reference_logp(local)
-        values = self.critic.values(local) if self.critic is not None else None  # CRITIC: V_old(s_t) per row
+        values = self.critic.model.per_token(local, "values") if self.critic else None  # CRITIC: V_old(s_t) per row
 
         # --- 2. advantages over this rank's whole groups (every rank calls: batch norm all-reduces), one per
         #     trajectory (its last segment's row); earlier segments share their trajectory's advantage
@@ -1655,11 +1650,11 @@ class TrainerWorker:
         """Per response token logprobs of every sample on every rank, for parity tests and debugging; `reference`:
         the KL term's reference model's instead."""
         self.onload(["weights"])
-        return [row.tolist() for row in (self._reference_logp(batch) if reference else self.policy.logp(batch))]
+        return [row.tolist() for row in (self._reference_logp(batch) if reference else self.policy.per_token(batch))]
 
     def compute_values(self, samples: list[dict]) -> list[torch.Tensor]:
         """CRITIC: per-sample 1-D V(s_t) of every response token (for tests)."""
-        return self.critic.values(samples)
+        return self.critic.model.per_token(samples, "values")
 
     def routing_used(self, batch: list[dict]) -> list[torch.Tensor]:
         """The experts the policy's routers dispatched each token of `batch` to (Model.routing_used; R3 tests)."""
