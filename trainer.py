@@ -20,7 +20,7 @@ a batch yields the same gradient on 1 data-parallel rank or N.
 
 Parallel layouts: TP, DP, PP (`Model.run` uses Megatron-Core's 1F1B schedule), EP (expert ranks kept in step with
 padding-only micro-batches), sequence parallelism, and on CUDA with TE's spec CP (`cp_positions`, outputs gathered
-back into whole sequences by `gather_sequence`); the distributed optimizer (`Optim`); recomputation (a
+back into whole sequences by `GatherSequence`); the distributed optimizer (`Optim`); recomputation (a
 TransformerConfig setting, convert.megatron_config).
 
 Test: `.venv/bin/pytest tests/test_trainer.py` (real Ray actors, real Megatron-Core over gloo; parity
@@ -130,9 +130,10 @@ def cp_positions(T: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c), torch.arange(late * c, (late + 1) * c)])
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Every CP rank's share of dim 1 (`cp_positions`) gathered into whole sequences. Every rank computes the same
-    loss, so a rank's gradient is the slice at its own positions (not a sum over ranks)."""
+class GatherSequence(torch.autograd.Function):
+    """`GatherSequence.apply(x, group)`: (B, T/cp, ...) this CP rank's share of dim 1 (`cp_positions`) -> (B, T, ...)
+    whole sequences. Every rank computes the same loss, so a rank's gradient is the slice at its own positions (not a
+    sum over ranks)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -149,11 +150,6 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad[:, ctx.mine], None  # (B, T/cp, ...)
-
-
-def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, T/cp, ...) this CP rank's share -> (B, T, ...) whole sequences, with the gradient of `_GatherSequence`."""
-    return _GatherSequence.apply(x, group)
 
 
 def decode_routed_experts(b64: str, layers: int, topk: int) -> torch.Tensor:
@@ -816,7 +812,7 @@ class Model:
             if replay is not None:  # the indices were used in the forward; backward needs no re-routing
                 replay_routing(self.module, None)
         if par.cp_size > 1 and par.post_process:  # (B, T/cp, V/tp) -> (B, T, V/tp): what follows sees whole rows
-            output = gather_sequence(output, par.cp_group)
+            output = GatherSequence.apply(output, par.cp_group)
         return output, (B0, T0)
 
     def _packed_output(self, mb: dict[str, torch.Tensor]):
