@@ -207,12 +207,9 @@ class LocalSandbox:
             (cg / "cgroup.procs").write_text(str(os.getpid()))
         if self.contained.get("writes"):
             _isolate(self.dir, self.network)
-        resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s))
-        mem = self.memory_mb * 2 ** 20
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        fsize = self.file_mb * 2 ** 20
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        for limit, value in ((resource.RLIMIT_CPU, self.cpu_s), (resource.RLIMIT_AS, self.memory_mb * 2 ** 20),
+                             (resource.RLIMIT_FSIZE, self.file_mb * 2 ** 20), (resource.RLIMIT_CORE, 0)):
+            resource.setrlimit(limit, (value, value))
 
     def write(self, name: str, text: str) -> str:
         path = Path(self.dir) / name
