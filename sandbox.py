@@ -158,6 +158,20 @@ def _cgroup_kill(path: Path) -> None:
         time.sleep(0.01)
 
 
+async def _communicate(proc, stdin: str, timeout_s: float, kill, t0: float) -> ExecResult:
+    """Feed `stdin` to `proc` and read its output; at the wall-clock limit `kill()` (SIGKILL: exit code -9) and read
+    what it wrote until then."""
+    timed_out = False
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
+    except asyncio.TimeoutError:
+        timed_out = True
+        kill()
+        out, err = await proc.communicate()
+    return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), timed_out,
+                      time.perf_counter() - t0)
+
+
 _WARNED: set[str] = set()
 
 
@@ -233,17 +247,10 @@ class LocalSandbox:
             "bash", "-c", command, cwd=self.dir, env=self._env(env), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self._limits)
         self._pgids.add(proc.pid)  # start_new_session: the pid is the process group id
-        timed_out = False
         try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
-        except asyncio.TimeoutError:
-            timed_out = True
-            self._kill(proc.pid)
-            out, err = await proc.communicate()
+            return await _communicate(proc, stdin, timeout_s, lambda: self._kill(proc.pid), t0)
         finally:
             self._end(proc.pid)
-        return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
-                          timed_out, time.perf_counter() - t0)
 
     async def execute_warm(self, warm: "WarmPython", command: str, *, stdin: str = "", env: dict | None = None,
                            timeout_s: float = 30.0) -> ExecResult:
@@ -315,15 +322,7 @@ class DockerSandbox:
         t0 = time.perf_counter()
         proc = await asyncio.create_subprocess_exec("docker", *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                     stderr=subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
-            return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
-                              False, time.perf_counter() - t0)
-        except asyncio.TimeoutError:
-            proc.kill()
-            out, err = await proc.communicate()
-            return ExecResult(-9, out.decode(errors="replace"), err.decode(errors="replace"), True,
-                              time.perf_counter() - t0)
+        return await _communicate(proc, stdin, timeout_s, proc.kill, t0)
 
     def run_args(self) -> list[str]:
         """The `docker run` arguments that start this sandbox's container (after create() named it)."""
