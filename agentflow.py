@@ -322,12 +322,9 @@ class Session:
         seg.pending_close = self.chat.close_turn_ids(turn.output_ids)
         if turn.routed_experts:  # the call ran on the whole segment from its prompt: its routing replaces the last
             seg.routed_experts = turn.routed_experts
-        assistant = {"role": "assistant", "content": turn.content}
-        if turn.reasoning:
-            assistant["reasoning_content"] = turn.reasoning
-        if turn.tool_calls:
-            assistant["tool_calls"] = turn.tool_calls
-        seg.messages = plan.messages + [assistant]
+        seg.messages = plan.messages + [{"role": "assistant", "content": turn.content,
+                                         **({"reasoning_content": turn.reasoning} if turn.reasoning else {}),
+                                         **({"tool_calls": turn.tool_calls} if turn.tool_calls else {})}]
         seg.text = None  # rendered by the next turn's plan(), if one comes (_render_text)
         self.turns += 1
         self.last_text = turn.content if plan.label == "main" else self.last_text
@@ -377,8 +374,7 @@ class Session:
             if sp.get("sampling_seed") is not None:  # one seed per trajectory -> one per turn
                 sp["sampling_seed"] = sampling_seed(sp["sampling_seed"], self.turns)
             # The recipe's max_new_tokens caps every turn; a client's max_tokens may only lower it.
-            cap = min(sp.get("max_new_tokens") or room, max_tokens or room)
-            sp["max_new_tokens"] = min(cap, room)
+            sp["max_new_tokens"] = min(sp.get("max_new_tokens") or room, max_tokens or room, room)
             sp.update(stop_token_ids=self.chat.stop_ids, skip_special_tokens=False, no_stop_trim=True)
             if self.constraint and tools and not self.constrained_turns:
                 sp = {k: v for k, v in sp.items() if k not in ("regex", "ebnf", "json_schema")} | self.constraint
@@ -387,9 +383,8 @@ class Session:
             self.inflight_rid = rid
             t0 = time.perf_counter()
             try:
-                streaming = {} if on_tokens is None else {"on_chunk": on_tokens}
                 url, out = await pool.generate(plan.input_ids, sp, rid, prefer=self.engine, batch=self.batch,
-                                               **streaming)
+                                               on_chunk=on_tokens)
             finally:
                 self.inflight_rid = None
                 self.generate_s += time.perf_counter() - t0
