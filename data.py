@@ -192,10 +192,7 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
     if moe and not 1 <= s["num_experts_per_tok"] <= s["num_experts"]:
         raise ValueError(f"num_experts_per_tok={s['num_experts_per_tok']} must be in [1, num_experts="
                          f"{s['num_experts']}]")
-    if not moe:
-        s = {k: v for k, v in s.items() if k not in TINY_MOE_KEYS}
-    if not deepseek:
-        s = {k: v for k, v in s.items() if k not in TINY_DEEPSEEK_KEYS}
+    s = {k: v for k, v in s.items() if (moe or k not in TINY_MOE_KEYS) and (deepseek or k not in TINY_DEEPSEEK_KEYS)}
     if s["chat_format"] == "chatml":
         del s["chat_format"]
     out = Path(out_dir)
