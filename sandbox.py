@@ -123,9 +123,9 @@ def _isolation_available() -> bool:
     return _ISOLATION
 
 
-def _cgroup(controller: str, name: str) -> Path | None:
-    """Create cgroup `name` with `controller` (v1 hierarchy /sys/fs/cgroup/<controller>, or v2
-    /sys/fs/cgroup with the controller enabled for children); None where neither is writable."""
+def _cgroup(controller: str, name: str, limit_value: int) -> Path | None:
+    """Create cgroup `name` with `controller` and its limit at `limit_value` (v1 hierarchy /sys/fs/cgroup/<controller>,
+    or v2 /sys/fs/cgroup with the controller enabled for children); None where neither is writable."""
     limit_file = {"pids": "pids.max", "memory": "memory.limit_in_bytes"}[controller]
     for base, limit in ((Path("/sys/fs/cgroup") / controller, limit_file), (Path("/sys/fs/cgroup"),
                                                                            f"{controller}.max")):
@@ -135,6 +135,7 @@ def _cgroup(controller: str, name: str) -> Path | None:
         except OSError:
             continue
         if (path / limit).exists():
+            (path / limit).write_text(str(limit_value))
             return path
         with contextlib.suppress(OSError):
             path.rmdir()
@@ -198,12 +199,7 @@ class LocalSandbox:
     async def create(self) -> "LocalSandbox":
         self.dir = tempfile.mkdtemp(prefix="loongsage-sbx-")
         name = Path(self.dir).name
-        pids, mem = _cgroup("pids", name), _cgroup("memory", name)
-        if pids is not None:
-            (pids / "pids.max").write_text(str(self.max_procs))
-        if mem is not None:
-            limit = "memory.limit_in_bytes" if (mem / "memory.limit_in_bytes").exists() else "memory.max"
-            (mem / limit).write_text(str(self.memory_mb * 2 ** 20))
+        pids, mem = _cgroup("pids", name, self.max_procs), _cgroup("memory", name, self.memory_mb * 2 ** 20)
         self._cgroups = [c for c in (pids, mem) if c is not None]
         isolate = _isolation_available()
         # network: cut (only asked for with network=False; black-box agents need loopback to the router)
