@@ -998,12 +998,11 @@ def responses_tools(raw) -> list[dict] | None:
                 raise ApiError(400, f"{where}: a custom tool takes name, description and format {{'type': 'text'}} "
                                f"here (a grammar format is not supported: the input is free text); got "
                                f"{extra or fmt!r:.200}", param=where)
-            fn = _tool_function(t.get("name"), t.get("description"), None, where)
-            fn["parameters"] = {"type": "object", "required": [CUSTOM_INPUT], "properties": {CUSTOM_INPUT: {
-                "type": "string", "description": "the tool's whole input, as free-form text"}}}
-            tools.append({"type": "function", "function": fn})
+            tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"), {
+                "type": "object", "required": [CUSTOM_INPUT], "properties": {CUSTOM_INPUT: {
+                    "type": "string", "description": "the tool's whole input, as free-form text"}}}, where)})
         elif kind == "namespace" and isinstance(t.get("tools"), list):  # Codex's group of functions: each by its name
-            tools += [f for f in responses_tools(t["tools"]) or ()]
+            tools += responses_tools(t["tools"]) or []
         elif kind not in HOSTED_TOOLS:
             raise ApiError(400, f"{where} has type {kind!r}; supported: function, custom, namespace, and the hosted "
                            f"tools {sorted(HOSTED_TOOLS)} (not shown to the model)", param=where)
