@@ -61,8 +61,7 @@ class ApiError(Exception):
 
 _OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                        503: "server_error"}
-_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                          503: "overloaded_error"}
+_ANTHROPIC_ERROR_TYPES = {**_OPENAI_ERROR_TYPES, 503: "overloaded_error"}
 
 
 def openai_error_body(e: ApiError) -> dict:
