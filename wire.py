@@ -1065,7 +1065,8 @@ def _responses_tool_choice(choice, tools: list[dict] | None, custom: frozenset) 
     if not (named or choice in ("auto", "none", "required")):
         raise ApiError(400, f"tool_choice {choice!r:.200} must be 'auto', 'none', 'required', {{'type': 'function', "
                        "'name': ...}} or {'type': 'custom', 'name': ...}", param="tool_choice")
-    if named and (choice["type"] == "custom") != (choice["name"] in custom):
+    if named and (choice["name"] not in {t["function"]["name"] for t in tools or ()} or
+                  (choice["type"] == "custom") != (choice["name"] in custom)):
         raise ApiError(400, f"tool_choice names the {choice['type']} tool {choice['name']!r}, which is not among "
                        "the tools", param="tool_choice")
     return _forced(tools, choice["name"] if named else None, choice == "required")
