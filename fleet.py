@@ -803,10 +803,12 @@ class Logger:
     """Every step's metrics to metrics.jsonl, TensorBoard and (cfg.trackers) W&B / MLflow; the reward curve
     at the end. W&B and MLflow are imported only when a recipe asks for them."""
 
-    def __init__(self, cfg: Config, resume_step: int | None = None):
+    def __init__(self, cfg: Config, resume_step: int | None = None, start: float | None = None):
         """`resume_step`: a resumed run continues the same metrics.jsonl and TensorBoard run from that
         step; rows of later steps (logged after the checkpoint, before the crash) are dropped, as the
-        run does those steps again."""
+        run does those steps again. `start`: the run's start (time.perf_counter()), from which every row's
+        `time/wall` counts, so any step can be timed from outside the run's own timers (default: now)."""
+        self.start = time.perf_counter() if start is None else start
         self.dir = Path(cfg.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / "metrics.jsonl"
@@ -845,7 +847,8 @@ class Logger:
     def log(self, step: int, metrics: dict):
         """Scalars to every sink; lists of numbers (per-token lags) to TensorBoard histograms only."""
         hists = {k: v for k, v in metrics.items() if isinstance(v, list)}
-        metrics = {"step": step, **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
+        metrics = {"step": step, **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+                   "time/wall": time.perf_counter() - self.start}  # when the row is written: after all its work
         self.history.append(metrics)
         self.jsonl.write(json.dumps(metrics) + "\n")
         self.jsonl.flush()
