@@ -33,12 +33,14 @@ EP; and an HF export of the critic (it lives in the Megatron checkpoints only).
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import math
 import os
 import random
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -610,6 +612,18 @@ class Parallel:
 # one GPTModel on this rank, and the one micro-batch loop
 
 
+PHASES = ("collate", "forward", "backward", "optimizer", "step")  # the trainer's step timeline (Model.timings)
+
+
+@contextlib.contextmanager
+def timed(clock: dict[str, list[float]], key: str):
+    """Adds the block's [wall, CPU] seconds to clock[key]; CPU is the process's, every torch thread: core-seconds."""
+    wall, core = time.perf_counter(), time.process_time()
+    yield
+    clock[key] = [a + b for a, b in zip(clock.get(key, [0.0, 0.0]), (time.perf_counter() - wall,
+                                                                      time.process_time() - core))]
+
+
 class Model:
     """One GPTModel on this rank (this pipeline stage's share), forward only until `wrap_ddp` makes it trainable:
     `load` this rank's shards of full HF-converted weights, `run` micro-batches (the one loop every pass uses),
@@ -621,6 +635,7 @@ class Model:
         self.par, self.tcfg, self.micro_batch_size = par, tcfg, int(micro_batch_size)
         self.max_tokens = int(max_tokens)  # > 0: packed micro-batches of at most this many tokens (run, _packed_output)
         self.tokens = [0, 0]  # [real tokens, tokens computed] of every forward: what padding costs (pad_frac)
+        self.clock: dict[str, list[float]] = {}  # phase -> [wall, CPU] seconds since the last `timings` (PHASES)
         self.gpt = convert.build_gpt_model(tcfg, model_kwargs, par.device, par.pre_process, par.post_process,
                                            fp32_lm_head=fp32_lm_head)
         self.module = self.gpt  # what a forward calls: the GPTModel, or Megatron's DDP around it (wrap_ddp)
@@ -897,10 +912,11 @@ class Model:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=par.ep_group)
             count = int(t)
         mbs = []
-        for part in parts:
-            mb = collate([rows[j] for j in part], {key: [x[j] for j in part] for key, x in (extras or {}).items()},
-                         routed_shape=self.routed_shape)
-            mbs.append({k: v.to(par.device) for k, v in mb.items()})
+        with timed(self.clock, "collate"):
+            for part in parts:
+                mb = collate([rows[j] for j in part], {key: [x[j] for j in part] for key, x in (extras or {}).items()},
+                             routed_shape=self.routed_shape)
+                mbs.append({k: v.to(par.device) for k, v in mb.items()})
         kept = [None] * len(mbs)
         was_training = self.module.training
         self.module.train(backward)
@@ -908,9 +924,11 @@ class Model:
             with torch.set_grad_enabled(backward):
                 if par.pp_size == 1:
                     for i, mb in enumerate(mbs):
-                        loss, kept[i] = fn(parts[i], mb, self.forward(mb, head))
+                        with timed(self.clock, "forward"):  # and the loss
+                            loss, kept[i] = fn(parts[i], mb, self.forward(mb, head))
                         if backward:
-                            loss.backward()
+                            with timed(self.clock, "backward"):
+                                loss.backward()
                 elif mbs:  # every stage of a pipeline holds the same rows: all skip together
                     self._pipeline(parts, mbs, fn, kept, backward, head)
                 for _ in range(count - len(mbs)):  # EP: another expert rank has micro-batches more
@@ -950,6 +968,17 @@ class Model:
         kept = self.run(rows, lambda part, mb, out: (None, [out[head][b, :len(rows[j]["response_ids"])].cpu()
                                                             for b, j in enumerate(part)]), head=head)
         return [row for rows_of_mb in kept for row in rows_of_mb]
+
+    def timings(self, since: tuple[float, float]) -> dict[str, float]:
+        """The PHASES of a step begun at `since` (perf_counter, process_time; the clock cleared then): wall seconds as
+        timing/trainer_<phase> and CPU seconds as perf/trainer_<phase>_core_s, the slowest rank's (so identical on
+        every rank)."""
+        self.clock["step"] = [time.perf_counter() - since[0], time.process_time() - since[1]]
+        t = torch.tensor([self.clock.get(k, [0.0, 0.0]) for k in PHASES], dtype=torch.float64, device=self.par.device)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return {**{f"timing/trainer_{k}": float(w) for k, (w, _) in zip(PHASES, t)},
+                **{f"perf/trainer_{k}_core_s": float(c) for k, (_, c) in zip(PHASES, t)}}
 
     @torch.no_grad()
     def routing_used(self, batch: list[dict]) -> list[torch.Tensor]:
@@ -1036,7 +1065,8 @@ class Optim:
     def end_minibatch(self, sums: dict[str, float], totals: dict[str, float], n_mb: int) -> None:
         """End a mini-batch: one optimizer step, then its DP-summed metric sums and grad norm into the step's means
         over `n_mb` mini-batches (`totals`, updated in place; lr is the last one's)."""
-        grad_norm, lr = self.step()
+        with timed(self.model.clock, "optimizer"):
+            grad_norm, lr = self.step()
         for k, v in {**self.model.par.dp_sum(sums), "grad_norm": grad_norm}.items():
             totals[k] = totals.get(k, 0.0) + v / n_mb
         totals["lr"] = lr
@@ -1427,7 +1457,8 @@ class TrainerWorker:
         blocks below; `step` is also the version of the weights this worker holds (one sync per step). Returns
         `train/` (and `critic/`) metrics as python floats, identical on every rank. `targets`: teacher targets
         (teacher.py's `TeacherWorker.score`), one dict per sample of `batch`, or None; they add `opd_terms`."""
-        cfg, par = self.cfg, self.par
+        cfg, par, since = self.cfg, self.par, (time.perf_counter(), time.process_time())
+        self.policy.clock.clear()  # the step's own timeline (Model.timings)
         self.onload()  # colocated: whatever the hand-off offloaded comes back before the step
         if not batch:
             raise ValueError("train_step got an empty batch; the controller must skip steps with no trajectories")
@@ -1485,7 +1516,7 @@ class TrainerWorker:
                         "train/samples": float(n_traj), "train/rows": float(len(batch)), **critic_metrics})
         seen = par.dp_sum({"real": self.policy.tokens[0] - tokens0[0], "computed": self.policy.tokens[1] - tokens0[1]})
         metrics["train/pad_frac"] = 1.0 - seen["real"] / max(seen["computed"], 1.0)
-        return metrics
+        return {**metrics, **self.policy.timings(since)}
 
     def _advantages(self, local: list[dict], old: list, ref: list | None, values: list | None):
         """(advantage per row of `local`, the critic's value target per row or None): algos' estimator on the
