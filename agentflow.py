@@ -322,12 +322,9 @@ class Session:
         seg.pending_close = self.chat.close_turn_ids(turn.output_ids)
         if turn.routed_experts:  # the call ran on the whole segment from its prompt: its routing replaces the last
             seg.routed_experts = turn.routed_experts
-        assistant = {"role": "assistant", "content": turn.content}
-        if turn.reasoning:
-            assistant["reasoning_content"] = turn.reasoning
-        if turn.tool_calls:
-            assistant["tool_calls"] = turn.tool_calls
-        seg.messages = plan.messages + [assistant]
+        seg.messages = plan.messages + [{"role": "assistant", "content": turn.content,
+                                         **({"reasoning_content": turn.reasoning} if turn.reasoning else {}),
+                                         **({"tool_calls": turn.tool_calls} if turn.tool_calls else {})}]
         seg.text = None  # rendered by the next turn's plan(), if one comes (_render_text)
         self.turns += 1
         self.last_text = turn.content if plan.label == "main" else self.last_text
@@ -377,8 +374,7 @@ class Session:
             if sp.get("sampling_seed") is not None:  # one seed per trajectory -> one per turn
                 sp["sampling_seed"] = sampling_seed(sp["sampling_seed"], self.turns)
             # The recipe's max_new_tokens caps every turn; a client's max_tokens may only lower it.
-            cap = min(sp.get("max_new_tokens") or room, max_tokens or room)
-            sp["max_new_tokens"] = min(cap, room)
+            sp["max_new_tokens"] = min(sp.get("max_new_tokens") or room, max_tokens or room, room)
             sp.update(stop_token_ids=self.chat.stop_ids, skip_special_tokens=False, no_stop_trim=True)
             if self.constraint and tools and not self.constrained_turns:
                 sp = {k: v for k, v in sp.items() if k not in ("regex", "ebnf", "json_schema")} | self.constraint
@@ -387,9 +383,8 @@ class Session:
             self.inflight_rid = rid
             t0 = time.perf_counter()
             try:
-                streaming = {} if on_tokens is None else {"on_chunk": on_tokens}
                 url, out = await pool.generate(plan.input_ids, sp, rid, prefer=self.engine, batch=self.batch,
-                                               **streaming)
+                                               on_chunk=on_tokens)
             finally:
                 self.inflight_rid = None
                 self.generate_s += time.perf_counter() - t0
@@ -591,7 +586,7 @@ class Router:
         label = self._admit(s, req, body.get("model"))
         template_kwargs = self.chat.with_thinking(req, thinking_field, body.get(thinking_field))
         if thinking_field != "thinking":
-            self.chat.check_structured(req, {**self.chat.template_kwargs, **template_kwargs})
+            self.chat.check_structured(req, template_kwargs)
         return dict(parse_tools=req.parse_tools, max_tokens=req.max_tokens, stop=req.stop,
                     overrides={**req.overrides, **self.chat.tool_grammar(req, template_kwargs)},
                     template_kwargs=template_kwargs, separate_reasoning=req.separate_reasoning, label=label)
@@ -809,12 +804,6 @@ def _scalar_reward(value, source: str) -> tuple[float | None, str | None]:
     return value, None
 
 
-def _task_text(sample: dict) -> str:
-    """The task a black-box agent gets: the last user message of the sample."""
-    users = [m.get("content", "") for m in sample.get("messages", []) if m.get("role") == "user"]
-    return str(users[-1] if users else sample.get("prompt", ""))
-
-
 class AgentFlow:
     """Turns prompts into rewarded trajectory groups. The controller wraps it with `ray.remote` as an
     async actor; every method runs on that actor's event loop, as does the router it starts."""
@@ -849,9 +838,6 @@ class AgentFlow:
         # the dotted names, for error messages: a failed trajectory names the reward / agent that failed it
         self._reward_name = {s["name"]: s["reward"] for s in sources if s.get("reward")}
         self._agent_name = {s["name"]: s["agent"] for s in sources if s.get("agent")}
-        if cfg.agent and cfg.agent_command:
-            raise ValueError(f"set either agent ({cfg.agent!r}, a Python function) or agent_command "
-                             f"({cfg.agent_command!r}, a black-box program), not both")
         for name, fn in [(cfg.agent, self.agent_fn), *((self._agent_name[k], f) for k, f in self.source_agent.items())]:
             if fn is not None and not callable(fn):
                 raise ValueError(f"agent {name!r} is not callable; it must be `async def agent(client, sample)`")
@@ -1049,12 +1035,10 @@ class AgentFlow:
             status = "failed"  # nothing was generated: nothing to train on
             error = error or "the agent finished without calling the model"
         text = s.last_text if response_text is None else response_text
-        t0 = time.perf_counter()
-        judged = False
-        fn = self.source_reward.get(sample.get("source"), self.reward_fn)
-        if status not in ("failed", "aborted") and reward is None and fn is None:
-            judged = True  # reward: judge; _group asks the judge for the whole group at once
-        elif status not in ("failed", "aborted") and reward is None:
+        t0, fn = time.perf_counter(), self.source_reward.get(sample.get("source"), self.reward_fn)
+        rewarding = status not in ("failed", "aborted") and reward is None
+        judged = rewarding and fn is None  # reward: judge; _group asks the judge for the whole group at once
+        if rewarding and fn is not None:
             name = self._reward_name.get(sample.get("source"), self.cfg.reward)
             try:
                 reward, bad = _scalar_reward(await _call(fn, text, sample), f"reward {name}")
@@ -1182,7 +1166,7 @@ class AgentFlow:
             status, error, answer = None, None, None
             try:
                 await box.create()
-                task = _task_text(sample)
+                task = data.task_text(sample)
                 env = {"OPENAI_BASE_URL": self.router.base_url(s), "OPENAI_API_KEY": s.api_key,
                        # the Anthropic SDK appends /v1/messages to its base URL itself
                        "ANTHROPIC_BASE_URL": f"{self.router.url}/s/{s.id}", "ANTHROPIC_API_KEY": s.api_key,

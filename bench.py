@@ -57,13 +57,14 @@ measured back to back in one run is far steadier than an absolute number.
         memory (docs/TRANSFERMESH.md compares it across commits). Targets: shm >= 0.5x memcpy at >= 100 MB,
         >= 10x pickle/HTTP, fixed cost <= 20 ms. `--quick`: 1 and 4 MB (a smoke test).
 
-    python bench.py step [--steps 10] [--quick] [--sync-set K=V ...] [--async-set K=V ...]
-        Seconds per RL step of LoongSage (`loongsage.train` with mode=sync, then mode=async; phases from its
-        timing/* metrics) and, where TRL is installed (`pip install -e '.[bench]'`), TRL's GRPOTrainer on the same
-        model dir, prompts (8 x 8 samples), up to 32 new tokens, lr, one update per step, fp32 (sync with one
-        engine per core, as bench async's sync; async with one trainer and one engine). Prints the ratios
-        (targets: sync <= 1.0x TRL's s/step; async >= 1.5x TRL's samples/s). Medians leave out each run's first 3
-        steps (warm-up). `--quick`: 2 x 4 samples, 2 steps.
+    python bench.py step [--steps 12] [--quick] [--sync-set K=V ...] [--async-set K=V ...]
+        One RL step of the recipe as users run it (`loongsage.py recipes/arith_cpu.yaml`, a process of its own, sync
+        then async, shrunk to STEP_SET: 8 prompts x 8 samples, 32 new tokens, one optimizer step, the 3.35M tiny Qwen3)
+        against TRL's GRPOTrainer (TRL pinned, in a venv of its own under the LoongSage cache, built on first use) on
+        the same model dir, prompts, reward and batch, fp32, 2 threads. Each side timed from outside: the rows'
+        time/wall, TRL's on_step_end; medians of steps 2..N-1. Prints the ratios (target: sync <= 0.8x TRL's s/step),
+        the 1-minute load during each run, LoongSage's timeline (timing/* phases, the trainer's own phases) and the
+        CPU seconds of every process of its run. `--quick`: 4 steps (a smoke test).
 
     python bench.py pack [--repeats 3] [--quick: 16 samples, long ones 128 tokens]
         Packed sequences (max_tokens_per_micro_batch) against padded micro-batches: one trainer rank in this process,
@@ -89,6 +90,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import inspect
 import json
 import math
 import multiprocessing as mp
@@ -110,13 +112,14 @@ import numpy as np
 import ray
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, TrainerCallback
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 import config
 import convert
 import cpu
 import cpu_engine
 import data
+import fleet
 import loongsage
 import rollout
 import teacher
@@ -976,96 +979,156 @@ def bench_sync(args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# one RL step: LoongSage sync and async vs TRL's GRPOTrainer
+# one RL step of the recipe as users run it (loongsage.py, its own process) vs TRL's GRPOTrainer, same model and batch
+
+TRL = "trl==1.16.0"  # the TRL side's pin, in a venv of its own under the LoongSage cache (trl_venv)
+# the recipe shrunk to TRL's batch: 8 prompts x 8 samples, 32 new tokens, one optimizer step of one micro-batch per
+# RL step, on the 3.35M-parameter tiny Qwen3 (hidden 256) that both sides load from the dir the recipe builds
+STEP_SET = ["warmstart_steps=0", "prompts_per_step=8", "samples_per_prompt=8", "max_new_tokens=32",
+            "global_batch_size=64", "micro_batch_size=64", "eval_every=0", "print_every=0",
+            "tiny_model.hidden_size=256", "tiny_model.head_dim=64", "tiny_model.intermediate_size=768"]
+STEP_WARMUP = 2  # steps 0 and 1 pay first calls and an unsettled allocator: medians are over steps 2..N-1
 
 
-# Steps `bench.py step` leaves out of its medians, for every framework alike: a trainer's first steps are slower while
-# its allocator settles (measured on the tiny model: 0.70, 0.56, 0.52 s, then 0.52-0.55 s; each early step pays
-# 65-185k first-touch page faults where a settled one pays 5-25k) and the first also pays first-call costs.
-STEP_WARMUP = 3
+def trl_venv() -> Path:
+    """TRL's venv, built once as bootstrap.sh builds .venv (a CPU torch, TORCH_SPEC / TORCH_INDEX_URL as there; by
+    default this venv's torch version, so both sides run the same kernels), then TRL and this venv's transformers."""
+    import transformers  # the version to match
+    venv = data.default_cache_dir() / f"venv-{TRL.replace('==', '-')}"
+    if not (venv / "ready").exists():
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+        index = ["--index-url", os.environ["TORCH_INDEX_URL"]] if os.environ.get("TORCH_INDEX_URL") else []
+        for cmd in ([sys.executable, "-m", "venv", "--clear", str(venv)],
+                    [*pip, *index, os.environ.get("TORCH_SPEC", f"torch=={torch.__version__.split('+')[0]}")],
+                    [*pip, TRL, f"transformers=={transformers.__version__}", "datasets"]):
+            print(f"step: building TRL's venv: {' '.join(cmd)}", flush=True)
+            subprocess.run(cmd, check=True)
+        (venv / "ready").write_text(TRL)
+    return venv / "bin" / "python"
+
+
+def trl_steps(model: str, dataset: str, steps: int, out: str, root: str) -> None:
+    """Runs in TRL's venv (bench_step sends it this source): GRPOTrainer on the recipe's model, prompts and reward
+    (data.py: it needs only torch and tokenizers), issue 47's configuration; at each on_step_end one JSON line: wall
+    clock, the process's CPU seconds, the step's generation and scoring seconds, the 1-minute load."""
+    # every import here is TRL's venv's: this function runs alone there
+    import json, os, sys, time  # noqa: E401
+    sys.path.insert(0, root)  # data.py: the recipe's dataset and reward (it needs only torch and tokenizers)
+    import data  # from `root`
+    import torch  # TRL's venv's, as the three below
+    from datasets import Dataset  # TRL's dependency
+    from transformers import TrainerCallback  # the version this venv has
+    from trl import GRPOConfig, GRPOTrainer  # TRL, pinned
+    torch.set_num_threads(2)
+
+    def reward(completions, answer, **_):  # the recipe's reward on the decoded completion
+        return [data.exact_match(c[-1]["content"], {"answer": a}) for c, a in zip(completions, answer)]
+
+    class Clock(TrainerCallback):  # the step's end; and, below, how long its generation and scoring took
+        def on_step_end(self, args, state, control, **_):
+            print("trl " + json.dumps({"wall": time.perf_counter(), "cpu": time.process_time(), "generate": gen[0],
+                                       "load": os.getloadavg()[0]}), flush=True)
+
+    class Timed(GRPOTrainer):
+        def _generate_and_score_completions(self, *a, **k):
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(*a, **k)
+            gen[0] = time.perf_counter() - t0
+            return out
+    gen = [0.0]
+    conf = GRPOConfig(output_dir=out, per_device_train_batch_size=64, num_generations=8, max_completion_length=32,
+                      gradient_accumulation_steps=1, learning_rate=1e-3, max_steps=steps, beta=0.0, epsilon=0.2,
+                      epsilon_high=0.28, temperature=1.0, max_grad_norm=1.0, logging_steps=1, report_to=[],
+                      save_strategy="no", use_cpu=True, bf16=False, fp16=False, seed=1234, disable_tqdm=True,
+                      gradient_checkpointing=False)  # TRL recomputes activations by default; the recipe does not
+    rows = [{"prompt": s["messages"], "answer": str(s["answer"])} for s in data.load_dataset(dataset)]
+    Timed(model=model, reward_funcs=reward, args=conf, train_dataset=Dataset.from_list(rows),
+          callbacks=[Clock()]).train()
+
+
+def tree_cpu(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of process `root` and every process under it (a run's Ray daemons and
+    actors are), by name: `controller` (root), `ray::<Actor>` (whatever method it runs now), others by program."""
+    procs, tick = {}, os.sysconf("SC_CLK_TCK")
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()  # state ppid ... utime(11) stime(12)
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        except OSError:  # exited meanwhile
+            continue
+        procs[int(d)] = (int(stat[1]), (int(stat[11]) + int(stat[12])) / tick, cmd)
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in procs:
+            cmd = procs[pid][2]
+            name = ("controller" if pid == root else cmd[0].split(".")[0] if cmd[0].startswith("ray::") else
+                    " ".join(Path(c).name for c in cmd[:2] if c and not c.startswith("-")))
+            out[name] = out.get(name, 0.0) + procs[pid][1]
+            todo += [p for p, (ppid, _, _) in procs.items() if ppid == pid]
+    return out
+
+
+def step_run(mode: str, out: Path, steps: int, extra: list[str]) -> dict:
+    """`loongsage.py recipes/arith_cpu.yaml` (STEP_SET) as a process of its own; at each new metrics row its process
+    tree's CPU time by process. Steps timed from the rows' time/wall; phases from their timing/* keys."""
+    cmd = [sys.executable, "loongsage.py", "recipes/arith_cpu.yaml", *STEP_SET, f"num_steps={steps}", f"mode={mode}",
+           f"output_dir={out}", *extra]
+    print("step: " + " ".join(cmd[1:]), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    t0, cpu, metrics = time.perf_counter(), [], out / "metrics.jsonl"
+    with open(out.parent / f"{mode}.log", "w") as log:
+        p = subprocess.Popen(cmd, cwd=Path(__file__).parent, stdout=log, stderr=subprocess.STDOUT)
+        while p.poll() is None:  # at each new row: where the CPU went until it
+            if (n := metrics.read_text().count("\n") if metrics.exists() else 0) > len(cpu):
+                cpu += [(tree_cpu(p.pid), os.getloadavg()[0])] * (n - len(cpu))
+            time.sleep(0.05)
+    if p.returncode:
+        raise SystemExit(f"step: the {mode} run failed (exit {p.returncode}); its log: {out.parent / f'{mode}.log'}")
+    rows, a = [json.loads(x) for x in metrics.read_text().splitlines()], STEP_WARMUP - 1  # a: the row before step 2
+    gaps = [r["time/wall"] - q["time/wall"] for q, r in zip(rows, rows[1:])][a:]
+    phases = {k.split("/")[1]: statistics.median(r.get(k, 0.0) for r in rows[a + 1:]) for k in rows[-1]
+              if k.startswith("timing/") or k.endswith("_core_s")}  # the trainer's phases: wall and core seconds
+    phases["after timing/step: engine metrics, logging"] = statistics.median(gaps) - phases["step"]
+    return {"step_s": statistics.median(gaps), "steps": gaps, "phases": phases, "wall_s": time.perf_counter() - t0,
+            "cpu": {k: (v - cpu[a][0].get(k, 0.0)) / len(gaps) for k, v in cpu[-1][0].items()},
+            "load": statistics.mean(c[1] for c in cpu[a:])}
 
 
 def bench_step(args) -> dict:
-    """Seconds per RL step of LoongSage (mode=sync and mode=async, through loongsage.train) and, where TRL is
-    installed, TRL's GRPOTrainer: same model dir, prompts, batch (8 prompts x 8 samples), max new tokens,
-    learning rate and one optimizer update per step; no eval. Prints LoongSage's phases and the ratios."""
-    path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
-    prompts, samples, new_tokens = (2, 4, 8) if args.quick else (8, 8, 32)
-    steps = 2 if args.quick else (args.steps or 10)
-    warm = 1 if args.quick else STEP_WARMUP  # steps left out of every median, TRL's too
-    lr, dataset = 1e-5, "synthetic:arith:512:1"
+    """Seconds per RL step of the recipe as users run it (sync, then async; each a loongsage.py process) and of
+    TRL's GRPOTrainer (its own venv), the same model, prompts, reward and batch; each timed from outside by its
+    wall clock (the rows' time/wall, TRL's on_step_end), median of steps 2..N-1. Prints the ratios, each side's
+    1-minute load, and where LoongSage's step goes (its timing/* phases and each process's CPU seconds)."""
+    steps = 4 if args.quick else (args.steps or 12)
     out = Path(tempfile.mkdtemp(prefix="loongsage_bench_step_"))
-    result, wall = {}, {}  # wall: seconds of each whole run, start-up included (the command's own length)
-    for mode in ("sync", "async"):
-        t0 = time.perf_counter()
-        layout = sync_engines() if mode == "sync" else []  # async: one trainer and one engine, each on its core
-        cfg = config.load_config(None, [*layout,
-            f"model_path={path}", f"output_dir={out / mode}", f"mode={mode}", f"num_steps={steps}", "eval_every=0",
-            f"prompts_per_step={prompts}", f"samples_per_prompt={samples}", f"global_batch_size={prompts * samples}",
-            f"micro_batch_size={prompts * samples}", f"max_new_tokens={new_tokens}", f"lr={lr}", f"min_lr={lr}",
-            f"dataset={dataset}", "print_every=0", *(args.sync_set if mode == "sync" else args.async_set)])
-        history = run_mode(cfg)
-        timed = history[warm:] or history
-        phases = {k: statistics.median(h.get(f"timing/{k}", 0.0) for h in timed) for k in
-                  ("generate", "train", "sync", "step")}
-        result[mode] = phases
-        wall[mode] = time.perf_counter() - t0
+    cfg = config.load_config("recipes/arith_cpu.yaml", STEP_SET)
+    model = fleet.base_model(cfg)  # the HF dir (and tokenizer) the recipe builds, which loongsage.py loads too
+    source = inspect.getsource(trl_steps) + f"\ntrl_steps(*{[model, cfg.dataset, steps, str(out / 'trl')]!r}, " \
+        f"{str(Path(__file__).parent.resolve())!r})"
     t0 = time.perf_counter()
-    trl = _trl_step_time(path, dataset, prompts, samples, new_tokens, lr, steps, out / "trl", warm)
-    wall["trl"] = time.perf_counter() - t0
-    print(f"step: model {path}, {prompts} prompts x {samples} samples, up to {new_tokens} new tokens, lr {lr}, "
-          f"{steps} steps (median over steps after the first {warm})")
-    for mode, ph in result.items():
-        print(f"  LoongSage {mode:5s}: {ph['step']:.2f} s/step (generate {ph['generate']:.2f}, "
-              f"train {ph['train']:.2f}, sync {ph['sync']:.2f})")
-    if isinstance(trl, float):
-        result["trl"] = trl
-        print(f"  TRL GRPOTrainer: {trl:.2f} s/step")
-        print(f"  ratios: sync/TRL {result['sync']['step'] / trl:.2f}x s/step (target <= 1.0); async/TRL "
-              f"{trl / result['async']['step']:.2f}x samples/s (target >= 1.5)")
-    else:
-        print(f"  TRL GRPOTrainer: not measured ({trl})")
-    print("  wall time of each run: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()) +
-          f"; total {sum(wall.values()):.0f} s")
-    result["wall_s"] = wall
+    log = subprocess.run([str(trl_venv()), "-c", source], capture_output=True, text=True)
+    ticks = [json.loads(x[4:]) for x in log.stdout.splitlines() if x.startswith("trl {")]
+    if log.returncode or len(ticks) != steps:
+        raise SystemExit(f"step: TRL's run failed (exit {log.returncode}):\n{log.stderr[-3000:]}")
+    gaps, timed = [b["wall"] - a["wall"] for a, b in zip(ticks, ticks[1:])][STEP_WARMUP - 1:], ticks[STEP_WARMUP:]
+    result = {"trl": {"step_s": statistics.median(gaps), "steps": gaps, "wall_s": time.perf_counter() - t0,
+                      "cpu": {"TRL": (ticks[-1]["cpu"] - ticks[STEP_WARMUP - 1]["cpu"]) / len(gaps)},
+                      "load": statistics.mean(t["load"] for t in timed),
+                      "phases": {"generate and score": statistics.median(t["generate"] for t in timed)}}}
+    for mode in ("sync", "async"):
+        result[mode] = step_run(mode, out / mode, steps, args.sync_set if mode == "sync" else args.async_set)
+    print(f"step: {model}, 8 prompts x 8 samples, <= 32 new tokens, {steps} steps; median s/step of steps "
+          f"{STEP_WARMUP}..{steps - 1} from each side's own wall clock")
+    for side, r in result.items():
+        ratio = "" if side == "trl" else f"  = {r['step_s'] / result['trl']['step_s']:.2f}x TRL's (target <= 0.8)"
+        print(f"  {side:5s} {r['step_s']:.3f} s/step{ratio}   load {r['load']:.1f}, run {r['wall_s']:.0f} s, "
+              f"CPU {sum(r['cpu'].values()):.2f} core-s/step")
+    for side, r in result.items():
+        print(f"  {side} phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
+        print(f"  {side} CPU by process (core-s/step): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in sorted(r["cpu"].items(), key=lambda kv: -kv[1]) if v >= 0.005))
     return result
-
-
-def _trl_step_time(path, dataset, prompts, samples, new_tokens, lr, steps, out, warm):
-    """Median seconds per step of TRL's GRPOTrainer on the same setup after `warm` steps, or a string saying why
-    it did not run."""
-    try:
-        from datasets import Dataset  # optional: the [bench] extra, with TRL
-        from trl import GRPOConfig, GRPOTrainer  # optional: the [bench] extra
-    except ImportError:
-        return "TRL is not installed: `.venv/bin/pip install -e '.[bench]'` (keeps torch as it is)"
-    rows = [{"prompt": s["messages"], "answer": str(s.get("answer", ""))} for s in data.load_dataset(dataset)]
-
-    def reward(completions, answer, **_):
-        return [data.exact_match(c[-1]["content"] if isinstance(c, list) else c, {"answer": a})
-                for c, a in zip(completions, answer)]
-
-    class Clock(TrainerCallback):
-        ticks: list = []
-
-        def on_step_end(self, *_, **__):
-            self.ticks.append(time.perf_counter())
-
-    clock = Clock()
-    clock.ticks = [time.perf_counter()]
-    conf = GRPOConfig(output_dir=str(out), per_device_train_batch_size=prompts * samples, num_generations=samples,
-                      max_completion_length=new_tokens, learning_rate=lr, lr_scheduler_type="constant",
-                      max_steps=steps, num_iterations=1, gradient_accumulation_steps=1, beta=0.0, temperature=1.0,
-                      logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
-                      bf16=False, fp16=False)  # fp32, as LoongSage trains here (CPU autocast to bf16 is slow)
-    try:
-        GRPOTrainer(model=path, reward_funcs=reward, args=conf, train_dataset=Dataset.from_list(rows),
-                    callbacks=[clock]).train()
-    except Exception as e:  # noqa: BLE001 - report and still print LoongSage's numbers
-        return f"TRL failed: {type(e).__name__}: {e}"
-    deltas = [b - a for a, b in zip(clock.ticks, clock.ticks[1:])]
-    return statistics.median(deltas[warm:] or deltas)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1204,7 +1267,7 @@ def main(argv=None) -> dict:
     p.add_argument("--engine-threads", type=int, default=1, help="router bench: the engine's torch threads")
     p.add_argument("--profile", default=None, metavar="FILE", help="router bench: write a cProfile (CPU clock) of the "
                    "measured pairs to FILE (read it with python -m pstats FILE)")
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (step: 10, async: 24, agentic: 16)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (step: 12, async: 24, agentic: 16)")
     p.add_argument("--quick", action="store_true", help="sync/step: tiny sizes, a smoke test")
     p.add_argument("--prompts", type=int, default=None, help="async, agentic: prompts per step, 8 samples each "
                    "(async: 16, agentic: 8)")

@@ -933,21 +933,26 @@ class ChatFormat:
     def check_structured(self, req, template_kwargs: dict) -> None:
         """Refuse structured output (a grammar from `text.format` / `response_format`) where it and the template
         disagree: the grammar holds from the reply's first token, so offered tools could never be called, and a
-        thinking model could not think (SGLang with a reasoning parser lets the thinking run free before the grammar
-        starts: the two engines would sample from different distributions)."""
+        thinking model could not think (`refuse_thinking`)."""
         if req.structured is None:
             return
         if req.tools and req.parse_tools:
             raise ApiError(400, f"{req.structured} (structured output) cannot be combined with tools: the grammar "
                            "holds from the first token, so the chat template's tool-call syntax could never be "
                            "written; send tool_choice 'none' or leave out the tools", param=req.structured)
-        if self.reasoning_parser and not (self.thinking_switch and template_kwargs.get(self.thinking_switch) is False):
-            how = (f"reasoning.effort 'none' (Responses), reasoning_effort 'none' (Chat Completions), or "
-                   f"chat_template_kwargs {{'{self.thinking_switch}': false}}"
-                   if self.thinking_switch else "nothing: this model's template always thinks")
-            raise ApiError(400, f"{req.structured} (structured output) on a thinking model (reasoning_parser "
-                           f"{self.reasoning_parser!r}) needs thinking off: the grammar would hold from the first "
-                           f"token, where the model thinks; turn it off with {how}", param=req.structured)
+        self.refuse_thinking(template_kwargs, f"{req.structured} (structured output)", req.structured)
+
+    def refuse_thinking(self, template_kwargs: dict, what: str, param: str) -> None:
+        """Refuse `what` (structured output, a forced tool call) unless the request's template variables turn thinking
+        off: its grammar holds from the reply's first token, where a thinking model thinks (SGLang with a reasoning
+        parser lets the thinking run free before the grammar starts: the two engines would sample differently)."""
+        switch, merged = self.thinking_switch, {**self.template_kwargs, **template_kwargs}
+        if self.reasoning_parser and not (switch and merged.get(switch) is False):
+            how = (f"reasoning_effort / reasoning.effort 'none', thinking disabled, or chat_template_kwargs "
+                   f"{{'{switch}': false}}" if switch else "nothing: it always thinks")
+            raise ApiError(400, f"{what} on a thinking model (reasoning_parser {self.reasoning_parser!r}) needs "
+                           f"thinking off: the grammar holds from the first token, where the model thinks; turn it "
+                           f"off with {how}", param=param)
 
     def call_syntax(self, tools: list[dict], kwargs: dict) -> tuple[str, str, str, str | None]:
         """How this template writes an assistant turn of tool calls, learnt by rendering one: (before, between, after,
@@ -1013,15 +1018,9 @@ class ChatFormat:
             raise ApiError(400, "tool_choice: forcing a tool call needs one of the router's tool parsers "
                            f"({', '.join(TOOL_PARSERS)}); this model has {has}; send tool_choice 'auto'",
                            param="tool_choice")
-        merged = {**self.template_kwargs, **template_kwargs}
-        if req.forced and self.reasoning_parser and not (self.thinking_switch and
-                                                         merged.get(self.thinking_switch) is False):
-            how = (f"reasoning_effort / reasoning.effort 'none', thinking disabled, or chat_template_kwargs "
-                   f"{{'{self.thinking_switch}': false}}" if self.thinking_switch else "nothing: it always thinks")
-            raise ApiError(400, f"tool_choice {'required' if len(req.forced) > 1 else repr(req.forced[0])} on a "
-                           f"thinking model (reasoning_parser {self.reasoning_parser!r}) needs thinking off: the "
-                           f"call's grammar holds from the first token, where the model thinks; turn it off with "
-                           f"{how}", param="tool_choice")
+        if req.forced:
+            choice = "required" if len(req.forced) > 1 else repr(req.forced[0])
+            self.refuse_thinking(template_kwargs, f"tool_choice {choice}", "tool_choice")
         before, between, after, separator = self.call_syntax(req.tools, template_kwargs)
 
         def schema(f: dict) -> dict:

@@ -54,7 +54,7 @@ TEACHER_BUILD_KEYS = ("tiny_model", "warmstart_steps", "warmstart_dataset", "war
                       "warmstart_label_noise", "warmstart_example", "warmstart_stop_loss", "seed")
 SOURCE_KEYS = ("name", "dataset", "weight", "eval_dataset", "reward", "agent", "teacher")
 JUDGE_KEYS = ("model_path", "url", "prompt_template", "parse", "max_new_tokens", "timeout", "max_context_len")
-JUDGE_FIELDS = ("prompt", "response", "answer")  # what a judge prompt_template may name (agentflow.judge_prompt)
+JUDGE_FIELDS = ("prompt", "response", "answer")  # what a judge prompt_template may name (data.judge_prompt)
 
 
 @dataclass

@@ -192,10 +192,7 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
     if moe and not 1 <= s["num_experts_per_tok"] <= s["num_experts"]:
         raise ValueError(f"num_experts_per_tok={s['num_experts_per_tok']} must be in [1, num_experts="
                          f"{s['num_experts']}]")
-    if not moe:
-        s = {k: v for k, v in s.items() if k not in TINY_MOE_KEYS}
-    if not deepseek:
-        s = {k: v for k, v in s.items() if k not in TINY_DEEPSEEK_KEYS}
+    s = {k: v for k, v in s.items() if (moe or k not in TINY_MOE_KEYS) and (deepseek or k not in TINY_DEEPSEEK_KEYS)}
     if s["chat_format"] == "chatml":
         del s["chat_format"]
     out = Path(out_dir)
@@ -423,12 +420,16 @@ def reasoning_gym_score(response: str, sample: dict) -> float:
 # extension points
 
 
+def task_text(sample: dict) -> str:
+    """A sample's task as one text, its last user message: what a black-box agent gets, a judge's {prompt}."""
+    users = [m.get("content", "") for m in sample.get("messages", []) if m.get("role") == "user"]
+    return str(users[-1] if users else sample.get("prompt", ""))
+
+
 def judge_prompt(template: str, sample: dict, response: str) -> str:
     """The text a judge model reads (`reward: judge`, agentflow.AgentFlow._judge): `template` with {prompt} (the
     sample's last user message), {response} (what is judged) and {answer} (the sample's reference, "" if none)."""
-    users = [m.get("content", "") for m in sample.get("messages", []) if m.get("role") == "user"]
-    prompt = str(users[-1] if users else sample.get("prompt", ""))
-    return template.format(prompt=prompt, response=response, answer=sample.get("answer", ""))
+    return template.format(prompt=task_text(sample), response=response, answer=sample.get("answer", ""))
 
 
 def judge_parser(parse: str):

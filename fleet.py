@@ -384,8 +384,7 @@ def start_rollout(cfg: Config, fleet: Fleet):
     fleet.actors = [start_engine(cfg, fleet, i) for i in range(cfg.num_engines)]
     fleet.released = [set() for _ in fleet.actors]
     fleet.judge = start_judge(cfg) if cfg.judge and not cfg.judge.get("url") else None
-    # on the controller's node, hard (Ray spills a soft affinity to other nodes even when this one fits): a lost node
-    # takes both or neither (engines' and trainers' nodes may go alone)
+    # hard on the controller's node (Ray spills a soft one): a lost node takes both or neither, unlike engines, trainers
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     fleet.flow = ray.remote(agentflow.AgentFlow).options(num_cpus=0, scheduling_strategy=here).remote(
         cfg, [e.url.remote() for e in fleet.actors], fleet.model, fleet.judge.url.remote() if fleet.judge else None)
@@ -803,10 +802,12 @@ class Logger:
     """Every step's metrics to metrics.jsonl, TensorBoard and (cfg.trackers) W&B / MLflow; the reward curve
     at the end. W&B and MLflow are imported only when a recipe asks for them."""
 
-    def __init__(self, cfg: Config, resume_step: int | None = None):
+    def __init__(self, cfg: Config, resume_step: int | None = None, start: float | None = None):
         """`resume_step`: a resumed run continues the same metrics.jsonl and TensorBoard run from that
         step; rows of later steps (logged after the checkpoint, before the crash) are dropped, as the
-        run does those steps again."""
+        run does those steps again. `start`: the run's start (time.perf_counter()), from which every row's
+        `time/wall` counts, so any step can be timed from outside the run's own timers (default: now)."""
+        self.start = time.perf_counter() if start is None else start
         self.dir = Path(cfg.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / "metrics.jsonl"
@@ -845,18 +846,19 @@ class Logger:
     def log(self, step: int, metrics: dict):
         """Scalars to every sink; lists of numbers (per-token lags) to TensorBoard histograms only."""
         hists = {k: v for k, v in metrics.items() if isinstance(v, list)}
-        metrics = {"step": step, **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
+        metrics = {"step": step, **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+                   "time/wall": time.perf_counter() - self.start}  # when the row is written: after all its work
         self.history.append(metrics)
         self.jsonl.write(json.dumps(metrics) + "\n")
         self.jsonl.flush()
-        if self.tb:
-            for k, v in metrics.items():
-                if k != "step":
-                    self.tb.add_scalar(k, v, step)
+        scalars = {k: v for k, v in metrics.items() if k != "step"}
+        if self.tb:  # one event holds every scalar: an event each (add_scalar) cost ~15 ms a row in GIL hand-offs
+            from tensorboard.compat.proto.summary_pb2 import Summary  # optional: self.tb is None without it
+            self.tb.file_writer.add_summary(Summary(value=[Summary.Value(tag=k, simple_value=v)
+                                                           for k, v in scalars.items()]), step)
             for k, v in hists.items():
                 if v:
                     self.tb.add_histogram(k, np.asarray(v), step)
-        scalars = {k: v for k, v in metrics.items() if k != "step"}
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
         if self.mlflow is not None:  # MLflow metric names allow no '@': eval/pass@4 -> eval/pass_at_4

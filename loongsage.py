@@ -72,6 +72,7 @@ def train(cfg: Config) -> list[dict]:
     """The whole system: launch actors, then per step: rollout (a producer keeps up to C prompt groups in flight
     or buffered), train on B complete groups, sync weights, eval, checkpoint. Returns every logged metrics row.
     Reads cfg, never writes it: what the run derives (the warm start, the engines) lives in `fleet`."""
+    start = time.perf_counter()  # every logged row's time/wall counts from here
     check_runtime(cfg)
     print("config:\n" + explain(cfg))
     warn_off_policy(cfg)
@@ -111,7 +112,7 @@ def train(cfg: Config) -> list[dict]:
         print(f"resumed after step {start_step - 1}")
     elif fleet.model != base and not late:
         sync_engines(cfg, fleet, flow, trainers, 0, base=True)  # the warm start: version 0 == the trainers' weights
-    logger = Logger(cfg, resume_step=start_step if state else None)
+    logger = Logger(cfg, resume_step=start_step if state else None, start=start)
 
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
     N = cfg.samples_per_prompt

@@ -119,15 +119,23 @@ def _check(resp: httpx.Response, url: str, path: str):
         return {"text": resp.text}
 
 
+_HTTP: httpx.Client | None = None  # post/get's, kept: httpx.post builds a client, an SSL context, each call (~25 ms)
+
+
+def _http() -> httpx.Client:
+    global _HTTP
+    _HTTP = _HTTP or httpx.Client()
+    return _HTTP
+
+
 def post(url: str, path: str, payload: dict | None = None, timeout: float = 60.0):
     """POST JSON to an engine; returns the parsed JSON answer, raises EngineError with the server's message."""
-    resp = httpx.post(f"{url}{path}", json=payload if payload is not None else {}, timeout=timeout)
-    return _check(resp, url, path)
+    return _check(_http().post(f"{url}{path}", json=payload if payload is not None else {}, timeout=timeout), url, path)
 
 
 def get(url: str, path: str, timeout: float = 30.0):
     """GET from an engine; returns the parsed JSON answer, raises EngineError with the server's message."""
-    return _check(httpx.get(f"{url}{path}", timeout=timeout), url, path)
+    return _check(_http().get(f"{url}{path}", timeout=timeout), url, path)
 
 
 def _generate_body(input_ids, sampling_params: dict, rid, return_logprob: bool, return_routed_experts: bool,

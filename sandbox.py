@@ -123,9 +123,9 @@ def _isolation_available() -> bool:
     return _ISOLATION
 
 
-def _cgroup(controller: str, name: str) -> Path | None:
-    """Create cgroup `name` with `controller` (v1 hierarchy /sys/fs/cgroup/<controller>, or v2
-    /sys/fs/cgroup with the controller enabled for children); None where neither is writable."""
+def _cgroup(controller: str, name: str, limit_value: int) -> Path | None:
+    """Create cgroup `name` with `controller` and its limit at `limit_value` (v1 hierarchy /sys/fs/cgroup/<controller>,
+    or v2 /sys/fs/cgroup with the controller enabled for children); None where neither is writable."""
     limit_file = {"pids": "pids.max", "memory": "memory.limit_in_bytes"}[controller]
     for base, limit in ((Path("/sys/fs/cgroup") / controller, limit_file), (Path("/sys/fs/cgroup"),
                                                                            f"{controller}.max")):
@@ -135,6 +135,7 @@ def _cgroup(controller: str, name: str) -> Path | None:
         except OSError:
             continue
         if (path / limit).exists():
+            (path / limit).write_text(str(limit_value))
             return path
         with contextlib.suppress(OSError):
             path.rmdir()
@@ -156,6 +157,20 @@ def _cgroup_kill(path: Path) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
+
+
+async def _communicate(proc, stdin: str, timeout_s: float, kill, t0: float) -> ExecResult:
+    """Feed `stdin` to `proc` and read its output; at the wall-clock limit `kill()` (SIGKILL: exit code -9) and read
+    what it wrote until then."""
+    timed_out = False
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
+    except asyncio.TimeoutError:
+        timed_out = True
+        kill()
+        out, err = await proc.communicate()
+    return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), timed_out,
+                      time.perf_counter() - t0)
 
 
 _WARNED: set[str] = set()
@@ -184,12 +199,7 @@ class LocalSandbox:
     async def create(self) -> "LocalSandbox":
         self.dir = tempfile.mkdtemp(prefix="loongsage-sbx-")
         name = Path(self.dir).name
-        pids, mem = _cgroup("pids", name), _cgroup("memory", name)
-        if pids is not None:
-            (pids / "pids.max").write_text(str(self.max_procs))
-        if mem is not None:
-            limit = "memory.limit_in_bytes" if (mem / "memory.limit_in_bytes").exists() else "memory.max"
-            (mem / limit).write_text(str(self.memory_mb * 2 ** 20))
+        pids, mem = _cgroup("pids", name, self.max_procs), _cgroup("memory", name, self.memory_mb * 2 ** 20)
         self._cgroups = [c for c in (pids, mem) if c is not None]
         isolate = _isolation_available()
         # network: cut (only asked for with network=False; black-box agents need loopback to the router)
@@ -207,12 +217,9 @@ class LocalSandbox:
             (cg / "cgroup.procs").write_text(str(os.getpid()))
         if self.contained.get("writes"):
             _isolate(self.dir, self.network)
-        resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s))
-        mem = self.memory_mb * 2 ** 20
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        fsize = self.file_mb * 2 ** 20
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        for limit, value in ((resource.RLIMIT_CPU, self.cpu_s), (resource.RLIMIT_AS, self.memory_mb * 2 ** 20),
+                             (resource.RLIMIT_FSIZE, self.file_mb * 2 ** 20), (resource.RLIMIT_CORE, 0)):
+            resource.setrlimit(limit, (value, value))
 
     def write(self, name: str, text: str) -> str:
         path = Path(self.dir) / name
@@ -236,17 +243,10 @@ class LocalSandbox:
             "bash", "-c", command, cwd=self.dir, env=self._env(env), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self._limits)
         self._pgids.add(proc.pid)  # start_new_session: the pid is the process group id
-        timed_out = False
         try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
-        except asyncio.TimeoutError:
-            timed_out = True
-            self._kill(proc.pid)
-            out, err = await proc.communicate()
+            return await _communicate(proc, stdin, timeout_s, lambda: self._kill(proc.pid), t0)
         finally:
             self._end(proc.pid)
-        return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
-                          timed_out, time.perf_counter() - t0)
 
     async def execute_warm(self, warm: "WarmPython", command: str, *, stdin: str = "", env: dict | None = None,
                            timeout_s: float = 30.0) -> ExecResult:
@@ -318,15 +318,7 @@ class DockerSandbox:
         t0 = time.perf_counter()
         proc = await asyncio.create_subprocess_exec("docker", *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                     stderr=subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
-            return ExecResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"),
-                              False, time.perf_counter() - t0)
-        except asyncio.TimeoutError:
-            proc.kill()
-            out, err = await proc.communicate()
-            return ExecResult(-9, out.decode(errors="replace"), err.decode(errors="replace"), True,
-                              time.perf_counter() - t0)
+        return await _communicate(proc, stdin, timeout_s, proc.kill, t0)
 
     def run_args(self) -> list[str]:
         """The `docker run` arguments that start this sandbox's container (after create() named it)."""

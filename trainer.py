@@ -20,7 +20,7 @@ a batch yields the same gradient on 1 data-parallel rank or N.
 
 Parallel layouts: TP, DP, PP (`Model.run` uses Megatron-Core's 1F1B schedule), EP (expert ranks kept in step with
 padding-only micro-batches), sequence parallelism, and on CUDA with TE's spec CP (`cp_positions`, outputs gathered
-back into whole sequences by `gather_sequence`); the distributed optimizer (`Optim`); recomputation (a
+back into whole sequences by `GatherSequence`); the distributed optimizer (`Optim`); recomputation (a
 TransformerConfig setting, convert.megatron_config).
 
 Test: `.venv/bin/pytest tests/test_trainer.py` (real Ray actors, real Megatron-Core over gloo; parity
@@ -33,12 +33,14 @@ EP; and an HF export of the critic (it lives in the Megatron checkpoints only).
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import math
 import os
 import random
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -130,9 +132,10 @@ def cp_positions(T: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c), torch.arange(late * c, (late + 1) * c)])
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Every CP rank's share of dim 1 (`cp_positions`) gathered into whole sequences. Every rank computes the same
-    loss, so a rank's gradient is the slice at its own positions (not a sum over ranks)."""
+class GatherSequence(torch.autograd.Function):
+    """`GatherSequence.apply(x, group)`: (B, T/cp, ...) this CP rank's share of dim 1 (`cp_positions`) -> (B, T, ...)
+    whole sequences. Every rank computes the same loss, so a rank's gradient is the slice at its own positions (not a
+    sum over ranks)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -149,11 +152,6 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad[:, ctx.mine], None  # (B, T/cp, ...)
-
-
-def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, T/cp, ...) this CP rank's share -> (B, T, ...) whole sequences, with the gradient of `_GatherSequence`."""
-    return _GatherSequence.apply(x, group)
 
 
 def decode_routed_experts(b64: str, layers: int, topk: int) -> torch.Tensor:
@@ -539,13 +537,7 @@ class Parallel:
         if cfg.trainer_threads > 0:  # see Config.trainer_threads: sync uses every core
             torch.set_num_threads(int(cfg.trainer_threads))
         tp, pp, ep = int(cfg.tensor_parallel), int(cfg.pipeline_parallel), int(cfg.expert_parallel)
-        cp = int(cfg.context_parallel)
-        if pp > 1 and ep > 1:
-            raise ValueError(f"pipeline_parallel={pp} with expert_parallel={ep} is not wired in (the padding that "
-                             "keeps expert ranks in step runs outside the pipeline schedule); use one of them")
-        if world_size % (tp * pp * cp):
-            raise ValueError(f"world_size={world_size} is not a multiple of tensor_parallel*pipeline_parallel*"
-                             f"context_parallel={tp * pp * cp}; use a world size of k*{tp * pp * cp}")
+        cp = int(cfg.context_parallel)  # the layout itself is checked at --check (config.check_pipeline, finalize)
         if self.on_cpu:
             self.device = torch.device("cpu")
         else:
@@ -620,6 +612,18 @@ class Parallel:
 # one GPTModel on this rank, and the one micro-batch loop
 
 
+PHASES = ("collate", "forward", "backward", "optimizer", "step")  # the trainer's step timeline (Model.timings)
+
+
+@contextlib.contextmanager
+def timed(clock: dict[str, list[float]], key: str):
+    """Adds the block's [wall, CPU] seconds to clock[key]; CPU is the process's, every torch thread: core-seconds."""
+    wall, core = time.perf_counter(), time.process_time()
+    yield
+    clock[key] = [a + b for a, b in zip(clock.get(key, [0.0, 0.0]), (time.perf_counter() - wall,
+                                                                      time.process_time() - core))]
+
+
 class Model:
     """One GPTModel on this rank (this pipeline stage's share), forward only until `wrap_ddp` makes it trainable:
     `load` this rank's shards of full HF-converted weights, `run` micro-batches (the one loop every pass uses),
@@ -631,6 +635,7 @@ class Model:
         self.par, self.tcfg, self.micro_batch_size = par, tcfg, int(micro_batch_size)
         self.max_tokens = int(max_tokens)  # > 0: packed micro-batches of at most this many tokens (run, _packed_output)
         self.tokens = [0, 0]  # [real tokens, tokens computed] of every forward: what padding costs (pad_frac)
+        self.clock: dict[str, list[float]] = {}  # phase -> [wall, CPU] seconds since the last `timings` (PHASES)
         self.gpt = convert.build_gpt_model(tcfg, model_kwargs, par.device, par.pre_process, par.post_process,
                                            fp32_lm_head=fp32_lm_head)
         self.module = self.gpt  # what a forward calls: the GPTModel, or Megatron's DDP around it (wrap_ddp)
@@ -652,9 +657,6 @@ class Model:
         `distributed_optimizer` (CUDA) gradients are reduce-scattered, each DP rank steps its shard, and the parameters
         are all-gathered after the step into one buffer per dtype that every parameter views."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # Megatron: late
-        if distributed_optimizer and self.par.on_cpu:
-            raise ValueError("use_distributed_optimizer=true needs CUDA (Megatron's optimizers allocate CUDA tensors); "
-                             "set use_distributed_optimizer=false on CPU")
         self.distributed_optimizer = bool(distributed_optimizer)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=self.distributed_optimizer)
@@ -825,7 +827,7 @@ class Model:
             if replay is not None:  # the indices were used in the forward; backward needs no re-routing
                 replay_routing(self.module, None)
         if par.cp_size > 1 and par.post_process:  # (B, T/cp, V/tp) -> (B, T, V/tp): what follows sees whole rows
-            output = gather_sequence(output, par.cp_group)
+            output = GatherSequence.apply(output, par.cp_group)
         return output, (B0, T0)
 
     def _packed_output(self, mb: dict[str, torch.Tensor]):
@@ -910,10 +912,11 @@ class Model:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=par.ep_group)
             count = int(t)
         mbs = []
-        for part in parts:
-            mb = collate([rows[j] for j in part], {key: [x[j] for j in part] for key, x in (extras or {}).items()},
-                         routed_shape=self.routed_shape)
-            mbs.append({k: v.to(par.device) for k, v in mb.items()})
+        with timed(self.clock, "collate"):
+            for part in parts:
+                mb = collate([rows[j] for j in part], {key: [x[j] for j in part] for key, x in (extras or {}).items()},
+                             routed_shape=self.routed_shape)
+                mbs.append({k: v.to(par.device) for k, v in mb.items()})
         kept = [None] * len(mbs)
         was_training = self.module.training
         self.module.train(backward)
@@ -921,9 +924,11 @@ class Model:
             with torch.set_grad_enabled(backward):
                 if par.pp_size == 1:
                     for i, mb in enumerate(mbs):
-                        loss, kept[i] = fn(parts[i], mb, self.forward(mb, head))
+                        with timed(self.clock, "forward"):  # and the loss
+                            loss, kept[i] = fn(parts[i], mb, self.forward(mb, head))
                         if backward:
-                            loss.backward()
+                            with timed(self.clock, "backward"):
+                                loss.backward()
                 elif mbs:  # every stage of a pipeline holds the same rows: all skip together
                     self._pipeline(parts, mbs, fn, kept, backward, head)
                 for _ in range(count - len(mbs)):  # EP: another expert rank has micro-batches more
@@ -957,11 +962,23 @@ class Model:
             forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))), model=[self.module],
             num_microbatches=len(mbs), seq_length=pad_to[1], micro_batch_size=pad_to[0], forward_only=not backward)
 
-    def logp(self, rows: list[dict]) -> list[torch.Tensor]:
-        """Per-row 1-D logp of every response token, no grad (old and reference logprobs)."""
-        kept = self.run(rows, lambda part, mb, out: (None, [out["logp"][b, :len(rows[j]["response_ids"])].cpu()
-                                                            for b, j in enumerate(part)]))
+    def per_token(self, rows: list[dict], head: str = "logp") -> list[torch.Tensor]:
+        """Per-row 1-D `head` output of every response token, no grad: "logp" (old and reference logprobs) or, of the
+        critic's model, "values" (V_old of a step)."""
+        kept = self.run(rows, lambda part, mb, out: (None, [out[head][b, :len(rows[j]["response_ids"])].cpu()
+                                                            for b, j in enumerate(part)]), head=head)
         return [row for rows_of_mb in kept for row in rows_of_mb]
+
+    def timings(self, since: tuple[float, float]) -> dict[str, float]:
+        """The PHASES of a step begun at `since` (perf_counter, process_time; the clock cleared then): wall seconds as
+        timing/trainer_<phase> and CPU seconds as perf/trainer_<phase>_core_s, the slowest rank's (so identical on
+        every rank)."""
+        self.clock["step"] = [time.perf_counter() - since[0], time.process_time() - since[1]]
+        t = torch.tensor([self.clock.get(k, [0.0, 0.0]) for k in PHASES], dtype=torch.float64, device=self.par.device)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return {**{f"timing/trainer_{k}": float(w) for k, (w, _) in zip(PHASES, t)},
+                **{f"perf/trainer_{k}_core_s": float(c) for k, (_, c) in zip(PHASES, t)}}
 
     @torch.no_grad()
     def routing_used(self, batch: list[dict]) -> list[torch.Tensor]:
@@ -1048,7 +1065,8 @@ class Optim:
     def end_minibatch(self, sums: dict[str, float], totals: dict[str, float], n_mb: int) -> None:
         """End a mini-batch: one optimizer step, then its DP-summed metric sums and grad norm into the step's means
         over `n_mb` mini-batches (`totals`, updated in place; lr is the last one's)."""
-        grad_norm, lr = self.step()
+        with timed(self.model.clock, "optimizer"):
+            grad_norm, lr = self.step()
         for k, v in {**self.model.par.dp_sum(sums), "grad_norm": grad_norm}.items():
             totals[k] = totals.get(k, 0.0) + v / n_mb
         totals["lr"] = lr
@@ -1127,12 +1145,6 @@ class Critic:
                                                 tcfg.sequence_parallel).to(par.device)
         self.model.wrap_ddp(cfg.use_distributed_optimizer)
         self.optim = Optim(self.model, cfg, float(cfg.critic_lr), name="critic")
-
-    def values(self, rows: list[dict]) -> list[torch.Tensor]:
-        """Per-row 1-D V(s_t) of every response token, no grad (the V_old of a step; also for tests)."""
-        kept = self.model.run(rows, lambda part, mb, out: (None, [out["values"][b, :len(rows[j]["response_ids"])].cpu()
-                                                                  for b, j in enumerate(part)]), head="values")
-        return [v for values_of_mb in kept for v in values_of_mb]
 
     def update(self, batch: list[dict], spans: list[range], local: list[dict], old_values: list[torch.Tensor],
                returns: list[torch.Tensor], n_mb: int) -> dict[str, float]:
@@ -1416,10 +1428,10 @@ class TrainerWorker:
         """Per-row reference logprobs for a KL term (None without one): the frozen reference model's; with LoRA the
         policy's own base, its adapters switched off for the forward (the reference LoRA keeps no copy of)."""
         if self.ref is not None:
-            return self.ref.logp(rows)
+            return self.ref.per_token(rows)
         if self.lora and self._needs_reference():
             with lora.disabled(self.policy.gpt):
-                return self.policy.logp(rows)
+                return self.policy.per_token(rows)
         return None
 
     def _models(self) -> list[Model]:
@@ -1445,7 +1457,8 @@ class TrainerWorker:
         blocks below; `step` is also the version of the weights this worker holds (one sync per step). Returns
         `train/` (and `critic/`) metrics as python floats, identical on every rank. `targets`: teacher targets
         (teacher.py's `TeacherWorker.score`), one dict per sample of `batch`, or None; they add `opd_terms`."""
-        cfg, par = self.cfg, self.par
+        cfg, par, since = self.cfg, self.par, (time.perf_counter(), time.process_time())
+        self.policy.clock.clear()  # the step's own timeline (Model.timings)
         self.onload()  # colocated: whatever the hand-off offloaded comes back before the step
         if not batch:
             raise ValueError("train_step got an empty batch; the controller must skip steps with no trajectories")
@@ -1476,10 +1489,10 @@ class TrainerWorker:
             old = [torch.tensor(s["rollout_logprobs"], dtype=torch.float) for s in local]  # behaviour = engine
         else:
             rest = [j for j in range(len(local)) if j not in first]
-            computed = dict(zip(rest, self.policy.logp([local[j] for j in rest])))
+            computed = dict(zip(rest, self.policy.per_token([local[j] for j in rest])))
             old = [computed.get(j) for j in range(len(local))]  # None: filled by mini-batch 0's forward
         ref = self._reference_logp(local)
-        values = self.critic.values(local) if self.critic is not None else None  # CRITIC: V_old(s_t) per row
+        values = self.critic.model.per_token(local, "values") if self.critic else None  # CRITIC: V_old(s_t) per row
 
         # --- 2. advantages over this rank's whole groups (every rank calls: batch norm all-reduces), one per
         #     trajectory (its last segment's row); earlier segments share their trajectory's advantage
@@ -1503,7 +1516,7 @@ class TrainerWorker:
                         "train/samples": float(n_traj), "train/rows": float(len(batch)), **critic_metrics})
         seen = par.dp_sum({"real": self.policy.tokens[0] - tokens0[0], "computed": self.policy.tokens[1] - tokens0[1]})
         metrics["train/pad_frac"] = 1.0 - seen["real"] / max(seen["computed"], 1.0)
-        return metrics
+        return {**metrics, **self.policy.timings(since)}
 
     def _advantages(self, local: list[dict], old: list, ref: list | None, values: list | None):
         """(advantage per row of `local`, the critic's value target per row or None): algos' estimator on the
@@ -1664,11 +1677,11 @@ class TrainerWorker:
         """Per response token logprobs of every sample on every rank, for parity tests and debugging; `reference`:
         the KL term's reference model's instead."""
         self.onload(["weights"])
-        return [row.tolist() for row in (self._reference_logp(batch) if reference else self.policy.logp(batch))]
+        return [row.tolist() for row in (self._reference_logp(batch) if reference else self.policy.per_token(batch))]
 
     def compute_values(self, samples: list[dict]) -> list[torch.Tensor]:
         """CRITIC: per-sample 1-D V(s_t) of every response token (for tests)."""
-        return self.critic.values(samples)
+        return self.critic.model.per_token(samples, "values")
 
     def routing_used(self, batch: list[dict]) -> list[torch.Tensor]:
         """The experts the policy's routers dispatched each token of `batch` to (Model.routing_used; R3 tests)."""

@@ -61,8 +61,7 @@ class ApiError(Exception):
 
 _OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                        503: "server_error"}
-_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                          503: "overloaded_error"}
+_ANTHROPIC_ERROR_TYPES = {**_OPENAI_ERROR_TYPES, 503: "overloaded_error"}
 
 
 def openai_error_body(e: ApiError) -> dict:
@@ -238,11 +237,8 @@ def _tool_function(name, description, parameters, where: str) -> dict:
                        f"({{'type': 'object', ...}}), got {parameters!r:.200}", param=where)
     if description is not None and not isinstance(description, str):
         raise ApiError(400, f"invalid tool schema at {where}: description must be a string", param=where)
-    fn = {"name": name}
-    if description is not None:
-        fn["description"] = description
-    fn["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
-    return fn
+    return {"name": name, **({} if description is None else {"description": description}),
+            "parameters": parameters if parameters is not None else {"type": "object", "properties": {}}}
 
 
 def anthropic_messages(system, raw) -> list[dict]:
@@ -410,11 +406,11 @@ def _check_fields(body: dict, honoured: set, inert: dict, default_only: dict, st
     return tuple(unknown)
 
 
-def _flag(body: dict, name: str) -> bool:
+def _flag(body: dict, name: str, default: bool = False) -> bool:
     v = body.get(name)
     if v is not None and not isinstance(v, bool):
         raise ApiError(400, f"'{name}' must be a boolean, got {v!r:.100}", param=name)
-    return bool(v)
+    return default if v is None else v
 
 
 def _positive_int(v, name: str) -> int | None:
@@ -574,6 +570,15 @@ def _context_edits(v, messages: list[dict], model: str) -> None:
                 m.pop("reasoning_content", None)
 
 
+def _forced(tools: list[dict] | None, name: str | None, every: bool) -> tuple:
+    """ChatRequest.forced of any API: the one tool a choice names (`name`), else with `every` (OpenAI's "required",
+    Anthropic's "any") all the tools, else none."""
+    names = tuple(t["function"]["name"] for t in tools or ())
+    if name is not None and name not in names:
+        raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return (name,) if name is not None else names if every else ()
+
+
 @dataclass
 class ChatRequest:
     """A validated chat request, whichever API it came in."""
@@ -604,16 +609,12 @@ def openai_request(body: dict, strict: bool = False) -> ChatRequest:
     choice = body.get("tool_choice", "auto")
     named = isinstance(choice, dict) and choice.get("type") == "function" and \
         isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
-    forced = (choice["function"]["name"],) if named else \
-        tuple(t["function"]["name"] for t in tools or ()) if choice == "required" else ()
     if not (named or choice in ("auto", "none", "required")):
         raise ApiError(400, f"tool_choice {choice!r:.200} must be 'auto', 'none', 'required' or "
                        "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
     if "tool_choice" in body and body["tool_choice"] is not None and not tools:
         raise ApiError(400, "'tool_choice' is only allowed when 'tools' are specified", param="tool_choice")
-    if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
-        raise ApiError(400, f"tool_choice names {choice['function']['name']!r}, which is not among the tools",
-                       param="tool_choice")
+    forced = _forced(tools, choice["function"]["name"] if named else None, choice == "required")
     stream, logprobs = _flag(body, "stream"), _flag(body, "logprobs")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
@@ -630,10 +631,10 @@ def openai_request(body: dict, strict: bool = False) -> ChatRequest:
     return ChatRequest(messages, tools, choice != "none", body.get("max_completion_tokens") or body.get("max_tokens"),
                        {**_sampling_overrides(body, temperature_max=2.0), **grammar}, stop, stream, logprobs,
                        include_usage, _template_kwargs(body.get("chat_template_kwargs")),
-                       body.get("separate_reasoning") is None or _flag(body, "separate_reasoning"),
+                       _flag(body, "separate_reasoning", True),
                        thinking=_effort(body.get("reasoning_effort"), "reasoning_effort"),
                        structured="response_format" if grammar else None, forced=forced,
-                       parallel_calls=body.get("parallel_tool_calls") is None or _flag(body, "parallel_tool_calls"),
+                       parallel_calls=_flag(body, "parallel_tool_calls", True),
                        strict=frozenset(t["function"]["name"] for t in body.get("tools") or ()
                                         if t["function"].get("strict") is True), unknown=unknown)
 
@@ -657,15 +658,11 @@ def anthropic_request(body: dict, strict: bool = False, model: str = "loongsage"
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
             raise ApiError(400, f"tool_choice {choice!r:.200} must be {{'type': 'auto' | 'any' | 'tool' | 'none'}}",
                            param="tool_choice")
-        if choice["type"] == "tool" and choice.get("name") not in {t["function"]["name"] for t in tools or ()}:
-            raise ApiError(400, f"tool_choice names {choice.get('name')!r}, which is not among the tools",
-                           param="tool_choice")
         if choice.get("disable_parallel_tool_use") not in (None, True, False):
             raise ApiError(400, f"tool_choice.disable_parallel_tool_use must be a boolean, got "
                            f"{choice['disable_parallel_tool_use']!r:.100}", param="tool_choice")
     kind = (choice or {}).get("type")
-    forced = (choice["name"],) if kind == "tool" else tuple(t["function"]["name"] for t in tools or ()) \
-        if kind == "any" else ()
+    forced = _forced(tools, (choice.get("name") or "") if kind == "tool" else None, kind == "any")
     stop = body.get("stop_sequences")
     if stop is not None and not isinstance(stop, list):
         raise ApiError(400, f"'stop_sequences' must be a list of strings, got {stop!r:.100}", param="stop_sequences")
@@ -712,11 +709,8 @@ def _finish_openai(turn: Turn) -> str:
 
 
 def _finish_anthropic(turn: Turn) -> str:
-    if turn.tool_calls:
-        return "tool_use"
-    if turn.stop_sequence is not None:
-        return "stop_sequence"
-    return "max_tokens" if turn.finish_reason == "length" else "end_turn"
+    return "tool_use" if turn.tool_calls else "stop_sequence" if turn.stop_sequence is not None else \
+        "max_tokens" if turn.finish_reason == "length" else "end_turn"
 
 
 def _openai_logprobs(chat, turn: Turn) -> dict:
@@ -1003,12 +997,11 @@ def responses_tools(raw) -> list[dict] | None:
                 raise ApiError(400, f"{where}: a custom tool takes name, description and format {{'type': 'text'}} "
                                f"here (a grammar format is not supported: the input is free text); got "
                                f"{extra or fmt!r:.200}", param=where)
-            fn = _tool_function(t.get("name"), t.get("description"), None, where)
-            fn["parameters"] = {"type": "object", "required": [CUSTOM_INPUT], "properties": {CUSTOM_INPUT: {
-                "type": "string", "description": "the tool's whole input, as free-form text"}}}
-            tools.append({"type": "function", "function": fn})
+            tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"), {
+                "type": "object", "required": [CUSTOM_INPUT], "properties": {CUSTOM_INPUT: {
+                    "type": "string", "description": "the tool's whole input, as free-form text"}}}, where)})
         elif kind == "namespace" and isinstance(t.get("tools"), list):  # Codex's group of functions: each by its name
-            tools += [f for f in responses_tools(t["tools"]) or ()]
+            tools += responses_tools(t["tools"]) or []
         elif kind not in HOSTED_TOOLS:
             raise ApiError(400, f"{where} has type {kind!r}; supported: function, custom, namespace, and the hosted "
                            f"tools {sorted(HOSTED_TOOLS)} (not shown to the model)", param=where)
@@ -1072,13 +1065,11 @@ def _responses_tool_choice(choice, tools: list[dict] | None, custom: frozenset) 
     if not (named or choice in ("auto", "none", "required")):
         raise ApiError(400, f"tool_choice {choice!r:.200} must be 'auto', 'none', 'required', {{'type': 'function', "
                        "'name': ...}} or {'type': 'custom', 'name': ...}", param="tool_choice")
-    if named:
-        names = {t["function"]["name"] for t in tools or ()}
-        if choice["name"] not in names or (choice["type"] == "custom") != (choice["name"] in custom):
-            raise ApiError(400, f"tool_choice names the {choice['type']} tool {choice['name']!r}, which is not among "
-                           "the tools", param="tool_choice")
-        return (choice["name"],)
-    return tuple(t["function"]["name"] for t in tools or ()) if choice == "required" else ()
+    if named and (choice["name"] not in {t["function"]["name"] for t in tools or ()} or
+                  (choice["type"] == "custom") != (choice["name"] in custom)):
+        raise ApiError(400, f"tool_choice names the {choice['type']} tool {choice['name']!r}, which is not among "
+                       "the tools", param="tool_choice")
+    return _forced(tools, choice["name"] if named else None, choice == "required")
 
 
 def responses_request(body: dict, previous: dict[str, list[dict]], strict: bool = False) -> ChatRequest:
@@ -1115,7 +1106,7 @@ def responses_request(body: dict, previous: dict[str, list[dict]], strict: bool 
                        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")),
                        thinking=_responses_reasoning(body.get("reasoning")), custom_tools=custom,
                        structured="text.format" if grammar else None, forced=forced,
-                       parallel_calls=body.get("parallel_tool_calls") is None or _flag(body, "parallel_tool_calls"),
+                       parallel_calls=_flag(body, "parallel_tool_calls", True),
                        # a custom tool's one string is its schema, always held; a function's where it is strict
                        strict=custom | {t["name"] for t in body.get("tools") or ()
                                         if t.get("type") == "function" and t.get("strict") is True}, unknown=unknown)
@@ -1259,20 +1250,14 @@ async def responses_stream(parts, model: str, rid: str, body: dict, custom: froz
     for item, streamed in zip(output, opened):  # the streamed items come first, in the same order
         item["id"] = streamed["id"]
     for i, item in enumerate(output[len(opened):], start=len(opened)):
-        if item["type"] == "function_call":
-            yield event("response.output_item.added", output_index=i, item={**item, "status": "in_progress",
-                                                                             "arguments": ""})
-            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                        delta=item["arguments"])
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                        arguments=item["arguments"], name=item["name"])
-            yield event("response.output_item.done", output_index=i, item=item)
-        elif item["type"] == "custom_tool_call":
-            yield event("response.output_item.added", output_index=i, item={**item, "input": ""})
-            yield event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=i,
-                        delta=item["input"])
-            yield event("response.custom_tool_call_input.done", item_id=item["id"], output_index=i,
-                        input=item["input"])
+        if item["type"] in ("function_call", "custom_tool_call"):  # a function's arguments, a custom tool's input
+            key, kind = ("arguments", "function_call_arguments") if item["type"] == "function_call" else \
+                ("input", "custom_tool_call_input")
+            yield event("response.output_item.added", output_index=i, item={**item, key: ""} | (
+                {"status": "in_progress"} if "status" in item else {}))
+            yield event(f"response.{kind}.delta", item_id=item["id"], output_index=i, delta=item[key])
+            yield event(f"response.{kind}.done", item_id=item["id"], output_index=i, **{key: item[key]},
+                        **({"name": item["name"]} if key == "arguments" else {}))
             yield event("response.output_item.done", output_index=i, item=item)
         else:  # nothing of it settled before the end (an empty message): its whole sequence now
             text = item["content"][0]["text"]

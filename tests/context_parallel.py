@@ -2,7 +2,7 @@
 
 Context parallelism needs TE's attention, which needs CUDA (config.check_fast_paths rejects it on CPU). What
 LoongSage itself writes for it is the rest: the layout of each rank's share of the sequence (trainer.cp_positions),
-the gather of the last stage's outputs (trainer.gather_sequence), the padding, the gradient sum over CP ranks. To
+the gather of the last stage's outputs (trainer.GatherSequence), the padding, the gradient sum over CP ranks. To
 test that on CPU, `use_all_gather_attention` (called inside a trainer actor) makes the CPU core attention
 context-parallel in the simplest correct way: every rank all-gathers K and V over the CP group and attends its own
 queries, at their global positions, to all of them under the causal mask (the backward of the gather sums every

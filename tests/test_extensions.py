@@ -125,7 +125,7 @@ def test_sandbox_by_dotted_path(engines, tiny_model_dir, tmp_path, monkeypatch):
         await flow.close()
         return out
     [t] = run(body())
-    task = agentflow._task_text(data.arith_samples(1, seed=2)[0])
+    task = data.task_text(data.arith_samples(1, seed=2)[0])
     assert t["response_text"] == f"boxed:{len(task.encode())}"  # the program ran, and through the user's sandbox
 
 

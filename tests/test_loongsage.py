@@ -143,6 +143,8 @@ def test_end_to_end_sync_run(sync_run):
     assert [h["weights/version"] for h in steps] == [1, 2, 3]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "eval/accuracy" in line] == [0, 1, 2]  # before step 0, then every 2 and last
+    ticks = [line["time/wall"] for line in lines]  # each row's write, from train()'s start: a step's interval holds it
+    assert all(b - a >= r["timing/step"] for a, b, r in zip(ticks, ticks[1:], lines[1:]) if "timing/step" in r)
     assert (run / "reward_curve.png").stat().st_size > 1000
     start, final = _hf_weights(sync_run.warm), _hf_weights(run / "final_hf")
     assert start.keys() == final.keys()

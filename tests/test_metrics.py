@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import struct
+import time
 
 import pytest
 
@@ -95,6 +96,30 @@ def test_every_tracker_gets_the_same_metrics(tmp_path, monkeypatch):
     assert run.data.params["tracker_project"] == "t"
     hist = client.get_metric_history(run.info.run_id, "eval/pass_at_2")  # '@' is not allowed in MLflow names
     assert [(m.step, m.value) for m in hist] == [(s, 0.25 * s) for s in range(3)]
+
+
+def test_every_row_carries_its_wall_clock_time(tmp_path):
+    """Every row, in memory and in metrics.jsonl, carries `time/wall`: seconds from the run's start to the row's
+    write, so a step can be timed from outside the run's own timers. Rows logged as train() logs them (each step's
+    own timing/step measured inside it) give intervals no shorter than the step they close, and the first row's
+    value counts from `start`, not from when the Logger opened (train() opens it after the actors start)."""
+    start = time.perf_counter()
+    time.sleep(0.05)  # the actors' start-up, before the Logger opens
+    logger = fleet.Logger(config.load_config(None, [f"output_dir={tmp_path}/run"]), start=start)
+    logger.log(0, {"eval/accuracy": 0.5})  # eval before training: a row without timing/step
+    for step in range(3):
+        t_step = time.perf_counter()
+        time.sleep(0.02 * (step + 1))  # the step's work
+        logger.log(step, {"timing/step": time.perf_counter() - t_step})
+        time.sleep(0.01)  # what follows the row (the log line, a checkpoint) belongs to the next interval
+    logger.close()
+    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["time/wall"] for r in rows] == [r["time/wall"] for r in logger.history]
+    wall = [r["time/wall"] for r in rows]
+    assert wall[0] >= 0.05 and all(b > a for a, b in zip(wall, wall[1:])), wall
+    for prev, row in zip(rows[1:], rows[2:]):  # a step's interval holds its timing/step and the 0.01 s after it
+        assert row["time/wall"] - prev["time/wall"] >= row["timing/step"] + 0.01 > 0.02, (prev, row)
+    assert time.perf_counter() - start >= wall[-1] + 0.01
 
 
 def test_unknown_or_missing_tracker_is_a_config_error():

@@ -56,6 +56,8 @@ def assert_same_step(one, two):
         if key == "train/pad_frac":  # a cost, not a number of the step: PP pads every micro-batch to one shape
             assert m2[key] >= m1[key]
             continue
+        if key.startswith("timing/") or key.endswith("_core_s"):  # seconds the step took: costs too
+            continue
         assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
     assert set(w1) == set(w2)
     for name in w1:

@@ -236,7 +236,7 @@ def test_local_sandbox_contains_fork_bomb_memory_hog_outside_writes_sleep_and_ne
 def test_local_sandbox_states_what_it_cannot_contain(monkeypatch):
     """Where neither namespaces nor cgroups are available, `contained` says so (and the command still runs)."""
     monkeypatch.setattr(sandbox, "_ISOLATION", False)
-    monkeypatch.setattr(sandbox, "_cgroup", lambda controller, name: None)
+    monkeypatch.setattr(sandbox, "_cgroup", lambda controller, name, limit_value: None)
 
     async def body():
         box = await sandbox.LocalSandbox(network=False).create()
