@@ -6,10 +6,10 @@ when .venv-vllm is absent, and only the config checks run. One server serves the
 start on 2 cores) and is stopped at its end.
 
 What it proves: token ids in and out with one raw (temperature-1) logprob per token equal to transformers' own
-log_softmax of the same weights; per-token weight versions (across an update made while a request is paused in
-place: xfail, an open race); abort by rid; the three pause modes as the controller uses them, with liveness
-(/server_info, /health) answered while paused; the update guard (no weight update without a pause); weights pushed by TransferMesh's shm
-transport through the plugin backend, after which the engine's logprobs equal the new weights'; cache flush; an
+log_softmax of the same weights; per-token weight versions (across an update made while a request is paused in place:
+xfail, an open race); abort by rid; the three pause modes as the controller uses them, with liveness (/server_info,
+/health) answered while paused; the update guard (no weight update without a pause); weights pushed by TransferMesh's
+shm transport through the plugin backend, after which the engine's logprobs equal the new weights'; cache flush; an
 unknown sampling parameter refused with a 400; --check refusing what engine=vllm does not serve.
 """
 import asyncio
