@@ -689,7 +689,8 @@ class RolloutEngine:
             self.log_path = str(log_dir / f"{engine}_engine_{rank}.log")
             if engine == "vllm":  # vllm_engine.py: its own venv; a front serves SGLang's endpoints over it
                 import vllm_engine
-                cmd, env = vllm_engine.vllm_command(cfg, host, port, seed)
+                cmd, env = vllm_engine.vllm_command(cfg, host, port)
+                cmd += server_flags(vllm_engine.vllm_options(cfg, seed))
             else:  # raw (temperature-1) logprobs, the same quantity the CPU engine and the trainer compute
                 cmd = sglang_command(cfg, host, port, seed)
                 env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "True", **os.environ}

@@ -91,11 +91,11 @@ def vllm_options(cfg, seed: int) -> dict:
     return opts
 
 
-def vllm_command(cfg, host: str, port: int, seed: int) -> tuple[list[str], dict]:
-    """The server's command line (flags as rollout.sglang_command writes them) and its environment."""
-    import rollout  # late: rollout imports this module only when an engine is vllm
+def vllm_command(cfg, host: str, port: int) -> tuple[list[str], dict]:
+    """The server's command line before its option flags (rollout.RolloutEngine appends vllm_options' as
+    rollout.server_flags writes them) and its environment."""
     cmd = [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model_path, "--host", host,
-           "--port", str(port), *rollout.server_flags(vllm_options(cfg, seed))]
+           "--port", str(port)]
     root = str(Path(__file__).resolve().parent)  # vllm_plugin.py, for the worker's import
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(int(cfg.vllm_kv_cache_gb)),
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}

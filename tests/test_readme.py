@@ -86,7 +86,8 @@ def test_the_quick_tier_is_named_and_reaches_every_module():
                 used |= {n.value.id for n in ast.walk(fn)
                          if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
     assert set(packaged) == set(MODULES), "every module at the root is in pyproject.toml's py-modules"
-    assert not set(packaged) - used, f"modules no quick test uses: {sorted(set(packaged) - used)}"
+    # vllm_plugin imports vLLM: it runs only inside vLLM's workers, in .venv-vllm (tests/test_vllm.py, its own tier)
+    assert not set(packaged) - used - {"vllm_plugin"}, f"modules no quick test uses: {sorted(set(packaged) - used)}"
 
 
 def test_every_module_is_in_the_readme_file_table_and_the_reading_path():

@@ -13,6 +13,7 @@ shm transport through the plugin backend, after which the engine's logprobs equa
 unknown sampling parameter refused with a 400; --check refusing what engine=vllm does not serve.
 """
 import asyncio
+import json
 import os
 import sys
 import threading
@@ -244,3 +245,25 @@ def test_check_refuses_what_vllm_does_not_serve(monkeypatch):
                         "transfer='disk'"), ({"tiny_model": {"head_dim": 16}}, "head_dim is 16")):
         with pytest.raises(Exception, match=words):
             config.finalize(config.Config(engine="vllm", **over))
+
+
+def test_the_launch_line_names_the_plugin_the_scale_out_api_and_positions_within_the_model(monkeypatch, tmp_path):
+    """What RolloutEngine launches for engine=vllm, without launching it: the OpenAI server module of the venv's
+    Python; token-in/token-out on (`--enable-scale-out`); the shm backend and the worker extension that registers it;
+    max_model_len = the larger of prompt + new tokens and max_context_len, capped at the model's positions; the
+    recipe's `vllm:` flags win, and a null one is left out; K/V cache space from vllm_kv_cache_gb and the checkout on
+    the worker's PYTHONPATH."""
+    monkeypatch.setenv("LOONGSAGE_VLLM_PYTHON", sys.executable)
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 96}))
+    cfg = config.Config(model_path=str(tmp_path), engine="vllm", max_prompt_len=64, max_new_tokens=16,
+                        max_context_len=72, seed=7, vllm={"enforce_eager": None, "max_num_seqs": 3}, vllm_kv_cache_gb=2)
+    cmd, env = vllm_engine.vllm_command(cfg, "127.0.0.1", 4321)
+    flags = rollout.server_flags(vllm_engine.vllm_options(cfg, 7))
+    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"] and cmd[-2:] == ["--port", "4321"]
+    line = " ".join(flags)
+    assert "--enable-scale-out" in flags and "--enforce-eager" not in flags
+    assert "--worker-extension-cls vllm_plugin.WorkerExtension" in line and '{"backend": "loongsage_shm"}' in line
+    assert "--max-model-len 80" in line and "--max-num-seqs 3" in line and "--seed 7" in line
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and str(ROOT) in env["PYTHONPATH"].split(os.pathsep)
+    cfg.max_new_tokens = 64
+    assert "--max-model-len 96" in " ".join(rollout.server_flags(vllm_engine.vllm_options(cfg, 7)))
