@@ -294,9 +294,9 @@ def router_clocks(flow, clocks) -> tuple[dict, object]:
             add("app", t0)
         return asgi
 
-    async def timed_generate(input_ids, sampling_params, rid, prefer=None, batch=""):
+    async def timed_generate(input_ids, sampling_params, rid, prefer=None, batch="", on_chunk=None):
         t0 = [c() for c in clocks]
-        answer = await real_generate(input_ids, sampling_params, rid, prefer, batch)
+        answer = await real_generate(input_ids, sampling_params, rid, prefer, batch, on_chunk=on_chunk)
         add("engine", t0)
         span["ids"], span["answer"] = (list(input_ids), answer[1]["output_ids"]), answer
         return answer
