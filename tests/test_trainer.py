@@ -72,6 +72,11 @@ def tp1(ray_session):
     ranks.close()
 
 
+def step_numbers(m: dict) -> dict:
+    """A train step's metrics less its costs (timing/trainer_*, perf/trainer_*_core_s: seconds, never equal twice)."""
+    return {k: v for k, v in m.items() if not (k.startswith("timing/") or k.endswith("_core_s"))}
+
+
 def make_batch(n_groups=4, per_group=2, seed=0, vocab=384) -> list[dict]:
     """Trajectories with varied prompt/response lengths, a tool-token span (mask 0) and 0/1 rewards."""
     rng = random.Random(seed)
@@ -426,7 +431,7 @@ def test_checkpoint_resumes_bit_exactly(tp1, tiny_model_dir, tmp_path):
     assert tp1.call("load_checkpoint", str(tmp_path / "ckpt"), sums) == [m0["train/optim_steps"]] == [2]
     [m_again] = tp1.call("train_step", batch_b, 1)
     [w_again] = tp1.call("export_hf_weights")
-    assert m_again == m_first
+    assert step_numbers(m_again) == step_numbers(m_first)
     assert_same_weights(w_again, dict(w_first))
 
 

