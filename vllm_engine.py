@@ -138,6 +138,24 @@ def _answer(choice: dict, rid: str, n_prompt: int, decode) -> dict:
                           "weight_version": spans[-1]["version"] if spans else None, "weight_versions": spans}}
 
 
+def _shm_update_info(entry, load_format, checksum) -> dict | None:
+    """vllm_plugin's update info for one TransferMesh shm bucket (its checksum verified): the /dev/shm file the worker
+    maps, and each tensor's name, dtype, shape and byte offset in it; None for an empty bucket."""
+    try:
+        named = transfermesh.read_tensor_payload(entry, load_format, checksum)
+    except ValueError as e:
+        raise Refused(str(e)) from None
+    if not named:
+        return None
+    base = named[0][1].untyped_storage()  # the sender's segment, mapped here by its /dev/shm file
+    name = base._share_filename_cpu_()[1].decode().strip("/")
+    head = os.path.getsize(f"/dev/shm/{name}") - base.nbytes()  # torch's refcount header before the bytes
+    return {"shm_file": name, "names": [n for n, _ in named],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named],
+            "offsets": [head + t.data_ptr() - base.data_ptr() for _, t in named]}
+
+
 def build_app(backend: str, tokenizer) -> FastAPI:
     """SGLang's endpoints (the contract's plain rows) served by the vLLM server at `backend`."""
     app = FastAPI(title="LoongSage front of a vLLM server")
@@ -244,21 +262,8 @@ def build_app(backend: str, tokenizer) -> FastAPI:
         if not session["open"] or not await paused():
             raise Refused("/update_weights_from_tensor runs inside /begin_weight_update ... /end_weight_update, "
                           "with the engine paused")
-        infos = []
-        for entry in body.get("serialized_named_tensors") or []:
-            try:  # the shm bucket, its checksum verified; the worker maps the same /dev/shm file
-                named = transfermesh.read_tensor_payload(entry, body.get("load_format"), body.get("checksum"))
-            except ValueError as e:
-                raise Refused(str(e)) from None
-            if not named:
-                continue
-            base = named[0][1].untyped_storage()  # the sender's segment, mapped here by its /dev/shm file
-            name = base._share_filename_cpu_()[1].decode().strip("/")
-            head = os.path.getsize(f"/dev/shm/{name}") - base.nbytes()  # torch's refcount header before the bytes
-            infos.append({"shm_file": name, "names": [n for n, _ in named],
-                          "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in named],
-                          "shapes": [list(t.shape) for _, t in named],
-                          "offsets": [head + t.data_ptr() - base.data_ptr() for _, t in named]})
+        infos = [info for entry in body.get("serialized_named_tensors") or []
+                 if (info := _shm_update_info(entry, body.get("load_format"), body.get("checksum")))]
         if infos:
             await call("POST", "/update_weights", json={"update_info": infos[0]})  # one worker: TP 1
         if body.get("weight_version") is not None:
