@@ -92,25 +92,29 @@ def test_calc_warm_start_first_turn_is_a_well_formed_tool_call(tmp_path, monkeyp
 
 def test_recipes_script_judges_each_recipe_by_its_bar():
     """scripts/recipes.py's verdict, on made-up runs: every seed must rise by the recipe's bar (0.3 arith/calc,
-    0.2 black-box and think), calc must also call the tool in >= 90% of step-0 samples; spread and smallest rise by
-    hand."""
+    0.2 black-box and think) within the recipe's minutes (5 arith), calc must also call the tool in >= 90% of step-0
+    samples; spread, smallest rise and the eval's noise (the final weights' two evals apart) by hand."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("recipes_script", ROOT / "scripts" / "recipes.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
 
-    def run(recipe, start, end, tool=None):
-        return {"recipe": recipe, "seed": 0, "start": start, "end": end, "tool_call_frac": tool, "minutes": 3.0,
-                "load_before": 1.0, "load_after": 1.0}
-    s = script.summarize("arith_cpu", [run("arith_cpu", 0.4, 0.75), run("arith_cpu", 0.35, 0.8)])
+    def run(recipe, start, end, tool=None, minutes=3.0, again=None):
+        return {"recipe": recipe, "seed": 0, "start": start, "end": end, "tool_call_frac": tool, "minutes": minutes,
+                "load_before": 1.0, "load_after": 1.0, "end_again": end if again is None else again}
+    s = script.summarize("arith_cpu", [run("arith_cpu", 0.4, 0.75, again=0.72), run("arith_cpu", 0.35, 0.8)])
     assert s["ok"] and s["min_rise"] == pytest.approx(0.35) and s["end_spread"] == pytest.approx(0.05)
+    assert s["max_noise"] == pytest.approx(0.03)
+    assert not script.summarize("arith_cpu", [run("arith_cpu", 0.4, 0.75, minutes=5.5)])["ok"]  # over 5 minutes
     assert not script.summarize("arith_cpu", [run("arith_cpu", 0.4, 0.75), run("arith_cpu", 0.4, 0.65)])["ok"]
     assert script.summarize("blackbox_cpu", [run("blackbox_cpu", 0.4, 0.62)])["ok"]  # 0.22 >= 0.2
     assert not script.summarize("think_cpu", [run("think_cpu", 0.4, 0.59)])["ok"]  # 0.19 < 0.2
     assert script.summarize("calc_cpu", [run("calc_cpu", 0.3, 0.7, tool=0.95)])["ok"]
     assert not script.summarize("calc_cpu", [run("calc_cpu", 0.3, 0.7, tool=0.85)])["ok"]  # protocol not followed
-    table = script.table([run("calc_cpu", 0.3, 0.7, tool=0.95)], [script.summarize("calc_cpu", [run("calc_cpu", 0.3, 0.7, tool=0.95)])])
-    assert "| calc_cpu | 0 | 0.300 -> 0.700 | +0.400 | 0.95 | 3.0 |" in table and table.rstrip().endswith("yes |")
+    calc = [run("calc_cpu", 0.3, 0.7, tool=0.95, again=0.66)]
+    table = script.table(calc, [script.summarize("calc_cpu", calc)])
+    assert "| calc_cpu | 0 | 0.300 -> 0.700 | +0.400 | +0.100 (0.040) | 0.95 | 3.0 |" in table
+    assert table.rstrip().endswith("yes |")
 
 
 @pytest.mark.slow
