@@ -8,10 +8,11 @@ named as SGLang 0.5.23 names them (`--tool-call-parser`, `--reasoning-parser`):
     tool_parser       hermes | qwen25 (alias qwen) | llama3 | mistral | deepseekv3
     reasoning_parser  qwen3 | deepseek-r1
 
-Each parser is a plain function: `parse_<name>(text, tools) -> (content, tool_calls)` and
-`reason_<name>(text) -> (reasoning, content)`, with `tools` the request's OpenAI tool list. They follow SGLang's
-detectors (`sglang/srt/function_call/*_detector.py`, `detect_and_parse`; `sglang/srt/parser/reasoning_parser.py`)
-on the same text, and depart from them only where the router needs a call it can hand to both APIs:
+Each tool parser is a plain function, `parse_<name>(text, tools) -> (content, tool_calls)` with `tools` the
+request's OpenAI tool list; the reasoning parsers are `parse_reasoning(name, text) -> (reasoning, content)`. They
+follow SGLang's detectors (`sglang/srt/function_call/*_detector.py`, `detect_and_parse`;
+`sglang/srt/parser/reasoning_parser.py`) on the same text, and depart from them only where the router needs a call
+it can hand to both APIs:
 * arguments must be a JSON object (or a string holding one); anything else makes the whole text plain content with
   no calls, as SGLang does when a block fails to parse;
 * a call gets an id of its family's shape: Mistral's templates take 9 alphanumeric characters (and the model writes
@@ -726,39 +727,23 @@ def parse_tool_calls(parser: str, text: str, tools) -> tuple[str, list[dict]]:
 # reasoning parsers: text -> (reasoning, content). "" reasoning: the model did not think.
 
 
-def _split_thinking(text: str, forced: bool, tool_start: str | None) -> tuple[str, str]:
-    """SGLang's BaseReasoningFormatDetector.detect_and_parse: inside thinking from the start when `forced` (the
-    generation prompt opened it) or when <think> appears; leading <think> tags stripped; thinking ends at the first
-    </think>. Unclosed: all of it is thinking (the turn was cut), unless `tool_start` opens a tool call first."""
-    if not forced and "<think>" not in text:
+def parse_reasoning(parser: str, text: str) -> tuple[str, str]:
+    """SGLang's BaseReasoningFormatDetector.detect_and_parse for `parser` (REASONING_PARSERS). qwen3 (SGLang
+    Qwen3Detector): the model writes <think>...</think> itself, or not at all (enable_thinking=false). deepseek-r1
+    (SGLang DeepSeekR1Detector): the generation prompt opens the thinking, so everything up to </think> is thinking,
+    with or without a <think> the model repeats. Leading <think> tags are stripped; thinking ends at the first
+    </think>. Unclosed: all of it is thinking (the turn was cut), except where qwen3's meets a <tool_call>."""
+    if parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser {parser!r} is not one of {REASONING_PARSERS}")
+    if parser == "qwen3" and "<think>" not in text:
         return "", text
     while text.startswith("<think>"):
         text = text[len("<think>"):]
     if "</think>" not in text:
-        cut = text.find(tool_start) if tool_start else -1
+        cut = text.find("<tool_call>") if parser == "qwen3" else -1
         return (text[:cut], text[cut:]) if cut != -1 else (text, "")
     reasoning, content = text.split("</think>", 1)
     return reasoning, content
-
-
-def reason_qwen3(text: str) -> tuple[str, str]:
-    """Qwen3: the model writes <think>...</think> itself (or not at all, enable_thinking=false); an unclosed
-    thinking ends at a <tool_call>. (SGLang Qwen3Detector)"""
-    return _split_thinking(text, forced=False, tool_start="<tool_call>")
-
-
-def reason_deepseek_r1(text: str) -> tuple[str, str]:
-    """DeepSeek-R1: the generation prompt opens the thinking, so everything up to </think> is thinking, with or
-    without a <think> the model repeats. (SGLang DeepSeekR1Detector)"""
-    return _split_thinking(text, forced=True, tool_start=None)
-
-
-def parse_reasoning(parser: str, text: str) -> tuple[str, str]:
-    """Dispatch on the parser's name (REASONING_PARSERS)."""
-    reason = {"qwen3": reason_qwen3, "deepseek-r1": reason_deepseek_r1}.get(parser)
-    if reason is None:
-        raise ValueError(f"reasoning_parser {parser!r} is not one of {REASONING_PARSERS}")
-    return reason(text)
 
 
 # ----------------------------------------------------------------------------------------------

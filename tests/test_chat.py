@@ -122,14 +122,14 @@ def test_llama3_mistral_deepseekv3_parse_their_calls():
 
 
 def test_reasoning_parsers_split_thinking_as_sglang():
-    assert chat.reason_qwen3("<think>\nadd\n</think>\n\n19") == ("\nadd\n", "\n\n19")
-    assert chat.reason_qwen3("19") == ("", "19")  # no <think>: no thinking (enable_thinking=false)
-    assert chat.reason_qwen3("<think>cut short") == ("cut short", "")  # unclosed: all thinking
-    assert chat.reason_qwen3("<think>hm<tool_call>x") == ("hm", "<tool_call>x")  # a tool call ends it
+    assert chat.parse_reasoning("qwen3", "<think>\nadd\n</think>\n\n19") == ("\nadd\n", "\n\n19")
+    assert chat.parse_reasoning("qwen3", "19") == ("", "19")  # no <think>: no thinking (enable_thinking=false)
+    assert chat.parse_reasoning("qwen3", "<think>cut short") == ("cut short", "")  # unclosed: all thinking
+    assert chat.parse_reasoning("qwen3", "<think>hm<tool_call>x") == ("hm", "<tool_call>x")  # a tool call ends it
     # deepseek-r1: the generation prompt opened <think>, so text before </think> is thinking, with or without a tag
-    assert chat.reason_deepseek_r1("add</think>19") == ("add", "19")
-    assert chat.reason_deepseek_r1("<think>add</think>19") == ("add", "19")
-    assert chat.reason_deepseek_r1("still thinking") == ("still thinking", "")
+    assert chat.parse_reasoning("deepseek-r1", "add</think>19") == ("add", "19")
+    assert chat.parse_reasoning("deepseek-r1", "<think>add</think>19") == ("add", "19")
+    assert chat.parse_reasoning("deepseek-r1", "still thinking") == ("still thinking", "")
     with pytest.raises(ValueError, match="reasoning_parser 'qwen4'"):
         chat.parse_reasoning("qwen4", "x")
 
