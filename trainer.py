@@ -878,11 +878,6 @@ class Model:
             out["logits"] = resp_logits
         return out
 
-    def forward(self, mb: dict[str, torch.Tensor], head: str = "logp") -> dict:
-        """`head` of one micro-batch through one whole model (PP=1); pipeline stages go through `run`."""
-        output, shape = self.output(mb)
-        return self.head(head, mb, output, shape)
-
     def run(self, rows: list[dict], fn, extras: dict[str, list[torch.Tensor]] | None = None,
             backward: bool = False, head: str = "logp") -> list:
         """The micro-batch loop of every pass (RL, SFT, distillation, critic, logprobs, teachers).
@@ -925,14 +920,15 @@ class Model:
                 if par.pp_size == 1:
                     for i, mb in enumerate(mbs):
                         with timed(self.clock, "forward"):  # and the loss
-                            loss, kept[i] = fn(parts[i], mb, self.forward(mb, head))
+                            loss, kept[i] = fn(parts[i], mb, self.head(head, mb, *self.output(mb)))
                         if backward:
                             with timed(self.clock, "backward"):
                                 loss.backward()
                 elif mbs:  # every stage of a pipeline holds the same rows: all skip together
                     self._pipeline(parts, mbs, fn, kept, backward, head)
                 for _ in range(count - len(mbs)):  # EP: another expert rank has micro-batches more
-                    out = self.forward(collate([]), head)  # (0, 1): no rows of this rank's own
+                    empty = collate([])  # (0, 1): no rows of this rank's own
+                    out = self.head(head, empty, *self.output(empty))
                     if backward:
                         (next(iter(out.values())).sum() * 0.0).backward()
         finally:
@@ -994,7 +990,7 @@ class Model:
         self.module.eval()
         try:
             mb = collate(batch, routed_shape=self.routed_shape)
-            self.forward(mb)
+            self.output(mb)
         finally:
             for h in hooks:
                 h.remove()
@@ -1598,8 +1594,7 @@ class TrainerWorker:
         """Step 4: the train-inference gap of the rows in `before_update` (logp under the step's starting weights)
         against the engine's logprobs, DP-reduced. gap: on tokens sampled by these very weights (version == step);
         off-policy: every token, so in async it also holds the policy's drift."""
-        gap_local: dict[str, float] = {}
-        off_local: dict[str, float] = {}  # both token-weighted sums (gap_sums) of this rank's rows
+        gap_local, off_local = {}, {}  # both token-weighted sums (gap_sums) of this rank's rows
         if before_update:
             rows = sorted(before_update)
             lb = collate([local[j] for j in rows], {"logp": [before_update[j] for j in rows]})
