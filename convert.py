@@ -259,12 +259,7 @@ def megatron_config(hf: dict, cfg, cpu: bool):
     # exact for sequences shorter than the window, which RL rollouts on these models usually are.
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf.get('hidden_act')!r} is not supported; only SwiGLU (silu) MLPs are")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype)
-    if dtype is None:
-        raise ValueError(f"dtype={cfg.dtype!r} is not supported; use 'float32' or 'bfloat16'")
-    if cpu and dtype != torch.float32:
-        raise ValueError(f"dtype={cfg.dtype!r} needs CUDA (Megatron's mixed-precision optimizer keeps fp32 "
-                         "master weights); on CPU use dtype=float32")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]  # bfloat16 on CUDA only: config.finalize
     base = dict(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
         num_query_groups=kv_heads, ffn_hidden_size=hf["intermediate_size"],
@@ -289,21 +284,14 @@ def megatron_config(hf: dict, cfg, cpu: bool):
     )
     if mt == "deepseek_v3":
         base.update(_deepseek_settings(hf))  # MLA heads, RoPE and MoE in place of the fields above
-    if int(cfg.pipeline_parallel) > 1:
-        if hf.get("tie_word_embeddings", False):
-            raise ValueError("pipeline_parallel > 1 with tie_word_embeddings=true is not supported (the first and the "
-                             "last stage would each hold the shared matrix); use pipeline_parallel=1 for this model")
-        if hf["num_hidden_layers"] % int(cfg.pipeline_parallel):
-            raise ValueError(f"pipeline_parallel={cfg.pipeline_parallel} does not divide num_hidden_layers="
-                             f"{hf['num_hidden_layers']}; choose a divisor")
-        # Stages exchange activations of one fixed (T, B, H) shape per schedule run (_forward_backward pads every
-        # micro-batch to it), through plain isend/irecv pairs (gloo has no batched p2p). Not variable_seq_lengths:
-        # Megatron refuses it with the allgather token dispatcher, and its alltoall dispatcher makes a CUDA stream.
+    if int(cfg.pipeline_parallel) > 1:  # the layouts it cannot split are refused by config.check_pipeline
+        # Stages exchange activations of one fixed (T, B, H) shape per schedule run (trainer.Model._pipeline pads
+        # every micro-batch to it), through plain isend/irecv pairs (gloo has no batched p2p). Not
+        # variable_seq_lengths: Megatron refuses it with the allgather token dispatcher, and its alltoall dispatcher
+        # makes a CUDA stream.
         base.update(batch_p2p_comm=False)
-    if cfg.router_replay:
-        if not _is_moe(hf):
-            raise ValueError(f"router_replay=true needs an MoE model; {mt} has no router. Set router_replay=false")
-        base["moe_enable_routing_replay"] = True  # each TopKRouter gets a RouterReplay (see replay_routing)
+    if cfg.router_replay:  # an MoE model's (config.check_models): each TopKRouter gets a RouterReplay (replay_routing)
+        base["moe_enable_routing_replay"] = True
     if cfg.recompute == "full":  # keep each layer's input, run the layer again in the backward
         base.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif cfg.recompute == "selective":  # recompute the core attention only (Megatron's default recompute_modules)
@@ -467,13 +455,10 @@ def _router_name(hf: dict, layer: int) -> str:
     return f"model.layers.{layer}.mlp.gate.weight"
 
 
-def _is_moe(hf: dict) -> bool:
-    return hf["model_type"] in ("qwen3_moe", "mixtral", "deepseek_v3")
-
-
 def _moe_layer(hf: dict, layer: int) -> bool:
     """Whether `layer` routes over experts (DeepSeek-V3's first first_k_dense_replace layers are dense)."""
-    return _is_moe(hf) and layer >= int(hf.get("first_k_dense_replace") or 0)
+    dense = int(hf.get("first_k_dense_replace") or 0)
+    return hf["model_type"] in ("qwen3_moe", "mixtral", "deepseek_v3") and layer >= dense
 
 
 def _num_experts(hf: dict) -> int:
