@@ -262,14 +262,6 @@ class TeacherWorker:
 
     # --- scoring ---------------------------------------------------------------------------------------
 
-    def _whole_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """This rank's (..., V/tp) logits as whole rows (..., V), for the (few) ensemble tokens' mixtures."""
-        if self.par.tp_size == 1:
-            return logits
-        parts = [torch.empty_like(logits) for _ in range(self.par.tp_size)]
-        torch.distributed.all_gather(parts, logits.contiguous(), group=self.par.tp_group)
-        return torch.cat(parts, -1)  # (..., V)
-
     def _topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(n, V/tp) this rank's logits of n tokens -> the whole vocabulary's (n, k) top-k log-probs and ids, a chunk of
         rows at a time (CHUNK_FLOATS): no full-vocabulary log-softmax, and under TP only each shard's top k and
@@ -292,6 +284,8 @@ class TeacherWorker:
     def score(self, batch: list[dict]):
         """(targets, metrics): one target dict per trajectory of `batch` (rank 0; None elsewhere), and
         `teacher/` metrics. Teachers run one after the other, each on the samples it teaches."""
+        # Megatron: late; the (few) ensemble tokens' mixtures need whole (n, V) rows of the (n, V/tp) logits
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region as whole_vocab
         t0, swaps0 = time.perf_counter(), self.swaps
         J, K = len(self.names), int(self.cfg.teacher_topk)
         routes = [token_routes(traj, self.names, self.route_fn) for traj in batch]  # (R_i, J) each
@@ -333,7 +327,7 @@ class TeacherWorker:
                     out[i]["teacher_topk_ids"][whole] = topi[b, :r][whole].cpu()
                     if some.any():  # routes are the same on every rank: all TP ranks gather these rows, or none
                         rows = (W.sum(1) > 0) & (W.max(1).values < 1)  # (r,) every ensemble token of sample i
-                        whole_rows = self._whole_vocab(logits[b, :r][rows]).float()  # (n_mix, V) these tokens only
+                        whole_rows = whole_vocab(logits[b, :r][rows], group=self.par.tp_group).float()  # (n_mix, V)
                         mixed.setdefault(i, {})[name] = torch.log_softmax(whole_rows, -1).cpu()
                     if hidden:
                         out[i]["teacher_hidden"][name] = h[b, :r].cpu()
