@@ -33,6 +33,7 @@ compact `[TOOL_CALLS]name[ARGS]{...}` tokens as special tokens of a tiny tokeniz
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import json
 import logging
@@ -563,23 +564,19 @@ def parse_llama3(text: str, tools) -> tuple[str, list[dict]]:
     normal, action = text.split(tag, 1) if tag in text else ("", text)
     decoder, idx, safe, found = json.JSONDecoder(), 0, 0, []
     while idx < len(action):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             obj, end = decoder.raw_decode(action[idx:])
             found.append(obj)
             idx = safe = idx + end + 1  # past the object and its ";" separator
             continue
-        except json.JSONDecodeError:
-            pass
         close = _brace_end(action, idx)
         if close > idx:  # a Python dict literal ({'name': ...}) as Llama models sometimes write
-            try:
+            with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
                 obj = ast.literal_eval(action[idx:close].strip())
                 if isinstance(obj, dict):
                     found.append(obj)
                     idx = safe = close + 1
                     continue
-            except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
-                pass
         nxt = action.find('{"name":', idx + 1)
         if nxt == -1:
             break

@@ -399,11 +399,9 @@ def _fan_out(named_tensors, pushes, bucket_bytes, config_dir, version) -> list[t
         for item in itertools.chain(named_tensors, [end]):
             for q, fut in zip(queues, futs):
                 while not fut.done():  # a push that failed reads no more: its error surfaces below
-                    try:
+                    with contextlib.suppress(queue.Full):
                         q.put(item, timeout=1)
                         break
-                    except queue.Full:
-                        pass
         return [f.result() for f in futs]
 
 
@@ -582,10 +580,8 @@ def _destroy_broadcast_groups() -> None:
     for engines in list(_BROADCAST_GROUPS):
         name, group = _BROADCAST_GROUPS.pop(engines)
         for url, _ in engines:
-            try:
+            with contextlib.suppress(RuntimeError, httpx.HTTPError):  # a dead engine took its side of the group
                 _post(url, "/destroy_weights_update_group", {"group_name": name})
-            except (RuntimeError, httpx.HTTPError):
-                pass  # a dead engine took its side of the group with it
         dist.destroy_process_group(group)  # registered by name (new_sglang_group): the name is free again
 
 
@@ -695,11 +691,8 @@ def rss_bytes() -> int:
 def reset_peak_rss() -> None:
     """Start this process's peak resident memory (VmHWM) afresh from its current RSS: Linux resets it when 5 is
     written to /proc/self/clear_refs (no-op where that file is not writable)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def peak_rss_bytes() -> int:
@@ -715,10 +708,8 @@ def peak_rss_bytes() -> int:
 def trim_freed_memory() -> None:
     """Return freed heap pages to the OS (glibc's malloc_trim): tensors of a few MB come from malloc's arenas,
     and without a trim their pages stay in this process after a free, so the colocated peer would not get them."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the allocator decides
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: the allocator decides
 
 
 # ----------------------------------------------------------------------------------------------
