@@ -428,10 +428,7 @@ def load_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}; save the HF model with safe_serialization=True")
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+    return {name: t for f in files for name, t in load_file(str(f)).items()}
 
 
 def _dims(hf: dict) -> tuple[int, int, int]:

@@ -466,10 +466,7 @@ def import_object(dotted: str):
     """`"recipes.calc.agent"` or `"mypkg.mod:agent"` -> the object. The one resolver of every extension point
     (docs/EXTENDING.md): the module may live anywhere on sys.path / PYTHONPATH, outside this repo too.
     After a ':' the rest is an attribute path (`mod:Class.method`)."""
-    if ":" in dotted:
-        module, _, name = dotted.partition(":")
-    else:
-        module, _, name = dotted.rpartition(".")
+    module, _, name = dotted.partition(":") if ":" in dotted else dotted.rpartition(".")
     if not module or not name:
         raise ValueError(f"{dotted!r} is not a dotted path like 'data.exact_match' or 'mypkg.rewards:score'")
     try:

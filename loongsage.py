@@ -501,9 +501,7 @@ def drop_empty_groups(trajs: list[dict]) -> tuple[list[dict], int, str]:
 
 def dump(trajs: list[dict], path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for t in trajs:
-            f.write(json.dumps(t) + "\n")
+    path.write_text("".join(json.dumps(t) + "\n" for t in trajs))
 
 
 # ================================================================================================
