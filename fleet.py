@@ -47,7 +47,7 @@ import lora
 import teacher
 import trainer  # cheap: Megatron loads inside the trainer actors, not here
 import transfermesh
-from config import Config, teacher_spec
+from config import TEACHER_BUILD_KEYS, Config, teacher_spec
 
 
 # ================================================================================================
@@ -81,8 +81,7 @@ def base_model(cfg: Config) -> str:
 def warm_start_dir(cfg: Config, base: str) -> Path:
     """Where the warm start of checkpoint `base` with cfg's SFT settings is cached (prepare_model writes it):
     named by the base checkpoint's fingerprint and the SFT settings."""
-    keys = ("warmstart_steps", "warmstart_dataset", "warmstart_batch_size", "warmstart_lr",
-            "warmstart_label_noise", "warmstart_example", "warmstart_stop_loss", "seed")
+    keys = [k for k in TEACHER_BUILD_KEYS if k != "tiny_model"]  # the SFT's own: the tiny model is in `base`
     settings = {k: getattr(cfg, k) for k in keys} | {"base": checkpoint_fingerprint(base)}
     return data.default_cache_dir() / f"{Path(base).name}-sft-{data.settings_hash(settings)}"
 
@@ -543,32 +542,20 @@ def check_engines(cfg: Config, fleet: Fleet, flow, trainers=None, version: int =
     return dead
 
 
-def _post_each(urls: list[str], path: str, payload: dict, timeout: float) -> None:
-    """POST to every engine, even past one that fails; then raise the first failure (a dead engine's among them)."""
-    import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
-    errors = []
-    for url in urls:
-        try:
-            rollout.post(url, path, payload, timeout=timeout)
-        except (rollout.EngineError, httpx.HTTPError) as e:
-            errors.append(e)
-    if errors:
-        raise errors[0]
-
-
-def _flush_caches(urls: list[str], timeout: float) -> None:
-    """/flush_cache on every engine, again on each that answers 400 until `timeout` (weight_sync_timeout) has passed:
+def _post_each(urls: list[str], path: str, payload: dict, timeout: float, busy_retry: bool = False) -> None:
+    """POST to every engine, even past one that fails; then raise the first failure (a dead engine's among them).
+    `busy_retry` (/flush_cache): again to each that answers 400 until `timeout` (weight_sync_timeout) has passed:
     SGLang flushes only when idle, and a request whose grammar is still compiling keeps it busy even while paused
-    (scheduler.is_fully_idle counts the grammar queue). Then raises the first failure, as _post_each."""
+    (scheduler.is_fully_idle counts the grammar queue)."""
     import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need
     deadline, errors = time.monotonic() + timeout, []
     while urls:
         refused = []
         for url in urls:
             try:
-                rollout.post(url, "/flush_cache", {}, timeout=timeout)
+                rollout.post(url, path, payload, timeout=timeout)
             except rollout.EngineError as e:
-                if rollout.http_status(e) != 400:
+                if not busy_retry or rollout.http_status(e) != 400:
                     errors.append(e)
                 elif time.monotonic() < deadline:
                     refused.append(url)
@@ -587,7 +574,7 @@ def update_engines(cfg: Config, fleet: Fleet, urls: list[str], push):
     """`push()` (a weight push to `urls`) with the engines paused, so no forward step sees half-updated weights;
     returns what it returns. No K/V outlives the weights that computed it: the engines pause with "retract"
     (running requests give their K/V back and wait, keeping their tokens), the cache is flushed after the push
-    (SGLang flushes only when idle: _flush_caches retries), and on continue every request in flight is prefilled
+    (SGLang flushes only when idle: _post_each retries), and on continue every request in flight is prefilled
     again under the new weights. Mid-way through the colocated hand-off the engines stay paused (colocate_hand_off
     continues). A push that fails (an engine died or stalled in it) may have loaded part of the weights: the engines
     stay paused, so no token is computed on mixed weights, until sync_engines pushes again to the live ones or the
@@ -596,7 +583,7 @@ def update_engines(cfg: Config, fleet: Fleet, urls: list[str], push):
     out = push()
     # an engine that released its KV cache flushed it then and computed nothing since
     kv = [u for u in urls if "kv_cache" not in fleet.released[fleet.urls.index(u)]] if fleet.released else urls
-    _flush_caches(kv, cfg.weight_sync_timeout)
+    _post_each(kv, "/flush_cache", {}, cfg.weight_sync_timeout, busy_retry=True)
     if not fleet.hand_off:
         _post_each(urls, "/continue_generation", {}, cfg.weight_sync_timeout)
     return out
@@ -693,8 +680,7 @@ def colocate_hand_off(cfg: Config, fleet: Fleet, flow, trainers, stage: str) -> 
     if "gpu_used_bytes" in mem[0]:  # the whole device: read again now the engines' half of the stage is done too
         used = wait([trainers[0].memory.remote()], "trainer memory", cfg.actor_timeout)[0]
         out[f"memory/{stage}_gpu_used_mb"] = used["gpu_used_bytes"] / 2**20
-    rss = [s["rss_bytes"] for s in engine_states(fleet.urls) if "rss_bytes" in s]  # the CPU engine reports it
-    if rss:
+    if rss := [s["rss_bytes"] for s in engine_states(fleet.urls) if "rss_bytes" in s]:  # the CPU engine reports it
         out[f"memory/{stage}_engine_mb"] = max(rss) / 2**20
     return out
 
