@@ -716,11 +716,9 @@ def _finish_anthropic(turn: Turn) -> str:
 def _openai_logprobs(chat, turn: Turn) -> dict:
     """Per-token logprobs of the sampled tokens (no top_logprobs: the engine returns only the sampled one). `chat`:
     chat.ChatFormat, whose decode gives each token's text (left unannotated: chat.py imports this module)."""
-    content = []
-    for tid, lp in zip(turn.output_ids, turn.logprobs):
-        text = chat.decode([tid], skip_special_tokens=False)
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
-    return {"content": content, "refusal": None}
+    texts = [chat.decode([tid], skip_special_tokens=False) for tid in turn.output_ids]
+    return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+                        for text, lp in zip(texts, turn.logprobs)], "refusal": None}
 
 
 def _openai_usage(turn: Turn) -> dict:
