@@ -251,10 +251,10 @@ def reserve(cfg: Config) -> Fleet:
         else:  # logical CPUs: actors are mostly waiting on each other; torch threads are set per actor
             need = cfg.trainer_workers * cfg.cpus_per_trainer + cfg.num_engines * cfg.cpus_per_engine + 1
             need += cfg.teacher_tp * cfg.cpus_per_teacher if cfg.teachers and cfg.teacher_placement == "own" else 0
-            # address="local": always a Ray of its own. Without it, ray.init joins a cluster another run on
-            # this machine advertises (/tmp/ray/ray_current_cluster), and then refuses num_cpus.
-            ray.init(address="local", num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=True, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+            # address="local": a Ray of its own (else ray.init joins a cluster another run here advertises, then refuses
+            # num_cpus). Workers inherit this env: with a runtime_env each actor waited ~2 s for a worker of its own
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            ray.init(address="local", num_cpus=max(int(math.ceil(need)), os.cpu_count() or 1), include_dashboard=False)
     plan = placement(cfg)
     fleet = Fleet(placement_group(plan["bundles"], strategy="PACK"), plan, [])
     _live.append(fleet)  # from here on stop() frees the bundles, however the run ends (stop_on_exit)
