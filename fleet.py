@@ -516,8 +516,10 @@ def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: i
     # names the current adapter (version 0's too, after a warm start), which this engine must have
     if version > 0 or cfg.lora_rank:
         remote = [url] if off_node(fleet, [old]) else []  # the same bundle, so the same node as its predecessor
+        transfermesh.pause_engines([url])  # idle, yet an update comes paused (engine=vllm refuses it unpaused)
         wait([t.sync_weights.remote([url], version, remote=remote) for t in trainers],
              f"weight sync to re-created engine {i}", cfg.weight_sync_timeout, "weight_sync_timeout")
+        transfermesh.continue_engines([url])
     fleet.released[i] = set()
     if fleet.hand_off:  # mid-way through the colocated hand-off: paused and released as the others are
         import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need

@@ -701,7 +701,7 @@ class RolloutEngine:
             else:  # raw (temperature-1) logprobs, the same quantity the CPU engine and the trainer compute
                 cmd = sglang_command(cfg, host, port, seed)
                 env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "True", **os.environ}
-            with open(self.log_path, "w") as log:
+            with open(self.log_path, "a") as log:  # "a": a re-created engine keeps its predecessor's log
                 log.write(" ".join(cmd) + "\n")
                 log.flush()
                 if gpu_ids:
