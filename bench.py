@@ -4,24 +4,25 @@ Speed targets live here, never in timed tests, because the machines these run on
 measured back to back in one run is far steadier than an absolute number.
 
     python bench.py rollout [--batch 64 --new-tokens 64 --prompt-len 32 --repeats 3]
-        CPU engine (cpu_engine.CpuEngine, continuous batching over a slot KV cache) vs transformers
-        `model.generate` on the same tiny Qwen3 (~3.4M parameters: hidden 256, 4 layers), the same batch of
-        prompts and the same per-request lengths, both sampling at temperature 1 with no top-k/top-p. Two
-        workloads: all requests new_tokens long, and lengths spread over [1, 2*new_tokens) as RL responses are
-        (generate keeps finished rows in its batch until the longest is done; the engine frees their slots and
-        stops computing them). Each side runs in a process of its own, taking turns (in one process, two OpenMP
-        thread pools slowed both). Prints tokens/s of each and the ratios; the target is >= 2.0x on both.
+        CPU engine (cpu_engine.CpuEngine, continuous batching over a slot KV cache) vs transformers `model.generate`
+        on the same tiny Qwen3 (~3.4M parameters: hidden 256, 4 layers), batch of prompts and per-request lengths,
+        all sampling at temperature 1 with no top-k/top-p. Two workloads: all requests new_tokens long, and lengths
+        spread over [1, 2*new_tokens) as RL responses are (generate keeps finished rows in its batch until the
+        longest is done; the engine frees their slots). Each side in a process of its own, taking turns (in one
+        process, two OpenMP thread pools slowed both). Prints tokens/s of each and the ratios (target >= 2.0x on
+        both). Where .venv-vllm exists, vLLM is a third column (engine: vllm, the batch as one /generate to its front;
+        the core its model runner is bound to said), and one weight update (pause, shm push, continue) of the model
+        is timed on the CPU engine and on vLLM.
 
     python bench.py router [--requests 100 --repeats 3 --profile FILE]
         Router overhead per request: an official OpenAI client through agentflow's router (session lookup, chat
         template, TITO bookkeeping, tool-call parsing, response shaping) vs the same greedy /generate sent directly,
-        back to back in pairs, each pair checked to send the same ids and get the same tokens. Prints p50/p99 of the
-        paired difference and its ratio to a 64-token generation (the median of --repeats, spread over the run); the
-        same difference in CPU time of the bench process (client and router; the engine is a process of its own),
-        which other load on a shared machine does not stretch; and where that CPU time went (the OpenAI client and
-        the HTTP hop, the router's app, the session's turn, its engine call), from clocks inside the routed request.
-        `--profile FILE`: a cProfile of the measured pairs, timed by CPU clock.
-        Targets: p50 <= 2%, p99 <= 5% of a 64-token generation.
+        back to back in pairs, each checked to send the same ids and get the same tokens. Prints p50/p99 of the
+        paired difference and its ratio to a 64-token generation (median of --repeats, spread over the run); the same
+        in CPU time of the bench process (client and router), which a shared machine's load does not stretch; and
+        where that went (the client and HTTP hop, the router's app, the session's turn, its engine call), from clocks
+        inside the routed request. `--profile FILE`: a cProfile of the measured pairs, by CPU clock. Targets: p50
+        <= 2%, p99 <= 5% of a 64-token generation.
 
     python bench.py async [--steps 24 --prompts 16 --stale-steps 1] [--sync-set K=V ...] [--async-set K=V ...]
         Fully async vs sync training on a long-tail task (responses of 4 to 46 tokens), same everything else: the
@@ -50,12 +51,11 @@ measured back to back in one run is far steadier than an absolute number.
     python bench.py sync [--quick] [--repeats 3]
         Weight sync: each CPU transport of transfermesh (shared memory, gloo broadcast, disk) moving 10 MB, 100 MB
         and 1 GB of fp32 weights into another process that checks the checksums and copies them into its own tensors,
-        as GB/s and as a fraction of a memcpy of the same bytes, next to a one-parameter-per-request
-        pickle-over-HTTP path; then the fixed cost of a sync (pause -> begin -> update -> end -> continue) into a
-        real CPU engine on the tiny model, that model's whole sync, and the trainer's own sync of it
-        (TrainerWorker.sync_weights in the bench process: gather, HF names, push) with its peak extra resident
-        memory (docs/TRANSFERMESH.md compares it across commits). Targets: shm >= 0.5x memcpy at >= 100 MB,
-        >= 10x pickle/HTTP, fixed cost <= 20 ms. `--quick`: 1 and 4 MB (a smoke test).
+        as GB/s and as a fraction of a memcpy of the same bytes, next to a one-parameter-per-request pickle-over-HTTP
+        path; then the fixed cost of a sync (pause -> begin -> update -> end -> continue) into a real CPU engine on
+        the tiny model, that model's whole sync, and the trainer's own (TrainerWorker.sync_weights: gather, HF names,
+        push) with its peak extra RSS (docs/TRANSFERMESH.md compares it across commits). Targets: shm >= 0.5x memcpy
+        at >= 100 MB, >= 10x pickle/HTTP, fixed cost <= 20 ms. `--quick`: 1 and 4 MB (a smoke test).
 
     python bench.py step [--steps 12] [--quick] [--sync-set K=V ...] [--async-set K=V ...]
         One RL step of the recipe as users run it (`loongsage.py recipes/arith_cpu.yaml`, a process of its own, sync
@@ -69,21 +69,20 @@ measured back to back in one run is far steadier than an absolute number.
     python bench.py pack [--repeats 3] [--quick: 16 samples, long ones 128 tokens]
         Packed sequences (max_tokens_per_micro_batch) against padded micro-batches: one trainer rank in this process,
         the same long-tail batch (32 samples of a 16-token prompt, most responses 8-32 tokens, one in eight 384),
-        RL train steps (old logprobs, forward, backward, optimizer) alternating between the two layouts. Prints the
-        padded micro-batches' padding fraction, trainer tokens/s of each (real tokens only) and the ratio; the
-        target is >= 2.0x where padding is >= 60%.
+        RL train steps (old logprobs, forward, backward, optimizer) alternating between the layouts. Prints each
+        padded layout's padding fraction, trainer tokens/s of each (real tokens) and the ratio (target >= 2.0x where
+        padding is >= 60%).
 
     python bench.py teachers [--workdir DIR]
         Memory of the Teacher Manager (teacher.py): peak RSS of a teacher process holding 3 same-size teachers
         (13M parameters each: hidden 512, 4 layers; one resident skeleton, the others as swapped snapshots) against
-        one holding 1, each scoring one batch routed to all of its teachers; also what the teachers add over the
-        process's RSS before any model, and the swaps (each teacher loads at most once per batch). Target: both
-        ratios <= 1.3 (holding all three resident would be ~1.74). Then the top-k targets' peak extra memory on
-        4096 x 32768 fp32 logits: the teacher's chunked path against a full-vocabulary log-softmax.
+        one holding 1, each scoring one batch routed to all of its teachers; what the teachers add over the process's
+        RSS before any model, and the swaps (each teacher loads at most once per batch). Target: both ratios <= 1.3
+        (all three resident would be ~1.74). Then the top-k targets' peak extra memory on 4096 x 32768 fp32 logits:
+        the teacher's chunked path against a full-vocabulary log-softmax.
 
 Each benchmark is one function `bench_<name>(args)`; `main` dispatches on the subcommand with if/elif and returns
-its result dict.
-Left out: GPU benchmarks (SGLang has its own) and multi-process setups.
+its result dict. Left out: GPU benchmarks (SGLang has its own) and multi-process setups.
 """
 from __future__ import annotations
 
@@ -91,6 +90,7 @@ import argparse
 import asyncio
 import cProfile
 import inspect
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -124,6 +124,7 @@ import loongsage
 import rollout
 import teacher
 import transfermesh as tm
+import vllm_engine
 
 
 def run_mode(cfg) -> list[dict]:
@@ -161,12 +162,13 @@ def _interleaved(fns: list, repeats: int) -> list[float]:
 
 def _rollout_worker(kind: str, conn, path: str, prompts: list, workloads: dict, threads: int) -> None:
     """One side of `bench rollout` in a process of its own, as each runs in practice (the engine as its server's
-    process, generate in its trainer's): "hf" (transformers generate) or "engine" (cpu_engine.CpuEngine). Runs the
-    workload named by each message on `conn` and answers its seconds. Both sides in one process measured wrongly
+    process, generate in its trainer's): "hf" (transformers generate), "engine" (cpu_engine.CpuEngine, served) or
+    "vllm" (a vLLM server and its front). Runs the workload named by each message on `conn` (an engine's "update":
+    one weight update of the same weights) and answers its seconds. Both sides in one process measured wrongly
     here: while the engine's thread was alive, generate in the main thread ran 1.8-2.0x slower (two OpenMP thread
     pools in one process on 2 cores), and the engine ran slower beside generate's pool too."""
     torch.set_num_threads(threads)
-    prompt_len = len(prompts[0])
+    prompt_len, longest = len(prompts[0]), max(max(v) for v in workloads.values())
     eos = 1  # any id works: the random model is stopped by length, never by chance (ids < 10 are never sampled)
     if kind == "hf":
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -193,34 +195,49 @@ def _rollout_worker(kind: str, conn, path: str, prompts: list, workloads: dict, 
                                   pad_token_id=0)
             got = [(row[prompt_len:] != 0).sum().item() for row in out]  # tokens up to and incl. eos
             assert got == lengths, (got[:8], lengths[:8])
-    else:
-        longest = max(max(v) for v in workloads.values())
-        engine = cpu_engine.CpuEngine(path, max_batch=len(prompts), max_len=prompt_len + longest + 1).start()
+    elif kind == "engine":
+        url, server = cpu_engine.serve(path, max_batch=len(prompts), max_len=prompt_len + longest + 1)
 
         def run(lengths):
-            reqs = [engine.make_request(p, {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": n,
-                                            "ignore_eos": True}) for p, n in zip(prompts, lengths)]
-            outs = [f.result() for f in engine.submit(*reqs)]
+            reqs = [server.engine.make_request(p, {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": n,
+                                                   "ignore_eos": True}) for p, n in zip(prompts, lengths)]
+            outs = [f.result() for f in server.engine.submit(*reqs)]
             assert [len(o["output_ids"]) for o in outs] == lengths
+    else:
+        cfg = config.finalize(config.Config(model_path=path, engine="vllm", max_prompt_len=prompt_len,
+                                            max_new_tokens=longest, engine_max_batch=len(prompts),
+                                            output_dir=tempfile.mkdtemp()))
+        url = (server := rollout.RolloutEngine(cfg, 0)).url()
+        note = "".join(f"  vLLM's model runner: {line.split('local_rank=0, ')[1].strip()} of {os.cpu_count()} cores\n"
+                       for line in open(server.log_path) if "local_rank=0, core ids=" in line)
 
-    conn.send("ready")
+        def run(lengths):
+            outs = rollout.post(url, "/generate", {"input_ids": prompts, "sampling_params": [
+                {"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True} for n in lengths]}, timeout=600)
+            assert [len(o["output_ids"]) for o in outs] == lengths
+    weights, versions = sorted(load_file(f"{path}/model.safetensors").items()), itertools.count(1)
+    conn.send("ready" + (note if kind == "vllm" else ""))
     while (name := conn.recv()) is not None:
         t0 = time.perf_counter()
-        run(workloads[name])
+        if name == "update":  # an engine's weight update as train() makes it: pause in place, shm push, continue
+            tm.pause_engines([url])
+            tm.push_weights(weights, [url], next(versions), transport="shm")
+            tm.continue_engines([url])
+        else:
+            run(workloads[name])
         conn.send(time.perf_counter() - t0)
+    if kind == "vllm":
+        server.shutdown()  # the server's whole session, its engine core too
 
 
 def bench_rollout(args) -> dict:
-    """Tokens/s of the CPU engine vs transformers generate, same model, batch, lengths and sampling, for two
-    workloads: every request `new_tokens` long, and request lengths spread uniformly over [1, 2*new_tokens)
-    (the RL case: responses end at different times). Same total of useful tokens on both sides. Each side runs in a
-    process of its own (`_rollout_worker`), the two taking turns: one computes while the other waits."""
+    """Tokens/s of transformers generate, the CPU engine and vLLM on the same batches (the module docstring), each
+    side in a process of its own (`_rollout_worker`), taking turns: one computes while the others wait."""
     path = data.build_tiny_model(data.default_cache_dir() / "tiny-bench", hidden_size=256, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)
     n_params = sum(t.numel() for t in load_file(f"{path}/model.safetensors").values())
     vocab = json.loads(Path(path, "config.json").read_text())["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, vocab, (args.batch, args.prompt_len), generator=g).tolist()
+    prompts = torch.randint(10, vocab, (args.batch, args.prompt_len), generator=torch.manual_seed(0)).tolist()
     rng = torch.Generator().manual_seed(1)
     workloads = {"fixed": [args.new_tokens] * args.batch,
                  "varied": torch.randint(1, 2 * args.new_tokens, (args.batch,), generator=rng).tolist()}
@@ -228,17 +245,23 @@ def bench_rollout(args) -> dict:
     print(f"rollout: model {n_params / 1e6:.2f}M params, batch {args.batch}, prompt {args.prompt_len}, "
           f"new tokens {args.new_tokens}, torch threads {threads}, each side in its own process")
     ctx = mp.get_context("spawn")
-    sides = {}
+    sides, kinds = {}, ["hf", "engine"]
     try:
-        for kind in ("hf", "engine"):
+        vllm_engine.python()
+        kinds.append("vllm")
+    except RuntimeError as e:
+        print(f"  no vLLM column: {e}")
+    try:
+        for kind in kinds:
             conn, child = ctx.Pipe()
             proc = ctx.Process(target=_rollout_worker, args=(kind, child, path, prompts, workloads, threads),
                                daemon=True)
             proc.start()
             sides[kind] = (conn, proc)
         for kind, (conn, proc) in sides.items():
-            if not conn.poll(300) or conn.recv() != "ready":
+            if not conn.poll(600) or not (msg := conn.recv()).startswith("ready"):
                 raise RuntimeError(f"bench rollout: the {kind} process did not start (exit code {proc.exitcode})")
+            print(msg[5:], end="")  # what a side says of itself: the cores vLLM's model runner is bound to
 
         def turn(kind, name):
             def fn():
@@ -249,14 +272,19 @@ def bench_rollout(args) -> dict:
             return fn
 
         result = {"params": n_params}
-        for name, lengths in workloads.items():
-            n_tokens = sum(lengths)
-            turn("hf", name)(), turn("engine", name)()  # warm-up
-            t_hf, t_engine = _interleaved([turn("hf", name), turn("engine", name)], args.repeats)
-            result[name] = {"hf_tok_s": n_tokens / t_hf, "engine_tok_s": n_tokens / t_engine, "ratio": t_hf / t_engine}
+        for name, lengths in [*workloads.items(), *([("update", None)] if "vllm" in kinds else [])]:
+            ks = kinds if lengths else kinds[1:]
+            for k in ks:
+                turn(k, name)()  # warm-up
+            result[name] = t = dict(zip(ks, _interleaved([turn(k, name) for k in ks], args.repeats)))
+            if not lengths:
+                print("  one weight update of the model (pause in place, shm push, continue): CPU engine "
+                      f"{t['engine'] * 1e3:.0f} ms, vLLM {t['vllm'] * 1e3:.0f} ms")
+                continue
+            r = result[name] = {f"{k}_tok_s": sum(lengths) / t[k] for k in ks} | {"ratio": t["hf"] / t["engine"]}
             print(f"  {name:6s} lengths ({min(lengths)}-{max(lengths)} tokens): transformers generate "
-                  f"{n_tokens / t_hf:7.0f} tok/s, CPU engine {n_tokens / t_engine:7.0f} tok/s, "
-                  f"ratio {t_hf / t_engine:.2f}x")
+                  f"{r['hf_tok_s']:7.0f} tok/s, CPU engine {r['engine_tok_s']:7.0f} tok/s, ratio {r['ratio']:.2f}x"
+                  + (f"; vLLM {r['vllm_tok_s']:7.0f} tok/s" if "vllm" in t else ""))
     finally:
         for conn, proc in sides.values():
             if proc.is_alive():
@@ -353,10 +381,7 @@ async def router_app_alone(flow, make_app, answer: tuple, msgs: list, params: di
 
 
 def bench_router(args) -> dict:
-    """Router overhead per request (agentflow: official OpenAI client -> router -> engine) vs the same request
-    sent straight to the engine's /generate, as p50/p99 seconds and as a fraction of a 64-token generation; the
-    same difference in CPU time of this process (client and router), which a shared machine's load does not
-    stretch; and where that CPU time went."""
+    """Router overhead per request, wall and CPU, and where the CPU time went (see the module docstring)."""
     import agentflow  # late: ~0.7 s (the OpenAI client), which only this subcommand needs
     import openai  # likewise: only this subcommand talks through the official client
 
@@ -578,9 +603,7 @@ def run_stats(hist: list[dict]) -> dict:
 
 
 def bench_async(args) -> dict:
-    """Async vs sync on the long-tail task, same model, data, seed, algorithm and number of trained samples:
-    trained samples per second of the RL loop (warm start and eval excluded) and the final eval accuracy of
-    each (a matched learning curve means within +-0.05). Target: async >= 1.7x sync.
+    """Async vs sync on the long-tail task (the module docstring: what it prints, the targets).
 
     The settings are a user's: 16 prompts x 8 samples per step, one optimizer step per RL step, async with
     stale_steps=1 (C = 32 groups), window-gated, max_version_lag=2 and the token IS correction (both modes, so
@@ -614,14 +637,12 @@ def bench_async(args) -> dict:
     print(f"bench async: long-tail task, {args.steps} steps x {args.prompts} prompts x 8 samples, mean response "
           f"{res['sync']['response_len']:.1f} tokens; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for name, r in res.items():
-        print(f"  {name:5s}: RL loop {r['wall_s']:.1f} s for {r['trained']} trained samples, "
-              f"{r['samples_per_s']:.1f}/s; "
-              f"eval {r['eval_start']:.3f} -> {r['eval_end']:.3f}; trainer waits {r['wait']:.0%} of a step, engine "
-              f"idle {r['idle']:.0%}")
+        print(f"  {name:5s}: RL loop {r['wall_s']:.1f} s for {r['trained']} trained samples, {r['samples_per_s']:.1f}"
+              f"/s; eval {r['eval_start']:.3f} -> {r['eval_end']:.3f}; trainer waits {r['wait']:.0%} of a step, "
+              f"engine idle {r['idle']:.0%}")
         print(f"         lag of trained tokens: mean {r['lag_mean']:.2f}, max {r['lag_max']:.0f}, on-policy "
-              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound "
-              f"{r['masked']:.0f} tokens, "
-              f"{r['lag_dropped']:.0f} groups (nothing left to train: the next complete group took their place)")
+              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound {r['masked']:.0f} "
+              f"tokens, {r['lag_dropped']:.0f} groups (nothing left to train: the next complete group took its place)")
     print(f"  async / sync trained samples per second: {ratio:.2f}x (target >= 1.7x); final eval async - sync "
           f"{diff:+.3f} (matched within +-0.05: {abs(diff) <= 0.05})")
     busy = res["async"]["cpu_busy"]
@@ -648,14 +669,8 @@ def tool_waits(rollouts: Path) -> dict:
 
 
 def bench_agentic(args) -> dict:
-    """Async vs sync where agents wait: the retry agent (recipes/retry.py: answer, a checker tool, ask again when it
-    rejects the answer; up to two model turns) on single-digit arithmetic, every check taking wall-clock time drawn
-    from a lognormal (median --tool-median s, 99th percentile --tool-p99 s, seeded by --tool-seed: a question's
-    draws are the same in both modes). Same warm start (recipes/arith_cpu.yaml's, cached), data, seed, algorithm
-    and number of trained samples in both modes. Prints trained samples per second of each and their ratio
-    (target >= 3x), the final eval of each (within 0.05), the lag of the trained tokens (max <= 2: max_version_lag=2
-    with the token IS correction, in both modes), the trainer's wait and the engines' idle share, and where each
-    mode's RL loop time went.
+    """Async vs sync where agents wait on a tool (the module docstring: what it prints, the targets); a question's
+    tool durations are the same in both modes, drawn from a lognormal seeded by --tool-seed.
 
     Sync waits each step for its slowest trajectory's checks, with the engines and the trainer idle; async keeps
     C = B * (1 + stale_steps) groups going (window no-window: a group enters the buffer the moment it is complete,
@@ -704,14 +719,12 @@ def bench_agentic(args) -> dict:
           f"{os.cpu_count()} cores")
     for name, r in res.items():
         t = r["time"]
-        print(f"  {name:5s}: RL loop {r['wall_s']:.1f} s for {r['trained']} trained samples, "
-              f"{r['samples_per_s']:.2f}/s; "
-              f"eval {r['eval_start']:.3f} -> {r['eval_end']:.3f}; trainer waits {r['wait']:.0%} of a step, engine "
-              f"idle {r['idle']:.0%}")
+        print(f"  {name:5s}: RL loop {r['wall_s']:.1f} s for {r['trained']} trained samples, {r['samples_per_s']:.2f}"
+              f"/s; eval {r['eval_start']:.3f} -> {r['eval_end']:.3f}; trainer waits {r['wait']:.0%} of a step, "
+              f"engine idle {r['idle']:.0%}")
         print(f"         lag of trained tokens: mean {r['lag_mean']:.2f}, max {r['lag_max']:.0f}, on-policy "
-              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound "
-              f"{r['masked']:.0f} tokens, "
-              f"{r['lag_dropped']:.0f} groups (nothing left to train: the next complete group took their place)")
+              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound {r['masked']:.0f} "
+              f"tokens, {r['lag_dropped']:.0f} groups (nothing left to train: the next complete group took its place)")
         print(f"         RL loop time: waiting for rollouts {t['generate']:.1f} s, train {t['train']:.1f} s, weight "
               f"sync {t['sync']:.1f} s, other {t['other']:.1f} s")
         print(f"         a trajectory (mean): {r['total_s']:.2f} s = {r['generate_s']:.2f} s in generation + "
@@ -724,10 +737,8 @@ def bench_agentic(args) -> dict:
 
 
 def bench_modes(args) -> dict:
-    """The default recipe (recipes/arith_cpu.yaml) in sync and in async mode, same seed and steps: eval accuracy
-    by step and by wall-clock time, both curves in one PNG (runs/bench_modes/modes.png), final accuracies and
-    wall times printed. The bar: async ends within 0.05 of sync's accuracy in less wall time. Sync runs in its
-    fastest CPU layout (`sync_engines`: one engine per core), async as the recipe places it."""
+    """The recipe in sync and in async mode (the module docstring); the bar: async ends within 0.05 of sync's accuracy
+    in less wall time. Sync in its fastest CPU layout (`sync_engines`: one engine per core), async as placed."""
     res = {}
     for name, extra in {"sync": ["mode=sync", *sync_engines()],
                         "async": ["mode=async", f"stale_steps={args.stale_steps}", "max_version_lag=2"]}.items():
@@ -736,10 +747,9 @@ def bench_modes(args) -> dict:
         hist = run_mode(cfg)
         total = time.perf_counter() - t0
         steps = [h for h in hist if "timing/step" in h]
-        clock, rl = {}, 0.0  # wall time of the RL loop at the end of each step
-        for h in steps:
-            rl += h["timing/step"]
-            clock[h["step"]] = rl
+        # wall time of the RL loop at the end of each step
+        clock = dict(zip([h["step"] for h in steps], itertools.accumulate(h["timing/step"] for h in steps)))
+        rl = clock[steps[-1]["step"]]
         evals = [(h["step"], h["eval/accuracy"]) for h in hist if "eval/accuracy" in h]
         res[name] = {"evals": evals, "clock": clock, "rl_s": rl, "total_s": total,
                      "lag_max": max(h.get("rollout/lag_max", 0) for h in steps)}
@@ -751,10 +761,8 @@ def bench_modes(args) -> dict:
         steps_, acc = zip(*r["evals"])
         a.plot(steps_, acc, "o-", label=name)
         b.plot([0.0] + [r["clock"][s - 1] for s in steps_[1:]], acc, "o-", label=name)
-    a.set_xlabel("RL step")
-    b.set_xlabel("RL loop wall time (s)")
-    for ax in (a, b):
-        ax.set_ylabel("eval accuracy")
+    for ax, x in ((a, "RL step"), (b, "RL loop wall time (s)")):
+        ax.set(xlabel=x, ylabel="eval accuracy")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{args.recipe}: sync vs async (stale_steps={args.stale_steps}), seed {args.seed}")
@@ -844,11 +852,8 @@ def _trainer_sync(path: str, url: str, repeats: int) -> tuple[float, int]:
 
 
 def bench_sync(args) -> dict:
-    """GB/s of each CPU transport (shm, gloo broadcast, disk) into another process, against a memcpy of the same
-    bytes and a one-parameter-per-request pickle-over-HTTP path, on 10 MB, 100 MB and 1 GB of fp32 weights (4 MB
-    tensors, 64 MB buckets, checksums on; best of --repeats after a warm-up); then the fixed cost of a sync
-    (pause -> begin -> update -> end -> continue) into a real CPU engine serving the tiny model, and that model's
-    whole sync."""
+    """Weight sync (the module docstring): 4 MB tensors, 64 MB buckets, checksums on; best of --repeats after a
+    warm-up."""
     sizes_mb = [1, 4] if args.quick else [10, 100, 1000]
     bucket_bytes = 64 * 2**20
     ctx = mp.get_context("spawn")
@@ -1096,10 +1101,7 @@ def step_run(mode: str, out: Path, steps: int, extra: list[str]) -> dict:
 
 
 def bench_step(args) -> dict:
-    """Seconds per RL step of the recipe as users run it (sync, then async; each a loongsage.py process) and of
-    TRL's GRPOTrainer (its own venv), the same model, prompts, reward and batch; each timed from outside by its
-    wall clock (the rows' time/wall, TRL's on_step_end), median of steps 2..N-1. Prints the ratios, each side's
-    1-minute load, and where LoongSage's step goes (its timing/* phases and each process's CPU seconds)."""
+    """Seconds per RL step of the recipe (sync, then async) and of TRL's GRPOTrainer (the module docstring)."""
     steps = 4 if args.quick else (args.steps or 12)
     out = Path(tempfile.mkdtemp(prefix="loongsage_bench_step_"))
     cfg = config.load_config("recipes/arith_cpu.yaml", STEP_SET)
@@ -1223,7 +1225,6 @@ def targets_memory(n: int = 4096, vocab: int = 32768, k: int = 8) -> dict:
     teacher's chunked path (teacher.TeacherWorker._topk, one rank) against the full path it replaced (log_softmax of
     every row, then top-k). The chunked one runs first, so the full one cannot reuse heap it freed."""
     from types import SimpleNamespace  # a stand-in for the one-rank TeacherWorker whose _topk this measures
-    import teacher  # late: it imports trainer, so Megatron (seconds), which the other benches do not need
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
     one_rank = SimpleNamespace(par=SimpleNamespace(tp_rank=0, tp_size=1))
     out = {"logits_mb": logits.numel() * 4 / 2**20}
@@ -1237,8 +1238,7 @@ def targets_memory(n: int = 4096, vocab: int = 32768, k: int = 8) -> dict:
 
 
 def bench_teachers(args) -> dict:
-    """`teacher_memory` (each teacher group a new process), printed; then `targets_memory`. A Ray it started is shut
-    down after; one the caller started (a test session's) is left up."""
+    """`teacher_memory` (each group a new process), then `targets_memory`; a Ray it started is shut down after."""
     own = not ray.is_initialized()
     try:
         out = teacher_memory(args.workdir or tempfile.mkdtemp())

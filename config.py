@@ -287,7 +287,7 @@ class Config:
 
     # --- reliability: engine health and timeouts (see fleet.check_engines, fleet.wait, fleet.save_run_state) ---
     engine_check_every: float = 5.0  # seconds between engine health probes (also probed after any failed call)
-    engine_health_timeout: float = 10.0  # silent on /server_info this long: hung, out of routing, re-created
+    engine_health_timeout: float = 10.0  # silent on /server_info this long at 2 probes in a row: hung, re-created
     engine_wait: float = 180.0  # seconds a request waits for a replacement when no engine is up, before it fails
     max_engine_restarts: int = 20  # engine re-creations per run before it stops (a crash loop needs a fix)
     weight_sync_timeout: float = 600.0  # seconds one weight sync (trainers -> engines) may take

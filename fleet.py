@@ -499,7 +499,10 @@ def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: i
                            f"re-created in this run (max_engine_restarts={cfg.max_engine_restarts}); the engines' logs "
                            "above say why they die. Fix that, or raise max_engine_restarts")
     old = fleet.urls[i]
-    ray.kill(fleet.actors[i], no_restart=True)  # a hung engine still holds its bundle (and port, GPU)
+    # its server's process group signalled first, as stop() does (Ray's kill ends the server alone: vLLM's engine
+    # core and worker lived on, ~2.7 GB); a hung engine answers not at all, and it still holds its bundle (and port)
+    ray.wait([fleet.actors[i].shutdown.remote()], timeout=10)
+    ray.kill(fleet.actors[i], no_restart=True)
     deadline, bundle = time.monotonic() + cfg.actor_timeout, fleet.plan["engines"][i]["bundle"]
     while True:  # its node lost: an engine started before Ray places the bundle on another node dies, so again
         node = placement_group_table(fleet.pg)["bundles_to_node_id"].get(bundle)
@@ -515,8 +518,10 @@ def restart_engine(cfg: Config, fleet: Fleet, i: int, flow, trainers, version: i
     # names the current adapter (version 0's too, after a warm start), which this engine must have
     if version > 0 or cfg.lora_rank:
         remote = [url] if off_node(fleet, [old]) else []  # the same bundle, so the same node as its predecessor
+        transfermesh.pause_engines([url])  # idle, yet an update comes paused (engine=vllm refuses it unpaused)
         wait([t.sync_weights.remote([url], version, remote=remote) for t in trainers],
              f"weight sync to re-created engine {i}", cfg.weight_sync_timeout, "weight_sync_timeout")
+        transfermesh.continue_engines([url])
     fleet.released[i] = set()
     if fleet.hand_off:  # mid-way through the colocated hand-off: paused and released as the others are
         import rollout  # late: FastAPI and uvicorn (~0.4 s), which --check does not need

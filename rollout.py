@@ -276,8 +276,10 @@ class EnginePool:
     Health. Every failed call (connection error, 5xx) is followed at once by a `/server_info` probe: no answer
     within `health_timeout_s` means dead (or hung), out of routing until `replace()` puts its successor in; one that
     answers only sits out `cooldown_s`. `check()` probes every engine, every `check_every_s` while requests are in
-    flight, so a hung engine is found too. Requests in flight on an engine that leaves routing are retried on the
-    others, invisibly to the trajectory; with no engine left a request waits up to `wait_s` before it fails.
+    flight, so a hung engine is found too: refused or failed, it leaves at once; silent past `health_timeout_s`, at
+    the second probe in a row (one slow answer, from an engine on a loaded machine, is not a death). Requests in
+    flight on an engine that leaves routing are retried on the others, invisibly to the trajectory; with no engine
+    left a request waits up to `wait_s` before it fails.
 
     LoRA. After `use_adapter(name, version)` every request names that adapter (`lora_path`) and its tokens carry
     that adapter's version (an engine keeps a request on the adapter it named); the adapter it replaces is unloaded
@@ -297,6 +299,7 @@ class EnginePool:
         self.timeout_s, self.cooldown_s = timeout_s, cooldown_s
         self.health_timeout_s, self.check_every_s, self.wait_s = health_timeout_s, check_every_s, wait_s
         self.retried = 0  # requests moved to another engine after their engine failed (rollout/retried)
+        self.silent: collections.Counter = collections.Counter()  # url -> check()'s probes in a row it did not answer
         self.return_routed_experts = return_routed_experts  # ask every /generate for meta_info.routed_experts (R3)
         self._rotate = 0
         self._http: httpx.AsyncClient | None = None
@@ -425,13 +428,16 @@ class EnginePool:
                             last_error, self.cooldown_s)
         raise EngineUnavailable(f"no engine could serve request {rid}: {last_error!r}")
 
-    async def _alive(self, url: str) -> bool:
-        """GET /server_info within health_timeout_s. An engine that cannot answer that is dead or hung. Not /health:
-        SGLang's runs a generation, which a paused engine (mid weight sync, or memory released) answers with a 503
-        only after 20 s; /server_info its scheduler answers between two steps, paused or not."""
+    async def _alive(self, url: str) -> bool | None:
+        """GET /server_info within health_timeout_s: True if it answers 200, None if no answer came in time (hung, or
+        slow), False if it failed (dead). Not /health: SGLang's runs a generation, which a paused engine (mid weight
+        sync, or memory released) answers with a 503 only after 20 s; /server_info its scheduler answers between two
+        steps, paused or not."""
         try:
             r = await self.http.get(f"{url}/server_info", timeout=self.health_timeout_s)
             return r.status_code == 200
+        except httpx.TimeoutException:
+            return None
         except (httpx.HTTPError, OSError):
             return False
 
@@ -462,9 +468,10 @@ class EnginePool:
         """Probe every engine in routing now; return the URLs of every engine out of routing for good."""
         live = [u for u in self.urls if u not in self.dead]
         for url, ok in zip(live, await asyncio.gather(*(self._alive(u) for u in live))):
-            if not ok:
-                self.mark_dead(url, f"/server_info failed: the engine is dead, or hung past "
-                                    f"{self.health_timeout_s:.0f}s (cfg.engine_health_timeout)")
+            self.silent[url] = self.silent[url] + 1 if ok is None else 0
+            if ok is False or self.silent[url] > 1:
+                self.mark_dead(url, "/server_info failed: the engine is dead" if ok is False else "no /server_info "
+                               f"within {self.health_timeout_s:.0f}s (cfg.engine_health_timeout) twice in a row: hung")
         return [u for u in self.urls if u in self.dead]
 
     async def _watch(self) -> None:
@@ -694,7 +701,7 @@ class RolloutEngine:
             else:  # raw (temperature-1) logprobs, the same quantity the CPU engine and the trainer compute
                 cmd = sglang_command(cfg, host, port, seed)
                 env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "True", **os.environ}
-            with open(self.log_path, "w") as log:
+            with open(self.log_path, "a") as log:  # "a": a re-created engine keeps its predecessor's log
                 log.write(" ".join(cmd) + "\n")
                 log.flush()
                 if gpu_ids:

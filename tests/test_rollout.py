@@ -1,13 +1,17 @@
 """Tests of rollout.py: RolloutEngine serves the CPU engine and stops it, the SGLang command line passes every
 recipe key through, the SGLang child dies with the engine actor's process (the real SGLang launch runs only where
-CUDA is), and the client helpers raise EngineError carrying the server's own message.
+CUDA is), the client helpers raise EngineError carrying the server's own message, and EnginePool's health check
+tells a dead or hung engine from one slow answer.
 
 The contract itself (fields, logprobs, weight versions, pause modes, memory tags) is tested against the CPU engine in
 tests/test_cpu_engine.py.
 """
+import asyncio
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -148,3 +152,58 @@ def test_sglang_child_dies_with_the_engine_process():
             break
         time.sleep(0.1)
     assert state in ("Z", "X", "gone"), state
+
+
+def _probe_server(hold: threading.Event, times: int | None) -> tuple[str, ThreadingHTTPServer]:
+    """A real HTTP server whose GET /server_info answers 200, except that its first `times` probes (all of them if
+    None) wait for `hold` first."""
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.path)
+            if times is None or len(seen) <= times:
+                hold.wait()
+            try:
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+            except OSError:  # the prober gave up on this answer and closed the connection
+                pass
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+def test_engine_pool_check_tolerates_one_slow_probe_not_two_nor_a_refused_one():
+    """EnginePool.check: an engine that refuses the probe (nothing listens) leaves routing at the first check; one
+    silent past health_timeout_s leaves at the second check in a row; one that missed a single probe and answers the
+    next stays in routing (an engine on a loaded machine: a vLLM run at load ~17 lost its only engine to one
+    /server_info slower than 10 s). The silent answers are held on an event, not slept, so no speed is assumed."""
+    slow_hold, hung_hold = threading.Event(), threading.Event()
+    (slow, s1), (hung, s2) = _probe_server(slow_hold, 1), _probe_server(hung_hold, None)
+    refused = "http://127.0.0.1:9"  # the discard port: nothing listens
+
+    async def go():
+        pool = rollout.EnginePool([refused, slow, hung], health_timeout_s=3.0, check_every_s=0)
+        first = await pool.check()
+        slow_hold.set()  # the slow engine answers from now on; the hung one never does
+        second, third = await pool.check(), await pool.check()
+        healthy = pool.healthy()
+        await pool.close()
+        return first, second, third, healthy
+
+    try:
+        first, second, third, healthy = asyncio.run(go())
+    finally:
+        hung_hold.set()
+        s1.shutdown(), s2.shutdown()
+    assert first == [refused]
+    assert second == third == [refused, hung]
+    assert healthy == [slow]

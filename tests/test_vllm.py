@@ -8,13 +8,15 @@ start on 2 cores) and is stopped at its end.
 What it proves: token ids in and out with one raw (temperature-1) logprob per token equal to transformers' own
 log_softmax of the same weights; per-token weight versions (across an update made while a request is paused in place:
 xfail, an open race); abort by rid; the three pause modes as the controller uses them, with liveness (/server_info,
-/health) answered while paused; the update guard (no weight update without a pause); weights pushed by TransferMesh's
+/health) answered while paused, and /server_info answered by the front while vLLM is busy (stopped) yet a hung vLLM
+silent; the update guard (no weight update without a pause); weights pushed by TransferMesh's
 shm transport through the plugin backend, after which the engine's logprobs equal the new weights'; cache flush; an
 unknown sampling parameter refused with a 400; --check refusing what engine=vllm does not serve.
 """
 import asyncio
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -41,16 +43,23 @@ LOGPROB_TOL = 1e-4  # vLLM's CPU kernels against transformers' fp32 forward on t
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    """One real vLLM server (and its front) for the module; stopped, with every process it spawned, at the end."""
+def server(tmp_path_factory):
+    """One real vLLM server (and its front) for the module, (its RolloutEngine, the model dir); stopped, with every
+    process it spawned, at the end."""
     model = data.build_tiny_model(tmp_path_factory.mktemp("vllm_tiny"))
     cfg = config.finalize(config.Config(model_path=model, engine="vllm", max_prompt_len=64, max_new_tokens=448,
                                         engine_max_batch=8, output_dir=str(tmp_path_factory.mktemp("vllm_logs"))))
     e = rollout.RolloutEngine(cfg, 0)
     try:
-        yield e.url(), model
+        yield e, model
     finally:
         e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    """(the front's URL, the model dir)."""
+    return server[0].url(), server[1]
 
 
 def _generate(url, prompts, sp, rids=None):
@@ -237,6 +246,30 @@ def test_version_spans_across_an_in_place_update(engine):
     assert spans[0]["end"] == spans[1]["start"] and 0 < spans[0]["end"] < MAX_NEW
 
 
+@needs_vllm
+def test_server_info_answers_while_vllm_is_busy_and_not_once_it_is_hung(server):
+    """The pool's liveness probe never queues behind vLLM: with every vLLM process stopped (SIGSTOP, as a loaded
+    machine or a hang holds them) right after vLLM answered, the front answers /server_info (not paused, the version
+    vLLM serves); once vLLM has been silent for FRESH_S the front asks its engine core, so a hung vLLM gives no answer
+    (the pool's timeout finds it), and answers again once it runs. Fails if the probe waits on vLLM while its answers
+    are fresh (the run at load ~17 lost its engine so), or never asks it (a hung vLLM would look alive for ever)."""
+    e, _ = server
+    url = e.url()
+    version = rollout.get(url, "/get_weight_version")["weight_version"]
+    _generate(url, [1, 2], {"max_new_tokens": 2, "ignore_eos": True})
+    os.killpg(e.proc.pid, signal.SIGSTOP)  # the server's own session: the API server and its engine core
+    try:
+        fresh = httpx.get(f"{url}/server_info", timeout=vllm_engine.FRESH_S)
+        time.sleep(vllm_engine.FRESH_S)
+        with pytest.raises(httpx.TimeoutException):
+            httpx.get(f"{url}/server_info", timeout=3)
+    finally:
+        os.killpg(e.proc.pid, signal.SIGCONT)
+    assert fresh.status_code == 200 and fresh.json()["internal_states"] == [{"paused": False,
+                                                                              "weight_version": version}]
+    assert httpx.get(f"{url}/server_info", timeout=60).json()["weight_version"] == version
+
+
 def test_check_refuses_what_vllm_does_not_serve(monkeypatch):
     """--check: engine=vllm without its venv names scripts/vllm_env.sh; with it, LoRA, colocation, a transport other
     than shm and a head_dim under 32 are refused with what to change."""
@@ -254,8 +287,8 @@ def test_the_launch_line_names_the_plugin_the_scale_out_api_and_positions_within
     """What RolloutEngine launches for engine=vllm, without launching it: the OpenAI server module of the venv's
     Python; token-in/token-out on (`--enable-scale-out`); the shm backend and the worker extension that registers it;
     max_model_len = the larger of prompt + new tokens and max_context_len, capped at the model's positions; the
-    recipe's `vllm:` flags win, and a null one is left out; K/V cache space from vllm_kv_cache_gb and the checkout on
-    the worker's PYTHONPATH."""
+    recipe's `vllm:` flags win, and a null one is left out; K/V cache space from vllm_kv_cache_gb, the checkout on
+    the worker's PYTHONPATH, and a keep-alive that outlives the front's."""
     monkeypatch.setenv("LOONGSAGE_VLLM_PYTHON", sys.executable)
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 96}))
     cfg = config.Config(model_path=str(tmp_path), engine="vllm", max_prompt_len=64, max_new_tokens=16,
@@ -268,5 +301,7 @@ def test_the_launch_line_names_the_plugin_the_scale_out_api_and_positions_within
     assert "--worker-extension-cls vllm_plugin.WorkerExtension" in line and '{"backend": "loongsage_shm"}' in line
     assert "--max-model-len 80" in line and "--max-num-seqs 3" in line and "--seed 7" in line
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and str(ROOT) in env["PYTHONPATH"].split(os.pathsep)
+    # vLLM keeps an idle connection open longer than the front's httpx reuses one: no call races the server's close
+    assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) > httpx.Limits().keepalive_expiry
     cfg.max_new_tokens = 64
     assert "--max-model-len 96" in " ".join(rollout.server_flags(vllm_engine.vllm_options(cfg, 7)))
