@@ -33,6 +33,7 @@ refuses them with engine=vllm); `n > 1` (a batch of input_ids instead), text sto
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import socket
@@ -162,6 +163,29 @@ def _shm_update_info(entry, load_format, checksum) -> dict | None:
             "offsets": [head + t.data_ptr() - base.data_ptr() for _, t in named]}
 
 
+async def _stream(http: httpx.AsyncClient, state: dict, req: dict, decode):
+    """SGLang's stream: cumulative chunks (ids, meta_info so far), the answer; each vLLM line marks `state` heard."""
+    ids, lps = [], []
+    async with http.stream("POST", "/inference/v1/generate", json={**req, "stream": True}) as r:
+        async for line in r.aiter_lines():
+            state["heard"] = time.monotonic()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                yield f"data: {json.dumps(chunk)}\n\n"
+                return
+            c = chunk["choices"][0]
+            ids += c.get("token_ids") or []
+            lps += (c.get("logprobs") or {}).get("content") or []
+            whole = {**c, "token_ids": ids, "logprobs": {"content": lps}}
+            out = _answer(whole, req["request_id"], len(req["token_ids"]), decode)
+            if c.get("finish_reason") is None:
+                out["meta_info"]["finish_reason"] = None
+            yield f"data: {json.dumps(out)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
 def build_app(backend: str, tokenizer) -> FastAPI:
     """SGLang's endpoints (the contract's plain rows) served by the vLLM server at `backend`."""
     app = FastAPI(title="LoongSage front of a vLLM server")
@@ -172,9 +196,7 @@ def build_app(backend: str, tokenizer) -> FastAPI:
     # what the front knows, for /server_info: vLLM is paused and served at a version only through these routes
     state = {"paused": False, "version": httpx.get(f"{backend}/weight_info").json()["weight_version"], "heard": 0.0}
 
-    def decode(ids):
-        return tokenizer.decode(ids, skip_special_tokens=True)
-
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
     async def call(method: str, path: str, **kw) -> dict:
         r = await http.request(method, path, **kw)
         state["heard"] = time.monotonic()
@@ -204,33 +226,11 @@ def build_app(backend: str, tokenizer) -> FastAPI:
         if body.get("stream"):
             if batched:
                 raise Refused("engine=vllm streams one prompt per request")
-            return StreamingResponse(_stream(reqs[0]), media_type="text/event-stream")
+            return StreamingResponse(_stream(http, state, reqs[0], decode), media_type="text/event-stream")
         outs = await asyncio.gather(*(call("POST", "/inference/v1/generate", json=r) for r in reqs))
         answers = [_answer(o["choices"][0], r["request_id"], len(r["token_ids"]), decode)
                    for o, r in zip(outs, reqs)]
         return answers if batched else answers[0]
-
-    async def _stream(req: dict):
-        """SGLang's stream: cumulative chunks (output_ids and meta_info so far), then the finished answer."""
-        ids, lps = [], []
-        async with http.stream("POST", "/inference/v1/generate", json={**req, "stream": True}) as r:
-            async for line in r.aiter_lines():
-                state["heard"] = time.monotonic()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                    return
-                c = chunk["choices"][0]
-                ids += c.get("token_ids") or []
-                lps += (c.get("logprobs") or {}).get("content") or []
-                whole = {**c, "token_ids": ids, "logprobs": {"content": lps}}
-                out = _answer(whole, req["request_id"], len(req["token_ids"]), decode)
-                if c.get("finish_reason") is None:
-                    out["meta_info"]["finish_reason"] = None
-                yield f"data: {json.dumps(out)}\n\n"
-        yield "data: [DONE]\n\n"
 
     @app.post("/abort_request")
     async def abort_request(request: Request):

@@ -247,7 +247,7 @@ def test_version_spans_across_an_in_place_update(engine):
 
 
 @needs_vllm
-def test_server_info_answers_while_vllm_is_busy_and_not_once_it_is_hung(server):
+def test_server_info_answers_while_vllm_is_busy_and_not_once_it_is_hung(server, monkeypatch):
     """The pool's liveness probe never queues behind vLLM: with every vLLM process stopped (SIGSTOP, as a loaded
     machine or a hang holds them) right after vLLM answered, the front answers /server_info (not paused, the version
     vLLM serves); once vLLM has been silent for FRESH_S the front asks its engine core, so a hung vLLM gives no answer
@@ -255,6 +255,8 @@ def test_server_info_answers_while_vllm_is_busy_and_not_once_it_is_hung(server):
     are fresh (the run at load ~17 lost its engine so), or never asks it (a hung vLLM would look alive for ever)."""
     e, _ = server
     url = e.url()
+    # the front runs in this process: a longer window keeps its probe's answer in it at load ~15 (at 5 s one was not)
+    monkeypatch.setattr(vllm_engine, "FRESH_S", 15.0)
     version = rollout.get(url, "/get_weight_version")["weight_version"]
     _generate(url, [1, 2], {"max_new_tokens": 2, "ignore_eos": True})
     os.killpg(e.proc.pid, signal.SIGSTOP)  # the server's own session: the API server and its engine core
