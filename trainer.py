@@ -332,21 +332,17 @@ def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_siz
             for a, b in zip(bounds, bounds[1:])]
 
 
-def optimizer_steps_per_rl_step(cfg) -> int:
-    """Mini-batches (optimizer steps) in one RL step: rollout samples / global_batch_size, at least 1."""
-    return max(1, round(int(cfg.prompts_per_step) * int(cfg.samples_per_prompt) / int(cfg.global_batch_size)))
-
-
 def lr_at(cfg, it: int) -> float:
     """Learning rate of optimizer step `it` (0-based): linear warmup over cfg.lr_warmup_steps, then a
-    cosine from cfg.lr down to cfg.min_lr over the whole run (cfg.num_steps RL steps of
-    `optimizer_steps_per_rl_step` optimizer steps each); constant when min_lr == lr."""
+    cosine from cfg.lr down to cfg.min_lr over the whole run (cfg.num_steps RL steps of rollout samples /
+    global_batch_size optimizer steps each, at least 1); constant when min_lr == lr."""
     warmup = int(cfg.lr_warmup_steps or 0)
     if it < warmup:
         return cfg.lr * (it + 1) / warmup
     if cfg.min_lr == cfg.lr:
         return cfg.lr
-    total = int(cfg.num_steps) * optimizer_steps_per_rl_step(cfg)
+    per_step = max(1, round(int(cfg.prompts_per_step) * int(cfg.samples_per_prompt) / int(cfg.global_batch_size)))
+    total = int(cfg.num_steps) * per_step
     frac = min(1.0, (it - warmup) / max(1, total - warmup))
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
 
@@ -381,11 +377,6 @@ def add_up(dicts) -> dict[str, float]:
         for k, v in d.items():
             out[k] = out.get(k, 0.0) + v
     return out
-
-
-def _metric_sums(loss: torch.Tensor, metrics: dict) -> dict[str, float]:
-    """One micro-batch's loss and metrics as python floats, the loss under "loss"."""
-    return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,23 +447,6 @@ def push_fault(stream, version: int, rank: int):
     """`stream`, then the drill point `push` (fault): every bucket but the last has left for the engines."""
     yield from stream
     fault("push", version, rank, f"rank {rank} sent every bucket of weight version {version} but the last")
-
-
-def rng_states(on_cpu: bool) -> dict:
-    """python / numpy / torch (and CUDA) RNG states, for a checkpoint."""
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and not on_cpu:
-        rng["cuda"] = torch.cuda.get_rng_state()
-    return rng
-
-
-def restore_rng_states(rng, on_cpu: bool) -> None:
-    """Inverse of rng_states."""
-    torch.set_rng_state(rng["torch"].cpu())
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    if "cuda" in rng and torch.cuda.is_available() and not on_cpu:
-        torch.cuda.set_rng_state(rng["cuda"].cpu())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1578,7 +1552,7 @@ class TrainerWorker:
                 if opd is not None:  # TEACHERS: L = (1 - gkd_ratio) * L_RL + gkd_ratio * L_GKD
                     loss = algos.opd_objective(cfg, loss, opd.pop("gkd_loss"))
                     m.update(opd)
-                return loss, (_metric_sums(loss, m), starting)
+                return loss, ({k: float(v) for k, v in {"loss": loss.detach(), **m}.items()}, starting)
             extras = {"old_logp": [old[j] if old[j] is not None else torch.zeros(len(local[j]["response_ids"]))
                                    for j in rows], "adv": [adv[j] for j in rows]}
             if ref is not None:
@@ -1639,7 +1613,8 @@ class TrainerWorker:
                 opd.pop("adv")
                 loss = opd.pop("gkd_loss")
                 entropy = algos.aggregate(out["entropy"].detach(), mb["loss_mask"], "token_mean", denom)
-                return loss, _metric_sums(loss, {"entropy": entropy, **opd})
+                sums = {"loss": loss.detach(), "entropy": entropy, **opd}
+                return loss, {k: float(v) for k, v in sums.items()}
             zero_adv = [torch.zeros(len(batch[i]["response_ids"])) for i in mine]  # unused by GKD
             kept = self.policy.run([batch[i] for i in mine], gkd_loss, {"adv": zero_adv}, backward=True,
                                    head="logits")
@@ -1716,7 +1691,9 @@ class TrainerWorker:
         files = {"model": {"model": self.policy.gpt.state_dict(), "world_size": par.world_size,
                            "tensor_parallel": par.tp_size}, "optim": {
             "optimizer": self.optim.state_dict(), "optim_steps": self.optim.steps, "lr_override": self.optim.lr,
-            "rng": rng_states(par.on_cpu)}}
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}}
+        if not par.on_cpu:  # on_cpu is False exactly where CUDA runs the model
+            files["optim"]["rng"]["cuda"] = torch.cuda.get_rng_state()
         if critic is not None:  # CRITIC: its weights and optimizer travel in the same files
             files["model"]["critic"] = critic.model.gpt.state_dict()
             files["optim"] |= {"critic_optimizer": critic.optim.state_dict(), "critic_steps": critic.optim.steps}
@@ -1769,7 +1746,12 @@ class TrainerWorker:
             self.critic.model.gpt.load_state_dict(model["critic"])
             self.critic.optim.load_state_dict(state["critic_optimizer"])
             self.critic.optim.steps = int(state["critic_steps"])
-        restore_rng_states(state["rng"], par.on_cpu)
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"].cpu())
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if "cuda" in rng and not par.on_cpu:
+            torch.cuda.set_rng_state(rng["cuda"].cpu())
         return self.optim.steps
 
     # --- colocated memory hand-off (HandOff) ---------------------------------------------------------
