@@ -1135,8 +1135,7 @@ class Critic:
                                           "returns": [returns[j] for j in rows]})
             self.optim.end_minibatch(add_up(kept), totals, n_mb)
         # the values the advantages used (before this update) against their targets, over every DP rank's tokens
-        lb = collate(local, {"old_values": old_values, "returns": returns}) if local else \
-            {k: torch.zeros(0, 1) for k in ("old_values", "returns", "loss_mask")}  # (B_local, R)
+        lb = collate(local, {"old_values": old_values, "returns": returns})  # (B_local, R), (0, 1) with no rows
         ev = algos.explained_variance(lb["old_values"], lb["returns"], lb["loss_mask"],
                                       par.dp_group_gloo if par.dp_size > 1 else None)
         vsum = par.dp_sum({"v": float((lb["old_values"] * lb["loss_mask"]).sum()), "n": float(lb["loss_mask"].sum())})
@@ -1369,7 +1368,7 @@ class TrainerWorker:
             lora.add_adapters(self.policy.gpt, cfg, self.hf_config, par.tp_group if par.tp_size > 1 else None)
         self.policy.wrap_ddp(cfg.use_distributed_optimizer)
         self.optim = Optim(self.policy, cfg, lr)
-        if (float(cfg.kl_coef) > 0 or bool(cfg.kl_in_reward)) and not self.lora:
+        if self._needs_reference() and not self.lora:
             self.ref = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, fp32_lm_head=cfg.fp32_lm_head,
                              max_tokens=cfg.max_tokens_per_micro_batch)
             self.ref.load(full)
@@ -1492,12 +1491,8 @@ class TrainerWorker:
         """(advantage per row of `local`, the critic's value target per row or None): algos' estimator on the
         rows that end a trajectory (after reward shaping), shared with the trajectory's earlier segments."""
         cfg, par = self.cfg, self.par
+        # a rank with no rows runs the same path on (0, 1) tensors: it still joins the estimator's collectives
         dp_group = par.dp_group_gloo if par.dp_size > 1 else None  # algos reduces small CPU tensors: gloo
-        if not local:  # no rows here: still join the advantage estimator's collectives
-            algos.compute_advantages(cfg, torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 1),
-                                     old_logp=torch.zeros(0, 1), ref_logp=None, values=torch.zeros(0, 1),
-                                     dp_group=dp_group)
-            return [], []
         lasts = [j for j, s in enumerate(local) if s["last"]]
         lb = collate([local[j] for j in lasts], {
             "old_logp": [old[j] if old[j] is not None else torch.zeros(len(local[j]["response_ids"])) for j in lasts],
