@@ -406,8 +406,7 @@ def finalize(cfg: Config) -> Config:
     cfg.trainer_threads, cfg.engine_threads = cpu.torch_threads(cfg)  # those left at 0, derived from the cores
     need(cfg.resume in (True, False, "previous"), f"resume={cfg.resume!r}: choose true, false or previous")
     need(cfg.on_save_error in ("stop", "skip"), f"on_save_error={cfg.on_save_error!r}: choose 'stop' or 'skip'")
-    need(not (cfg.train_only and not cfg.load_rollouts),
-         "train_only needs load_rollouts=<dir written by dump_rollouts>")
+    need(not cfg.train_only or bool(cfg.load_rollouts), "train_only needs load_rollouts=<dir written by dump_rollouts>")
     for t in cfg.trackers:
         need(t in TRACKERS,
              f"trackers: {t!r} is not a tracker; choose from {sorted(TRACKERS)}{closest(str(t), TRACKERS)}")
