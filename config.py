@@ -666,11 +666,10 @@ def check_fast_paths(cfg: Config) -> None:
     for key, owner in MEGATRON_OWNED.items():
         need(key not in cfg.megatron, f"megatron.{key}={cfg.megatron.get(key)!r}: LoongSage sets it from its own "
              f"field `{owner}` (which it acts on beyond Megatron); set {owner} instead and drop megatron.{key}")
-    for key in ("recompute_method", "recompute_num_layers"):
-        need(key not in cfg.megatron or cfg.recompute == "full", f"megatron.{key} refines recompute='full', but "
-             f"recompute={cfg.recompute!r}; set recompute=full or drop megatron.{key}")
-    need("recompute_modules" not in cfg.megatron or cfg.recompute == "selective", f"megatron.recompute_modules "
-         f"refines recompute='selective', but recompute={cfg.recompute!r}; set recompute=selective or drop it")
+    refines = {"recompute_method": "full", "recompute_num_layers": "full", "recompute_modules": "selective"}
+    for key, mode in refines.items():
+        need(key not in cfg.megatron or cfg.recompute == mode, f"megatron.{key} refines recompute={mode!r}, but "
+             f"recompute={cfg.recompute!r}; set recompute={mode} or drop megatron.{key}")
     if cfg.device == "cpu":
         need(not cfg.use_distributed_optimizer, "use_distributed_optimizer=true needs CUDA: Megatron-Core 0.16's "
              "optimizers (its DistributedOptimizer among them) allocate CUDA tensors and take torch.cuda parameters "
