@@ -567,14 +567,6 @@ class Parallel:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.dp_group_gloo)
         return float(t)
 
-    def from_last_stage(self, obj):
-        """`obj` as the last pipeline stage holds it, on every stage of this rank's pipeline (PP=1: obj)."""
-        if self.pp_size == 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=self.pp_last_rank, group=self.pp_group)
-        return box[0]
-
     def shutdown(self) -> None:
         from megatron.core import parallel_state  # Megatron: late
         parallel_state.destroy_model_parallel()
@@ -907,7 +899,11 @@ class Model:
                         (next(iter(out.values())).sum() * 0.0).backward()
         finally:
             self.module.train(was_training)
-        return par.from_last_stage(kept)
+        if par.pp_size > 1:  # the keeps as the last stage holds them, on every stage of this pipeline
+            box = [kept]
+            torch.distributed.broadcast_object_list(box, src=par.pp_last_rank, group=par.pp_group)
+            kept = box[0]
+        return kept
 
     def _pipeline(self, parts: list[range], mbs: list[dict], fn, kept: list, backward: bool, head: str) -> None:
         """`run`'s micro-batches through Megatron-Core's 1F1B schedule (PP > 1); `kept` is filled on the last
