@@ -772,7 +772,6 @@ class Model:
                 fill = torch.arange(replay.size(-1), device=replay.device).expand(B, T, *replay.shape[2:]).clone()
                 fill[:B0, :T0] = replay
                 replay = fill  # (B, T, L, K)
-        B, T = tokens.shape
         self.tokens[0] += int(mb["seq_len"].sum())
         self.tokens[1] += B * T
         position_ids = torch.arange(T, device=par.device).unsqueeze(0).expand(B, T)  # (B, T)
