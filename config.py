@@ -879,15 +879,14 @@ def capacity(cfg: Config) -> int:
 def describe(cfg: Config) -> str:
     """The derived sizes, in one line."""
     rollout = cfg.prompts_per_step * cfg.samples_per_prompt
+    engine_cores, lent = cpu.actor_cores(cfg, "engine", 0), cpu.lent_cores(cfg, 0)  # async on a CPU node
     return (f"data_parallel={cfg.data_parallel}, rollout batch={rollout} samples, {rollout // cfg.global_batch_size} "
             f"optimizer step(s) per RL step, {cfg.global_batch_size // cfg.data_parallel // cfg.micro_batch_size} "
             f"micro-batch(es) per rank per optimizer step, device={cfg.device}, engine={cfg.engine}, "
             f"torch threads trainer/engine={cfg.trainer_threads}/{cfg.engine_threads}"
-            + (f", cores trainer 0 / engine 0: {cpu.actor_cores(cfg, 'trainer', 0)} / "
-               f"{cpu.actor_cores(cfg, 'engine', 0)}"
-               if cpu.actor_cores(cfg, "engine", 0) else "")
-            + (f" (trainer 0 also on {[c for _, cs in cpu.lent_cores(cfg, 0) for c in cs]} while its engines idle)"
-               if cpu.lent_cores(cfg, 0) else "")
+            + (f", cores trainer 0 / engine 0: {cpu.actor_cores(cfg, 'trainer', 0)} / {engine_cores}"
+               if engine_cores else "")
+            + (f" (trainer 0 also on {[c for _, cs in lent for c in cs]} while its engines idle)" if lent else "")
             + (", critic (value model) in every trainer rank" if cfg.advantage == "gae" else "")
             + (f", LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on {','.join(cfg.lora_targets)} (base frozen)"
                if cfg.lora_rank else "")
