@@ -363,10 +363,9 @@ def compute_advantages(cfg, rewards, group_ids, loss_mask, *, old_logp=None, ref
         if values is None:
             raise ValueError("advantage='gae' needs values (B, T) from a critic")
         adv, norm = gae(tok_r, values.float(), mask, cfg.gamma, cfg.lam), cfg.adv_norm
-    elif name == "returns":
-        adv, norm = gae(tok_r, torch.zeros_like(tok_r), mask, cfg.gamma, 1.0), cfg.adv_norm
-    elif name == "reinforce_pp":
-        adv, norm = gae(tok_r, torch.zeros_like(tok_r), mask, cfg.gamma, 1.0), "batch"
+    elif name in ("returns", "reinforce_pp"):  # the discounted return-to-go: GAE with V = 0 and lam = 1
+        adv = gae(tok_r, torch.zeros_like(tok_r), mask, cfg.gamma, 1.0)
+        norm = cfg.adv_norm if name == "returns" else "batch"
     else:
         raise _choice_error("advantage", name, ADVANTAGES)
     if raw:

@@ -406,8 +406,7 @@ def finalize(cfg: Config) -> Config:
     cfg.trainer_threads, cfg.engine_threads = cpu.torch_threads(cfg)  # those left at 0, derived from the cores
     need(cfg.resume in (True, False, "previous"), f"resume={cfg.resume!r}: choose true, false or previous")
     need(cfg.on_save_error in ("stop", "skip"), f"on_save_error={cfg.on_save_error!r}: choose 'stop' or 'skip'")
-    need(not (cfg.train_only and not cfg.load_rollouts),
-         "train_only needs load_rollouts=<dir written by dump_rollouts>")
+    need(not cfg.train_only or bool(cfg.load_rollouts), "train_only needs load_rollouts=<dir written by dump_rollouts>")
     for t in cfg.trackers:
         need(t in TRACKERS,
              f"trackers: {t!r} is not a tracker; choose from {sorted(TRACKERS)}{closest(str(t), TRACKERS)}")
@@ -489,8 +488,7 @@ def check_vllm(cfg: Config) -> None:
     need(cfg.mode != "async" or not cfg.borrow_engine_cores, "engine=vllm in async mode: a trainer rank borrows "
          "an engine's cores only while a CPU engine flags them idle, and vLLM flags nothing; set "
          "borrow_engine_cores=false")
-    head_dim = ({**data.TINY_DEFAULTS, **cfg.tiny_model} if cfg.model_path == "tiny"
-                else _hf_config(cfg.model_path, cfg.tiny_model)).get("head_dim")
+    head_dim = _hf_config(cfg.model_path, cfg.tiny_model).get("head_dim")
     need(head_dim is None or int(head_dim) >= 32, f"engine=vllm: the model's head_dim is {head_dim}, and vLLM's CPU "
          "attention needs >= 32 (it starts, then dies on the first request); use a model (tiny_model.head_dim) "
          "with head_dim >= 32")
@@ -530,7 +528,7 @@ def check_rollout(cfg: Config) -> None:
 def check_models(cfg: Config) -> None:
     """What the model must be for the options set: an MoE model for router_replay, known tiny_model settings."""
     if cfg.router_replay:
-        mt = _model_type(cfg.model_path, cfg.tiny_model)
+        mt = _hf_config(cfg.model_path, cfg.tiny_model).get("model_type")
         need(mt in (None,) + MOE_MODEL_TYPES, f"router_replay=true needs an MoE model ({', '.join(MOE_MODEL_TYPES)}), "
              f"but {cfg.model_path!r} is {mt!r}, which has no router; set router_replay=false"
              + (" or tiny_model.num_experts > 0" if cfg.model_path == "tiny" else ""))
@@ -616,7 +614,7 @@ def check_lora(cfg: Config) -> None:
     need(bool(targets) and not bad, f"lora_targets={cfg.lora_targets!r}: "
          + (f"{bad[0]!r} is not a projection{closest(str(bad[0]), lora.TARGETS)} " if bad else "empty; ")
          + f"(choose from {list(lora.TARGETS)})")
-    mt = _model_type(cfg.model_path, cfg.tiny_model)
+    mt = _hf_config(cfg.model_path, cfg.tiny_model).get("model_type")
     need(mt not in MOE_MODEL_TYPES, f"lora_rank={cfg.lora_rank} with {mt} ({cfg.model_path!r}): LoRA on MoE "
          "experts and multi-latent attention is not wired in (dense Qwen3 / Qwen2 / Llama / Mistral only); "
          "set lora_rank=0")
@@ -668,11 +666,10 @@ def check_fast_paths(cfg: Config) -> None:
     for key, owner in MEGATRON_OWNED.items():
         need(key not in cfg.megatron, f"megatron.{key}={cfg.megatron.get(key)!r}: LoongSage sets it from its own "
              f"field `{owner}` (which it acts on beyond Megatron); set {owner} instead and drop megatron.{key}")
-    for key in ("recompute_method", "recompute_num_layers"):
-        need(key not in cfg.megatron or cfg.recompute == "full", f"megatron.{key} refines recompute='full', but "
-             f"recompute={cfg.recompute!r}; set recompute=full or drop megatron.{key}")
-    need("recompute_modules" not in cfg.megatron or cfg.recompute == "selective", f"megatron.recompute_modules "
-         f"refines recompute='selective', but recompute={cfg.recompute!r}; set recompute=selective or drop it")
+    refines = {"recompute_method": "full", "recompute_num_layers": "full", "recompute_modules": "selective"}
+    for key, mode in refines.items():
+        need(key not in cfg.megatron or cfg.recompute == mode, f"megatron.{key} refines recompute={mode!r}, but "
+             f"recompute={cfg.recompute!r}; set recompute={mode} or drop megatron.{key}")
     if cfg.device == "cpu":
         need(not cfg.use_distributed_optimizer, "use_distributed_optimizer=true needs CUDA: Megatron-Core 0.16's "
              "optimizers (its DistributedOptimizer among them) allocate CUDA tensors and take torch.cuda parameters "
@@ -685,7 +682,7 @@ def check_fast_paths(cfg: Config) -> None:
     need(not (cfg.router_replay and (cfg.sequence_parallel or cp > 1)), "router_replay=true with sequence_parallel or "
          "context_parallel: R3 hands every router the experts of all the micro-batch's tokens, and those split the "
          "tokens over ranks; set router_replay=false, or sequence_parallel=false and context_parallel=1")
-    mt = _model_type(cfg.model_path, cfg.tiny_model)
+    mt = _hf_config(cfg.model_path, cfg.tiny_model).get("model_type")
     need(not (mt in ("qwen3_moe", "mixtral") and tp > 1 and not cfg.sequence_parallel), f"{cfg.model_path!r} is an "
          f"MoE model ({mt}) and tensor_parallel={tp}: Megatron-Core trains MoE layers under tensor parallelism only "
          "with sequence parallelism (its MoELayer refuses otherwise); set sequence_parallel=true, or split the "
@@ -723,20 +720,15 @@ def teacher_spec(name: str, spec) -> dict:
 
 def _hf_config(path: str, tiny_model: dict) -> dict:
     """config.json of the HF directory `path`, {} where it does not exist yet; for "tiny" the fields the rules read
-    (model_type, num_hidden_layers, tie_word_embeddings, num_experts) as the tiny builder will write them."""
+    (model_type, num_hidden_layers, tie_word_embeddings, num_experts, head_dim) as the tiny builder will write them."""
     if path == "tiny":
         s = {**data.TINY_DEFAULTS, **tiny_model}
         experts = int(s["num_experts"] or 0)
         return {"model_type": "qwen3_moe" if s["model_type"] == "qwen3" and experts else s["model_type"],
                 "num_hidden_layers": int(s["num_hidden_layers"]), "tie_word_embeddings": bool(s["tie_word_embeddings"]),
-                "num_experts": experts}
+                "num_experts": experts, "head_dim": s["head_dim"]}
     cfg_file = Path(path) / "config.json"
     return json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
-
-
-def _model_type(path: str, tiny_model: dict) -> str | None:
-    """config.json's model_type of `path` (the tiny builder's, for "tiny"); None where it cannot be read yet."""
-    return _hf_config(path, tiny_model).get("model_type")
 
 
 def _vocab_of(path: str, tiny_model: dict) -> tuple | None:
@@ -785,10 +777,6 @@ def check_teachers(cfg: Config) -> None:
     check_teacher_vocab(cfg.model_path, {n: spec["path"] for n, spec in specs.items()},
                         cfg.tiny_model, {n: spec.get("tiny_model", cfg.tiny_model) for n, spec in specs.items()})
 
-    def check_teacher_ref(ref, where: str):
-        for t in ([ref] if isinstance(ref, str) else list(dict(ref))):
-            need(t in names, f"{where} names teacher {t!r}, which is not in teachers: {names}{closest(str(t), names)}")
-
     seen = set()
     for i, src in enumerate(cfg.data_sources):
         need(isinstance(src, dict) and "name" in src and "dataset" in src,
@@ -803,7 +791,9 @@ def check_teachers(cfg: Config) -> None:
                 data.import_object(src[key])
         if src.get("teacher") is not None:
             need(bool(names), f"data source {src['name']!r} names teacher {src['teacher']!r} but `teachers:` is empty")
-            check_teacher_ref(src["teacher"], f"data source {src['name']!r}")
+            for t in ([src["teacher"]] if isinstance(src["teacher"], str) else list(dict(src["teacher"]))):
+                need(t in names, f"data source {src['name']!r} names teacher {t!r}, which is not in teachers: "
+                     f"{names}{closest(str(t), names)}")
         elif len(names) > 1 and not cfg.teacher_route:
             raise ValueError(f"data source {src['name']!r} has no teacher, and there are {len(names)} teachers "
                              f"{names}; set its `teacher:` (a name or {{name: weight}}), or set teacher_route")
@@ -889,15 +879,14 @@ def capacity(cfg: Config) -> int:
 def describe(cfg: Config) -> str:
     """The derived sizes, in one line."""
     rollout = cfg.prompts_per_step * cfg.samples_per_prompt
+    engine_cores, lent = cpu.actor_cores(cfg, "engine", 0), cpu.lent_cores(cfg, 0)  # async on a CPU node
     return (f"data_parallel={cfg.data_parallel}, rollout batch={rollout} samples, {rollout // cfg.global_batch_size} "
             f"optimizer step(s) per RL step, {cfg.global_batch_size // cfg.data_parallel // cfg.micro_batch_size} "
             f"micro-batch(es) per rank per optimizer step, device={cfg.device}, engine={cfg.engine}, "
             f"torch threads trainer/engine={cfg.trainer_threads}/{cfg.engine_threads}"
-            + (f", cores trainer 0 / engine 0: {cpu.actor_cores(cfg, 'trainer', 0)} / "
-               f"{cpu.actor_cores(cfg, 'engine', 0)}"
-               if cpu.actor_cores(cfg, "engine", 0) else "")
-            + (f" (trainer 0 also on {[c for _, cs in cpu.lent_cores(cfg, 0) for c in cs]} while its engines idle)"
-               if cpu.lent_cores(cfg, 0) else "")
+            + (f", cores trainer 0 / engine 0: {cpu.actor_cores(cfg, 'trainer', 0)} / {engine_cores}"
+               if engine_cores else "")
+            + (f" (trainer 0 also on {[c for _, cs in lent for c in cs]} while its engines idle)" if lent else "")
             + (", critic (value model) in every trainer rank" if cfg.advantage == "gae" else "")
             + (f", LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on {','.join(cfg.lora_targets)} (base frozen)"
                if cfg.lora_rank else "")

@@ -471,6 +471,14 @@ _MLA_NAMES = (("self_attn.q_proj.weight", "self_attention.linear_q_proj.weight")
               ("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight"),
               ("self_attn.kv_a_layernorm.weight", "self_attention.kv_layernorm.weight"),
               ("self_attn.kv_b_proj.weight", "self_attention.linear_kv_up_proj.weight"))
+# Every family, HF name -> Megatron name under a layer, same layout on both sides, each where the model has it (the
+# q/k norms: Qwen3's; the score-correction bias: DeepSeek-V3's MoE layers')
+_LAYER_NAMES = (("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+                ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+                ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
+                ("input_layernorm.weight", "input_layernorm.weight"),
+                ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
+                ("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias"))
 
 
 class _Tracked(dict):
@@ -512,16 +520,9 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], hf: dict) -> dict[str, tor
                 # (G, Nq/G + 2, D[, H]): per query group its q heads, its k head, its v head
                 qkv = torch.cat([x.view(kv, -1, d, *rest) for x in (q, k, v)], 1)
                 out[m + f"self_attention.linear_qkv.{kind}"] = qkv.reshape(-1, *rest)  # (G*(Nq/G+2)*D[, H])
-        out[m + "self_attention.linear_proj.weight"] = hf_state[h + "self_attn.o_proj.weight"]
-        if h + "self_attn.q_norm.weight" in hf_state:
-            out[m + "self_attention.q_layernorm.weight"] = hf_state[h + "self_attn.q_norm.weight"]
-            out[m + "self_attention.k_layernorm.weight"] = hf_state[h + "self_attn.k_norm.weight"]
-        out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
+        out.update({m + mn: hf_state[h + hn] for hn, mn in _LAYER_NAMES if h + hn in hf_state})
         if _moe_layer(hf, L):
             out[m + "mlp.router.weight"] = hf_state[_router_name(hf, L)]
-            if h + "mlp.gate.e_score_correction_bias" in hf_state:  # DeepSeek-V3
-                out[m + "mlp.router.expert_bias"] = hf_state[h + "mlp.gate.e_score_correction_bias"]
             for e in range(_num_experts(hf)):
                 g, u, dn = _expert_names(hf, L, e)
                 x = f"{m}mlp.experts.local_experts.{e}."
@@ -562,16 +563,8 @@ def megatron_to_hf_tensor(name: str, t: torch.Tensor, hf: dict) -> list[tuple[st
         return [(h + f"self_attn.q_proj.{kind}", qkv[:, :q_per_group].reshape(heads * d, *tail)),
                 (h + f"self_attn.k_proj.{kind}", qkv[:, q_per_group].reshape(kv * d, *tail)),
                 (h + f"self_attn.v_proj.{kind}", qkv[:, q_per_group + 1].reshape(kv * d, *tail))]
-    if hf["model_type"] == "deepseek_v3":
-        mla = {mn: hn for hn, mn in _MLA_NAMES}
-        if rest in mla:
-            return [(h + mla[rest], t)]
-    simple = {"self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-              "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-              "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-              "input_layernorm.weight": "input_layernorm.weight",
-              "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-              "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias"}
+    mla = _MLA_NAMES if hf["model_type"] == "deepseek_v3" else ()  # its q_layernorm is HF's q_a_layernorm
+    simple = {mn: hn for hn, mn in _LAYER_NAMES + mla}
     if rest in simple:
         return [(h + simple[rest], t)]
     if rest == "mlp.router.weight":

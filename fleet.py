@@ -163,29 +163,20 @@ def placement(cfg: Config) -> dict:
     (`bundle_gpus`). CPU: one {"CPU": n} bundle per trainer rank and per engine; colocated, a trainer's bundle also
     holds its engine. Returns {"bundles", "trainers": [actor options], "engines": [actor options + "gpu_bundles"]}.
     """
-    gpu, T, E, k = cfg.device == "cuda", cfg.trainer_workers, cfg.num_engines, cfg.gpus_per_engine
-    if gpu:
-        bundles = [{"GPU": 1, "CPU": cfg.cpus_per_trainer} for _ in range(T)]
-        first = 0 if cfg.colocate else T  # the bundle engine 0 starts on
-        if cfg.colocate:
-            for i in range(E * k):
-                bundles[i]["CPU"] += cfg.cpus_per_engine / k  # the engine's CPUs, spread over its bundles
-        else:
-            bundles += [{"GPU": 1, "CPU": cfg.cpus_per_engine / k} for _ in range(E * k)]
-        share = 0.5 if cfg.colocate else 1.0
-        trainers = [dict(bundle=r, num_gpus=share, num_cpus=cfg.cpus_per_trainer) for r in range(T)]
-        engines = [dict(bundle=first + i * k, num_gpus=share, num_cpus=cfg.cpus_per_engine / k,
-                        gpu_bundles=list(range(first + i * k, first + (i + 1) * k))) for i in range(E)]
-    else:
-        bundles = [{"CPU": cfg.cpus_per_trainer} for _ in range(T)]
-        if cfg.colocate:
-            for i in range(E):
-                bundles[i * T // E]["CPU"] += cfg.cpus_per_engine
-        else:
-            bundles += [{"CPU": cfg.cpus_per_engine} for _ in range(E)]
-        trainers = [dict(bundle=r, num_gpus=0, num_cpus=cfg.cpus_per_trainer) for r in range(T)]
-        engines = [dict(bundle=(i * T // E) if cfg.colocate else T + i, num_gpus=0, num_cpus=cfg.cpus_per_engine,
-                        gpu_bundles=[]) for i in range(E)]
+    gpu, T, E = cfg.device == "cuda", cfg.trainer_workers, cfg.num_engines
+    k, gpus = (cfg.gpus_per_engine, {"GPU": 1}) if gpu else (1, {})  # a CPU engine: one bundle
+    bundles = [{**gpus, "CPU": cfg.cpus_per_trainer} for _ in range(T)]
+    if cfg.colocate:  # engine i on the trainers' bundles: i*k .. i*k+k-1 on GPUs, spread over them on CPU
+        spans = [list(range(i * k, (i + 1) * k)) if gpu else [i * T // E] for i in range(E)]
+        for b in [b for span in spans for b in span]:
+            bundles[b]["CPU"] += cfg.cpus_per_engine / k  # the engine's CPUs, spread over its bundles
+    else:  # bundles of their own, after the trainers'
+        spans = [list(range(T + i * k, T + (i + 1) * k)) for i in range(E)]
+        bundles += [{**gpus, "CPU": cfg.cpus_per_engine / k} for _ in range(E * k)]
+    share = (0.5 if cfg.colocate else 1.0) if gpu else 0
+    trainers = [dict(bundle=r, num_gpus=share, num_cpus=cfg.cpus_per_trainer) for r in range(T)]
+    engines = [dict(bundle=span[0], num_gpus=share, num_cpus=cfg.cpus_per_engine / k, gpu_bundles=span if gpu else [])
+               for span in spans]
     return {"bundles": bundles, "trainers": trainers, "engines": engines}
 
 

@@ -332,21 +332,17 @@ def plan_minibatches(batch: list[dict], n_minibatches: int, dp_rank: int, dp_siz
             for a, b in zip(bounds, bounds[1:])]
 
 
-def optimizer_steps_per_rl_step(cfg) -> int:
-    """Mini-batches (optimizer steps) in one RL step: rollout samples / global_batch_size, at least 1."""
-    return max(1, round(int(cfg.prompts_per_step) * int(cfg.samples_per_prompt) / int(cfg.global_batch_size)))
-
-
 def lr_at(cfg, it: int) -> float:
     """Learning rate of optimizer step `it` (0-based): linear warmup over cfg.lr_warmup_steps, then a
-    cosine from cfg.lr down to cfg.min_lr over the whole run (cfg.num_steps RL steps of
-    `optimizer_steps_per_rl_step` optimizer steps each); constant when min_lr == lr."""
+    cosine from cfg.lr down to cfg.min_lr over the whole run (cfg.num_steps RL steps of rollout samples /
+    global_batch_size optimizer steps each, at least 1); constant when min_lr == lr."""
     warmup = int(cfg.lr_warmup_steps or 0)
     if it < warmup:
         return cfg.lr * (it + 1) / warmup
     if cfg.min_lr == cfg.lr:
         return cfg.lr
-    total = int(cfg.num_steps) * optimizer_steps_per_rl_step(cfg)
+    per_step = max(1, round(int(cfg.prompts_per_step) * int(cfg.samples_per_prompt) / int(cfg.global_batch_size)))
+    total = int(cfg.num_steps) * per_step
     frac = min(1.0, (it - warmup) / max(1, total - warmup))
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
 
@@ -381,11 +377,6 @@ def add_up(dicts) -> dict[str, float]:
         for k, v in d.items():
             out[k] = out.get(k, 0.0) + v
     return out
-
-
-def _metric_sums(loss: torch.Tensor, metrics: dict) -> dict[str, float]:
-    """One micro-batch's loss and metrics as python floats, the loss under "loss"."""
-    return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,23 +447,6 @@ def push_fault(stream, version: int, rank: int):
     """`stream`, then the drill point `push` (fault): every bucket but the last has left for the engines."""
     yield from stream
     fault("push", version, rank, f"rank {rank} sent every bucket of weight version {version} but the last")
-
-
-def rng_states(on_cpu: bool) -> dict:
-    """python / numpy / torch (and CUDA) RNG states, for a checkpoint."""
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and not on_cpu:
-        rng["cuda"] = torch.cuda.get_rng_state()
-    return rng
-
-
-def restore_rng_states(rng, on_cpu: bool) -> None:
-    """Inverse of rng_states."""
-    torch.set_rng_state(rng["torch"].cpu())
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    if "cuda" in rng and torch.cuda.is_available() and not on_cpu:
-        torch.cuda.set_rng_state(rng["cuda"].cpu())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -592,14 +566,6 @@ class Parallel:
         t = torch.tensor([float(value)], dtype=torch.float64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.dp_group_gloo)
         return float(t)
-
-    def from_last_stage(self, obj):
-        """`obj` as the last pipeline stage holds it, on every stage of this rank's pipeline (PP=1: obj)."""
-        if self.pp_size == 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=self.pp_last_rank, group=self.pp_group)
-        return box[0]
 
     def shutdown(self) -> None:
         from megatron.core import parallel_state  # Megatron: late
@@ -806,7 +772,6 @@ class Model:
                 fill = torch.arange(replay.size(-1), device=replay.device).expand(B, T, *replay.shape[2:]).clone()
                 fill[:B0, :T0] = replay
                 replay = fill  # (B, T, L, K)
-        B, T = tokens.shape
         self.tokens[0] += int(mb["seq_len"].sum())
         self.tokens[1] += B * T
         position_ids = torch.arange(T, device=par.device).unsqueeze(0).expand(B, T)  # (B, T)
@@ -933,7 +898,11 @@ class Model:
                         (next(iter(out.values())).sum() * 0.0).backward()
         finally:
             self.module.train(was_training)
-        return par.from_last_stage(kept)
+        if par.pp_size > 1:  # the keeps as the last stage holds them, on every stage of this pipeline
+            box = [kept]
+            torch.distributed.broadcast_object_list(box, src=par.pp_last_rank, group=par.pp_group)
+            kept = box[0]
+        return kept
 
     def _pipeline(self, parts: list[range], mbs: list[dict], fn, kept: list, backward: bool, head: str) -> None:
         """`run`'s micro-batches through Megatron-Core's 1F1B schedule (PP > 1); `kept` is filled on the last
@@ -1161,8 +1130,7 @@ class Critic:
                                           "returns": [returns[j] for j in rows]})
             self.optim.end_minibatch(add_up(kept), totals, n_mb)
         # the values the advantages used (before this update) against their targets, over every DP rank's tokens
-        lb = collate(local, {"old_values": old_values, "returns": returns}) if local else \
-            {k: torch.zeros(0, 1) for k in ("old_values", "returns", "loss_mask")}  # (B_local, R)
+        lb = collate(local, {"old_values": old_values, "returns": returns})  # (B_local, R), (0, 1) with no rows
         ev = algos.explained_variance(lb["old_values"], lb["returns"], lb["loss_mask"],
                                       par.dp_group_gloo if par.dp_size > 1 else None)
         vsum = par.dp_sum({"v": float((lb["old_values"] * lb["loss_mask"]).sum()), "n": float(lb["loss_mask"].sum())})
@@ -1395,7 +1363,7 @@ class TrainerWorker:
             lora.add_adapters(self.policy.gpt, cfg, self.hf_config, par.tp_group if par.tp_size > 1 else None)
         self.policy.wrap_ddp(cfg.use_distributed_optimizer)
         self.optim = Optim(self.policy, cfg, lr)
-        if (float(cfg.kl_coef) > 0 or bool(cfg.kl_in_reward)) and not self.lora:
+        if self._needs_reference() and not self.lora:
             self.ref = Model(par, tcfg, model_kwargs, cfg.micro_batch_size, fp32_lm_head=cfg.fp32_lm_head,
                              max_tokens=cfg.max_tokens_per_micro_batch)
             self.ref.load(full)
@@ -1518,12 +1486,8 @@ class TrainerWorker:
         """(advantage per row of `local`, the critic's value target per row or None): algos' estimator on the
         rows that end a trajectory (after reward shaping), shared with the trajectory's earlier segments."""
         cfg, par = self.cfg, self.par
+        # a rank with no rows runs the same path on (0, 1) tensors: it still joins the estimator's collectives
         dp_group = par.dp_group_gloo if par.dp_size > 1 else None  # algos reduces small CPU tensors: gloo
-        if not local:  # no rows here: still join the advantage estimator's collectives
-            algos.compute_advantages(cfg, torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 1),
-                                     old_logp=torch.zeros(0, 1), ref_logp=None, values=torch.zeros(0, 1),
-                                     dp_group=dp_group)
-            return [], []
         lasts = [j for j, s in enumerate(local) if s["last"]]
         lb = collate([local[j] for j in lasts], {
             "old_logp": [old[j] if old[j] is not None else torch.zeros(len(local[j]["response_ids"])) for j in lasts],
@@ -1578,7 +1542,7 @@ class TrainerWorker:
                 if opd is not None:  # TEACHERS: L = (1 - gkd_ratio) * L_RL + gkd_ratio * L_GKD
                     loss = algos.opd_objective(cfg, loss, opd.pop("gkd_loss"))
                     m.update(opd)
-                return loss, (_metric_sums(loss, m), starting)
+                return loss, ({k: float(v) for k, v in {"loss": loss.detach(), **m}.items()}, starting)
             extras = {"old_logp": [old[j] if old[j] is not None else torch.zeros(len(local[j]["response_ids"]))
                                    for j in rows], "adv": [adv[j] for j in rows]}
             if ref is not None:
@@ -1639,7 +1603,8 @@ class TrainerWorker:
                 opd.pop("adv")
                 loss = opd.pop("gkd_loss")
                 entropy = algos.aggregate(out["entropy"].detach(), mb["loss_mask"], "token_mean", denom)
-                return loss, _metric_sums(loss, {"entropy": entropy, **opd})
+                sums = {"loss": loss.detach(), "entropy": entropy, **opd}
+                return loss, {k: float(v) for k, v in sums.items()}
             zero_adv = [torch.zeros(len(batch[i]["response_ids"])) for i in mine]  # unused by GKD
             kept = self.policy.run([batch[i] for i in mine], gkd_loss, {"adv": zero_adv}, backward=True,
                                    head="logits")
@@ -1716,7 +1681,9 @@ class TrainerWorker:
         files = {"model": {"model": self.policy.gpt.state_dict(), "world_size": par.world_size,
                            "tensor_parallel": par.tp_size}, "optim": {
             "optimizer": self.optim.state_dict(), "optim_steps": self.optim.steps, "lr_override": self.optim.lr,
-            "rng": rng_states(par.on_cpu)}}
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}}
+        if not par.on_cpu:  # on_cpu is False exactly where CUDA runs the model
+            files["optim"]["rng"]["cuda"] = torch.cuda.get_rng_state()
         if critic is not None:  # CRITIC: its weights and optimizer travel in the same files
             files["model"]["critic"] = critic.model.gpt.state_dict()
             files["optim"] |= {"critic_optimizer": critic.optim.state_dict(), "critic_steps": critic.optim.steps}
@@ -1769,7 +1736,12 @@ class TrainerWorker:
             self.critic.model.gpt.load_state_dict(model["critic"])
             self.critic.optim.load_state_dict(state["critic_optimizer"])
             self.critic.optim.steps = int(state["critic_steps"])
-        restore_rng_states(state["rng"], par.on_cpu)
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"].cpu())
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if "cuda" in rng and not par.on_cpu:
+            torch.cuda.set_rng_state(rng["cuda"].cpu())
         return self.optim.steps
 
     # --- colocated memory hand-off (HandOff) ---------------------------------------------------------

@@ -342,7 +342,8 @@ def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list,
     engines = _engines(engines)
     tensors = sorted(adapters.items())
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-    kinds = {adapter_transport(u, transport, u in remote) for u, _ in engines}
+    served = [adapter_transport(u, transport, u in remote) for u, _ in engines]  # each engine's transport
+    kinds = set(served)
     for kind in kinds:
         if kind not in ("shm", "cuda_ipc", "disk"):
             raise ValueError(f"transfer={kind!r} cannot carry a LoRA adapter (SGLang 0.5.23 loads adapters from "
@@ -353,9 +354,8 @@ def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list,
     if "shm" in kinds:  # written once, read by every local engine
         flat, metas, _ = write_shm_bucket(tensors)
 
-    def load(engine):
-        url, tp = engine
-        kind = adapter_transport(url, transport, url in remote)
+    def load(engine_and_kind):
+        (url, tp), kind = engine_and_kind
         if kind == "shm":
             _post(url, "/load_lora_adapter_from_tensors", {**fields, **sha, "load_format": "flattened_bucket",
                                                           "serialized_named_tensors": tensor_payloads(flat, metas, tp)})
@@ -373,10 +373,9 @@ def push_adapter(adapters: dict[str, torch.Tensor], config: dict, engines: list,
                 shutil.rmtree(out, ignore_errors=True)
         # abort_all_requests defaults to true in SGLang: requests in flight must survive the version change
         _post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
-    _each(load, engines)
+    _each(load, list(zip(engines, served)))
     seconds = time.perf_counter() - t0
     # bytes of one copy, as push_weights counts them: what one engine receives
-    served = [adapter_transport(u, transport, u in remote) for u, _ in engines]
     return {"weights/version": version, "weights/buckets": 1, "weights/bytes": nbytes, "weights/seconds": seconds,
             "weights/gbps": nbytes / max(seconds, 1e-9) / 1e9,
             **{f"weights/engines_{kind}": served.count(kind) for kind in kinds}}

@@ -348,7 +348,7 @@ def test_three_step_rl_run(ray_session, tmp_path, monkeypatch):
 
 def test_check_takes_router_replay_and_refuses_moe_training_under_tensor_parallel():
     cfg = config.finalize(config.Config(device="cpu", router_replay=True, tiny_model=DS))
-    assert config._model_type(cfg.model_path, cfg.tiny_model) == "deepseek_v3" and cfg.router_replay
+    assert config._hf_config(cfg.model_path, cfg.tiny_model)["model_type"] == "deepseek_v3" and cfg.router_replay
     with pytest.raises(ValueError, match=r"tensor_parallel=2 with an MoE model \(deepseek_v3\).*use tensor_parallel=1 "
                                          "and split the experts with expert_parallel"):
         config.finalize(config.Config(device="cpu", tiny_model=DS, tensor_parallel=2, trainer_workers=2))
