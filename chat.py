@@ -734,13 +734,11 @@ def parse_reasoning(parser: str, text: str) -> tuple[str, str]:
         raise ValueError(f"reasoning_parser {parser!r} is not one of {REASONING_PARSERS}")
     if parser == "qwen3" and "<think>" not in text:
         return "", text
-    while text.startswith("<think>"):
-        text = text[len("<think>"):]
+    text = re.sub(r"^(?:<think>)+", "", text)  # leading <think> tags, however many
     if "</think>" not in text:
         cut = text.find("<tool_call>") if parser == "qwen3" else -1
         return (text[:cut], text[cut:]) if cut != -1 else (text, "")
-    reasoning, content = text.split("</think>", 1)
-    return reasoning, content
+    return tuple(text.split("</think>", 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -867,8 +865,7 @@ class ChatFormat:
         if self.reasoning_parser and separate_reasoning:
             forced = self.reasoning_parser == "deepseek-r1"
             if forced or "<think>" in text:
-                while text.startswith("<think>"):
-                    text = text[len("<think>"):]
+                text = re.sub(r"^(?:<think>)+", "", text)
                 if text and "<think>".startswith(text):
                     return "", ""
                 if "</think>" not in text:  # still thinking (Qwen3's ends at a tool call if it never closes)
