@@ -268,17 +268,15 @@ class TeacherWorker:
         log-sum-exp travel (vocab_topk, merge_vocab_topk), never the logits."""
         n, vs = logits.shape
         rows = max(1, CHUNK_FLOATS // vs)
-        values, ids = [], []
+        chunks = []  # (values, ids) of each chunk of rows
         for a in range(0, n, rows):
             mine = vocab_topk(logits[a:a + rows], k, self.par.tp_rank * vs)  # (c, 2k' + 1)
             parts = [mine]
             if self.par.tp_size > 1:
                 parts = [torch.empty_like(mine) for _ in range(self.par.tp_size)]
                 torch.distributed.all_gather(parts, mine, group=self.par.tp_group)
-            v, i = merge_vocab_topk(parts, k)
-            values.append(v)
-            ids.append(i)
-        return torch.cat(values), torch.cat(ids)
+            chunks.append(merge_vocab_topk(parts, k))
+        return torch.cat([v for v, _ in chunks]), torch.cat([i for _, i in chunks])
 
     @torch.no_grad()
     def score(self, batch: list[dict]):
