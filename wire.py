@@ -148,9 +148,7 @@ def openai_messages(raw) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ApiError(400, f"{where} must be an object, got {type(m).__name__}", param=where)
-        role = m.get("role")
-        if role == "developer":
-            role = "system"
+        role = {"developer": "system"}.get(m.get("role"), m.get("role"))
         if role not in ("system", "user", "assistant", "tool"):
             raise ApiError(400, f"{where}.role is {role!r}; expected one of system, developer, user, assistant, tool",
                            param=f"{where}.role")
@@ -785,10 +783,8 @@ def _anthropic_blocks(turn: Turn) -> list[dict]:
     blocks = [{"type": "thinking", "thinking": turn.reasoning, "signature": ""}] if turn.reasoning else []
     if turn.content or not turn.tool_calls:
         blocks.append({"type": "text", "text": turn.content})
-    for c in turn.tool_calls:
-        blocks.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                       "input": c["function"]["arguments"]})
-    return blocks
+    return blocks + [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                      "input": c["function"]["arguments"]} for c in turn.tool_calls]
 
 
 def anthropic_response(turn: Turn, model: str) -> dict:
@@ -1152,12 +1148,10 @@ def responses_logprobs(chat, turn: Turn) -> list[dict]:
 def responses_response(turn: Turn | None, model: str, rid: str, body: dict, output: list[dict]) -> dict:
     """The response object; `turn` None: as created, before its turn is generated (a stream's first events)."""
     incomplete = turn is not None and turn.finish_reason == "length" and not turn.tool_calls
-    usage = None
-    if turn is not None:
-        n = len(turn.output_ids)
-        usage = {"input_tokens": turn.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                 "output_tokens": n, "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
-                 "total_tokens": turn.prompt_tokens + n}
+    usage = None if turn is None else {
+        "input_tokens": turn.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": len(turn.output_ids), "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
+        "total_tokens": turn.prompt_tokens + len(turn.output_ids)}
     return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
             "status": "in_progress" if turn is None else "incomplete" if incomplete else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
