@@ -211,9 +211,8 @@ class TeacherWorker:
                 tcfg, kwargs = convert.megatron_config(hf, self.cfg, self.par.on_cpu)
                 self.skeletons[arch] = trainer.Model(self.par, tcfg, kwargs, self.cfg.micro_batch_size)
                 self.skeletons[arch].gpt.requires_grad_(False).eval()
-            model = self.skeletons[arch]
-            model.load(convert.hf_to_megatron(convert.load_hf_state(path), hf))
-            gpt = model.gpt
+            self.skeletons[arch].load(convert.hf_to_megatron(convert.load_hf_state(path), hf))
+            gpt = self.skeletons[arch].gpt
             if needs_hidden(self.cfg):
                 tied = gpt.share_embeddings_and_output_weights
                 head_name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
