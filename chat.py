@@ -640,8 +640,7 @@ def parse_mistral(text: str, tools) -> tuple[str, list[dict]]:
         if end == -1:
             return normal, []
         try:
-            arr = json.loads(part[start:end])
-            calls = _calls(arr if isinstance(arr, list) else [arr], tools, style="mistral")
+            calls = _calls(json.loads(part[start:end]), tools, style="mistral")  # an array of calls, or one
         except json.JSONDecodeError:
             calls = []
         except _NotACall:
