@@ -205,8 +205,7 @@ def openai_tools(raw) -> list[dict] | None:
             raise ApiError(400, f"invalid tool schema at tools[{i}]: expected "
                            "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}} (only function "
                            "tools are supported)", param=f"tools[{i}]")
-        tools.append({"type": "function", "function": _tool_function(fn.get("name"), fn.get("description"),
-                                                                     fn.get("parameters"), f"tools[{i}]")})
+        tools.append(_function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"tools[{i}]"))
     return _unique_tools(tools)
 
 
@@ -225,7 +224,7 @@ def _unique_tools(tools: list[dict]) -> list[dict] | None:
     return tools or None
 
 
-def _tool_function(name, description, parameters, where: str) -> dict:
+def _function_tool(name, description, parameters, where: str) -> dict:
     if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
         raise ApiError(400, f"invalid tool schema at {where}: name {name!r} must match ^[a-zA-Z0-9_-]{{1,64}}$",
                        param=where)
@@ -235,8 +234,9 @@ def _tool_function(name, description, parameters, where: str) -> dict:
                        f"({{'type': 'object', ...}}), got {parameters!r:.200}", param=where)
     if description is not None and not isinstance(description, str):
         raise ApiError(400, f"invalid tool schema at {where}: description must be a string", param=where)
-    return {"name": name, **({} if description is None else {"description": description}),
-            "parameters": parameters if parameters is not None else {"type": "object", "properties": {}}}
+    return {"type": "function", "function": {
+        "name": name, **({} if description is None else {"description": description}),
+        "parameters": parameters if parameters is not None else {"type": "object", "properties": {}}}}
 
 
 def anthropic_messages(system, raw) -> list[dict]:
@@ -319,8 +319,7 @@ def anthropic_tools(raw) -> list[dict] | None:
             raise ApiError(400, f"invalid tool schema at tools.{i}: expected a client tool {{'name', 'description', "
                            "'input_schema': {'type': 'object', ...}}} (server tools are not supported)",
                            param=f"tools.{i}")
-        tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
-                                                                     t["input_schema"], f"tools.{i}")})
+        tools.append(_function_tool(t.get("name"), t.get("description"), t["input_schema"], f"tools.{i}"))
     return _unique_tools(tools)
 
 
@@ -982,8 +981,7 @@ def responses_tools(raw) -> list[dict] | None:
             if extra:
                 raise ApiError(400, f"{where} has field(s) {extra} this router does not take (function tools: name, "
                                "description, parameters, strict)", param=where)
-            tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
-                                                                         t.get("parameters"), where)})
+            tools.append(_function_tool(t.get("name"), t.get("description"), t.get("parameters"), where))
         elif kind == "custom":
             extra = sorted(set(t) - {"type", "name", "description", "format", *_TOOL_DEFAULT_ONLY})
             fmt = t.get("format")
@@ -991,9 +989,9 @@ def responses_tools(raw) -> list[dict] | None:
                 raise ApiError(400, f"{where}: a custom tool takes name, description and format {{'type': 'text'}} "
                                f"here (a grammar format is not supported: the input is free text); got "
                                f"{extra or fmt!r:.200}", param=where)
-            tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"), {
+            tools.append(_function_tool(t.get("name"), t.get("description"), {
                 "type": "object", "required": [CUSTOM_INPUT], "properties": {CUSTOM_INPUT: {
-                    "type": "string", "description": "the tool's whole input, as free-form text"}}}, where)})
+                    "type": "string", "description": "the tool's whole input, as free-form text"}}}, where))
         elif kind == "namespace" and isinstance(t.get("tools"), list):  # Codex's group of functions: each by its name
             tools += responses_tools(t["tools"]) or []
         elif kind not in HOSTED_TOOLS:
