@@ -287,14 +287,9 @@ class TeacherWorker:
         J, K = len(self.names), int(self.cfg.teacher_topk)
         routes = [token_routes(traj, self.names, self.route_fn) for traj in batch]  # (R_i, J) each
         hidden = needs_hidden(self.cfg)
-        out = []
-        for traj, W in zip(batch, routes):
-            R = len(traj["response_ids"])
-            t = {"teacher_logp": torch.zeros(R), "teacher_mask": (W.sum(1) > 0).float(),
-                 "teacher_topk_logp": torch.zeros(R, K), "teacher_topk_ids": torch.zeros(R, K, dtype=torch.long)}
-            if hidden:
-                t["teacher_hidden"], t["teacher_weight"] = {}, {}
-            out.append(t)
+        out = [{"teacher_logp": torch.zeros(len(W)), "teacher_mask": (W.sum(1) > 0).float(),  # W (R, J): R tokens
+                "teacher_topk_logp": torch.zeros(len(W), K), "teacher_topk_ids": torch.zeros(len(W), K).long(),
+                **({"teacher_hidden": {}, "teacher_weight": {}} if hidden else {})} for W in routes]
         mixed: dict[int, dict[str, torch.Tensor]] = {}  # sample -> {teacher: (n_mix, V) logp} for ensemble tokens
         metrics: dict[str, float] = {}
         used = [j for j in range(J) if any(W[:, j].any() for W in routes)]
