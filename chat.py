@@ -347,18 +347,16 @@ _DS_TOOL_TOKENS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
                    "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
                    "<｜tool▁output▁end｜>"]
 
+# Qwen's tokens, the ChatML and Qwen3 families' both (Qwen3's generation_config.json eos_token_id: [151645
+# <|im_end|>, 151643 <|endoftext|>])
+_QWEN_TOKENS = dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                             "<tool_response>", "</tool_response>", "<think>", "</think>"],
+                    bos=None, eos="<|im_end|>", pad="<|endoftext|>", stop=["<|im_end|>", "<|endoftext|>"])
 # The tiny tokenizers' families: special tokens (the first takes id 0), bos/eos/pad, the end tokens the published
 # generation_config.json lists, the chat template, and text the BPE is trained on so the template's prose is cheap.
 FAMILIES = {
-    "chatml": dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                            "<tool_response>", "</tool_response>", "<think>", "</think>"],
-                   bos=None, eos="<|im_end|>", pad="<|endoftext|>", stop=["<|im_end|>", "<|endoftext|>"],
-                   template=CHATML_TEMPLATE, corpus=[]),
-    # Qwen3: generation_config.json eos_token_id [151645 <|im_end|>, 151643 <|endoftext|>]
-    "qwen3": dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                           "<tool_response>", "</tool_response>", "<think>", "</think>"],
-                  bos=None, eos="<|im_end|>", pad="<|endoftext|>", stop=["<|im_end|>", "<|endoftext|>"],
-                  template=QWEN3_TEMPLATE,
+    "chatml": dict(**_QWEN_TOKENS, template=CHATML_TEMPLATE, corpus=[]),
+    "qwen3": dict(**_QWEN_TOKENS, template=QWEN3_TEMPLATE,
                   corpus=["# Tools You may call one or more functions to assist with the user query.",
                           "You are provided with function signatures within <tools></tools> XML tags:",
                           "For each function call, return a json object with function name and arguments within",
