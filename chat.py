@@ -663,24 +663,13 @@ def parse_mistral(text: str, tools) -> tuple[str, list[dict]]:
 
 def _mistral_compact(text: str):
     """(name, arguments, end index) of a `[TOOL_CALLS]name[ARGS]{...}` call at the start of `text`, or None."""
-    i = text.find("[TOOL_CALLS")
-    if i == -1:
-        return None
-    i += len("[TOOL_CALLS")
-    i += text[i:i + 1] == "]"
-    args_at = text.find("[ARGS", i)
-    name = text[i:args_at].strip() if args_at != -1 else ""
-    if not name:
-        return None
-    j = args_at + len("[ARGS")
-    j += text[j:j + 1] == "]"
-    while j < len(text) and text[j].isspace():
-        j += 1
-    end = _json_span(text, j)
+    m = re.search(r"\[TOOL_CALLS\]?(.*?)\[ARGS\]?\s*", text, re.DOTALL)  # either tag's "]" may be missing
+    name = m.group(1).strip() if m else ""
+    end = _json_span(text, m.end()) if name else -1
     if end == -1:
         return None
     try:
-        return name, json.loads(text[j:end]), end
+        return name, json.loads(text[m.end():end]), end
     except json.JSONDecodeError:
         return None
 
