@@ -512,7 +512,7 @@ def _calls(actions, tools, style: str = "openai") -> list[dict]:
     return out
 
 
-_HERMES_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_HERMES_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
 def parse_hermes(text: str, tools) -> tuple[str, list[dict]]:
@@ -523,10 +523,8 @@ def parse_hermes(text: str, tools) -> tuple[str, list[dict]]:
         return text, []
     try:
         calls = []
-        for closed, unclosed in _HERMES_RE.findall(text):
-            raw = closed or unclosed
-            if raw:
-                calls += _calls(json.loads(raw.strip()), tools)
+        for raw in filter(None, _HERMES_RE.findall(text)):  # the last block may be unclosed
+            calls += _calls(json.loads(raw.strip()), tools)
         return text[:idx].strip(), calls
     except (ValueError, AttributeError):  # bad JSON or a block that is no call: all of it is content
         return text, []
@@ -1039,13 +1037,10 @@ def _before(text: str, marks: list[str]) -> str:
     cut = len(text)
     for mark in filter(None, marks):
         i = text.find(mark)
-        if i != -1:
-            cut = min(cut, i)
-            continue
-        for k in range(min(len(mark) - 1, len(text)), 0, -1):
-            if text.endswith(mark[:k]):
-                cut = min(cut, len(text) - k)
-                break
+        if i == -1:  # not in it: hold back the longest tail of text that the mark starts with
+            tails = [k for k in range(1, min(len(mark), len(text) + 1)) if text.endswith(mark[:k])]
+            i = len(text) - max(tails, default=0)
+        cut = min(cut, i)
     return text[:cut]
 
 
