@@ -604,21 +604,16 @@ def _json_span(text: str, start: int) -> int:
         return -1
     opening = text[start]
     closing = "}" if opening == "{" else "]"
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif ch == '"':
+    depth, in_string = 0, False
+    for m in re.finditer(r'\\.|["{}\[\]]', text[start:], re.DOTALL):  # an escaped character: skipped
+        if m.group() == '"':
             in_string = not in_string
-        elif not in_string and ch == opening:
+        elif not in_string and m.group() == opening:
             depth += 1
-        elif not in_string and ch == closing:
+        elif not in_string and m.group() == closing:
             depth -= 1
             if depth == 0:
-                return i + 1
+                return start + m.end()
     return -1
 
 
