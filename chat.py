@@ -559,7 +559,7 @@ def parse_llama3(text: str, tools) -> tuple[str, list[dict]]:
         return text, []
     normal, action = text.split(tag, 1) if tag in text else ("", text)
     decoder, idx, safe, found = json.JSONDecoder(), 0, 0, []
-    while idx < len(action):
+    while 0 <= idx < len(action):
         with contextlib.suppress(json.JSONDecodeError):
             obj, end = decoder.raw_decode(action[idx:])
             found.append(obj)
@@ -573,10 +573,7 @@ def parse_llama3(text: str, tools) -> tuple[str, list[dict]]:
                     found.append(obj)
                     idx = safe = close + 1
                     continue
-        nxt = action.find('{"name":', idx + 1)
-        if nxt == -1:
-            break
-        idx = nxt
+        idx = action.find('{"name":', idx + 1)  # the next call object; -1: none, the loop ends
     try:
         calls = _calls(found, tools) if found else []
     except _NotACall:
@@ -588,13 +585,10 @@ def _brace_end(text: str, start: int) -> int:
     """The index after the first `}` that brings the brace count from `start` back to 0 (SGLang's count: strings
     not skipped), or `start`."""
     depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
+    for m in re.finditer("[{}]", text[start:]):
+        depth += 1 if m.group() == "{" else -1
+        if depth == 0 and m.group() == "}":
+            return start + m.end()
     return start
 
 
