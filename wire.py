@@ -88,14 +88,12 @@ def _text_of(content, where: str, *, parts: tuple[str, ...] = ("text",)) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
         for j, p in enumerate(content):
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
             if kind not in parts or not isinstance(p.get(kind), str):
                 raise ApiError(400, f"{where}.content[{j}] has type {kind!r}; this router takes only text parts "
                                f"({', '.join(parts)}) with a string '{parts[0]}'", param=f"{where}.content")
-            texts.append(p[kind])
-        return "".join(texts)
+        return "".join(p[p["type"]] for p in content)
     raise ApiError(400, f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
                    param=f"{where}.content")
 
