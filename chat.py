@@ -347,18 +347,16 @@ _DS_TOOL_TOKENS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
                    "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
                    "<｜tool▁output▁end｜>"]
 
+# Qwen's tokens, the ChatML and Qwen3 families' both (Qwen3's generation_config.json eos_token_id: [151645
+# <|im_end|>, 151643 <|endoftext|>])
+_QWEN_TOKENS = dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                             "<tool_response>", "</tool_response>", "<think>", "</think>"],
+                    bos=None, eos="<|im_end|>", pad="<|endoftext|>", stop=["<|im_end|>", "<|endoftext|>"])
 # The tiny tokenizers' families: special tokens (the first takes id 0), bos/eos/pad, the end tokens the published
 # generation_config.json lists, the chat template, and text the BPE is trained on so the template's prose is cheap.
 FAMILIES = {
-    "chatml": dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                            "<tool_response>", "</tool_response>", "<think>", "</think>"],
-                   bos=None, eos="<|im_end|>", pad="<|endoftext|>", stop=["<|im_end|>", "<|endoftext|>"],
-                   template=CHATML_TEMPLATE, corpus=[]),
-    # Qwen3: generation_config.json eos_token_id [151645 <|im_end|>, 151643 <|endoftext|>]
-    "qwen3": dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                           "<tool_response>", "</tool_response>", "<think>", "</think>"],
-                  bos=None, eos="<|im_end|>", pad="<|endoftext|>", stop=["<|im_end|>", "<|endoftext|>"],
-                  template=QWEN3_TEMPLATE,
+    "chatml": dict(**_QWEN_TOKENS, template=CHATML_TEMPLATE, corpus=[]),
+    "qwen3": dict(**_QWEN_TOKENS, template=QWEN3_TEMPLATE,
                   corpus=["# Tools You may call one or more functions to assist with the user query.",
                           "You are provided with function signatures within <tools></tools> XML tags:",
                           "For each function call, return a json object with function name and arguments within",
@@ -514,7 +512,7 @@ def _calls(actions, tools, style: str = "openai") -> list[dict]:
     return out
 
 
-_HERMES_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_HERMES_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
 def parse_hermes(text: str, tools) -> tuple[str, list[dict]]:
@@ -525,10 +523,8 @@ def parse_hermes(text: str, tools) -> tuple[str, list[dict]]:
         return text, []
     try:
         calls = []
-        for closed, unclosed in _HERMES_RE.findall(text):
-            raw = closed or unclosed
-            if raw:
-                calls += _calls(json.loads(raw.strip()), tools)
+        for raw in filter(None, _HERMES_RE.findall(text)):  # the last block may be unclosed
+            calls += _calls(json.loads(raw.strip()), tools)
         return text[:idx].strip(), calls
     except (ValueError, AttributeError):  # bad JSON or a block that is no call: all of it is content
         return text, []
@@ -563,7 +559,7 @@ def parse_llama3(text: str, tools) -> tuple[str, list[dict]]:
         return text, []
     normal, action = text.split(tag, 1) if tag in text else ("", text)
     decoder, idx, safe, found = json.JSONDecoder(), 0, 0, []
-    while idx < len(action):
+    while 0 <= idx < len(action):
         with contextlib.suppress(json.JSONDecodeError):
             obj, end = decoder.raw_decode(action[idx:])
             found.append(obj)
@@ -577,10 +573,7 @@ def parse_llama3(text: str, tools) -> tuple[str, list[dict]]:
                     found.append(obj)
                     idx = safe = close + 1
                     continue
-        nxt = action.find('{"name":', idx + 1)
-        if nxt == -1:
-            break
-        idx = nxt
+        idx = action.find('{"name":', idx + 1)  # the next call object; -1: none, the loop ends
     try:
         calls = _calls(found, tools) if found else []
     except _NotACall:
@@ -592,13 +585,10 @@ def _brace_end(text: str, start: int) -> int:
     """The index after the first `}` that brings the brace count from `start` back to 0 (SGLang's count: strings
     not skipped), or `start`."""
     depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
+    for m in re.finditer("[{}]", text[start:]):
+        depth += 1 if m.group() == "{" else -1
+        if depth == 0 and m.group() == "}":
+            return start + m.end()
     return start
 
 
@@ -608,21 +598,16 @@ def _json_span(text: str, start: int) -> int:
         return -1
     opening = text[start]
     closing = "}" if opening == "{" else "]"
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif ch == '"':
+    depth, in_string = 0, False
+    for m in re.finditer(r'\\.|["{}\[\]]', text[start:], re.DOTALL):  # an escaped character: skipped
+        if m.group() == '"':
             in_string = not in_string
-        elif not in_string and ch == opening:
+        elif not in_string and m.group() == opening:
             depth += 1
-        elif not in_string and ch == closing:
+        elif not in_string and m.group() == closing:
             depth -= 1
             if depth == 0:
-                return i + 1
+                return start + m.end()
     return -1
 
 
@@ -640,8 +625,7 @@ def parse_mistral(text: str, tools) -> tuple[str, list[dict]]:
         if end == -1:
             return normal, []
         try:
-            arr = json.loads(part[start:end])
-            calls = _calls(arr if isinstance(arr, list) else [arr], tools, style="mistral")
+            calls = _calls(json.loads(part[start:end]), tools, style="mistral")  # an array of calls, or one
         except json.JSONDecodeError:
             calls = []
         except _NotACall:
@@ -666,24 +650,13 @@ def parse_mistral(text: str, tools) -> tuple[str, list[dict]]:
 
 def _mistral_compact(text: str):
     """(name, arguments, end index) of a `[TOOL_CALLS]name[ARGS]{...}` call at the start of `text`, or None."""
-    i = text.find("[TOOL_CALLS")
-    if i == -1:
-        return None
-    i += len("[TOOL_CALLS")
-    i += text[i:i + 1] == "]"
-    args_at = text.find("[ARGS", i)
-    name = text[i:args_at].strip() if args_at != -1 else ""
-    if not name:
-        return None
-    j = args_at + len("[ARGS")
-    j += text[j:j + 1] == "]"
-    while j < len(text) and text[j].isspace():
-        j += 1
-    end = _json_span(text, j)
+    m = re.search(r"\[TOOL_CALLS\]?(.*?)\[ARGS\]?\s*", text, re.DOTALL)  # either tag's "]" may be missing
+    name = m.group(1).strip() if m else ""
+    end = _json_span(text, m.end()) if name else -1
     if end == -1:
         return None
     try:
-        return name, json.loads(text[j:end]), end
+        return name, json.loads(text[m.end():end]), end
     except json.JSONDecodeError:
         return None
 
@@ -734,13 +707,11 @@ def parse_reasoning(parser: str, text: str) -> tuple[str, str]:
         raise ValueError(f"reasoning_parser {parser!r} is not one of {REASONING_PARSERS}")
     if parser == "qwen3" and "<think>" not in text:
         return "", text
-    while text.startswith("<think>"):
-        text = text[len("<think>"):]
+    text = re.sub(r"^(?:<think>)+", "", text)  # leading <think> tags, however many
     if "</think>" not in text:
         cut = text.find("<tool_call>") if parser == "qwen3" else -1
         return (text[:cut], text[cut:]) if cut != -1 else (text, "")
-    reasoning, content = text.split("</think>", 1)
-    return reasoning, content
+    return tuple(text.split("</think>", 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -867,8 +838,7 @@ class ChatFormat:
         if self.reasoning_parser and separate_reasoning:
             forced = self.reasoning_parser == "deepseek-r1"
             if forced or "<think>" in text:
-                while text.startswith("<think>"):
-                    text = text[len("<think>"):]
+                text = re.sub(r"^(?:<think>)+", "", text)
                 if text and "<think>".startswith(text):
                     return "", ""
                 if "</think>" not in text:  # still thinking (Qwen3's ends at a tool call if it never closes)
@@ -1056,13 +1026,10 @@ def _before(text: str, marks: list[str]) -> str:
     cut = len(text)
     for mark in filter(None, marks):
         i = text.find(mark)
-        if i != -1:
-            cut = min(cut, i)
-            continue
-        for k in range(min(len(mark) - 1, len(text)), 0, -1):
-            if text.endswith(mark[:k]):
-                cut = min(cut, len(text) - k)
-                break
+        if i == -1:  # not in it: hold back the longest tail of text that the mark starts with
+            tails = [k for k in range(1, min(len(mark), len(text) + 1)) if text.endswith(mark[:k])]
+            i = len(text) - max(tails, default=0)
+        cut = min(cut, i)
     return text[:cut]
 
 

@@ -104,12 +104,9 @@ def _corpus(seed: int = 0) -> list[str]:
     words = ("the a is of to and what answer question tool call result sum difference number compute "
              "please use calculator python think step first then final error output input run test code "
              "def return print file line fix bug patch value true false none you i we it this that").split()
-    lines = []
-    for _ in range(3000):
-        s = arith_problem(rng)
-        lines.append(f"{s['messages'][0]['content']}={s['answer']}")
-    for _ in range(1000):
-        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) + rng.choice([".", "?", "!", ":"]))
+    lines = [f"{s['messages'][0]['content']}={s['answer']}" for s in (arith_problem(rng) for _ in range(3000))]
+    lines += [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) + rng.choice([".", "?", "!", ":"])
+              for _ in range(1000)]
     for _ in range(300):
         expr = f"({rng.randint(10, 99)}+{rng.randint(10, 99)})*{rng.randint(2, 9)}"
         lines.append(json.dumps({"name": "calculator", "arguments": {"expression": expr}}))

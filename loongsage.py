@@ -348,11 +348,10 @@ class Producer:
         self.finished: dict[int, list[dict]] = {}  # finished, waiting for the window to collect them
         self.buffer: dict[int, list[dict]] = {}  # collected, not yet in a batch
         self.batch: list[list[dict]] = []  # the groups of the step being assembled (with buffer: Q)
-        self.redo: list[tuple[dict, bool]] = []  # (prompt, is a regeneration) to dispatch first
+        # (prompt, is a regeneration) to dispatch first; at a resume, the groups that were in flight
+        self.redo: list[tuple[dict, bool]] = [(sample, again) for sample, again in (state or {}).get("pending", [])]
         self.second_try: set[int] = set()  # seqs dispatched as a regeneration: never regenerated again
         self.stats = dict(dropped=0, regenerated=0, masked=0, stale=0)  # this step's counts
-        for sample, again in (state or {}).get("pending", []):  # groups that were in flight: dispatched first
-            self.redo.append((sample, again))
 
     def state(self) -> dict:
         """JSON for a checkpoint: the place in the data and the next sequence number, plus the prompts of groups

@@ -198,9 +198,7 @@ def gather(gpt, tp_group, keep: bool) -> dict[str, torch.Tensor]:
     tp = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
     with torch.no_grad():
         for L, layer in enumerate(gpt.decoder.layers):
-            for m in layer.modules():
-                if not isinstance(m, Adapters):
-                    continue
+            for m in [m for m in layer.modules() if isinstance(m, Adapters)]:
                 for p in m.A:
                     for matrix, t, dim in (("A", m.A[p], 1), ("B", m.B[p], 0)):
                         if getattr(t, "tensor_model_parallel", False) and tp > 1:

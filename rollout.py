@@ -141,14 +141,9 @@ def get(url: str, path: str, timeout: float = 30.0):
 def _generate_body(input_ids, sampling_params: dict, rid, return_logprob: bool, return_routed_experts: bool,
                    lora_path) -> dict:
     """A /generate request body (SGLang's GenerateReqInput fields), optional fields only when set."""
-    body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
-    if return_routed_experts:
-        body["return_routed_experts"] = True
-    if lora_path is not None:
-        body["lora_path"] = lora_path
-    if rid is not None:
-        body["rid"] = rid
-    return body
+    body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob,
+            "return_routed_experts": True if return_routed_experts else None, "lora_path": lora_path, "rid": rid}
+    return {k: v for k, v in body.items() if v is not None}
 
 
 async def generate(client: httpx.AsyncClient, url: str, input_ids: list[int] | list[list[int]],
@@ -244,9 +239,7 @@ def token_versions(meta: dict, n: int) -> list[int]:
     at the end; every token then gets it, which can understate the lag of the request's early tokens."""
     spans = meta.get("weight_versions")
     if spans and spans[-1]["end"] == n and spans[0]["start"] == 0:
-        out = []
-        for span in spans:
-            out += [_version(span["version"])] * (span["end"] - span["start"])
+        out = [_version(span["version"]) for span in spans for _ in range(span["end"] - span["start"])]
         if len(out) == n:
             return out
     return [_version(meta.get("weight_version"))] * n
@@ -254,11 +247,10 @@ def token_versions(meta: dict, n: int) -> list[int]:
 
 def http_status(e: Exception) -> int | None:
     """The HTTP status an engine call failed with (an httpx error's, or the one EngineError's message names)."""
-    status = getattr(e, "status_code", None)
-    if status is None:  # EngineError carries the status in its message: "... answered HTTP 400: ..."
-        m = re.search(r"answered HTTP (\d{3})", str(e))
-        status = int(m.group(1)) if m else None
-    return status
+    if getattr(e, "status_code", None) is not None:
+        return e.status_code
+    m = re.search(r"answered HTTP (\d{3})", str(e))  # EngineError's message: "... answered HTTP 400: ..."
+    return int(m.group(1)) if m else None
 
 
 def nodelay_transport(**kw):
@@ -636,14 +628,10 @@ def server_flags(opts: dict) -> list[str]:
         flag = "--" + str(key).replace("_", "-")
         if value is True:
             cmd.append(flag)
-        elif value is False or value is None:
-            continue
         elif isinstance(value, (list, tuple)):
             cmd += [flag, *map(str, value)]
-        elif isinstance(value, dict):
-            cmd += [flag, json.dumps(value)]
-        else:
-            cmd += [flag, str(value)]
+        elif value is not False and value is not None:
+            cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return cmd
 
 

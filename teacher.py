@@ -211,9 +211,8 @@ class TeacherWorker:
                 tcfg, kwargs = convert.megatron_config(hf, self.cfg, self.par.on_cpu)
                 self.skeletons[arch] = trainer.Model(self.par, tcfg, kwargs, self.cfg.micro_batch_size)
                 self.skeletons[arch].gpt.requires_grad_(False).eval()
-            model = self.skeletons[arch]
-            model.load(convert.hf_to_megatron(convert.load_hf_state(path), hf))
-            gpt = model.gpt
+            self.skeletons[arch].load(convert.hf_to_megatron(convert.load_hf_state(path), hf))
+            gpt = self.skeletons[arch].gpt
             if needs_hidden(self.cfg):
                 tied = gpt.share_embeddings_and_output_weights
                 head_name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
@@ -268,17 +267,15 @@ class TeacherWorker:
         log-sum-exp travel (vocab_topk, merge_vocab_topk), never the logits."""
         n, vs = logits.shape
         rows = max(1, CHUNK_FLOATS // vs)
-        values, ids = [], []
+        chunks = []  # (values, ids) of each chunk of rows
         for a in range(0, n, rows):
             mine = vocab_topk(logits[a:a + rows], k, self.par.tp_rank * vs)  # (c, 2k' + 1)
             parts = [mine]
             if self.par.tp_size > 1:
                 parts = [torch.empty_like(mine) for _ in range(self.par.tp_size)]
                 torch.distributed.all_gather(parts, mine, group=self.par.tp_group)
-            v, i = merge_vocab_topk(parts, k)
-            values.append(v)
-            ids.append(i)
-        return torch.cat(values), torch.cat(ids)
+            chunks.append(merge_vocab_topk(parts, k))
+        return torch.cat([v for v, _ in chunks]), torch.cat([i for _, i in chunks])
 
     @torch.no_grad()
     def score(self, batch: list[dict]):
@@ -290,14 +287,9 @@ class TeacherWorker:
         J, K = len(self.names), int(self.cfg.teacher_topk)
         routes = [token_routes(traj, self.names, self.route_fn) for traj in batch]  # (R_i, J) each
         hidden = needs_hidden(self.cfg)
-        out = []
-        for traj, W in zip(batch, routes):
-            R = len(traj["response_ids"])
-            t = {"teacher_logp": torch.zeros(R), "teacher_mask": (W.sum(1) > 0).float(),
-                 "teacher_topk_logp": torch.zeros(R, K), "teacher_topk_ids": torch.zeros(R, K, dtype=torch.long)}
-            if hidden:
-                t["teacher_hidden"], t["teacher_weight"] = {}, {}
-            out.append(t)
+        out = [{"teacher_logp": torch.zeros(len(W)), "teacher_mask": (W.sum(1) > 0).float(),  # W (R, J): R tokens
+                "teacher_topk_logp": torch.zeros(len(W), K), "teacher_topk_ids": torch.zeros(len(W), K).long(),
+                **({"teacher_hidden": {}, "teacher_weight": {}} if hidden else {})} for W in routes]
         mixed: dict[int, dict[str, torch.Tensor]] = {}  # sample -> {teacher: (n_mix, V) logp} for ensemble tokens
         metrics: dict[str, float] = {}
         used = [j for j in range(J) if any(W[:, j].any() for W in routes)]

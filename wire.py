@@ -88,14 +88,12 @@ def _text_of(content, where: str, *, parts: tuple[str, ...] = ("text",)) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
         for j, p in enumerate(content):
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
             if kind not in parts or not isinstance(p.get(kind), str):
                 raise ApiError(400, f"{where}.content[{j}] has type {kind!r}; this router takes only text parts "
                                f"({', '.join(parts)}) with a string '{parts[0]}'", param=f"{where}.content")
-            texts.append(p[kind])
-        return "".join(texts)
+        return "".join(p[p["type"]] for p in content)
     raise ApiError(400, f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
                    param=f"{where}.content")
 
@@ -148,9 +146,7 @@ def openai_messages(raw) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ApiError(400, f"{where} must be an object, got {type(m).__name__}", param=where)
-        role = m.get("role")
-        if role == "developer":
-            role = "system"
+        role = {"developer": "system"}.get(m.get("role"), m.get("role"))
         if role not in ("system", "user", "assistant", "tool"):
             raise ApiError(400, f"{where}.role is {role!r}; expected one of system, developer, user, assistant, tool",
                            param=f"{where}.role")
@@ -207,8 +203,7 @@ def openai_tools(raw) -> list[dict] | None:
             raise ApiError(400, f"invalid tool schema at tools[{i}]: expected "
                            "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}} (only function "
                            "tools are supported)", param=f"tools[{i}]")
-        tools.append({"type": "function", "function": _tool_function(fn.get("name"), fn.get("description"),
-                                                                     fn.get("parameters"), f"tools[{i}]")})
+        tools.append(_function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"tools[{i}]"))
     return _unique_tools(tools)
 
 
@@ -227,7 +222,7 @@ def _unique_tools(tools: list[dict]) -> list[dict] | None:
     return tools or None
 
 
-def _tool_function(name, description, parameters, where: str) -> dict:
+def _function_tool(name, description, parameters, where: str) -> dict:
     if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
         raise ApiError(400, f"invalid tool schema at {where}: name {name!r} must match ^[a-zA-Z0-9_-]{{1,64}}$",
                        param=where)
@@ -237,8 +232,9 @@ def _tool_function(name, description, parameters, where: str) -> dict:
                        f"({{'type': 'object', ...}}), got {parameters!r:.200}", param=where)
     if description is not None and not isinstance(description, str):
         raise ApiError(400, f"invalid tool schema at {where}: description must be a string", param=where)
-    return {"name": name, **({} if description is None else {"description": description}),
-            "parameters": parameters if parameters is not None else {"type": "object", "properties": {}}}
+    return {"type": "function", "function": {
+        "name": name, **({} if description is None else {"description": description}),
+        "parameters": parameters if parameters is not None else {"type": "object", "properties": {}}}}
 
 
 def anthropic_messages(system, raw) -> list[dict]:
@@ -321,8 +317,7 @@ def anthropic_tools(raw) -> list[dict] | None:
             raise ApiError(400, f"invalid tool schema at tools.{i}: expected a client tool {{'name', 'description', "
                            "'input_schema': {'type': 'object', ...}}} (server tools are not supported)",
                            param=f"tools.{i}")
-        tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
-                                                                     t["input_schema"], f"tools.{i}")})
+        tools.append(_function_tool(t.get("name"), t.get("description"), t["input_schema"], f"tools.{i}"))
     return _unique_tools(tools)
 
 
@@ -785,10 +780,8 @@ def _anthropic_blocks(turn: Turn) -> list[dict]:
     blocks = [{"type": "thinking", "thinking": turn.reasoning, "signature": ""}] if turn.reasoning else []
     if turn.content or not turn.tool_calls:
         blocks.append({"type": "text", "text": turn.content})
-    for c in turn.tool_calls:
-        blocks.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                       "input": c["function"]["arguments"]})
-    return blocks
+    return blocks + [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                      "input": c["function"]["arguments"]} for c in turn.tool_calls]
 
 
 def anthropic_response(turn: Turn, model: str) -> dict:
@@ -986,8 +979,7 @@ def responses_tools(raw) -> list[dict] | None:
             if extra:
                 raise ApiError(400, f"{where} has field(s) {extra} this router does not take (function tools: name, "
                                "description, parameters, strict)", param=where)
-            tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"),
-                                                                         t.get("parameters"), where)})
+            tools.append(_function_tool(t.get("name"), t.get("description"), t.get("parameters"), where))
         elif kind == "custom":
             extra = sorted(set(t) - {"type", "name", "description", "format", *_TOOL_DEFAULT_ONLY})
             fmt = t.get("format")
@@ -995,9 +987,9 @@ def responses_tools(raw) -> list[dict] | None:
                 raise ApiError(400, f"{where}: a custom tool takes name, description and format {{'type': 'text'}} "
                                f"here (a grammar format is not supported: the input is free text); got "
                                f"{extra or fmt!r:.200}", param=where)
-            tools.append({"type": "function", "function": _tool_function(t.get("name"), t.get("description"), {
+            tools.append(_function_tool(t.get("name"), t.get("description"), {
                 "type": "object", "required": [CUSTOM_INPUT], "properties": {CUSTOM_INPUT: {
-                    "type": "string", "description": "the tool's whole input, as free-form text"}}}, where)})
+                    "type": "string", "description": "the tool's whole input, as free-form text"}}}, where))
         elif kind == "namespace" and isinstance(t.get("tools"), list):  # Codex's group of functions: each by its name
             tools += responses_tools(t["tools"]) or []
         elif kind not in HOSTED_TOOLS:
@@ -1152,12 +1144,10 @@ def responses_logprobs(chat, turn: Turn) -> list[dict]:
 def responses_response(turn: Turn | None, model: str, rid: str, body: dict, output: list[dict]) -> dict:
     """The response object; `turn` None: as created, before its turn is generated (a stream's first events)."""
     incomplete = turn is not None and turn.finish_reason == "length" and not turn.tool_calls
-    usage = None
-    if turn is not None:
-        n = len(turn.output_ids)
-        usage = {"input_tokens": turn.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                 "output_tokens": n, "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
-                 "total_tokens": turn.prompt_tokens + n}
+    usage = None if turn is None else {
+        "input_tokens": turn.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": len(turn.output_ids), "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
+        "total_tokens": turn.prompt_tokens + len(turn.output_ids)}
     return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
             "status": "in_progress" if turn is None else "incomplete" if incomplete else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
