@@ -1,0 +1,223 @@
+"""Recipe `repair`: an unmodified mini-swe-agent fixes bugs in small generated packages; reward = the package's tests.
+
+Tasks (`tasks(split, n, seed)`, a dataset source `recipes.repair.tasks:<split>:<n>:<seed>`): one of TEMPLATES (a
+module and its test file) with one bug of one KIND injected (an operator, an off-by-one, a wrong constant, swapped
+arguments, a missing return), its functions shuffled so that line numbers vary. The task text is a bug report naming
+the file, the line and the wrong and right code. EVAL_PAIRS (one per kind, each package at least once) are held out:
+split "train" never holds them, split "eval" holds only them. Deterministic by seed.
+
+The agent (`agent_command: python $LOONGSAGE_ROOT/recipes/repair.py`): writes the sample's files into the sandbox and
+runs mini-swe-agent's own command-line app in this process, its text-based model class (one ```bash block per reply)
+and its local environment, with a short config of its own (CONFIG: its documented knobs, so a tiny model's context
+holds the prompt). With `agent_preload: [recipes.repair_preload]` each run forks from an interpreter that has
+imported mini-swe-agent and litellm from their own venv (scripts/agents_env.sh). It prints the package's source files
+as JSON: `reward` runs the pristine tests against them in a fresh sandbox without network, so an episode that edits
+the tests gains nothing.
+
+`sft_trajectory`: the ideal episode in mini-swe-agent's format (a `sed -i` that applies the fix, then the submit
+command), token for token what the router records, to warm-start the tiny model. Test: tests/test_repair.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+KINDS = ("operator", "off_by_one", "constant", "swapped_args", "missing_return")
+# each template: module name, functions (source lines), tests (asserts), bug sites {kind: [(function, right, wrong)]}
+TEMPLATES = {
+    "geometry": dict(
+        functions={"area": ["def area(w, h):", "    return w * h"],
+                   "perimeter": ["def perimeter(w, h):", "    return 2 * (w + h)"],
+                   "circle": ["def circle(r):", "    return 3.14 * r * r"],
+                   "last": ["def last(xs):", "    return xs[len(xs) - 1]"],
+                   "ratio": ["def ratio(a, b):", "    return a // b"],
+                   "half": ["def half(x):", "    return ratio(x, 2)"]},
+        tests=["assert area(2, 3) == 6", "assert perimeter(2, 3) == 10", "assert circle(10) == 314.0",
+               "assert last([4, 5, 6]) == 6", "assert ratio(9, 2) == 4", "assert half(8) == 4"],
+        sites={"operator": [("area", "w * h", "w + h"), ("perimeter", "w + h", "w - h")],
+               "off_by_one": [("last", "len(xs) - 1", "len(xs) - 2")],
+               "constant": [("circle", "3.14", "3.41"), ("perimeter", "2 * (", "3 * (")],
+               "swapped_args": [("half", "ratio(x, 2)", "ratio(2, x)")],
+               "missing_return": [("area", "return w * h", "w * h"), ("ratio", "return a // b", "a // b")]}),
+    "money": dict(
+        functions={"total": ["def total(price, qty):", "    return price * qty"],
+                   "tax": ["def tax(amount):", "    return amount * 20 // 100"],
+                   "change": ["def change(paid, cost):", "    return paid - cost"],
+                   "pay": ["def pay(cost):", "    return change(100, cost)"],
+                   "months": ["def months(n):", "    return list(range(1, n + 1))"]},
+        tests=["assert total(3, 4) == 12", "assert tax(50) == 10", "assert change(10, 3) == 7",
+               "assert pay(30) == 70", "assert months(3) == [1, 2, 3]"],
+        sites={"operator": [("change", "paid - cost", "paid + cost"), ("total", "price * qty", "price + qty")],
+               "off_by_one": [("months", "range(1, n + 1)", "range(1, n)")],
+               "constant": [("tax", "20 //", "25 //")],
+               "swapped_args": [("pay", "change(100, cost)", "change(cost, 100)")],
+               "missing_return": [("change", "return paid - cost", "paid - cost")]}),
+    "text": dict(
+        functions={"shout": ["def shout(s):", "    return s.upper() * 2"],
+                   "count": ["def count(s, c):", "    return s.count(c)"],
+                   "has": ["def has(s, c):", "    return count(s, c) > 0"],
+                   "first": ["def first(s, n):", "    return s[:n]"],
+                   "pad": ["def pad(s, width):", "    return s + ' ' * (width - len(s))"]},
+        tests=["assert shout('hi') == 'HIHI'", "assert count('banana', 'a') == 3", "assert has('box', 'x')",
+               "assert not has('boo', 'x')", "assert first('hello', 2) == 'he'", "assert pad('ab', 4) == 'ab  '"],
+        sites={"operator": [("pad", "width - len(s)", "width + len(s)")],
+               "off_by_one": [("first", "s[:n]", "s[:n - 1]")],
+               "constant": [("has", "> 0", "> 1"), ("shout", "* 2", "* 3")],
+               "swapped_args": [("has", "count(s, c)", "count(c, s)")],
+               "missing_return": [("count", "return s.count(c)", "s.count(c)")]}),
+}
+# held out of warm start and RL: one pair per kind, every package at least once
+EVAL_PAIRS = (("geometry", "operator"), ("money", "off_by_one"), ("text", "constant"), ("geometry", "swapped_args"),
+              ("money", "missing_return"))
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # mini-swe-agent's own submit command
+SYSTEM = "Fix the bug with one command in a ```bash block, then submit with `" + SUBMIT + "`."
+OBSERVATION = "<returncode>{{output.returncode}}</returncode>\n<output>\n{{output.output}}</output>"
+# mini-swe-agent's own settings (-c FILE over its built-in mini_textbased.yaml), the session's URL and key added
+CONFIG = {"agent": {"system_template": SYSTEM, "instance_template": "{{task}}", "step_limit": 3, "cost_limit": 0,
+                    "max_consecutive_format_errors": 2},
+          "model": {"model_class": "litellm_textbased", "model_name": "openai/loongsage",
+                    "cost_tracking": "ignore_errors", "action_regex": r"```bash\s*\n(.*?)\n```",
+                    "observation_template": OBSERVATION, "format_error_template": "Reply with one ```bash block."},
+          "environment": {"environment_class": "local", "timeout": 10}}
+
+
+def pairs(split: str) -> list[tuple[str, str]]:
+    """The (package, bug kind) pairs of a split: "eval" the held-out EVAL_PAIRS, "train" all the others."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split {split!r}: choose 'train' or 'eval'")
+    every = [(t, k) for t in TEMPLATES for k in KINDS]
+    return [p for p in every if (p in EVAL_PAIRS) == (split == "eval")]
+
+
+def make_task(package: str, kind: str, rng: random.Random) -> dict:
+    """One sample: the package (functions in a random order) with one bug of `kind` at one of its sites."""
+    t = TEMPLATES[package]
+    fn, right, wrong = rng.choice(t["sites"][kind])
+    names = list(t["functions"])
+    rng.shuffle(names)
+    lines = []
+    for name in names:
+        body = list(t["functions"][name])
+        if name == fn:
+            [i] = [i for i, line in enumerate(body) if right in line]
+            body[i], line_no = body[i].replace(right, wrong, 1), len(lines) + i + 1
+        lines += body + [""]
+    module, test = f"{package}.py", f"test_{package}.py"
+    tests = f"from {package} import *\n\n" + "".join(f"{a}\n" for a in t["tests"]) + "print('ok')\n"
+    report = f"The tests in {test} fail. {module} line {line_no}: `{wrong}` should be `{right}`."
+    return {"messages": [{"role": "user", "content": report}], "files": {module: "\n".join(lines), test: tests},
+            "module": module, "test": test, "line": line_no, "wrong": wrong, "right": right,
+            "package": package, "kind": kind}
+
+
+def tasks(split: str, n, seed) -> list[dict]:
+    """`n` tasks of `split` ("train" | "eval"), the pairs taken in turn, the rest drawn from `seed`."""
+    rng, chosen = random.Random(int(seed)), pairs(split)
+    return [make_task(*chosen[i % len(chosen)], rng) for i in range(int(n))]
+
+
+def fix_command(sample: dict, rng: random.Random | None = None, label_noise: float = 0.0) -> str:
+    """The `sed -i` that applies the fix (with probability `label_noise`, one aimed at the neighbouring line)."""
+    line = sample["line"]
+    if label_noise and rng is not None and rng.random() < label_noise:
+        line += rng.choice((-1, 1))
+    old = re.sub(r"([\\.*\[\]^$/])", r"\\\1", sample["wrong"])  # a basic regular expression: these are special
+    new = re.sub(r"([\\&/])", r"\\\1", sample["right"])
+    return f"sed -i '{line}s/{old}/{new}/' {sample['module']}"
+
+
+def sft_trajectory(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dict:
+    """The ideal episode as the router records it: mini-swe-agent's system and task messages (the prompt), the fix
+    in a ```bash block, the observation of running it (the template's glue, loss_mask 0), the submit command."""
+    import data  # late: data imports torch, and the warm agent interpreter imports nothing of this module's deps
+    from jinja2 import Template
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": data.task_text(sample)}]
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    render = lambda gen: tok.apply_chat_template(history, tokenize=False, add_generation_prompt=gen)  # noqa: E731
+    eos, prev = data.turn_end(tok), render(True)
+    prompt_ids, response_ids, loss_mask = enc(prev), [], []
+    for i, command in enumerate((fix_command(sample, rng, label_noise), SUBMIT)):
+        history.append({"role": "assistant", "content": f"```bash\n{command}\n```"})
+        full = render(False)
+        ids = enc(full[len(prev):full.rindex(eos) + len(eos)])
+        response_ids, loss_mask = response_ids + ids, loss_mask + [1] * len(ids)
+        if i == 1:
+            break
+        output = {"returncode": 0, "output": "", "exception_info": ""}
+        history.append({"role": "user", "content": Template(OBSERVATION).render(output=output)})
+        nxt = render(True)
+        glue = enc(nxt[len(full[:full.rindex(eos) + len(eos)]):])
+        response_ids, loss_mask, prev = response_ids + glue, loss_mask + [0] * len(glue), nxt
+    return {"prompt_ids": prompt_ids, "response_ids": response_ids, "loss_mask": loss_mask,
+            "rollout_logprobs": [0.0] * len(response_ids), "weight_versions": [-1] * len(response_ids),
+            "reward": 0.0, "status": "ok", "group_id": 0, "sample_index": 0}
+
+
+def edited(response: str) -> dict:
+    """The package files an episode left ({} when its output holds none)."""
+    for line in reversed(response.strip().splitlines()):
+        with contextlib.suppress(json.JSONDecodeError):
+            out = json.loads(line)
+            if isinstance(out, dict) and isinstance(out.get("files"), dict):
+                return out["files"]
+    return {}
+
+
+async def run_tests(files: dict, sample: dict) -> bool:
+    """The package's own tests (pristine, from the sample) against `files`, in a fresh sandbox without network."""
+    import sandbox
+    box = await sandbox.make_sandbox("local", cpu_s=10, network=False).create()
+    try:
+        for name, text in {**files, sample["test"]: sample["files"][sample["test"]]}.items():
+            box.write(name, text)
+        r = await box.execute(f"python {sample['test']}", timeout_s=10.0)
+        return r.exit_code == 0 and not r.timed_out
+    finally:
+        await box.delete()
+
+
+async def reward(response: str, sample: dict) -> float:
+    """1.0 when the package's tests pass on the module the agent left, else 0.0."""
+    module = edited(response).get(sample["module"])
+    return float(module is not None and await run_tests({sample["module"]: module}, sample))
+
+
+def main() -> int:
+    """agent_command: the sample's files into the working directory, mini-swe-agent on the task (its output to
+    stderr), then the package's files as one JSON line on stdout."""
+    sample = json.loads(Path(os.environ["LOONGSAGE_SAMPLE_FILE"]).read_text())
+    for name, text in sample["files"].items():
+        Path(name).write_text(text)
+    home = tempfile.mkdtemp(prefix="mini-")
+    config = json.loads(json.dumps(CONFIG))
+    config["model"]["model_kwargs"] = {"api_base": os.environ["OPENAI_BASE_URL"],
+                                       "api_key": os.environ["OPENAI_API_KEY"], "drop_params": True}
+    Path(home, "repair.yaml").write_text(json.dumps(config))  # YAML is a superset of JSON
+    os.environ.update(MSWEA_CONFIGURED="true", MSWEA_SILENT_STARTUP="1", LITELLM_LOCAL_MODEL_COST_MAP="True")
+    from minisweagent.run.mini import app  # imported by the warm interpreter already (recipes/repair_preload.py)
+    status = 0
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            app(["-c", "mini_textbased.yaml", "-c", f"{home}/repair.yaml", "-y", "--exit-immediately",
+                 "--agent-class", "default", "-o", f"{home}/trajectory.json", "-t", data_task(sample)],
+                standalone_mode=False)
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else 1
+    exit_status = json.loads(Path(home, "trajectory.json").read_text())["info"]["exit_status"] \
+        if Path(home, "trajectory.json").exists() else ""
+    print(json.dumps({"exit_status": exit_status, "files": {sample["module"]: Path(sample["module"]).read_text()}}))
+    return status
+
+
+def data_task(sample: dict) -> str:
+    return os.environ.get("LOONGSAGE_TASK") or sample["messages"][-1]["content"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
