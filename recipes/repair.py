@@ -194,7 +194,7 @@ def main() -> int:
     sample = json.loads(Path(os.environ["LOONGSAGE_SAMPLE_FILE"]).read_text())
     for name, text in sample["files"].items():
         Path(name).write_text(text)
-    home = tempfile.mkdtemp(prefix="mini-")
+    home = tempfile.mkdtemp(prefix=".mini-", dir=os.environ.get("TMPDIR"))  # not the warm interpreter's /tmp
     config = json.loads(json.dumps(CONFIG))
     config["model"]["model_kwargs"] = {"api_base": os.environ["OPENAI_BASE_URL"],
                                        "api_key": os.environ["OPENAI_API_KEY"], "drop_params": True}
