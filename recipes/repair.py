@@ -14,8 +14,8 @@ imported mini-swe-agent and litellm from their own venv (scripts/agents_env.sh).
 as JSON: `reward` runs the pristine tests against them in a fresh sandbox without network, so an episode that edits
 the tests gains nothing.
 
-`sft_trajectory`: the ideal episode in mini-swe-agent's format (a `sed -i` that applies the fix, then the submit
-command), token for token what the router records, to warm-start the tiny model. Test: tests/test_repair.py.
+`sft_trajectory`: the ideal episode in mini-swe-agent's format (one ```bash block: a `sed -i` that applies the fix,
+then the submit command), token for token what the router records, to warm-start the tiny model. Test: tests/test_repair.py.
 """
 from __future__ import annotations
 
@@ -76,10 +76,10 @@ TEMPLATES = {
 EVAL_PAIRS = (("geometry", "operator"), ("money", "off_by_one"), ("text", "constant"), ("geometry", "swapped_args"),
               ("money", "missing_return"))
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # mini-swe-agent's own submit command
-SYSTEM = "Fix the bug with one command in a ```bash block, then submit with `" + SUBMIT + "`."
+SYSTEM = "Fix the bug with one ```bash block, then submit."
 OBSERVATION = "<returncode>{{output.returncode}}</returncode>\n<output>\n{{output.output}}</output>"
 # mini-swe-agent's own settings (-c FILE over its built-in mini_textbased.yaml), the session's URL and key added
-CONFIG = {"agent": {"system_template": SYSTEM, "instance_template": "{{task}}", "step_limit": 3, "cost_limit": 0,
+CONFIG = {"agent": {"system_template": SYSTEM, "instance_template": "{{task}}", "step_limit": 2, "cost_limit": 0,
                     "max_consecutive_format_errors": 2},
           "model": {"model_class": "litellm_textbased", "model_name": "openai/loongsage",
                     "cost_tracking": "ignore_errors", "action_regex": r"```bash\s*\n(.*?)\n```",
@@ -110,7 +110,7 @@ def make_task(package: str, kind: str, rng: random.Random) -> dict:
         lines += body + [""]
     module, test = f"{package}.py", f"test_{package}.py"
     tests = f"from {package} import *\n\n" + "".join(f"{a}\n" for a in t["tests"]) + "print('ok')\n"
-    report = f"The tests in {test} fail. {module} line {line_no}: `{wrong}` should be `{right}`."
+    report = f"{module} line {line_no}: `{wrong}` should be `{right}`."
     return {"messages": [{"role": "user", "content": report}], "files": {module: "\n".join(lines), test: tests},
             "module": module, "test": test, "line": line_no, "wrong": wrong, "right": right,
             "package": package, "kind": kind}
@@ -123,38 +123,24 @@ def tasks(split: str, n, seed) -> list[dict]:
 
 
 def fix_command(sample: dict, rng: random.Random | None = None, label_noise: float = 0.0) -> str:
-    """The `sed -i` that applies the fix (with probability `label_noise`, one aimed at the neighbouring line)."""
+    """The `sed -i` that applies the fix (with probability `label_noise`, one aimed at the neighbouring line), then
+    mini-swe-agent's submit command: its output's first line submits (sed prints nothing)."""
     line = sample["line"]
     if label_noise and rng is not None and rng.random() < label_noise:
         line += rng.choice((-1, 1))
     old = re.sub(r"([\\.*\[\]^$/])", r"\\\1", sample["wrong"])  # a basic regular expression: these are special
     new = re.sub(r"([\\&/])", r"\\\1", sample["right"])
-    return f"sed -i '{line}s/{old}/{new}/' {sample['module']}"
+    return f"sed -i '{line}s/{old}/{new}/' {sample['module']} && {SUBMIT}"
 
 
 def sft_trajectory(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dict:
-    """The ideal episode as the router records it: mini-swe-agent's system and task messages (the prompt), the fix
-    in a ```bash block, the observation of running it (the template's glue, loss_mask 0), the submit command."""
-    import data  # late: data imports torch, and the warm agent interpreter imports nothing of this module's deps
-    from jinja2 import Template
+    """The ideal episode as the router records it: mini-swe-agent's system and task messages (the prompt), then one
+    reply, a ```bash block that applies the fix and submits (`fix_command`), through the end of turn."""
+    import data  # late: data imports torch; the warm agent interpreter imports this module without it
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": data.task_text(sample)}]
-    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
-    render = lambda gen: tok.apply_chat_template(history, tokenize=False, add_generation_prompt=gen)  # noqa: E731
-    eos, prev = data.turn_end(tok), render(True)
-    prompt_ids, response_ids, loss_mask = enc(prev), [], []
-    for i, command in enumerate((fix_command(sample, rng, label_noise), SUBMIT)):
-        history.append({"role": "assistant", "content": f"```bash\n{command}\n```"})
-        full = render(False)
-        ids = enc(full[len(prev):full.rindex(eos) + len(eos)])
-        response_ids, loss_mask = response_ids + ids, loss_mask + [1] * len(ids)
-        if i == 1:
-            break
-        output = {"returncode": 0, "output": "", "exception_info": ""}
-        history.append({"role": "user", "content": Template(OBSERVATION).render(output=output)})
-        nxt = render(True)
-        glue = enc(nxt[len(full[:full.rindex(eos) + len(eos)]):])
-        response_ids, loss_mask, prev = response_ids + glue, loss_mask + [0] * len(glue), nxt
-    return {"prompt_ids": prompt_ids, "response_ids": response_ids, "loss_mask": loss_mask,
+    reply = {"role": "assistant", "content": f"```bash\n{fix_command(sample, rng, label_noise)}\n```"}
+    prompt_ids, response_ids = data.reply_ids(tok, history, reply)
+    return {"prompt_ids": prompt_ids, "response_ids": response_ids, "loss_mask": [1] * len(response_ids),
             "rollout_logprobs": [0.0] * len(response_ids), "weight_versions": [-1] * len(response_ids),
             "reward": 0.0, "status": "ok", "group_id": 0, "sample_index": 0}
 

@@ -16,6 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import agentflow
+import chat
 import config
 import cpu_engine
 import data
@@ -71,21 +72,20 @@ def test_reward_runs_the_pristine_tests_on_the_edited_module(tmp_path):
 
 def test_warm_start_transcript_is_mini_swe_agents_episode():
     """The warm start's example: the prompt is the chat of mini-swe-agent's system message and the task; the model's
-    turns (loss_mask 1) are exactly the fix's ```bash block and the submit command's, each through the end of turn;
-    between them (loss_mask 0) the observation of a command that printed nothing, rendered by the config's template."""
+    turn (all of it trained) is exactly one ```bash block holding the fix and the submit command, through the end of
+    turn; with label noise the fix aims at the neighbouring line. It fits the tiny model's 512 positions."""
     tok = AutoTokenizer.from_pretrained(data.build_tiny_model(data.default_cache_dir() / "tiny-repair-test"))
     sample = repair.tasks("train", 1, 5)[0]
     t = repair.sft_trajectory(tok, sample)
     prompt = tok.decode(t["prompt_ids"])
-    assert repair.SYSTEM in prompt and sample["messages"][0]["content"] in prompt
-    trained = [i for i, m in zip(t["response_ids"], t["loss_mask"]) if m]
-    eos = data.turn_end(tok)
-    assert tok.decode(trained) == f"```bash\n{repair.fix_command(sample)}\n```{eos}```bash\n{repair.SUBMIT}\n```{eos}"
-    glue = tok.decode([i for i, m in zip(t["response_ids"], t["loss_mask"]) if not m])
-    assert "<returncode>0</returncode>\n<output>\n</output>" in glue
+    assert prompt.startswith(f"<|im_start|>system\n{repair.SYSTEM}") and sample["messages"][0]["content"] in prompt
+    assert t["loss_mask"] == [1] * len(t["response_ids"])
+    command = f"sed -i '{sample['line']}s/"
+    assert tok.decode(t["response_ids"]) == f"```bash\n{repair.fix_command(sample)}\n```{data.turn_end(tok)}"
+    assert repair.fix_command(sample).startswith(command) and repair.fix_command(sample).endswith(repair.SUBMIT)
     assert len(t["prompt_ids"]) + len(t["response_ids"]) <= 512
     noisy = repair.sft_trajectory(tok, sample, random.Random(1), label_noise=1.0)
-    assert tok.decode(noisy["response_ids"]) != tok.decode(t["response_ids"])
+    assert command not in tok.decode(noisy["response_ids"])
 
 
 def mini_installed() -> None:
@@ -93,41 +93,57 @@ def mini_installed() -> None:
         pytest.skip("mini-swe-agent is not installed (scripts/agents_env.sh)")
 
 
+def constrained(reply: str) -> dict:
+    """A first-turn constraint (SGLang's `regex`, enforced by the engine) that makes the model write `reply`."""
+    return {"regex": "".join("\\" + c if c in ".^$*+?()[]{}|\\" else c for c in reply)}
+
+
 @pytest.mark.slow
 def test_mini_swe_agent_repairs_through_agentflow():
-    """mini-swe-agent, unmodified, as `agent_command` forked from the warm interpreter (agent_preload), on two repair
-    tasks of the tiny random model: every trajectory is ok, its segments are the program's requests (label main,
-    the first one's prompt starting with the recipe's system message), its reward is 0 or 1, and the agent's output
-    carries the module it left; one forked run costs far less than importing litellm."""
+    """mini-swe-agent, unmodified, as `agent_command` forked from the warm interpreter (agent_preload), with the tiny
+    random model. Sampled freely (two tasks): every trajectory is ok, its segments are the program's requests (label
+    main, the prompt its system message and the task), its reward 0 or 1, the module it left in its output. With the
+    first reply constrained to the warm start's fix: mini-swe-agent parsed the block, bash applied the sed and the
+    submit ended the run, so the reward is 1.0, and the trajectory is the warm start's transcript (the same prompt tokens, the same reply text)."""
     mini_installed()
     model = data.build_tiny_model(data.default_cache_dir() / "tiny-repair-test")
     tok = AutoTokenizer.from_pretrained(model)
     url, handle = cpu_engine.serve(model, max_batch=4, max_len=512, seed=0)
     cfg = dataclasses.replace(config.Config(), agent_command="python $LOONGSAGE_ROOT/recipes/repair.py",
-                              agent_preload=["recipes.repair_preload"], sandbox="local", max_turns=3,
+                              agent_preload=["recipes.repair_preload"], sandbox="local", max_turns=2,
                               max_context_len=512, agent_timeout=120.0, agent_retries=0,
                               reward="recipes.repair.reward")
     config.check_rollout(cfg)
-    samples = repair.tasks("eval", 2, 1)
+    samples = repair.tasks("eval", 3, 1)
+    ideal = repair.sft_trajectory(tok, samples[2])
+    # every turn constrained (the recipe's first_turn_constraint is for tool turns; this program offers none)
+    fixed = dict(temperature=1.0, max_new_tokens=128, **constrained(f"```bash\n{repair.fix_command(samples[2])}\n```"))
 
-    async def run():
+    async def run(sampling, samples):
         flow = agentflow.AgentFlow(cfg, [url], model)
         try:
-            t0 = time.perf_counter()
-            trajs = await flow.generate(samples[:1], 1, dict(temperature=1.0, max_new_tokens=32), 0)
-            t1 = time.perf_counter()
-            trajs += await flow.generate(samples[1:], 2, dict(temperature=1.0, max_new_tokens=32), 1)
-            return trajs, t1 - t0, time.perf_counter() - t1
+            return await flow.generate(samples, 1, sampling, 0)
         finally:
             await flow.close()
     try:
-        trajs, first, rest = asyncio.run(run())
+        t0 = time.perf_counter()
+        free = asyncio.run(run(dict(temperature=1.0, max_new_tokens=128), samples[:2]))
+        t1 = time.perf_counter()
+        [ideal_run] = asyncio.run(run(fixed, samples[2:]))
     finally:
         handle.shutdown()
-    print(f"\nmini-swe-agent through AgentFlow: first group {first:.1f} s (starts the warm interpreter), "
-          f"next group of 2 {rest:.1f} s; {[(t['status'], t['reward'], len(t['segments'])) for t in trajs]}")
-    assert [t["status"] for t in trajs] == ["ok"] * 3, [t["metadata"].get("error") for t in trajs]
-    for t, sample in zip(trajs, samples[:1] + samples[1:] * 2):
+    print(f"\nmini-swe-agent through AgentFlow: 2 free runs {t1 - t0:.1f} s (with the warm interpreter's start); "
+          f"{[(t['status'], t['reward'], len(t['segments'])) for t in free]}; constrained: {ideal_run['reward']}")
+    assert [t["status"] for t in free] == ["ok"] * 2, [t["metadata"].get("error") for t in free]
+    for t, sample in zip(free, samples):
         assert t["reward"] in (0.0, 1.0) and t["segments"] and {g["label"] for g in t["segments"]} == {"main"}
         assert tok.decode(t["segments"][0]["prompt_ids"]).startswith(f"<|im_start|>system\n{repair.SYSTEM}")
         assert sample["module"] in repair.edited(t["response_text"])
+    assert ideal_run["status"] == "ok" and ideal_run["reward"] == 1.0, ideal_run["metadata"].get("error")
+    assert json.loads(ideal_run["response_text"])["exit_status"] == "Submitted"
+    [seg] = ideal_run["segments"]
+    # the engine's tokens under a regex need not be the tokenizer's own split of the same text, and once the regex
+    # is done the random model may end with any stop token (<|endoftext|> as well as <|im_end|>): the text is the same
+    assert seg["prompt_ids"] == ideal["prompt_ids"] and seg["loss_mask"] == [1] * len(seg["response_ids"])
+    assert tok.decode(seg["response_ids"][:-1]) == tok.decode(ideal["response_ids"][:-1])
+    assert seg["response_ids"][-1] in chat.ChatFormat(model).stop_ids
