@@ -15,7 +15,8 @@ as JSON: `reward` runs the pristine tests against them in a fresh sandbox withou
 the tests gains nothing.
 
 `sft_trajectory`: the ideal episode in mini-swe-agent's format (one ```bash block: a `sed -i` that applies the fix,
-then the submit command), token for token what the router records, to warm-start the tiny model. Test: tests/test_repair.py.
+then the submit command), token for token what the router records, to warm-start the tiny model.
+Test: tests/test_repair.py.
 """
 from __future__ import annotations
 

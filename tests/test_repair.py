@@ -104,7 +104,8 @@ def test_mini_swe_agent_repairs_through_agentflow():
     random model. Sampled freely (two tasks): every trajectory is ok, its segments are the program's requests (label
     main, the prompt its system message and the task), its reward 0 or 1, the module it left in its output. With the
     first reply constrained to the warm start's fix: mini-swe-agent parsed the block, bash applied the sed and the
-    submit ended the run, so the reward is 1.0, and the trajectory is the warm start's transcript (the same prompt tokens, the same reply text)."""
+    submit ended the run, so the reward is 1.0, and the trajectory is the warm start's transcript (the same prompt
+    tokens, the same reply text)."""
     mini_installed()
     model = data.build_tiny_model(data.default_cache_dir() / "tiny-repair-test")
     tok = AutoTokenizer.from_pretrained(model)
