@@ -2,7 +2,7 @@
 
 Tasks (`tasks(split, n, seed)`, a dataset source `recipes.repair.tasks:<split>:<n>:<seed>`): one of TEMPLATES (a
 module and its test file) with one bug of one KIND injected (an operator, an off-by-one, a wrong constant, swapped
-arguments, a missing return), its functions shuffled so that line numbers vary. The task text is a bug report naming
+arguments, a missing return), its functions shuffled (line numbers vary) and their parameters renamed. The task text is a bug report naming
 the file, the line and the wrong and right code. EVAL_PAIRS (one per kind, each package at least once) are held out:
 split "train" never holds them, split "eval" holds only them. Deterministic by seed.
 
@@ -30,49 +30,52 @@ import tempfile
 from pathlib import Path
 
 KINDS = ("operator", "off_by_one", "constant", "swapped_args", "missing_return")
-# each template: module name, functions (source lines), tests (asserts), bug sites {kind: [(function, right, wrong)]}
+# each template: functions (source lines, {a} {b} the parameters, named per task), tests (asserts), bug sites
+# {kind: [(function, right, wrong)]}
 TEMPLATES = {
     "geometry": dict(
-        functions={"area": ["def area(w, h):", "    return w * h"],
-                   "perimeter": ["def perimeter(w, h):", "    return 2 * (w + h)"],
-                   "circle": ["def circle(r):", "    return 3.14 * r * r"],
-                   "last": ["def last(xs):", "    return xs[len(xs) - 1]"],
-                   "ratio": ["def ratio(a, b):", "    return a // b"],
-                   "half": ["def half(x):", "    return ratio(x, 2)"]},
+        functions={"area": ["def area({a}, {b}):", "    return {a} * {b}"],
+                   "perimeter": ["def perimeter({a}, {b}):", "    return 2 * ({a} + {b})"],
+                   "circle": ["def circle({a}):", "    return 3.14 * {a} * {a}"],
+                   "last": ["def last({a}):", "    return {a}[len({a}) - 1]"],
+                   "ratio": ["def ratio({a}, {b}):", "    return {a} // {b}"],
+                   "half": ["def half({a}):", "    return ratio({a}, 2)"]},
         tests=["assert area(2, 3) == 6", "assert perimeter(2, 3) == 10", "assert circle(10) == 314.0",
                "assert last([4, 5, 6]) == 6", "assert ratio(9, 2) == 4", "assert half(8) == 4"],
-        sites={"operator": [("area", "w * h", "w + h"), ("perimeter", "w + h", "w - h")],
-               "off_by_one": [("last", "len(xs) - 1", "len(xs) - 2")],
+        sites={"operator": [("area", "{a} * {b}", "{a} + {b}"), ("perimeter", "{a} + {b}", "{a} - {b}")],
+               "off_by_one": [("last", "len({a}) - 1", "len({a}) - 2")],
                "constant": [("circle", "3.14", "3.41"), ("perimeter", "2 * (", "3 * (")],
-               "swapped_args": [("half", "ratio(x, 2)", "ratio(2, x)")],
-               "missing_return": [("area", "return w * h", "w * h"), ("ratio", "return a // b", "a // b")]}),
+               "swapped_args": [("half", "ratio({a}, 2)", "ratio(2, {a})")],
+               "missing_return": [("area", "return {a} * {b}", "{a} * {b}"),
+                                  ("ratio", "return {a} // {b}", "{a} // {b}")]}),
     "money": dict(
-        functions={"total": ["def total(price, qty):", "    return price * qty"],
-                   "tax": ["def tax(amount):", "    return amount * 20 // 100"],
-                   "change": ["def change(paid, cost):", "    return paid - cost"],
-                   "pay": ["def pay(cost):", "    return change(100, cost)"],
-                   "months": ["def months(n):", "    return list(range(1, n + 1))"]},
+        functions={"total": ["def total({a}, {b}):", "    return {a} * {b}"],
+                   "tax": ["def tax({a}):", "    return {a} * 20 // 100"],
+                   "change": ["def change({a}, {b}):", "    return {a} - {b}"],
+                   "pay": ["def pay({a}):", "    return change(100, {a})"],
+                   "months": ["def months({a}):", "    return list(range(1, {a} + 1))"]},
         tests=["assert total(3, 4) == 12", "assert tax(50) == 10", "assert change(10, 3) == 7",
                "assert pay(30) == 70", "assert months(3) == [1, 2, 3]"],
-        sites={"operator": [("change", "paid - cost", "paid + cost"), ("total", "price * qty", "price + qty")],
-               "off_by_one": [("months", "range(1, n + 1)", "range(1, n)")],
+        sites={"operator": [("change", "{a} - {b}", "{a} + {b}"), ("total", "{a} * {b}", "{a} + {b}")],
+               "off_by_one": [("months", "range(1, {a} + 1)", "range(1, {a})")],
                "constant": [("tax", "20 //", "25 //")],
-               "swapped_args": [("pay", "change(100, cost)", "change(cost, 100)")],
-               "missing_return": [("change", "return paid - cost", "paid - cost")]}),
+               "swapped_args": [("pay", "change(100, {a})", "change({a}, 100)")],
+               "missing_return": [("change", "return {a} - {b}", "{a} - {b}")]}),
     "text": dict(
-        functions={"shout": ["def shout(s):", "    return s.upper() * 2"],
-                   "count": ["def count(s, c):", "    return s.count(c)"],
-                   "has": ["def has(s, c):", "    return count(s, c) > 0"],
-                   "first": ["def first(s, n):", "    return s[:n]"],
-                   "pad": ["def pad(s, width):", "    return s + ' ' * (width - len(s))"]},
+        functions={"shout": ["def shout({a}):", "    return {a}.upper() * 2"],
+                   "count": ["def count({a}, {b}):", "    return {a}.count({b})"],
+                   "has": ["def has({a}, {b}):", "    return count({a}, {b}) > 0"],
+                   "first": ["def first({a}, {b}):", "    return {a}[:{b}]"],
+                   "pad": ["def pad({a}, {b}):", "    return {a} + ' ' * ({b} - len({a}))"]},
         tests=["assert shout('hi') == 'HIHI'", "assert count('banana', 'a') == 3", "assert has('box', 'x')",
                "assert not has('boo', 'x')", "assert first('hello', 2) == 'he'", "assert pad('ab', 4) == 'ab  '"],
-        sites={"operator": [("pad", "width - len(s)", "width + len(s)")],
-               "off_by_one": [("first", "s[:n]", "s[:n - 1]")],
+        sites={"operator": [("pad", "{b} - len({a})", "{b} + len({a})")],
+               "off_by_one": [("first", "{a}[:{b}]", "{a}[:{b} - 1]")],
                "constant": [("has", "> 0", "> 1"), ("shout", "* 2", "* 3")],
-               "swapped_args": [("has", "count(s, c)", "count(c, s)")],
-               "missing_return": [("count", "return s.count(c)", "s.count(c)")]}),
+               "swapped_args": [("has", "count({a}, {b})", "count({b}, {a})")],
+               "missing_return": [("count", "return {a}.count({b})", "{a}.count({b})")]}),
 }
+NAMES = "abcdefghkmnpqrstuvwxyz"  # parameter names, drawn per function: the fix must be read, not remembered
 # held out of warm start and RL: one pair per kind, every package at least once
 EVAL_PAIRS = (("geometry", "operator"), ("money", "off_by_one"), ("text", "constant"), ("geometry", "swapped_args"),
               ("money", "missing_return"))
@@ -100,12 +103,14 @@ def make_task(package: str, kind: str, rng: random.Random) -> dict:
     """One sample: the package (functions in a random order) with one bug of `kind` at one of its sites."""
     t = TEMPLATES[package]
     fn, right, wrong = rng.choice(t["sites"][kind])
-    names = list(t["functions"])
-    rng.shuffle(names)
+    functions = list(t["functions"])
+    rng.shuffle(functions)
     lines = []
-    for name in names:
-        body = list(t["functions"][name])
+    for name in functions:
+        params = dict(zip("ab", rng.sample(NAMES, 2)))
+        body = [line.format(**params) for line in t["functions"][name]]
         if name == fn:
+            right, wrong = right.format(**params), wrong.format(**params)
             [i] = [i for i, line in enumerate(body) if right in line]
             body[i], line_no = body[i].replace(right, wrong, 1), len(lines) + i + 1
         lines += body + [""]
