@@ -2,8 +2,8 @@
 
 Tasks (`tasks(split, n, seed)`, a dataset source `recipes.repair.tasks:<split>:<n>:<seed>`): one of TEMPLATES (a
 module and its test file) with one bug of one KIND injected (an operator, an off-by-one, a wrong constant, swapped
-arguments, a missing return), its functions shuffled (line numbers vary) and their parameters renamed. The task text is a bug report naming
-the file, the line and the wrong and right code. EVAL_PAIRS (one per kind, each package at least once) are held out:
+arguments, a missing return), its functions shuffled (line numbers vary) and their parameters renamed. The task
+text is a bug report naming the file, the line and the wrong and right code. EVAL_PAIRS (one per kind, each package at least once) are held out:
 split "train" never holds them, split "eval" holds only them. Deterministic by seed.
 
 The agent (`agent_command: python $LOONGSAGE_ROOT/recipes/repair.py`): writes the sample's files into the sandbox and
@@ -182,7 +182,8 @@ async def reward(response: str, sample: dict) -> float:
 
 def main() -> int:
     """agent_command: the sample's files into the working directory, mini-swe-agent on the task (its output to
-    stderr), then the package's files as one JSON line on stdout."""
+    stderr), then the package's files as one JSON line on stdout. Needs mini-swe-agent importable: forked from the
+    warm interpreter (agent_preload), or run by its venv's Python (`.../mini-swe-agent/bin/python .../repair.py`)."""
     sample = json.loads(Path(os.environ["LOONGSAGE_SAMPLE_FILE"]).read_text())
     for name, text in sample["files"].items():
         Path(name).write_text(text)
@@ -197,7 +198,8 @@ def main() -> int:
     with contextlib.redirect_stdout(sys.stderr):
         try:
             app(["-c", "mini_textbased.yaml", "-c", f"{home}/repair.yaml", "-y", "--exit-immediately",
-                 "--agent-class", "default", "-o", f"{home}/trajectory.json", "-t", data_task(sample)],
+                 "--agent-class", "default", "-o", f"{home}/trajectory.json", "-t", os.environ.get("LOONGSAGE_TASK") or
+                 sample["messages"][-1]["content"]],
                 standalone_mode=False)
         except SystemExit as e:
             status = e.code if isinstance(e.code, int) else 1
@@ -205,10 +207,6 @@ def main() -> int:
         if Path(home, "trajectory.json").exists() else ""
     print(json.dumps({"exit_status": exit_status, "files": {sample["module"]: Path(sample["module"]).read_text()}}))
     return status
-
-
-def data_task(sample: dict) -> str:
-    return os.environ.get("LOONGSAGE_TASK") or sample["messages"][-1]["content"]
 
 
 if __name__ == "__main__":
