@@ -3,8 +3,8 @@
 Tasks (`tasks(split, n, seed)`, a dataset source `recipes.repair.tasks:<split>:<n>:<seed>`): one of TEMPLATES (a
 module and its test file) with one bug of one KIND injected (an operator, an off-by-one, a wrong constant, swapped
 arguments, a missing return), its functions shuffled (line numbers vary) and their parameters renamed. The task
-text is a bug report naming the file, the line and the wrong and right code. EVAL_PAIRS (one per kind, each package at least once) are held out:
-split "train" never holds them, split "eval" holds only them. Deterministic by seed.
+text is a bug report naming the file, the line and the wrong and right code. EVAL_PAIRS (one per kind, each package
+at least once) are held out: split "train" never holds them, split "eval" holds only them. Deterministic by seed.
 
 The agent (`agent_command: python $LOONGSAGE_ROOT/recipes/repair.py`): writes the sample's files into the sandbox and
 runs mini-swe-agent's own command-line app in this process, its text-based model class (one ```bash block per reply)
