@@ -269,7 +269,8 @@ def load_tokenizer(path: str):
 
 def load_dataset(spec: str) -> list[dict]:
     """A list of samples from `path.jsonl`, `path.parquet`, `synthetic:<arith|add|sub|calc>:<n>:<seed>[:<max_operand>]`
-    or `reasoning_gym:<task>:<n>:<seed>[:<key>=<value>,...]` (reasoning_gym_samples; values read as JSON). Each
+    or `reasoning_gym:<task>:<n>:<seed>[:<key>=<value>,...]` (reasoning_gym_samples; values read as JSON), or
+    `module.fn:<arg>:...` (fn(*args) -> samples, the args as strings, e.g. recipes.repair.tasks:train:512:1). Each
     sample is a dict; chat samples hold `messages` (or `prompt`, wrapped as one user turn) and usually `answer`."""
     if spec.startswith("reasoning_gym:"):
         parts = spec.split(":", 4)
@@ -298,10 +299,13 @@ def load_dataset(spec: str) -> list[dict]:
             return calc_samples(n, seed)
         ops = {"arith": "+-", "add": "+", "sub": "-"}[parts[1]]  # add / sub: one sub-task each (mopd recipe)
         return arith_samples(n, seed, max_operand=int(parts[4]) if len(parts) == 5 else 99, ops=ops)
+    head, _, args = spec.partition(":")
+    if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", head) and head.rsplit(".", 1)[1] not in ("jsonl", "parquet"):
+        return import_object(head)(*filter(None, args.split(":")))  # a generator: module.fn:<arg>:<arg>...
     path = Path(spec)
     if not path.exists():
-        raise FileNotFoundError(f"dataset {spec!r} does not exist; give a .jsonl/.parquet path or "
-                                "'synthetic:arith:<n>:<seed>'")
+        raise FileNotFoundError(f"dataset {spec!r} does not exist; give a .jsonl/.parquet path, "
+                                "'synthetic:arith:<n>:<seed>' or a generator 'module.fn:<arg>:...'")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq  # late: the lent GPU machine (scripts/gpu_check.py) has no pyarrow
         # a column some rows lack reads back as None in those rows: drop it, as if the key were absent (jsonl)

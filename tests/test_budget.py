@@ -19,7 +19,7 @@ CORE_SHARES = {"the house budget's goal (issue 40)": 12_000,
                "reasoning-gym and verifiers (issue 45)": 61, "checkpoint faults (issue 49)": 114,
                "live fault drills (issue 50)": 56, "the device check (issue 51)": 33,
                "engine: vllm (issue 44)": 493,
-               "every row's wall clock, step timeline (issue 47)": 44,
+               "every row's wall clock, step timeline (issue 47)": 44, "code repair on a CPU (issue 46)": 5,
                "over the goal at the budget's landing, 467, less what was cut since: to cut (issue 40)": 24}
 # stand-ins and tools: + bench step's TRL side, its process tree's CPU and the recipe run from outside (issue 47)
 CAPS = {"reading core": sum(CORE_SHARES.values()), "stand-ins and tools": 4_500 + 63, "recipes": 1_000, "scripts": 800}
