@@ -35,7 +35,7 @@ measured back to back in one run is far steadier than an absolute number.
         The first run also builds the warm start (400 SFT steps), cached for the next ones. --sync-set and
         --async-set add config overrides to one run (e.g. --async-set trainer_threads=2 engine_threads=1).
 
-    python bench.py agentic [--steps 24 --prompts 16 --stale-steps 2 --lrs 1e-3,2e-3 --target 0.6 --seed 2]
+    python bench.py agentic [--steps 24 --prompts 16 --stale-steps 2 --lrs 1e-3,2e-3 --target 0.8 --seed 2]
         Time to a target accuracy where the model waits on a slow tool: the calc agent (recipes/calc.py: the model
         calls a calculator, reads its result, answers), every call taking wall-clock time from a seeded lognormal
         (median 0.3 s, p99 5 s), from one warm start (the calc recipe's, seed 2: built once, cached). Three runs on
@@ -1306,7 +1306,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tool-p99", type=float, default=5.0, help="agentic bench: 99th percentile seconds of a tool call")
     p.add_argument("--eval-prompts", type=int, default=64, help="agentic bench: prompts of each greedy eval")
     p.add_argument("--eval-every", type=int, default=None, help="agentic bench: steps of B prompts between evals (3)")
-    p.add_argument("--target", type=float, default=0.6, help="agentic bench: the eval accuracy timed to")
+    p.add_argument("--target", type=float, default=0.8, help="agentic bench: the eval accuracy timed to")
     p.add_argument("--lrs", default="1e-3,2e-3", help="agentic bench: the learning rates each mode runs at")
     p.add_argument("--tool-seed", type=int, default=0, help="agentic bench: seed of the tool calls' durations")
     p.add_argument("--sync-set", nargs="*", default=[], metavar="KEY=VALUE",
