@@ -35,7 +35,7 @@ measured back to back in one run is far steadier than an absolute number.
         The first run also builds the warm start (400 SFT steps), cached for the next ones. --sync-set and
         --async-set add config overrides to one run (e.g. --async-set trainer_threads=2 engine_threads=1).
 
-    python bench.py agentic [--steps 24 --prompts 16 --stale-steps 2 --lrs 1e-3,2e-3 --target 0.8 --seed 2]
+    python bench.py agentic [--steps 24 --prompts 16 --stale-steps 2 --lrs 5e-4,1e-3 --target 0.8 --seed 2]
         Time to a target accuracy where the model waits on a slow tool: the calc agent (recipes/calc.py: the model
         calls a calculator, reads its result, answers), every call taking wall-clock time from a seeded lognormal
         (median 0.3 s, p99 5 s), from one warm start (the calc recipe's, seed 2: built once, cached). Three runs on
@@ -716,12 +716,12 @@ def bench_agentic(args) -> dict:
     if args.warmstart_steps is not None:
         common.append(f"warmstart_steps={args.warmstart_steps}")
     e = args.eval_every or 3  # evals every e steps of B prompts, the wide run at the same samples
-    modes = {"sync": ["mode=sync", f"prompts_per_step={b}", f"num_steps={steps}", f"eval_every={e}",
+    modes = {"async": ["mode=async", f"prompts_per_step={b}", f"num_steps={steps}", f"eval_every={e}",
+                       f"stale_steps={stale}", "window=no-window", *args.async_set],
+             "sync": ["mode=sync", f"prompts_per_step={b}", f"num_steps={steps}", f"eval_every={e}",
                       *sync_engines(), *args.sync_set],
              f"sync-{wide}": ["mode=sync", f"prompts_per_step={wide}", f"num_steps={max(1, round(steps * b / wide))}",
-                              f"eval_every={max(1, round(e * b / wide))}", *sync_engines(), *args.sync_set],
-             "async": ["mode=async", f"prompts_per_step={b}", f"num_steps={steps}", f"eval_every={e}",
-                       f"stale_steps={stale}", "window=no-window", *args.async_set]}
+                              f"eval_every={max(1, round(e * b / wide))}", *sync_engines(), *args.sync_set]}
     print(f"bench agentic: calc agent, calculator lognormal (median {args.tool_median:g} s, p99 {args.tool_p99:g} s, "
           f"seed {args.tool_seed}), {steps} steps x {b} prompts x 8 samples (sync-{wide}: the same samples in larger "
           f"steps), async stale_steps {stale:g}, lr from {args.lrs}, target {args.target:g} greedy on "
@@ -739,7 +739,7 @@ def bench_agentic(args) -> dict:
             print(f"  {name} lr {lr}: eval (samples, s, accuracy) " + ", ".join(
                 f"({n}, {c:.0f}, {a:.3f})" for n, c, a in r["curve"]) + f"; time to {args.target:g}: "
                 + (f"{r['to_target_s']:.1f} s" if r["to_target_s"] is not None else "not reached"))
-            print(f"      RL loop {r['wall_s']:.1f} s for {r['trained']} trained samples, {r['samples_per_s']:.2f}/s "
+            print(f"      RL loop {r['wall_s']:.1f} s for {r['trained']:.0f} trained samples, {r['samples_per_s']:.2f}/s "
                   f"(evals {r['eval_s']:.0f} s, off the clock); lag mean {r['lag_mean']:.2f}, max "
                   f"{r['lag_max']:.0f}, masked {r['masked']:.0f} tokens, {r['lag_dropped']:.0f} groups; trainer "
                   f"waits {r['wait']:.0%}, engine idle {r['idle']:.0%}")
@@ -1307,7 +1307,7 @@ def main(argv=None) -> dict:
     p.add_argument("--eval-prompts", type=int, default=64, help="agentic bench: prompts of each greedy eval")
     p.add_argument("--eval-every", type=int, default=None, help="agentic bench: steps of B prompts between evals (3)")
     p.add_argument("--target", type=float, default=0.8, help="agentic bench: the eval accuracy timed to")
-    p.add_argument("--lrs", default="1e-3,2e-3", help="agentic bench: the learning rates each mode runs at")
+    p.add_argument("--lrs", default="5e-4,1e-3", help="agentic bench: the learning rates each mode runs at")
     p.add_argument("--tool-seed", type=int, default=0, help="agentic bench: seed of the tool calls' durations")
     p.add_argument("--sync-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="async, agentic, step: sync run overrides")

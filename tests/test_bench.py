@@ -213,7 +213,7 @@ def test_bench_agentic_smoke(capsys, ray_session):  # the session's Ray: no star
         assert m["lag_max"] <= (2 if name == "async" else 0) and m["generate_s"] > 0 and m["tool_s"] >= 0
         assert m["time"]["generate"] + m["time"]["train"] + m["time"]["sync"] <= m["wall_s"] + 1e-6
         assert f"  {name} lr 1e-3: eval (samples, s, accuracy) (0, 0, " in out
-        assert f"RL loop {m['wall_s']:.1f} s for {m['trained']} trained samples" in out
+        assert f"RL loop {m['wall_s']:.1f} s for {m['trained']:.0f} trained samples" in out
         assert f"{name:>8s} (lr 0.001): eval {m['eval_start']:.3f} -> {m['eval_end']:.3f}, time to 0.5 " in out
     assert r["best_sync"] in ("sync", "sync-4") and out.count("s waiting on the calculator + ") == 3
     assert re.search(r"async reaches 0\.5 (\d+\.\d\dx sooner than|-- \(one of them never did\) --) the best sync "
