@@ -739,10 +739,10 @@ def bench_agentic(args) -> dict:
             print(f"  {name} lr {lr}: eval (samples, s, accuracy) " + ", ".join(
                 f"({n}, {c:.0f}, {a:.3f})" for n, c, a in r["curve"]) + f"; time to {args.target:g}: "
                 + (f"{r['to_target_s']:.1f} s" if r["to_target_s"] is not None else "not reached"))
-            print(f"      RL loop {r['wall_s']:.1f} s for {r['trained']:.0f} trained samples, {r['samples_per_s']:.2f}/s "
-                  f"(evals {r['eval_s']:.0f} s, off the clock); lag mean {r['lag_mean']:.2f}, max "
-                  f"{r['lag_max']:.0f}, masked {r['masked']:.0f} tokens, {r['lag_dropped']:.0f} groups; trainer "
-                  f"waits {r['wait']:.0%}, engine idle {r['idle']:.0%}")
+            print(f"      RL loop {r['wall_s']:.1f} s for {r['trained']:.0f} trained samples, "
+                  f"{r['samples_per_s']:.2f}/s (evals {r['eval_s']:.0f} s, off the clock); lag mean "
+                  f"{r['lag_mean']:.2f}, max {r['lag_max']:.0f}, masked {r['masked']:.0f} tokens, "
+                  f"{r['lag_dropped']:.0f} groups; trainer waits {r['wait']:.0%}, engine idle {r['idle']:.0%}")
             print(f"      loop: waiting for rollouts {t['generate']:.1f} s, train {t['train']:.1f} s, weight sync "
                   f"{t['sync']:.1f} s, other {t['other']:.1f} s; a trajectory (mean) {r['total_s']:.2f} s = "
                   f"{r['generate_s']:.2f} s generating + {r['tool_s']:.2f} s waiting on the calculator + "
