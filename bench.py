@@ -35,14 +35,15 @@ measured back to back in one run is far steadier than an absolute number.
         The first run also builds the warm start (400 SFT steps), cached for the next ones. --sync-set and
         --async-set add config overrides to one run (e.g. --async-set trainer_threads=2 engine_threads=1).
 
-    python bench.py agentic [--steps 16 --prompts 8 --stale-steps 2 --tool-median 0.3 --tool-p99 5 --tool-seed 0]
-        Async vs sync where agents wait on tools: the retry agent (recipes/retry.py: answer, a checker tool, the
-        question again when the answer is rejected) with every check taking wall-clock time from a seeded lognormal
-        (median 0.3 s, p99 5 s), from the same cached warm start (recipes/arith_cpu.yaml's), the same number of
-        trained samples. Prints trained samples/s of each and the ratio (target >= 3x), the greedy eval of each
-        (within 0.05), the trained tokens' lag (max <= 2, token IS correction on), trainer wait, engine idle and
-        where each mode's loop time and each trajectory's time went. Both modes at lr 3e-4 (a step a two-version
-        lag tolerates). Write-up: docs/ASYNC.md.
+    python bench.py agentic [--steps 24 --prompts 16 --stale-steps 2 --lrs 5e-4,1e-3 --target 0.8 --seed 2]
+        Time to a target accuracy where the model waits on a slow tool: the calc agent (recipes/calc.py: the model
+        calls a calculator, reads its result, answers), every call taking wall-clock time from a seeded lognormal
+        (median 0.3 s, p99 5 s), from one warm start (the calc recipe's, seed 2: built once, cached). Three runs on
+        the same trained samples: sync at B = 16 prompts, sync at C = B * (1 + stale_steps) prompts (as many
+        trajectories in flight as async keeps), async; each at every --lrs value, the soonest to the target kept.
+        A greedy eval every 3 steps of B (pinned to the weights just synced, off both clocks). Prints each run's
+        curve, time to --target, trained samples/s, lag, and where the time went; then async's time to the target
+        against the best sync baseline's (target >= 2.5x sooner, max lag <= 2). Write-up: docs/ASYNC.md.
 
     python bench.py modes [--recipe recipes/arith_cpu.yaml --stale-steps 1 --seed 1234]
         The default recipe in sync and in async mode: eval accuracy by step and by wall time in one PNG
@@ -658,7 +659,7 @@ def bench_async(args) -> dict:
 
 def tool_waits(rollouts: Path) -> dict:
     """From a run's dumped rollouts (the trained trajectories, with their timings): the mean seconds a trajectory
-    spent in generation (generate_s: the engine's work and its queue), waiting on the checker (what the retry agent
+    spent in generation (generate_s: the engine's work and its queue), waiting on the calculator (what the calc agent
     reports) and elsewhere (the agent and the router's own work, and their event loop's queue), and the slowest."""
     trajs = [json.loads(line) for f in sorted(rollouts.glob("step_*.jsonl")) for line in open(f)]
     total = [t["timings"]["total_s"] for t in trajs]
@@ -668,78 +669,106 @@ def tool_waits(rollouts: Path) -> dict:
             "rest_s": statistics.mean(total) - statistics.mean(gen) - statistics.mean(tool), "slowest_s": max(total)}
 
 
-def bench_agentic(args) -> dict:
-    """Async vs sync where agents wait on a tool (the module docstring: what it prints, the targets); a question's
-    tool durations are the same in both modes, drawn from a lognormal seeded by --tool-seed.
+def learning_curve(hist: list[dict], target: float) -> dict:
+    """The eval curve of a run on the RL loop's clock (each step's wall time less its eval's: an eval is pinned to the
+    weights just synced, and its time is in neither mode's clock), as (trained samples, seconds, accuracy), and the
+    first point at or above `target` (None when the run never got there)."""
+    clock = samples = 0.0
+    curve = [(0, 0.0, hist[0]["eval/accuracy"])]
+    for h in hist[1:]:  # after the eval before training
+        clock += h.get("timing/step", 0.0) - h.get("timing/eval", 0.0)
+        samples += h.get("train/samples", 0)
+        if "eval/accuracy" in h:
+            curve.append((int(samples), clock, h["eval/accuracy"]))
+    hit = next((p for p in curve if p[2] >= target), None)
+    return {"curve": curve, "to_target_s": hit and hit[1], "to_target_samples": hit and hit[0],
+            "eval_s": sum(h.get("timing/eval", 0.0) for h in hist)}
 
-    Sync waits each step for its slowest trajectory's checks, with the engines and the trainer idle; async keeps
-    C = B * (1 + stale_steps) groups going (window no-window: a group enters the buffer the moment it is complete,
-    whatever older group is still waiting on its tool), so other groups generate and the trainer trains while
-    agents wait (stale_steps 2 by default: C = 24 groups for B = 8). A trajectory waiting on its tool across weight
-    updates continues on the new weights; its tokens older than the bound are masked (lag_policy=mask), and a group
-    left with none is replaced by the next complete one."""
+
+def bench_agentic(args) -> dict:
+    """Async vs two sync baselines where the model waits on a slow tool (the module docstring: what it prints, the
+    target); a question's tool durations are the same in every run, drawn from a lognormal seeded by --tool-seed.
+
+    The calc agent (recipes/calc.py) from the calc recipe's warm start of seed --seed (built once, cached), B prompts
+    x 8 samples per step, 64 samples per optimizer step in every run. Sync at B waits each step for its slowest
+    tool call, engines and trainer idle; sync at C = B * (1 + stale_steps) prompts keeps as many trajectories in
+    flight as async does (fewer, larger steps: the same samples, the same optimizer steps); async keeps C groups
+    going (no-window: a group enters the buffer the moment it is complete), training while agents wait, its lag
+    bounded by max_version_lag 2 (older tokens masked). Each mode runs at every --lrs value; the one that reaches
+    --target soonest is its result."""
     sigma = math.log(args.tool_p99 / args.tool_median) / 2.3263  # z of the 99th percentile of a standard normal
     latency = {"median": args.tool_median, "sigma": sigma, "seed": args.tool_seed}
     where = data.default_cache_dir() / "bench_agentic"
     where.mkdir(parents=True, exist_ok=True)
-    for name, spec in (("train.jsonl", "synthetic:arith:4096:1:9"),
-                       ("eval.jsonl", f"synthetic:arith:{args.eval_prompts}:2:9")):
-        (where / name).write_text("\n".join(json.dumps({**s, "tool_latency": latency})
-                                             for s in data.load_dataset(spec)))
+    (where / "train.jsonl").write_text("\n".join(json.dumps({**s, "tool_latency": latency})
+                                                  for s in data.load_dataset("synthetic:calc:4096:1")))
     out = Path(tempfile.mkdtemp(prefix="loongsage_bench_agentic_"))
-    args.steps, args.prompts = args.steps or 16, args.prompts or 8
-    args.stale_steps = 2.0 if args.stale_steps is None else args.stale_steps
-    common = [f"num_steps={args.steps}", f"prompts_per_step={args.prompts}", "samples_per_prompt=8",
-              f"global_batch_size={args.prompts * 8}", f"micro_batch_size={args.prompts * 8}",
-              # a step a two-version lag tolerates: at the recipe's 1e-3 async's eval fell 0.1-0.3 below sync's
-              # (docs/ASYNC.md); at 3e-4 sync learns as much in 16 steps and async matches it
-              "lr=3e-4", "min_lr=3e-5",
-              "agent=recipes.retry.agent", "max_turns=2", "agent_timeout=120",
-              f"dataset={where / 'train.jsonl'}", f"eval_dataset={where / 'eval.jsonl'}",
-              # greedy eval: a function of the weights alone, so the two modes' evals differ by what they learned,
-              # not by sampling noise (0.03 for 512 sampled answers); --eval-prompts trajectories (128), not 512
-              "eval_temperature=0", "eval_samples=1", f"eval_every={args.steps}", "print_every=0", "save_every=0",
-              "max_version_lag=2",
-              "is_correction=token"]  # both modes: the IS weight corrects async's lag (and is ~1 in sync)
+    steps, b = args.steps or 24, args.prompts or 16
+    stale = 2.0 if args.stale_steps is None else args.stale_steps
+    wide = round(b * (1 + stale))
+    gbs = min(64, b * 8)
+    common = [f"seed={2 if args.seed is None else args.seed}", "samples_per_prompt=8", f"global_batch_size={gbs}",
+              f"micro_batch_size={gbs // 2}", f"dataset={where / 'train.jsonl'}",
+              # greedy eval on the recipe's eval questions (no tool latency: its time is off the clock anyway)
+              f"eval_dataset=synthetic:calc:{args.eval_prompts}:2", "eval_temperature=0", "eval_samples=1",
+              "print_every=0", "save_every=0", "max_version_lag=2",
+              "is_correction=token"]  # every mode: the IS weight corrects async's lag (and is ~1 in sync)
     if args.warmstart_steps is not None:
         common.append(f"warmstart_steps={args.warmstart_steps}")
-    modes = {"sync": ["mode=sync", *sync_engines(), *args.sync_set],
-             "async": ["mode=async", f"stale_steps={args.stale_steps}", "window=no-window", *args.async_set]}
-    res = {}
-    for name, extra in modes.items():
-        cfg = config.load_config("recipes/arith_cpu.yaml", common + extra + [f"output_dir={out / name}",
-                                                                            f"dump_rollouts={out / name / 'rollouts'}"])
-        hist = run_mode(cfg)
-        res[name] = {**run_stats(hist), **tool_waits(out / name / "rollouts")}
-    ratio = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
-    diff = res["async"]["eval_end"] - res["sync"]["eval_end"]
-    print(f"bench agentic: retry agent, checks lognormal (median {args.tool_median:g} s, p99 {args.tool_p99:g} s, "
-          f"seed {args.tool_seed}), {args.steps} steps x {args.prompts} prompts x 8 samples, async stale_steps "
-          f"{args.stale_steps:g}, greedy eval on {args.eval_prompts} prompts; load {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} cores")
+    e = args.eval_every or 3  # evals every e steps of B prompts, the wide run at the same samples
+    modes = {"async": ["mode=async", f"prompts_per_step={b}", f"num_steps={steps}", f"eval_every={e}",
+                       f"stale_steps={stale}", "window=no-window", *args.async_set],
+             "sync": ["mode=sync", f"prompts_per_step={b}", f"num_steps={steps}", f"eval_every={e}",
+                      *sync_engines(), *args.sync_set],
+             f"sync-{wide}": ["mode=sync", f"prompts_per_step={wide}", f"num_steps={max(1, round(steps * b / wide))}",
+                              f"eval_every={max(1, round(e * b / wide))}", *sync_engines(), *args.sync_set]}
+    print(f"bench agentic: calc agent, calculator lognormal (median {args.tool_median:g} s, p99 {args.tool_p99:g} s, "
+          f"seed {args.tool_seed}), {steps} steps x {b} prompts x 8 samples (sync-{wide}: the same samples in larger "
+          f"steps), async stale_steps {stale:g}, lr from {args.lrs}, target {args.target:g} greedy on "
+          f"{args.eval_prompts} prompts; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    res, runs = {}, {}
+    for lr in args.lrs.split(","):
+        for name, extra in modes.items():
+            run = out / f"{name}_lr{lr}"
+            cfg = config.load_config("recipes/calc_cpu.yaml", common + extra + [
+                f"lr={lr}", f"min_lr={lr}", f"output_dir={run}", f"dump_rollouts={run / 'rollouts'}"])
+            hist = run_mode(cfg)
+            r = runs[name, lr] = {"lr": float(lr), **run_stats(hist), **tool_waits(run / "rollouts"),
+                                  **learning_curve(hist, args.target)}
+            t = r["time"]
+            print(f"  {name} lr {lr}: eval (samples, s, accuracy) " + ", ".join(
+                f"({n}, {c:.0f}, {a:.3f})" for n, c, a in r["curve"]) + f"; time to {args.target:g}: "
+                + (f"{r['to_target_s']:.1f} s" if r["to_target_s"] is not None else "not reached"))
+            print(f"      RL loop {r['wall_s']:.1f} s for {r['trained']:.0f} trained samples, "
+                  f"{r['samples_per_s']:.2f}/s (evals {r['eval_s']:.0f} s, off the clock); lag mean "
+                  f"{r['lag_mean']:.2f}, max {r['lag_max']:.0f}, masked {r['masked']:.0f} tokens, "
+                  f"{r['lag_dropped']:.0f} groups; trainer waits {r['wait']:.0%}, engine idle {r['idle']:.0%}")
+            print(f"      loop: waiting for rollouts {t['generate']:.1f} s, train {t['train']:.1f} s, weight sync "
+                  f"{t['sync']:.1f} s, other {t['other']:.1f} s; a trajectory (mean) {r['total_s']:.2f} s = "
+                  f"{r['generate_s']:.2f} s generating + {r['tool_s']:.2f} s waiting on the calculator + "
+                  f"{r['rest_s']:.2f} s in the agent and router; slowest {r['slowest_s']:.1f} s")
+    for name in modes:  # each mode at its best lr: the soonest to the target, else the highest final eval
+        res[name] = min((r for (n, _), r in runs.items() if n == name),
+                        key=lambda r: (r["to_target_s"] is None, r["to_target_s"] or -r["eval_end"]))
+    best = min((n for n in modes if n != "async"), key=lambda n: (res[n]["to_target_s"] is None,
+                                                                    res[n]["to_target_s"] or 0.0))
+    a, s = res["async"]["to_target_s"], res[best]["to_target_s"]
+    speedup = s / a if a and s else None
     for name, r in res.items():
-        t = r["time"]
-        print(f"  {name:5s}: RL loop {r['wall_s']:.1f} s for {r['trained']} trained samples, {r['samples_per_s']:.2f}"
-              f"/s; eval {r['eval_start']:.3f} -> {r['eval_end']:.3f}; trainer waits {r['wait']:.0%} of a step, "
-              f"engine idle {r['idle']:.0%}")
-        print(f"         lag of trained tokens: mean {r['lag_mean']:.2f}, max {r['lag_max']:.0f}, on-policy "
-              f"{r['on_policy']:.0%}; partial rollouts {r['partial']:.0%}; masked by the bound {r['masked']:.0f} "
-              f"tokens, {r['lag_dropped']:.0f} groups (nothing left to train: the next complete group took its place)")
-        print(f"         RL loop time: waiting for rollouts {t['generate']:.1f} s, train {t['train']:.1f} s, weight "
-              f"sync {t['sync']:.1f} s, other {t['other']:.1f} s")
-        print(f"         a trajectory (mean): {r['total_s']:.2f} s = {r['generate_s']:.2f} s in generation + "
-              f"{r['tool_s']:.2f} s waiting on the checker + {r['rest_s']:.2f} s in the agent and router; slowest "
-              f"{r['slowest_s']:.1f} s")
-    print(f"  async / sync trained samples per second: {ratio:.2f}x (target >= 3x); final eval async - sync "
-          f"{diff:+.3f} (matched within +-0.05: {abs(diff) <= 0.05}); max lag {res['async']['lag_max']:.0f} "
-          f"(bound 2)")
-    return {"ratio": ratio, "eval_diff": diff, **res}
+        print(f"  {name:>8s} (lr {r['lr']:g}): eval {r['eval_start']:.3f} -> {r['eval_end']:.3f}, time to "
+              f"{args.target:g} " + (f"{r['to_target_s']:.1f} s" if r["to_target_s"] is not None else "never")
+              + f", {r['samples_per_s']:.2f} trained samples/s, max lag {r['lag_max']:.0f}")
+    rate = res["async"]["samples_per_s"] / res[best]["samples_per_s"]
+    print(f"  async reaches {args.target:g} " + (f"{speedup:.2f}x sooner than" if speedup else "-- (one of them never "
+          "did) --") + f" the best sync baseline ({best}), at {rate:.2f}x its trained samples/s (target >= 2.5x "
+          f"sooner, max lag <= 2)")
+    return {"speedup": speedup, "best_sync": best, "runs": runs, **res}
 
 
 def bench_modes(args) -> dict:
     """The recipe in sync and in async mode (the module docstring); the bar: async ends within 0.05 of sync's accuracy
     in less wall time. Sync in its fastest CPU layout (`sync_engines`: one engine per core), async as placed."""
-    res = {}
+    res, args.seed = {}, 1234 if args.seed is None else args.seed
     for name, extra in {"sync": ["mode=sync", *sync_engines()],
                         "async": ["mode=async", f"stale_steps={args.stale_steps}", "max_version_lag=2"]}.items():
         cfg = config.load_config(args.recipe, extra + [f"output_dir=runs/bench_modes/{name}", f"seed={args.seed}"])
@@ -1275,7 +1304,10 @@ def main(argv=None) -> dict:
                    "stale_steps (agentic: 2, the others: 1)")
     p.add_argument("--tool-median", type=float, default=0.3, help="agentic bench: median seconds of a tool call")
     p.add_argument("--tool-p99", type=float, default=5.0, help="agentic bench: 99th percentile seconds of a tool call")
-    p.add_argument("--eval-prompts", type=int, default=128, help="agentic bench: prompts of each greedy eval")
+    p.add_argument("--eval-prompts", type=int, default=64, help="agentic bench: prompts of each greedy eval")
+    p.add_argument("--eval-every", type=int, default=None, help="agentic bench: steps of B prompts between evals (3)")
+    p.add_argument("--target", type=float, default=0.8, help="agentic bench: the eval accuracy timed to")
+    p.add_argument("--lrs", default="5e-4,1e-3", help="agentic bench: the learning rates each mode runs at")
     p.add_argument("--tool-seed", type=int, default=0, help="agentic bench: seed of the tool calls' durations")
     p.add_argument("--sync-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="async, agentic, step: sync run overrides")
@@ -1284,7 +1316,7 @@ def main(argv=None) -> dict:
     p.add_argument("--warmstart-steps", type=int, default=None, help="async, agentic: SFT steps of the warm start "
                    "(async: 400, agentic: the arith_cpu recipe's)")
     p.add_argument("--recipe", default="recipes/arith_cpu.yaml", help="modes bench: the recipe run in both modes")
-    p.add_argument("--seed", type=int, default=1234, help="modes bench: the run seed")
+    p.add_argument("--seed", type=int, default=None, help="modes, agentic: the run seed (modes: 1234, agentic: 2)")
     p.add_argument("--workdir", default=None, help="teachers bench: where the teachers are built (default: a temp dir)")
     args = p.parse_args(argv)
     if args.bench == "rollout":

@@ -9,14 +9,21 @@ results masked out). The reward is 1.0 when the final answer's last number equal
 Run with a recipe YAML that sets `agent: recipes.calc.agent`, `reward: recipes.calc.reward` and a
 `synthetic:calc:<n>:<seed>` dataset. A random tiny model never writes a tool call, so warm-start it on
 `sft_trajectory` (the ideal episode in trajectory form, same tokens and masks the router records).
-Tested by tests/test_agentflow.py (calculator, agent loop, SFT transcript == router trajectory).
+A slow tool, as real ones are (a test run, a sandbox, a web call): a sample with `tool_latency` ({"median": s,
+"sigma": log-space spread, "seed": n}) makes each calculator call wait a seeded lognormal draw first
+(`tool_seconds`), and the agent then returns {"answer", "tool_s"}; `bench.py agentic` trains with it.
+Tested by tests/test_agentflow.py (calculator, agent loop, SFT transcript == router trajectory), tests/test_bench.py
+(the latency's distribution; the agentic bench's smoke run).
 Left out: parallel tool execution and tools other than arithmetic.
 """
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
+import math
 import operator
+import random
 
 import data
 
@@ -67,9 +74,22 @@ def _run_tool(name: str, arguments: str) -> str:
     return calculator(args["expression"])
 
 
-async def agent(client, sample: dict, max_turns: int = 8) -> str:
-    """Tool loop: model -> tool calls -> tool results -> model ... until a reply without tool calls."""
-    messages = list(sample["messages"])
+_draws: dict[str, int] = {}  # tool calls made so far per (seed, question) in this process: the next call's draw
+
+
+def tool_seconds(latency: dict, key: str, draw: int) -> float:
+    """Seconds the `draw`-th tool call on question `key` takes: median * exp(sigma * z), z ~ N(0, 1), so quantile q
+    is median * exp(sigma * z_q) (p99 = median * exp(2.326 * sigma)). Each draw has its own seeded RNG: a run's
+    delays depend on the seed and the questions asked, never on the order concurrent trajectories reach the tool,
+    so sync and async runs of the same questions wait the same."""
+    rng = random.Random(f"{latency.get('seed', 0)}/{key}/{draw}")
+    return float(latency["median"]) * math.exp(float(latency["sigma"]) * rng.gauss(0.0, 1.0))
+
+
+async def agent(client, sample: dict, max_turns: int = 8) -> str | dict:
+    """Tool loop: model -> tool calls -> tool results -> model ... until a reply without tool calls. Returns the
+    final reply, or with `tool_latency` {"answer": it, "tool_s": seconds waited on the tool}."""
+    messages, latency, waited = list(sample["messages"]), sample.get("tool_latency"), 0.0
     reply = ""
     for _ in range(max_turns):
         r = await client.chat.completions.create(model="loongsage", messages=messages, tools=[CALCULATOR_TOOL])
@@ -83,11 +103,16 @@ async def agent(client, sample: dict, max_turns: int = 8) -> str:
                                   for tc in msg.tool_calls]
         messages.append(turn)
         if not msg.tool_calls:
-            return reply  # a final answer
+            break  # a final answer
         for tc in msg.tool_calls:
+            if latency:
+                key = f"{latency.get('seed', 0)}/{json.dumps(sample['messages'])}"
+                _draws[key] = _draws.get(key, 0) + 1
+                waited += (seconds := tool_seconds(latency, key, _draws[key]))
+                await asyncio.sleep(seconds)
             messages.append({"role": "tool", "tool_call_id": tc.id, "content": _run_tool(tc.function.name,
                                                                                         tc.function.arguments)})
-    return reply
+    return {"answer": reply, "tool_s": waited} if latency else reply
 
 
 def sft_trajectory(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dict:
