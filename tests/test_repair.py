@@ -6,6 +6,7 @@ Run: `pytest -q tests/test_repair.py` (the slow case needs scripts/agents_env.sh
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import subprocess
 import sys
@@ -90,6 +91,8 @@ def test_warm_start_transcript_is_mini_swe_agents_episode():
 
 def mini_installed() -> None:
     if not agents.executable("mini").exists():
+        if os.environ.get("LOONGSAGE_AGENTS_REQUIRED") == "1":  # the agent-programs tier of .ci/run
+            pytest.fail(f"{agents.executable('mini')} is missing: run scripts/agents_env.sh")
         pytest.skip("mini-swe-agent is not installed (scripts/agents_env.sh)")
 
 
