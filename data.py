@@ -304,8 +304,8 @@ def load_dataset(spec: str) -> list[dict]:
         return import_object(head)(*filter(None, args.split(":")))  # a generator: module.fn:<arg>:<arg>...
     path = Path(spec)
     if not path.exists():
-        raise FileNotFoundError(f"dataset {spec!r} does not exist; give a .jsonl/.parquet path, "
-                                "'synthetic:arith:<n>:<seed>' or a generator 'module.fn:<arg>:...'")
+        raise FileNotFoundError(f"dataset {spec!r} does not exist; give a .jsonl/.parquet path, 'synthetic:arith:"
+                                "<n>:<seed>', 'reasoning_gym:<task>:<n>:<seed>' or a generator 'module.fn:<arg>:...'")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq  # late: the lent GPU machine (scripts/gpu_check.py) has no pyarrow
         # a column some rows lack reads back as None in those rows: drop it, as if the key were absent (jsonl)
