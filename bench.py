@@ -1084,7 +1084,7 @@ def tree_cpu(root: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of process `root` and every process under it (a run's Ray daemons and
     actors are), by name: `controller` (root), `ray::<Actor>` (whatever method it runs now), others by program."""
     procs, tick = {}, os.sysconf("SC_CLK_TCK")
-    for d in filter(str.isdigit, os.listdir("/proc")):
+    for d in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):  # none without /proc (macOS)
         try:
             stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()  # state ppid ... utime(11) stime(12)
             cmd = open(f"/proc/{d}/cmdline", "rb").read().decode(errors="replace").split("\0")

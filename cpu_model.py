@@ -19,9 +19,9 @@ before and as the trainer for such sequences; longer ones torch's fused kernel, 
 Test: tests/test_cpu_engine.py (the engine against transformers, chunked prefill and its memory), tests/test_moe.py,
 tests/test_deepseek.py, tests/test_lora.py.
 """
+import contextlib
 import dataclasses
 import difflib
-import os
 
 import torch
 import torch.nn.functional as F
@@ -263,10 +263,9 @@ class ModelRunner:
         cache_shape = (cfg.num_hidden_layers, self.max_batch, self.n_kv_heads, self.max_len)
         need = cfg.num_hidden_layers * self.max_batch * self.n_kv_heads * self.max_len * self.dtype.itemsize \
             * (self.head_dim + self.v_head_dim)                                           # bytes of k_cache + v_cache
-        free = float("inf")  # MemAvailable: what Linux can give without swapping (not checked elsewhere)
-        if os.path.exists("/proc/meminfo"):
-            with open("/proc/meminfo") as f:
-                free = next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), free)
+        free = float("inf")  # MemAvailable: what Linux can give without swapping (unknown without /proc: macOS)
+        with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+            free = next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), free)
         if need > free:  # refused here, not killed by the kernel in the allocation
             raise ValueError(f"the CPU engine's KV cache for --max-batch {self.max_batch} x --max-len {self.max_len} "
                              f"tokens needs {need / 2 ** 30:.1f} GiB, and {free / 2 ** 30:.1f} GiB are available: "
