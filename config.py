@@ -107,7 +107,7 @@ class Config:
     # trainer_workers / (tensor_parallel * pipeline_parallel)
     data_parallel: int = 1  # derived: trainer_workers // (tensor_parallel * pipeline_parallel * context_parallel)
     num_engines: int = 1  # rollout engines (each one SGLang server or CPU engine)
-    colocate: bool = False  # engines share the trainers' placement bundles (GPUs), instead of their own
+    colocate: bool = False  # engines on the trainers' bundles (GPUs) hand memory over: generation waits as they train
     cpus_per_trainer: float = 1.0  # Ray CPU resources per trainer rank
     cpus_per_engine: float = 1.0  # Ray CPU resources per engine
     trainer_threads: int = 0  # torch threads per trainer rank; 0 = derive (async: its Ray CPUs; sync: a node share)
