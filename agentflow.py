@@ -74,7 +74,6 @@ import atexit
 import base64
 import collections
 import contextlib
-import dataclasses
 import functools
 import gc
 import hashlib
@@ -102,7 +101,6 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 import chat
-import config
 import data
 import rollout
 import sandbox
@@ -111,10 +109,8 @@ from wire import (ApiError, Turn, anthropic_error_body, anthropic_request, anthr
                   responses_logprobs, responses_output, responses_request, responses_response, responses_stream)
 
 log = logging.getLogger("loongsage.agentflow")
-ROOT = Path(__file__).resolve().parent
-# A request's segment label (Router._admit; what each means: Config.train_labels, which picks those that train; the
-# others stay in the trajectory, loss mask 0). A side call names SIDE_MODEL; a compaction opens with Codex's prompt.
-LABELS = config.SEGMENT_LABELS
+# A request's segment label (Router._admit): one of config.SEGMENT_LABELS; Config.train_labels picks those that train,
+# the others stay in the trajectory, loss mask 0. A side call names SIDE_MODEL; a compaction opens with Codex's prompt.
 SIDE_MODEL = "loongsage-side"
 CODEX_COMPACTION = "You are performing a CONTEXT CHECKPOINT COMPACTION."
 
@@ -221,7 +217,7 @@ class Segment:
     kwargs: dict = field(default_factory=dict)  # the chat_template_kwargs it was rendered with (a change: new segment)
     thinking_shown: bool = True  # False once the template drops a turn's thinking from that very turn's rendering (it
     #                              never shows past thinking, e.g. DeepSeek-R1's): the next turn starts a new segment
-    label: str = "main"          # which kind of request made it (LABELS); a turn extends only a segment of its label
+    label: str = "main"          # its request's kind (config.SEGMENT_LABELS): a turn extends only one of its label
 
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
@@ -547,7 +543,7 @@ class Router:
         (metadata.unknown_fields). A system or developer message after the first (Codex and Claude Code send them)
         stays a system message where the chat template shows one there (Qwen3's does); where the template would drop
         or refuse it, it goes in as a user message, the same way every turn, so the model sees it and the history
-        keeps extending (one segment). Returns the request's segment label (LABELS)."""
+        keeps extending (one segment). Returns the request's segment label (config.SEGMENT_LABELS)."""
         for name in req.unknown:
             if not self.unknown_fields[name]:
                 log.warning("accepting unknown request field %r (first seen; counted in agentflow/unknown_fields and "
@@ -1217,7 +1213,7 @@ def main(argv=None) -> None:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
         t = s.trajectory(0.0)
-        print(json.dumps({k: v for k, v in dataclasses.asdict(t).items() if k != "segments"})[:4000], flush=True)
+        print(json.dumps({k: v for k, v in vars(t).items() if k != "segments"})[:4000], flush=True)
         await router.stop()
         await router.pool.close()
 
