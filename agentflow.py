@@ -441,14 +441,11 @@ class Session:
         trained = [g for g in self.segments if g.label in self.train_labels]
         segs = [g for g in self.segments if g is not trained[-1]] + trained[-1:] if trained else self.segments
         if not segs:  # nothing was generated: keep the prompt so the trainer has a valid row
-            msgs = self.sample.get("messages") or [{"role": "user", "content": ""}]
             try:
-                prompt = self.chat.prompt_ids(msgs)
+                prompt = self.chat.prompt_ids(self.sample.get("messages") or [{"role": "user", "content": ""}])
             except Exception:
                 prompt = [self.chat.eos_id]
-            seg = Segment(messages=[], tools=None, text="", prompt_ids=prompt)
-        else:
-            seg = segs[-1]
+        seg = segs[-1] if segs else Segment(messages=[], tools=None, text="", prompt_ids=prompt)
         dicts = [g.as_dict() if status != "failed" and g.label in self.train_labels else
                  {**g.as_dict(), "loss_mask": [0] * len(g.loss_mask)} for g in segs]
         mask = dicts[-1]["loss_mask"] if segs else []
@@ -776,12 +773,6 @@ async def code_tests(response: str, sample: dict) -> float:
 # AgentFlow: the actor the controller calls
 
 
-async def _call(fn, *args):
-    """Call a sync or async function (rewards and agents may be either)."""
-    out = fn(*args)
-    return await out if inspect.isawaitable(out) else out
-
-
 def _scalar_reward(value, source: str) -> tuple[float | None, str | None]:
     """(reward, None) for a finite number, else (None, error). A NaN or inf reward would turn every
     advantage of its group (and the loss) into NaN; per-turn rewards travel separately (an agent's
@@ -827,13 +818,11 @@ class AgentFlow:
         self.reward_fn = None if cfg.reward == "judge" else data.import_object(cfg.reward)
         self.agent_fn = data.import_object(cfg.agent) if cfg.agent else None
         # data_sources: a source's own reward / agent, looked up by sample["source"]; else the ones above
-        sources = cfg.data_sources
-        self.source_reward = {s["name"]: None if s["reward"] == "judge" else data.import_object(s["reward"])
-                              for s in sources if s.get("reward")}
-        self.source_agent = {s["name"]: data.import_object(s["agent"]) for s in sources if s.get("agent")}
         # the dotted names, for error messages: a failed trajectory names the reward / agent that failed it
-        self._reward_name = {s["name"]: s["reward"] for s in sources if s.get("reward")}
-        self._agent_name = {s["name"]: s["agent"] for s in sources if s.get("agent")}
+        self._reward_name = {s["name"]: s["reward"] for s in cfg.data_sources if s.get("reward")}
+        self._agent_name = {s["name"]: s["agent"] for s in cfg.data_sources if s.get("agent")}
+        self.source_reward = {k: None if v == "judge" else data.import_object(v) for k, v in self._reward_name.items()}
+        self.source_agent = {k: data.import_object(v) for k, v in self._agent_name.items()}
         for name, fn in [(cfg.agent, self.agent_fn), *((self._agent_name[k], f) for k, f in self.source_agent.items())]:
             if fn is not None and not callable(fn):
                 raise ValueError(f"agent {name!r} is not callable; it must be `async def agent(client, sample)`")
@@ -1037,7 +1026,8 @@ class AgentFlow:
         if rewarding and fn is not None:
             name = self._reward_name.get(sample.get("source"), self.cfg.reward)
             try:
-                reward, bad = _scalar_reward(await _call(fn, text, sample), f"reward {name}")
+                value = fn(text, sample)  # a reward may be sync or async
+                reward, bad = _scalar_reward(await value if inspect.isawaitable(value) else value, f"reward {name}")
             except Exception as e:  # a reward bug must show, but not kill the whole step
                 log.exception("reward %s failed", name)
                 reward, bad = None, f"reward {name} raised {e!r}"
