@@ -523,12 +523,7 @@ def _serve_warm(path: str, preload: list[str]) -> None:
         if listener in ready:
             conn, _ = listener.accept()
             msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            if len(fds) != 3:
-                conn.send(b"error: expected stdin, stdout and stderr")
-                conn.close()
-                for fd in fds:
-                    os.close(fd)
-            else:
+            if len(fds) == 3:
                 sys.stdout.flush()
                 pid = os.fork()
                 if pid == 0:
@@ -536,10 +531,13 @@ def _serve_warm(path: str, preload: list[str]) -> None:
                     for other in waiting:
                         other.close()
                     _warm_child(json.loads(msg), fds, conn)  # never returns
-                for fd in fds:
-                    os.close(fd)
                 conn.send(f"pid {pid}".encode())
                 children[pid] = conn
+            else:
+                conn.send(b"error: expected stdin, stdout and stderr")
+                conn.close()
+            for fd in fds:  # closed here either way: a forked child has its own copies
+                os.close(fd)
         for pid, conn in list(children.items()):
             if conn is not None and conn in ready and not conn.recv(64):  # the caller gave up: kill the child
                 _killpg(pid)
