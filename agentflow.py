@@ -714,12 +714,6 @@ class Router:
 
     async def start(self, port: int = 0) -> str:
         """Serve the app on host:port (0 = any free port) as a task of the running loop; returns the URL."""
-
-        class _Server(uvicorn.Server):
-            # The loop belongs to the actor/test, not to uvicorn: leave its signal handlers alone.
-            def capture_signals(self):
-                return contextlib.nullcontext()
-
         # proxy_headers off: agents call it directly, never through a proxy whose headers would name the client
         config = uvicorn.Config(self.app(), host=self.host, port=port, log_level="warning", lifespan="off",
                                 access_log=False, proxy_headers=False)
@@ -729,7 +723,9 @@ class Router:
         # with Nagle the body would wait for the client's delayed ACK (~40 ms on every agent call)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((self.host, port))
-        self._server = _Server(config)
+        self._server = uvicorn.Server(config)
+        # The loop belongs to the actor/test, not to uvicorn: leave its signal handlers alone.
+        self._server.capture_signals = contextlib.nullcontext
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():  # e.g. the port is taken: surface uvicorn's error
