@@ -74,7 +74,6 @@ import atexit
 import base64
 import collections
 import contextlib
-import dataclasses
 import functools
 import gc
 import hashlib
@@ -102,7 +101,6 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 import chat
-import config
 import data
 import rollout
 import sandbox
@@ -111,10 +109,8 @@ from wire import (ApiError, Turn, anthropic_error_body, anthropic_request, anthr
                   responses_logprobs, responses_output, responses_request, responses_response, responses_stream)
 
 log = logging.getLogger("loongsage.agentflow")
-ROOT = Path(__file__).resolve().parent
-# A request's segment label (Router._admit; what each means: Config.train_labels, which picks those that train; the
-# others stay in the trajectory, loss mask 0). A side call names SIDE_MODEL; a compaction opens with Codex's prompt.
-LABELS = config.SEGMENT_LABELS
+# A request's segment label (Router._admit): one of config.SEGMENT_LABELS; Config.train_labels picks those that train,
+# the others stay in the trajectory, loss mask 0. A side call names SIDE_MODEL; a compaction opens with Codex's prompt.
 SIDE_MODEL = "loongsage-side"
 CODEX_COMPACTION = "You are performing a CONTEXT CHECKPOINT COMPACTION."
 
@@ -221,7 +217,7 @@ class Segment:
     kwargs: dict = field(default_factory=dict)  # the chat_template_kwargs it was rendered with (a change: new segment)
     thinking_shown: bool = True  # False once the template drops a turn's thinking from that very turn's rendering (it
     #                              never shows past thinking, e.g. DeepSeek-R1's): the next turn starts a new segment
-    label: str = "main"          # which kind of request made it (LABELS); a turn extends only a segment of its label
+    label: str = "main"          # its request's kind (config.SEGMENT_LABELS): a turn extends only one of its label
 
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
@@ -445,14 +441,11 @@ class Session:
         trained = [g for g in self.segments if g.label in self.train_labels]
         segs = [g for g in self.segments if g is not trained[-1]] + trained[-1:] if trained else self.segments
         if not segs:  # nothing was generated: keep the prompt so the trainer has a valid row
-            msgs = self.sample.get("messages") or [{"role": "user", "content": ""}]
             try:
-                prompt = self.chat.prompt_ids(msgs)
+                prompt = self.chat.prompt_ids(self.sample.get("messages") or [{"role": "user", "content": ""}])
             except Exception:
                 prompt = [self.chat.eos_id]
-            seg = Segment(messages=[], tools=None, text="", prompt_ids=prompt)
-        else:
-            seg = segs[-1]
+        seg = segs[-1] if segs else Segment(messages=[], tools=None, text="", prompt_ids=prompt)
         dicts = [g.as_dict() if status != "failed" and g.label in self.train_labels else
                  {**g.as_dict(), "loss_mask": [0] * len(g.loss_mask)} for g in segs]
         mask = dicts[-1]["loss_mask"] if segs else []
@@ -547,7 +540,7 @@ class Router:
         (metadata.unknown_fields). A system or developer message after the first (Codex and Claude Code send them)
         stays a system message where the chat template shows one there (Qwen3's does); where the template would drop
         or refuse it, it goes in as a user message, the same way every turn, so the model sees it and the history
-        keeps extending (one segment). Returns the request's segment label (LABELS)."""
+        keeps extending (one segment). Returns the request's segment label (config.SEGMENT_LABELS)."""
         for name in req.unknown:
             if not self.unknown_fields[name]:
                 log.warning("accepting unknown request field %r (first seen; counted in agentflow/unknown_fields and "
@@ -721,12 +714,6 @@ class Router:
 
     async def start(self, port: int = 0) -> str:
         """Serve the app on host:port (0 = any free port) as a task of the running loop; returns the URL."""
-
-        class _Server(uvicorn.Server):
-            # The loop belongs to the actor/test, not to uvicorn: leave its signal handlers alone.
-            def capture_signals(self):
-                return contextlib.nullcontext()
-
         # proxy_headers off: agents call it directly, never through a proxy whose headers would name the client
         config = uvicorn.Config(self.app(), host=self.host, port=port, log_level="warning", lifespan="off",
                                 access_log=False, proxy_headers=False)
@@ -736,7 +723,9 @@ class Router:
         # with Nagle the body would wait for the client's delayed ACK (~40 ms on every agent call)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((self.host, port))
-        self._server = _Server(config)
+        self._server = uvicorn.Server(config)
+        # The loop belongs to the actor/test, not to uvicorn: leave its signal handlers alone.
+        self._server.capture_signals = contextlib.nullcontext
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():  # e.g. the port is taken: surface uvicorn's error
@@ -778,12 +767,6 @@ async def code_tests(response: str, sample: dict) -> float:
 
 # ----------------------------------------------------------------------------------------------
 # AgentFlow: the actor the controller calls
-
-
-async def _call(fn, *args):
-    """Call a sync or async function (rewards and agents may be either)."""
-    out = fn(*args)
-    return await out if inspect.isawaitable(out) else out
 
 
 def _scalar_reward(value, source: str) -> tuple[float | None, str | None]:
@@ -831,13 +814,11 @@ class AgentFlow:
         self.reward_fn = None if cfg.reward == "judge" else data.import_object(cfg.reward)
         self.agent_fn = data.import_object(cfg.agent) if cfg.agent else None
         # data_sources: a source's own reward / agent, looked up by sample["source"]; else the ones above
-        sources = cfg.data_sources
-        self.source_reward = {s["name"]: None if s["reward"] == "judge" else data.import_object(s["reward"])
-                              for s in sources if s.get("reward")}
-        self.source_agent = {s["name"]: data.import_object(s["agent"]) for s in sources if s.get("agent")}
         # the dotted names, for error messages: a failed trajectory names the reward / agent that failed it
-        self._reward_name = {s["name"]: s["reward"] for s in sources if s.get("reward")}
-        self._agent_name = {s["name"]: s["agent"] for s in sources if s.get("agent")}
+        self._reward_name = {s["name"]: s["reward"] for s in cfg.data_sources if s.get("reward")}
+        self._agent_name = {s["name"]: s["agent"] for s in cfg.data_sources if s.get("agent")}
+        self.source_reward = {k: None if v == "judge" else data.import_object(v) for k, v in self._reward_name.items()}
+        self.source_agent = {k: data.import_object(v) for k, v in self._agent_name.items()}
         for name, fn in [(cfg.agent, self.agent_fn), *((self._agent_name[k], f) for k, f in self.source_agent.items())]:
             if fn is not None and not callable(fn):
                 raise ValueError(f"agent {name!r} is not callable; it must be `async def agent(client, sample)`")
@@ -1041,7 +1022,8 @@ class AgentFlow:
         if rewarding and fn is not None:
             name = self._reward_name.get(sample.get("source"), self.cfg.reward)
             try:
-                reward, bad = _scalar_reward(await _call(fn, text, sample), f"reward {name}")
+                value = fn(text, sample)  # a reward may be sync or async
+                reward, bad = _scalar_reward(await value if inspect.isawaitable(value) else value, f"reward {name}")
             except Exception as e:  # a reward bug must show, but not kill the whole step
                 log.exception("reward %s failed", name)
                 reward, bad = None, f"reward {name} raised {e!r}"
@@ -1217,7 +1199,7 @@ def main(argv=None) -> None:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
         t = s.trajectory(0.0)
-        print(json.dumps({k: v for k, v in dataclasses.asdict(t).items() if k != "segments"})[:4000], flush=True)
+        print(json.dumps({k: v for k, v in vars(t).items() if k != "segments"})[:4000], flush=True)
         await router.stop()
         await router.pool.close()
 

@@ -46,7 +46,7 @@ RECOMPUTE = ("none", "selective", "full")  # Config.recompute
 MEGATRON_OWNED = {"tensor_model_parallel_size": "tensor_parallel", "pipeline_model_parallel_size": "pipeline_parallel",
                   "expert_model_parallel_size": "expert_parallel", "context_parallel_size": "context_parallel",
                   "sequence_parallel": "sequence_parallel", "recompute_granularity": "recompute"}
-SEGMENT_LABELS = ("main", "side", "compaction", "count_tokens")  # what a router request is (agentflow.LABELS)
+SEGMENT_LABELS = ("main", "side", "compaction", "count_tokens")  # what a router request is (agentflow.Router._admit)
 WINDOWS = ("no-window", "window-gated", "windowed-fifo")  # the built-in async windows (loongsage.groups_to_dispatch)
 TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker name -> the optional package it needs
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")  # HF model types with routers (R3, expert parallelism)

@@ -123,12 +123,16 @@ def _isolation_available() -> bool:
     return _ISOLATION
 
 
+def _killpg(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def _cgroup(controller: str, name: str, limit_value: int) -> Path | None:
     """Create cgroup `name` with `controller` and its limit at `limit_value` (v1 hierarchy /sys/fs/cgroup/<controller>,
     or v2 /sys/fs/cgroup with the controller enabled for children); None where neither is writable."""
-    limit_file = {"pids": "pids.max", "memory": "memory.limit_in_bytes"}[controller]
-    for base, limit in ((Path("/sys/fs/cgroup") / controller, limit_file), (Path("/sys/fs/cgroup"),
-                                                                           f"{controller}.max")):
+    v1_limit = {"pids": "pids.max", "memory": "memory.limit_in_bytes"}[controller]
+    for base, limit in ((Path("/sys/fs/cgroup", controller), v1_limit), (Path("/sys/fs/cgroup"), f"{controller}.max")):
         path = base / name
         try:
             path.mkdir(exist_ok=False)
@@ -191,7 +195,6 @@ class LocalSandbox:
         self.cpu_s, self.memory_mb, self.file_mb, self.max_procs = cpu_s, memory_mb, file_mb, max_procs
         self.network = network
         self.dir: str | None = None
-        self._pgids: set[int] = set()
         self._cgroups: list[Path] = []
         self.contained: dict[str, bool] = {}  # what this sandbox really enforces (writes, network, procs,
         #                                       total_memory), filled by create()
@@ -242,9 +245,8 @@ class LocalSandbox:
         proc = await asyncio.create_subprocess_exec(
             "bash", "-c", command, cwd=self.dir, env=self._env(env), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=self._limits)
-        self._pgids.add(proc.pid)  # start_new_session: the pid is the process group id
-        try:
-            return await _communicate(proc, stdin, timeout_s, lambda: self._kill(proc.pid), t0)
+        try:  # start_new_session: the pid is the process group id
+            return await _communicate(proc, stdin, timeout_s, lambda: _killpg(proc.pid), t0)
         finally:
             self._end(proc.pid)
 
@@ -259,26 +261,19 @@ class LocalSandbox:
             raise ValueError(f"a warm Python runs `[VAR=value ...] python SCRIPT|-m MODULE [ARGS]`, got {command!r}")
         words, env = spec[1], self._env({**(env or {}), **spec[0]})
         words = [re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), ""), w) for w in words]  # as bash would
-        limits = {"dir": self.dir, "cgroups": [str(c) for c in self._cgroups], "isolate": bool(
-            self.contained.get("writes")), "network": self.network, "cpu_s": self.cpu_s, "memory_mb": self.memory_mb,
-                  "file_mb": self.file_mb}
-        return await warm.run(self, {"argv": words, "env": env, "limits": limits}, stdin, timeout_s)
-
-    def _kill(self, pgid: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
+        limits = {"cpu_s": self.cpu_s, "memory_mb": self.memory_mb, "file_mb": self.file_mb, "network": self.network}
+        box = {"dir": self.dir, "cgroups": [str(c) for c in self._cgroups], "contained": self.contained}
+        return await warm.run(self, {"argv": words, "env": env, "limits": limits, **box}, stdin, timeout_s)
 
     def _end(self, pgid: int) -> None:
         """After a command: its background children die with it, and so do those that left its process group
         (setsid, daemons) but not the sandbox's cgroup."""
-        self._kill(pgid)
+        _killpg(pgid)
         for cg in self._cgroups[:1]:
             _cgroup_kill(cg)
 
     async def delete(self) -> None:
-        for pgid in self._pgids:
-            self._kill(pgid)
-        self._pgids.clear()
+        """Kill what is left in the cgroups (a command's process group dies with it: _end); remove them and the dir."""
         for cg in self._cgroups:
             _cgroup_kill(cg)
         for _ in range(100):  # removable once init has reaped the killed processes
@@ -415,9 +410,8 @@ def python_command(command: str) -> tuple[dict, list[str]] | None:
         assigned[key] = value
     if len(words) < 2 or not re.fullmatch(r"(.*/)?python(3(\.\d+)?)?", words[0]):
         return None
-    args = words[1:]
-    if (args[0] == "-m" and len(args) >= 2) or not args[0].startswith("-"):
-        return assigned, args
+    if (words[1] == "-m" and len(words) >= 3) or not words[1].startswith("-"):
+        return assigned, words[1:]
     return None
 
 
@@ -467,8 +461,7 @@ class WarmPython:
             reply = await loop.sock_recv(conn, 64)  # b"pid N", then b"exit CODE"; b"" if the warm Python died
             if not reply.startswith(b"pid "):
                 raise RuntimeError(f"the warm Python refused the command: {reply.decode(errors='replace')!r}")
-            pid = int(reply.split()[1])
-            box._pgids.add(pid)  # the child called setsid: its pid is its process group, killed at delete()
+            pid = int(reply.split()[1])  # the child called setsid: its pid is its process group, killed by _end
             try:
                 reply = await asyncio.wait_for(loop.sock_recv(conn, 64), timeout_s)
                 code = int(reply.split()[1]) if reply.startswith(b"exit ") else -1
@@ -523,20 +516,14 @@ def _serve_warm(path: str, preload: list[str]) -> None:
         ready, _, _ = select.select([listener, wake_r, sys.stdin.fileno(), *waiting], [], [])
         if sys.stdin.fileno() in ready and not os.read(sys.stdin.fileno(), 1):
             for pid in children:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
+                _killpg(pid)
             return
         if wake_r in ready:
             os.read(wake_r, 512)
         if listener in ready:
             conn, _ = listener.accept()
             msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            if len(fds) != 3:
-                conn.send(b"error: expected stdin, stdout and stderr")
-                conn.close()
-                for fd in fds:
-                    os.close(fd)
-            else:
+            if len(fds) == 3:
                 sys.stdout.flush()
                 pid = os.fork()
                 if pid == 0:
@@ -544,14 +531,16 @@ def _serve_warm(path: str, preload: list[str]) -> None:
                     for other in waiting:
                         other.close()
                     _warm_child(json.loads(msg), fds, conn)  # never returns
-                for fd in fds:
-                    os.close(fd)
                 conn.send(f"pid {pid}".encode())
                 children[pid] = conn
+            else:
+                conn.send(b"error: expected stdin, stdout and stderr")
+                conn.close()
+            for fd in fds:  # closed here either way: a forked child has its own copies
+                os.close(fd)
         for pid, conn in list(children.items()):
             if conn is not None and conn in ready and not conn.recv(64):  # the caller gave up: kill the child
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
+                _killpg(pid)
                 conn.close()
                 children[pid] = None
         while children:
@@ -612,12 +601,11 @@ def _warm_child(request: dict, fds: list[int], conn: socket.socket) -> None:
         for fd, std in zip(fds, (0, 1, 2)):
             os.dup2(fd, std)
             os.close(fd)
-        lim = request["limits"]
-        box = LocalSandbox(cpu_s=lim["cpu_s"], memory_mb=lim["memory_mb"], file_mb=lim["file_mb"],
-                           network=lim["network"])
-        box.dir, box._cgroups, box.contained = lim["dir"], [Path(c) for c in lim["cgroups"]], {"writes": lim["isolate"]}
+        box = LocalSandbox(**request["limits"])  # the sandbox execute_warm was called on: its dir, cgroups, containment
+        box.dir, box.contained = request["dir"], request["contained"]
+        box._cgroups = [Path(c) for c in request["cgroups"]]
         box._limits()
-        os.chdir(lim["dir"])
+        os.chdir(box.dir)
         os.environ.clear()
         os.environ.update(request["env"])
         argv = request["argv"]

@@ -37,7 +37,6 @@ import functools
 import json
 import os
 import socket
-import sys
 import threading
 import time
 import uuid

@@ -19,8 +19,7 @@ CORE_SHARES = {"the house budget's goal (issue 40)": 12_000,
                "reasoning-gym and verifiers (issue 45)": 61, "checkpoint faults (issue 49)": 114,
                "live fault drills (issue 50)": 56, "the device check (issue 51)": 33,
                "engine: vllm (issue 44)": 493,
-               "every row's wall clock, step timeline (issue 47)": 44, "code repair on a CPU (issue 46)": 5,
-               "over the goal at the budget's landing, 467, less what was cut since: to cut (issue 40)": 22}
+               "every row's wall clock, step timeline (issue 47)": 44, "code repair on a CPU (issue 46)": 5}
 # stand-ins and tools: + bench step's TRL side, its process tree's CPU and the recipe run from outside (issue 47),
 # + bench agentic's three baselines, lr grid and time to a target accuracy (issue 48)
 CAPS = {"reading core": sum(CORE_SHARES.values()), "stand-ins and tools": 4_500 + 63 + 32, "recipes": 1_000,
