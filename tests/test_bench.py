@@ -203,7 +203,7 @@ def test_bench_agentic_smoke(capsys, ray_session):  # the session's Ray: no star
                     "--lrs", "1e-3", "--target", "0.5"])
     out = capsys.readouterr().out
     assert "bench agentic: calc agent, calculator lognormal (median 0.05 s, p99 0.5 s, seed 0), 2 steps x 2 prompts" \
-        in out and "target 0.5 greedy on 8 prompts" in out
+        in out and "target 0.5 on 8 prompts x 2 samples" in out
     assert set(r["runs"]) == {("sync", "1e-3"), ("sync-4", "1e-3"), ("async", "1e-3")}
     for name in ("sync", "sync-4", "async"):
         m = r[name]
@@ -217,4 +217,6 @@ def test_bench_agentic_smoke(capsys, ray_session):  # the session's Ray: no star
         assert f"{name:>8s} (lr 0.001): eval {m['eval_start']:.3f} -> {m['eval_end']:.3f}, time to 0.5 " in out
     assert r["best_sync"] in ("sync", "sync-4") and out.count("s waiting on the calculator + ") == 3
     assert re.search(r"async reaches 0\.5 (\d+\.\d\dx sooner than|-- \(one of them never did\) --) the best sync "
-                     r"baseline \(sync(-4)?\), at \d+\.\d\dx its trained samples/s", out)
+                     r"baseline \(sync(-4)?\), at \d+\.\d\dx its trained samples/s .*; at most \d+\.\d\dx here: "
+                     r"sync(-4)?'s RL loop \d+ s over async's training \d+ s", out)
+    assert r["ceiling"] == pytest.approx(r[r["best_sync"]]["wall_s"] / r["async"]["time"]["train"])
