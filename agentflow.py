@@ -714,9 +714,11 @@ class Router:
 
     async def start(self, port: int = 0) -> str:
         """Serve the app on host:port (0 = any free port) as a task of the running loop; returns the URL."""
-        # proxy_headers off: agents call it directly, never through a proxy whose headers would name the client
+        # proxy_headers off: agents call it directly, never through a proxy whose headers would name the client.
+        # An idle connection stays open 75 s, longer than any client's pool keeps one (httpx and the SDKs' aiohttp
+        # 5 s, Node 4 s): at uvicorn's default 5 s, a request sent as the server closed it failed "Request timed out"
         config = uvicorn.Config(self.app(), host=self.host, port=port, log_level="warning", lifespan="off",
-                                access_log=False, proxy_headers=False)
+                                access_log=False, proxy_headers=False, timeout_keep_alive=75)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # TCP_NODELAY, inherited by accepted connections: an answer's headers and body go out as two writes, and

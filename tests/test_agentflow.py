@@ -143,6 +143,32 @@ def test_tool_history_renders_the_same_from_openai_and_anthropic(tiny_model_dir)
     assert '"name": "calculator"' in text.split("<|im_end|>")[0]  # tools listed in the system turn
 
 
+def test_an_idle_connection_outlives_every_clients_pool(tiny_model_dir):
+    """A keep-alive connection idle for 6 s still serves the next request: the router keeps idle connections longer
+    than the clients' pools keep them (the SDKs' 5 s). At uvicorn's default of 5 s the server closed a connection
+    as a client reused it, and the official SDK reported that request as 'Request timed out' (a burst of new
+    trajectories in an async run lost tens of them so). No engine is needed: /health answers from the router."""
+    async def body():
+        router = agentflow.Router(rollout.EnginePool(["http://127.0.0.1:9"]), chat.ChatFormat(tiny_model_dir))
+        await router.start()
+        try:
+            reader, writer = await asyncio.open_connection(*router.url.removeprefix("http://").split(":"))
+            answers = []
+            for wait in (0, 6):
+                await asyncio.sleep(wait)
+                writer.write(b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n")
+                await writer.drain()
+                answers.append(await reader.readline())
+                while await reader.readline() not in (b"\r\n", b""):  # the headers
+                    pass
+                await reader.readuntil(b"}")  # the body
+            writer.close()
+            return answers
+        finally:
+            await router.stop()
+    assert run(body()) == [b"HTTP/1.1 200 OK\r\n"] * 2
+
+
 def test_crafted_tool_calls_reach_official_clients_plain_and_streaming(engines, tiny_model_dir):
     """Tool-call parsing end to end: crafted engine output -> router -> official SDK objects."""
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}\n</tool_call>'
