@@ -681,7 +681,13 @@ def learning_curve(hist: list[dict], target: float) -> dict:
         if "eval/accuracy" in h:
             curve.append((int(samples), clock, h["eval/accuracy"]))
     hit = next((p for p in curve if p[2] >= target), None)
+    # the same, less at the mercy of one eval's noise: accuracy = a + b ln(samples) fitted to the evals after the
+    # first by least squares, crossing the target at exp((target - a) / b) samples, timed at the run's samples/s
+    xs, ys = [math.log(n) for n, _, _ in curve[1:]], [acc for _, _, acc in curve[1:]]
+    b = statistics.linear_regression(xs, ys).slope if len(set(xs)) > 1 else 0.0
+    fit = math.exp((target - statistics.fmean(ys) + b * statistics.fmean(xs)) / b) if b > 0 else None
     return {"curve": curve, "to_target_s": hit and hit[1], "to_target_samples": hit and hit[0],
+            "fit_samples": fit, "fit_s": fit and fit * clock / samples,
             "eval_s": sum(h.get("timing/eval", 0.0) for h in hist)}
 
 
@@ -738,7 +744,8 @@ def bench_agentic(args) -> dict:
             t = r["time"]
             print(f"  {name} lr {lr}: eval (samples, s, accuracy) " + ", ".join(
                 f"({n}, {c:.0f}, {a:.3f})" for n, c, a in r["curve"]) + f"; time to {args.target:g}: "
-                + (f"{r['to_target_s']:.1f} s" if r["to_target_s"] is not None else "not reached"))
+                + (f"{r['to_target_s']:.1f} s" if r["to_target_s"] is not None else "not reached")
+                + (f"; fitted: {r['fit_samples']:.0f} samples, {r['fit_s']:.1f} s" if r["fit_s"] else ""))
             print(f"      RL loop {r['wall_s']:.1f} s for {r['trained']:.0f} trained samples, "
                   f"{r['samples_per_s']:.2f}/s (evals {r['eval_s']:.0f} s, off the clock); lag mean "
                   f"{r['lag_mean']:.2f}, max {r['lag_max']:.0f}, masked {r['masked']:.0f} tokens, "
@@ -759,12 +766,16 @@ def bench_agentic(args) -> dict:
               f"{args.target:g} " + (f"{r['to_target_s']:.1f} s" if r["to_target_s"] is not None else "never")
               + f", {r['samples_per_s']:.2f} trained samples/s, max lag {r['lag_max']:.0f}")
     rate = res["async"]["samples_per_s"] / res[best]["samples_per_s"]
+    fits = {n: r["fit_s"] for n, r in res.items()}
+    fitted = min(v for n, v in fits.items() if n != "async") / fits["async"] if all(fits.values()) else None
     ceiling = res[best]["wall_s"] / res["async"]["time"]["train"]
     print(f"  async reaches {args.target:g} " + (f"{speedup:.2f}x sooner than" if speedup else "-- (one of them never "
           "did) --") + f" the best sync baseline ({best}), at {rate:.2f}x its trained samples/s (target >= 2.5x "
           f"sooner, max lag <= 2); at most {ceiling:.2f}x here: {best}'s RL loop {res[best]['wall_s']:.0f} s over "
           f"async's training {res['async']['time']['train']:.0f} s, which no overlap removes")
-    return {"speedup": speedup, "best_sync": best, "ceiling": ceiling, "runs": runs, **res}
+    print("  fitted: " + (f"async {fitted:.2f}x sooner than the best sync baseline (" + ", ".join(
+        f"{n} {v:.1f} s" for n, v in fits.items()) + ")" if fitted else "-- (a run's evals did not rise) --"))
+    return {"speedup": speedup, "fitted": fitted, "best_sync": best, "ceiling": ceiling, "runs": runs, **res}
 
 
 def bench_modes(args) -> dict:
