@@ -172,10 +172,6 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
     from other settings is rebuilt. Returns the path as a string.
     """
 
-    # late: see the note at the top (transformers' model classes cost seconds to import)
-    from transformers import (AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
-
     s = {**TINY_DEFAULTS, **settings}
     unknown = set(settings) - set(TINY_DEFAULTS)
     if unknown:
@@ -196,6 +192,9 @@ def build_tiny_model(out_dir: str | os.PathLike, **settings) -> str:
     stamp = out / "loongsage_tiny.json"
     if stamp.exists() and json.loads(stamp.read_text()) == s and (out / "model.safetensors").exists():
         return str(out)
+    # late, and only to build: see the note at the top (transformers' model classes cost seconds to import)
+    from transformers import (AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
