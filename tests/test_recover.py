@@ -326,7 +326,9 @@ def test_engine_stalled_mid_sync_fails_the_sync_within_its_deadline_naming_the_k
     Planted bugs this catches: a push with no deadline, cleanup after a failed push that waits on the stalled
     engine again and replaces the error, an error that does not say which knob to raise."""
     out, path = tmp_path / "run", tmp_path / "run.log"
-    p = launch(short_run(out, "num_steps=4", "num_engines=2", "bucket_mb=0.05", "weight_sync_timeout=20"),
+    # a deadline of 5 s: a sync of this model takes ~0.1 s (weights/seconds), so the one before the stall succeeds on
+    # a machine 10 times as loaded, and the stall is sat out for 5 s, not the default 600
+    p = launch(short_run(out, "num_steps=4", "num_engines=2", "bucket_mb=0.05", "weight_sync_timeout=5"),
                # no "Unhandled error" print of the trainer's push, which fails once the engines are gone: the error
                # read below is the run's own, the traceback the controller prints
                {**env_for(tmp_path), "LOONGSAGE_FAULT": "stall:1@2", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}, path)
@@ -350,7 +352,7 @@ def test_engine_stalled_mid_sync_fails_the_sync_within_its_deadline_naming_the_k
     struck(log, "stall:1@2")
     tail = log[log.index("run failed:"):]
     error = [ln for ln in tail.splitlines() if re.match(r"[\w.]+(Error|Exception): ", ln)][-1]
-    assert error.startswith("TimeoutError: weight sync of version 2 to 2 engine(s) did not finish within 20s "
+    assert error.startswith("TimeoutError: weight sync of version 2 to 2 engine(s) did not finish within 5s "
                             "(config `weight_sync_timeout`)"), tail[-3000:]
     assert sorted(train_rows(out)) == [0]  # step 1 trained, and its row is logged after its sync: the one stalled
 
