@@ -406,13 +406,43 @@ def test_teacher_killed_mid_scoring_is_recreated_and_the_step_trains_on_the_same
         assert got[step]["teacher/add_teacher/tokens"] > 0 and got[step]["teacher/sub_teacher/tokens"] > 0
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process under `pid` (read from /proc)."""
+    children = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):  # stat: "pid (name) state ppid ..."
+            ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(d))
+    found, todo = set(), [pid]
+    while todo:
+        found.update(new := children.get(todo.pop(), []))
+        todo += new
+    return found
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def lose_node(p: subprocess.Popen, cluster, node) -> None:
-    """A spare node joins and `node` is removed while the controller `p` is held, then it goes on."""
+    """A spare node joins and `node` is removed while the controller `p` is held, then it goes on once the node's
+    workers (the raylet's processes) noticed their raylet is gone and exited and the cluster counts the node dead
+    and the spare alive (or after 10 s)."""
+    from ray._private import ray_constants
     os.kill(p.pid, signal.SIGSTOP)
     try:
         cluster.add_node(num_cpus=1)
+        workers = descendants(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
         cluster.remove_node(node)
-        time.sleep(3.0)  # the node's workers notice their raylet is gone and exit
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(map(running, workers)):
+            time.sleep(0.05)
+        with contextlib.suppress(TimeoutError):
+            cluster.wait_for_nodes(timeout=max(deadline - time.monotonic(), 0.1))
     finally:
         os.kill(p.pid, signal.SIGCONT)
 
