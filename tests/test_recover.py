@@ -283,10 +283,28 @@ def struck(log: str, spec: str) -> int:
     return int(re.search(r"pid=(\d+)", line).group(1))
 
 
+@pytest.fixture(scope="module")
+def sync_kill_runs(tmp_path_factory):
+    """The engine-killed-mid-sync drill's run for each transfer, both launched together at the first one's call:
+    each is mostly start-up (imports, Ray, actors) that overlaps the other's. transfer -> (process, its directory)."""
+    runs = {}
+
+    def run(transfer: str) -> tuple[subprocess.Popen, Path]:
+        for t in ("shm", "broadcast") if not runs else ():
+            tmp = tmp_path_factory.mktemp(f"sync_kill_{t}")
+            runs[t] = (launch(short_run(tmp / "run", "num_steps=4", "num_engines=2", "bucket_mb=0.05",
+                                        f"transfer={t}", f"dump_rollouts={tmp}/dump"),
+                              {**env_for(tmp), "LOONGSAGE_FAULT": "sync:1@2"}, tmp / "run.log"), tmp)
+        return runs[transfer]
+    yield run
+    for p, _ in runs.values():
+        reap(p)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transfer", ["shm", "broadcast"])
 def test_engine_killed_mid_sync_comes_back_at_the_current_version_and_nothing_trains_on_mixed_weights(
-        tmp_path, transfer):
+        sync_kill_runs, transfer):
     """kill -9 one of two CPU engines inside the weight sync to version 2 (LOONGSAGE_FAULT=sync:1@2: it has loaded
     a bucket of that sync that is not the last, so k < n buckets reached it; n comes from the step's metrics), in a
     sync run of 4 steps, over shared memory and over a gloo broadcast:
@@ -296,10 +314,8 @@ def test_engine_killed_mid_sync_comes_back_at_the_current_version_and_nothing_tr
     sync, a surviving engine left on mixed weights or a re-created engine on version 0, would show).
     Planted bugs this catches: a failed push taken as the sync's own failure (the run stops), engines continued on
     half-loaded weights, a re-created engine labelled 2 holding other weights, a sync waiting on the dead engine."""
+    p, tmp_path = sync_kill_runs(transfer)
     out = tmp_path / "run"
-    p = launch(short_run(out, "num_steps=4", "num_engines=2", "bucket_mb=0.05", f"transfer={transfer}",
-                         f"dump_rollouts={tmp_path}/dump"),
-               {**env_for(tmp_path), "LOONGSAGE_FAULT": "sync:1@2"}, tmp_path / "run.log")
     log = finish(p, tmp_path / "run.log")
     assert p.returncode == 0, log[-3000:]
     struck(log, "sync:1@2")
