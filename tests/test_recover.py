@@ -284,15 +284,16 @@ def struck(log: str, spec: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def sync_drill_runs(tmp_path_factory):
+def sync_drill_runs(request, tmp_path_factory):
     """The runs of the drills of a weight sync struck mid-way: an engine killed in it over shm ("shm") and over a gloo
     broadcast ("broadcast"), and one stalled in it ("stall"; see that test for its deadline). All three are launched
-    together at the first drill's call: each is mostly start-up (imports, Ray, actors) that overlaps the others'.
-    name -> (process, its directory)."""
-    runs = {}
+    together at the first drill's call (those of this session's selected tests): each is mostly start-up (imports,
+    Ray, actors) that overlaps the others'. name -> (process, its directory)."""
+    runs, chosen = {}, {"stall" if "stalled" in i.name else i.callspec.params["transfer"] for i in request.session.items
+                        if i.name.startswith(("test_engine_killed_mid_sync", "test_engine_stalled_mid_sync"))}
 
     def run(name: str) -> tuple[subprocess.Popen, Path]:
-        for n in ("shm", "broadcast", "stall") if not runs else ():
+        for n in chosen | {name} if not runs else ():
             tmp = tmp_path_factory.mktemp(f"sync_drill_{n}")
             if n == "stall":
                 # no "Unhandled error" print of the trainer's push, which fails once the engines are gone: the
