@@ -283,10 +283,37 @@ def struck(log: str, spec: str) -> int:
     return int(re.search(r"pid=(\d+)", line).group(1))
 
 
+@pytest.fixture(scope="module")
+def sync_drill_runs(request, tmp_path_factory):
+    """The runs of the drills of a weight sync struck mid-way: an engine killed in it over shm ("shm") and over a gloo
+    broadcast ("broadcast"), and one stalled in it ("stall"; see that test for its deadline). All three are launched
+    together at the first drill's call (those of this session's selected tests): each is mostly start-up (imports,
+    Ray, actors) that overlaps the others'. name -> (process, its directory)."""
+    runs, chosen = {}, {"stall" if "stalled" in i.name else i.callspec.params["transfer"] for i in request.session.items
+                        if i.name.startswith(("test_engine_killed_mid_sync", "test_engine_stalled_mid_sync"))}
+
+    def run(name: str) -> tuple[subprocess.Popen, Path]:
+        for n in chosen | {name} if not runs else ():
+            tmp = tmp_path_factory.mktemp(f"sync_drill_{n}")
+            if n == "stall":
+                # no "Unhandled error" print of the trainer's push, which fails once the engines are gone: the
+                # error the drill reads is the run's own, the traceback the controller prints
+                extra, env = ["weight_sync_timeout=5"], {"LOONGSAGE_FAULT": "stall:1@2",
+                                                         "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
+            else:
+                extra, env = [f"transfer={n}", f"dump_rollouts={tmp}/dump"], {"LOONGSAGE_FAULT": "sync:1@2"}
+            runs[n] = (launch(short_run(tmp / "run", "num_steps=4", "num_engines=2", "bucket_mb=0.05", *extra),
+                              {**env_for(tmp), **env}, tmp / "run.log"), tmp)
+        return runs[name]
+    yield run
+    for p, _ in runs.values():
+        reap(p)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transfer", ["shm", "broadcast"])
 def test_engine_killed_mid_sync_comes_back_at_the_current_version_and_nothing_trains_on_mixed_weights(
-        tmp_path, transfer):
+        sync_drill_runs, transfer):
     """kill -9 one of two CPU engines inside the weight sync to version 2 (LOONGSAGE_FAULT=sync:1@2: it has loaded
     a bucket of that sync that is not the last, so k < n buckets reached it; n comes from the step's metrics), in a
     sync run of 4 steps, over shared memory and over a gloo broadcast:
@@ -296,10 +323,8 @@ def test_engine_killed_mid_sync_comes_back_at_the_current_version_and_nothing_tr
     sync, a surviving engine left on mixed weights or a re-created engine on version 0, would show).
     Planted bugs this catches: a failed push taken as the sync's own failure (the run stops), engines continued on
     half-loaded weights, a re-created engine labelled 2 holding other weights, a sync waiting on the dead engine."""
+    p, tmp_path = sync_drill_runs(transfer)
     out = tmp_path / "run"
-    p = launch(short_run(out, "num_steps=4", "num_engines=2", "bucket_mb=0.05", f"transfer={transfer}",
-                         f"dump_rollouts={tmp_path}/dump"),
-               {**env_for(tmp_path), "LOONGSAGE_FAULT": "sync:1@2"}, tmp_path / "run.log")
     log = finish(p, tmp_path / "run.log")
     assert p.returncode == 0, log[-3000:]
     struck(log, "sync:1@2")
@@ -318,18 +343,17 @@ def test_engine_killed_mid_sync_comes_back_at_the_current_version_and_nothing_tr
 
 
 @pytest.mark.slow
-def test_engine_stalled_mid_sync_fails_the_sync_within_its_deadline_naming_the_knob(tmp_path):
+def test_engine_stalled_mid_sync_fails_the_sync_within_its_deadline_naming_the_knob(sync_drill_runs):
     """SIGSTOP one of two CPU engines inside the weight sync to version 2 (LOONGSAGE_FAULT=stall:1@2: a hung
     receiver, its connection open and silent, after k < n buckets): the run stops with exit code 1 and its error is
     the sync's deadline, naming the sync and the knob (weight_sync_timeout), not a later wait on the stalled engine
     (the engines' flush and continue also wait on it, each for as long) nor a hang.
     Planted bugs this catches: a push with no deadline, cleanup after a failed push that waits on the stalled
     engine again and replaces the error, an error that does not say which knob to raise."""
+    # weight_sync_timeout=5 (sync_drill_runs): a sync of this model takes ~0.1 s (weights/seconds), so the one before
+    # the stall succeeds on a machine 10 times as loaded, and the stall is sat out for 5 s, not the default 600
+    p, tmp_path = sync_drill_runs("stall")
     out, path = tmp_path / "run", tmp_path / "run.log"
-    p = launch(short_run(out, "num_steps=4", "num_engines=2", "bucket_mb=0.05", "weight_sync_timeout=20"),
-               # no "Unhandled error" print of the trainer's push, which fails once the engines are gone: the error
-               # read below is the run's own, the traceback the controller prints
-               {**env_for(tmp_path), "LOONGSAGE_FAULT": "stall:1@2", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}, path)
     try:
         urls = wait_for(lambda: [ln for ln in path.read_text().splitlines() if ln.startswith("engines: ")], p, path,
                         what="the engines")
@@ -350,7 +374,7 @@ def test_engine_stalled_mid_sync_fails_the_sync_within_its_deadline_naming_the_k
     struck(log, "stall:1@2")
     tail = log[log.index("run failed:"):]
     error = [ln for ln in tail.splitlines() if re.match(r"[\w.]+(Error|Exception): ", ln)][-1]
-    assert error.startswith("TimeoutError: weight sync of version 2 to 2 engine(s) did not finish within 20s "
+    assert error.startswith("TimeoutError: weight sync of version 2 to 2 engine(s) did not finish within 5s "
                             "(config `weight_sync_timeout`)"), tail[-3000:]
     assert sorted(train_rows(out)) == [0]  # step 1 trained, and its row is logged after its sync: the one stalled
 
@@ -404,13 +428,43 @@ def test_teacher_killed_mid_scoring_is_recreated_and_the_step_trains_on_the_same
         assert got[step]["teacher/add_teacher/tokens"] > 0 and got[step]["teacher/sub_teacher/tokens"] > 0
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process under `pid` (read from /proc)."""
+    children = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):  # stat: "pid (name) state ppid ..."
+            ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(d))
+    found, todo = set(), [pid]
+    while todo:
+        found.update(new := children.get(todo.pop(), []))
+        todo += new
+    return found
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def lose_node(p: subprocess.Popen, cluster, node) -> None:
-    """A spare node joins and `node` is removed while the controller `p` is held, then it goes on."""
+    """A spare node joins and `node` is removed while the controller `p` is held, then it goes on once the node's
+    workers (the raylet's processes) noticed their raylet is gone and exited and the cluster counts the node dead
+    and the spare alive (or after 10 s)."""
+    from ray._private import ray_constants
     os.kill(p.pid, signal.SIGSTOP)
     try:
         cluster.add_node(num_cpus=1)
+        workers = descendants(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
         cluster.remove_node(node)
-        time.sleep(3.0)  # the node's workers notice their raylet is gone and exit
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(map(running, workers)):
+            time.sleep(0.05)
+        with contextlib.suppress(TimeoutError):
+            cluster.wait_for_nodes(timeout=max(deadline - time.monotonic(), 0.1))
     finally:
         os.kill(p.pid, signal.SIGCONT)
 
@@ -562,16 +616,19 @@ def test_router_flood_of_2000_sessions_loses_and_crosses_nothing_and_gives_its_m
         router.stdin.flush()
         return json.loads(router.stdout.readline())
 
+    async def agent(*args) -> tuple:
+        # a client of its own, its connection kept alive across the session's turns, as an agent's SDK does: the
+        # router keeps an idle connection 75 s and the client 5 s, so none is closed under a client sending on it.
+        # verify=False: plain HTTP here, and it spares each client loading the CA bundle (~24 ms)
+        async with httpx.AsyncClient(timeout=300, verify=False) as http:
+            return await flood_session(http, base, *args)
+
     async def flood(sessions: list, first: int) -> tuple[list, list]:
-        # a connection per request: one kept alive can be closed by the router's keep-alive timeout (uvicorn's 5 s)
-        # as the client sends on it, a client's race (agents' SDKs retry it) that would read as a lost turn here
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
         latencies = []
-        async with httpx.AsyncClient(limits=limits, timeout=300) as http:
-            kinds = ["slow" if i % 10 == 3 else "gone" if i % 10 == 7 else "plain" for i in range(len(sessions))]
-            done = await asyncio.wait_for(asyncio.gather(*(
-                flood_session(http, base, sid, key, first + i, kind, latencies)
-                for i, ((sid, key), kind) in enumerate(zip(sessions, kinds)))), 900)
+        kinds = ["slow" if i % 10 == 3 else "gone" if i % 10 == 7 else "plain" for i in range(len(sessions))]
+        done = await asyncio.wait_for(asyncio.gather(*(agent(sid, key, first + i, kind, latencies)
+                                                       for i, ((sid, key), kind) in enumerate(zip(sessions, kinds)))),
+                                      900)
         return done, latencies
 
     try:
