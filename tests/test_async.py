@@ -306,8 +306,32 @@ def test_engine_keeps_its_busy_flag_while_it_computes(tiny_model_dir, tmp_path):
     assert 1 in seen and flag.read_bytes() == bytes(2)  # byte 0 (another engine's) never touched
 
 
+@pytest.fixture(scope="module")
+def borrowing_run(ray_session, tiny_model_dir, tmp_path_factory):
+    """An async fleet on this CPU as a run reserves it (with the engines' busy file): engine 0 on its core and
+    trainer rank 0 on its own, borrowing the engine's; both start at once (an actor's start-up is one core's work).
+    The two tests below read it, each driving one side: the rank, with the busy byte written by hand, and the engine,
+    which writes it. Skipped below two cores (nothing is pinned, so nothing is lent)."""
+    import os
+    import ray
+    if len(sorted(os.sched_getaffinity(0))) < 2:
+        pytest.skip("needs two cores")
+    cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path_factory.mktemp("borrowing")))
+    run = fleet.reserve(cfg)  # with the engines' busy file, as a run makes it
+    try:
+        run.model = tiny_model_dir
+        busy_at_start = open(run.busy_file, "rb").read() if run.busy_file else None
+        run.actors = [fleet.start_engine(cfg, run, 0)]  # held: Ray ends an actor whose last handle is gone
+        [rank] = fleet.start_trainers(cfg, run)
+        ray.get(rank.load_hf.remote(tiny_model_dir))
+        url = ray.get(run.actors[0].url.remote())  # the engine up and idle: it writes its byte only as it computes
+        yield run, rank, busy_at_start, url
+    finally:
+        fleet.stop(run)  # the actors, the bundles, the busy file
+
+
 @pytest.mark.slow
-def test_trainer_computes_on_an_idle_engines_core(ray_session, tiny_model_dir, tmp_path):
+def test_trainer_computes_on_an_idle_engines_core(borrowing_run):
     """Async on this CPU: trainer rank 0 is pinned to its core and borrows engine 0's. While the engine's byte says
     busy, every layer pass runs on the trainer's one thread; once it says idle, on two threads over both cores."""
     import os
@@ -315,26 +339,21 @@ def test_trainer_computes_on_an_idle_engines_core(ray_session, tiny_model_dir, t
     import torch
     from test_trainer import make_batch
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        pytest.skip("needs two cores")
-    cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path))
+    run, rank, _, _ = borrowing_run
 
     def probe(_):  # runs inside the actor
         affinity = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
         return affinity, torch.get_num_threads()
-    steps, run = [], None
+    steps = []
     try:
-        run = fleet.reserve(cfg)  # with the engines' busy file, as a run makes it
-        [rank] = fleet.start_trainers(cfg, run)
-        ray.get(rank.load_hf.remote(tiny_model_dir))
         for busy in (1, 0):
             with open(run.busy_file, "r+b") as f:
                 f.write(bytes([busy]))
             m = ray.get(rank.train_step.remote(make_batch(n_groups=4, per_group=2), 0))
             steps.append((m["perf/trainer_borrowed_frac"], *ray.get(rank.__ray_call__.remote(probe))))
     finally:
-        if run:
-            fleet.stop(run)  # the rank, the bundles, the busy file
+        with open(run.busy_file, "r+b") as f:
+            f.write(bytes(1))  # the engine's byte back to idle, as the engine leaves it
     (busy_frac, busy_affinity, busy_threads), (idle_frac, idle_affinity, idle_threads) = steps
     assert busy_affinity == idle_affinity == {tuple(cores[:2])}  # every thread may run on both cores
     assert busy_frac == 0.0 and busy_threads == 1
@@ -342,40 +361,26 @@ def test_trainer_computes_on_an_idle_engines_core(ray_session, tiny_model_dir, t
 
 
 @pytest.mark.slow
-def test_a_runs_engine_publishes_in_the_runs_busy_file(ray_session, tiny_model_dir, tmp_path):
+def test_a_runs_engine_publishes_in_the_runs_busy_file(borrowing_run):
     """Async on this CPU, fleet.reserve makes the run's busy file and fleet.start_engine hands it to its engine (an
     argument: run state, not configuration). While the engine generates, its byte reads 1; once it is done, 0: what
     a trainer rank that borrows the engine's cores reads."""
     import concurrent.futures
-    import os
     import httpx
-    import ray
-    if len(sorted(os.sched_getaffinity(0))) < 2:
-        pytest.skip("needs two cores")  # one core: nothing is pinned, so nothing is lent
-    cfg = cfg_with(model_path=tiny_model_dir, output_dir=str(tmp_path))
-    run = None
-    try:
-        run = fleet.reserve(cfg)
-        run.model = tiny_model_dir
-        assert run.busy_file and open(run.busy_file, "rb").read() == bytes(1)
-        run.actors = [fleet.start_engine(cfg, run, 0)]  # held: Ray ends an actor whose last handle is gone
-        engine = run.actors[0]
-        url = ray.get(engine.url.remote())
-        seen = set()
-        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            done = pool.submit(httpx.post, url + "/generate", json=body, timeout=300)
-            while not done.done():
-                seen.add(open(run.busy_file, "rb").read()[0])
-                time.sleep(0.001)  # a spinning reader would take a core from the engine
-            assert len(done.result().json()["output_ids"]) == 300
-        deadline = time.monotonic() + 5
-        while open(run.busy_file, "rb").read()[0] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert 1 in seen and open(run.busy_file, "rb").read() == bytes(1)
-    finally:
-        if run:
-            fleet.stop(run)
+    run, _, busy_at_start, url = borrowing_run
+    assert run.busy_file and busy_at_start == bytes(1)
+    seen = set()
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        done = pool.submit(httpx.post, url + "/generate", json=body, timeout=300)
+        while not done.done():
+            seen.add(open(run.busy_file, "rb").read()[0])
+            time.sleep(0.001)  # a spinning reader would take a core from the engine
+        assert len(done.result().json()["output_ids"]) == 300
+    deadline = time.monotonic() + 5
+    while open(run.busy_file, "rb").read()[0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert 1 in seen and open(run.busy_file, "rb").read() == bytes(1)
 
 
 @pytest.mark.slow

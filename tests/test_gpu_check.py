@@ -3,7 +3,9 @@ machine holds (torch, transformers, peft and their requirements) plus what scrip
 each part's control (`--break PART`) makes that part FAIL at its check. The sglang part and its control run in the
 conformance tier (tests/test_sglang_conformance.py), where SGLang's source is at hand; here it passes only where
 .gpu_wheels/sglang exists and is skipped otherwise."""
+import concurrent.futures
 import importlib.metadata
+import importlib.util
 import os
 import re
 import subprocess
@@ -15,8 +17,11 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_check  # noqa: E402
+# loaded from its file, never by putting scripts/ on sys.path: scripts/recipes.py would then shadow the recipes
+# package (recipes.calc, recipes.code_repair) for every test module collected after this one
+_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +61,7 @@ def dry_run(*args, python=(sys.executable,), env=None) -> tuple[int, dict[str, s
     return r.returncode, lines | {"output": r.stdout[-3000:] + r.stderr[-3000:]}
 
 
-def test_the_dry_run_passes_every_part_with_only_the_lent_machines_packages(tmp_path, run_cache):
+def test_the_dry_run_passes_every_part_with_only_the_lent_machines_packages(tmp_path, run_cache, controls):
     """All five parts, in `python -S` with only torch + transformers + peft's closure and the carried distributions on
     the path (spawned engine processes included): each passes (sglang: skipped without its carried source), and the
     weight pushes report every tensor bit for bit."""
@@ -78,20 +83,26 @@ CONTROLS = {"logprobs": "|trainer - HF fp32|", "ipc": "arrived with other bytes 
 
 
 @pytest.fixture(scope="module")
-def controls(_session_cache) -> tuple[int, dict[str, str]]:
+def controls(tmp_path_factory) -> concurrent.futures.Future:
     """One dry run of the four parts, each with its control on: a part reports and the next one runs whatever the
     last one did (gpu_check.main), and every break is the part's own (a copy of the reference model, a copy of the
     pushed tensors, the worker's offload, the learning rate of distopt's reloads), so one process tells what four
-    did, without three more start-ups of torch, transformers and a trainer."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LOONGSAGE_CACHE", str(_session_cache))  # run_cache's: the dry run's model is built once
-        return dry_run(*[a for p in CONTROLS for a in ("--part", p, "--break", p)])
+    did, without three more start-ups of torch, transformers and a trainer. It starts with the module (the first
+    test asks for it) and runs beside the full dry run, each process mostly one core's work; its own cache
+    directory, as build_tiny_model is not safe for two processes building one directory at once. The future
+    answers (exit code, lines)."""
+    env = {**os.environ, "LOONGSAGE_CACHE": str(tmp_path_factory.mktemp("gpu-check-controls-cache"))}
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(dry_run, *[a for p in CONTROLS for a in ("--part", p, "--break", p)], env=env)
+    pool.shutdown(wait=False)
+    yield future
+    future.result()  # never leave the process behind the module
 
 
 @pytest.mark.parametrize("part", list(CONTROLS))
 def test_each_control_makes_its_part_fail(part, controls):
     """`--break PART`: the logprobs against a model with another final norm, a push with one bit flipped, an offload
     that frees nothing, the distributed optimizer at another learning rate: the part FAILs at its own assertion."""
-    rc, lines = controls
+    rc, lines = controls.result()
     assert rc == 1 and lines.get(part, "").startswith("FAIL AssertionError: "), lines
     assert CONTROLS[part] in lines[part], lines[part]
