@@ -313,7 +313,8 @@ def start_trainers(cfg: Config, fleet: Fleet) -> list:
     TrainerActor = ray.remote(trainer.TrainerWorker)
     pg, plan = fleet.pg, fleet.plan
     for attempt in range(1, 4):
-        addr, port = rendezvous(dict(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)))
+        addr, port = ray.get(ray.remote(_addr_and_port).options(
+            num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote())
         trainers = [TrainerActor.options(num_cpus=o["num_cpus"], num_gpus=o["num_gpus"],
                                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, o["bundle"]))
                     .remote(cfg, r, cfg.trainer_workers, addr, port) for r, o in enumerate(plan["trainers"])]
@@ -409,7 +410,7 @@ def start_teachers(cfg: Config, fleet: Fleet, paths: dict[str, str]) -> list:
         cpus = 0  # the trainer bundle's CPUs are the trainers'; a teacher runs while they wait
     on = [dict(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r), num_cpus=cpus, num_gpus=1 if gpu else 0)
           for r in range(cfg.teacher_tp)]
-    addr, port = rendezvous(on[0])
+    addr, port = ray.get(ray.remote(_addr_and_port).options(**{**on[0], "num_cpus": 0, "num_gpus": 0}).remote())
     Actor = ray.remote(teacher.TeacherWorker)
     group = [Actor.options(**on[r]).remote(cfg, r, cfg.teacher_tp, addr, port) for r in range(cfg.teacher_tp)]
     fleet.others += group
@@ -437,14 +438,6 @@ def score_batch(cfg: Config, fleet: Fleet, teachers: list, paths: dict[str, str]
             if fleet.teacher_pg is not None:
                 remove_placement_group(fleet.teacher_pg)
             teachers = start_teachers(cfg, fleet, paths)
-
-
-def rendezvous(options: dict) -> tuple[str, int]:
-    """(address, port) of a rank group's rendezvous on rank 0's node (`options` place it): here on a one-node cluster,
-    else a task there (its worker imports this module and torch: seconds on the critical path of every start)."""
-    if sum(n["Alive"] for n in ray.nodes()) == 1:
-        return ray.util.get_node_ip_address(), transfermesh.free_port()
-    return ray.get(ray.remote(_addr_and_port).options(**{**options, "num_cpus": 0, "num_gpus": 0}).remote())
 
 
 def _addr_and_port():
