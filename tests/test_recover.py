@@ -283,37 +283,10 @@ def struck(log: str, spec: str) -> int:
     return int(re.search(r"pid=(\d+)", line).group(1))
 
 
-@pytest.fixture(scope="module")
-def sync_drill_runs(request, tmp_path_factory):
-    """The runs of the drills of a weight sync struck mid-way: an engine killed in it over shm ("shm") and over a gloo
-    broadcast ("broadcast"), and one stalled in it ("stall"; see that test for its deadline). All three are launched
-    together at the first drill's call (those of this session's selected tests): each is mostly start-up (imports,
-    Ray, actors) that overlaps the others'. name -> (process, its directory)."""
-    runs, chosen = {}, {"stall" if "stalled" in i.name else i.callspec.params["transfer"] for i in request.session.items
-                        if i.name.startswith(("test_engine_killed_mid_sync", "test_engine_stalled_mid_sync"))}
-
-    def run(name: str) -> tuple[subprocess.Popen, Path]:
-        for n in chosen | {name} if not runs else ():
-            tmp = tmp_path_factory.mktemp(f"sync_drill_{n}")
-            if n == "stall":
-                # no "Unhandled error" print of the trainer's push, which fails once the engines are gone: the
-                # error the drill reads is the run's own, the traceback the controller prints
-                extra, env = ["weight_sync_timeout=5"], {"LOONGSAGE_FAULT": "stall:1@2",
-                                                         "RAY_IGNORE_UNHANDLED_ERRORS": "1"}
-            else:
-                extra, env = [f"transfer={n}", f"dump_rollouts={tmp}/dump"], {"LOONGSAGE_FAULT": "sync:1@2"}
-            runs[n] = (launch(short_run(tmp / "run", "num_steps=4", "num_engines=2", "bucket_mb=0.05", *extra),
-                              {**env_for(tmp), **env}, tmp / "run.log"), tmp)
-        return runs[name]
-    yield run
-    for p, _ in runs.values():
-        reap(p)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("transfer", ["shm", "broadcast"])
 def test_engine_killed_mid_sync_comes_back_at_the_current_version_and_nothing_trains_on_mixed_weights(
-        sync_drill_runs, transfer):
+        tmp_path, transfer):
     """kill -9 one of two CPU engines inside the weight sync to version 2 (LOONGSAGE_FAULT=sync:1@2: it has loaded
     a bucket of that sync that is not the last, so k < n buckets reached it; n comes from the step's metrics), in a
     sync run of 4 steps, over shared memory and over a gloo broadcast:
@@ -323,8 +296,10 @@ def test_engine_killed_mid_sync_comes_back_at_the_current_version_and_nothing_tr
     sync, a surviving engine left on mixed weights or a re-created engine on version 0, would show).
     Planted bugs this catches: a failed push taken as the sync's own failure (the run stops), engines continued on
     half-loaded weights, a re-created engine labelled 2 holding other weights, a sync waiting on the dead engine."""
-    p, tmp_path = sync_drill_runs(transfer)
     out = tmp_path / "run"
+    p = launch(short_run(out, "num_steps=4", "num_engines=2", "bucket_mb=0.05", f"transfer={transfer}",
+                         f"dump_rollouts={tmp_path}/dump"),
+               {**env_for(tmp_path), "LOONGSAGE_FAULT": "sync:1@2"}, tmp_path / "run.log")
     log = finish(p, tmp_path / "run.log")
     assert p.returncode == 0, log[-3000:]
     struck(log, "sync:1@2")
@@ -343,17 +318,20 @@ def test_engine_killed_mid_sync_comes_back_at_the_current_version_and_nothing_tr
 
 
 @pytest.mark.slow
-def test_engine_stalled_mid_sync_fails_the_sync_within_its_deadline_naming_the_knob(sync_drill_runs):
+def test_engine_stalled_mid_sync_fails_the_sync_within_its_deadline_naming_the_knob(tmp_path):
     """SIGSTOP one of two CPU engines inside the weight sync to version 2 (LOONGSAGE_FAULT=stall:1@2: a hung
     receiver, its connection open and silent, after k < n buckets): the run stops with exit code 1 and its error is
     the sync's deadline, naming the sync and the knob (weight_sync_timeout), not a later wait on the stalled engine
     (the engines' flush and continue also wait on it, each for as long) nor a hang.
     Planted bugs this catches: a push with no deadline, cleanup after a failed push that waits on the stalled
     engine again and replaces the error, an error that does not say which knob to raise."""
-    # weight_sync_timeout=5 (sync_drill_runs): a sync of this model takes ~0.1 s (weights/seconds), so the one before
-    # the stall succeeds on a machine 10 times as loaded, and the stall is sat out for 5 s, not the default 600
-    p, tmp_path = sync_drill_runs("stall")
     out, path = tmp_path / "run", tmp_path / "run.log"
+    # a deadline of 5 s: a sync of this model takes ~0.1 s (weights/seconds), so the one before the stall succeeds on
+    # a machine 10 times as loaded, and the stall is sat out for 5 s, not the default 600
+    p = launch(short_run(out, "num_steps=4", "num_engines=2", "bucket_mb=0.05", "weight_sync_timeout=5"),
+               # no "Unhandled error" print of the trainer's push, which fails once the engines are gone: the error
+               # read below is the run's own, the traceback the controller prints
+               {**env_for(tmp_path), "LOONGSAGE_FAULT": "stall:1@2", "RAY_IGNORE_UNHANDLED_ERRORS": "1"}, path)
     try:
         urls = wait_for(lambda: [ln for ln in path.read_text().splitlines() if ln.startswith("engines: ")], p, path,
                         what="the engines")
