@@ -237,9 +237,11 @@ def test_version_spans_across_an_in_place_update(engine):
     new = _new_weights(model)
     t, out = _streaming(url, [4, 5, 6], {"max_new_tokens": MAX_NEW, "ignore_eos": True}, "wu-1", "in_place")
     time.sleep(0.5)
-    assert t.is_alive(), "the request finished while the engine was paused in place"
-    transfermesh.push_weights(sorted(new.items()), [url], 2, transport="shm")
-    transfermesh.continue_engines([url])
+    try:
+        assert t.is_alive(), "the request finished while the engine was paused in place"
+        transfermesh.push_weights(sorted(new.items()), [url], 2, transport="shm")
+    finally:  # the race lost (xfail) too: a paused engine would hang the module's next test for its 300 s
+        transfermesh.continue_engines([url])
     t.join(300)
     spans = out["r"]["meta_info"]["weight_versions"]
     assert [s["version"] for s in spans] == ["1", "2"] and spans[0]["start"] == 0 and spans[-1]["end"] == MAX_NEW
