@@ -900,6 +900,27 @@ def test_calc_sft_transcript_matches_what_the_router_records(engines, tiny_model
         (sft["prompt_ids"], sft["response_ids"], sft["loss_mask"])
 
 
+def test_calc_warm_start_leaves_the_tool_list_out_of_half_its_episodes(tiny_model_dir):
+    """recipes.calc.warm_start: about half the episodes (drawn from the warm start's rng) have no tool list in the
+    prompt; the model's turns, the tool result and the masks are the router's tokens either way, and the prompt
+    without the list is the end of the prompt with it (the user turn on)."""
+    import random
+    from recipes.calc import sft_trajectory, warm_start
+    tok = data.load_tokenizer(tiny_model_dir)
+    rng, samples = random.Random(3), data.calc_samples(200, seed=5)
+    full = [sft_trajectory(tok, s) for s in samples]
+    short = 0
+    for s, f in zip(samples, full):
+        t = warm_start(tok, s, rng)
+        assert (t["response_ids"], t["loss_mask"]) == (f["response_ids"], f["loss_mask"])
+        if t["prompt_ids"] != f["prompt_ids"]:
+            short += 1
+            assert f["prompt_ids"][-len(t["prompt_ids"]):] == t["prompt_ids"]
+            assert "calculator" in tok.decode(f["prompt_ids"]) and "calculator" not in tok.decode(t["prompt_ids"])
+    assert 80 <= short <= 120, short  # Binomial(200, 0.5): outside 80-120 with p < 0.005
+    assert warm_start(tok, samples[0])["prompt_ids"] == full[0]["prompt_ids"]  # no rng: the router's episode
+
+
 # ----------------------------------------------------------------------------------------------
 # what goes wrong in users' runs: a reward that raises, an agent past its turns, every engine down
 
