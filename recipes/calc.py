@@ -8,12 +8,13 @@ results masked out). The reward is 1.0 when the final answer's last number equal
 
 Run with a recipe YAML that sets `agent: recipes.calc.agent`, `reward: recipes.calc.reward` and a
 `synthetic:calc:<n>:<seed>` dataset. A random tiny model never writes a tool call, so warm-start it on
-`sft_trajectory` (the ideal episode in trajectory form, same tokens and masks the router records).
+`sft_trajectory` (the ideal episode in trajectory form, same tokens and masks the router records), half of the
+episodes without the tool list (`warm_start`, the recipe's warm start).
 A slow tool, as real ones are (a test run, a sandbox, a web call): a sample with `tool_latency` ({"median": s,
 "sigma": log-space spread, "seed": n}) makes each calculator call wait a seeded lognormal draw first
 (`tool_seconds`), and the agent then returns {"answer", "tool_s"}; `bench.py agentic` trains with it.
-Tested by tests/test_agentflow.py (calculator, agent loop, SFT transcript == router trajectory), tests/test_bench.py
-(the latency's distribution; the agentic bench's smoke run).
+Tested by tests/test_agentflow.py (calculator, agent loop, SFT transcript == router trajectory, warm_start),
+tests/test_bench.py (the latency's distribution; the agentic bench's smoke run).
 Left out: parallel tool execution and tools other than arithmetic.
 """
 from __future__ import annotations
@@ -180,7 +181,7 @@ def warm_start(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dict:
     """calc's warm-start examples: `sft_trajectory`, half of them (drawn from `rng`) without the tool list. The
     copy of the question's digits into the call sits at the same distance either way, but without the ~130 tokens of
     tool list attention has ~25 tokens to search instead of ~160, and the copy is learned in fewer steps (seeds
-    1-3: the question's digits learned at SFT step 294-331 instead of 407-690; docs/RECIPES.md)."""
+    1-3: the question's digits learned by SFT step ~130-331 instead of 407-690; docs/RECIPES.md)."""
     short = rng is not None and rng.random() < 0.5
     return sft_trajectory(tok, sample, rng, label_noise, tools=not short)
 
