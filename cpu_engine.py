@@ -622,10 +622,10 @@ class CpuEngine:
         self._arrivals = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._busy_flag = None  # (shared mapping, byte index), see busy_flag above
+        self._busy_flag = None  # [shared mapping, byte index, the value last written], see busy_flag above
         if busy_flag:
             with open(busy_flag[0], "r+b") as f:
-                self._busy_flag = (mmap.mmap(f.fileno(), 0), int(busy_flag[1]))
+                self._busy_flag = [mmap.mmap(f.fileno(), 0), int(busy_flag[1]), None]
         self.stats = {"steps": 0, "max_running": 0, "generated_tokens": 0, "finished": 0,
                       "busy_s": 0.0}  # busy_s: seconds spent in forward steps (the controller's engine idle fraction)
 
@@ -808,8 +808,8 @@ class CpuEngine:
         with torch.inference_mode():
             while not self._stopping:
                 busy = (self._running or self._waiting) and not self._paused and not self.runner.released
-                if self._busy_flag:  # what a trainer that borrows this engine's cores reads at every layer
-                    self._busy_flag[0][self._busy_flag[1]] = 1 if busy else 0
+                if self._busy_flag and self._busy_flag[2] != bool(busy):  # read by a borrowing trainer at every layer;
+                    self._busy_flag[0][self._busy_flag[1]] = self._busy_flag[2] = bool(busy)  # written on a change
                 try:
                     self._handle(self._inbox.get(block=not busy, timeout=None if busy else 0.5))
                     while True:  # drain everything that arrived during the last step
