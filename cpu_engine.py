@@ -807,9 +807,9 @@ class CpuEngine:
         # of a decode step at 1-64 rows here); in-place updates of the weights and caches inside it stay allowed
         with torch.inference_mode():
             while not self._stopping:
-                busy = (self._running or self._waiting) and not self._paused and not self.runner.released
-                if self._busy_flag and self._busy_flag[2] != bool(busy):  # read by a borrowing trainer at every layer;
-                    self._busy_flag[0][self._busy_flag[1]] = self._busy_flag[2] = bool(busy)  # written on a change
+                busy = bool(self._running or self._waiting) and not self._paused and not self.runner.released
+                if self._busy_flag and self._busy_flag[2] != busy:  # read by a borrowing trainer at every layer;
+                    self._busy_flag[0][self._busy_flag[1]] = self._busy_flag[2] = busy  # written on a change only
                 try:
                     self._handle(self._inbox.get(block=not busy, timeout=None if busy else 0.5))
                     while True:  # drain everything that arrived during the last step
