@@ -396,8 +396,7 @@ class Session:
             finish = (meta.get("finish_reason") or {}).get("type", "stop")
             if finish == "abort":
                 self.status = "aborted"
-                raise ApiError(503, "generation was aborted by the trainer (weight update or shutdown)",
-                               code="aborted")
+                raise ApiError(503, "generation was aborted by the trainer (weight update or shutdown)", code="aborted")
             logprobs, versions = [float(lp[0]) for lp in lps], rollout.token_versions(meta, len(output_ids))
             if stop:
                 output_ids, finish = self._cut_at_stop(output_ids, stop, finish)

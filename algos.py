@@ -244,9 +244,8 @@ def normalize(x: torch.Tensor, group_ids: torch.Tensor, mode: str, dp_group=None
 
 
 def rloo_advantage(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """RLOO: A_i = r_i - (1/(n-1)) sum_{j != i} r_j  over the n samples of i's group (Kool et al. 2019;
-    Ahmadian et al., arXiv 2402.14740, the RLOO estimator). A group of one has no baseline; its advantage
-    is 0."""
+    """RLOO: A_i = r_i - (1/(n-1)) sum_{j != i} r_j  over the n samples of i's group (Kool et al. 2019; Ahmadian et al.,
+    arXiv 2402.14740, the RLOO estimator). A group of one has no baseline; its advantage is 0."""
     inv, num_groups = _group_index(group_ids)
     if num_groups == 0:
         return rewards

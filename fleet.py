@@ -105,8 +105,7 @@ def prepare_model(cfg: Config, trainers) -> str:
     bar = tqdm(range(cfg.warmstart_steps), desc="warm start (SFT)", file=sys.stdout, mininterval=2)
     losses = []
     for step in bar:
-        batch = [example(tok, s, rng, cfg.warmstart_label_noise)
-                 for s in rng.sample(samples, cfg.warmstart_batch_size)]
+        batch = [example(tok, s, rng, cfg.warmstart_label_noise) for s in rng.sample(samples, cfg.warmstart_batch_size)]
         m = ray.get([t.sft_step.remote(batch) for t in trainers])[0]
         bar.set_postfix(loss=f"{m['train/sft_loss']:.3f}", refresh=False)
         # a skill a tiny model learns in a sudden, seed-dependent transition (calc's copying of digits) needs a
@@ -136,9 +135,8 @@ def prepare_model(cfg: Config, trainers) -> str:
 
 
 def prepare_teachers(cfg: Config, trainers) -> dict[str, str]:
-    """{teacher: HF dir}. A `path: tiny` teacher is built like the student (prepare_model, on the same
-    trainers, cached by its settings) with its own warm-start data: that is how the tiny recipes train a
-    teacher per sub-task."""
+    """{teacher: HF dir}. A `path: tiny` teacher is built like the student (prepare_model, on the same trainers, cached
+    by its settings) with its own warm-start data: that is how the tiny recipes train a teacher per sub-task."""
     paths = {}
     for name, spec in cfg.teachers.items():
         spec = teacher_spec(name, spec)

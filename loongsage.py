@@ -546,10 +546,9 @@ def evaluate(cfg: Config, flow, eval_sets: dict[str, list[dict]], step: int) -> 
 
 
 def evaluate_teachers(cfg: Config, trainers, flow, fleet, paths: dict[str, str], eval_sets) -> dict:
-    """`teacher/<name>/<source>/accuracy` (and `teacher/<name>/accuracy`): each teacher of the student's
-    architecture is loaded into the trainers, pushed to the engines and evaluated like the student; then
-    the student's weights (fleet.model) go back (version 0). Other architectures cannot be served by the
-    student's engines and are skipped."""
+    """`teacher/<name>/<source>/accuracy` (and `teacher/<name>/accuracy`): each teacher of the student's architecture is
+    loaded into the trainers, pushed to the engines and evaluated like the student; then the student's weights
+    (fleet.model) go back (version 0). Other architectures cannot be served by the student's engines and are skipped."""
     mine = teacher.arch_key(convert.read_hf_config(fleet.model))
 
     def serve(path: str, version: int) -> None:  # update_engines: no answer runs over the previous model's prefix K/V

@@ -1,13 +1,12 @@
 """The Megatron-Core trainer: one `TrainerWorker` per rank, wrapped with `ray.remote` by the controller.
 
-Top to bottom (HF <-> Megatron conversion and model building are in convert.py, CPU stand-ins in cpu.py): the
-logp / entropy of vocab-parallel logits and MoE routing replay (R3); batches (`collate`, `segment_rows`,
-`plan_minibatches`, global denominators, the lr schedule); `opd_terms`, the student side of distillation; the rooms
-a rank is made of, small classes used by composition: `Parallel` (this rank's place in the layout), `Model` (one
-GPTModel: build, load shards, `run` = the one micro-batch loop, `stream_full` for the weight sync; the policy,
-reference, critic and teacher skeletons are one each), `Optim`, `Critic` (a `ValueHead` in place of the LM head),
-`HandOff` (colocated offload / onload), `Export` (weights out: sync, HF save); and `TrainerWorker`: load,
-`train_step`, `distill_step`, `sft_step`, checkpoints.
+Top to bottom (HF <-> Megatron conversion and model building are in convert.py, CPU stand-ins in cpu.py): the logp /
+entropy of vocab-parallel logits and MoE routing replay (R3); batches (`collate`, `segment_rows`, `plan_minibatches`,
+global denominators, the lr schedule); `opd_terms`, the student side of distillation; the rooms a rank is made of, small
+classes used by composition: `Parallel` (this rank's place in the layout), `Model` (one GPTModel: build, load shards,
+`run` = the one micro-batch loop, `stream_full` for the weight sync; the policy, reference, critic and teacher skeletons
+are one each), `Optim`, `Critic` (a `ValueHead` in place of the LM head), `HandOff` (colocated offload / onload),
+`Export` (weights out: sync, HF save); and `TrainerWorker`: load, `train_step`, `distill_step`, `sft_step`, checkpoints.
 
 Micro-batches are right-padded (B, T) prompt+response ids (a causal mask alone is then exact), or with
 `max_tokens_per_micro_batch` packed back to back in Megatron's THD layout (`Model._packed_output`); either way the
@@ -229,8 +228,7 @@ def collate(samples: list[dict], per_token: dict[str, list[torch.Tensor]] | None
                 rewards=torch.tensor([float(s.get("reward", 0.0)) for s in samples]),
                 group_ids=torch.tensor([int(s.get("group_id", i)) for i, s in enumerate(samples)]),
                 resp_len=torch.tensor(rlen),
-                seq_len=torch.tensor([p + r for p, r in zip(plen, rlen)], dtype=torch.long),
-                **out)
+                seq_len=torch.tensor([p + r for p, r in zip(plen, rlen)], dtype=torch.long), **out)
 
 
 def segment_rows(batch: list[dict]) -> list[dict]:
@@ -612,8 +610,7 @@ class Model:
         self.fused = convert.fused_norm_names(n for n, _ in self.gpt.named_parameters())
         self.unfused = {v: k for k, v in self.fused.items()}
         # a micro-batch's length is padded to a multiple of this: SP splits it over TP ranks, CP into 2*CP chunks
-        self.seq_multiple = (par.tp_size if tcfg.sequence_parallel else 1) * (2 * par.cp_size if par.cp_size > 1
-                                                                             else 1)
+        self.seq_multiple = (par.tp_size if tcfg.sequence_parallel else 1) * (2 * par.cp_size if par.cp_size > 1 else 1)
         # R3: (layers, top_k) of the routed_experts rows collate decodes; None without replay (or `replay` False)
         self.routed_shape = ((tcfg.num_layers, tcfg.moe_router_topk)
                              if replay and tcfg.moe_enable_routing_replay else None)
@@ -905,8 +902,7 @@ class Model:
         return kept
 
     def _pipeline(self, parts: list[range], mbs: list[dict], fn, kept: list, backward: bool, head: str) -> None:
-        """`run`'s micro-batches through Megatron-Core's 1F1B schedule (PP > 1); `kept` is filled on the last
-        stage."""
+        """`run`'s micro-batches through Megatron-Core's 1F1B schedule (PP > 1); `kept` is filled on the last stage."""
         from megatron.core.pipeline_parallel import get_forward_backward_func  # Megatron: late
         # one (B, T) for every micro-batch of this run: the shape the stages send each other
         T = max(mb["tokens"].size(1) for mb in mbs)
@@ -1606,8 +1602,7 @@ class TrainerWorker:
                 sums = {"loss": loss.detach(), "entropy": entropy, **opd}
                 return loss, {k: float(v) for k, v in sums.items()}
             zero_adv = [torch.zeros(len(batch[i]["response_ids"])) for i in mine]  # unused by GKD
-            kept = self.policy.run([batch[i] for i in mine], gkd_loss, {"adv": zero_adv}, backward=True,
-                                   head="logits")
+            kept = self.policy.run([batch[i] for i in mine], gkd_loss, {"adv": zero_adv}, backward=True, head="logits")
             self.optim.end_minibatch(add_up(kept), totals, n_mb)
         metrics = {f"train/{k}": v for k, v in totals.items()}
         metrics.update(self.borrowed.metrics() if self.borrowed is not None else {})

@@ -227,8 +227,7 @@ def build_app(backend: str, tokenizer) -> FastAPI:
                 raise Refused("engine=vllm streams one prompt per request")
             return StreamingResponse(_stream(http, state, reqs[0], decode), media_type="text/event-stream")
         outs = await asyncio.gather(*(call("POST", "/inference/v1/generate", json=r) for r in reqs))
-        answers = [_answer(o["choices"][0], r["request_id"], len(r["token_ids"]), decode)
-                   for o, r in zip(outs, reqs)]
+        answers = [_answer(o["choices"][0], r["request_id"], len(r["token_ids"]), decode) for o, r in zip(outs, reqs)]
         return answers if batched else answers[0]
 
     @app.post("/abort_request")

@@ -70,8 +70,7 @@ def openai_error_body(e: ApiError) -> dict:
 
 
 def anthropic_error_body(e: ApiError) -> dict:
-    return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(e.status, "api_error"),
-                                       "message": e.message}}
+    return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,8 +225,7 @@ def _function_tool(name, description, parameters, where: str) -> dict:
     if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
         raise ApiError(400, f"invalid tool schema at {where}: name {name!r} must match ^[a-zA-Z0-9_-]{{1,64}}$",
                        param=where)
-    if parameters is not None and (not isinstance(parameters, dict) or
-                                   parameters.get("type", "object") != "object"):
+    if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
         raise ApiError(400, f"invalid tool schema at {where}: parameters must be a JSON-schema object "
                        f"({{'type': 'object', ...}}), got {parameters!r:.200}", param=where)
     if description is not None and not isinstance(description, str):
@@ -812,8 +810,7 @@ async def anthropic_stream(parts, model: str):
     try:
         async for kind, value in parts:
             if kind == "start":
-                yield event("message_start", {"message": {**msg, "usage": {"input_tokens": value,
-                                                                           "output_tokens": 0}}})
+                yield event("message_start", {"message": {**msg, "usage": {"input_tokens": value, "output_tokens": 0}}})
             elif kind == "reasoning":
                 if open_kind != "thinking":
                     yield start({"type": "thinking", "thinking": "", "signature": ""})
@@ -1160,8 +1157,7 @@ def responses_response(turn: Turn | None, model: str, rid: str, body: dict, outp
             "usage": usage}
 
 
-async def responses_stream(parts, model: str, rid: str, body: dict, custom: frozenset = frozenset(),
-                           logprobs_of=None):
+async def responses_stream(parts, model: str, rid: str, body: dict, custom: frozenset = frozenset(), logprobs_of=None):
     """The events of a streamed response as the turn is generated (`parts`: see openai_stream): created,
     in_progress; a reasoning item whose reasoning_text deltas follow the reasoning, a message item whose output_text
     deltas follow the content, each closed (done events) when the next opens or the turn ends; then at the end the
@@ -1195,8 +1191,7 @@ async def responses_stream(parts, model: str, rid: str, body: dict, custom: froz
             part = {"type": "output_text", "text": item["text"], "annotations": [], "logprobs": lps}
             yield event("response.output_text.done", **where(), text=item["text"], logprobs=lps)
             yield event("response.content_part.done", **where(), part=part)
-            done = {"type": "message", "id": item["id"], "status": "completed", "role": "assistant",
-                    "content": [part]}
+            done = {"type": "message", "id": item["id"], "status": "completed", "role": "assistant", "content": [part]}
         yield event("response.output_item.done", output_index=len(opened) - 1, item=done)
 
     def add(kind, item_id):
