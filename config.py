@@ -231,6 +231,7 @@ class Config:
     lora_targets: list = field(default_factory=lambda: list(lora.TARGETS))  # HF projections that get an adapter:
     # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (Megatron's fused linear_qkv / linear_fc1 get theirs per
     # slice of rows)
+    lora_train_norm: bool = False  # the final RMSNorm's gain trains too, so the logits' scale is RL's (lora.py)
 
     # --- algo (see algos.py and ALGORITHMS.md; validated by algos.validate) ---
     advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | returns | gae (trains a critic, see below)
@@ -605,6 +606,7 @@ def check_lora(cfg: Config) -> None:
     """LoRA (lora_rank > 0, lora.py): its knobs, and what it cannot serve yet, fail here, at --check."""
     need(isinstance(cfg.lora_rank, int) and cfg.lora_rank >= 0, f"lora_rank={cfg.lora_rank!r} must be an integer "
          ">= 0 (0 = no LoRA)")
+    need(cfg.lora_rank or not cfg.lora_train_norm, "lora_train_norm=true needs lora_rank > 0 (else all weights train)")
     if not cfg.lora_rank:
         return
     need(cfg.lora_alpha > 0,

@@ -25,6 +25,11 @@ sharded), and split B / A carry Megatron's tensor-parallel attributes, so grad-n
 The reference model of a KL term is the base: `disabled(model)` switches every adapter off for a forward, so no
 second copy of the weights is kept.
 
+`lora_train_norm`: the final RMSNorm's gain trains too. The adapters can turn the last hidden state but not lengthen
+it, so with the gain frozen the logits' scale (how sharp an answer can be) stays the base's. The gain goes to the
+engines as a base weight beside each adapter (adapter-less requests see it too); the PEFT export holds it as
+modules_to_save, which `peft` applies and SGLang's adapter loader skips: serve the merged export.
+
 Test: `.venv/bin/pytest tests/test_lora.py` (TP=2 against TP=1, a frozen base outside the optimizer, the reference
 by disabling, trainer -> CPU engine sync with equal logprobs, the PEFT round trip through `peft`, the merged export).
 Left out: pipeline parallelism, MoE experts and DeepSeek-V3's multi-latent attention (rejected at --check), LoRA on
@@ -54,6 +59,7 @@ LAYOUT = {"q_proj": ("self_attention.linear_qkv", "column", "self_attn.q_proj"),
 # the PEFT tensor name of an adapter matrix (what peft saves and SGLang's LoRA loader reads)
 PEFT_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+NORM = "model.norm.weight"  # the final RMSNorm's gain (lora_train_norm): its HF name, a base weight of the engines
 
 
 def adapter_name(version: int) -> str:
@@ -147,6 +153,9 @@ def add_adapters(gpt, cfg, hf: dict, tp_group) -> int:
     to its decoder layers; call before Megatron's DDP wraps it (DDP keeps gradient buffers for what trains only).
     Returns the number of adapter parameters on this rank."""
     gpt.requires_grad_(False)
+    if cfg.lora_train_norm:  # (the gain that trains, the base's copy for `disabled`)
+        norm = gpt.decoder.final_layernorm.weight
+        gpt.lora_norm = (norm.requires_grad_(True), norm.detach().clone())
     heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
     d = hf.get("head_dim") or hf["hidden_size"] // heads
     H, F = hf["hidden_size"], hf["intermediate_size"]
@@ -180,15 +189,25 @@ def is_adapter(name: str) -> bool:
 
 @contextlib.contextmanager
 def disabled(gpt):
-    """Every adapter of `gpt` off inside the block: the base model (the reference of a KL term)."""
+    """Every adapter of `gpt` off inside the block, and a trained final norm's gain at the base's: the base model
+    (the reference of a KL term)."""
     adapters = [m for m in gpt.modules() if isinstance(m, Adapters)]
+    norm, base = getattr(gpt, "lora_norm", (torch.zeros(0), torch.zeros(0)))  # lora_train_norm's; else empty
+    trained = norm.detach().clone()
     for m in adapters:
         m.enabled = False
+    norm.data.copy_(base)
     try:
         yield
     finally:
         for m in adapters:
             m.enabled = True
+        norm.data.copy_(trained)
+
+
+def trained_base(gpt) -> list[tuple[str, torch.Tensor]]:
+    """The base weights that train beside the adapters, HF-named: [(NORM, gain)] with lora_train_norm, else []."""
+    return [(NORM, gpt.lora_norm[0].detach())] if hasattr(gpt, "lora_norm") else []
 
 
 def gather(gpt, tp_group, keep: bool) -> dict[str, torch.Tensor]:
@@ -230,11 +249,13 @@ def merge(named, adapters: dict[str, torch.Tensor], scale: float):
         yield name, w
 
 
-def save_peft(adapters: dict[str, torch.Tensor], config: dict, path: str | Path) -> str:
-    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) that
-    `peft.PeftModel.from_pretrained(base, path)` and SGLang's /load_lora_adapter load."""
+def save_peft(adapters: dict[str, torch.Tensor], config: dict, path: str | Path, base=()) -> str:
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) that `peft.PeftModel.from_pretrained`
+    and SGLang's /load_lora_adapter load; `base` (trained_base) goes in as PEFT's modules_to_save."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.contiguous() for n, t in adapters.items()}, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
+    tensors = {**adapters, **{f"base_model.model.{n}": t.cpu() for n, t in base}}
+    config = {**config, "modules_to_save": [n.rsplit(".", 1)[0] for n, _ in base]} if base else config
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
     (out / PEFT_CONFIG).write_text(json.dumps(config, indent=1))
     return str(out)

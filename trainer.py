@@ -1263,8 +1263,9 @@ class Export:
         frozen base first (a warm start, a resume). Returns rank 0's `weights/` metrics with the sync's peak extra
         resident memory (`weights/peak_extra_mb`), with LoRA also weights/full_bytes. `remote`: engines on another
         Ray node (fleet.off_node), never sent shared memory or IPC handles."""
-        full = base or not self.peft
-        stream = push_fault(self.hf_weights(), version, self.par.rank) if full else iter(())
+        full = base or not self.peft  # else with lora_train_norm the final norm's gain goes as a base weight
+        stream = push_fault(self.hf_weights(), version, self.par.rank) if full else iter(lora.trained_base(
+            self.policy.gpt))
         adapters = self.adapters()
         if self.par.rank != 0:
             for _ in stream:  # the collectives of every tensor's gather
@@ -1279,7 +1280,7 @@ class Export:
         transfermesh.reset_peak_rss()
         stats = {}
         try:
-            if full:
+            if full or self.cfg.lora_train_norm:
                 stats = transfermesh.push_weights(stream, engines, version, transport=self.cfg.transfer,
                                                   bucket_mb=self.cfg.bucket_mb, config_dir=self.hf_path, remote=remote)
         finally:
@@ -1306,7 +1307,7 @@ class Export:
             if adapters:
                 named = lora.merge(stream, adapters, float(self.cfg.lora_alpha) / int(self.cfg.lora_rank))
                 if adapter_path:
-                    lora.save_peft(adapters, self.peft, adapter_path)
+                    lora.save_peft(adapters, self.peft, adapter_path, lora.trained_base(self.policy.gpt))
             convert.save_hf_dir(named, path, self.hf_path)
         for _ in stream:
             pass
@@ -1322,8 +1323,8 @@ class TrainerWorker:
     """One Megatron-Core rank of the policy. The controller creates world_size of them and calls every method on all
     ranks at once; collectives inside pair them up. Its parts: `par`, `policy` with `optim`, `ref` (when a KL term
     needs one), `critic`, `export`, `hand_off`. Metrics are identical on every rank. LoRA (lora.py): base weights
-    frozen, only the adapters in the optimizer; the reference is the policy with its adapters off (Export: what
-    leaves the rank)."""
+    frozen, only the adapters (and with lora_train_norm the final norm's gain) in the optimizer; the reference is the
+    policy with its adapters off (Export: what leaves the rank)."""
 
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
         self.cfg = cfg

@@ -91,6 +91,7 @@ def adapter_params_by_hand(hf: dict) -> int:
     (["transfer=broadcast"], "loads adapters from tensors"),
     (["tiny_model.num_experts=4"], "MoE experts"),
     (["lora_alpha=0"], "lora_alpha=0"),
+    (["lora_rank=0", "lora_train_norm=true"], "lora_train_norm=true needs lora_rank > 0"),
     (['teachers={"t": "tiny"}', "gkd_ratio=0.5"], "teacher_eval=true"),
     (["tensor_parallel=2", "trainer_workers=2", "sequence_parallel=true"], "sequence_parallel=true with lora_rank"),
     (["device=cuda", "dtype=bfloat16", "use_distributed_optimizer=true"], "use_distributed_optimizer=true with lora"),
@@ -247,11 +248,16 @@ def _generate(url, prompt, lora_path=None, **kw):
 
 
 @pytest.mark.slow
-def test_sync_sends_adapters_only_engine_matches_trainer_and_peft_round_trip(ray_session, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("train_norm", [False, True])
+def test_sync_sends_adapters_only_engine_matches_trainer_and_peft_round_trip(ray_session, tiny_model_dir, tmp_path,
+                                                                            train_norm):
+    """train_norm (lora_train_norm): the final norm's gain trains too and travels as a base weight beside the adapter,
+    so the engine's adapter-less requests see it as well; the KL reference still has the base's gain."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     import peft
-    cfg = make_cfg(output_dir=str(tmp_path), kl_coef=0.0, prompts_per_step=2, samples_per_prompt=4,
-                   global_batch_size=8, micro_batch_size=8)
+    cfg = make_cfg(output_dir=str(tmp_path), kl_coef=0.01 if train_norm else 0.0, prompts_per_step=2,
+                   samples_per_prompt=4, global_batch_size=8, micro_batch_size=8, lora_train_norm=train_norm)
     # the engine in a process of its own, as in a run: this process maps the trainer's shared memory here and
     # writes its own in other tests, which torch's shm manager table cannot do after the trainer exits
     handle = EngineProcess(tiny_model_dir, 3, ["--enable-lora", "--max-lora-rank", "8",
@@ -275,7 +281,12 @@ def test_sync_sends_adapters_only_engine_matches_trainer_and_peft_round_trip(ray
         [stats] = ranks.call("sync_weights", [url], 1)
         [adapters] = ranks.call("export_adapters")
         adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
-        assert stats["weights/bytes"] == adapter_bytes < stats["weights/full_bytes"] / 5  # adapters alone moved
+        norm = dict(ranks.call("export_hf_weights")[0])[lora.NORM]
+        base_norm = load_file(f"{tiny_model_dir}/model.safetensors")[lora.NORM]
+        assert (float((norm - base_norm).abs().max()) > 1e-4) == train_norm  # the gain trained, or stayed frozen
+        norm_bytes = norm.numel() * norm.element_size() if train_norm else 0
+        # adapters alone moved (and the gain, when it trains)
+        assert stats["weights/bytes"] == adapter_bytes + norm_bytes < stats["weights/full_bytes"] / 5
         info = httpx.get(url + "/get_server_info").json()["internal_states"][0]
         assert info["loaded_adapters"] == [lora.adapter_name(1)] and info["weight_version"] == "1"
 
@@ -288,11 +299,14 @@ def test_sync_sends_adapters_only_engine_matches_trainer_and_peft_round_trip(ray
             r = _generate(url, t["prompt_ids"], ignore_eos=True).json()
             plain.append({**t, "response_ids": r["output_ids"], "loss_mask": [1] * len(r["output_ids"]),
                           "rollout_logprobs": [x[0] for x in r["meta_info"]["output_token_logprobs"]]})
+        base_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        if train_norm:  # the reference: adapters off and the base's gain, restored after (the next check)
+            assert max_diff(ranks.call("compute_logprobs", fresh, True)[0], hf_logprobs(base_model, fresh)) <= 1e-4
         [trainer_lp] = ranks.call("compute_logprobs", fresh)
         diffs = [abs(a - b) for t, lp in zip(fresh, trainer_lp) for a, b in zip(lp, t["rollout_logprobs"])]
         assert len(diffs) == sum(len(t["response_ids"]) for t in fresh) and max(diffs) < 1e-5
-        base_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-        assert max_diff(hf_logprobs(base_model, plain), [t["rollout_logprobs"] for t in plain]) < 1e-5
+        # the engine's base: the HF base's, or with the trained gain the base's no longer
+        assert (max_diff(hf_logprobs(base_model, plain), [t["rollout_logprobs"] for t in plain]) < 1e-5) != train_norm
         assert max_diff(trainer_lp, hf_logprobs(base_model, fresh)) > 1e-3  # the adapter really changed the policy
 
         # exports: the PEFT directory through peft, and the merged HF model, give the trainer's logprobs
@@ -304,17 +318,20 @@ def test_sync_sends_adapters_only_engine_matches_trainer_and_peft_round_trip(ray
         assert max_diff(hf_logprobs(merged, fresh), trainer_lp) <= 1e-4
         # ... and the engine loads the PEFT directory from disk (the disk transport's endpoint)
         r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "from-disk", "lora_path": str(tmp_path / "adapter")})
-        assert r.status_code == 200 and r.json()["success"], r.text
-        t = fresh[0]
-        same = _generate(url, t["prompt_ids"], "from-disk", sampling_seed=7).json()
-        other = _generate(url, t["prompt_ids"], lora.adapter_name(1), sampling_seed=7).json()
-        assert same["output_ids"] == other["output_ids"]
-        assert [x[0] for x in same["meta_info"]["output_token_logprobs"]] == \
-            [x[0] for x in other["meta_info"]["output_token_logprobs"]]
+        if train_norm:  # peft applies the gain (modules_to_save, above); an engine's adapter cannot: it is refused
+            assert r.status_code == 400 and f"'base_model.model.{lora.NORM}'" in r.text, r.text
+        else:
+            assert r.status_code == 200 and r.json()["success"], r.text
+            t = fresh[0]
+            same = _generate(url, t["prompt_ids"], "from-disk", sampling_seed=7).json()
+            other = _generate(url, t["prompt_ids"], lora.adapter_name(1), sampling_seed=7).json()
+            assert same["output_ids"] == other["output_ids"]
+            assert [x[0] for x in same["meta_info"]["output_token_logprobs"]] == \
+                [x[0] for x in other["meta_info"]["output_token_logprobs"]]
 
         # a second sync is a second adapter (SGLang never reloads a name); the first unloads, then is refused
         ranks.call("sync_weights", [url], 2)
-        for name in (lora.adapter_name(1), "from-disk"):
+        for name in [lora.adapter_name(1)] + ([] if train_norm else ["from-disk"]):
             assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": name}).json()["success"]
         assert httpx.get(url + "/get_server_info").json()["internal_states"][0]["loaded_adapters"] == \
             [lora.adapter_name(2)]
