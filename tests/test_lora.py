@@ -13,6 +13,9 @@ What each test proves:
   gives the trainer's logprobs; the base stays served beside it; unload waits for nothing and then refuses the name;
 * PEFT round trip: the exported adapter directory, loaded by `peft` onto the HF base, and the merged HF export both
   reproduce the trainer's logprobs; the CPU engine loads the same directory from disk (/load_lora_adapter);
+* the same with lora_train_norm: the final norm's gain trains and moves as a base weight beside the adapter (so the
+  engine's adapter-less requests see it), the KL reference has the base's gain, peft applies the gain exported as
+  modules_to_save, and the CPU engine refuses that directory naming the tensor (SGLang would drop it silently);
 * the CPU engine takes SGLang's adapter payload (a flattened bucket, or a {name: tensor} dict) with the weight
   updates' reader and refuses any other, a bad checksum or SGLang's expected_checksums that do not match;
 * the CPU engine refuses what SGLang refuses (LoRA off, a name twice, a rank above --max-lora-rank, an unknown
