@@ -2,7 +2,7 @@
 """Do the CPU recipes learn on any seed? Run each one on N seeds, each from an empty cache, and print the table.
 
     .venv/bin/python scripts/recipes.py [--recipes arith_cpu arith_lora_cpu calc_cpu blackbox_cpu think_cpu
-                                                   rg_spell_cpu]
+                                                   rg_spell_cpu mopd_cpu]
                                         [--seeds 1 2 3]
                                         [--out runs/recipes]
                                         [--set key=value ...]
@@ -24,6 +24,7 @@ time:
     arith_cpu     rise >= 0.3, <= 5 min        calc_cpu   rise >= 0.3, tool call at step 0 >= 0.9, <= 10 min
     blackbox_cpu  rise >= 0.2, <= 10 min       think_cpu  rise >= 0.2, <= 10 min
     arith_lora_cpu  rise >= 0.3, <= 6 min      rg_spell_cpu  rise >= 0.2, <= 10 min (reasoning-gym's scorer)
+    mopd_cpu      rise >= 0.2, <= 10 min (both teachers built and the student warm-started inside the run)
 
 The table is also written as Markdown to <out>/recipes.md (docs/RECIPES.md's tables come from it) and as JSON to
 <out>/recipes.json. Exit status 0 when every recipe met both bars on every seed, 1 otherwise (the minutes of a
@@ -48,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # recipe -> (minimum rise of eval accuracy from step 0 to the end, time budget in minutes, warm start included)
 BARS = {"arith_cpu": (0.3, 5.0), "arith_lora_cpu": (0.3, 6.0), "calc_cpu": (0.3, 10.0), "blackbox_cpu": (0.2, 10.0),
-        "think_cpu": (0.2, 10.0), "rg_spell_cpu": (0.2, 10.0)}
+        "think_cpu": (0.2, 10.0), "rg_spell_cpu": (0.2, 10.0), "mopd_cpu": (0.2, 10.0)}
 CALC_TOOL_CALL_BAR = 0.9  # calc: fraction of step-0 eval samples whose first turn is a tool call
 
 
