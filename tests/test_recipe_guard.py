@@ -91,8 +91,9 @@ def test_calc_warm_start_first_turn_is_a_well_formed_tool_call(tmp_path, monkeyp
 
 def test_recipes_script_judges_each_recipe_by_its_bar():
     """scripts/recipes.py's verdict, on made-up runs: every seed must rise by the recipe's bar (0.3 arith/calc,
-    0.2 black-box and think) within the recipe's minutes (5 arith), calc must also call the tool in >= 90% of step-0
-    samples; spread, smallest rise and the eval's noise (the final weights' two evals apart) by hand."""
+    0.2 black-box, think and mopd) within the recipe's minutes (5 arith, 10 mopd), calc must also call the tool in
+    >= 90% of step-0 samples; spread, smallest rise and the eval's noise (the final weights' two evals apart) by
+    hand."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("recipes_script", ROOT / "scripts" / "recipes.py")
     script = importlib.util.module_from_spec(spec)
@@ -108,6 +109,9 @@ def test_recipes_script_judges_each_recipe_by_its_bar():
     assert not script.summarize("arith_cpu", [run("arith_cpu", 0.4, 0.75), run("arith_cpu", 0.4, 0.65)])["ok"]
     assert script.summarize("blackbox_cpu", [run("blackbox_cpu", 0.4, 0.62)])["ok"]  # 0.22 >= 0.2
     assert not script.summarize("think_cpu", [run("think_cpu", 0.4, 0.59)])["ok"]  # 0.19 < 0.2
+    assert script.summarize("mopd_cpu", [run("mopd_cpu", 0.69, 0.97, minutes=4.6)])["ok"]  # distillation: +0.2, 10 min
+    assert not script.summarize("mopd_cpu", [run("mopd_cpu", 0.78, 0.94)])["ok"]  # a high start leaves < 0.2 to rise
+    assert not script.summarize("mopd_cpu", [run("mopd_cpu", 0.55, 0.99, minutes=10.5)])["ok"]
     assert script.summarize("calc_cpu", [run("calc_cpu", 0.3, 0.7, tool=0.95)])["ok"]
     assert not script.summarize("calc_cpu", [run("calc_cpu", 0.3, 0.7, tool=0.85)])["ok"]  # protocol not followed
     calc = [run("calc_cpu", 0.3, 0.7, tool=0.95, again=0.66)]
