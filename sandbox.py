@@ -32,6 +32,7 @@ import shlex
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,11 @@ from pathlib import Path
 
 log = logging.getLogger("loongsage.sandbox")
 ROOT = Path(__file__).resolve().parent
+# The system's CA directory (hashed names, which OpenSSL opens only when a certificate needs them): without it
+# an httpx-based SDK (openai, anthropic) parses certifi's whole bundle each time a client is made, ~25 ms of CPU
+# in every agent run; with it HTTPS still verifies against the system's CAs. Left out where none is found.
+_CA = ssl.get_default_verify_paths().openssl_capath
+_CA_DIR = {"SSL_CERT_DIR": _CA} if os.path.isdir(_CA) and any(n.endswith(".0") for n in os.listdir(_CA)) else {}
 
 
 @dataclass
@@ -234,7 +240,7 @@ class LocalSandbox:
         """A command's whole environment: nothing of the caller's but these, then `env`."""
         return {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": self.dir,
                 "TMPDIR": self.dir, "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT), "LOONGSAGE_ROOT": str(ROOT),
-                **(env or {})}
+                **_CA_DIR, **(env or {})}
 
     async def execute(self, command: str, *, stdin: str = "", env: dict | None = None,
                       timeout_s: float = 30.0) -> ExecResult:

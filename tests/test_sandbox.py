@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import time
 from pathlib import Path
 
@@ -75,6 +76,28 @@ def test_warm_run_is_the_fresh_run_without_the_imports():
     assert lines[2] == f"cpu (7, 7) fsize {(3 * 2 ** 20, 3 * 2 ** 20)}"
     assert lines[3] == ("contained 30" if contained["writes"] else "escaped")  # EROFS where namespaces exist
     assert loaded == ["False", "True"]  # the fork saw openai imported already: the point of it
+
+
+def test_sandbox_gives_tls_clients_the_system_ca_directory():
+    """httpx (under the openai and anthropic SDKs) reads SSL_CERT_DIR's certificates when a handshake needs one;
+    without it every client made parses certifi's whole bundle (~25 ms of each agent run)."""
+    capath = ssl.get_default_verify_paths().openssl_capath
+    hashed = os.path.isdir(capath) and any(n.endswith(".0") for n in os.listdir(capath))
+
+    async def body():
+        box = await sandbox.LocalSandbox().create()
+        try:
+            box.write("tls.py", "import os, httpx\nprint(os.environ.get('SSL_CERT_DIR'), "
+                                "httpx.create_ssl_context().cert_store_stats()['x509_ca'])\n")
+            return await box.execute("python tls.py")
+        finally:
+            await box.delete()
+    r = run(body())
+    ca_dir, loaded = r.stdout.split()
+    if hashed:  # none loaded up front: each is read when a certificate chain asks for it
+        assert (ca_dir, loaded) == (capath, "0"), r
+    else:  # no such directory here: the sandbox leaves the variable out and clients load a bundle
+        assert ca_dir == "None" and int(loaded) > 0, r
 
 
 def test_warm_run_exit_paths_and_wall_clock_kill():
