@@ -1151,6 +1151,7 @@ class AgentFlow:
                 await box.create()
                 task = data.task_text(sample)
                 env = {"OPENAI_BASE_URL": self.router.base_url(s), "OPENAI_API_KEY": s.api_key,
+                       "OPENAI_MODEL": self.router.model_name,  # the name the router serves (any name is taken)
                        # the Anthropic SDK appends /v1/messages to its base URL itself
                        "ANTHROPIC_BASE_URL": f"{self.router.url}/s/{s.id}", "ANTHROPIC_API_KEY": s.api_key,
                        "LOONGSAGE_TASK": task,

@@ -2,9 +2,9 @@
 """A black-box agent: a standalone program that knows nothing of LoongSage.
 
 It uses only the official `openai` package, configured the standard way (OPENAI_BASE_URL and
-OPENAI_API_KEY from the environment), reads its task from argv (or stdin when no argument is given),
-asks the model for an answer, asks it once more to check that answer (unless AGENT_SELF_CHECK=0),
-and prints the final answer.
+OPENAI_API_KEY from the environment; the model from OPENAI_MODEL, else the server's model list), reads its
+task from argv (or stdin when no argument is given), asks the model for an answer, asks it once more to
+check that answer (unless AGENT_SELF_CHECK=0), and prints the final answer.
 LoongSage runs it in a sandbox with those variables pointing at a per-trajectory session of its router,
 so any agent program that speaks the OpenAI (or Anthropic) API can be trained the same way.
 
@@ -24,7 +24,7 @@ def main() -> int:
         print("usage: blackbox_agent.py TASK (or the task on stdin)", file=sys.stderr)
         return 2
     client = OpenAI(max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY come from the environment
-    model = client.models.list().data[0].id
+    model = os.environ.get("OPENAI_MODEL") or client.models.list().data[0].id  # a variable saves a round trip
     max_tokens = int(os.environ.get("AGENT_MAX_TOKENS", "16"))
     self_check = os.environ.get("AGENT_SELF_CHECK", "1") != "0"  # ask the model to check its answer once
     messages = [{"role": "user", "content": task}]
