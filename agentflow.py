@@ -15,7 +15,7 @@ of three ways:
   the reward is computed from the session's last assistant text.
 * `cfg.agent_command = "<shell command>"` (black-box): any program, run in a sandbox
   (`cfg.sandbox`) with OPENAI_BASE_URL / OPENAI_API_KEY / ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY
-  pointing at its session; the task (the sample's last user message) arrives on stdin and in
+  pointing at its session (OPENAI_MODEL: the name the router serves); the task (the sample's last user message) arrives on stdin and in
   $LOONGSAGE_TASK (the whole sample as JSON in the file $LOONGSAGE_SAMPLE_FILE); what it prints is
   its answer, and the reward is computed from that.
 
