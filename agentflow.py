@@ -15,9 +15,9 @@ of three ways:
   the reward is computed from the session's last assistant text.
 * `cfg.agent_command = "<shell command>"` (black-box): any program, run in a sandbox
   (`cfg.sandbox`) with OPENAI_BASE_URL / OPENAI_API_KEY / ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY
-  pointing at its session (OPENAI_MODEL: the name the router serves); the task (the sample's last user message) arrives on stdin and in
-  $LOONGSAGE_TASK (the whole sample as JSON in the file $LOONGSAGE_SAMPLE_FILE); what it prints is
-  its answer, and the reward is computed from that.
+  pointing at its session (OPENAI_MODEL: the name the router serves); the task (the sample's last
+  user message) arrives on stdin and in $LOONGSAGE_TASK (the whole sample as JSON in the file
+  $LOONGSAGE_SAMPLE_FILE); what it prints is its answer, and the reward is computed from that.
 
 The reward is `cfg.reward(text, sample)` (a data source's own `reward` for its samples, as its `agent` replaces
 `cfg.agent`), or with `reward: judge` a judge model's parsed verdict: once a group is complete, `_judge` sends its
@@ -1151,10 +1151,9 @@ class AgentFlow:
                 await box.create()
                 task = data.task_text(sample)
                 env = {"OPENAI_BASE_URL": self.router.base_url(s), "OPENAI_API_KEY": s.api_key,
-                       "OPENAI_MODEL": self.router.model_name,  # the name the router serves (any name is taken)
+                       "OPENAI_MODEL": self.router.model_name, "LOONGSAGE_TASK": task,
                        # the Anthropic SDK appends /v1/messages to its base URL itself
                        "ANTHROPIC_BASE_URL": f"{self.router.url}/s/{s.id}", "ANTHROPIC_API_KEY": s.api_key,
-                       "LOONGSAGE_TASK": task,
                        # a file, not a variable: samples (tests, repos) can exceed the environment's size limit
                        "LOONGSAGE_SAMPLE_FILE": box.write("sample.json", json.dumps(sample, default=str))}
                 run = box.execute if self._warm is None else functools.partial(box.execute_warm, self._warm)

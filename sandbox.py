@@ -44,9 +44,8 @@ from pathlib import Path
 
 log = logging.getLogger("loongsage.sandbox")
 ROOT = Path(__file__).resolve().parent
-# The system's CA directory (hashed names, which OpenSSL opens only when a certificate needs them): without it
-# an httpx-based SDK (openai, anthropic) parses certifi's whole bundle each time a client is made, ~25 ms of CPU
-# in every agent run; with it HTTPS still verifies against the system's CAs. Left out where none is found.
+# The system's hashed CA directory, whose certificates OpenSSL reads when a handshake needs one: without it an
+# httpx-based SDK (openai, anthropic) parses certifi's whole bundle per client made, ~25 ms of every agent run.
 _CA = ssl.get_default_verify_paths().openssl_capath
 _CA_DIR = {"SSL_CERT_DIR": _CA} if os.path.isdir(_CA) and any(n.endswith(".0") for n in os.listdir(_CA)) else {}
 
@@ -187,14 +186,9 @@ _WARNED: set[str] = set()
 
 
 class LocalSandbox:
-    """A temp directory + a process group with rlimits, and where this machine allows it, namespaces and
-    cgroups (see `_isolate` above): writes outside the directory fail (read-only filesystem),
-    `network=False` cuts every connection (black-box agents keep it: they reach the router on loopback),
-    and the sandbox's processes are counted and their total memory capped together. Always: CPU time,
-    address space and file size per process, the wall clock, and every process killed at the end.
-
-    Not a security boundary: the same kernel, and the same user (root stays root inside, with a
-    read-only view). What holds where: docs/AGENTFLOW.md#sandboxes."""
+    """What it contains where this machine allows: the module docstring and the comment above `_CLONE_NEWNS`;
+    always CPU time, address space and file size per process, the wall clock, and every process killed at the end.
+    Not a security boundary (the same kernel and user; root stays root, read-only): docs/AGENTFLOW.md#sandboxes."""
 
     def __init__(self, *, cpu_s: int = 60, memory_mb: int = 4096, file_mb: int = 64, max_procs: int = 256,
                  network: bool = True):
