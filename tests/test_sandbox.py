@@ -79,8 +79,8 @@ def test_warm_run_is_the_fresh_run_without_the_imports():
 
 
 def test_sandbox_gives_tls_clients_the_system_ca_directory():
-    """httpx (under the openai and anthropic SDKs) reads SSL_CERT_DIR's certificates when a handshake needs one;
-    without it every client made parses certifi's whole bundle (~25 ms of each agent run)."""
+    """With SSL_CERT_DIR, the TLS context httpx makes (under the openai and anthropic SDKs) loads no certificate up
+    front, OpenSSL reads each when a handshake needs it; without it every client parses certifi's whole bundle."""
     capath = ssl.get_default_verify_paths().openssl_capath
     hashed = os.path.isdir(capath) and any(n.endswith(".0") for n in os.listdir(capath))
 
