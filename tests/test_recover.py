@@ -386,8 +386,8 @@ def test_teacher_killed_mid_scoring_is_recreated_and_the_step_trains_on_the_same
     second scoring, one teacher scored the batch, the other not yet; so the first group dies in step 1 and the one
     re-created then in step 2): each time the controller re-creates the teacher group, which scores the whole batch
     again, and the run goes on to the end. Every step's targets equal an uninterrupted run's: with pure distillation
-    the loss is the KL to the targets alone, and it, the per-teacher KL of the sampler and the tokens each teacher
-    scored are bit-identical (sync, fp32), steps 1 and 2 included; the sampler's KL to each teacher equal to 1e-5.
+    the loss is the KL to the targets alone, and it and the tokens each teacher scored are bit-identical (sync,
+    fp32), steps 1 and 2 included; the sampler's KL to each teacher (it reads the engine's logprobs) agrees to 1e-4.
     Planted bugs this catches: a step trained on the half-scored batch (targets of one teacher only, zeros for the
     other: a different loss), a dead teacher taken as the run's end, a re-created group that serves other weights
     (another snapshot, an unloaded skeleton)."""
@@ -407,7 +407,7 @@ def test_teacher_killed_mid_scoring_is_recreated_and_the_step_trains_on_the_same
         # the sampler's KL to each teacher reads the engine's logprobs, whose last bits depend on which requests
         # shared a decode step (the batch's longest key length; a one-row step's GEMV): timing, not the targets
         for key in ("teacher/add_teacher/kl", "teacher/sub_teacher/kl"):
-            assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (step, key)
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4), (step, key)
         assert got[step]["teacher/add_teacher/tokens"] > 0 and got[step]["teacher/sub_teacher/tokens"] > 0
 
 
