@@ -329,8 +329,11 @@ def test_sync_sends_adapters_only_engine_matches_trainer_and_peft_round_trip(ray
             same = _generate(url, t["prompt_ids"], "from-disk", sampling_seed=7).json()
             other = _generate(url, t["prompt_ids"], lora.adapter_name(1), sampling_seed=7).json()
             assert same["output_ids"] == other["output_ids"]
-            assert [x[0] for x in same["meta_info"]["output_token_logprobs"]] == \
-                [x[0] for x in other["meta_info"]["output_token_logprobs"]]
+            # to 1e-5, not the bit: `other` reuses its prompt's K/V from the prefix cache (`fresh` ran it above) and
+            # computes only the rest, where `same` prefills the whole prompt; on AVX2's kernels the two paths round
+            # apart (docs/CPU.md). A wrong or rescaled adapter moves logprobs by > 1e-3 (above)
+            assert max_diff([[x[0] for x in same["meta_info"]["output_token_logprobs"]]],
+                            [[x[0] for x in other["meta_info"]["output_token_logprobs"]]]) <= 1e-5
 
         # a second sync is a second adapter (SGLang never reloads a name); the first unloads, then is refused
         ranks.call("sync_weights", [url], 2)
