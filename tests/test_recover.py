@@ -140,8 +140,8 @@ def test_engine_and_controller_killed_mid_run_lose_nothing(tmp_path):
     1. kill -9 one of two CPU engines after step 1 of 6: the run goes on, the engine is re-created on
        its bundle with the trainer's weights, and steps 1-3 are bit-identical to an uninterrupted run
        (per-request seeds make the draws independent of the engine and the batch; the engine's logprobs can
-       differ in their last bits with the batch, and nothing compared here reads them). So every step trained the
-       same full batch;
+       differ in their last bits with the batch, and nothing compared bit for bit here reads them). So every step
+       trained the same full batch;
     2. kill -9 the controller after the checkpoint of step 3, plant the debris of a crash in the middle
        of a later save, and resume: the previous checkpoint loads, and steps 4-6 are bit-identical to
        the uninterrupted run, with dynamic sampling on (it reads a varying number of prompts per step,
