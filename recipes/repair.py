@@ -3,8 +3,9 @@
 Tasks (`tasks(split, n, seed)`, a dataset source `recipes.repair.tasks:<split>:<n>:<seed>`): one of TEMPLATES (a
 module and its test file) with one bug of one KIND injected (an operator, an off-by-one, a wrong constant, swapped
 arguments, a missing return), its functions shuffled (line numbers vary) and their parameters renamed. The task
-text is a bug report naming the file, the line and the wrong and right code. EVAL_PAIRS (one per kind, each package
-at least once) are held out: split "train" never holds them, split "eval" holds only them. Deterministic by seed.
+text is a bug report naming the file, the line and the line's wrong and right code. EVAL_PAIRS (one per kind, each
+package at least once) are held out: split "train" never holds them, split "eval" holds only them. Deterministic by
+seed.
 
 The agent (`agent_command: python $LOONGSAGE_ROOT/recipes/repair.py`): writes the sample's files into the sandbox and
 runs mini-swe-agent's own command-line app in this process, its text-based model class (one ```bash block per reply)
@@ -14,8 +15,9 @@ imported mini-swe-agent and litellm from their own venv (scripts/agents_env.sh).
 as JSON: `reward` runs the pristine tests against them in a fresh sandbox without network, so an episode that edits
 the tests gains nothing.
 
-`sft_trajectory`: the ideal episode in mini-swe-agent's format (one ```bash block: a `sed -i` that applies the fix,
-then the submit command), token for token what the router records, to warm-start the tiny model.
+`sft_trajectory`: the ideal episode in mini-swe-agent's format (one ```bash block: a `sed -i` that rewrites the
+reported line as the report says, then the submit command), token for token what the router records, to warm-start
+the tiny model.
 Test: tests/test_repair.py.
 """
 from __future__ import annotations
@@ -24,7 +26,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -112,11 +113,14 @@ def make_task(package: str, kind: str, rng: random.Random) -> dict:
         if name == fn:
             right, wrong = right.format(**params), wrong.format(**params)
             [i] = [i for i, line in enumerate(body) if right in line]
-            body[i], line_no = body[i].replace(right, wrong, 1), len(lines) + i + 1
+            right, wrong = body[i], body[i].replace(right, wrong, 1)  # the whole line, as the report names it
+            if set(right) & set('|&\\"$`'):  # fix_command's sed would read them
+                raise ValueError(f"{package}.{fn}: the fixed line {right!r} holds one of | & \\ \" $ `")
+            body[i], line_no = wrong, len(lines) + i + 1
         lines += body + [""]
     module, test = f"{package}.py", f"test_{package}.py"
     tests = f"from {package} import *\n\n" + "".join(f"{a}\n" for a in t["tests"]) + "print('ok')\n"
-    report = f"{module} line {line_no}: `{wrong}` should be `{right}`."
+    report = f"{module} line {line_no}: `{wrong.strip()}` should be `{right.strip()}`."
     return {"messages": [{"role": "user", "content": report}], "files": {module: "\n".join(lines), test: tests},
             "module": module, "test": test, "line": line_no, "wrong": wrong, "right": right,
             "package": package, "kind": kind}
@@ -129,14 +133,15 @@ def tasks(split: str, n, seed) -> list[dict]:
 
 
 def fix_command(sample: dict, rng: random.Random | None = None, label_noise: float = 0.0) -> str:
-    """The `sed -i` that applies the fix (with probability `label_noise`, one aimed at the neighbouring line), then
-    mini-swe-agent's submit command: its output's first line submits (sed prints nothing)."""
+    """The `sed -i` that rewrites the reported line as the report's right code, indented as the function's body (with
+    probability `label_noise`, the line above instead: the function's `def`, so the module no longer parses; the
+    line below, a blank one, would turn a missing return into a fix), then mini-swe-agent's submit command: its
+    output's first line submits (sed prints nothing). `|` delimits and double quotes hold the script, so the code is
+    copied as it is (no template line holds `|`, `&`, a backslash, `"`, `$` or a backtick)."""
     line = sample["line"]
     if label_noise and rng is not None and rng.random() < label_noise:
-        line += rng.choice((-1, 1))
-    old = re.sub(r"([\\.*\[\]^$/])", r"\\\1", sample["wrong"])  # a basic regular expression: these are special
-    new = re.sub(r"([\\&/])", r"\\\1", sample["right"])
-    return f"sed -i '{line}s/{old}/{new}/' {sample['module']} && {SUBMIT}"
+        line -= 1
+    return f'sed -i "{line}s|.*|{sample["right"]}|" {sample["module"]} && {SUBMIT}'
 
 
 def sft_trajectory(tok, sample: dict, rng=None, label_noise: float = 0.0) -> dict:

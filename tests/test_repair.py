@@ -46,7 +46,7 @@ def test_tasks_cover_templates_and_kinds_and_hold_out_pairs():
 
 def test_reward_runs_the_pristine_tests_on_the_edited_module(tmp_path):
     """For one task of every (package, kind): the buggy module scores 0; the warm start's `sed -i`, run by bash on
-    the files, gives a module that scores 1; the neighbouring-line (label noise) command scores 0; an episode that
+    the files, gives a module that scores 1; the line-above (label noise) command scores 0; an episode that
     also empties the test file still scores 0 on the buggy module (the reward uses the sample's tests)."""
     samples = {(s["package"], s["kind"]): s for s in repair.tasks("train", 60, 3) + repair.tasks("eval", 20, 4)}
     assert len(samples) == 15
@@ -74,14 +74,14 @@ def test_reward_runs_the_pristine_tests_on_the_edited_module(tmp_path):
 def test_warm_start_transcript_is_mini_swe_agents_episode():
     """The warm start's example: the prompt is the chat of mini-swe-agent's system message and the task; the model's
     turn (all of it trained) is exactly one ```bash block holding the fix and the submit command, through the end of
-    turn; with label noise the fix aims at the neighbouring line. It fits the tiny model's 512 positions."""
+    turn; with label noise the fix aims at the line above. It fits the tiny model's 512 positions."""
     tok = AutoTokenizer.from_pretrained(data.build_tiny_model(data.default_cache_dir() / "tiny-repair-test"))
     sample = repair.tasks("train", 1, 5)[0]
     t = repair.sft_trajectory(tok, sample)
     prompt = tok.decode(t["prompt_ids"])
     assert prompt.startswith(f"<|im_start|>system\n{repair.SYSTEM}") and sample["messages"][0]["content"] in prompt
     assert t["loss_mask"] == [1] * len(t["response_ids"])
-    command = f"sed -i '{sample['line']}s/"
+    command = f'sed -i "{sample["line"]}s|.*|{sample["right"]}|" {sample["module"]}'
     assert tok.decode(t["response_ids"]) == f"```bash\n{repair.fix_command(sample)}\n```{data.turn_end(tok)}"
     assert repair.fix_command(sample).startswith(command) and repair.fix_command(sample).endswith(repair.SUBMIT)
     assert len(t["prompt_ids"]) + len(t["response_ids"]) <= 512
