@@ -103,7 +103,7 @@ def pairs(split: str) -> list[tuple[str, str]]:
 def make_task(package: str, kind: str, rng: random.Random) -> dict:
     """One sample: the package (functions in a random order) with one bug of `kind` at one of its sites."""
     t = TEMPLATES[package]
-    fn, right, wrong = rng.choice(t["sites"][kind])
+    fn, fix, bug = rng.choice(t["sites"][kind])  # the site's right and wrong code, {a} {b} not yet named
     functions = list(t["functions"])
     rng.shuffle(functions)
     lines = []
@@ -111,9 +111,9 @@ def make_task(package: str, kind: str, rng: random.Random) -> dict:
         params = dict(zip("ab", rng.sample(NAMES, 2)))
         body = [line.format(**params) for line in t["functions"][name]]
         if name == fn:
-            right, wrong = right.format(**params), wrong.format(**params)
-            [i] = [i for i, line in enumerate(body) if right in line]
-            right, wrong = body[i], body[i].replace(right, wrong, 1)  # the whole line, as the report names it
+            fix, bug = fix.format(**params), bug.format(**params)
+            [i] = [i for i, line in enumerate(body) if fix in line]
+            right, wrong = body[i], body[i].replace(fix, bug, 1)  # the whole line, as the report names it
             if set(right) & set('|&\\"$`'):  # fix_command's sed would read them
                 raise ValueError(f"{package}.{fn}: the fixed line {right!r} holds one of | & \\ \" $ `")
             body[i], line_no = wrong, len(lines) + i + 1

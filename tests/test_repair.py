@@ -81,7 +81,8 @@ def test_warm_start_transcript_is_mini_swe_agents_episode():
     prompt = tok.decode(t["prompt_ids"])
     assert prompt.startswith(f"<|im_start|>system\n{repair.SYSTEM}") and sample["messages"][0]["content"] in prompt
     assert t["loss_mask"] == [1] * len(t["response_ids"])
-    command = f'sed -i "{sample["line"]}s|.*|{sample["right"]}|" {sample["module"]}'
+    reported = sample["messages"][0]["content"].split("should be `")[1][:-2]  # the report's right code
+    command = f'sed -i "{sample["line"]}s|.*|    {reported}|" {sample["module"]}'  # indented as a function's body
     assert tok.decode(t["response_ids"]) == f"```bash\n{repair.fix_command(sample)}\n```{data.turn_end(tok)}"
     assert repair.fix_command(sample).startswith(command) and repair.fix_command(sample).endswith(repair.SUBMIT)
     assert len(t["prompt_ids"]) + len(t["response_ids"]) <= 512
